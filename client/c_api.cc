@@ -1,0 +1,131 @@
+// The C ABI of muond_client.h over the C++ client library.
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "client/client.h"
+#include "client/muond_client.h"
+
+struct muond_client {
+  std::unique_ptr<muond::client::Client> impl;
+};
+struct muond_session {
+  std::unique_ptr<muond::client::RankSession> impl;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int Report(const absl::Status& s) {
+  if (s.ok()) {
+    g_last_error.clear();
+    return 0;
+  }
+  g_last_error = std::string(s.message());
+  return static_cast<int>(s.code());
+}
+
+int NullArgument(const char* what) {
+  return Report(absl::InvalidArgumentError(std::string(what) + " is NULL"));
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* muond_last_error(void) { return g_last_error.c_str(); }
+
+int muond_connect(const char* address, muond_client** out) {
+  if (out == nullptr) return NullArgument("out");
+  auto c = muond::client::Client::Connect(address == nullptr ? "" : address);
+  if (!c.ok()) return Report(c.status());
+  *out = new muond_client{*std::move(c)};
+  return Report(absl::OkStatus());
+}
+
+void muond_client_free(muond_client* client) { delete client; }
+
+int muond_health(muond_client* client, double timeout_seconds) {
+  if (client == nullptr) return NullArgument("client");
+  return Report(client->impl->Health(timeout_seconds));
+}
+
+int muond_job_create(muond_client* client, const char* spec_json, char* token_buf,
+                     size_t token_buf_len) {
+  if (client == nullptr) return NullArgument("client");
+  if (spec_json == nullptr) return NullArgument("spec_json");
+  if (token_buf == nullptr) return NullArgument("token_buf");
+  auto spec = muond::common::ParseJobSpecJson(spec_json);
+  if (!spec.ok()) return Report(spec.status());
+  auto token = client->impl->CreateJob(*spec);
+  if (!token.ok()) return Report(token.status());
+  if (token->size() + 1 > token_buf_len) {
+    // The job exists; its token must not be lost: delete it again rather than leak it.
+    (void)client->impl->DeleteJob(spec->job_id, *token);
+    return Report(absl::InvalidArgumentError("token_buf is too small (needs 65 bytes)"));
+  }
+  std::memcpy(token_buf, token->c_str(), token->size() + 1);
+  return Report(absl::OkStatus());
+}
+
+int muond_job_delete(muond_client* client, const char* job_id, const char* token) {
+  if (client == nullptr || job_id == nullptr || token == nullptr) {
+    return NullArgument("client, job_id or token");
+  }
+  return Report(client->impl->DeleteJob(job_id, token));
+}
+
+int muond_job_reset(muond_client* client, const char* job_id, const char* token,
+                    int64_t next_step) {
+  if (client == nullptr || job_id == nullptr || token == nullptr) {
+    return NullArgument("client, job_id or token");
+  }
+  return Report(client->impl->ResetJob(job_id, token, next_step));
+}
+
+int muond_attach(muond_client* client, const char* job_id, int rank, const char* token,
+                 muond_session** out) {
+  if (client == nullptr || job_id == nullptr || token == nullptr || out == nullptr) {
+    return NullArgument("client, job_id, token or out");
+  }
+  auto s = client->impl->Attach(job_id, rank, token);
+  if (!s.ok()) return Report(s.status());
+  *out = new muond_session{*std::move(s)};
+  return Report(absl::OkStatus());
+}
+
+void muond_session_free(muond_session* session) { delete session; }
+
+int64_t muond_session_next_step(const muond_session* session) {
+  return session == nullptr ? -1 : session->impl->next_step_at_attach();
+}
+
+size_t muond_session_spans(const muond_session* session, muond_span* spans, size_t capacity) {
+  if (session == nullptr) return 0;
+  const auto& all = session->impl->spans();
+  for (size_t i = 0; i < all.size() && i < capacity && spans != nullptr; ++i) {
+    spans[i] = muond_span{all[i].matrix, all[i].offset, nullptr, all[i].length};
+  }
+  return all.size();
+}
+
+int muond_step(muond_session* session, int64_t step, const muond_span* grads, size_t num_grads,
+               const muond_span* updates, size_t num_updates) {
+  if (session == nullptr) return NullArgument("session");
+  if ((grads == nullptr && num_grads != 0) || (updates == nullptr && num_updates != 0)) {
+    return NullArgument("grads or updates");
+  }
+  std::vector<muond::client::GradientSpan> in(num_grads);
+  for (size_t i = 0; i < num_grads; ++i) {
+    in[i] = {grads[i].matrix, grads[i].offset, grads[i].data, grads[i].length};
+  }
+  std::vector<muond::client::UpdateSpan> out(num_updates);
+  for (size_t i = 0; i < num_updates; ++i) {
+    out[i] = {updates[i].matrix, updates[i].offset, updates[i].data, updates[i].length};
+  }
+  auto r = session->impl->Step(step, in, out);
+  return Report(r.status());
+}
+
+}  // extern "C"

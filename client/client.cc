@@ -1,0 +1,313 @@
+#include "client/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/grpc_status.h"
+#include "common/job_spec_proto.h"
+#include "common/paths.h"
+#include "common/status_macros.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace muond::client {
+namespace {
+
+using common::FromGrpcStatus;
+
+constexpr char kTokenKey[] = "x-muond-job-token";
+constexpr size_t kChunkBytes = size_t{4} << 20;
+constexpr int kMaxMessageBytes = (4 << 20) + (64 << 10);
+
+void SetToken(grpc::ClientContext* ctx, const std::string& token) {
+  ctx->AddMetadata(kTokenKey, token);
+}
+
+// Prefixes a daemon error with the operation, keeping its code.
+absl::Status Annotate(const absl::Status& s, const std::string& what) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address) {
+  std::unique_ptr<Client> c(new Client());
+  c->address_ = address.empty() ? common::DefaultClientAddress() : address;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  c->channel_ =
+      grpc::CreateCustomChannel(c->address_, grpc::InsecureChannelCredentials(), args);
+  if (c->channel_ == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to ", c->address_));
+  }
+  c->stub_ = v1::Muond::NewStub(c->channel_);
+  return c;
+}
+
+absl::Status Client::Health(double timeout_seconds) {
+  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, req, &resp);
+  if (!s.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("muond at ", address_, " is not reachable: ", s.error_message()));
+  }
+  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat(
+        "muond at ", address_, " reports ",
+        grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status())));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Client::CreateJob(const common::JobSpec& spec) {
+  grpc::ClientContext ctx;
+  v1::CreateJobRequest req;
+  *req.mutable_spec() = common::JobSpecToProto(spec);
+  v1::CreateJobResponse resp;
+  RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->CreateJob(&ctx, req, &resp)), "CreateJob"));
+  return resp.token();
+}
+
+absl::Status Client::DeleteJob(const std::string& job_id, const std::string& token) {
+  grpc::ClientContext ctx;
+  SetToken(&ctx, token);
+  v1::DeleteJobRequest req;
+  req.set_job_id(job_id);
+  v1::DeleteJobResponse resp;
+  return Annotate(FromGrpcStatus(stub_->DeleteJob(&ctx, req, &resp)), "DeleteJob");
+}
+
+absl::Status Client::ResetJob(const std::string& job_id, const std::string& token,
+                              int64_t next_step) {
+  grpc::ClientContext ctx;
+  SetToken(&ctx, token);
+  v1::ResetJobRequest req;
+  req.set_job_id(job_id);
+  req.set_next_step(next_step);
+  v1::ResetJobResponse resp;
+  return Annotate(FromGrpcStatus(stub_->ResetJob(&ctx, req, &resp)), "ResetJob");
+}
+
+absl::StatusOr<v1::JobStatus> Client::GetJob(const std::string& job_id, const std::string& token) {
+  grpc::ClientContext ctx;
+  SetToken(&ctx, token);
+  v1::GetJobRequest req;
+  req.set_job_id(job_id);
+  v1::JobStatus resp;
+  RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->GetJob(&ctx, req, &resp)), "GetJob"));
+  return resp;
+}
+
+absl::StatusOr<std::vector<v1::JobStatus>> Client::ListJobs() {
+  grpc::ClientContext ctx;
+  v1::ListJobsRequest req;
+  v1::ListJobsResponse resp;
+  RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->ListJobs(&ctx, req, &resp)), "ListJobs"));
+  return std::vector<v1::JobStatus>(resp.jobs().begin(), resp.jobs().end());
+}
+
+absl::StatusOr<std::unique_ptr<RankSession>> Client::Attach(const std::string& job_id, int rank,
+                                                            const std::string& token) {
+  ASSIGN_OR_RETURN(v1::JobStatus status, GetJob(job_id, token));
+  ASSIGN_OR_RETURN(common::JobSpec spec, common::JobSpecFromProto(status.spec()));
+  if (rank < 0 || rank >= spec.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", job_id, "': rank ", rank,
+                                                   " out of range [0, ", spec.world_size, ")"));
+  }
+  grpc::ClientContext ctx;
+  SetToken(&ctx, token);
+  v1::AttachRankRequest req;
+  req.set_job_id(job_id);
+  req.set_rank(rank);
+  v1::AttachRankResponse resp;
+  RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->AttachRank(&ctx, req, &resp)), "AttachRank"));
+  std::unique_ptr<RankSession> session(new RankSession());
+  session->stub_ = stub_;
+  session->token_ = token;
+  session->spans_ = common::RankSpans(spec, rank);
+  session->spec_ = std::move(spec);
+  session->rank_ = rank;
+  session->session_id_ = resp.session_id();
+  session->next_step_ = resp.next_step();
+  return session;
+}
+
+absl::StatusOr<StepResult> RankSession::Step(int64_t step, const std::vector<GradientSpan>& grads,
+                                             const std::vector<UpdateSpan>& updates) {
+  for (const GradientSpan& g : grads) {
+    if (g.matrix >= spec_.matrices.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gradient span: matrix index ", g.matrix, " out of range"));
+    }
+  }
+  for (const UpdateSpan& u : updates) {
+    if (u.matrix >= spec_.matrices.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("update span: matrix index ", u.matrix, " out of range"));
+    }
+  }
+  grpc::ClientContext ctx;
+  SetToken(&ctx, token_);
+  auto stream = stub_->Step(&ctx);
+  v1::StepRequest req;
+  v1::StepBegin* begin = req.mutable_begin();
+  begin->set_job_id(spec_.job_id);
+  begin->set_rank(rank_);
+  begin->set_session_id(session_id_);
+  begin->set_step(step);
+  bool open = stream->Write(req);
+  for (size_t i = 0; open && i < grads.size(); ++i) {
+    const GradientSpan& g = grads[i];
+    const size_t esize = common::DTypeSize(spec_.matrices[g.matrix].dtype);
+    const size_t per_chunk = kChunkBytes / esize;  // elements
+    const char* base = static_cast<const char*>(g.data);
+    for (uint64_t at = 0; open && at < g.length; at += per_chunk) {
+      const uint64_t n = std::min<uint64_t>(per_chunk, g.length - at);
+      v1::DataChunk* c = req.mutable_gradient();
+      c->set_matrix_index(g.matrix);
+      c->set_element_offset(g.offset + at);
+      c->set_data(base + at * esize, n * esize);
+      c->set_crc32c(common::Crc32c(base + at * esize, n * esize));
+      open = stream->Write(req);
+    }
+  }
+  if (open) {
+    req.mutable_end();
+    open = stream->Write(req);
+  }
+  stream->WritesDone();
+  // Update chunks land in the caller's spans; every byte must be covered exactly once.
+  std::vector<uint64_t> received(updates.size(), 0);
+  absl::Status bad;
+  StepResult result;
+  bool done = false;
+  v1::StepResponse resp;
+  while (stream->Read(&resp)) {
+    if (resp.kind_case() == v1::StepResponse::kDone) {
+      result.step = resp.done().step();
+      result.replayed = resp.done().replayed();
+      result.compute_seconds = resp.done().compute_seconds();
+      result.bytes_in = resp.done().bytes_in();
+      result.bytes_out = resp.done().bytes_out();
+      done = true;
+      continue;
+    }
+    if (!bad.ok() || resp.kind_case() != v1::StepResponse::kUpdate) continue;
+    const v1::DataChunk& c = resp.update();
+    if (c.matrix_index() >= spec_.matrices.size()) {
+      bad = absl::DataLossError(absl::StrCat("update chunk for unknown matrix ", c.matrix_index()));
+      continue;
+    }
+    if (common::Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
+      bad = absl::DataLossError(absl::StrCat("update chunk of matrix '",
+                                             spec_.matrices[c.matrix_index()].name,
+                                             "' at element ", c.element_offset(),
+                                             ": CRC32C mismatch"));
+      continue;
+    }
+    const size_t esize = common::DTypeSize(spec_.matrices[c.matrix_index()].dtype);
+    const uint64_t n = c.data().size() / esize;
+    bool placed = false;
+    for (size_t i = 0; i < updates.size(); ++i) {
+      const UpdateSpan& u = updates[i];
+      if (u.matrix == c.matrix_index() && c.element_offset() >= u.offset &&
+          c.element_offset() + n <= u.offset + u.length) {
+        std::memcpy(static_cast<char*>(u.data) + (c.element_offset() - u.offset) * esize,
+                    c.data().data(), n * esize);
+        received[i] += n;
+        placed = true;
+        break;
+      }
+    }
+    if (!placed) {
+      bad = absl::InternalError(absl::StrCat(
+          "update chunk of matrix '", spec_.matrices[c.matrix_index()].name, "' elements [",
+          c.element_offset(), ", ", c.element_offset() + n, ") matches no update span"));
+    }
+  }
+  absl::Status s = FromGrpcStatus(stream->Finish());
+  RETURN_IF_ERROR(Annotate(s, absl::StrCat("step ", step)));
+  RETURN_IF_ERROR(bad);
+  if (!done) return absl::InternalError(absl::StrCat("step ", step, ": stream ended without StepDone"));
+  for (size_t i = 0; i < updates.size(); ++i) {
+    if (received[i] != updates[i].length) {
+      return absl::InternalError(absl::StrCat(
+          "step ", step, ": update of matrix '", spec_.matrices[updates[i].matrix].name,
+          "' incomplete: ", received[i], " of ", updates[i].length, " elements"));
+    }
+  }
+  return result;
+}
+
+absl::StatusOr<std::vector<NamedTensor>> RankSession::StepTensors(
+    int64_t step, const std::vector<NamedTensor>& grads, StepResult* result) {
+  if (spec_.zero_stage != 0) {
+    return absl::FailedPreconditionError(
+        "whole-matrix steps need a zero_stage 0 job; push shard spans with Step()");
+  }
+  std::map<std::string, size_t> by_name;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!by_name.emplace(grads[i].name, i).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gradient '", grads[i].name, "' given twice"));
+    }
+  }
+  std::vector<GradientSpan> in;
+  std::vector<UpdateSpan> out;
+  std::vector<NamedTensor> updates(spec_.matrices.size());
+  for (uint32_t m = 0; m < spec_.matrices.size(); ++m) {
+    const common::MatrixSpec& ms = spec_.matrices[m];
+    auto it = by_name.find(ms.name);
+    if (it == by_name.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gradient for matrix '", ms.name, "' is missing"));
+    }
+    const NamedTensor& g = grads[it->second];
+    by_name.erase(it);
+    if (g.shape != ms.shape) {
+      std::string got, want;
+      for (int64_t d : g.shape) absl::StrAppend(&got, got.empty() ? "" : ", ", d);
+      for (int64_t d : ms.shape) absl::StrAppend(&want, want.empty() ? "" : ", ", d);
+      return absl::InvalidArgumentError(absl::StrCat("gradient '", ms.name, "': shape [", got,
+                                                     "] does not match the job's [", want, "]"));
+    }
+    if (g.dtype != ms.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gradient '", ms.name, "': dtype ", std::string(common::DTypeName(g.dtype)),
+          " does not match the job's ", std::string(common::DTypeName(ms.dtype))));
+    }
+    const uint64_t numel = static_cast<uint64_t>(ms.numel());
+    if (g.data.size() != numel * common::DTypeSize(ms.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("gradient '", ms.name, "': ", g.data.size(),
+                                                     " bytes for ", numel, " elements"));
+    }
+    updates[m].name = ms.name;
+    updates[m].dtype = ms.dtype;
+    updates[m].shape = ms.shape;
+    updates[m].data.resize(g.data.size());
+    in.push_back({m, 0, g.data.data(), numel});
+    out.push_back({m, 0, updates[m].data.data(), numel});
+  }
+  if (!by_name.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient '", by_name.begin()->first,
+                                                   "' is not a matrix of job '", spec_.job_id,
+                                                   "'"));
+  }
+  ASSIGN_OR_RETURN(StepResult r, Step(step, in, out));
+  if (result != nullptr) *result = r;
+  return updates;
+}
+
+}  // namespace muond::client

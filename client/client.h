@@ -1,0 +1,115 @@
+// The muond client library (C++). One Client per daemon connection; RankSession for one rank of a
+// job. The C ABI in muond_client.h wraps these for other languages.
+//
+// Thread-safety: Client is thread-safe. A RankSession runs one step at a time (calls on one session
+// must not overlap); different sessions may step concurrently.
+#ifndef MUOND_CLIENT_CLIENT_H_
+#define MUOND_CLIENT_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+#include "common/job_spec.h"
+#include "common/layout.h"
+#include "muond/v1/muond.grpc.pb.h"
+
+namespace muond::client {
+
+// A run of consecutive elements of one matrix in the caller's memory (the matrix's dtype).
+struct GradientSpan {
+  uint32_t matrix = 0;
+  uint64_t offset = 0;   // first element in the matrix
+  const void* data = nullptr;
+  uint64_t length = 0;   // elements
+};
+struct UpdateSpan {
+  uint32_t matrix = 0;
+  uint64_t offset = 0;
+  void* data = nullptr;  // receives `length` elements of the matrix's dtype
+  uint64_t length = 0;
+};
+
+struct StepResult {
+  int64_t step = 0;
+  bool replayed = false;
+  double compute_seconds = 0;
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+};
+
+// A tensor with a name, for whole-matrix steps (world size 1, zero_stage 0).
+struct NamedTensor {
+  std::string name;
+  common::DType dtype = common::DType::kFloat32;
+  std::vector<int64_t> shape;
+  std::string data;  // raw little-endian elements
+};
+
+class RankSession {
+ public:
+  const common::JobSpec& spec() const { return spec_; }
+  int rank() const { return rank_; }
+  uint64_t session_id() const { return session_id_; }
+  // The step the job expected when the rank attached.
+  int64_t next_step_at_attach() const { return next_step_; }
+  // This rank's spans (common::RankSpans of the job's layout).
+  const std::vector<common::ShardSpan>& spans() const { return spans_; }
+
+  // Pushes this rank's gradients for `step` and writes the update into `updates`, which must cover
+  // exactly the same elements as `grads` (the rank's spans). Blocks until the update arrived.
+  // Errors carry the daemon's code and message (e.g. INVALID_ARGUMENT for a non-finite gradient,
+  // FAILED_PRECONDITION for a step out of order, ABORTED when another rank failed).
+  absl::StatusOr<StepResult> Step(int64_t step, const std::vector<GradientSpan>& grads,
+                                  const std::vector<UpdateSpan>& updates);
+
+  // Whole-matrix step: `grads` holds one tensor per matrix of the job, named and shaped as the job
+  // says; returns the updates with the same names, shapes and dtypes. INVALID_ARGUMENT naming the
+  // tensor for a missing, extra, mis-shaped or mis-typed tensor. REQUIRES: rank owns whole matrices.
+  absl::StatusOr<std::vector<NamedTensor>> StepTensors(int64_t step,
+                                                       const std::vector<NamedTensor>& grads,
+                                                       StepResult* result = nullptr);
+
+ private:
+  friend class Client;
+  RankSession() = default;
+  std::shared_ptr<v1::Muond::Stub> stub_;
+  std::string token_;
+  common::JobSpec spec_;
+  int rank_ = 0;
+  uint64_t session_id_ = 0;
+  int64_t next_step_ = 0;
+  std::vector<common::ShardSpan> spans_;
+};
+
+class Client {
+ public:
+  // Connects lazily to `address` (unix:///path or HOST:PORT; empty: the default address).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address);
+  const std::string& address() const { return address_; }
+
+  // OK when the daemon reports SERVING; UNAVAILABLE when it cannot be reached or does not serve.
+  absl::Status Health(double timeout_seconds = 5);
+  // Creates a job; returns its token.
+  absl::StatusOr<std::string> CreateJob(const common::JobSpec& spec);
+  absl::Status DeleteJob(const std::string& job_id, const std::string& token);
+  absl::Status ResetJob(const std::string& job_id, const std::string& token, int64_t next_step);
+  absl::StatusOr<v1::JobStatus> GetJob(const std::string& job_id, const std::string& token);
+  absl::StatusOr<std::vector<v1::JobStatus>> ListJobs();
+  // Attaches `rank` of the job (fetching the job's spec) and returns its session.
+  absl::StatusOr<std::unique_ptr<RankSession>> Attach(const std::string& job_id, int rank,
+                                                      const std::string& token);
+
+ private:
+  Client() = default;
+  std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::shared_ptr<v1::Muond::Stub> stub_;
+};
+
+}  // namespace muond::client
+
+#endif  // MUOND_CLIENT_CLIENT_H_

@@ -1,0 +1,308 @@
+// muonctl: command-line control of a muond daemon. See `muonctl --help`.
+//
+// Exit codes: 0 success; 1..16 the gRPC status code of the failure (3 INVALID_ARGUMENT, 5 NOT_FOUND,
+// 6 ALREADY_EXISTS, 7 PERMISSION_DENIED, 9 FAILED_PRECONDITION, 14 UNAVAILABLE, 16
+// UNAUTHENTICATED, ...), whether it came from the daemon or from a local file; 64 usage error.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "client/client.h"
+#include "common/job_spec.h"
+#include "common/job_spec_proto.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
+
+namespace muond::client {
+namespace {
+
+constexpr int kUsageExit = 64;
+
+constexpr char kUsage[] =
+    "Usage: muonctl [--address ADDR] COMMAND [options]\n"
+    "\n"
+    "Commands:\n"
+    "  health                               print SERVING when the daemon serves (exit 0)\n"
+    "  job create --spec job.json [--token-file F]\n"
+    "                                       create a job; its token goes to F (mode 0600), or\n"
+    "                                       is printed when no file is given\n"
+    "  job list                             list the jobs (never their tokens)\n"
+    "  job show --job ID [--token-file F]   print a job's status\n"
+    "  job delete --job ID [--token-file F] delete a job and its state\n"
+    "  job reset --job ID [--next-step N] [--token-file F]\n"
+    "                                       zero the momentum, clear a fence, expect step N (0)\n"
+    "  step --job ID --rank R --step T --grads IN.safetensors --out OUT.safetensors\n"
+    "       [--token-file F]                push one step and write the update\n"
+    "\n"
+    "ADDR is unix:///path or HOST:PORT (default: $MUOND_ADDRESS, else the daemon's default\n"
+    "socket). Job commands read the token from --token-file, else from $MUOND_JOB_TOKEN.\n"
+    "Exit codes: 0 ok, 1-16 the gRPC status code of the failure, 64 usage error.\n";
+
+struct Args {
+  std::vector<std::string> words;            // command words
+  std::map<std::string, std::string> flags;  // --key value
+};
+
+int Usage(const std::string& why) {
+  std::fprintf(stderr, "muonctl: %s (see muonctl --help)\n", why.c_str());
+  return kUsageExit;
+}
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "muonctl: %s: %s\n", absl::StatusCodeToString(s.code()).c_str(),
+               std::string(s.message()).c_str());
+  return static_cast<int>(s.code());
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const int err = errno;
+    const std::string msg = absl::StrCat(what, " ", path, ": ", std::strerror(err));
+    return err == ENOENT ? absl::NotFoundError(msg) : absl::PermissionDeniedError(msg);
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+absl::Status WriteTokenFile(const std::string& path, const std::string& token) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("token file ", path, ": ", std::strerror(errno)));
+  }
+  ::fchmod(fd, 0600);
+  const std::string line = token + "\n";
+  const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) &&
+                  ::fsync(fd) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok) {
+    return absl::InternalError(absl::StrCat("token file ", path, ": ", std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+// The token for a job command: --token-file, else $MUOND_JOB_TOKEN, else none (the daemon then
+// answers UNAUTHENTICATED).
+absl::StatusOr<std::string> Token(const Args& a) {
+  auto it = a.flags.find("token-file");
+  if (it != a.flags.end()) {
+    ASSIGN_OR_RETURN(std::string text, ReadFile(it->second, "token file"));
+    return std::string(absl::StripAsciiWhitespace(text));
+  }
+  const char* env = std::getenv("MUOND_JOB_TOKEN");
+  return env == nullptr ? std::string() : std::string(env);
+}
+
+absl::StatusOr<int64_t> IntFlag(const Args& a, const std::string& name) {
+  auto it = a.flags.find(name);
+  int64_t v = 0;
+  if (it == a.flags.end() || !absl::SimpleAtoi(it->second, &v)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " needs an integer"));
+  }
+  return v;
+}
+
+void PrintStatus(const v1::JobStatus& st) {
+  const v1::JobSpec& spec = st.spec();
+  std::printf("job: %s\nworld_size: %d\nzero_stage: %d\nbackend: %s\nnext_step: %lld\n",
+              spec.job_id().c_str(), spec.world_size(), spec.zero_stage(), st.backend().c_str(),
+              static_cast<long long>(st.next_step()));
+  std::printf("steps_completed: %lld\nsteps_refused: %lld\nsteps_aborted: %lld\n",
+              static_cast<long long>(st.steps_completed()),
+              static_cast<long long>(st.steps_refused()),
+              static_cast<long long>(st.steps_aborted()));
+  std::printf("fenced: %s%s%s\nmomentum_bytes: %llu\n", st.fenced() ? "yes" : "no",
+              st.fenced() ? " - " : "", st.fence_reason().c_str(),
+              static_cast<unsigned long long>(st.momentum_bytes()));
+  auto spec_or = common::JobSpecFromProto(spec);
+  if (spec_or.ok()) {
+    const common::MuonConfig& m = spec_or->muon;
+    std::printf("muon: momentum=%g nesterov=%s ns_method=%s ns_steps=%d compute_dtype=%s "
+                "scale_mode=%s\n",
+                m.momentum, m.nesterov ? "true" : "false",
+                std::string(common::NsMethodName(m.ns_method)).c_str(), m.ns_steps,
+                std::string(common::DTypeName(m.compute_dtype)).c_str(),
+                std::string(common::ScaleModeName(m.scale_mode)).c_str());
+    for (const common::MatrixSpec& ms : spec_or->matrices) {
+      std::printf("matrix: %s shape=[%s] num_heads=%lld dtype=%s\n", ms.name.c_str(),
+                  absl::StrJoin(ms.shape, ", ").c_str(), static_cast<long long>(ms.num_heads),
+                  std::string(common::DTypeName(ms.dtype)).c_str());
+    }
+  }
+  for (const v1::RankStatus& r : st.ranks()) {
+    std::printf("rank: %d attached=%s\n", r.rank(), r.attached() ? "yes" : "no");
+  }
+}
+
+absl::Status CmdStep(Client& client, const Args& a) {
+  for (const char* f : {"job", "rank", "step", "grads", "out"}) {
+    if (a.flags.count(f) == 0) return absl::InvalidArgumentError(absl::StrCat("step needs --", f));
+  }
+  ASSIGN_OR_RETURN(int64_t rank, IntFlag(a, "rank"));
+  ASSIGN_OR_RETURN(int64_t step, IntFlag(a, "step"));
+  ASSIGN_OR_RETURN(std::string token, Token(a));
+  ASSIGN_OR_RETURN(common::SafetensorsFile in,
+                   common::SafetensorsFile::ReadFile(a.flags.at("grads")));
+  std::vector<NamedTensor> grads;
+  for (const common::TensorInfo& t : in.tensors()) {
+    std::string_view data = in.Data(t);
+    grads.push_back({t.name, t.dtype, t.shape, std::string(data)});
+  }
+  ASSIGN_OR_RETURN(auto session, client.Attach(a.flags.at("job"), static_cast<int>(rank), token));
+  StepResult result;
+  auto updates = session->StepTensors(step, grads, &result);
+  if (!updates.ok()) {
+    return absl::Status(updates.status().code(),
+                        absl::StrCat(a.flags.at("grads"), ": ", updates.status().message()));
+  }
+  std::vector<common::TensorRef> refs;
+  for (const NamedTensor& u : *updates) refs.push_back({u.name, u.dtype, u.shape, u.data});
+  RETURN_IF_ERROR(common::WriteSafetensorsFile(a.flags.at("out"), refs,
+                                               {{"job", session->spec().job_id},
+                                                {"step", std::to_string(step)}}));
+  std::printf("step %lld: job %s rank %lld: %zu matrices, %llu bytes in, %llu bytes out, "
+              "compute %.3f s%s -> %s\n",
+              static_cast<long long>(step), session->spec().job_id.c_str(),
+              static_cast<long long>(rank), updates->size(),
+              static_cast<unsigned long long>(result.bytes_in),
+              static_cast<unsigned long long>(result.bytes_out), result.compute_seconds,
+              result.replayed ? " (replayed)" : "", a.flags.at("out").c_str());
+  return absl::OkStatus();
+}
+
+absl::Status CmdJob(Client& client, const Args& a) {
+  const std::string sub = a.words.size() > 1 ? a.words[1] : "";
+  if (sub == "create") {
+    if (a.flags.count("spec") == 0) return absl::InvalidArgumentError("job create needs --spec");
+    ASSIGN_OR_RETURN(std::string json, ReadFile(a.flags.at("spec"), "job spec"));
+    auto spec = common::ParseJobSpecJson(json);
+    if (!spec.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(a.flags.at("spec"), ": ", spec.status().message()));
+    }
+    ASSIGN_OR_RETURN(std::string token, client.CreateJob(*spec));
+    auto file = a.flags.find("token-file");
+    if (file == a.flags.end()) {
+      std::printf("%s\n", token.c_str());
+      return absl::OkStatus();
+    }
+    absl::Status s = WriteTokenFile(file->second, token);
+    if (!s.ok()) {
+      // Without its token the job is unusable: remove it again.
+      (void)client.DeleteJob(spec->job_id, token);
+      return s;
+    }
+    std::printf("created job %s (token in %s)\n", spec->job_id.c_str(), file->second.c_str());
+    return absl::OkStatus();
+  }
+  if (sub == "list") {
+    ASSIGN_OR_RETURN(auto jobs, client.ListJobs());
+    std::printf("%-24s %5s %5s %8s %10s %8s %6s %s\n", "JOB", "WORLD", "STAGE", "MATRICES",
+                "NEXT_STEP", "STEPS", "FENCED", "BACKEND");
+    for (const v1::JobStatus& j : jobs) {
+      std::printf("%-24s %5d %5d %8d %10lld %8lld %6s %s\n", j.spec().job_id().c_str(),
+                  j.spec().world_size(), j.spec().zero_stage(), j.spec().matrices_size(),
+                  static_cast<long long>(j.next_step()),
+                  static_cast<long long>(j.steps_completed()), j.fenced() ? "yes" : "no",
+                  j.backend().c_str());
+    }
+    return absl::OkStatus();
+  }
+  if (sub == "show" || sub == "delete" || sub == "reset") {
+    if (a.flags.count("job") == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("job ", sub, " needs --job"));
+    }
+    const std::string id = a.flags.at("job");
+    ASSIGN_OR_RETURN(std::string token, Token(a));
+    if (sub == "show") {
+      ASSIGN_OR_RETURN(v1::JobStatus st, client.GetJob(id, token));
+      PrintStatus(st);
+    } else if (sub == "delete") {
+      RETURN_IF_ERROR(client.DeleteJob(id, token));
+      std::printf("deleted job %s\n", id.c_str());
+    } else {
+      int64_t next = 0;
+      if (a.flags.count("next-step") != 0) {
+        ASSIGN_OR_RETURN(next, IntFlag(a, "next-step"));
+      }
+      RETURN_IF_ERROR(client.ResetJob(id, token, next));
+      std::printf("reset job %s; next step %lld\n", id.c_str(), static_cast<long long>(next));
+    }
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown job command '", sub, "'"));
+}
+
+int Run(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (arg.rfind("--", 0) == 0) {
+      std::string key = arg.substr(2), value;
+      const size_t eq = key.find('=');
+      if (eq != std::string::npos) {
+        value = key.substr(eq + 1);
+        key.resize(eq);
+      } else if (i + 1 < argc) {
+        value = argv[++i];
+      } else {
+        return Usage(absl::StrCat(arg, " needs a value"));
+      }
+      a.flags[key] = value;
+    } else {
+      a.words.push_back(arg);
+    }
+  }
+  static const char* kKnown[] = {"address", "spec",  "token-file", "job", "rank",
+                                 "step",    "grads", "out",        "next-step"};
+  for (const auto& [key, value] : a.flags) {
+    if (std::find(std::begin(kKnown), std::end(kKnown), key) == std::end(kKnown)) {
+      return Usage(absl::StrCat("unknown option --", key));
+    }
+  }
+  if (a.words.empty()) return Usage("missing command");
+  const std::string cmd = a.words[0];
+  if (cmd != "health" && cmd != "job" && cmd != "step") {
+    return Usage(absl::StrCat("unknown command '", cmd, "'"));
+  }
+  if (cmd == "job" && a.words.size() < 2) return Usage("job needs a subcommand");
+  const std::string address = a.flags.count("address") ? a.flags.at("address") : "";
+  auto client = Client::Connect(address);
+  if (!client.ok()) return Fail(client.status());
+  absl::Status s;
+  if (cmd == "health") {
+    s = (*client)->Health();
+    if (s.ok()) std::printf("SERVING\n");
+  } else if (cmd == "job") {
+    s = CmdJob(**client, a);
+  } else {
+    s = CmdStep(**client, a);
+  }
+  return s.ok() ? 0 : Fail(s);
+}
+
+}  // namespace
+}  // namespace muond::client
+
+int main(int argc, char** argv) { return muond::client::Run(argc, argv); }

@@ -1,0 +1,64 @@
+/* The muond client library's C ABI, for Python (ctypes) and other languages.
+ *
+ * Every function returns a status code: 0 on success, otherwise the gRPC status code of the
+ * failure (3 INVALID_ARGUMENT, 5 NOT_FOUND, 9 FAILED_PRECONDITION, 14 UNAVAILABLE, ...).
+ * muond_last_error() returns the message of the calling thread's last failure.
+ * Handles are owned by the caller and released with the matching *_free function.
+ * A muond_client may be shared between threads; a muond_session is used by one thread at a time.
+ */
+#ifndef MUOND_CLIENT_MUOND_CLIENT_H_
+#define MUOND_CLIENT_MUOND_CLIENT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct muond_client muond_client;
+typedef struct muond_session muond_session;
+
+/* A run of `length` consecutive elements of matrix `matrix` starting at element `offset`, in the
+ * matrix's dtype, at `data` (read for gradients, written for updates). */
+typedef struct muond_span {
+  uint32_t matrix;
+  uint64_t offset;
+  void* data;
+  uint64_t length;
+} muond_span;
+
+/* The message of this thread's last failed call ("" if none). Valid until the next call. */
+const char* muond_last_error(void);
+
+/* address: "unix:///path" or "HOST:PORT"; NULL or "" for the default address. */
+int muond_connect(const char* address, muond_client** out);
+void muond_client_free(muond_client* client);
+/* 0 when the daemon is SERVING. */
+int muond_health(muond_client* client, double timeout_seconds);
+
+/* Creates a job from its job.json text. Writes the NUL-terminated token into token_buf
+ * (at least 65 bytes). */
+int muond_job_create(muond_client* client, const char* spec_json, char* token_buf,
+                     size_t token_buf_len);
+int muond_job_delete(muond_client* client, const char* job_id, const char* token);
+int muond_job_reset(muond_client* client, const char* job_id, const char* token, int64_t next_step);
+
+int muond_attach(muond_client* client, const char* job_id, int rank, const char* token,
+                 muond_session** out);
+void muond_session_free(muond_session* session);
+/* The step the job expected when the rank attached. */
+int64_t muond_session_next_step(const muond_session* session);
+/* The rank's spans (its shard of the job's matrices): writes up to `capacity` spans (data NULL)
+ * and returns how many there are in total. */
+size_t muond_session_spans(const muond_session* session, muond_span* spans, size_t capacity);
+
+/* Pushes the rank's gradients for `step` and fills the update spans (same elements). */
+int muond_step(muond_session* session, int64_t step, const muond_span* grads, size_t num_grads,
+               const muond_span* updates, size_t num_updates);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MUOND_CLIENT_MUOND_CLIENT_H_ */

@@ -1,0 +1,334 @@
+// job.json parsing and JobSpec validation. Parsing checks types and field names (so a typo such
+// as "momentun" is an error rather than a silent default); ValidateJobSpec checks values, and is
+// shared with the API path that builds a JobSpec from a proto.
+#include "common/job_spec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "common/utf8.h"
+#include "nlohmann/json.hpp"
+
+namespace muond::common {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+absl::Status FieldError(absl::string_view path, absl::string_view problem) {
+  return absl::InvalidArgumentError(absl::StrCat("job.json: ", path, ": ", problem));
+}
+
+absl::Status CheckKnownFields(const Json& object, absl::string_view prefix,
+                              std::initializer_list<std::string_view> known) {
+  for (const auto& [key, value] : object.items()) {
+    bool found = false;
+    for (std::string_view k : known) found = found || key == k;
+    if (!found) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job.json: unknown field '", prefix, key, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Each Read* leaves *out unchanged when the field is absent (the default applies).
+absl::Status ReadString(const Json& object, const char* key, absl::string_view path,
+                        std::string* out) {
+  const auto it = object.find(key);
+  if (it == object.end()) return absl::OkStatus();
+  if (!it->is_string()) return FieldError(path, "expected a string");
+  *out = it->get<std::string>();
+  return absl::OkStatus();
+}
+
+absl::Status ReadInt64(const Json& object, const char* key, absl::string_view path, int64_t* out) {
+  const auto it = object.find(key);
+  if (it == object.end()) return absl::OkStatus();
+  if (it->is_number_unsigned()) {
+    const uint64_t v = it->get<uint64_t>();
+    if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return FieldError(path, absl::StrCat(v, " is out of range"));
+    }
+    *out = static_cast<int64_t>(v);
+    return absl::OkStatus();
+  }
+  if (!it->is_number_integer()) return FieldError(path, "expected an integer");
+  *out = it->get<int64_t>();
+  return absl::OkStatus();
+}
+
+absl::Status ReadInt(const Json& object, const char* key, absl::string_view path, int* out) {
+  int64_t v = *out;
+  RETURN_IF_ERROR(ReadInt64(object, key, path, &v));
+  if (v < std::numeric_limits<int>::min() || v > std::numeric_limits<int>::max()) {
+    return FieldError(path, absl::StrCat(v, " is out of range"));
+  }
+  *out = static_cast<int>(v);
+  return absl::OkStatus();
+}
+
+// Reads an enum-valued string field through its parser, e.g. ParseNsMethod.
+template <typename T, typename ParseFn>
+absl::Status ReadEnum(const Json& object, const char* key, absl::string_view path, ParseFn parse,
+                      T* out) {
+  if (object.find(key) == object.end()) return absl::OkStatus();
+  std::string name;
+  RETURN_IF_ERROR(ReadString(object, key, path, &name));
+  auto value = parse(name);
+  if (!value.ok()) return FieldError(path, value.status().message());
+  *out = *value;
+  return absl::OkStatus();
+}
+
+absl::Status ParseMuon(const Json& muon, MuonConfig* config) {
+  if (!muon.is_object()) return FieldError("muon", "expected an object");
+  RETURN_IF_ERROR(CheckKnownFields(
+      muon, "muon.",
+      {"momentum", "nesterov", "ns_method", "ns_steps", "compute_dtype", "scale_mode"}));
+  if (const auto it = muon.find("momentum"); it != muon.end()) {
+    if (!it->is_number()) return FieldError("muon.momentum", "expected a number");
+    config->momentum = it->get<double>();
+  }
+  if (const auto it = muon.find("nesterov"); it != muon.end()) {
+    if (!it->is_boolean()) return FieldError("muon.nesterov", "expected true or false");
+    config->nesterov = it->get<bool>();
+  }
+  RETURN_IF_ERROR(ReadEnum(muon, "ns_method", "muon.ns_method", ParseNsMethod, &config->ns_method));
+  RETURN_IF_ERROR(ReadInt(muon, "ns_steps", "muon.ns_steps", &config->ns_steps));
+  RETURN_IF_ERROR(
+      ReadEnum(muon, "compute_dtype", "muon.compute_dtype", ParseDType, &config->compute_dtype));
+  return ReadEnum(muon, "scale_mode", "muon.scale_mode", ParseScaleMode, &config->scale_mode);
+}
+
+absl::Status ParseMatrix(const Json& matrix, const std::string& path, MatrixSpec* spec) {
+  if (!matrix.is_object()) return FieldError(path, "expected an object");
+  RETURN_IF_ERROR(CheckKnownFields(matrix, path + ".", {"name", "shape", "num_heads", "dtype"}));
+  if (matrix.find("name") == matrix.end()) return FieldError(path + ".name", "missing");
+  RETURN_IF_ERROR(ReadString(matrix, "name", path + ".name", &spec->name));
+  const auto shape = matrix.find("shape");
+  if (shape == matrix.end()) return FieldError(path + ".shape", "missing");
+  bool shape_ok = shape->is_array();
+  if (shape_ok) {
+    for (const Json& d : *shape) {
+      // Unsigned in nlohmann means non-negative; dims beyond int64 are refused as well.
+      if (!d.is_number_unsigned() || d.get<uint64_t>() == 0 ||
+          d.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        shape_ok = false;
+        break;
+      }
+      spec->shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+    }
+  }
+  if (!shape_ok) return FieldError(path + ".shape", "expected an array of positive integers");
+  RETURN_IF_ERROR(ReadInt64(matrix, "num_heads", path + ".num_heads", &spec->num_heads));
+  return ReadEnum(matrix, "dtype", path + ".dtype", ParseDType, &spec->dtype);
+}
+
+bool IsJobIdChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+         c == '_' || c == '-';
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::Status ValidateMatrix(const MatrixSpec& m, size_t index) {
+  if (m.name.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("matrices[", index, "].name is empty"));
+  }
+  if (!IsValidUtf8(m.name)) {
+    return absl::InvalidArgumentError(absl::StrCat("matrices[", index, "].name is not UTF-8"));
+  }
+  const std::string where = absl::StrCat("matrix '", m.name, "': ");
+  if (m.shape.size() < 2 || m.shape.size() > 4) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "shape ", ShapeString(m.shape), " has ",
+                                                   m.shape.size(), " dimensions; expected 2 to 4"));
+  }
+  int64_t numel = 1;
+  for (int64_t d : m.shape) {
+    if (d <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "shape ", ShapeString(m.shape), " has a non-positive dimension"));
+    }
+    if (__builtin_mul_overflow(numel, d, &numel) || numel > kMaxMatrixElements) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "shape ", ShapeString(m.shape),
+                                                     " has more than ", kMaxMatrixElements,
+                                                     " elements"));
+    }
+  }
+  // Rows of the matrix Muon sees: [E, r, c] is a batch of r x c; [out, in, kh, kw] is out x rest.
+  const int64_t rows = m.shape.size() == 3 ? m.shape[1] : m.shape[0];
+  if (m.num_heads < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "num_heads ", m.num_heads, " is < 1"));
+  }
+  if (rows % m.num_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "num_heads ", m.num_heads, " does not divide rows ", rows));
+  }
+  if (DTypeName(m.dtype) == "unknown") {
+    return absl::InvalidArgumentError(absl::StrCat(where, "unknown dtype"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string_view NsMethodName(NsMethod m) {
+  switch (m) {
+    case NsMethod::kStandard:
+      return "standard";
+    case NsMethod::kGram:
+      return "gram";
+    case NsMethod::kPolarExpress:
+      return "polar_express";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<NsMethod> ParseNsMethod(std::string_view name) {
+  if (name == "standard") return NsMethod::kStandard;
+  if (name == "gram") return NsMethod::kGram;
+  if (name == "polar_express") return NsMethod::kPolarExpress;
+  return absl::InvalidArgumentError(absl::StrCat("unknown ns_method '", std::string(name),
+                                                 "' (accepted: standard, gram, polar_express)"));
+}
+
+std::string_view ScaleModeName(ScaleMode m) {
+  switch (m) {
+    case ScaleMode::kOriginal:
+      return "original";
+    case ScaleMode::kMatchRmsAdamw:
+      return "match_rms_adamw";
+    case ScaleMode::kNone:
+      return "none";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<ScaleMode> ParseScaleMode(std::string_view name) {
+  if (name == "original") return ScaleMode::kOriginal;
+  if (name == "match_rms_adamw") return ScaleMode::kMatchRmsAdamw;
+  if (name == "none") return ScaleMode::kNone;
+  return absl::InvalidArgumentError(absl::StrCat("unknown scale_mode '", std::string(name),
+                                                 "' (accepted: original, match_rms_adamw, none)"));
+}
+
+int64_t MatrixSpec::numel() const {
+  // Saturates instead of overflowing, so an unvalidated spec cannot wrap to a small size.
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(n, d, &n)) return std::numeric_limits<int64_t>::max();
+  }
+  return n;
+}
+
+absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
+  const Json root = Json::parse(json.begin(), json.end(), /*cb=*/nullptr,
+                                /*allow_exceptions=*/false);
+  if (root.is_discarded()) return absl::InvalidArgumentError("job.json: not valid JSON");
+  if (!root.is_object()) return absl::InvalidArgumentError("job.json: expected a JSON object");
+  RETURN_IF_ERROR(
+      CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices"}));
+
+  JobSpec spec;
+  if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
+  RETURN_IF_ERROR(ReadString(root, "job_id", "job_id", &spec.job_id));
+  RETURN_IF_ERROR(ReadInt(root, "world_size", "world_size", &spec.world_size));
+  RETURN_IF_ERROR(ReadInt(root, "zero_stage", "zero_stage", &spec.zero_stage));
+  if (const auto it = root.find("muon"); it != root.end()) {
+    RETURN_IF_ERROR(ParseMuon(*it, &spec.muon));
+  }
+  const auto matrices = root.find("matrices");
+  if (matrices == root.end()) return FieldError("matrices", "missing");
+  if (!matrices->is_array()) return FieldError("matrices", "expected an array");
+  for (size_t i = 0; i < matrices->size(); ++i) {
+    MatrixSpec m;
+    RETURN_IF_ERROR(ParseMatrix((*matrices)[i], absl::StrCat("matrices[", i, "]"), &m));
+    spec.matrices.push_back(std::move(m));
+  }
+  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("job.json: ", s.message()));
+  }
+  return spec;
+}
+
+std::string JobSpecToJson(const JobSpec& spec) {
+  Json root = Json::object();
+  root["job_id"] = spec.job_id;
+  root["world_size"] = spec.world_size;
+  root["zero_stage"] = spec.zero_stage;
+  root["muon"] = {{"momentum", spec.muon.momentum},
+                  {"nesterov", spec.muon.nesterov},
+                  {"ns_method", NsMethodName(spec.muon.ns_method)},
+                  {"ns_steps", spec.muon.ns_steps},
+                  {"compute_dtype", DTypeName(spec.muon.compute_dtype)},
+                  {"scale_mode", ScaleModeName(spec.muon.scale_mode)}};
+  Json matrices = Json::array();
+  for (const MatrixSpec& m : spec.matrices) {
+    matrices.push_back({{"name", m.name},
+                        {"shape", m.shape},
+                        {"num_heads", m.num_heads},
+                        {"dtype", DTypeName(m.dtype)}});
+  }
+  root["matrices"] = std::move(matrices);
+  // `replace` keeps this total for unvalidated specs (invalid UTF-8 in a name becomes U+FFFD);
+  // a validated spec has none.
+  return root.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
+}
+
+absl::Status ValidateJobSpec(const JobSpec& spec) {
+  if (spec.job_id.empty() || spec.job_id.size() > kMaxJobIdLength ||
+      !std::all_of(spec.job_id.begin(), spec.job_id.end(), IsJobIdChar)) {
+    return absl::InvalidArgumentError(absl::StrCat("job_id '", spec.job_id, "' must be 1..",
+                                                   kMaxJobIdLength,
+                                                   " characters of [A-Za-z0-9._-]"));
+  }
+  if (spec.world_size < 1 || spec.world_size > kMaxWorldSize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world_size ", spec.world_size, " is outside 1..", kMaxWorldSize));
+  }
+  if (spec.zero_stage < 0 || spec.zero_stage > 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("zero_stage ", spec.zero_stage, " is outside 0..3"));
+  }
+  if (spec.zero_stage == 0 && spec.world_size != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("zero_stage 0 (whole matrices) requires world_size 1, got ", spec.world_size));
+  }
+  const MuonConfig& muon = spec.muon;
+  if (!std::isfinite(muon.momentum) || muon.momentum < 0.0 || muon.momentum >= 1.0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("muon.momentum ", muon.momentum, " must be finite and in [0, 1)"));
+  }
+  if (muon.ns_steps < 1 || muon.ns_steps > kMaxNsSteps) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("muon.ns_steps ", muon.ns_steps, " is outside 1..", kMaxNsSteps));
+  }
+  if (NsMethodName(muon.ns_method) == "unknown" || ScaleModeName(muon.scale_mode) == "unknown" ||
+      DTypeName(muon.compute_dtype) == "unknown") {
+    return absl::InvalidArgumentError("muon: ns_method, scale_mode or compute_dtype out of range");
+  }
+  if (spec.matrices.empty()) {
+    return absl::InvalidArgumentError("matrices: at least one matrix is required");
+  }
+  std::map<std::string_view, size_t> seen;
+  for (size_t i = 0; i < spec.matrices.size(); ++i) {
+    RETURN_IF_ERROR(ValidateMatrix(spec.matrices[i], i));
+    const auto [it, inserted] = seen.emplace(spec.matrices[i].name, i);
+    if (!inserted) {
+      return absl::InvalidArgumentError(absl::StrCat("matrix '", spec.matrices[i].name,
+                                                     "' appears twice: matrices[", it->second,
+                                                     "] and matrices[", i, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace muond::common

@@ -1,0 +1,79 @@
+// The description of a muond job: its Muon matrices, the Muon configuration and the layout.
+// This is the in-memory form of job.json (muonctl) and of the API's JobSpec message.
+//
+// job.json (fields absent take the defaults shown):
+//   {"job_id": str, "world_size": 1, "zero_stage": 0,
+//    "muon": {"momentum": 0.95, "nesterov": true, "ns_method": "standard", "ns_steps": 5,
+//             "compute_dtype": "float32", "scale_mode": "original"},
+//    "matrices": [{"name": str, "shape": [r, c], "num_heads": 1, "dtype": "float32"}]}
+// Plain value types; thread-compatible.
+#ifndef MUOND_COMMON_JOB_SPEC_H_
+#define MUOND_COMMON_JOB_SPEC_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+
+namespace muond::common {
+
+enum class NsMethod { kStandard, kGram, kPolarExpress };
+enum class ScaleMode { kOriginal, kMatchRmsAdamw, kNone };
+
+std::string_view NsMethodName(NsMethod m);        // "standard", "gram", "polar_express"
+absl::StatusOr<NsMethod> ParseNsMethod(std::string_view name);
+std::string_view ScaleModeName(ScaleMode m);      // "original", "match_rms_adamw", "none"
+absl::StatusOr<ScaleMode> ParseScaleMode(std::string_view name);
+
+struct MuonConfig {
+  double momentum = 0.95;  // beta, in [0, 1)
+  bool nesterov = true;
+  NsMethod ns_method = NsMethod::kStandard;
+  int ns_steps = 5;  // 1..kMaxNsSteps
+  DType compute_dtype = DType::kFloat32;
+  ScaleMode scale_mode = ScaleMode::kOriginal;
+};
+
+struct MatrixSpec {
+  std::string name;
+  // [r, c]; [E, r, c] for expert batches; [out, in, kh, kw] for conv weights (viewed as
+  // [out, in*kh*kw]).
+  std::vector<int64_t> shape;
+  int64_t num_heads = 1;  // must divide the rows r (out for conv)
+  DType dtype = DType::kFloat32;  // the gradient's (and the update's) dtype
+
+  int64_t numel() const;
+};
+
+struct JobSpec {
+  std::string job_id;
+  int world_size = 1;
+  int zero_stage = 0;  // 0: whole matrices (world_size 1); 1, 2, 3: ZeRO partitions
+  MuonConfig muon;
+  std::vector<MatrixSpec> matrices;
+};
+
+inline constexpr int kMaxNsSteps = 100;
+inline constexpr int kMaxWorldSize = 65536;
+inline constexpr size_t kMaxJobIdLength = 128;
+// Largest matrix muond accepts, in elements (2^34: 64 GiB of fp32 momentum).
+inline constexpr int64_t kMaxMatrixElements = int64_t{1} << 34;
+
+// Parses job.json. INVALID_ARGUMENT naming the field (e.g. "matrices[2].shape") for malformed JSON,
+// wrong types, unknown enum values and unknown fields. Runs ValidateJobSpec on the result.
+absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json);
+// The canonical job.json of a spec (every field written).
+std::string JobSpecToJson(const JobSpec& spec);
+// Checks a spec: job_id 1..128 chars of [A-Za-z0-9._-]; world_size 1..kMaxWorldSize; zero_stage
+// 0..3 (0 requires world_size 1); at least one matrix; names non-empty, unique; shapes of rank 2-4
+// with positive dims and at most kMaxMatrixElements elements; num_heads >= 1 dividing the rows;
+// momentum in [0, 1); ns_steps 1..kMaxNsSteps. INVALID_ARGUMENT naming the field and value.
+absl::Status ValidateJobSpec(const JobSpec& spec);
+
+}  // namespace muond::common
+
+#endif  // MUOND_COMMON_JOB_SPEC_H_

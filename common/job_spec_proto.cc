@@ -1,0 +1,150 @@
+#include "common/job_spec_proto.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace muond::common {
+
+v1::DType DTypeToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return v1::DTYPE_FLOAT32;
+    case DType::kBFloat16:
+      return v1::DTYPE_BFLOAT16;
+    case DType::kFloat16:
+      return v1::DTYPE_FLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<DType> DTypeFromProto(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_UNSPECIFIED:
+    case v1::DTYPE_FLOAT32:
+      return DType::kFloat32;
+    case v1::DTYPE_BFLOAT16:
+      return DType::kBFloat16;
+    case v1::DTYPE_FLOAT16:
+      return DType::kFloat16;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown dtype enum value ", dtype));
+}
+
+namespace {
+
+absl::StatusOr<NsMethod> NsMethodFromProto(v1::NsMethod m) {
+  switch (m) {
+    case v1::NS_METHOD_UNSPECIFIED:
+    case v1::NS_METHOD_STANDARD:
+      return NsMethod::kStandard;
+    case v1::NS_METHOD_GRAM:
+      return NsMethod::kGram;
+    case v1::NS_METHOD_POLAR_EXPRESS:
+      return NsMethod::kPolarExpress;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("muon.ns_method: unknown enum value ", m));
+}
+
+v1::NsMethod NsMethodToProto(NsMethod m) {
+  switch (m) {
+    case NsMethod::kStandard:
+      return v1::NS_METHOD_STANDARD;
+    case NsMethod::kGram:
+      return v1::NS_METHOD_GRAM;
+    case NsMethod::kPolarExpress:
+      return v1::NS_METHOD_POLAR_EXPRESS;
+  }
+  return v1::NS_METHOD_UNSPECIFIED;
+}
+
+absl::StatusOr<ScaleMode> ScaleModeFromProto(v1::ScaleMode m) {
+  switch (m) {
+    case v1::SCALE_MODE_UNSPECIFIED:
+    case v1::SCALE_MODE_ORIGINAL:
+      return ScaleMode::kOriginal;
+    case v1::SCALE_MODE_MATCH_RMS_ADAMW:
+      return ScaleMode::kMatchRmsAdamw;
+    case v1::SCALE_MODE_NONE:
+      return ScaleMode::kNone;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("muon.scale_mode: unknown enum value ", m));
+}
+
+v1::ScaleMode ScaleModeToProto(ScaleMode m) {
+  switch (m) {
+    case ScaleMode::kOriginal:
+      return v1::SCALE_MODE_ORIGINAL;
+    case ScaleMode::kMatchRmsAdamw:
+      return v1::SCALE_MODE_MATCH_RMS_ADAMW;
+    case ScaleMode::kNone:
+      return v1::SCALE_MODE_NONE;
+  }
+  return v1::SCALE_MODE_UNSPECIFIED;
+}
+
+}  // namespace
+
+absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
+  JobSpec spec;
+  spec.job_id = proto.job_id();
+  spec.world_size = proto.world_size() == 0 ? 1 : proto.world_size();
+  spec.zero_stage = proto.zero_stage();
+  const v1::MuonConfig& m = proto.muon();
+  if (m.has_momentum()) spec.muon.momentum = m.momentum();
+  if (m.has_nesterov()) spec.muon.nesterov = m.nesterov();
+  if (m.has_ns_steps()) spec.muon.ns_steps = m.ns_steps();
+  ASSIGN_OR_RETURN(spec.muon.ns_method, NsMethodFromProto(m.ns_method()));
+  ASSIGN_OR_RETURN(spec.muon.scale_mode, ScaleModeFromProto(m.scale_mode()));
+  auto compute = DTypeFromProto(m.compute_dtype());
+  if (!compute.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("muon.compute_dtype: ", compute.status().message()));
+  }
+  spec.muon.compute_dtype = *compute;
+  for (int i = 0; i < proto.matrices_size(); ++i) {
+    const v1::MatrixSpec& pm = proto.matrices(i);
+    MatrixSpec ms;
+    ms.name = pm.name();
+    ms.shape.assign(pm.shape().begin(), pm.shape().end());
+    ms.num_heads = pm.num_heads() == 0 ? 1 : pm.num_heads();
+    auto dtype = DTypeFromProto(pm.dtype());
+    if (!dtype.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrices[", i, "].dtype: ", dtype.status().message()));
+    }
+    ms.dtype = *dtype;
+    spec.matrices.push_back(std::move(ms));
+  }
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  return spec;
+}
+
+v1::JobSpec JobSpecToProto(const JobSpec& spec) {
+  v1::JobSpec proto;
+  proto.set_job_id(spec.job_id);
+  proto.set_world_size(spec.world_size);
+  proto.set_zero_stage(spec.zero_stage);
+  v1::MuonConfig* m = proto.mutable_muon();
+  m->set_momentum(spec.muon.momentum);
+  m->set_nesterov(spec.muon.nesterov);
+  m->set_ns_steps(spec.muon.ns_steps);
+  m->set_ns_method(NsMethodToProto(spec.muon.ns_method));
+  m->set_scale_mode(ScaleModeToProto(spec.muon.scale_mode));
+  m->set_compute_dtype(DTypeToProto(spec.muon.compute_dtype));
+  for (const MatrixSpec& ms : spec.matrices) {
+    v1::MatrixSpec* pm = proto.add_matrices();
+    pm->set_name(ms.name);
+    for (int64_t d : ms.shape) pm->add_shape(d);
+    pm->set_num_heads(ms.num_heads);
+    pm->set_dtype(DTypeToProto(ms.dtype));
+  }
+  return proto;
+}
+
+}  // namespace muond::common

@@ -1,0 +1,182 @@
+#include "server/daemon_config.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
+#include "common/paths.h"
+#include "common/status_macros.h"
+
+namespace muond::server {
+namespace {
+
+// Applies one option (flag or config key) to the config.
+absl::Status Apply(DaemonConfig& c, const std::string& key, const std::string& value,
+                   const std::string& where) {
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", key, "=\"", value, "\": ", why));
+  };
+  if (key == "listen") {
+    std::string unused;
+    absl::Status s = ParseListenAddress(value, &unused);
+    if (!s.ok()) return bad(std::string(s.message()));
+    c.listen = value;
+  } else if (key == "state-dir") {
+    if (value.empty() || value[0] != '/') return bad("must be an absolute path");
+    c.state_dir = value;
+  } else if (key == "backend") {
+    c.backend = value;
+  } else if (key == "log-level") {
+    if (value != "debug" && value != "info" && value != "warning" && value != "error") {
+      return bad("expected debug, info, warning or error");
+    }
+    c.log_level = value;
+  } else if (key == "threads") {
+    if (!absl::SimpleAtoi(value, &c.threads) || c.threads < 0 || c.threads > 1024) {
+      return bad("expected an integer in [0, 1024]");
+    }
+  } else if (key == "max-momentum-bytes") {
+    if (!absl::SimpleAtoi(value, &c.max_momentum_bytes)) return bad("expected a byte count");
+  } else if (key == "shutdown-grace-seconds") {
+    if (!absl::SimpleAtod(value, &c.shutdown_grace_seconds) || !(c.shutdown_grace_seconds >= 0) ||
+        c.shutdown_grace_seconds > 3600) {
+      return bad("expected seconds in [0, 3600]");
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": unknown option '", key, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyFile(DaemonConfig& c, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config file ", path, ": cannot open: ", std::strerror(errno)));
+  }
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    const std::string where = absl::StrCat(path, ":", n);
+    const size_t hash = line.find('#');
+    if (hash != std::string::npos) line.resize(hash);
+    absl::string_view text = absl::StripAsciiWhitespace(line);
+    if (text.empty()) continue;
+    const size_t eq = text.find('=');
+    if (eq == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": expected 'key = value'"));
+    }
+    std::string key(absl::StripAsciiWhitespace(text.substr(0, eq)));
+    std::string value(absl::StripAsciiWhitespace(text.substr(eq + 1)));
+    if (key == "config") return absl::InvalidArgumentError(absl::StrCat(where, ": nested config"));
+    RETURN_IF_ERROR(Apply(c, key, value, where));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string DaemonUsage() {
+  return absl::StrCat(
+      "Usage: muond [options]\n"
+      "\n"
+      "muond keeps the Muon optimizer state of training jobs on this node and computes their\n"
+      "updates. Options (a config file may set the same keys, without the leading --):\n"
+      "  --listen ADDR           unix:///abs/path/to/socket or HOST:PORT (TCP, no TLS: use only on\n"
+      "                          a trusted network). Default: ",
+      common::DefaultListenAddress(),
+      "\n"
+      "                          (the directory is created 0750, the socket 0660).\n"
+      "  --state-dir DIR         where job state and checkpoints live (created 0750). Default: ",
+      common::DefaultStateDir(),
+      "\n"
+      "  --backend NAME          compute backend: auto or cpu. Default: auto (the first working\n"
+      "                          GPU backend compiled in, else cpu; the log says which and why).\n"
+      "  --config FILE           read options from FILE ('key = value' lines, '#' comments);\n"
+      "                          flags given on the command line override it.\n"
+      "  --threads N             CPU compute threads; 0 = one per CPU. Default: 0\n"
+      "  --max-momentum-bytes N  total fp32 momentum all jobs may hold; CreateJob beyond it fails\n"
+      "                          with RESOURCE_EXHAUSTED. 0 = unlimited. Default: 0\n"
+      "  --shutdown-grace-seconds S  on SIGTERM/SIGINT, how long steps in flight may run before\n"
+      "                          they are cancelled. Default: 30\n"
+      "  --log-level LEVEL       debug, info, warning or error. Default: info\n"
+      "  --help                  print this help and exit\n"
+      "  --version               print the version and exit\n"
+      "\n"
+      "Signals: SIGTERM or SIGINT stop accepting new steps, let steps in flight finish (or cancel\n"
+      "them after the grace period, which aborts them with a clear status) and exit 0.\n"
+      "Exit codes: 0 clean stop, 1 runtime failure (e.g. cannot listen), 2 bad configuration.\n");
+}
+
+absl::Status ParseListenAddress(const std::string& address, std::string* unix_path) {
+  unix_path->clear();
+  if (absl::StartsWith(address, "unix:")) {
+    if (!absl::StartsWith(address, "unix:///")) {
+      return absl::InvalidArgumentError("a unix address must be unix:///absolute/path");
+    }
+    *unix_path = address.substr(7);
+    if (unix_path->size() > 100) {
+      return absl::InvalidArgumentError("unix socket path longer than 100 bytes");
+    }
+    return absl::OkStatus();
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError("expected unix:///path or HOST:PORT");
+  }
+  int port = 0;
+  if (!absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError("the port must be a number in [0, 65535]");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DaemonConfig> ParseDaemonConfig(int argc, char** argv) {
+  // Pass 1 collects the flags; the config file (if any) is applied first, then the flags.
+  std::vector<std::pair<std::string, std::string>> flags;
+  std::string config_file;
+  DaemonConfig c;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      c.help = true;
+      continue;
+    }
+    if (arg == "--version") {
+      c.version = true;
+      continue;
+    }
+    if (!absl::StartsWith(arg, "--")) {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
+    }
+    std::string key = arg.substr(2), value;
+    const size_t eq = key.find('=');
+    if (eq != std::string::npos) {
+      value = key.substr(eq + 1);
+      key.resize(eq);
+    } else {
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(arg, ": missing value"));
+      value = argv[++i];
+    }
+    if (key == "config") {
+      config_file = value;
+    } else {
+      flags.emplace_back(key, value);
+    }
+  }
+  if (c.help || c.version) return c;
+  if (!config_file.empty()) RETURN_IF_ERROR(ApplyFile(c, config_file));
+  for (const auto& [key, value] : flags) RETURN_IF_ERROR(Apply(c, key, value, "--" + key));
+  if (c.listen.empty()) c.listen = common::DefaultListenAddress();
+  if (c.state_dir.empty()) c.state_dir = common::DefaultStateDir();
+  return c;
+}
+
+}  // namespace muond::server

@@ -1,0 +1,39 @@
+// muond's configuration: defaults, an optional config file, and command-line flags (flags win).
+//
+// Config file: one `key = value` per line, keys named as the long flags without "--"
+// (e.g. `listen = unix:///run/muond/muond.sock`); '#' starts a comment; unknown keys are errors.
+#ifndef MUOND_SERVER_DAEMON_CONFIG_H_
+#define MUOND_SERVER_DAEMON_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace muond::server {
+
+struct DaemonConfig {
+  std::string listen;     // unix:///abs/path or HOST:PORT
+  std::string state_dir;
+  std::string backend = "auto";
+  std::string log_level = "info";
+  int threads = 0;        // compute threads; 0: one per CPU
+  uint64_t max_momentum_bytes = 0;  // 0: unlimited
+  double shutdown_grace_seconds = 30;
+  bool help = false;
+  bool version = false;
+};
+
+// The text of `muond --help`.
+std::string DaemonUsage();
+
+// Parses argv (argv[0] is skipped). INVALID_ARGUMENT naming the flag, key or file line on error.
+absl::StatusOr<DaemonConfig> ParseDaemonConfig(int argc, char** argv);
+
+// Splits a listen address: for "unix:///p" sets *unix_path = "/p"; for HOST:PORT leaves it empty.
+// INVALID_ARGUMENT for anything else (relative unix paths, missing or non-numeric port).
+absl::Status ParseListenAddress(const std::string& address, std::string* unix_path);
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_DAEMON_CONFIG_H_

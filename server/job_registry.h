@@ -1,0 +1,51 @@
+// The daemon's jobs by id. Creating a job draws its random token and reserves its momentum memory
+// against the daemon-wide quota. Thread-safe.
+#ifndef MUOND_SERVER_JOB_REGISTRY_H_
+#define MUOND_SERVER_JOB_REGISTRY_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/job_spec.h"
+#include "server/job.h"
+
+namespace muond::server {
+
+// 32 random bytes from the kernel's CSPRNG, hex encoded (64 characters).
+absl::StatusOr<std::string> NewJobToken();
+
+class JobRegistry {
+ public:
+  // max_momentum_bytes: the sum of all jobs' fp32 momentum allowed (0: unlimited).
+  JobRegistry(std::string backend, uint64_t max_momentum_bytes);
+
+  struct Created {
+    std::shared_ptr<Job> job;
+    std::string token;
+  };
+  // ALREADY_EXISTS for a taken id; RESOURCE_EXHAUSTED when the momentum would exceed the quota.
+  // REQUIRES: spec passed ValidateJobSpec.
+  absl::StatusOr<Created> Create(common::JobSpec spec);
+  // NOT_FOUND for an unknown id. Steps in flight on the job fail with NOT_FOUND.
+  absl::Status Delete(const std::string& job_id);
+  absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& job_id) const;
+  std::vector<std::shared_ptr<Job>> List() const;
+  uint64_t momentum_bytes() const;
+
+ private:
+  const std::string backend_;
+  const uint64_t max_momentum_bytes_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  uint64_t momentum_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_JOB_REGISTRY_H_

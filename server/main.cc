@@ -1,0 +1,178 @@
+// muond: the Muon optimizer-offload daemon. See `muond --help`.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "server/daemon_config.h"
+#include "server/job_registry.h"
+#include "server/muon/muon_math.h"
+#include "server/muond_service.h"
+
+#ifndef MUOND_VERSION
+#define MUOND_VERSION "0.0.0"
+#endif
+
+namespace muond::server {
+namespace {
+
+// Largest gRPC message: a 4 MiB data chunk plus headroom for the envelope.
+constexpr int kMaxMessageBytes = (4 << 20) + (64 << 10);
+
+int Fail(int code, const std::string& message) {
+  std::fprintf(stderr, "muond: %s\n", message.c_str());
+  return code;
+}
+
+// mkdir -p with `mode` for the directories it creates.
+absl::Status MakeDirs(const std::string& path, mode_t mode) {
+  for (size_t pos = 1; pos <= path.size(); ++pos) {
+    if (pos != path.size() && path[pos] != '/') continue;
+    const std::string prefix = path.substr(0, pos);
+    if (::mkdir(prefix.c_str(), mode) != 0 && errno != EEXIST) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("cannot create directory ", prefix, ": ", std::strerror(errno)));
+    }
+  }
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " is not a directory"));
+  }
+  return absl::OkStatus();
+}
+
+// Prepares the socket path: creates its directory 0750, refuses to steal the socket of a live
+// daemon, and removes a stale socket file left by a crashed one.
+absl::Status PrepareUnixSocket(const std::string& path) {
+  const std::string dir = path.substr(0, path.rfind('/'));
+  if (!dir.empty()) {
+    struct stat st;
+    const bool existed = ::stat(dir.c_str(), &st) == 0;
+    if (absl::Status s = MakeDirs(dir, 0750); !s.ok()) return s;
+    if (!existed) ::chmod(dir.c_str(), 0750);
+  }
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return absl::OkStatus();
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a socket"));
+  }
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  const bool live = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(fd);
+  if (live) {
+    return absl::AlreadyExistsError(absl::StrCat("another process serves unix://", path));
+  }
+  ::unlink(path.c_str());
+  return absl::OkStatus();
+}
+
+int Run(int argc, char** argv) {
+  // Signals are taken synchronously by the main thread (sigwait); block them before any thread.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  auto config = ParseDaemonConfig(argc, argv);
+  if (!config.ok()) return Fail(2, std::string(config.status().message()));
+  if (config->help) {
+    std::fputs(DaemonUsage().c_str(), stdout);
+    return 0;
+  }
+  if (config->version) {
+    std::printf("muond %s\n", MUOND_VERSION);
+    return 0;
+  }
+  common::LogLevel level;
+  common::ParseLogLevel(config->log_level, &level);
+  common::SetMinLogLevel(level);
+
+  // Backends: the CPU backend is always built. GPU backends plug in here when compiled in.
+  std::string backend;
+  if (config->backend == "cpu") {
+    backend = "cpu";
+  } else if (config->backend == "auto") {
+    backend = "cpu";
+    MUOND_LOG(INFO) << "backend auto: no GPU backend is compiled into this muond; using cpu";
+  } else {
+    return Fail(2, absl::StrCat("--backend ", config->backend,
+                                ": not available in this build (available: auto, cpu)"));
+  }
+  const int threads = config->threads > 0
+                          ? config->threads
+                          : std::max(1u, std::thread::hardware_concurrency());
+  SetMathThreads(threads);
+
+  if (absl::Status s = MakeDirs(config->state_dir, 0750); !s.ok()) {
+    return Fail(1, absl::StrCat("--state-dir: ", s.message()));
+  }
+  std::string unix_path;
+  if (absl::Status s = ParseListenAddress(config->listen, &unix_path); !s.ok()) {
+    return Fail(2, absl::StrCat("--listen ", config->listen, ": ", s.message()));
+  }
+  if (!unix_path.empty()) {
+    if (absl::Status s = PrepareUnixSocket(unix_path); !s.ok()) {
+      return Fail(1, absl::StrCat("--listen ", config->listen, ": ", s.message()));
+    }
+  }
+
+  JobRegistry registry(backend, config->max_momentum_bytes);
+  MuondService service(&registry);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(config->listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  // The socket is created by BuildAndStart: a umask makes it 0660 from its first moment.
+  const mode_t old_umask = ::umask(0117);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ::umask(old_umask);
+  if (server == nullptr || port == 0) {
+    return Fail(1, absl::StrCat("cannot listen on ", config->listen));
+  }
+  if (!unix_path.empty()) ::chmod(unix_path.c_str(), 0660);
+  server->GetHealthCheckService()->SetServingStatus(true);
+  MUOND_LOG(INFO) << "muond " << MUOND_VERSION << " serving on " << config->listen
+                  << (unix_path.empty() ? absl::StrCat(" (port ", port, ")") : "")
+                  << "; backend " << backend << ", " << threads << " compute threads, state "
+                  << config->state_dir;
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  MUOND_LOG(INFO) << "received " << strsignal(sig) << "; draining steps in flight (grace "
+                  << config->shutdown_grace_seconds << " s)";
+  service.BeginShutdown();
+  server->GetHealthCheckService()->SetServingStatus(false);
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(
+                       static_cast<int64_t>(config->shutdown_grace_seconds * 1000)));
+  server->Wait();
+  if (!unix_path.empty()) ::unlink(unix_path.c_str());
+  MUOND_LOG(INFO) << "muond stopped";
+  return 0;
+}
+
+}  // namespace
+}  // namespace muond::server
+
+int main(int argc, char** argv) { return muond::server::Run(argc, argv); }

@@ -1,0 +1,175 @@
+#include "server/muond_service.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/dtype.h"
+#include "common/grpc_status.h"
+#include "common/job_spec_proto.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+
+namespace muond::server {
+namespace {
+
+using common::ToGrpcStatus;
+
+// Update chunks sent back carry at most this many bytes.
+constexpr size_t kChunkBytes = size_t{4} << 20;
+
+grpc::Status Logged(const char* rpc, const absl::Status& s) {
+  if (!s.ok()) MUOND_LOG(DEBUG) << rpc << ": " << s;
+  return ToGrpcStatus(s);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Job>> MuondService::Authorize(grpc::ServerContext* ctx,
+                                                             const std::string& job_id) const {
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id is empty");
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, registry_->Find(job_id));
+  const auto& md = ctx->client_metadata();
+  auto it = md.find(kTokenMetadataKey);
+  if (it == md.end()) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        "job '", job_id, "': missing job token (metadata '", kTokenMetadataKey, "')"));
+  }
+  if (!job->TokenMatches(std::string_view(it->second.data(), it->second.size()))) {
+    return absl::PermissionDeniedError(absl::StrCat("job '", job_id, "': wrong job token"));
+  }
+  return job;
+}
+
+grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,
+                                     v1::CreateJobResponse* resp) {
+  if (shutting_down_.load()) return Logged("CreateJob", absl::UnavailableError("muond is shutting down"));
+  auto spec = common::JobSpecFromProto(req->spec());
+  if (!spec.ok()) return Logged("CreateJob", spec.status());
+  auto created = registry_->Create(*std::move(spec));
+  if (!created.ok()) return Logged("CreateJob", created.status());
+  resp->set_job_id(created->job->id());
+  resp->set_token(created->token);
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* req,
+                                     v1::DeleteJobResponse*) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("DeleteJob", job.status());
+  return Logged("DeleteJob", registry_->Delete(req->job_id()));
+}
+
+grpc::Status MuondService::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
+                                  v1::JobStatus* resp) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("GetJob", job.status());
+  *resp = (*job)->Status();
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
+                                    v1::ListJobsResponse* resp) {
+  for (const auto& job : registry_->List()) *resp->add_jobs() = job->Status();
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::ResetJob(grpc::ServerContext* ctx, const v1::ResetJobRequest* req,
+                                    v1::ResetJobResponse*) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("ResetJob", job.status());
+  absl::Status s = (*job)->Reset(req->next_step());
+  if (s.ok()) {
+    MUOND_LOG(INFO) << "job '" << req->job_id() << "' reset; next step " << req->next_step();
+  }
+  return Logged("ResetJob", s);
+}
+
+grpc::Status MuondService::AttachRank(grpc::ServerContext* ctx, const v1::AttachRankRequest* req,
+                                      v1::AttachRankResponse* resp) {
+  if (shutting_down_.load()) return Logged("AttachRank", absl::UnavailableError("muond is shutting down"));
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("AttachRank", job.status());
+  auto session = (*job)->Attach(req->rank());
+  if (!session.ok()) return Logged("AttachRank", session.status());
+  resp->set_session_id(*session);
+  resp->set_next_step((*job)->Status().next_step());
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::Step(
+    grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  return Logged("Step", RunStep(ctx, stream));
+}
+
+absl::Status MuondService::RunStep(
+    grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  v1::StepRequest req;
+  if (!stream->Read(&req)) return absl::InvalidArgumentError("step stream closed before StepBegin");
+  if (req.kind_case() != v1::StepRequest::kBegin) {
+    return absl::InvalidArgumentError("the first message of a step must be StepBegin");
+  }
+  if (shutting_down_.load()) return absl::UnavailableError("muond is shutting down; retry the step");
+  const v1::StepBegin begin = req.begin();
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Authorize(ctx, begin.job_id()));
+  ASSIGN_OR_RETURN(std::unique_ptr<RankStep> rank_step,
+                   job->BeginStep(begin.rank(), begin.session_id(), begin.step()));
+  const std::string where =
+      absl::StrCat("job '", begin.job_id(), "' step ", begin.step(), " rank ", begin.rank());
+  // Gradients until StepEnd. Returning early destroys rank_step: a step that was not finished is
+  // aborted for every rank, unless it was already refused.
+  bool ended = false;
+  while (!ended) {
+    if (!stream->Read(&req)) {
+      return absl::AbortedError(absl::StrCat(where, ": the client closed the stream before StepEnd",
+                                             ctx->IsCancelled() ? " (cancelled)" : ""));
+    }
+    switch (req.kind_case()) {
+      case v1::StepRequest::kGradient: {
+        const v1::DataChunk& c = req.gradient();
+        RETURN_IF_ERROR(rank_step->AddGradient(c.matrix_index(), c.element_offset(), c.data(),
+                                               c.crc32c()));
+        break;
+      }
+      case v1::StepRequest::kEnd:
+        ended = true;
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": expected a gradient chunk or StepEnd"));
+    }
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<const RankUpdate> update, rank_step->Finish());
+  const common::JobSpec& spec = job->spec();
+  uint64_t bytes_out = 0;
+  v1::StepResponse resp;
+  for (const UpdateSpan& span : update->spans) {
+    const size_t esize = common::DTypeSize(spec.matrices[span.matrix].dtype);
+    const size_t per_chunk = kChunkBytes / esize * esize;
+    for (size_t at = 0; at < span.bytes.size(); at += per_chunk) {
+      const size_t n = std::min(per_chunk, span.bytes.size() - at);
+      v1::DataChunk* c = resp.mutable_update();
+      c->set_matrix_index(span.matrix);
+      c->set_element_offset(span.offset + at / esize);
+      c->set_data(span.bytes.data() + at, n);
+      c->set_crc32c(common::Crc32c(span.bytes.data() + at, n));
+      if (!stream->Write(resp)) {
+        // The step is committed; the rank may ask again for the same bytes (a replay).
+        return absl::UnavailableError(absl::StrCat(
+            where, ": the client went away while receiving the update; the step is committed, "
+                   "retry it to receive the same update"));
+      }
+      bytes_out += n;
+    }
+  }
+  v1::StepDone* done = resp.mutable_done();
+  done->set_step(update->step);
+  done->set_replayed(rank_step->replay());
+  done->set_compute_seconds(update->compute_seconds);
+  done->set_bytes_in(rank_step->bytes_in());
+  done->set_bytes_out(bytes_out);
+  stream->Write(resp);
+  return absl::OkStatus();
+}
+
+}  // namespace muond::server

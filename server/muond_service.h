@@ -1,0 +1,57 @@
+// The muond.v1.Muond gRPC service (synchronous API): authenticates each call with the job's token
+// (metadata "x-muond-job-token") and maps it onto the JobRegistry and Jobs.
+//
+// Shutdown: after BeginShutdown() new steps and jobs get UNAVAILABLE; steps already in flight run
+// to completion until the server's shutdown deadline cancels them (then they abort and fence).
+// Thread-safe.
+#ifndef MUOND_SERVER_MUOND_SERVICE_H_
+#define MUOND_SERVER_MUOND_SERVICE_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "muond/v1/muond.grpc.pb.h"
+#include "server/job_registry.h"
+
+namespace muond::server {
+
+inline constexpr char kTokenMetadataKey[] = "x-muond-job-token";
+
+class MuondService final : public v1::Muond::Service {
+ public:
+  explicit MuondService(JobRegistry* registry) : registry_(registry) {}
+
+  void BeginShutdown() { shutting_down_.store(true); }
+
+  grpc::Status CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,
+                         v1::CreateJobResponse* resp) override;
+  grpc::Status DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* req,
+                         v1::DeleteJobResponse* resp) override;
+  grpc::Status GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
+                      v1::JobStatus* resp) override;
+  grpc::Status ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
+                        v1::ListJobsResponse* resp) override;
+  grpc::Status ResetJob(grpc::ServerContext* ctx, const v1::ResetJobRequest* req,
+                        v1::ResetJobResponse* resp) override;
+  grpc::Status AttachRank(grpc::ServerContext* ctx, const v1::AttachRankRequest* req,
+                          v1::AttachRankResponse* resp) override;
+  grpc::Status Step(grpc::ServerContext* ctx,
+                    grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) override;
+
+ private:
+  // The job named `job_id` if the call carries its token: NOT_FOUND, UNAUTHENTICATED (no token),
+  // PERMISSION_DENIED (wrong token).
+  absl::StatusOr<std::shared_ptr<Job>> Authorize(grpc::ServerContext* ctx,
+                                                 const std::string& job_id) const;
+  absl::Status RunStep(grpc::ServerContext* ctx,
+                       grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream);
+
+  JobRegistry* registry_;
+  std::atomic<bool> shutting_down_{false};
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_MUOND_SERVICE_H_
