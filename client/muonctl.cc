@@ -43,7 +43,7 @@ constexpr char kUsage[] =
     "  job list                             list the jobs (never their tokens)\n"
     "  job show --job ID [--token-file F]   print a job's status\n"
     "  job delete --job ID [--token-file F] delete a job and its state\n"
-    "  job reset --job ID [--next-step N] [--token-file F]\n"
+    "  job reset --job ID [--step N] [--token-file F]\n"
     "                                       zero the momentum, clear a fence, expect step N (0)\n"
     "  step --job ID --rank R --step T --grads IN.safetensors --out OUT.safetensors\n"
     "       [--token-file F]                push one step and write the update\n"
@@ -239,8 +239,11 @@ absl::Status CmdJob(Client& client, const Args& a) {
       std::printf("deleted job %s\n", id.c_str());
     } else {
       int64_t next = 0;
-      if (a.flags.count("next-step") != 0) {
-        ASSIGN_OR_RETURN(next, IntFlag(a, "next-step"));
+      // `--step N` (`--next-step N` is accepted too): the step the job expects next.
+      for (const char* flag : {"step", "next-step"}) {
+        if (a.flags.count(flag) != 0) {
+          ASSIGN_OR_RETURN(next, IntFlag(a, flag));
+        }
       }
       RETURN_IF_ERROR(client.ResetJob(id, token, next));
       std::printf("reset job %s; next step %lld\n", id.c_str(), static_cast<long long>(next));

@@ -35,9 +35,11 @@ class LogMessage {
 
 }  // namespace muond::common
 
-#define MUOND_LOG(level)                                                          \
-  if (::muond::common::LogLevel::k##level < ::muond::common::MinLogLevel()) {     \
-  } else                                                                          \
-    ::muond::common::LogMessage(::muond::common::LogLevel::k##level, __FILE__, __LINE__).stream()
+// A one-pass for loop (rather than if/else) keeps `if (x) MUOND_LOG(INFO) << ...;` unambiguous.
+#define MUOND_LOG(level)                                                                   \
+  for (bool muond_log_on_ = ::muond::common::LogLevel::k##level >=                         \
+                            ::muond::common::MinLogLevel();                                \
+       muond_log_on_; muond_log_on_ = false)                                               \
+  ::muond::common::LogMessage(::muond::common::LogLevel::k##level, __FILE__, __LINE__).stream()
 
 #endif  // MUOND_COMMON_LOGGING_H_

@@ -31,7 +31,9 @@ absl::StatusOr<std::shared_ptr<Job>> MuondService::Authorize(grpc::ServerContext
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, registry_->Find(job_id));
   const auto& md = ctx->client_metadata();
   auto it = md.find(kTokenMetadataKey);
-  if (it == md.end()) {
+  // An empty value counts as missing: a client without a token (e.g. muonctl with no token file
+  // and no $MUOND_JOB_TOKEN) still sends the key.
+  if (it == md.end() || it->second.empty()) {
     return absl::UnauthenticatedError(absl::StrCat(
         "job '", job_id, "': missing job token (metadata '", kTokenMetadataKey, "')"));
   }

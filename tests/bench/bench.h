@@ -1,0 +1,34 @@
+// muond-bench: one binary, many benchmarks ("subcommands"). Each subcommand lives in its own
+// bench_<name>.cc, exposes `int Run<Name>Bench(int argc, char** argv)` here and is listed in
+// main.cc's kSubcommands. argv[0] is the subcommand name; the return value is the exit code.
+//
+// Convention (DESIGN/STYLE): a benchmark measures a baseline in the same run and prints, as its
+// last line, `result: <name> ratio=<x> target=<y>`.
+#ifndef MUOND_TESTS_BENCH_BENCH_H_
+#define MUOND_TESTS_BENCH_BENCH_H_
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace muond::bench {
+
+// `muond-bench ns`: CPU Newton-Schulz throughput against a plain LibTorch matmul.
+int RunNsBench(int argc, char** argv);
+
+// Flags of a subcommand: `--name value` or `--name=value`; `--help`/`-h` is returned as "help".
+// INVALID_ARGUMENT for a flag not in `known`, a missing value or a positional argument.
+absl::StatusOr<std::map<std::string, std::string>> ParseFlags(int argc, char** argv,
+                                                              const std::set<std::string>& known);
+// "1024,2048" -> {1024, 2048}; INVALID_ARGUMENT naming the flag for anything but positive ints.
+absl::StatusOr<std::vector<int64_t>> ParsePositiveList(const std::string& flag,
+                                                       const std::string& value);
+// "a,b" -> {"a", "b"} (empty items dropped).
+std::vector<std::string> SplitList(const std::string& value);
+
+}  // namespace muond::bench
+
+#endif  // MUOND_TESTS_BENCH_BENCH_H_

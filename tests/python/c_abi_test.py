@@ -1,0 +1,155 @@
+#!/usr/bin/python3
+"""Drives a real muond through the client library's C ABI (libmuond_client.so via ctypes).
+
+Checks: job creation and tokens, a three-step trajectory against the reference vectors, error codes
+and messages surfacing through muond_last_error, and that the daemon stops cleanly.
+Usage: c_abi_test.py MUOND_BIN LIBMUOND_CLIENT DATA_DIR
+"""
+import ctypes
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+MUOND, LIB, DATA = sys.argv[1], sys.argv[2], sys.argv[3]
+INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, UNAUTHENTICATED = 3, 5, 9, 16
+PERMISSION_DENIED = 7
+
+
+class Span(ctypes.Structure):
+    _fields_ = [("matrix", ctypes.c_uint32), ("offset", ctypes.c_uint64),
+                ("data", ctypes.c_void_p), ("length", ctypes.c_uint64)]
+
+
+def load_reference():
+    with open(os.path.join(DATA, "muon_v1.safetensors"), "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            b, e = info["data_offsets"]
+            out[name] = np.frombuffer(raw[8 + n + b:8 + n + e], dtype=np.float32).reshape(info["shape"])
+    return out
+
+
+class CAbiTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="muond-pytest-")
+        cls.address = f"unix://{cls.tmp.name}/muond.sock"
+        cls.daemon = subprocess.Popen([MUOND, "--listen", cls.address, "--state-dir",
+                                       os.path.join(cls.tmp.name, "state"), "--threads", "1"],
+                                      stderr=subprocess.PIPE)
+        lib = ctypes.CDLL(LIB)
+        lib.muond_last_error.restype = ctypes.c_char_p
+        lib.muond_connect.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+        lib.muond_health.argtypes = [ctypes.c_void_p, ctypes.c_double]
+        lib.muond_job_create.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.muond_job_delete.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
+        lib.muond_attach.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                     ctypes.POINTER(ctypes.c_void_p)]
+        lib.muond_session_free.argtypes = [ctypes.c_void_p]
+        lib.muond_client_free.argtypes = [ctypes.c_void_p]
+        lib.muond_session_next_step.argtypes = [ctypes.c_void_p]
+        lib.muond_session_next_step.restype = ctypes.c_int64
+        lib.muond_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(Span), ctypes.c_size_t,
+                                   ctypes.POINTER(Span), ctypes.c_size_t]
+        cls.lib = lib
+        cls.client = ctypes.c_void_p()
+        assert lib.muond_connect(cls.address.encode(), ctypes.byref(cls.client)) == 0
+        for _ in range(100):
+            if lib.muond_health(cls.client, 1.0) == 0:
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("muond did not become healthy")
+        cls.ref = load_reference()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.lib.muond_client_free(cls.client)
+        cls.daemon.send_signal(signal.SIGTERM)
+        assert cls.daemon.wait(timeout=30) == 0, "muond did not exit 0 on SIGTERM"
+        cls.tmp.cleanup()
+
+    def create(self, job_id, matrices, **muon):
+        spec = {"job_id": job_id, "muon": muon, "matrices": matrices}
+        token = ctypes.create_string_buffer(65)
+        code = self.lib.muond_job_create(self.client, json.dumps(spec).encode(), token, 65)
+        self.assertEqual(code, 0, self.lib.muond_last_error())
+        return token.value
+
+    def attach(self, job_id, token):
+        session = ctypes.c_void_p()
+        code = self.lib.muond_attach(self.client, job_id.encode(), 0, token, ctypes.byref(session))
+        self.assertEqual(code, 0, self.lib.muond_last_error())
+        return session
+
+    def step(self, session, step, grads):
+        ins = (Span * len(grads))()
+        outs = (Span * len(grads))()
+        updates = []
+        for i, g in enumerate(grads):
+            g = np.ascontiguousarray(g, dtype=np.float32)
+            grads[i] = g
+            u = np.empty_like(g)
+            updates.append(u)
+            ins[i] = Span(i, 0, g.ctypes.data, g.size)
+            outs[i] = Span(i, 0, u.ctypes.data, u.size)
+        code = self.lib.muond_step(session, step, ins, len(grads), outs, len(grads))
+        return code, updates
+
+    def test_reference_trajectory(self):
+        cases = ["wide_std", "tall_std"]
+        mats = [{"name": c, "shape": list(self.ref[f"{c}/step0/grad"].shape)} for c in cases]
+        token = self.create("py-traj", mats)
+        session = self.attach("py-traj", token)
+        self.assertEqual(self.lib.muond_session_next_step(session), 0)
+        for t in range(3):
+            code, updates = self.step(session, t, [self.ref[f"{c}/step{t}/grad"].copy() for c in cases])
+            self.assertEqual(code, 0, self.lib.muond_last_error())
+            for c, u in zip(cases, updates):
+                want = self.ref[f"{c}/step{t}/update"].astype(np.float64)
+                rel = np.linalg.norm(u - want) / np.linalg.norm(want)
+                self.assertLess(rel, 1e-4, f"{c} step {t}")
+        self.lib.muond_session_free(session)
+        self.assertEqual(self.lib.muond_job_delete(self.client, b"py-traj", token), 0)
+
+    def test_errors_surface_with_codes(self):
+        token = self.create("py-errors", [{"name": "w", "shape": [8, 16]}])
+        session = ctypes.c_void_p()
+        self.assertEqual(self.lib.muond_attach(self.client, b"py-errors", 0, b"f" * 64,
+                                               ctypes.byref(session)), PERMISSION_DENIED)
+        self.assertIn(b"wrong job token", self.lib.muond_last_error())
+        self.assertEqual(self.lib.muond_attach(self.client, b"py-errors", 0, b"",
+                                               ctypes.byref(session)), UNAUTHENTICATED)
+        self.assertEqual(self.lib.muond_attach(self.client, b"no-such-job", 0, token,
+                                               ctypes.byref(session)), NOT_FOUND)
+        session = self.attach("py-errors", token)
+        g = np.ones((8, 16), dtype=np.float32)
+        g[3, 5] = np.nan
+        code, _ = self.step(session, 0, [g])
+        self.assertEqual(code, INVALID_ARGUMENT)
+        self.assertIn(b"non-finite", self.lib.muond_last_error())
+        self.assertIn(b"'w'", self.lib.muond_last_error())
+        code, _ = self.step(session, 5, [np.ones((8, 16), dtype=np.float32)])
+        self.assertEqual(code, FAILED_PRECONDITION)
+        self.assertIn(b"out of order", self.lib.muond_last_error())
+        code, _ = self.step(session, 0, [np.ones((8, 16), dtype=np.float32)])
+        self.assertEqual(code, 0, self.lib.muond_last_error())
+        bad = ctypes.create_string_buffer(65)
+        self.assertEqual(self.lib.muond_job_create(self.client, b"{not json", bad, 65), INVALID_ARGUMENT)
+        self.lib.muond_session_free(session)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0], "-v"])

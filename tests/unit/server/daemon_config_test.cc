@@ -1,0 +1,66 @@
+// muond's flags and config file: precedence, defaults and every rejection with its message.
+#include "server/daemon_config.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace muond::server {
+namespace {
+
+absl::StatusOr<DaemonConfig> Parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "muond");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  return ParseDaemonConfig(static_cast<int>(argv.size()), argv.data());
+}
+
+std::string WriteConfig(const std::string& text) {
+  std::string path = ::testing::TempDir() + "/muond_config_" + std::to_string(getpid());
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(DaemonConfigTest, DefaultsNeedNoConfiguration) {
+  auto c = Parse({});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen.rfind("unix:///", 0), 0u) << c->listen;
+  EXPECT_FALSE(c->state_dir.empty());
+  EXPECT_EQ(c->backend, "auto");
+}
+
+TEST(DaemonConfigTest, FlagsOverrideConfigFile) {
+  const std::string path = WriteConfig(
+      "# comment\nlisten = unix:///tmp/a.sock\nbackend = cpu  # trailing\nthreads = 3\n");
+  auto c = Parse({"--config", path, "--listen=127.0.0.1:0"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, "127.0.0.1:0");
+  EXPECT_EQ(c->backend, "cpu");
+  EXPECT_EQ(c->threads, 3);
+}
+
+TEST(DaemonConfigTest, RejectsBadInputNamingIt) {
+  auto unknown = Parse({"--frobnicate", "1"});
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("unknown option 'frobnicate'"), std::string::npos);
+  auto relative = Parse({"--listen", "unix://relative.sock"});
+  EXPECT_EQ(relative.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(relative.status().message().find("--listen"), std::string::npos);
+  EXPECT_FALSE(Parse({"--listen", "localhost:http"}).ok());
+  EXPECT_FALSE(Parse({"--listen", "localhost:70000"}).ok());
+  EXPECT_FALSE(Parse({"--threads", "-1"}).ok());
+  EXPECT_FALSE(Parse({"--state-dir", "relative/dir"}).ok());
+  EXPECT_FALSE(Parse({"--listen"}).ok());
+  auto line = Parse({"--config", WriteConfig("listen = unix:///tmp/x.sock\nbogus = 1\n")});
+  EXPECT_EQ(line.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(line.status().message().find(":2: unknown option 'bogus'"), std::string::npos)
+      << line.status();
+  auto missing = Parse({"--config", "/nonexistent/muond.conf"});
+  EXPECT_NE(missing.status().message().find("/nonexistent/muond.conf"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace muond::server
