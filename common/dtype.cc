@@ -187,4 +187,42 @@ int64_t FindNonFinite(const float* data, size_t n) {
   return -1;
 }
 
+namespace {
+
+// First element of 16-bit values whose exponent field (`mask`) is all ones, or -1.
+int64_t FindAllOnesExponent16(const void* data, size_t n, uint16_t mask) {
+  constexpr size_t kBlock = 2048;
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  for (size_t start = 0; start < n; start += kBlock) {
+    const size_t end = start + kBlock < n ? start + kBlock : n;
+    uint32_t hits = 0;
+    for (size_t i = start; i < end; ++i) {
+      uint16_t u;
+      std::memcpy(&u, bytes + i * 2, 2);
+      hits += (u & mask) == mask;
+    }
+    if (hits == 0) continue;
+    for (size_t i = start; i < end; ++i) {
+      uint16_t u;
+      std::memcpy(&u, bytes + i * 2, 2);
+      if ((u & mask) == mask) return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+int64_t FindNonFiniteRaw(DType dtype, const void* data, size_t n) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return FindNonFinite(static_cast<const float*>(data), n);
+    case DType::kBFloat16:
+      return FindAllOnesExponent16(data, n, 0x7F80);
+    case DType::kFloat16:
+      return FindAllOnesExponent16(data, n, 0x7C00);
+  }
+  return -1;
+}
+
 }  // namespace muond::common

@@ -34,6 +34,8 @@ void ToFloat32(DType src_dtype, const void* src, size_t n, float* dst);
 void FromFloat32(const float* src, size_t n, DType dst_dtype, void* dst);
 // Index of the first element that is NaN or +-inf, or -1 when all are finite.
 int64_t FindNonFinite(const float* data, size_t n);
+// The same for n elements of `dtype` at `data`, read in place (no conversion).
+int64_t FindNonFiniteRaw(DType dtype, const void* data, size_t n);
 
 }  // namespace muond::common
 

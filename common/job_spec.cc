@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/layout.h"
 #include "common/status_macros.h"
 #include "common/utf8.h"
 #include "nlohmann/json.hpp"
@@ -130,6 +131,42 @@ absl::Status ParseMatrix(const Json& matrix, const std::string& path, MatrixSpec
   return ReadEnum(matrix, "dtype", path + ".dtype", ParseDType, &spec->dtype);
 }
 
+// "layout": [[{"matrix": name, "offset": n, "length": n}, ...] per rank]
+absl::Status ParseLayout(const Json& layout, const std::vector<MatrixSpec>& matrices,
+                         std::vector<std::vector<LayoutSpan>>* out) {
+  if (!layout.is_array() || layout.empty()) {
+    return FieldError("layout", "expected a non-empty array with one array of spans per rank");
+  }
+  for (size_t r = 0; r < layout.size(); ++r) {
+    const std::string rpath = absl::StrCat("layout[", r, "]");
+    if (!layout[r].is_array()) return FieldError(rpath, "expected an array of spans");
+    std::vector<LayoutSpan> spans;
+    for (size_t i = 0; i < layout[r].size(); ++i) {
+      const Json& j = layout[r][i];
+      const std::string path = absl::StrCat(rpath, "[", i, "]");
+      if (!j.is_object()) return FieldError(path, "expected an object");
+      RETURN_IF_ERROR(CheckKnownFields(j, path + ".", {"matrix", "offset", "length"}));
+      std::string name;
+      if (j.find("matrix") == j.end()) return FieldError(path + ".matrix", "missing");
+      RETURN_IF_ERROR(ReadString(j, "matrix", path + ".matrix", &name));
+      auto m = std::find_if(matrices.begin(), matrices.end(),
+                            [&](const MatrixSpec& ms) { return ms.name == name; });
+      if (m == matrices.end()) {
+        return FieldError(path + ".matrix", absl::StrCat("no matrix named '", name, "'"));
+      }
+      int64_t offset = -1, length = -1;
+      RETURN_IF_ERROR(ReadInt64(j, "offset", path + ".offset", &offset));
+      RETURN_IF_ERROR(ReadInt64(j, "length", path + ".length", &length));
+      if (offset < 0) return FieldError(path + ".offset", "expected an integer >= 0");
+      if (length < 1) return FieldError(path + ".length", "expected an integer >= 1");
+      spans.push_back({static_cast<uint32_t>(m - matrices.begin()), static_cast<uint64_t>(offset),
+                       static_cast<uint64_t>(length)});
+    }
+    out->push_back(std::move(spans));
+  }
+  return absl::OkStatus();
+}
+
 bool IsJobIdChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
          c == '_' || c == '-';
@@ -235,7 +272,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   if (root.is_discarded()) return absl::InvalidArgumentError("job.json: not valid JSON");
   if (!root.is_object()) return absl::InvalidArgumentError("job.json: expected a JSON object");
   RETURN_IF_ERROR(
-      CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices"}));
+      CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -252,6 +289,12 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
     MatrixSpec m;
     RETURN_IF_ERROR(ParseMatrix((*matrices)[i], absl::StrCat("matrices[", i, "]"), &m));
     spec.matrices.push_back(std::move(m));
+  }
+  if (const auto it = root.find("layout"); it != root.end()) {
+    RETURN_IF_ERROR(ParseLayout(*it, spec.matrices, &spec.explicit_layout));
+    if (root.find("world_size") == root.end()) {
+      spec.world_size = static_cast<int>(spec.explicit_layout.size());
+    }
   }
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("job.json: ", s.message()));
@@ -278,6 +321,20 @@ std::string JobSpecToJson(const JobSpec& spec) {
                         {"dtype", DTypeName(m.dtype)}});
   }
   root["matrices"] = std::move(matrices);
+  if (!spec.explicit_layout.empty()) {
+    Json layout = Json::array();
+    for (const auto& rank : spec.explicit_layout) {
+      Json spans = Json::array();
+      for (const LayoutSpan& s : rank) {
+        spans.push_back({{"matrix", s.matrix < spec.matrices.size() ? spec.matrices[s.matrix].name
+                                                                    : std::string()},
+                         {"offset", s.offset},
+                         {"length", s.length}});
+      }
+      layout.push_back(std::move(spans));
+    }
+    root["layout"] = std::move(layout);
+  }
   // `replace` keeps this total for unvalidated specs (invalid UTF-8 in a name becomes U+FFFD);
   // a validated spec has none.
   return root.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
@@ -298,9 +355,21 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("zero_stage ", spec.zero_stage, " is outside 0..3"));
   }
-  if (spec.zero_stage == 0 && spec.world_size != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("zero_stage 0 (whole matrices) requires world_size 1, got ", spec.world_size));
+  if (!spec.explicit_layout.empty()) {
+    if (spec.zero_stage != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "an explicit layout replaces zero_stage; zero_stage must be 0, got ", spec.zero_stage));
+    }
+    if (spec.explicit_layout.size() != static_cast<size_t>(spec.world_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("layout has ", spec.explicit_layout.size(),
+                                                     " ranks but world_size is ",
+                                                     spec.world_size));
+    }
+  } else if (spec.zero_stage == 0 && spec.world_size != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "zero_stage 0 (whole matrices) requires world_size 1 or an explicit layout, got "
+        "world_size ",
+        spec.world_size));
   }
   const MuonConfig& muon = spec.muon;
   if (!std::isfinite(muon.momentum) || muon.momentum < 0.0 || muon.momentum >= 1.0) {
@@ -328,6 +397,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                                                      "] and matrices[", i, "]"));
     }
   }
+  if (!spec.explicit_layout.empty()) RETURN_IF_ERROR(ValidateExplicitLayout(spec));
   return absl::OkStatus();
 }
 

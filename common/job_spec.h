@@ -5,7 +5,8 @@
 //   {"job_id": str, "world_size": 1, "zero_stage": 0,
 //    "muon": {"momentum": 0.95, "nesterov": true, "ns_method": "standard", "ns_steps": 5,
 //             "compute_dtype": "float32", "scale_mode": "original"},
-//    "matrices": [{"name": str, "shape": [r, c], "num_heads": 1, "dtype": "float32"}]}
+//    "matrices": [{"name": str, "shape": [r, c], "num_heads": 1, "dtype": "float32"}],
+//    "layout": [[{"matrix": name, "offset": 0, "length": n}, ...], ...]}   (optional, per rank)
 // Plain value types; thread-compatible.
 #ifndef MUOND_COMMON_JOB_SPEC_H_
 #define MUOND_COMMON_JOB_SPEC_H_
@@ -49,12 +50,27 @@ struct MatrixSpec {
   int64_t numel() const;
 };
 
+// One run of consecutive elements of one matrix owned by a rank (explicit layouts).
+struct LayoutSpan {
+  uint32_t matrix = 0;  // index into JobSpec::matrices
+  uint64_t offset = 0;  // first element
+  uint64_t length = 0;  // elements, > 0
+  bool operator==(const LayoutSpan& o) const {
+    return matrix == o.matrix && offset == o.offset && length == o.length;
+  }
+};
+
 struct JobSpec {
   std::string job_id;
   int world_size = 1;
-  int zero_stage = 0;  // 0: whole matrices (world_size 1); 1, 2, 3: ZeRO partitions
+  // 0: whole matrices (world_size 1) or an explicit layout; 1, 2: the matrices concatenated and
+  // split into world_size partitions; 3: each matrix split into world_size chunks.
+  int zero_stage = 0;
   MuonConfig muon;
   std::vector<MatrixSpec> matrices;
+  // Explicit layout: per rank, the spans it owns, in the order of the rank's flat buffer. Empty
+  // unless given; then zero_stage is 0 and world_size == explicit_layout.size().
+  std::vector<std::vector<LayoutSpan>> explicit_layout;
 };
 
 inline constexpr int kMaxNsSteps = 100;
@@ -71,7 +87,8 @@ std::string JobSpecToJson(const JobSpec& spec);
 // Checks a spec: job_id 1..128 chars of [A-Za-z0-9._-]; world_size 1..kMaxWorldSize; zero_stage
 // 0..3 (0 requires world_size 1); at least one matrix; names non-empty, unique; shapes of rank 2-4
 // with positive dims and at most kMaxMatrixElements elements; num_heads >= 1 dividing the rows;
-// momentum in [0, 1); ns_steps 1..kMaxNsSteps. INVALID_ARGUMENT naming the field and value.
+// momentum in [0, 1); ns_steps 1..kMaxNsSteps; an explicit layout tiles every matrix exactly once
+// (ValidateExplicitLayout). INVALID_ARGUMENT naming the field and value.
 absl::Status ValidateJobSpec(const JobSpec& spec);
 
 }  // namespace muond::common

@@ -121,6 +121,11 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
     ms.dtype = *dtype;
     spec.matrices.push_back(std::move(ms));
   }
+  for (const v1::RankLayout& rank : proto.layout()) {
+    std::vector<LayoutSpan> spans;
+    for (const v1::Span& s : rank.spans()) spans.push_back({s.matrix_index(), s.offset(), s.length()});
+    spec.explicit_layout.push_back(std::move(spans));
+  }
   RETURN_IF_ERROR(ValidateJobSpec(spec));
   return spec;
 }
@@ -143,6 +148,15 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
     for (int64_t d : ms.shape) pm->add_shape(d);
     pm->set_num_heads(ms.num_heads);
     pm->set_dtype(DTypeToProto(ms.dtype));
+  }
+  for (const auto& rank : spec.explicit_layout) {
+    v1::RankLayout* pr = proto.add_layout();
+    for (const LayoutSpan& s : rank) {
+      v1::Span* ps = pr->add_spans();
+      ps->set_matrix_index(s.matrix);
+      ps->set_offset(s.offset);
+      ps->set_length(s.length);
+    }
   }
   return proto;
 }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "common/job_spec.h"
 
 namespace muond::common {
@@ -24,9 +25,19 @@ struct ShardSpan {
   }
 };
 
-// The spans of `rank`, ordered by (matrix, offset).
+// The spans of `rank`: for stages 0-3 ordered by (matrix, offset); for an explicit layout in the
+// order the layout lists them. rank_offset is where each span starts in the rank's flat buffer:
+// stage 1/2 the partition (P = ceil(total / world) elements, tail padded); stage 3 one padded
+// chunk of ceil(numel / world) per matrix; stage 0 and explicit layouts the spans back to back.
 // REQUIRES: spec passed ValidateJobSpec; 0 <= rank < spec.world_size.
 std::vector<ShardSpan> RankSpans(const JobSpec& spec, int rank);
+
+// Elements in `rank`'s flat buffer (with padding), as described above.
+uint64_t RankBufferElements(const JobSpec& spec, int rank);
+
+// Checks that the explicit layout's spans of all ranks tile every matrix exactly once.
+// INVALID_ARGUMENT naming the matrix and the first gap or overlap (with the ranks involved).
+absl::Status ValidateExplicitLayout(const JobSpec& spec);
 
 }  // namespace muond::common
 

@@ -220,3 +220,32 @@ TEST(DTypeTest, FindNonFiniteThroughput) {
 
 }  // namespace
 }  // namespace muond::common
+
+namespace muond::common {
+namespace {
+
+TEST(DTypeRawTest, FindNonFiniteRawMatchesConvertedScan) {
+  // Every 16-bit pattern once, in both 16-bit dtypes: the raw scan finds exactly the elements
+  // whose float32 widening is non-finite.
+  std::vector<uint16_t> all(65536);
+  for (uint32_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    std::vector<float> wide(all.size());
+    ToFloat32(dt, all.data(), all.size(), wide.data());
+    size_t start = 0;
+    while (start < all.size()) {
+      const int64_t raw = FindNonFiniteRaw(dt, all.data() + start, all.size() - start);
+      const int64_t conv = FindNonFinite(wide.data() + start, wide.size() - start);
+      ASSERT_EQ(raw, conv) << DTypeName(dt) << " from " << start;
+      if (raw < 0) break;
+      start += static_cast<size_t>(raw) + 1;
+    }
+  }
+  std::vector<float> f(5000, 1.0f);
+  EXPECT_EQ(FindNonFiniteRaw(DType::kFloat32, f.data(), f.size()), -1);
+  f[4097] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(FindNonFiniteRaw(DType::kFloat32, f.data(), f.size()), 4097);
+}
+
+}  // namespace
+}  // namespace muond::common

@@ -212,7 +212,7 @@ TEST(JobSpecTest, ValidateJobFields) {
   spec.zero_stage = -1;
   ExpectValidateError(spec, "zero_stage -1 is outside 0..3");
   spec.zero_stage = 0;
-  ExpectValidateError(spec, "zero_stage 0 (whole matrices) requires world_size 1, got 2");
+  ExpectValidateError(spec, "zero_stage 0 (whole matrices) requires world_size 1 or an explicit layout, got world_size 2");
 
   spec = ValidSpec();
   for (double bad : {1.0, -0.1, std::nan(""), std::numeric_limits<double>::infinity()}) {

@@ -5,6 +5,8 @@
 
 #include <vector>
 
+#include "common/job_spec.h"
+
 namespace muond::common {
 namespace {
 
@@ -70,6 +72,62 @@ TEST(LayoutTest, StageThreeSplitsEachMatrix) {
   JobSpec tiny = Spec(8, 3, {{2, 2}});
   EXPECT_TRUE(RankSpans(tiny, 7).empty());
   ExpectTiles(tiny);
+}
+
+}  // namespace
+}  // namespace muond::common
+
+namespace muond::common {
+namespace {
+
+JobSpec Explicit(std::vector<std::vector<LayoutSpan>> layout) {
+  JobSpec s;
+  s.job_id = "x";
+  s.world_size = static_cast<int>(layout.size());
+  s.matrices = {MatrixSpec{"a", {4, 4}}, MatrixSpec{"b", {2, 3}}};
+  s.explicit_layout = std::move(layout);
+  return s;
+}
+
+TEST(LayoutTest, ExplicitLayoutTilesOrNamesTheGapOrOverlap) {
+  JobSpec ok = Explicit({{{0, 0, 10}, {1, 0, 6}}, {{0, 10, 6}}});
+  ASSERT_TRUE(ValidateJobSpec(ok).ok()) << ValidateJobSpec(ok);
+  EXPECT_EQ(RankSpans(ok, 0), (std::vector<ShardSpan>{{0, 0, 10, 0}, {1, 0, 6, 10}}));
+  EXPECT_EQ(RankBufferElements(ok, 1), 6u);
+
+  absl::Status gap = ValidateJobSpec(Explicit({{{0, 0, 10}, {1, 0, 6}}, {{0, 11, 5}}}));
+  EXPECT_EQ(gap.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(gap.message().find("matrix 'a' has a gap: elements [10, 11)"), std::string::npos)
+      << gap;
+  absl::Status overlap = ValidateJobSpec(Explicit({{{0, 0, 10}, {1, 0, 6}}, {{0, 8, 8}}}));
+  EXPECT_NE(overlap.message().find("matrix 'a' has an overlap: elements [8, 10) are owned by rank 0 "
+                                   "and rank 1"),
+            std::string::npos)
+      << overlap;
+  absl::Status tail = ValidateJobSpec(Explicit({{{0, 0, 16}}, {{1, 0, 5}}}));
+  EXPECT_NE(tail.message().find("matrix 'b' has a gap: elements [5, 6)"), std::string::npos)
+      << tail;
+  absl::Status outside = ValidateJobSpec(Explicit({{{0, 0, 16}}, {{1, 2, 5}}}));
+  EXPECT_NE(outside.message().find("outside its 6 elements"), std::string::npos) << outside;
+  JobSpec staged = Explicit({{{0, 0, 16}, {1, 0, 6}}});
+  staged.zero_stage = 2;
+  EXPECT_FALSE(ValidateJobSpec(staged).ok());
+}
+
+TEST(LayoutTest, ExplicitLayoutRoundTripsThroughJson) {
+  auto spec = ParseJobSpecJson(R"({"job_id": "x", "matrices": [{"name": "a", "shape": [4, 4]}],
+      "layout": [[{"matrix": "a", "offset": 0, "length": 7}], [{"matrix": "a", "offset": 7,
+      "length": 9}]]})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->world_size, 2);
+  auto again = ParseJobSpecJson(JobSpecToJson(*spec));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->explicit_layout, spec->explicit_layout);
+  auto unknown = ParseJobSpecJson(R"({"job_id": "x", "matrices": [{"name": "a", "shape": [4, 4]}],
+      "layout": [[{"matrix": "zz", "offset": 0, "length": 16}]]})");
+  EXPECT_NE(unknown.status().message().find("layout[0][0].matrix: no matrix named 'zz'"),
+            std::string::npos)
+      << unknown.status();
 }
 
 }  // namespace
