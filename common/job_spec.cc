@@ -272,7 +272,8 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   if (root.is_discarded()) return absl::InvalidArgumentError("job.json: not valid JSON");
   if (!root.is_object()) return absl::InvalidArgumentError("job.json: expected a JSON object");
   RETURN_IF_ERROR(
-      CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout"}));
+      CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",
+                                   "gather_budget_bytes"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -290,6 +291,10 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
     RETURN_IF_ERROR(ParseMatrix((*matrices)[i], absl::StrCat("matrices[", i, "]"), &m));
     spec.matrices.push_back(std::move(m));
   }
+  int64_t budget = 0;
+  RETURN_IF_ERROR(ReadInt64(root, "gather_budget_bytes", "gather_budget_bytes", &budget));
+  if (budget < 0) return FieldError("gather_budget_bytes", "expected an integer >= 0");
+  spec.gather_budget_bytes = static_cast<uint64_t>(budget);
   if (const auto it = root.find("layout"); it != root.end()) {
     RETURN_IF_ERROR(ParseLayout(*it, spec.matrices, &spec.explicit_layout));
     if (root.find("world_size") == root.end()) {
@@ -321,6 +326,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
                         {"dtype", DTypeName(m.dtype)}});
   }
   root["matrices"] = std::move(matrices);
+  root["gather_budget_bytes"] = spec.gather_budget_bytes;
   if (!spec.explicit_layout.empty()) {
     Json layout = Json::array();
     for (const auto& rank : spec.explicit_layout) {

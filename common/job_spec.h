@@ -6,7 +6,8 @@
 //    "muon": {"momentum": 0.95, "nesterov": true, "ns_method": "standard", "ns_steps": 5,
 //             "compute_dtype": "float32", "scale_mode": "original"},
 //    "matrices": [{"name": str, "shape": [r, c], "num_heads": 1, "dtype": "float32"}],
-//    "layout": [[{"matrix": name, "offset": 0, "length": n}, ...], ...]}   (optional, per rank)
+//    "layout": [[{"matrix": name, "offset": 0, "length": n}, ...], ...],   (optional, per rank)
+//    "gather_budget_bytes": 0}                                  (0: the daemon's default)
 // Plain value types; thread-compatible.
 #ifndef MUOND_COMMON_JOB_SPEC_H_
 #define MUOND_COMMON_JOB_SPEC_H_
@@ -71,6 +72,8 @@ struct JobSpec {
   // Explicit layout: per rank, the spans it owns, in the order of the rank's flat buffer. Empty
   // unless given; then zero_stage is 0 and world_size == explicit_layout.size().
   std::vector<std::vector<LayoutSpan>> explicit_layout;
+  // Bytes of whole matrices the daemon assembles at once for this job; 0: the daemon's default.
+  uint64_t gather_budget_bytes = 0;
 };
 
 inline constexpr int kMaxNsSteps = 100;

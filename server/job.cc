@@ -66,11 +66,12 @@ absl::Status RankStep::AddGradient(uint32_t matrix, uint64_t offset, std::string
   return s;
 }
 
-absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish() {
+absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
+    const std::function<bool()>& cancelled) {
   if (done_) return absl::FailedPreconditionError("step already finished");
   done_ = true;
   if (replay_ != nullptr) return replay_;
-  return job_->FinishRank(state_, rank_);
+  return job_->FinishRank(state_, rank_, cancelled);
 }
 
 Job::Job(common::JobSpec spec, std::string token, std::string backend)
@@ -229,7 +230,7 @@ absl::Status Job::AddGradient(StepState& state, int rank, uint32_t matrix, uint6
 }
 
 absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
-    const std::shared_ptr<StepState>& state, int rank) {
+    const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled) {
   absl::MutexLock lock(&mu_);
   if (state->done) return state->result;
   // Every span of this rank must have arrived.
@@ -253,7 +254,19 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
     mu_.Lock();
     if (!s.ok() && !state->done) FailStep(*state, s, /*fence=*/false);
   }
-  while (!state->done) state->cv.Wait(&mu_);
+  // Waiting for the other ranks: a rank whose call was cancelled meanwhile (client gone, server
+  // shutting down) aborts the step; without this poll a shutdown would wait forever for a rank
+  // that never comes.
+  while (!state->done) {
+    state->cv.WaitWithTimeout(&mu_, absl::Milliseconds(50));
+    if (!state->done && cancelled && cancelled()) {
+      FailStep(*state,
+               absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step,
+                                               " aborted: rank ", rank,
+                                               " was cancelled while waiting for the other ranks")),
+               /*fence=*/true);
+    }
+  }
   if (!state->result.ok()) return state->result;
   return state->updates[rank];
 }

@@ -15,6 +15,7 @@
 #define MUOND_SERVER_JOB_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -62,7 +63,11 @@ class RankStep {
   absl::Status AddGradient(uint32_t matrix, uint64_t offset, std::string_view data, uint32_t crc32c);
   // The rank has sent everything. Blocks until the step committed or failed. On success returns the
   // rank's update spans (owned by the job; valid until this rank begins its next step).
-  absl::StatusOr<std::shared_ptr<const RankUpdate>> Finish();
+  // `cancelled` (may be empty) is polled while waiting for the other ranks: once it returns true
+  // (the rank's client went away, or the server is shutting down) the step is aborted for every
+  // rank and the job fenced, as if the rank had left mid-step.
+  absl::StatusOr<std::shared_ptr<const RankUpdate>> Finish(
+      const std::function<bool()>& cancelled = {});
   // True when this is a replay of the last committed step: gradients are ignored.
   bool replay() const { return replay_ != nullptr; }
   int64_t step() const { return step_; }
@@ -113,7 +118,7 @@ class Job {
   absl::Status AddGradient(StepState& state, int rank, uint32_t matrix, uint64_t offset,
                            std::string_view data, uint32_t crc32c);
   absl::StatusOr<std::shared_ptr<const RankUpdate>> FinishRank(
-      const std::shared_ptr<StepState>& state, int rank);
+      const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled);
   // Runs the Muon update of every matrix of a complete step and commits it.
   absl::Status ComputeAndCommit(StepState& state);
   // Ends the step in flight with `status` (refused: not fenced; aborted: fenced).

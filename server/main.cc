@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/logging.h"
 #include "server/daemon_config.h"
 #include "server/job_registry.h"
@@ -163,9 +164,14 @@ int Run(int argc, char** argv) {
                   << config->shutdown_grace_seconds << " s)";
   service.BeginShutdown();
   server->GetHealthCheckService()->SetServingStatus(false);
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(
-                       static_cast<int64_t>(config->shutdown_grace_seconds * 1000)));
+  // Drain only the steps in flight, then shut down at once: a graceful gRPC shutdown would also
+  // wait (10-20 s, gRPC's GOAWAY timeout) for idle client connections, which trainers keep open.
+  // Steps still running at the deadline are cancelled (they abort and fence their jobs).
+  const absl::Duration grace =
+      absl::Milliseconds(static_cast<int64_t>(config->shutdown_grace_seconds * 1000));
+  const bool drained = service.WaitForStepsToDrain(absl::Now() + grace);
+  if (!drained) MUOND_LOG(WARNING) << "grace period over; cancelling the steps still in flight";
+  server->Shutdown(std::chrono::system_clock::now());
   server->Wait();
   if (!unix_path.empty()) ::unlink(unix_path.c_str());
   MUOND_LOG(INFO) << "muond stopped";

@@ -101,7 +101,22 @@ grpc::Status MuondService::AttachRank(grpc::ServerContext* ctx, const v1::Attach
 
 grpc::Status MuondService::Step(
     grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
-  return Logged("Step", RunStep(ctx, stream));
+  {
+    absl::MutexLock lock(&steps_mu_);
+    ++steps_in_flight_;
+  }
+  grpc::Status s = Logged("Step", RunStep(ctx, stream));
+  absl::MutexLock lock(&steps_mu_);
+  --steps_in_flight_;
+  return s;
+}
+
+bool MuondService::WaitForStepsToDrain(absl::Time deadline) {
+  absl::MutexLock lock(&steps_mu_);
+  auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(steps_mu_) {
+    return steps_in_flight_ == 0;
+  };
+  return steps_mu_.AwaitWithDeadline(absl::Condition(&drained), deadline);
 }
 
 absl::Status MuondService::RunStep(
@@ -141,7 +156,8 @@ absl::Status MuondService::RunStep(
             absl::StrCat(where, ": expected a gradient chunk or StepEnd"));
     }
   }
-  ASSIGN_OR_RETURN(std::shared_ptr<const RankUpdate> update, rank_step->Finish());
+  ASSIGN_OR_RETURN(std::shared_ptr<const RankUpdate> update,
+                   rank_step->Finish([ctx] { return ctx->IsCancelled(); }));
   const common::JobSpec& spec = job->spec();
   uint64_t bytes_out = 0;
   v1::StepResponse resp;

@@ -11,7 +11,10 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "muond/v1/muond.grpc.pb.h"
 #include "server/job_registry.h"
 
@@ -24,6 +27,8 @@ class MuondService final : public v1::Muond::Service {
   explicit MuondService(JobRegistry* registry) : registry_(registry) {}
 
   void BeginShutdown() { shutting_down_.store(true); }
+  // Blocks until no Step call is in flight or `deadline` passed; true when none is in flight.
+  bool WaitForStepsToDrain(absl::Time deadline);
 
   grpc::Status CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,
                          v1::CreateJobResponse* resp) override;
@@ -50,6 +55,8 @@ class MuondService final : public v1::Muond::Service {
 
   JobRegistry* registry_;
   std::atomic<bool> shutting_down_{false};
+  absl::Mutex steps_mu_;
+  int steps_in_flight_ ABSL_GUARDED_BY(steps_mu_) = 0;
 };
 
 }  // namespace muond::server

@@ -8,8 +8,9 @@
 //
 // Compute dtypes:
 //  - float32: fp32 tensors and LibTorch's CPU GEMM (the system BLAS).
-//  - bfloat16: bf16 tensors; LibTorch 1.13 routes bf16 bmm/baddbmm to oneDNN (AVX-512 BF16 on this
-//    CPU), accumulating in fp32 and rounding each op's result to bf16 once.
+//  - bfloat16: LibTorch 1.13 routes bf16 bmm/baddbmm to oneDNN (AVX-512 BF16 on this CPU),
+//    accumulating in fp32 and rounding each op's result to bf16 once. Not every op runs in bf16:
+//    see "bf16 precision plan" below (the first iterations and the m x m side are fp32).
 //  - float16: LibTorch 1.13's CPU GEMM has no Half kernel ("addmm_impl_cpu_" not implemented for
 //    'Half'), so fp16 is emulated: tensors hold fp16-representable values in fp32 storage, each
 //    GEMM accumulates in fp32 (like an fp16 GEMM with fp32 accumulation on a GPU) and each op's
@@ -17,8 +18,53 @@
 //    rounding passes: it exists for parity with fp16 device backends, not for speed.
 //
 // Normalization: the per-block Frobenius norm is taken in fp32 on the caller's data and X / (norm*k
-// + 1e-7) is rounded into the compute dtype once (instead of rounding X, then the quotient): the
-// same formula with one rounding fewer.
+// + 1e-7) is computed in fp32 (and, for fp16, rounded to it once), instead of rounding X, then the
+// quotient: the same formula with one rounding fewer.
+//
+// bf16 precision plan (DESIGN.md 3: rel. error < 2e-2 against float64 for every method). Measured
+// with a float64 emulation of each op's rounding (bf16 = round-to-nearest of the fp32 result, as
+// oneDNN does), worst rel. Frobenius error over 20 Gaussian inputs for each shape of
+// muon_float64_test (12x24 .. 32x32 blocks), standard / polar_express:
+//   every op bf16 (the plain formula in bf16; the previous implementation)   1.9e-2 / 4.1e-2
+//   + P = a I + b A + c A A kept in fp32, X <- bf16(P) @ X                    1.6e-2 / 4.2e-2
+//   + iteration 0 in fp32                                                    1.5e-2 / 3.3e-2
+//   + iterations 0 and 1 in fp32 (the plan below)                            9.7e-3 / 1.3e-2
+//   iterations 0 and 1 in fp32, then the plain formula in bf16               1.5e-2 / 1.2e-2
+// The error comes from the first two iterations: the normalized input has singular values far
+// below 1, and rounding X, A or P there puts an error of 2^-9 of the largest singular directions
+// into the small ones, which the next iterations grow by a^k (a = 3.4 standard, 8.3 then 4.1 Polar
+// Express) towards 1. Single-op attribution (polar_express): rounding P in iteration 0 alone costs
+// 3.5e-2, X in iteration 1 alone 2.0e-2; from iteration 2 on no single rounding costs more than
+// 6e-3. Gradients are often of low effective rank, which makes this worse: with singular values
+// ~1/i, a 512 x 512 block in plain bf16 measured 2.3e-2 (over the bound), with the plan 8.1e-3.
+// Limit: much steeper spectra still exceed it (~1/i^1.5 on 256 x 256: 1.8e-2; ~1/i^2: 2.7e-2;
+// both ~1e-2 with three fp32 iterations): 5 iterations leave such inputs far from converged and
+// every bf16 rounding shows in their small directions.
+// muon_float64_test measures (its Gaussian inputs) standard 9.6e-3, gram 9.6e-3 (square, i.e.
+// standard; 4.9e-3 on the others), polar_express 1.1e-2, and ~1e-2 on 256 x 320 blocks.
+// Hence, for bf16:
+//  - iterations 0 and 1 (kBf16Fp32Steps) run in fp32 on the fp32-normalized input;
+//  - the later ones keep the two products that touch the long side, A = X X^T and the update
+//    (the O(m^2 n) GEMMs), in bf16, and compute the m x m polynomial P = a I + b A + c A A in fp32
+//    (X <- bf16(P) @ X) when that is cheap or the block is small (m < 256 or n >= 8m: measured
+//    above); for large near-square blocks, where A A is a third of the work, it is the plain
+//    formula in bf16 (measured 1.0e-2 .. 1.1e-2 on 256^2 .. 512x1024 Gaussian blocks, 7e-3 .. 9e-3
+//    with singular values ~1/i; on the small blocks above 1.5e-2, and 1.9e-2 with singular values
+//    ~1/sqrt(i), hence the m < 256 rule);
+//  - gram: its products before the restart (R = X0 X0^T and Q X0: the same two iterations) in
+//    fp32, and R = X X^T always in fp32 (see GramIterations); only the final Q X is bf16.
+// Cost: two fp32 iterations of five, i.e. 6 of the 15 GEMMs of a square block (fewer for gram).
+// Measured with `muond-bench ns` (standard, square n x n, 2 threads; GFLOP/s, n = 256/512/1024):
+//   bf16 NS, this plan                25 / 45 / 86
+//   bf16 NS, every op bf16 (before)  137 /157 /162   (bf16 matmul ~150-165)
+//   fp32 NS                           17 / 32 / 53   (fp32 matmul ~60-65)
+// fp32 GEMMs (OpenBLAS, pthreads build) run at ~60 GFLOP/s alone vs ~160 for bf16 (oneDNN), and at
+// n <= 512 inside NS only at about half that: libgomp's spinning workers (ATen's elementwise ops)
+// compete with OpenBLAS's own threads for the cores. With OMP_WAIT_POLICY=passive fp32 NS reaches
+// 55-62 and bf16 NS 65-85 (oneDNN's small bf16 GEMMs slow down instead). So bf16 stays the
+// fastest compute dtype, but by ~1.5x over fp32 rather than ~3-10x; that is the price of the
+// DESIGN.md 3 bound (the previous all-bf16 formula exceeds it: 3.3e-2 in the tests, 2.3e-2 on a
+// 512 x 512 block with singular values ~1/i). The float16 emulation is fp32-GEMM bound likewise.
 #include "server/muon/newton_schulz.h"
 
 #include <ATen/ATen.h>
@@ -26,6 +72,7 @@
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <exception>
 #include <string>
 #include <utility>
@@ -67,6 +114,14 @@ constexpr double kNormEpsilon = 1e-7;
 // the first iterations see the badly conditioned R of the raw input, and restarting there bounds
 // the error that the r x r products accumulate.
 constexpr int kGramRestartAfter = 2;
+// bf16 precision plan (file comment): leading iterations computed in fp32, and the blocks [m, n]
+// (m <= n) whose P = a I + b A + c A A is computed in fp32.
+constexpr int kBf16Fp32Steps = 2;
+constexpr int64_t kBf16SmallSide = 256;
+constexpr int64_t kBf16WideRatio = 8;
+bool Bf16PolynomialInFp32(int64_t m, int64_t n) {
+  return m < kBf16SmallSide || n >= kBf16WideRatio * m;
+}
 // batch*m*k*n at or below which a bf16 baddbmm is evaluated in fp32 (see BatchedMath::Baddbmm); a
 // margin above LibTorch's own threshold (16^3 per product), still negligible work.
 constexpr int64_t kSmallBf16Gemm = int64_t{1} << 16;
@@ -83,8 +138,8 @@ Coefficients IterationCoefficients(NsMethod method, int i, int steps) {
   return k;
 }
 
-// The batched products in one dtype (the compute dtype, or fp32 for gram's m x m side). `*op`
-// names the op in flight for error messages; it is shared between instances.
+// The batched products in one dtype (the compute dtype, or fp32 for the m x m side and bf16's fp32
+// iterations). `*op` names the op in flight for error messages; it is shared between instances.
 class BatchedMath {
  public:
   BatchedMath(at::ScalarType storage, bool emulate_half, const char** op)
@@ -129,18 +184,46 @@ class BatchedMath {
   const char** op_;
 };
 
-// Standard iteration on X [b, m, n] (m <= n): A = X X^T; B = b A + c A A; X = a X + B X.
-at::Tensor StandardIterations(BatchedMath& math, at::Tensor x, NsMethod method, int steps) {
+// Iterations [begin, end) of the formula as written, in math's dtype, on X [b, m, n] (m <= n):
+// A = X X^T; B = b A + c A A; X = a X + B X. `steps` is the total (for the coefficients).
+at::Tensor DirectIterations(BatchedMath& math, at::Tensor x, NsMethod method, int begin, int end,
+                            int steps) {
+  if (begin >= end) return x;
   const int64_t batch = x.size(0);
   const int64_t m = x.size(1);
   at::Tensor a = at::empty({batch, m, m}, x.options());
   at::Tensor b = at::empty({batch, m, m}, x.options());
   at::Tensor next = at::empty_like(x);
-  for (int i = 0; i < steps; ++i) {
+  for (int i = begin; i < end; ++i) {
     const Coefficients k = IterationCoefficients(method, i, steps);
     math.Bmm("bmm(X, X^T)", x, x.transpose(1, 2), a);
     math.Baddbmm("baddbmm(b A + c A A)", a, a, a, k.b, k.c, b);
     math.Baddbmm("baddbmm(a X + B X)", x, b, x, k.a, 1.0, next);
+    std::swap(x, next);
+  }
+  return x;
+}
+
+// bf16 iterations [begin, steps) with the m x m polynomial in fp32 (see the file comment):
+// A = X X^T (bf16 GEMM), P = a I + b A + c A A (fp32), X = bf16(P) X (bf16 GEMM).
+at::Tensor Fp32PolynomialIterations(BatchedMath& math, BatchedMath& square_math, const char** op,
+                                    at::Tensor x, NsMethod method, int begin, int steps) {
+  if (begin >= steps) return x;
+  const int64_t batch = x.size(0);
+  const int64_t m = x.size(1);
+  at::Tensor a = at::empty({batch, m, m}, x.options());
+  at::Tensor a32 = at::empty({batch, m, m}, x.options().dtype(at::kFloat));
+  at::Tensor p = at::empty_like(a32);
+  at::Tensor next = at::empty_like(x);
+  for (int i = begin; i < steps; ++i) {
+    const Coefficients k = IterationCoefficients(method, i, steps);
+    math.Bmm("bmm(X, X^T)", x, x.transpose(1, 2), a);
+    *op = "widen A";
+    a32.copy_(a);
+    square_math.Baddbmm("baddbmm(b A + c A A)", a32, a32, a32, k.b, k.c, p);
+    *op = "diagonal add (P = a I + ...)";
+    p.diagonal(0, 1, 2).add_(k.a);
+    math.Bmm("bmm(P, X)", math.ToCompute("cast P", p), x, next);
     std::swap(x, next);
   }
   return x;
@@ -151,13 +234,17 @@ at::Tensor StandardIterations(BatchedMath& math, at::Tensor x, NsMethod method, 
 // but the first R and the final X = Q X_0 is an m x m product, which is cheaper when n >> m.
 // After kGramRestartAfter iterations: X_0 <- Q X_0, R <- X_0 X_0^T, Q <- I.
 //
-// Precision: the m x m side (R, P, Q) is kept in fp32 whatever the compute dtype; only the X-side
-// products (X_0 X_0^T, Q X_0), which are the O(m^2 n) work, run in the compute dtype. R squares the
-// condition number of X, and rounding R, P and Q to bf16 measured ~8% error against float64 on
-// small blocks (vs ~2% for the standard method); the fp32 m x m side costs O(m^3), small next to
-// O(m^2 n) in the n >> m regime this method is for.
-at::Tensor GramIterations(BatchedMath& math, BatchedMath& square_math, const char** op,
-                          at::Tensor x0, NsMethod method, int steps) {
+// Precision: the m x m side (R, P, Q) is kept in fp32 whatever the compute dtype, and so is the
+// product R = X_0 X_0^T (of X_0 in the compute dtype): R squares the condition number of X, and
+// rounding R, P and Q to bf16 measured ~8% error against float64 on small blocks (vs ~2% for the
+// standard method). The fp32 m x m side costs O(m^3), small next to O(m^2 n) in the n >> m regime
+// this method is for. Q X_0 runs in first_math before the restart and in rest_math after it (for
+// bf16: fp32, then bf16, the file comment's precision plan; otherwise both are the compute
+// dtype); x0 is in first_math's dtype. For bf16, then, only the final Q X_0 is a bf16 GEMM: three
+// of the four O(m^2 n) products are fp32 (measured worst 7e-3 on the test's blocks, 9e-3 with
+// singular values ~1/i on 256 x 320).
+at::Tensor GramIterations(BatchedMath& first_math, BatchedMath& rest_math, BatchedMath& square_math,
+                          const char** op, at::Tensor x0, NsMethod method, int steps) {
   const int64_t batch = x0.size(0);
   const int64_t m = x0.size(1);
   const at::TensorOptions fp32 = x0.options().dtype(at::kFloat);
@@ -165,19 +252,31 @@ at::Tensor GramIterations(BatchedMath& math, BatchedMath& square_math, const cha
   at::Tensor p = at::empty_like(r);
   at::Tensor q = at::empty_like(r);
   at::Tensor t = at::empty_like(r);
-  at::Tensor r_compute = at::empty({batch, m, m}, x0.options());
+  BatchedMath* x_math = &first_math;
+  // R <- X0 X0^T, an fp32 product of X0's values (rounded to the compute dtype after the restart):
+  // rounding R itself to bf16 costs its small eigenvalues (the squares of X's small singular
+  // values) their precision, measured 5.6e-2 error with singular values ~1/i (256 x 320).
+  auto gram = [&](const char* name) {
+    if (x0.scalar_type() == at::kFloat) {
+      square_math.Bmm(name, x0, x0.transpose(1, 2), r);
+      return;
+    }
+    *op = "widen X0";
+    const at::Tensor x32 = x0.to(at::kFloat);
+    square_math.Bmm(name, x32, x32.transpose(1, 2), r);
+  };
   bool q_is_identity = true;  // Q = I is implicit: not stored, not multiplied
-  math.Bmm("bmm(X0, X0^T)", x0, x0.transpose(1, 2), r_compute);
-  *op = "copy R";
-  r.copy_(r_compute);
+  gram("bmm(X0, X0^T)");
   for (int i = 0; i < steps; ++i) {
     if (i == kGramRestartAfter) {
       at::Tensor x = at::empty_like(x0);
-      math.Bmm("bmm(Q, X0) (restart)", math.ToCompute("cast Q (restart)", q), x0, x);
+      x_math->Bmm("bmm(Q, X0) (restart)", x_math->ToCompute("cast Q (restart)", q), x0, x);
+      if (x_math != &rest_math) {
+        x_math = &rest_math;
+        x = x_math->ToCompute("cast X (restart)", x);
+      }
       x0 = std::move(x);
-      math.Bmm("bmm(X0, X0^T) (restart)", x0, x0.transpose(1, 2), r_compute);
-      *op = "copy R (restart)";
-      r.copy_(r_compute);
+      gram("bmm(X0, X0^T) (restart)");
       q_is_identity = true;
     }
     const Coefficients k = IterationCoefficients(method, i, steps);
@@ -198,7 +297,7 @@ at::Tensor GramIterations(BatchedMath& math, BatchedMath& square_math, const cha
     }
   }
   at::Tensor x = at::empty_like(x0);
-  math.Bmm("bmm(Q, X0)", math.ToCompute("cast Q", q), x0, x);
+  x_math->Bmm("bmm(Q, X0)", x_math->ToCompute("cast Q", q), x0, x);
   return x;
 }
 
@@ -229,8 +328,9 @@ absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometr
   }
   const char* op = "from_blob";
   const at::ScalarType storage = StorageType(config.compute_dtype);
+  const bool bf16 = config.compute_dtype == DType::kBFloat16;
   BatchedMath math(storage, /*emulate_half=*/config.compute_dtype == DType::kFloat16, &op);
-  BatchedMath square_math(at::kFloat, /*emulate_half=*/false, &op);
+  BatchedMath fp32_math(at::kFloat, /*emulate_half=*/false, &op);
   try {
     c10::InferenceMode no_autograd;
     // Not owned: the tensor must not outlive this call.
@@ -245,14 +345,32 @@ absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometr
         at::linalg_vector_norm(view, 2, at::IntArrayRef{1, 2}, /*keepdim=*/true, c10::nullopt);
     denom.mul_(k).add_(kNormEpsilon);
     op = "normalize";
-    at::Tensor xs = at::empty(view.sizes(), view.options().dtype(storage));
-    at::div_out(xs, view, denom);  // contiguous [b, m, n]; casts to the compute dtype on write
+    // fp32 for every compute dtype: bf16 starts with fp32 iterations, fp16 is emulated in fp32.
+    at::Tensor xs = at::empty(view.sizes(), view.options());
+    at::div_out(xs, view, denom);  // contiguous [b, m, n]
     math.RoundToCompute(xs);
 
-    const bool gram = config.ns_method == NsMethod::kGram && view.size(1) != view.size(2);
-    at::Tensor result =
-        gram ? GramIterations(math, square_math, &op, xs, config.ns_method, config.ns_steps)
-             : StandardIterations(math, xs, config.ns_method, config.ns_steps);
+    const int steps = config.ns_steps;
+    const NsMethod method = config.ns_method;
+    const int64_t m = view.size(1);
+    const int64_t n = view.size(2);
+    const bool gram = method == NsMethod::kGram && m != n;
+    at::Tensor result;
+    if (gram) {
+      result = GramIterations(bf16 ? fp32_math : math, math, fp32_math, &op, xs, method, steps);
+    } else if (!bf16) {
+      result = DirectIterations(math, xs, method, 0, steps, steps);
+    } else {
+      const int fp32_steps = std::min(kBf16Fp32Steps, steps);
+      result = DirectIterations(fp32_math, xs, method, 0, fp32_steps, steps);
+      if (fp32_steps < steps) {
+        result = math.ToCompute("cast X to bfloat16", result);
+        result =
+            Bf16PolynomialInFp32(m, n)
+                ? Fp32PolynomialIterations(math, fp32_math, &op, result, method, fp32_steps, steps)
+                : DirectIterations(math, result, method, fp32_steps, steps, steps);
+      }
+    }
 
     op = "write back";
     if (result.scalar_type() == at::kFloat) {

@@ -46,9 +46,24 @@ class CAbiTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory(prefix="muond-pytest-")
         cls.address = f"unix://{cls.tmp.name}/muond.sock"
+        # The daemon logs to a file: a pipe nobody reads would block it once full.
+        cls.log_path = os.path.join(cls.tmp.name, "muond.log")
+        cls.log = open(cls.log_path, "wb")
         cls.daemon = subprocess.Popen([MUOND, "--listen", cls.address, "--state-dir",
                                        os.path.join(cls.tmp.name, "state"), "--threads", "1"],
-                                      stderr=subprocess.PIPE)
+                                      stderr=cls.log)
+        try:
+            cls._connect()
+        except BaseException:
+            # tearDownClass does not run when setUpClass fails: never leave a daemon behind.
+            cls.daemon.kill()
+            cls.daemon.wait()
+            with open(cls.log_path, errors="replace") as f:
+                sys.stderr.write(f.read())
+            raise
+
+    @classmethod
+    def _connect(cls):
         lib = ctypes.CDLL(LIB)
         lib.muond_last_error.restype = ctypes.c_char_p
         lib.muond_connect.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
@@ -78,8 +93,13 @@ class CAbiTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.lib.muond_client_free(cls.client)
         cls.daemon.send_signal(signal.SIGTERM)
-        assert cls.daemon.wait(timeout=30) == 0, "muond did not exit 0 on SIGTERM"
+        code = cls.daemon.wait(timeout=30)
+        cls.log.close()
+        if code != 0:
+            with open(cls.log_path, errors="replace") as f:
+                sys.stderr.write(f.read())
         cls.tmp.cleanup()
+        assert code == 0, f"muond exited {code} on SIGTERM, not 0"
 
     def create(self, job_id, matrices, **muon):
         spec = {"job_id": job_id, "muon": muon, "matrices": matrices}
