@@ -85,11 +85,11 @@ int muond_job_reset(muond_client* client, const char* job_id, const char* token,
 }
 
 int muond_attach(muond_client* client, const char* job_id, int rank, const char* token,
-                 muond_session** out) {
+                 int takeover, muond_session** out) {
   if (client == nullptr || job_id == nullptr || token == nullptr || out == nullptr) {
     return NullArgument("client, job_id, token or out");
   }
-  auto s = client->impl->Attach(job_id, rank, token);
+  auto s = client->impl->Attach(job_id, rank, token, takeover != 0);
   if (!s.ok()) return Report(s.status());
   *out = new muond_session{*std::move(s)};
   return Report(absl::OkStatus());

@@ -119,7 +119,8 @@ absl::StatusOr<std::vector<v1::JobStatus>> Client::ListJobs() {
 }
 
 absl::StatusOr<std::unique_ptr<RankSession>> Client::Attach(const std::string& job_id, int rank,
-                                                            const std::string& token) {
+                                                            const std::string& token,
+                                                            bool takeover) {
   ASSIGN_OR_RETURN(v1::JobStatus status, GetJob(job_id, token));
   ASSIGN_OR_RETURN(common::JobSpec spec, common::JobSpecFromProto(status.spec()));
   if (rank < 0 || rank >= spec.world_size) {
@@ -131,6 +132,7 @@ absl::StatusOr<std::unique_ptr<RankSession>> Client::Attach(const std::string& j
   v1::AttachRankRequest req;
   req.set_job_id(job_id);
   req.set_rank(rank);
+  req.set_takeover(takeover);
   v1::AttachRankResponse resp;
   RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->AttachRank(&ctx, req, &resp)), "AttachRank"));
   std::unique_ptr<RankSession> session(new RankSession());
@@ -141,7 +143,26 @@ absl::StatusOr<std::unique_ptr<RankSession>> Client::Attach(const std::string& j
   session->rank_ = rank;
   session->session_id_ = resp.session_id();
   session->next_step_ = resp.next_step();
+  session->attached_ = true;
   return session;
+}
+
+RankSession::~RankSession() {
+  if (attached_) (void)Detach();
+}
+
+absl::Status RankSession::Detach() {
+  if (!attached_) return absl::OkStatus();
+  attached_ = false;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  SetToken(&ctx, token_);
+  v1::DetachRankRequest req;
+  req.set_job_id(spec_.job_id);
+  req.set_rank(rank_);
+  req.set_session_id(session_id_);
+  v1::DetachRankResponse resp;
+  return Annotate(FromGrpcStatus(stub_->DetachRank(&ctx, req, &resp)), "DetachRank");
 }
 
 absl::StatusOr<StepResult> RankSession::Step(int64_t step, const std::vector<GradientSpan>& grads,

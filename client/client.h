@@ -51,6 +51,13 @@ struct NamedTensor {
 
 class RankSession {
  public:
+  // Detaches the rank (best effort: a daemon that is gone cannot be told).
+  ~RankSession();
+  RankSession(const RankSession&) = delete;
+  RankSession& operator=(const RankSession&) = delete;
+  // Ends the session now. FAILED_PRECONDITION when it was taken over meanwhile.
+  absl::Status Detach();
+
   const common::JobSpec& spec() const { return spec_; }
   int rank() const { return rank_; }
   uint64_t session_id() const { return session_id_; }
@@ -82,6 +89,7 @@ class RankSession {
   int rank_ = 0;
   uint64_t session_id_ = 0;
   int64_t next_step_ = 0;
+  bool attached_ = false;
   std::vector<common::ShardSpan> spans_;
 };
 
@@ -99,9 +107,12 @@ class Client {
   absl::Status ResetJob(const std::string& job_id, const std::string& token, int64_t next_step);
   absl::StatusOr<v1::JobStatus> GetJob(const std::string& job_id, const std::string& token);
   absl::StatusOr<std::vector<v1::JobStatus>> ListJobs();
-  // Attaches `rank` of the job (fetching the job's spec) and returns its session.
+  // Attaches `rank` of the job (fetching the job's spec) and returns its session; the session
+  // detaches when destroyed. ALREADY_EXISTS when the rank is attached elsewhere, unless `takeover`
+  // (for a restarted trainer whose old process is gone: its step in flight is aborted).
   absl::StatusOr<std::unique_ptr<RankSession>> Attach(const std::string& job_id, int rank,
-                                                      const std::string& token);
+                                                      const std::string& token,
+                                                      bool takeover = false);
 
  private:
   Client() = default;

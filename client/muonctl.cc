@@ -165,7 +165,10 @@ absl::Status CmdStep(Client& client, const Args& a) {
     std::string_view data = in.Data(t);
     grads.push_back({t.name, t.dtype, t.shape, std::string(data)});
   }
-  ASSIGN_OR_RETURN(auto session, client.Attach(a.flags.at("job"), static_cast<int>(rank), token));
+  // Each muonctl run is a new process acting for the rank: it takes the rank over (a previous
+  // muonctl for it has exited) and detaches when done.
+  ASSIGN_OR_RETURN(auto session, client.Attach(a.flags.at("job"), static_cast<int>(rank), token,
+                                               /*takeover=*/true));
   StepResult result;
   auto updates = session->StepTensors(step, grads, &result);
   if (!updates.ok()) {

@@ -44,8 +44,11 @@ int muond_job_create(muond_client* client, const char* spec_json, char* token_bu
 int muond_job_delete(muond_client* client, const char* job_id, const char* token);
 int muond_job_reset(muond_client* client, const char* job_id, const char* token, int64_t next_step);
 
+/* Attaches `rank`; ALREADY_EXISTS (6) when it is attached elsewhere, unless `takeover` is nonzero
+ * (a restarted trainer replacing a session whose process is gone). */
 int muond_attach(muond_client* client, const char* job_id, int rank, const char* token,
-                 muond_session** out);
+                 int takeover, muond_session** out);
+/* Detaches the rank (best effort) and frees the session. */
 void muond_session_free(muond_session* session);
 /* The step the job expected when the rank attached. */
 int64_t muond_session_next_step(const muond_session* session);

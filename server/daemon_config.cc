@@ -45,6 +45,10 @@ absl::Status Apply(DaemonConfig& c, const std::string& key, const std::string& v
     }
   } else if (key == "max-momentum-bytes") {
     if (!absl::SimpleAtoi(value, &c.max_momentum_bytes)) return bad("expected a byte count");
+  } else if (key == "gather-budget-bytes") {
+    if (!absl::SimpleAtoi(value, &c.gather_budget_bytes) || c.gather_budget_bytes == 0) {
+      return bad("expected a byte count > 0");
+    }
   } else if (key == "shutdown-grace-seconds") {
     if (!absl::SimpleAtod(value, &c.shutdown_grace_seconds) || !(c.shutdown_grace_seconds >= 0) ||
         c.shutdown_grace_seconds > 3600) {
@@ -104,6 +108,9 @@ std::string DaemonUsage() {
       "  --threads N             CPU compute threads; 0 = one per CPU. Default: 0\n"
       "  --max-momentum-bytes N  total fp32 momentum all jobs may hold; CreateJob beyond it fails\n"
       "                          with RESOURCE_EXHAUSTED. 0 = unlimited. Default: 0\n"
+      "  --gather-budget-bytes N  bytes of whole matrices a job assembles at once (fp32 gradient\n"
+      "                          and temporary momentum, 8 bytes per element); a larger matrix is\n"
+      "                          processed alone. A job may set its own. Default: 1073741824\n"
       "  --shutdown-grace-seconds S  on SIGTERM/SIGINT, how long steps in flight may run before\n"
       "                          they are cancelled. Default: 30\n"
       "  --log-level LEVEL       debug, info, warning or error. Default: info\n"

@@ -19,6 +19,7 @@ struct DaemonConfig {
   std::string log_level = "info";
   int threads = 0;        // compute threads; 0: one per CPU
   uint64_t max_momentum_bytes = 0;  // 0: unlimited
+  uint64_t gather_budget_bytes = uint64_t{1} << 30;  // per job, unless the job sets its own
   double shutdown_grace_seconds = 30;
   bool help = false;
   bool version = false;

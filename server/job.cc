@@ -1,7 +1,7 @@
 #include "server/job.h"
 
 #include <algorithm>
-#include <chrono>
+#include <cstring>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -10,50 +10,62 @@
 #include "common/dtype.h"
 #include "common/job_spec_proto.h"
 #include "common/logging.h"
-#include "common/status_macros.h"
 #include "server/muon/muon_math.h"
 
 namespace muond::server {
 
 // Largest data chunk accepted on any data path.
 constexpr size_t kMaxChunkBytes = size_t{4} << 20;
+// How often a rank waiting for the step's commit checks whether it went away.
+constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
 
-// The whole-matrix assembly of one matrix for one step.
-struct MatrixAssembly {
-  std::vector<float> grad;                 // numel fp32 once the first chunk arrived
-  std::map<uint64_t, uint64_t> received;   // element ranges [first, second) already claimed
+// One rank's input for the step: the gradient bytes of each of its spans.
+struct RankInput {
+  std::vector<std::string> span_bytes;               // per span, the matrix dtype
+  std::vector<std::map<uint64_t, uint64_t>> claimed;  // per span: element ranges [first, second)
+  std::vector<uint64_t> span_received;               // per span: elements copied in
+  bool begun = false;
+  bool finished = false;
 };
 
-// The step in flight. Fields are guarded by the owning Job's mu_, except the contents of
-// MatrixAssembly::grad, which ranks write outside the lock into ranges they claimed under it.
+// The step in flight. Guarded by the owning Job's mu_, except the bytes of the input buffers
+// (written outside the lock into ranges claimed under it, read by compute once a matrix is
+// complete) and of the output buffers (written by compute, read after commit).
 struct StepState {
   int64_t step = 0;
-  std::vector<MatrixAssembly> matrices;
-  std::vector<std::vector<uint64_t>> rank_received;  // [rank][matrix] elements received
-  std::vector<bool> rank_begun;
-  std::vector<bool> rank_finished;
-  int finished = 0;
+  absl::Time start;
+  std::vector<RankInput> ranks;
+  std::vector<std::shared_ptr<RankUpdate>> outputs;  // per rank
+  std::vector<uint64_t> matrix_received;             // elements, all ranks
+  std::vector<uint32_t> ready;                       // complete matrices not yet taken
+  bool drain_queued = false;                         // a DrainReady task is queued or running
+  size_t matrices_done = 0;
   bool done = false;
   absl::Status result;
-  std::vector<std::shared_ptr<const RankUpdate>> updates;  // per rank, when committed
   absl::CondVar cv;
 };
 
-RankStep::RankStep(Job* job, int rank, int64_t step, std::shared_ptr<StepState> state,
-                   std::shared_ptr<const RankUpdate> replay)
-    : job_(job), rank_(rank), step_(step), state_(std::move(state)), replay_(std::move(replay)) {}
+RankStep::RankStep(std::shared_ptr<Job> job, int rank, int64_t step,
+                   std::shared_ptr<StepState> state, std::shared_ptr<const RankUpdate> replay)
+    : job_(std::move(job)),
+      rank_(rank),
+      step_(step),
+      state_(std::move(state)),
+      replay_(std::move(replay)) {}
 
 RankStep::~RankStep() {
-  if (!done_ && state_ != nullptr) job_->AbortRank(state_, rank_);
+  if (!done_ && state_ != nullptr) {
+    job_->AbortRank(state_, rank_, "left before the step completed");
+  }
 }
 
 absl::Status RankStep::AddGradient(uint32_t matrix, uint64_t offset, std::string_view data,
                                    uint32_t crc32c) {
-  if (done_) return absl::FailedPreconditionError("step already finished");
+  if (done_) return absl::FailedPreconditionError("the step already ended for this rank");
   bytes_in_ += data.size();
   if (replay_ != nullptr) {
-    // A replay returns the committed bytes; the resent gradients are only checked for transport
-    // integrity, never applied again.
+    // A replay returns the committed bytes; resent gradients are checked for transport integrity
+    // only and never applied again.
     if (common::Crc32c(data.data(), data.size()) != crc32c) {
       return absl::InvalidArgumentError(absl::StrCat("step ", step_, " (replay): matrix ", matrix,
                                                      " chunk at element ", offset,
@@ -61,30 +73,43 @@ absl::Status RankStep::AddGradient(uint32_t matrix, uint64_t offset, std::string
     }
     return absl::OkStatus();
   }
-  absl::Status s = job_->AddGradient(*state_, rank_, matrix, offset, data, crc32c);
-  if (!s.ok()) done_ = true;  // the step was refused; nothing left to abort
+  absl::Status s = job_->AddGradient(state_, rank_, matrix, offset, data, crc32c);
+  if (!s.ok()) done_ = true;  // the step ended (refused); nothing left to abort
   return s;
 }
 
 absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
     const std::function<bool()>& cancelled) {
-  if (done_) return absl::FailedPreconditionError("step already finished");
+  if (done_) return absl::FailedPreconditionError("the step already ended for this rank");
   done_ = true;
   if (replay_ != nullptr) return replay_;
   return job_->FinishRank(state_, rank_, cancelled);
 }
 
-Job::Job(common::JobSpec spec, std::string token, std::string backend)
+Job::Job(common::JobSpec spec, std::string token, std::string backend, ComputeExecutor* executor,
+         uint64_t gather_budget_bytes)
     : spec_(std::move(spec)),
       token_(std::move(token)),
       backend_(std::move(backend)),
+      executor_(executor),
+      gather_budget_bytes_(gather_budget_bytes),
       created_unix_ms_(absl::ToUnixMillis(absl::Now())) {
-  for (int r = 0; r < spec_.world_size; ++r) rank_spans_.push_back(common::RankSpans(spec_, r));
-  absl::MutexLock lock(&mu_);
-  momentum_.resize(spec_.matrices.size());
-  for (size_t m = 0; m < spec_.matrices.size(); ++m) {
+  const size_t num_matrices = spec_.matrices.size();
+  matrix_spans_.resize(num_matrices);
+  for (int r = 0; r < spec_.world_size; ++r) {
+    rank_spans_.push_back(common::RankSpans(spec_, r));
+    rank_matrix_spans_.emplace_back(num_matrices);
+    for (size_t i = 0; i < rank_spans_[r].size(); ++i) {
+      const uint32_t m = rank_spans_[r][i].matrix;
+      rank_matrix_spans_[r][m].push_back(i);
+      matrix_spans_[m].push_back({r, i});
+    }
+  }
+  momentum_.resize(num_matrices);
+  for (size_t m = 0; m < num_matrices; ++m) {
     momentum_[m].assign(static_cast<size_t>(spec_.matrices[m].numel()), 0.0f);
   }
+  absl::MutexLock lock(&mu_);
   sessions_.assign(spec_.world_size, 0);
   last_updates_.resize(spec_.world_size);
 }
@@ -98,21 +123,85 @@ bool Job::TokenMatches(std::string_view token) const {
   return diff == 0;
 }
 
-absl::StatusOr<uint64_t> Job::Attach(int rank) {
+absl::StatusOr<uint64_t> Job::Attach(int rank, bool takeover) {
   if (rank < 0 || rank >= spec_.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
-                                                   " out of range [0, ", spec_.world_size, ")"));
+                                                   " is outside the world size [0, ",
+                                                   spec_.world_size, ")"));
   }
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
+  if (sessions_[rank] != 0) {
+    if (!takeover) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "job '", id(), "': rank ", rank, " is already attached (session ", sessions_[rank],
+          "); detach it, or attach with takeover to replace a session whose process is gone"));
+    }
+    if (in_flight_ != nullptr && in_flight_->ranks[rank].begun &&
+        !in_flight_->ranks[rank].finished) {
+      FailStep(*in_flight_,
+               absl::AbortedError(absl::StrCat("job '", id(), "' step ", in_flight_->step,
+                                               " aborted: rank ", rank,
+                                               " was taken over by a new session mid-step")),
+               /*fence=*/true);
+    }
+    MUOND_LOG(INFO) << "job '" << id() << "' rank " << rank << ": session " << sessions_[rank]
+                    << " taken over";
+  }
   sessions_[rank] = next_session_++;
   return sessions_[rank];
+}
+
+absl::Status Job::Detach(int rank, uint64_t session) {
+  if (rank < 0 || rank >= spec_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
+                                                   " is outside the world size [0, ",
+                                                   spec_.world_size, ")"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (sessions_[rank] == 0 || sessions_[rank] != session) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", id(), "' rank ", rank,
+                                                      ": session ", session,
+                                                      " is not the rank's current session"));
+  }
+  sessions_[rank] = 0;
+  return absl::OkStatus();
+}
+
+std::shared_ptr<StepState> Job::NewStepState(int64_t step) {
+  auto state = std::make_shared<StepState>();
+  state->step = step;
+  state->start = absl::Now();
+  state->ranks.resize(spec_.world_size);
+  state->outputs.resize(spec_.world_size);
+  state->matrix_received.assign(spec_.matrices.size(), 0);
+  const bool reuse = input_pool_.size() == static_cast<size_t>(spec_.world_size);
+  for (int r = 0; r < spec_.world_size; ++r) {
+    RankInput& in = state->ranks[r];
+    const size_t n = rank_spans_[r].size();
+    if (reuse) in.span_bytes = std::move(input_pool_[r]);
+    in.span_bytes.resize(n);
+    in.claimed.resize(n);
+    in.span_received.assign(n, 0);
+    auto out = std::make_shared<RankUpdate>();
+    out->step = step;
+    for (size_t i = 0; i < n; ++i) {
+      const common::ShardSpan& span = rank_spans_[r][i];
+      const size_t bytes = span.length * common::DTypeSize(spec_.matrices[span.matrix].dtype);
+      in.span_bytes[i].resize(bytes);
+      out->spans.push_back({span.matrix, span.offset, std::string(bytes, '\0')});
+    }
+    state->outputs[r] = std::move(out);
+  }
+  input_pool_.clear();
+  return state;
 }
 
 absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t session, int64_t step) {
   if (rank < 0 || rank >= spec_.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
-                                                   " out of range [0, ", spec_.world_size, ")"));
+                                                   " is outside the world size [0, ",
+                                                   spec_.world_size, ")"));
   }
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
@@ -127,57 +216,63 @@ absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t sess
   }
   if (step == next_step_ - 1 && last_updates_[rank] != nullptr &&
       last_updates_[rank]->step == step) {
-    return std::unique_ptr<RankStep>(new RankStep(this, rank, step, nullptr, last_updates_[rank]));
+    if (in_flight_ != nullptr && in_flight_->ranks[rank].begun) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job '", id(), "' rank ", rank, ": cannot replay step ", step,
+                       " while the rank has step ", in_flight_->step, " in flight"));
+    }
+    return std::unique_ptr<RankStep>(
+        new RankStep(shared_from_this(), rank, step, nullptr, last_updates_[rank]));
   }
   if (step != next_step_) {
     return absl::FailedPreconditionError(absl::StrCat("job '", id(), "': step ", step,
-                                                      " out of order: expected step ", next_step_));
+                                                      " out of order: expected step ", next_step_,
+                                                      next_step_ > 0 ? " (or a replay of " : "",
+                                                      next_step_ > 0 ? absl::StrCat(next_step_ - 1, ")") : ""));
   }
-  if (in_flight_ == nullptr) {
-    auto state = std::make_shared<StepState>();
-    state->step = step;
-    state->matrices.resize(spec_.matrices.size());
-    state->rank_received.assign(spec_.world_size, std::vector<uint64_t>(spec_.matrices.size(), 0));
-    state->rank_begun.assign(spec_.world_size, false);
-    state->rank_finished.assign(spec_.world_size, false);
-    state->updates.resize(spec_.world_size);
-    in_flight_ = std::move(state);
-  }
-  if (in_flight_->rank_begun[rank]) {
+  if (in_flight_ == nullptr) in_flight_ = NewStepState(step);
+  if (in_flight_->ranks[rank].begun) {
     return absl::FailedPreconditionError(
         absl::StrCat("job '", id(), "' rank ", rank, " already has step ", step, " in flight"));
   }
-  in_flight_->rank_begun[rank] = true;
-  return std::unique_ptr<RankStep>(new RankStep(this, rank, step, in_flight_, nullptr));
+  in_flight_->ranks[rank].begun = true;
+  return std::unique_ptr<RankStep>(
+      new RankStep(shared_from_this(), rank, step, in_flight_, nullptr));
 }
 
-absl::Status Job::AddGradient(StepState& state, int rank, uint32_t matrix, uint64_t offset,
-                              std::string_view data, uint32_t crc32c) {
+absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int rank,
+                              uint32_t matrix, uint64_t offset, std::string_view data,
+                              uint32_t crc32c) {
+  StepState& state = *state_ptr;
   const std::string where = absl::StrCat("job '", id(), "' step ", state.step, " rank ", rank);
+  // Checks that need no lock: the layout tables are immutable.
   absl::Status bad;
   const common::MatrixSpec* ms = matrix < spec_.matrices.size() ? &spec_.matrices[matrix] : nullptr;
   const size_t esize = ms ? common::DTypeSize(ms->dtype) : 1;
   const uint64_t count = data.size() / esize;
+  size_t span_index = 0;
   if (ms == nullptr) {
     bad = absl::InvalidArgumentError(absl::StrCat(where, ": matrix index ", matrix,
-                                                  " out of range (job has ",
+                                                  " out of range (the job has ",
                                                   spec_.matrices.size(), " matrices)"));
   } else if (data.empty() || data.size() > kMaxChunkBytes || data.size() % esize != 0) {
     bad = absl::InvalidArgumentError(absl::StrCat(
         where, ": matrix '", ms->name, "' chunk at element ", offset, " has ", data.size(),
-        " bytes; expected a non-empty multiple of ", esize, " (", std::string(common::DTypeName(ms->dtype)),
-        ") of at most ", kMaxChunkBytes));
+        " bytes; expected a non-empty multiple of ", esize, " (",
+        std::string(common::DTypeName(ms->dtype)), ") of at most ", kMaxChunkBytes,
+        " (truncated chunk?)"));
   } else if (common::Crc32c(data.data(), data.size()) != crc32c) {
     bad = absl::InvalidArgumentError(absl::StrCat(where, ": matrix '", ms->name,
                                                   "' chunk at element ", offset,
                                                   ": CRC32C mismatch (corrupt or truncated chunk)"));
   } else {
-    // The chunk must lie inside one of the rank's spans of this matrix.
     bool inside = false;
-    for (const common::ShardSpan& span : rank_spans_[rank]) {
-      if (span.matrix == matrix && offset >= span.offset &&
-          offset + count <= span.offset + span.length && offset + count >= offset) {
+    for (size_t i : rank_matrix_spans_[rank][matrix]) {
+      const common::ShardSpan& span = rank_spans_[rank][i];
+      if (offset >= span.offset && offset - span.offset <= span.length &&
+          count <= span.length - (offset - span.offset)) {
         inside = true;
+        span_index = i;
         break;
       }
     }
@@ -185,9 +280,15 @@ absl::Status Job::AddGradient(StepState& state, int rank, uint32_t matrix, uint6
       bad = absl::InvalidArgumentError(absl::StrCat(
           where, ": matrix '", ms->name, "' elements [", offset, ", ", offset + count,
           ") are outside the rank's shard of the matrix (", ms->numel(), " elements)"));
+    } else if (const int64_t at = common::FindNonFiniteRaw(ms->dtype, data.data(), count);
+               at >= 0) {
+      bad = absl::InvalidArgumentError(
+          absl::StrCat(where, ": matrix '", ms->name, "' has a non-finite gradient value at element ",
+                       offset + static_cast<uint64_t>(at),
+                       "; the step is refused for every rank and the momentum is unchanged"));
     }
   }
-  float* dst = nullptr;
+  char* dst = nullptr;
   {
     absl::MutexLock lock(&mu_);
     if (state.done) return state.result;
@@ -195,12 +296,12 @@ absl::Status Job::AddGradient(StepState& state, int rank, uint32_t matrix, uint6
       FailStep(state, bad, /*fence=*/false);
       return bad;
     }
-    MatrixAssembly& a = state.matrices[matrix];
-    // Overlap check against claimed ranges: the first range starting at or after `offset`, and the
-    // one before it.
-    auto next = a.received.lower_bound(offset);
-    const bool overlaps = (next != a.received.end() && next->first < offset + count) ||
-                          (next != a.received.begin() && std::prev(next)->second > offset);
+    const common::ShardSpan& span = rank_spans_[rank][span_index];
+    RankInput& in = state.ranks[rank];
+    auto& claimed = in.claimed[span_index];
+    auto next = claimed.lower_bound(offset);
+    const bool overlaps = (next != claimed.end() && next->first < offset + count) ||
+                          (next != claimed.begin() && std::prev(next)->second > offset);
     if (overlaps) {
       absl::Status s = absl::InvalidArgumentError(
           absl::StrCat(where, ": matrix '", ms->name, "' elements [", offset, ", ",
@@ -208,23 +309,21 @@ absl::Status Job::AddGradient(StepState& state, int rank, uint32_t matrix, uint6
       FailStep(state, s, /*fence=*/false);
       return s;
     }
-    a.received.emplace(offset, offset + count);
-    if (a.grad.empty()) a.grad.resize(static_cast<size_t>(ms->numel()));
-    state.rank_received[rank][matrix] += count;
-    dst = a.grad.data() + offset;
+    claimed.emplace(offset, offset + count);
+    dst = in.span_bytes[span_index].data() + (offset - span.offset) * esize;
   }
-  // The claimed range is this rank's alone: convert outside the lock.
-  common::ToFloat32(ms->dtype, data.data(), count, dst);
-  const int64_t bad_index = common::FindNonFinite(dst, count);
-  if (bad_index >= 0) {
-    absl::Status s = absl::InvalidArgumentError(
-        absl::StrCat(where, ": matrix '", ms->name, "' has a non-finite gradient value (",
-                     dst[bad_index], ") at element ", offset + bad_index,
-                     "; the step is refused and the momentum is unchanged"));
-    absl::MutexLock lock(&mu_);
-    if (state.done) return state.result;
-    FailStep(state, s, /*fence=*/false);
-    return s;
+  // The claimed range is this rank's alone: copy outside the lock.
+  std::memcpy(dst, data.data(), data.size());
+  absl::MutexLock lock(&mu_);
+  if (state.done) return state.result;
+  state.ranks[rank].span_received[span_index] += count;
+  state.matrix_received[matrix] += count;
+  if (state.matrix_received[matrix] == static_cast<uint64_t>(ms->numel())) {
+    state.ready.push_back(matrix);
+    if (!state.drain_queued) {
+      state.drain_queued = true;
+      executor_->Submit([self = shared_from_this(), state_ptr] { self->DrainReady(state_ptr); });
+    }
   }
   return absl::OkStatus();
 }
@@ -232,101 +331,155 @@ absl::Status Job::AddGradient(StepState& state, int rank, uint32_t matrix, uint6
 absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
     const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled) {
   absl::MutexLock lock(&mu_);
-  if (state->done) return state->result;
-  // Every span of this rank must have arrived.
-  std::vector<uint64_t> expected(spec_.matrices.size(), 0);
-  for (const common::ShardSpan& span : rank_spans_[rank]) expected[span.matrix] += span.length;
-  for (size_t m = 0; m < expected.size(); ++m) {
-    const uint64_t got = state->rank_received[rank][m];
-    if (got != expected[m]) {
+  if (state->done) {
+    if (!state->result.ok()) return state->result;
+    return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
+  }
+  RankInput& in = state->ranks[rank];
+  for (size_t i = 0; i < rank_spans_[rank].size(); ++i) {
+    const common::ShardSpan& span = rank_spans_[rank][i];
+    if (in.span_received[i] != span.length) {
       absl::Status s = absl::InvalidArgumentError(absl::StrCat(
           "job '", id(), "' step ", state->step, " rank ", rank, ": matrix '",
-          spec_.matrices[m].name, "' is incomplete: received ", got, " of ", expected[m],
-          " elements", got == 0 ? " (matrix missing from the step)" : ""));
+          spec_.matrices[span.matrix].name, "' is incomplete: received ", in.span_received[i],
+          " of ", span.length, " elements of the rank's span at element ", span.offset,
+          in.span_received[i] == 0 ? " (missing from the step)" : ""));
       FailStep(*state, s, /*fence=*/false);
       return s;
     }
   }
-  state->rank_finished[rank] = true;
-  if (++state->finished == spec_.world_size) {
-    mu_.Unlock();
-    absl::Status s = ComputeAndCommit(*state);
-    mu_.Lock();
-    if (!s.ok() && !state->done) FailStep(*state, s, /*fence=*/false);
-  }
-  // Waiting for the other ranks: a rank whose call was cancelled meanwhile (client gone, server
-  // shutting down) aborts the step; without this poll a shutdown would wait forever for a rank
-  // that never comes.
+  in.finished = true;
   while (!state->done) {
-    state->cv.WaitWithTimeout(&mu_, absl::Milliseconds(50));
+    state->cv.WaitWithTimeout(&mu_, kCancelPoll);
     if (!state->done && cancelled && cancelled()) {
       FailStep(*state,
                absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step,
                                                " aborted: rank ", rank,
-                                               " was cancelled while waiting for the other ranks")),
+                                               " went away while waiting for the step")),
                /*fence=*/true);
     }
   }
   if (!state->result.ok()) return state->result;
-  return state->updates[rank];
+  return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
 }
 
-absl::Status Job::ComputeAndCommit(StepState& state) {
-  const absl::Time start = absl::Now();
-  std::vector<std::vector<float>> staged(spec_.matrices.size());
-  for (size_t m = 0; m < spec_.matrices.size(); ++m) {
+void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
+  StepState& state = *state_ptr;
+  std::vector<std::vector<float>> grads, moms;
+  while (true) {
+    // Take ready matrices up to the gather budget (fp32 gradient + temporary momentum each); a
+    // matrix larger than the budget is taken alone.
+    std::vector<uint32_t> batch;
+    uint64_t batch_bytes = 0;
     {
       absl::MutexLock lock(&mu_);
-      if (state.done) return state.result;
-      staged[m] = momentum_[m];
+      if (state.done || state.ready.empty()) {
+        state.drain_queued = false;
+        return;
+      }
+      size_t taken = 0;
+      for (uint32_t m : state.ready) {
+        const uint64_t bytes = 2 * sizeof(float) * static_cast<uint64_t>(spec_.matrices[m].numel());
+        if (!batch.empty() && batch_bytes + bytes > gather_budget_bytes_) break;
+        batch.push_back(m);
+        batch_bytes += bytes;
+        ++taken;
+      }
+      state.ready.erase(state.ready.begin(), state.ready.begin() + taken);
+      gather_peak_bytes_ = std::max(gather_peak_bytes_, batch_bytes);
     }
-    float* grad = state.matrices[m].grad.data();
-    absl::Status s = MuonUpdate(spec_.muon, spec_.matrices[m], grad, staged[m].data(), grad);
-    if (!s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("job '", id(), "' step ", state.step,
-                                                 ": matrix '", spec_.matrices[m].name, "': ",
-                                                 s.message()));
+    grads.resize(batch.size());
+    moms.resize(batch.size());
+    absl::Status status;
+    for (size_t i = 0; i < batch.size() && status.ok(); ++i) {
+      status = ComputeMatrix(state, batch[i], grads[i], moms[i]);
+    }
+    // Release the batch's assembly before taking the next one: the budget bounds what is live.
+    for (size_t i = 0; i < batch.size(); ++i) {
+      std::vector<float>().swap(grads[i]);
+      std::vector<float>().swap(moms[i]);
+    }
+    bool commit = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (state.done) {
+        state.drain_queued = false;
+        return;
+      }
+      if (!status.ok()) {
+        FailStep(state, status, /*fence=*/false);
+        state.drain_queued = false;
+        return;
+      }
+      state.matrices_done += batch.size();
+      commit = state.matrices_done == spec_.matrices.size();
+    }
+    if (commit) {
+      Commit(state);
+      absl::MutexLock lock(&mu_);
+      state.drain_queued = false;
+      return;
     }
   }
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  // Each rank's spans of the update, in the gradient dtype.
-  std::vector<std::shared_ptr<const RankUpdate>> updates(spec_.world_size);
+}
+
+absl::Status Job::ComputeMatrix(StepState& state, uint32_t m, std::vector<float>& grad,
+                                std::vector<float>& momentum) {
+  const common::MatrixSpec& ms = spec_.matrices[m];
+  grad.resize(static_cast<size_t>(ms.numel()));
+  // Gather: every owner's span, widened to fp32, at its place in the whole matrix.
+  for (const SpanRef& ref : matrix_spans_[m]) {
+    const common::ShardSpan& span = rank_spans_[ref.rank][ref.span];
+    common::ToFloat32(ms.dtype, state.ranks[ref.rank].span_bytes[ref.span].data(), span.length,
+                      grad.data() + span.offset);
+  }
+  momentum = momentum_[m];  // the committed momentum; the store is not written until commit
+  absl::Status s = MuonUpdate(spec_.muon, ms, grad.data(), momentum.data(), grad.data());
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("job '", id(), "' step ", state.step, ": matrix '",
+                                               ms.name, "': ", s.message()));
+  }
+  // Scatter each owner's span of the update, narrowed to the gradient dtype.
+  for (const SpanRef& ref : matrix_spans_[m]) {
+    const common::ShardSpan& span = rank_spans_[ref.rank][ref.span];
+    common::FromFloat32(grad.data() + span.offset, span.length, ms.dtype,
+                        state.outputs[ref.rank]->spans[ref.span].bytes.data());
+  }
+  return absl::OkStatus();
+}
+
+void Job::Commit(StepState& state) {
+  // Every matrix succeeded and every gradient value was checked: apply the momentum EMA to the
+  // store from the gradients still in the input buffers, with the function MuonUpdate used.
+  std::vector<float> wide;
   for (int r = 0; r < spec_.world_size; ++r) {
-    auto u = std::make_shared<RankUpdate>();
-    u->step = state.step;
-    u->compute_seconds = seconds;
-    for (const common::ShardSpan& span : rank_spans_[r]) {
+    for (size_t i = 0; i < rank_spans_[r].size(); ++i) {
+      const common::ShardSpan& span = rank_spans_[r][i];
       const common::MatrixSpec& ms = spec_.matrices[span.matrix];
-      UpdateSpan out;
-      out.matrix = span.matrix;
-      out.offset = span.offset;
-      out.bytes.resize(span.length * common::DTypeSize(ms.dtype));
-      common::FromFloat32(state.matrices[span.matrix].grad.data() + span.offset, span.length,
-                          ms.dtype, out.bytes.data());
-      u->spans.push_back(std::move(out));
+      wide.resize(span.length);
+      common::ToFloat32(ms.dtype, state.ranks[r].span_bytes[i].data(), span.length, wide.data());
+      ApplyMomentum(spec_.muon, wide.data(), momentum_[span.matrix].data() + span.offset,
+                    span.length);
     }
-    updates[r] = std::move(u);
   }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - state.start);
   absl::MutexLock lock(&mu_);
-  if (state.done) return state.result;
-  for (size_t m = 0; m < staged.size(); ++m) momentum_[m].swap(staged[m]);
-  state.updates = updates;
-  last_updates_ = std::move(updates);
+  for (auto& out : state.outputs) out->compute_seconds = seconds;
+  last_updates_.assign(state.outputs.begin(), state.outputs.end());
   state.done = true;
   state.result = absl::OkStatus();
-  state.matrices.clear();  // release the assembly now, not when the last rank lets go
+  for (RankInput& in : state.ranks) input_pool_.push_back(std::move(in.span_bytes));
   ++next_step_;
   ++steps_completed_;
   if (in_flight_.get() == &state) in_flight_ = nullptr;
   state.cv.SignalAll();
-  return absl::OkStatus();
 }
 
 void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
   if (state.done) return;
   state.done = true;
   state.result = status;
-  state.matrices.clear();
+  state.ready.clear();
   if (in_flight_.get() == &state) in_flight_ = nullptr;
   if (fence) {
     ++steps_aborted_;
@@ -335,25 +488,24 @@ void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
     MUOND_LOG(WARNING) << "job '" << id() << "' fenced: " << status.message();
   } else {
     ++steps_refused_;
-    MUOND_LOG(INFO) << "job '" << id() << "' step " << state.step << " refused: "
-                    << status.message();
+    MUOND_LOG(INFO) << "job '" << id() << "' step " << state.step
+                    << " refused: " << status.message();
   }
   state.cv.SignalAll();
 }
 
-void Job::AbortRank(const std::shared_ptr<StepState>& state, int rank) {
+void Job::AbortRank(const std::shared_ptr<StepState>& state, int rank, const std::string& why) {
   absl::MutexLock lock(&mu_);
   if (state->done) return;
   FailStep(*state,
            absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step,
-                                           " aborted: rank ", rank,
-                                           " left before the step completed")),
+                                           " aborted: rank ", rank, " ", why)),
            /*fence=*/true);
 }
 
 absl::Status Job::Reset(int64_t next_step) {
   if (next_step < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("next_step ", next_step, " is negative"));
+    return absl::InvalidArgumentError(absl::StrCat("next step ", next_step, " is negative"));
   }
   absl::MutexLock lock(&mu_);
   if (in_flight_ != nullptr) {
@@ -383,6 +535,10 @@ v1::JobStatus Job::Status() const {
   *st.mutable_spec() = common::JobSpecToProto(spec_);
   st.set_backend(backend_);
   st.set_created_unix_ms(created_unix_ms_);
+  st.set_gather_budget_bytes(gather_budget_bytes_);
+  uint64_t bytes = 0;
+  for (const auto& m : momentum_) bytes += m.size() * sizeof(float);
+  st.set_momentum_bytes(bytes);
   absl::MutexLock lock(&mu_);
   st.set_next_step(next_step_);
   st.set_steps_completed(steps_completed_);
@@ -390,19 +546,29 @@ v1::JobStatus Job::Status() const {
   st.set_steps_aborted(steps_aborted_);
   st.set_fenced(fenced_);
   st.set_fence_reason(fence_reason_);
-  uint64_t bytes = 0;
-  for (const auto& m : momentum_) bytes += m.size() * sizeof(float);
-  st.set_momentum_bytes(bytes);
+  st.set_gather_peak_bytes(gather_peak_bytes_);
+  if (in_flight_ != nullptr) st.set_step_in_flight(in_flight_->step);
   for (int r = 0; r < spec_.world_size; ++r) {
     v1::RankStatus* rs = st.add_ranks();
     rs->set_rank(r);
     rs->set_attached(sessions_[r] != 0);
     rs->set_session_id(sessions_[r]);
+    if (in_flight_ != nullptr) {
+      rs->set_in_step(in_flight_->ranks[r].begun);
+      rs->set_finished_pushing(in_flight_->ranks[r].finished);
+    }
+    for (const common::ShardSpan& span : rank_spans_[r]) rs->set_elements(rs->elements() + span.length);
   }
   return st;
 }
 
+bool Job::StepInFlight(int64_t step) const {
+  absl::MutexLock lock(&mu_);
+  return in_flight_ != nullptr && in_flight_->step == step;
+}
+
 std::vector<float> Job::MomentumSnapshot(uint32_t m) const {
+  // A copy taken between steps is consistent; during a commit it may mix old and new values.
   absl::MutexLock lock(&mu_);
   return m < momentum_.size() ? momentum_[m] : std::vector<float>();
 }

@@ -1,14 +1,19 @@
 // A job: one training run's Muon state on this node (DESIGN.md section 4).
 //
-// A Job owns the fp32 momentum of every matrix, the step counter, the attached rank sessions and the
-// step in flight. Ranks take part in step t through RankStep objects (one per rank and step): they
-// add gradient chunks, then Finish(), which blocks until every rank has finished and the update is
-// committed, and returns the rank's update spans.
+// A Job owns the fp32 momentum of every matrix, the step counter, the rank sessions and the step in
+// flight. Ranks take part in step t through RankStep objects (one per rank and step): they add
+// gradient chunks into the rank's input buffers; as soon as every span of a matrix has arrived
+// (from all ranks) the matrix is queued on the daemon's ComputeExecutor, which gathers whole
+// matrices in batches bounded by the job's gather budget, runs the Muon update and scatters each
+// rank's spans of the update into the rank's output buffers. Finish() blocks until the step
+// committed and returns the rank's update.
 //
-// Atomicity: gradients are assembled into whole fp32 matrices. The Muon update of each matrix writes
-// its new momentum into a staged buffer; the staged buffers replace the momentum only after every
-// matrix of the step succeeded. Cost: one extra fp32 copy of the momentum of the matrices in flight.
-// So a refused or aborted step leaves every momentum bit-identical.
+// Atomicity (DESIGN.md 4, "start early but commit after the last shard is checked"): the update of
+// a matrix is computed from a temporary new momentum; the momentum store itself is written only at
+// commit, when every matrix succeeded, by re-applying the same EMA (ApplyMomentum, bit-identical)
+// from the gradients still held in the rank input buffers. A refused or aborted step therefore
+// leaves every momentum bit-identical. Memory cost: no staged momentum copy; the input buffers
+// (gradient bytes, which the data plane needs anyway) live until commit, plus the gather budget.
 //
 // Thread-safe: all methods may be called concurrently (one RankStep per rank stream).
 #ifndef MUOND_SERVER_JOB_H_
@@ -28,6 +33,7 @@
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "muond/v1/muond.pb.h"
+#include "server/compute_executor.h"
 
 namespace muond::server {
 
@@ -42,7 +48,7 @@ struct UpdateSpan {
 
 struct RankUpdate {
   int64_t step = -1;
-  std::vector<UpdateSpan> spans;
+  std::vector<UpdateSpan> spans;  // in the order of common::RankSpans
   double compute_seconds = 0;
 };
 
@@ -57,28 +63,25 @@ class RankStep {
   RankStep(const RankStep&) = delete;
   RankStep& operator=(const RankStep&) = delete;
 
-  // Copies `data` (elements of the matrix's dtype starting at element `offset`) into the step's
-  // assembly. INVALID_ARGUMENT (and the step is refused for every rank) for a bad matrix index, a
-  // chunk outside the rank's spans, overlapping data, a CRC mismatch or a non-finite value.
+  // Copies `data` (elements of the matrix's dtype starting at element `offset` of the matrix) into
+  // the rank's input. INVALID_ARGUMENT, and the step is refused for every rank, for a bad matrix
+  // index, a chunk outside the rank's spans, overlapping data, a CRC mismatch or a non-finite value.
   absl::Status AddGradient(uint32_t matrix, uint64_t offset, std::string_view data, uint32_t crc32c);
-  // The rank has sent everything. Blocks until the step committed or failed. On success returns the
-  // rank's update spans (owned by the job; valid until this rank begins its next step).
-  // `cancelled` (may be empty) is polled while waiting for the other ranks: once it returns true
-  // (the rank's client went away, or the server is shutting down) the step is aborted for every
-  // rank and the job fenced, as if the rank had left mid-step.
-  absl::StatusOr<std::shared_ptr<const RankUpdate>> Finish(
-      const std::function<bool()>& cancelled = {});
-  // True when this is a replay of the last committed step: gradients are ignored.
+  // The rank has sent everything. Blocks until the step committed or failed; `cancelled` is polled
+  // while waiting (true: the rank went away, the step is aborted). On success returns the rank's
+  // update, valid as long as the caller holds it.
+  absl::StatusOr<std::shared_ptr<const RankUpdate>> Finish(const std::function<bool()>& cancelled);
+  // True when this is a replay of the last committed step: gradients are not applied again.
   bool replay() const { return replay_ != nullptr; }
   int64_t step() const { return step_; }
   uint64_t bytes_in() const { return bytes_in_; }
 
  private:
   friend class Job;
-  RankStep(Job* job, int rank, int64_t step, std::shared_ptr<StepState> state,
+  RankStep(std::shared_ptr<Job> job, int rank, int64_t step, std::shared_ptr<StepState> state,
            std::shared_ptr<const RankUpdate> replay);
 
-  Job* job_;
+  std::shared_ptr<Job> job_;
   int rank_;
   int64_t step_;
   std::shared_ptr<StepState> state_;
@@ -87,20 +90,28 @@ class RankStep {
   uint64_t bytes_in_ = 0;
 };
 
-class Job {
+class Job : public std::enable_shared_from_this<Job> {
  public:
-  Job(common::JobSpec spec, std::string token, std::string backend);
+  // `executor` must outlive the job. gather_budget_bytes: bytes of whole matrices (fp32 gradient
+  // and temporary momentum) assembled at once; a larger matrix is processed alone.
+  Job(common::JobSpec spec, std::string token, std::string backend, ComputeExecutor* executor,
+      uint64_t gather_budget_bytes);
   ~Job();
 
   const common::JobSpec& spec() const { return spec_; }
   const std::string& id() const { return spec_.job_id; }
+  uint64_t gather_budget_bytes() const { return gather_budget_bytes_; }
   // Constant-time comparison with the job's token.
   bool TokenMatches(std::string_view token) const;
 
-  // Starts a new session for `rank` (replacing an earlier one). INVALID_ARGUMENT for a bad rank.
-  absl::StatusOr<uint64_t> Attach(int rank);
+  // Starts a session for `rank`. INVALID_ARGUMENT for a rank outside the world size;
+  // ALREADY_EXISTS when the rank is attached, unless `takeover` (a restarted trainer replacing a
+  // session whose process is gone; a step the old session had in flight is aborted and fenced).
+  absl::StatusOr<uint64_t> Attach(int rank, bool takeover);
+  // Ends `rank`'s session. FAILED_PRECONDITION when `session` is not the rank's current one.
+  absl::Status Detach(int rank, uint64_t session);
   // Starts `rank`'s part in `step`. FAILED_PRECONDITION when the job is fenced, the session is not
-  // the rank's current one, the step is out of order, or the rank already has a step in flight.
+  // the rank's current one, the step is out of order, or the rank already has the step in flight.
   absl::StatusOr<std::unique_ptr<RankStep>> BeginStep(int rank, uint64_t session, int64_t step);
   // Zeroes the momentum, clears a fence and sets the next step. FAILED_PRECONDITION while a step is
   // in flight.
@@ -108,45 +119,68 @@ class Job {
   // Marks the job deleted: steps in flight and later ones fail with NOT_FOUND.
   void MarkDeleted();
 
+  // True while `step` is the step in flight (some rank began it, it has not ended).
+  bool StepInFlight(int64_t step) const;
+
   v1::JobStatus Status() const;
-  // The momentum of matrix `m` (a copy), for tests and checkpoints.
+  // A copy of the momentum of matrix `m`.
   std::vector<float> MomentumSnapshot(uint32_t m) const;
 
  private:
   friend class RankStep;
+  struct SpanRef {
+    int rank;
+    size_t span;  // index into rank_spans_[rank]
+  };
 
-  absl::Status AddGradient(StepState& state, int rank, uint32_t matrix, uint64_t offset,
-                           std::string_view data, uint32_t crc32c);
+  absl::Status AddGradient(const std::shared_ptr<StepState>& state, int rank, uint32_t matrix,
+                           uint64_t offset, std::string_view data, uint32_t crc32c);
   absl::StatusOr<std::shared_ptr<const RankUpdate>> FinishRank(
       const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled);
-  // Runs the Muon update of every matrix of a complete step and commits it.
-  absl::Status ComputeAndCommit(StepState& state);
-  // Ends the step in flight with `status` (refused: not fenced; aborted: fenced).
+  // Runs on the executor: processes ready matrices of `state` in batches under the gather budget
+  // and commits the step when the last one is done.
+  void DrainReady(const std::shared_ptr<StepState>& state);
+  absl::Status ComputeMatrix(StepState& state, uint32_t m, std::vector<float>& grad,
+                             std::vector<float>& momentum);
+  void Commit(StepState& state);
+  // Ends the step with `status` (refused: not fenced; aborted: fenced).
   void FailStep(StepState& state, const absl::Status& status, bool fence)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AbortRank(const std::shared_ptr<StepState>& state, int rank);
+  void AbortRank(const std::shared_ptr<StepState>& state, int rank, const std::string& why);
+  std::shared_ptr<StepState> NewStepState(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const common::JobSpec spec_;
   const std::string token_;
   const std::string backend_;
+  ComputeExecutor* const executor_;
+  const uint64_t gather_budget_bytes_;
   const int64_t created_unix_ms_;
-  std::vector<std::vector<common::ShardSpan>> rank_spans_;  // per rank, immutable
+  // Immutable layout tables.
+  std::vector<std::vector<common::ShardSpan>> rank_spans_;            // [rank] -> spans
+  std::vector<std::vector<std::vector<size_t>>> rank_matrix_spans_;  // [rank][matrix] -> span idx
+  std::vector<std::vector<SpanRef>> matrix_spans_;                    // [matrix] -> owners
+
+  // Momentum per matrix (fp32). Written only by Commit and Reset, which never run while a step is
+  // in flight computing (Commit ends the step; Reset is refused during one); the compute tasks of
+  // the step in flight read it without the lock.
+  std::vector<std::vector<float>> momentum_;
 
   mutable absl::Mutex mu_;
-  // Momentum per matrix (fp32, numel elements). Written only by ComputeAndCommit.
-  std::vector<std::vector<float>> momentum_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> sessions_ ABSL_GUARDED_BY(mu_);  // per rank; 0 = not attached
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t next_step_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_refused_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t gather_peak_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool fenced_ ABSL_GUARDED_BY(mu_) = false;
   bool deleted_ ABSL_GUARDED_BY(mu_) = false;
   std::string fence_reason_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<StepState> in_flight_ ABSL_GUARDED_BY(mu_);
   // The last committed step's update per rank (for replays).
   std::vector<std::shared_ptr<const RankUpdate>> last_updates_ ABSL_GUARDED_BY(mu_);
+  // Input buffers of the last finished step, reused by the next one (per rank, per span).
+  std::vector<std::vector<std::string>> input_pool_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace muond::server

@@ -35,8 +35,12 @@ absl::StatusOr<std::string> NewJobToken() {
       absl::string_view(reinterpret_cast<const char*>(raw), sizeof(raw)));
 }
 
-JobRegistry::JobRegistry(std::string backend, uint64_t max_momentum_bytes)
-    : backend_(std::move(backend)), max_momentum_bytes_(max_momentum_bytes) {}
+JobRegistry::JobRegistry(std::string backend, uint64_t max_momentum_bytes,
+                         uint64_t default_gather_budget_bytes, ComputeExecutor* executor)
+    : backend_(std::move(backend)),
+      max_momentum_bytes_(max_momentum_bytes),
+      default_gather_budget_bytes_(default_gather_budget_bytes),
+      executor_(executor) {}
 
 absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec) {
   auto token = NewJobToken();
@@ -52,12 +56,14 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec) {
         "job '", id, "' needs ", bytes, " bytes of momentum; ", momentum_bytes_, " of ",
         max_momentum_bytes_, " bytes (--max-momentum-bytes) are in use"));
   }
-  auto job = std::make_shared<Job>(std::move(spec), *token, backend_);
+  const uint64_t budget =
+      spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : default_gather_budget_bytes_;
+  auto job = std::make_shared<Job>(std::move(spec), *token, backend_, executor_, budget);
   jobs_.emplace(id, job);
   momentum_bytes_ += bytes;
   MUOND_LOG(INFO) << "job '" << id << "' created: " << job->spec().matrices.size()
                   << " matrices, " << bytes << " bytes of momentum, world size "
-                  << job->spec().world_size;
+                  << job->spec().world_size << ", gather budget " << budget << " bytes";
   return Created{std::move(job), *std::move(token)};
 }
 

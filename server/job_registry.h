@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/job_spec.h"
+#include "server/compute_executor.h"
 #include "server/job.h"
 
 namespace muond::server {
@@ -23,7 +24,10 @@ absl::StatusOr<std::string> NewJobToken();
 class JobRegistry {
  public:
   // max_momentum_bytes: the sum of all jobs' fp32 momentum allowed (0: unlimited).
-  JobRegistry(std::string backend, uint64_t max_momentum_bytes);
+  // default_gather_budget_bytes: for jobs that do not set their own. `executor` outlives the jobs'
+  // work (it runs every task submitted before it is destroyed).
+  JobRegistry(std::string backend, uint64_t max_momentum_bytes, uint64_t default_gather_budget_bytes,
+              ComputeExecutor* executor);
 
   struct Created {
     std::shared_ptr<Job> job;
@@ -41,6 +45,8 @@ class JobRegistry {
  private:
   const std::string backend_;
   const uint64_t max_momentum_bytes_;
+  const uint64_t default_gather_budget_bytes_;
+  ComputeExecutor* const executor_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   uint64_t momentum_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "server/daemon_config.h"
+#include "server/compute_executor.h"
 #include "server/job_registry.h"
 #include "server/muon/muon_math.h"
 #include "server/muond_service.h"
@@ -134,7 +135,10 @@ int Run(int argc, char** argv) {
     }
   }
 
-  JobRegistry registry(backend, config->max_momentum_bytes);
+  // Declared before the registry: destroyed after it, once every queued task ran.
+  ComputeExecutor executor(threads);
+  JobRegistry registry(backend, config->max_momentum_bytes, config->gather_budget_bytes,
+                       &executor);
   MuondService service(&registry);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -155,7 +159,8 @@ int Run(int argc, char** argv) {
   server->GetHealthCheckService()->SetServingStatus(true);
   MUOND_LOG(INFO) << "muond " << MUOND_VERSION << " serving on " << config->listen
                   << (unix_path.empty() ? absl::StrCat(" (port ", port, ")") : "")
-                  << "; backend " << backend << ", " << threads << " compute threads, state "
+                  << "; backend " << backend << ", " << threads << " compute threads, gather budget "
+                  << config->gather_budget_bytes << " bytes, state "
                   << config->state_dir;
 
   int sig = 0;

@@ -92,11 +92,18 @@ grpc::Status MuondService::AttachRank(grpc::ServerContext* ctx, const v1::Attach
   if (shutting_down_.load()) return Logged("AttachRank", absl::UnavailableError("muond is shutting down"));
   auto job = Authorize(ctx, req->job_id());
   if (!job.ok()) return Logged("AttachRank", job.status());
-  auto session = (*job)->Attach(req->rank());
+  auto session = (*job)->Attach(req->rank(), req->takeover());
   if (!session.ok()) return Logged("AttachRank", session.status());
   resp->set_session_id(*session);
   resp->set_next_step((*job)->Status().next_step());
   return grpc::Status::OK;
+}
+
+grpc::Status MuondService::DetachRank(grpc::ServerContext* ctx, const v1::DetachRankRequest* req,
+                                      v1::DetachRankResponse*) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("DetachRank", job.status());
+  return Logged("DetachRank", (*job)->Detach(req->rank(), req->session_id()));
 }
 
 grpc::Status MuondService::Step(
@@ -126,9 +133,13 @@ absl::Status MuondService::RunStep(
   if (req.kind_case() != v1::StepRequest::kBegin) {
     return absl::InvalidArgumentError("the first message of a step must be StepBegin");
   }
-  if (shutting_down_.load()) return absl::UnavailableError("muond is shutting down; retry the step");
   const v1::StepBegin begin = req.begin();
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Authorize(ctx, begin.job_id()));
+  // While draining, ranks may still join a step that other ranks already began (so it can
+  // complete), but no new step starts.
+  if (shutting_down_.load() && !job->StepInFlight(begin.step())) {
+    return absl::UnavailableError("muond is shutting down; retry the step");
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<RankStep> rank_step,
                    job->BeginStep(begin.rank(), begin.session_id(), begin.step()));
   const std::string where =

@@ -42,6 +42,8 @@ class MuondService final : public v1::Muond::Service {
                         v1::ResetJobResponse* resp) override;
   grpc::Status AttachRank(grpc::ServerContext* ctx, const v1::AttachRankRequest* req,
                           v1::AttachRankResponse* resp) override;
+  grpc::Status DetachRank(grpc::ServerContext* ctx, const v1::DetachRankRequest* req,
+                          v1::DetachRankResponse* resp) override;
   grpc::Status Step(grpc::ServerContext* ctx,
                     grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) override;
 

@@ -14,6 +14,8 @@
 namespace muond::server {
 namespace {
 
+// This file is compiled with -ffp-contract=off: ApplyMomentum and MuonUpdate must round the EMA
+// identically, which a fused multiply-add in one of them would break.
 // torch.lerp's formula: start + weight * (end - start), evaluated from the nearer end so that the
 // result is exact at weight 0 and 1 (for weight < 0.5 exactly M + (1-beta)(G - M) of DESIGN 3).
 inline float Lerp(float start, float end, float weight) {
@@ -58,6 +60,12 @@ double MuonScale(common::ScaleMode mode, int64_t rows, int64_t cols) {
       return 1.0;
   }
   return 1.0;
+}
+
+void ApplyMomentum(const common::MuonConfig& config, const float* grad, float* momentum,
+                   size_t n) {
+  const float one_minus_beta = static_cast<float>(1.0 - config.momentum);
+  for (size_t i = 0; i < n; ++i) momentum[i] = Lerp(momentum[i], grad[i], one_minus_beta);
 }
 
 absl::Status MuonUpdate(const common::MuonConfig& config, const common::MatrixSpec& spec,

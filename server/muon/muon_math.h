@@ -6,6 +6,7 @@
 #ifndef MUOND_SERVER_MUON_MUON_MATH_H_
 #define MUOND_SERVER_MUON_MUON_MATH_H_
 
+#include <cstddef>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -42,6 +43,12 @@ absl::Status NewtonSchulz(const common::MuonConfig& config, MatrixGeometry geome
 // callers that need atomicity pass a staged copy.
 absl::Status MuonUpdate(const common::MuonConfig& config, const common::MatrixSpec& spec,
                         const float* grad, float* momentum, float* update);
+
+// Step 1 alone: momentum[i] <- lerp(momentum[i], grad[i], 1 - beta) for n elements. Bit-identical to
+// the momentum MuonUpdate writes for the same inputs (same formula, same rounding), so a step can
+// compute its updates from a temporary momentum and commit the store later from the gradients.
+void ApplyMomentum(const common::MuonConfig& config, const float* grad, float* momentum,
+                   size_t n);
 
 // Sets LibTorch's intra-op thread count (the CPU backend's compute threads). n >= 1.
 void SetMathThreads(int n);

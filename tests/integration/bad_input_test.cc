@@ -18,6 +18,7 @@ struct TestJob {
   std::string id;
   std::string token;
   uint64_t session = 0;
+  std::shared_ptr<client::RankSession> rank;  // keeps the session attached
 };
 
 class BadInputTest : public DaemonSuite {
@@ -33,8 +34,9 @@ class BadInputTest : public DaemonSuite {
     EXPECT_TRUE(session.ok()) << session.status();
     if (!session.ok()) return job;
     job.session = (*session)->session_id();
+    job.rank = *std::move(session);
     auto updates =
-        (*session)->StepTensors(0, {RefGrad("wide_std", 0, "w"), RefGrad("tall_std", 0, "v")});
+        job.rank->StepTensors(0, {RefGrad("wide_std", 0, "w"), RefGrad("tall_std", 0, "v")});
     EXPECT_TRUE(updates.ok()) << updates.status();
     return job;
   }
@@ -145,9 +147,8 @@ TEST_F(BadInputTest, InvalidJobSpecsAreRejectedNamingTheField) {
 
 TEST_F(BadInputTest, StepTensorsRejectsShapeDtypeMissingAndExtraTensors) {
   TestJob job = NewJobAtStep1("tensors");
-  auto session = client().Attach(job.id, 0, job.token);
-  ASSERT_TRUE(session.ok()) << session.status();
-  job.session = (*session)->session_id();
+  ASSERT_NE(job.rank, nullptr);
+  auto* session = &job.rank;
   const client::NamedTensor w = RefGrad("wide_std", 1, "w"), v = RefGrad("tall_std", 1, "v");
   const std::vector<std::pair<std::vector<client::NamedTensor>, std::vector<std::string>>> cases = {
       {{MakeTensor("w", {256, 64}, RefTensor("wide_std", 1, "grad")), v},
@@ -268,8 +269,8 @@ TEST_F(BadInputTest, StepsOutOfOrderAreFailedPrecondition) {
   ASSERT_TRUE(status.ok()) << status.status();
   EXPECT_EQ(status->next_step(), 3);
   EXPECT_FALSE(status->fenced());
-  // A stale session (the rank attached again since) is refused as well.
-  auto session = client().Attach(job.id, 0, job.token);
+  // A stale session (the rank was taken over since) is refused as well.
+  auto session = client().Attach(job.id, 0, job.token, /*takeover=*/true);
   ASSERT_TRUE(session.ok());
   ExpectStatus(Run(job, GoodRequests(job, 3)).status, grpc::StatusCode::FAILED_PRECONDITION,
                {"not the rank's current session"});

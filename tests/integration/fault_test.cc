@@ -130,8 +130,12 @@ TEST_F(FaultTest, ReplayOfLastStepReturnsSameBytesWithoutApplyingMomentumTwice) 
       EXPECT_TRUE(again[i].data == first[i].data) << first[i].name << ": replay bytes differ";
     }
   }
-  // A rank that attaches again (e.g. a restarted trainer) may replay as well.
-  auto reattached = client().Attach(s.id, 0, s.token);
+  // Attaching an attached rank is refused; a restarted trainer takes the rank over and may replay.
+  auto twice = client().Attach(s.id, 0, s.token);
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(twice.status().message().find("rank 0 is already attached"), std::string::npos)
+      << twice.status();
+  auto reattached = client().Attach(s.id, 0, s.token, /*takeover=*/true);
   ASSERT_TRUE(reattached.ok()) << reattached.status();
   s.rank = *std::move(reattached);
   EXPECT_EQ(s.rank->next_step_at_attach(), 2);

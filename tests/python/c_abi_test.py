@@ -71,7 +71,7 @@ class CAbiTest(unittest.TestCase):
         lib.muond_job_create.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.muond_job_delete.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
         lib.muond_attach.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                                     ctypes.POINTER(ctypes.c_void_p)]
+                                     ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
         lib.muond_session_free.argtypes = [ctypes.c_void_p]
         lib.muond_client_free.argtypes = [ctypes.c_void_p]
         lib.muond_session_next_step.argtypes = [ctypes.c_void_p]
@@ -110,7 +110,7 @@ class CAbiTest(unittest.TestCase):
 
     def attach(self, job_id, token):
         session = ctypes.c_void_p()
-        code = self.lib.muond_attach(self.client, job_id.encode(), 0, token, ctypes.byref(session))
+        code = self.lib.muond_attach(self.client, job_id.encode(), 0, token, 0, ctypes.byref(session))
         self.assertEqual(code, 0, self.lib.muond_last_error())
         return session
 
@@ -147,12 +147,12 @@ class CAbiTest(unittest.TestCase):
     def test_errors_surface_with_codes(self):
         token = self.create("py-errors", [{"name": "w", "shape": [8, 16]}])
         session = ctypes.c_void_p()
-        self.assertEqual(self.lib.muond_attach(self.client, b"py-errors", 0, b"f" * 64,
+        self.assertEqual(self.lib.muond_attach(self.client, b"py-errors", 0, b"f" * 64, 0,
                                                ctypes.byref(session)), PERMISSION_DENIED)
         self.assertIn(b"wrong job token", self.lib.muond_last_error())
-        self.assertEqual(self.lib.muond_attach(self.client, b"py-errors", 0, b"",
+        self.assertEqual(self.lib.muond_attach(self.client, b"py-errors", 0, b"", 0,
                                                ctypes.byref(session)), UNAUTHENTICATED)
-        self.assertEqual(self.lib.muond_attach(self.client, b"no-such-job", 0, token,
+        self.assertEqual(self.lib.muond_attach(self.client, b"no-such-job", 0, token, 0,
                                                ctypes.byref(session)), NOT_FOUND)
         session = self.attach("py-errors", token)
         g = np.ones((8, 16), dtype=np.float32)
