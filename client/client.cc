@@ -272,11 +272,36 @@ absl::StatusOr<StepResult> RankSession::Step(int64_t step, const std::vector<Gra
   return result;
 }
 
+uint64_t RankSession::buffer_elements() const { return common::RankBufferElements(spec_, rank_); }
+
+absl::StatusOr<StepResult> RankSession::StepBuffer(int64_t step, const void* grads, void* updates) {
+  const common::DType dtype = spec_.matrices[0].dtype;
+  for (const common::MatrixSpec& ms : spec_.matrices) {
+    if (ms.dtype != dtype) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job '", spec_.job_id, "' mixes dtypes (matrix '", ms.name,
+          "'); a flat rank buffer needs one dtype: push spans with Step()"));
+    }
+  }
+  const size_t esize = common::DTypeSize(dtype);
+  std::memset(updates, 0, buffer_elements() * esize);
+  std::vector<GradientSpan> in;
+  std::vector<UpdateSpan> out;
+  for (const common::ShardSpan& s : spans_) {
+    in.push_back({s.matrix, s.offset, static_cast<const char*>(grads) + s.rank_offset * esize,
+                  s.length});
+    out.push_back({s.matrix, s.offset, static_cast<char*>(updates) + s.rank_offset * esize,
+                   s.length});
+  }
+  return Step(step, in, out);
+}
+
 absl::StatusOr<std::vector<NamedTensor>> RankSession::StepTensors(
     int64_t step, const std::vector<NamedTensor>& grads, StepResult* result) {
-  if (spec_.zero_stage != 0) {
+  if (spec_.zero_stage != 0 || !spec_.explicit_layout.empty()) {
     return absl::FailedPreconditionError(
-        "whole-matrix steps need a zero_stage 0 job; push shard spans with Step()");
+        "whole-matrix steps need a zero_stage 0 job without an explicit layout; push the rank's "
+        "spans with Step() or StepBuffer()");
   }
   std::map<std::string, size_t> by_name;
   for (size_t i = 0; i < grads.size(); ++i) {

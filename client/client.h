@@ -73,6 +73,14 @@ class RankSession {
   absl::StatusOr<StepResult> Step(int64_t step, const std::vector<GradientSpan>& grads,
                                   const std::vector<UpdateSpan>& updates);
 
+  // Flat-buffer step: `grads` is the rank's buffer in the job's layout (RankBufferElements
+  // elements: the stage 1/2 partition, the stage 3 chunks back to back, or the explicit layout's
+  // spans back to back), `updates` receives the update in the same form, padding zeroed.
+  // REQUIRES every matrix to share one dtype (FAILED_PRECONDITION otherwise).
+  absl::StatusOr<StepResult> StepBuffer(int64_t step, const void* grads, void* updates);
+  // Elements of the rank's flat buffer (common::RankBufferElements).
+  uint64_t buffer_elements() const;
+
   // Whole-matrix step: `grads` holds one tensor per matrix of the job, named and shaped as the job
   // says; returns the updates with the same names, shapes and dtypes. INVALID_ARGUMENT naming the
   // tensor for a missing, extra, mis-shaped or mis-typed tensor. REQUIRES: rank owns whole matrices.

@@ -22,8 +22,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "client/client.h"
+#include "client/muonctl_util.h"
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
+#include "common/layout.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 
@@ -52,11 +54,6 @@ constexpr char kUsage[] =
     "socket). Job commands read the token from --token-file, else from $MUOND_JOB_TOKEN.\n"
     "Exit codes: 0 ok, 1-16 the gRPC status code of the failure, 64 usage error.\n";
 
-struct Args {
-  std::vector<std::string> words;            // command words
-  std::map<std::string, std::string> flags;  // --key value
-};
-
 int Usage(const std::string& why) {
   std::fprintf(stderr, "muonctl: %s (see muonctl --help)\n", why.c_str());
   return kUsageExit;
@@ -68,70 +65,40 @@ int Fail(const absl::Status& s) {
   return static_cast<int>(s.code());
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    const int err = errno;
-    const std::string msg = absl::StrCat(what, " ", path, ": ", std::strerror(err));
-    return err == ENOENT ? absl::NotFoundError(msg) : absl::PermissionDeniedError(msg);
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-absl::Status WriteTokenFile(const std::string& path, const std::string& token) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("token file ", path, ": ", std::strerror(errno)));
-  }
-  ::fchmod(fd, 0600);
-  const std::string line = token + "\n";
-  const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) &&
-                  ::fsync(fd) == 0;
-  const int err = errno;
-  ::close(fd);
-  if (!ok) {
-    return absl::InternalError(absl::StrCat("token file ", path, ": ", std::strerror(err)));
-  }
-  return absl::OkStatus();
-}
-
-// The token for a job command: --token-file, else $MUOND_JOB_TOKEN, else none (the daemon then
-// answers UNAUTHENTICATED).
-absl::StatusOr<std::string> Token(const Args& a) {
-  auto it = a.flags.find("token-file");
-  if (it != a.flags.end()) {
-    ASSIGN_OR_RETURN(std::string text, ReadFile(it->second, "token file"));
-    return std::string(absl::StripAsciiWhitespace(text));
-  }
-  const char* env = std::getenv("MUOND_JOB_TOKEN");
-  return env == nullptr ? std::string() : std::string(env);
-}
-
-absl::StatusOr<int64_t> IntFlag(const Args& a, const std::string& name) {
-  auto it = a.flags.find(name);
-  int64_t v = 0;
-  if (it == a.flags.end() || !absl::SimpleAtoi(it->second, &v)) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " needs an integer"));
-  }
-  return v;
-}
-
 void PrintStatus(const v1::JobStatus& st) {
   const v1::JobSpec& spec = st.spec();
-  std::printf("job: %s\nworld_size: %d\nzero_stage: %d\nbackend: %s\nnext_step: %lld\n",
-              spec.job_id().c_str(), spec.world_size(), spec.zero_stage(), st.backend().c_str(),
-              static_cast<long long>(st.next_step()));
+  std::printf("job: %s\nbackend: %s\nworld_size: %d\n", spec.job_id().c_str(),
+              st.backend().c_str(), spec.world_size());
+  auto spec_or = common::JobSpecFromProto(spec);
+  std::string layout;
+  if (spec.layout_size() > 0) {
+    layout = "explicit";
+  } else if (spec.zero_stage() == 0) {
+    layout = "whole matrices (zero_stage 0)";
+  } else if (spec_or.ok()) {
+    layout = absl::StrCat("zero_stage ", spec.zero_stage(),
+                          spec.zero_stage() == 3 ? ", chunks per matrix" : ", partition of ",
+                          spec.zero_stage() == 3 ? ""
+                                                 : absl::StrCat(common::RankBufferElements(*spec_or, 0),
+                                                                " elements per rank"));
+  }
+  std::printf("zero_stage: %d\nlayout: %s\n", spec.zero_stage(), layout.c_str());
+  std::printf("next_step: %lld\n", static_cast<long long>(st.next_step()));
+  if (st.has_step_in_flight()) {
+    std::printf("step_in_flight: %lld\n", static_cast<long long>(st.step_in_flight()));
+  } else {
+    std::printf("step_in_flight: none\n");
+  }
   std::printf("steps_completed: %lld\nsteps_refused: %lld\nsteps_aborted: %lld\n",
               static_cast<long long>(st.steps_completed()),
               static_cast<long long>(st.steps_refused()),
               static_cast<long long>(st.steps_aborted()));
-  std::printf("fenced: %s%s%s\nmomentum_bytes: %llu\n", st.fenced() ? "yes" : "no",
-              st.fenced() ? " - " : "", st.fence_reason().c_str(),
-              static_cast<unsigned long long>(st.momentum_bytes()));
-  auto spec_or = common::JobSpecFromProto(spec);
+  std::printf("fenced: %s%s%s\n", st.fenced() ? "yes" : "no", st.fenced() ? " - " : "",
+              st.fence_reason().c_str());
+  std::printf("momentum_bytes: %llu\ngather_budget_bytes: %llu\ngather_peak_bytes: %llu\n",
+              static_cast<unsigned long long>(st.momentum_bytes()),
+              static_cast<unsigned long long>(st.gather_budget_bytes()),
+              static_cast<unsigned long long>(st.gather_peak_bytes()));
   if (spec_or.ok()) {
     const common::MuonConfig& m = spec_or->muon;
     std::printf("muon: momentum=%g nesterov=%s ns_method=%s ns_steps=%d compute_dtype=%s "
@@ -147,47 +114,13 @@ void PrintStatus(const v1::JobStatus& st) {
     }
   }
   for (const v1::RankStatus& r : st.ranks()) {
-    std::printf("rank: %d attached=%s\n", r.rank(), r.attached() ? "yes" : "no");
+    std::printf("rank: %d attached=%s elements=%llu%s\n", r.rank(), r.attached() ? "yes" : "no",
+                static_cast<unsigned long long>(r.elements()),
+                !st.has_step_in_flight() ? ""
+                : r.finished_pushing()   ? " step=pushed"
+                : r.in_step()            ? " step=pushing"
+                                         : " step=not-begun");
   }
-}
-
-absl::Status CmdStep(Client& client, const Args& a) {
-  for (const char* f : {"job", "rank", "step", "grads", "out"}) {
-    if (a.flags.count(f) == 0) return absl::InvalidArgumentError(absl::StrCat("step needs --", f));
-  }
-  ASSIGN_OR_RETURN(int64_t rank, IntFlag(a, "rank"));
-  ASSIGN_OR_RETURN(int64_t step, IntFlag(a, "step"));
-  ASSIGN_OR_RETURN(std::string token, Token(a));
-  ASSIGN_OR_RETURN(common::SafetensorsFile in,
-                   common::SafetensorsFile::ReadFile(a.flags.at("grads")));
-  std::vector<NamedTensor> grads;
-  for (const common::TensorInfo& t : in.tensors()) {
-    std::string_view data = in.Data(t);
-    grads.push_back({t.name, t.dtype, t.shape, std::string(data)});
-  }
-  // Each muonctl run is a new process acting for the rank: it takes the rank over (a previous
-  // muonctl for it has exited) and detaches when done.
-  ASSIGN_OR_RETURN(auto session, client.Attach(a.flags.at("job"), static_cast<int>(rank), token,
-                                               /*takeover=*/true));
-  StepResult result;
-  auto updates = session->StepTensors(step, grads, &result);
-  if (!updates.ok()) {
-    return absl::Status(updates.status().code(),
-                        absl::StrCat(a.flags.at("grads"), ": ", updates.status().message()));
-  }
-  std::vector<common::TensorRef> refs;
-  for (const NamedTensor& u : *updates) refs.push_back({u.name, u.dtype, u.shape, u.data});
-  RETURN_IF_ERROR(common::WriteSafetensorsFile(a.flags.at("out"), refs,
-                                               {{"job", session->spec().job_id},
-                                                {"step", std::to_string(step)}}));
-  std::printf("step %lld: job %s rank %lld: %zu matrices, %llu bytes in, %llu bytes out, "
-              "compute %.3f s%s -> %s\n",
-              static_cast<long long>(step), session->spec().job_id.c_str(),
-              static_cast<long long>(rank), updates->size(),
-              static_cast<unsigned long long>(result.bytes_in),
-              static_cast<unsigned long long>(result.bytes_out), result.compute_seconds,
-              result.replayed ? " (replayed)" : "", a.flags.at("out").c_str());
-  return absl::OkStatus();
 }
 
 absl::Status CmdJob(Client& client, const Args& a) {

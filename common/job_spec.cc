@@ -403,6 +403,17 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                                                      "] and matrices[", i, "]"));
     }
   }
+  if (spec.explicit_layout.empty() && (spec.zero_stage == 1 || spec.zero_stage == 2)) {
+    // A ZeRO 1/2 partition is one flat buffer of one dtype.
+    for (const MatrixSpec& m : spec.matrices) {
+      if (m.dtype != spec.matrices[0].dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "zero_stage ", spec.zero_stage, " partitions are one flat buffer of one dtype, but "
+            "matrix '", m.name, "' is ", std::string(DTypeName(m.dtype)), " and matrix '",
+            spec.matrices[0].name, "' is ", std::string(DTypeName(spec.matrices[0].dtype))));
+      }
+    }
+  }
   if (!spec.explicit_layout.empty()) RETURN_IF_ERROR(ValidateExplicitLayout(spec));
   return absl::OkStatus();
 }

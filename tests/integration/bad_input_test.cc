@@ -94,7 +94,7 @@ TEST_F(BadInputTest, UnknownJobIsNotFound) {
     EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
     EXPECT_NE(s.message().find("'no-such-job' not found"), std::string_view::npos) << s;
   }
-  const TestJob fake{id, "t", 1};
+  const TestJob fake{id, "t", 1, nullptr};
   ExpectStatus(Run(fake, GoodRequests(fake, 0)).status, grpc::StatusCode::NOT_FOUND, {id});
   ExpectStillServing();
 }

@@ -1,0 +1,36 @@
+// Helpers shared by muonctl's commands: parsed arguments, files, tokens.
+#ifndef MUOND_CLIENT_MUONCTL_UTIL_H_
+#define MUOND_CLIENT_MUONCTL_UTIL_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/client.h"
+
+namespace muond::client {
+
+struct Args {
+  std::vector<std::string> words;            // command words
+  std::map<std::string, std::string> flags;  // --key value
+};
+
+// The whole file; NOT_FOUND / PERMISSION_DENIED naming `what` and the path.
+absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& what);
+// Writes the token (mode 0600, fsynced).
+absl::Status WriteTokenFile(const std::string& path, const std::string& token);
+// The token for a job command: --token-file, else $MUOND_JOB_TOKEN, else "" (the daemon then
+// answers UNAUTHENTICATED).
+absl::StatusOr<std::string> Token(const Args& a);
+// INVALID_ARGUMENT when the flag is missing or not an integer.
+absl::StatusOr<int64_t> IntFlag(const Args& a, const std::string& name);
+
+// `muonctl step`: pushes one step of one rank from a safetensors file and writes the update.
+absl::Status CmdStep(Client& client, const Args& a);
+
+}  // namespace muond::client
+
+#endif  // MUOND_CLIENT_MUONCTL_UTIL_H_
