@@ -4,7 +4,9 @@
 #include <string>
 
 #include "client/client.h"
+#include "absl/strings/str_cat.h"
 #include "client/muond_client.h"
+#include "common/layout.h"
 
 struct muond_client {
   std::unique_ptr<muond::client::Client> impl;
@@ -101,13 +103,47 @@ int64_t muond_session_next_step(const muond_session* session) {
   return session == nullptr ? -1 : session->impl->next_step_at_attach();
 }
 
-size_t muond_session_spans(const muond_session* session, muond_span* spans, size_t capacity) {
-  if (session == nullptr) return 0;
-  const auto& all = session->impl->spans();
+namespace {
+
+size_t CopySpans(const std::vector<muond::common::ShardSpan>& all, muond_shard_span* spans,
+                 size_t capacity) {
   for (size_t i = 0; i < all.size() && i < capacity && spans != nullptr; ++i) {
-    spans[i] = muond_span{all[i].matrix, all[i].offset, nullptr, all[i].length};
+    spans[i] = muond_shard_span{all[i].matrix, all[i].offset, all[i].length, all[i].rank_offset};
   }
   return all.size();
+}
+
+}  // namespace
+
+int muond_layout_spans(const char* spec_json, int rank, muond_shard_span* spans, size_t capacity,
+                       size_t* total, uint64_t* buffer_elements) {
+  if (spec_json == nullptr) return NullArgument("spec_json");
+  auto spec = muond::common::ParseJobSpecJson(spec_json);
+  if (!spec.ok()) return Report(spec.status());
+  if (rank < 0 || rank >= spec->world_size) {
+    return Report(absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside the world size [0, ", spec->world_size, ")")));
+  }
+  const size_t n = CopySpans(muond::common::RankSpans(*spec, rank), spans, capacity);
+  if (total != nullptr) *total = n;
+  if (buffer_elements != nullptr) *buffer_elements = muond::common::RankBufferElements(*spec, rank);
+  return Report(absl::OkStatus());
+}
+
+size_t muond_session_spans(const muond_session* session, muond_shard_span* spans,
+                           size_t capacity) {
+  return session == nullptr ? 0 : CopySpans(session->impl->spans(), spans, capacity);
+}
+
+uint64_t muond_session_buffer_elements(const muond_session* session) {
+  return session == nullptr ? 0 : session->impl->buffer_elements();
+}
+
+int muond_step_buffer(muond_session* session, int64_t step, const void* grads, void* updates) {
+  if (session == nullptr || grads == nullptr || updates == nullptr) {
+    return NullArgument("session, grads or updates");
+  }
+  return Report(session->impl->StepBuffer(step, grads, updates).status());
 }
 
 int muond_step(muond_session* session, int64_t step, const muond_span* grads, size_t num_grads,

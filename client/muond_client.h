@@ -28,6 +28,22 @@ typedef struct muond_span {
   uint64_t length;
 } muond_span;
 
+/* One run of a rank's shard: `length` elements of matrix `matrix` from element `offset`, stored at
+ * element `rank_offset` of the rank's flat buffer (the ZeRO 1/2 partition, the ZeRO 3 chunks back to
+ * back, or the explicit layout's spans back to back). */
+typedef struct muond_shard_span {
+  uint32_t matrix;
+  uint64_t offset;
+  uint64_t length;
+  uint64_t rank_offset;
+} muond_shard_span;
+
+/* The spans `rank` owns under the layout of a job.json text (stage 1/2/3 or explicit), the same
+ * computation the daemon uses. Writes up to `capacity` spans, *total gets the count and
+ * *buffer_elements the size of the rank's flat buffer (either may be NULL). */
+int muond_layout_spans(const char* spec_json, int rank, muond_shard_span* spans, size_t capacity,
+                       size_t* total, uint64_t* buffer_elements);
+
 /* The message of this thread's last failed call ("" if none). Valid until the next call. */
 const char* muond_last_error(void);
 
@@ -52,13 +68,18 @@ int muond_attach(muond_client* client, const char* job_id, int rank, const char*
 void muond_session_free(muond_session* session);
 /* The step the job expected when the rank attached. */
 int64_t muond_session_next_step(const muond_session* session);
-/* The rank's spans (its shard of the job's matrices): writes up to `capacity` spans (data NULL)
- * and returns how many there are in total. */
-size_t muond_session_spans(const muond_session* session, muond_span* spans, size_t capacity);
+/* The rank's spans (its shard of the job's matrices): writes up to `capacity` spans and returns
+ * how many there are in total. */
+size_t muond_session_spans(const muond_session* session, muond_shard_span* spans, size_t capacity);
+/* Elements of the rank's flat buffer. */
+uint64_t muond_session_buffer_elements(const muond_session* session);
 
 /* Pushes the rank's gradients for `step` and fills the update spans (same elements). */
 int muond_step(muond_session* session, int64_t step, const muond_span* grads, size_t num_grads,
                const muond_span* updates, size_t num_updates);
+/* The same with the rank's flat buffers (muond_session_buffer_elements elements of the job's one
+ * dtype): `updates` gets the update in the same layout, padding zeroed. */
+int muond_step_buffer(muond_session* session, int64_t step, const void* grads, void* updates);
 
 #ifdef __cplusplus
 }

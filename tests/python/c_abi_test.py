@@ -23,6 +23,11 @@ INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, UNAUTHENTICATED = 3, 5, 9, 16
 PERMISSION_DENIED = 7
 
 
+class ShardSpan(ctypes.Structure):
+    _fields_ = [("matrix", ctypes.c_uint32), ("offset", ctypes.c_uint64),
+                ("length", ctypes.c_uint64), ("rank_offset", ctypes.c_uint64)]
+
+
 class Span(ctypes.Structure):
     _fields_ = [("matrix", ctypes.c_uint32), ("offset", ctypes.c_uint64),
                 ("data", ctypes.c_void_p), ("length", ctypes.c_uint64)]
@@ -64,6 +69,12 @@ class CAbiTest(unittest.TestCase):
 
     @classmethod
     def _connect(cls):
+        # Connecting before the socket exists would put gRPC into its reconnect backoff.
+        sock = cls.address[len("unix://"):]
+        for _ in range(200):
+            if os.path.exists(sock) or cls.daemon.poll() is not None:
+                break
+            time.sleep(0.05)
         lib = ctypes.CDLL(LIB)
         lib.muond_last_error.restype = ctypes.c_char_p
         lib.muond_connect.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
@@ -78,6 +89,12 @@ class CAbiTest(unittest.TestCase):
         lib.muond_session_next_step.restype = ctypes.c_int64
         lib.muond_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(Span), ctypes.c_size_t,
                                    ctypes.POINTER(Span), ctypes.c_size_t]
+        lib.muond_layout_spans.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ShardSpan),
+                                           ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+                                           ctypes.POINTER(ctypes.c_uint64)]
+        lib.muond_session_buffer_elements.argtypes = [ctypes.c_void_p]
+        lib.muond_session_buffer_elements.restype = ctypes.c_uint64
+        lib.muond_step_buffer.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         cls.lib = lib
         cls.client = ctypes.c_void_p()
         assert lib.muond_connect(cls.address.encode(), ctypes.byref(cls.client)) == 0
@@ -169,6 +186,68 @@ class CAbiTest(unittest.TestCase):
         bad = ctypes.create_string_buffer(65)
         self.assertEqual(self.lib.muond_job_create(self.client, b"{not json", bad, 65), INVALID_ARGUMENT)
         self.lib.muond_session_free(session)
+
+
+    def test_zero2_two_ranks_equal_whole_matrices_bit_for_bit(self):
+        """ZeRO-2 with two ranks, each on its own connection and thread, through the C ABI."""
+        import threading
+        mats = [{"name": "a", "shape": [48, 96]}, {"name": "b", "shape": [96, 40]},
+                {"name": "c", "shape": [8, 8]}]
+        whole_token = self.create("py-whole", mats)
+        whole = self.attach("py-whole", whole_token)
+        spec = {"job_id": "py-zero2", "world_size": 2, "zero_stage": 2, "matrices": mats}
+        token = ctypes.create_string_buffer(65)
+        self.assertEqual(self.lib.muond_job_create(self.client, json.dumps(spec).encode(), token, 65),
+                         0, self.lib.muond_last_error())
+        # The layout as the library computes it: P = ceil(8512 / 2) = 4256, 'a' straddles the ranks.
+        spans = (ShardSpan * 8)()
+        total, elements = ctypes.c_size_t(), ctypes.c_uint64()
+        self.assertEqual(self.lib.muond_layout_spans(json.dumps(spec).encode(), 1, spans, 8,
+                                                     ctypes.byref(total), ctypes.byref(elements)), 0)
+        self.assertEqual(elements.value, 4256)
+        self.assertEqual([(spans[i].matrix, spans[i].offset, spans[i].length, spans[i].rank_offset)
+                          for i in range(total.value)], [(0, 4256, 352, 0), (1, 0, 3840, 352), (2, 0, 64, 4192)])
+        self.assertEqual(self.lib.muond_layout_spans(json.dumps(spec).encode(), 2, spans, 8, None, None),
+                         INVALID_ARGUMENT)
+        clients, sessions = [], []
+        for r in range(2):
+            c = ctypes.c_void_p()
+            self.assertEqual(self.lib.muond_connect(self.address.encode(), ctypes.byref(c)), 0)
+            s = ctypes.c_void_p()
+            self.assertEqual(self.lib.muond_attach(c, b"py-zero2", r, token.value, 0, ctypes.byref(s)),
+                             0, self.lib.muond_last_error())
+            self.assertEqual(self.lib.muond_session_buffer_elements(s), 4256)
+            clients.append(c)
+            sessions.append(s)
+        rng = np.random.default_rng(3)
+        for t in range(3):
+            grads = [rng.standard_normal(m["shape"]).astype(np.float32) for m in mats]
+            code, want = self.step(whole, t, [g.copy() for g in grads])
+            self.assertEqual(code, 0, self.lib.muond_last_error())
+            flat = np.zeros(2 * 4256, dtype=np.float32)
+            flat[:8512] = np.concatenate([g.ravel() for g in grads])
+            parts = [np.ascontiguousarray(flat[r * 4256:(r + 1) * 4256]) for r in range(2)]
+            outs = [np.full(4256, np.nan, dtype=np.float32) for _ in range(2)]
+            codes = [None, None]
+
+            def run(r):
+                codes[r] = self.lib.muond_step_buffer(sessions[r], t, parts[r].ctypes.data,
+                                                      outs[r].ctypes.data)
+
+            threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            self.assertEqual(codes, [0, 0])
+            got = np.concatenate(outs)
+            expect = np.concatenate([u.ravel() for u in want])
+            self.assertEqual(got[:8512].tobytes(), expect.tobytes(), f"step {t}")
+            self.assertTrue(np.all(got[8512:] == 0))
+        for r in range(2):
+            self.lib.muond_session_free(sessions[r])
+            self.lib.muond_client_free(clients[r])
+        self.lib.muond_session_free(whole)
 
 
 if __name__ == "__main__":
