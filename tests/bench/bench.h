@@ -18,6 +18,8 @@ namespace muond::bench {
 
 // `muond-bench ns`: CPU Newton-Schulz throughput against a plain LibTorch matmul.
 int RunNsBench(int argc, char** argv);
+// `muond-bench step`: a multi-rank step through a real muond against in-process Muon.
+int RunStepBench(int argc, char** argv);
 
 // Flags of a subcommand: `--name value` or `--name=value`; `--help`/`-h` is returned as "help".
 // INVALID_ARGUMENT for a flag not in `known`, a missing value or a positional argument.

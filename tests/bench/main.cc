@@ -21,6 +21,8 @@ struct Subcommand {
 constexpr Subcommand kSubcommands[] = {
     {"ns", "CPU Newton-Schulz GFLOP/s vs a plain LibTorch matmul of the same size and dtype",
      RunNsBench},
+    {"step", "a ZeRO-2 step of a Qwen3-0.6B-like layer set through muond vs in-process Muon",
+     RunStepBench},
 };
 
 void PrintUsage(std::FILE* out) {

@@ -1,0 +1,229 @@
+// `muond-bench step`: one Muon step of a Qwen3-0.6B-like layer set (hidden 1024, intermediate 3072,
+// 16 q heads and 8 kv heads of head_dim 128) pushed through a real muond by 1, 2 and 4 ZeRO-2
+// ranks (one thread and one connection per rank), against the in-process whole-matrix update of
+// the same matrices measured in the same run. ratio = daemon step time / in-process time: the cost
+// of offloading to the daemon (transport, reassembly, return) over the bare math.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "client/client.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+#include "server/muon/muon_math.h"
+#include "tests/bench/bench.h"
+
+namespace muond::bench {
+namespace {
+
+// Offloading may cost at most 15% over the bare in-process math: the data moved (gradient in,
+// update out) is a few hundred MB against several seconds of Newton-Schulz on the CPU.
+constexpr double kTarget = 1.15;
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+common::JobSpec LayerSet(int layers, common::DType dtype) {
+  common::JobSpec spec;
+  spec.muon.compute_dtype = dtype;
+  const int64_t hidden = 1024, inter = 3072, q = 16 * 128, kv = 8 * 128;
+  for (int l = 0; l < layers; ++l) {
+    const std::string p = absl::StrCat("layers.", l, ".");
+    for (auto [name, rows, cols] :
+         std::vector<std::tuple<std::string, int64_t, int64_t>>{
+             {"self_attn.q_proj", q, hidden},   {"self_attn.k_proj", kv, hidden},
+             {"self_attn.v_proj", kv, hidden},  {"self_attn.o_proj", hidden, q},
+             {"mlp.gate_proj", inter, hidden},  {"mlp.up_proj", inter, hidden},
+             {"mlp.down_proj", hidden, inter}}) {
+      common::MatrixSpec m;
+      m.name = p + name;
+      m.shape = {rows, cols};
+      m.dtype = dtype;
+      spec.matrices.push_back(m);
+    }
+  }
+  return spec;
+}
+
+// Starts `muond` (next to this binary) on a private socket; returns its pid.
+pid_t StartDaemon(const std::string& dir, int threads, std::string* address) {
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  std::string bin = n > 0 ? std::string(self, n) : std::string("muond-bench");
+  bin = bin.substr(0, bin.rfind('/') + 1) + "muond";
+  *address = "unix://" + dir + "/muond.sock";
+  const std::string threads_arg = std::to_string(threads);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    execl(bin.c_str(), bin.c_str(), "--listen", address->c_str(), "--state-dir",
+          (dir + "/state").c_str(), "--threads", threads_arg.c_str(), "--log-level", "warning",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+}  // namespace
+
+int RunStepBench(int argc, char** argv) {
+  auto flags = ParseFlags(argc, argv, {"ranks", "layers", "dtype", "steps", "threads"});
+  if (!flags.ok() || flags->count("help")) {
+    std::fprintf(flags.ok() ? stdout : stderr,
+                 "%s%susage: muond-bench step [--ranks 1,2,4] [--layers 2] [--dtype bfloat16]\n"
+                 "                        [--steps 1] [--threads N]\n"
+                 "  --steps  timed steps per configuration (after one warm-up step)\n",
+                 flags.ok() ? "" : std::string(flags.status().message()).c_str(),
+                 flags.ok() ? "" : "\n");
+    return flags.ok() ? 0 : 2;
+  }
+  auto get = [&](const char* k, const char* d) {
+    return flags->count(k) ? flags->at(k) : std::string(d);
+  };
+  auto ranks = ParsePositiveList("ranks", get("ranks", "1,2,4"));
+  int layers = 0, steps = 0;
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  auto dtype = common::ParseDType(get("dtype", "bfloat16"));
+  if (!ranks.ok() || !dtype.ok() || !absl::SimpleAtoi(get("layers", "2"), &layers) ||
+      layers < 1 || !absl::SimpleAtoi(get("steps", "1"), &steps) || steps < 1 ||
+      (flags->count("threads") && (!absl::SimpleAtoi(flags->at("threads"), &threads) ||
+                                   threads < 1))) {
+    std::fprintf(stderr, "muond-bench step: bad flags (see --help)\n");
+    return 2;
+  }
+  common::JobSpec spec = LayerSet(layers, *dtype);
+  uint64_t total = 0;
+  for (const auto& m : spec.matrices) total += static_cast<uint64_t>(m.numel());
+  const size_t esize = common::DTypeSize(*dtype);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> grad32(total);
+  for (float& g : grad32) g = normal(rng);
+  std::string grads(total * esize, '\0');
+  common::FromFloat32(grad32.data(), total, *dtype, grads.data());
+  std::printf("muond-bench step: %zu matrices (%d layers), %llu elements, %s gradients and "
+              "compute, %d threads, %d timed steps\n",
+              spec.matrices.size(), layers, static_cast<unsigned long long>(total),
+              std::string(common::DTypeName(*dtype)).c_str(), threads, steps);
+
+  // Baseline: the whole-matrix update of every matrix in this process.
+  server::SetMathThreads(threads);
+  std::vector<std::vector<float>> momentum;
+  for (const auto& m : spec.matrices) momentum.emplace_back(m.numel(), 0.0f);
+  double baseline = 0;
+  for (int s = 0; s <= steps; ++s) {
+    const auto t0 = Clock::now();
+    uint64_t at = 0;
+    std::vector<float> g;
+    for (size_t i = 0; i < spec.matrices.size(); ++i) {
+      const uint64_t n = spec.matrices[i].numel();
+      g.resize(n);
+      common::ToFloat32(*dtype, grads.data() + at * esize, n, g.data());
+      absl::Status st = server::MuonUpdate(spec.muon, spec.matrices[i], g.data(),
+                                           momentum[i].data(), g.data());
+      if (!st.ok()) {
+        std::fprintf(stderr, "muond-bench step: %s\n", std::string(st.message()).c_str());
+        return 1;
+      }
+      std::string out(n * esize, '\0');
+      common::FromFloat32(g.data(), n, *dtype, out.data());
+      at += n;
+    }
+    if (s > 0) baseline += Seconds(t0, Clock::now()) / steps;
+  }
+
+  char dir_template[] = "/tmp/muond-bench-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  std::string address;
+  const pid_t daemon = StartDaemon(dir, threads, &address);
+  auto client = client::Client::Connect(address);
+  bool up = false;
+  for (int i = 0; i < 200 && client.ok() && !up; ++i) {
+    up = (*client)->Health(1).ok();
+    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  int code = 0;
+  double worst_ratio = 0;
+  std::printf("%6s %14s %14s %8s\n", "ranks", "daemon s/step", "in-proc s/step", "ratio");
+  for (int64_t world : *ranks) {
+    if (!up) {
+      std::fprintf(stderr, "muond-bench step: muond did not start\n");
+      code = 1;
+      break;
+    }
+    common::JobSpec job = spec;
+    job.job_id = absl::StrCat("bench-", world);
+    job.world_size = static_cast<int>(world);
+    job.zero_stage = world == 1 ? 0 : 2;
+    auto token = (*client)->CreateJob(job);
+    if (!token.ok()) {
+      std::fprintf(stderr, "muond-bench step: %s\n", std::string(token.status().message()).c_str());
+      code = 1;
+      break;
+    }
+    const uint64_t part = common::RankBufferElements(job, 0);
+    std::string padded(part * world * esize, '\0');
+    std::copy(grads.begin(), grads.end(), padded.begin());
+    std::vector<std::unique_ptr<client::Client>> clients;
+    std::vector<std::unique_ptr<client::RankSession>> sessions;
+    for (int r = 0; r < world; ++r) {
+      clients.push_back(*client::Client::Connect(address));
+      sessions.push_back(*clients.back()->Attach(job.job_id, r, *token));
+    }
+    std::vector<std::string> outs(world, std::string(part * esize, '\0'));
+    double daemon_time = 0;
+    for (int s = 0; s <= steps && code == 0; ++s) {
+      absl::Notification go;
+      std::vector<absl::Status> status(world);
+      std::vector<std::thread> ts;
+      for (int r = 0; r < world; ++r) {
+        ts.emplace_back([&, r] {
+          go.WaitForNotification();
+          status[r] = sessions[r]
+                          ->StepBuffer(s, padded.data() + r * part * esize, outs[r].data())
+                          .status();
+        });
+      }
+      const auto t0 = Clock::now();
+      go.Notify();
+      for (auto& t : ts) t.join();
+      for (const auto& st : status) {
+        if (!st.ok()) {
+          std::fprintf(stderr, "muond-bench step: %s\n", std::string(st.message()).c_str());
+          code = 1;
+        }
+      }
+      if (s > 0) daemon_time += Seconds(t0, Clock::now()) / steps;
+    }
+    if (code != 0) break;
+    const double ratio = daemon_time / baseline;
+    worst_ratio = std::max(worst_ratio, ratio);
+    std::printf("%6lld %14.3f %14.3f %8.3f\n", static_cast<long long>(world), daemon_time,
+                baseline, ratio);
+    sessions.clear();
+    (void)(*client)->DeleteJob(job.job_id, *token);
+  }
+  kill(daemon, SIGTERM);
+  int wstatus = 0;
+  waitpid(daemon, &wstatus, 0);
+  std::string rm = "rm -rf " + dir;
+  if (std::system(rm.c_str()) != 0) std::fprintf(stderr, "muond-bench step: cannot remove %s\n", dir.c_str());
+  if (code != 0) return code;
+  std::printf("result: step ratio=%.3f target=%.3f\n", worst_ratio, kTarget);
+  return 0;
+}
+
+}  // namespace muond::bench
