@@ -5,11 +5,14 @@ set -euo pipefail
 
 # libopenblas0-pthread: LibTorch's fp32 CPU GEMMs go through the system BLAS; the reference BLAS is
 # ~40x slower.
+# libcivetweb-dev: the /metrics HTTP endpoint. prometheus: `promtool` and a real server for the
+# metrics tests (the package enables a prometheus.service; muond does not need it running).
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libtorch-dev libopenblas0-pthread nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libcivetweb-dev prometheus
   python3 python3-numpy python3-torch
 )
 

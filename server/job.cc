@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -19,11 +20,15 @@ constexpr size_t kMaxChunkBytes = size_t{4} << 20;
 // How often a rank waiting for the step's commit checks whether it went away.
 constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
 
-// One rank's input for the step: the gradient bytes of each of its spans.
+// One rank's input for the step: where the gradient bytes of each of its spans are. A gRPC rank's
+// chunks are copied into `owned`; a shared-memory rank's spans point into its gradient region.
 struct RankInput {
-  std::vector<std::string> span_bytes;               // per span, the matrix dtype
-  std::vector<std::map<uint64_t, uint64_t>> claimed;  // per span: element ranges [first, second)
-  std::vector<uint64_t> span_received;               // per span: elements copied in
+  std::vector<const char*> span_in;                   // per span, the matrix dtype
+  std::vector<std::string> owned;                     // gRPC: the storage span_in points into
+  std::vector<std::map<uint64_t, uint64_t>> claimed;  // gRPC, per span: element ranges received
+  std::vector<uint64_t> span_received;                // per span: elements in
+  SharedDone done;                                    // shared memory: the completion
+  std::shared_ptr<const void> keepalive;              // shared memory: the regions
   bool begun = false;
   bool finished = false;
 };
@@ -35,7 +40,7 @@ struct StepState {
   int64_t step = 0;
   absl::Time start;
   std::vector<RankInput> ranks;
-  std::vector<std::shared_ptr<RankUpdate>> outputs;  // per rank
+  std::vector<std::shared_ptr<RankUpdate>> outputs;  // per rank, set when the rank begins
   std::vector<uint64_t> matrix_received;             // elements, all ranks
   std::vector<uint32_t> ready;                       // complete matrices not yet taken
   bool drain_queued = false;                         // a DrainReady task is queued or running
@@ -175,26 +180,31 @@ std::shared_ptr<StepState> Job::NewStepState(int64_t step) {
   state->ranks.resize(spec_.world_size);
   state->outputs.resize(spec_.world_size);
   state->matrix_received.assign(spec_.matrices.size(), 0);
-  const bool reuse = input_pool_.size() == static_cast<size_t>(spec_.world_size);
   for (int r = 0; r < spec_.world_size; ++r) {
-    RankInput& in = state->ranks[r];
-    const size_t n = rank_spans_[r].size();
-    if (reuse) in.span_bytes = std::move(input_pool_[r]);
-    in.span_bytes.resize(n);
-    in.claimed.resize(n);
-    in.span_received.assign(n, 0);
-    auto out = std::make_shared<RankUpdate>();
-    out->step = step;
-    for (size_t i = 0; i < n; ++i) {
-      const common::ShardSpan& span = rank_spans_[r][i];
-      const size_t bytes = span.length * common::DTypeSize(spec_.matrices[span.matrix].dtype);
-      in.span_bytes[i].resize(bytes);
-      out->spans.push_back({span.matrix, span.offset, std::string(bytes, '\0')});
-    }
-    state->outputs[r] = std::move(out);
+    state->ranks[r].span_received.assign(rank_spans_[r].size(), 0);
   }
-  input_pool_.clear();
   return state;
+}
+
+void Job::PrepareOwnedRank(StepState& state, int rank) {
+  RankInput& in = state.ranks[rank];
+  const size_t n = rank_spans_[rank].size();
+  if (static_cast<size_t>(rank) < input_pool_.size()) in.owned = std::move(input_pool_[rank]);
+  in.owned.resize(n);
+  in.span_in.resize(n);
+  in.claimed.resize(n);
+  auto out = std::make_shared<RankUpdate>();
+  out->step = state.step;
+  out->storage.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const common::ShardSpan& span = rank_spans_[rank][i];
+    const size_t bytes = span.length * common::DTypeSize(spec_.matrices[span.matrix].dtype);
+    in.owned[i].resize(bytes);
+    in.span_in[i] = in.owned[i].data();
+    out->storage[i].assign(bytes, '\0');
+    out->spans.push_back({span.matrix, span.offset, out->storage[i].data(), bytes});
+  }
+  state.outputs[rank] = std::move(out);
 }
 
 absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t session, int64_t step) {
@@ -236,6 +246,7 @@ absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t sess
         absl::StrCat("job '", id(), "' rank ", rank, " already has step ", step, " in flight"));
   }
   in_flight_->ranks[rank].begun = true;
+  PrepareOwnedRank(*in_flight_, rank);
   return std::unique_ptr<RankStep>(
       new RankStep(shared_from_this(), rank, step, in_flight_, nullptr));
 }
@@ -310,10 +321,11 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
       return s;
     }
     claimed.emplace(offset, offset + count);
-    dst = in.span_bytes[span_index].data() + (offset - span.offset) * esize;
+    dst = in.owned[span_index].data() + (offset - span.offset) * esize;
   }
   // The claimed range is this rank's alone: copy outside the lock.
   std::memcpy(dst, data.data(), data.size());
+  CountHostCopy(data.size());
   absl::MutexLock lock(&mu_);
   if (state.done) return state.result;
   state.ranks[rank].span_received[span_index] += count;
@@ -430,7 +442,7 @@ absl::Status Job::ComputeMatrix(StepState& state, uint32_t m, std::vector<float>
   // Gather: every owner's span, widened to fp32, at its place in the whole matrix.
   for (const SpanRef& ref : matrix_spans_[m]) {
     const common::ShardSpan& span = rank_spans_[ref.rank][ref.span];
-    common::ToFloat32(ms.dtype, state.ranks[ref.rank].span_bytes[ref.span].data(), span.length,
+    common::ToFloat32(ms.dtype, state.ranks[ref.rank].span_in[ref.span], span.length,
                       grad.data() + span.offset);
   }
   momentum = momentum_[m];  // the committed momentum; the store is not written until commit
@@ -443,35 +455,55 @@ absl::Status Job::ComputeMatrix(StepState& state, uint32_t m, std::vector<float>
   for (const SpanRef& ref : matrix_spans_[m]) {
     const common::ShardSpan& span = rank_spans_[ref.rank][ref.span];
     common::FromFloat32(grad.data() + span.offset, span.length, ms.dtype,
-                        state.outputs[ref.rank]->spans[ref.span].bytes.data());
+                        state.outputs[ref.rank]->spans[ref.span].data);
   }
   return absl::OkStatus();
 }
 
 void Job::Commit(StepState& state) {
   // Every matrix succeeded and every gradient value was checked: apply the momentum EMA to the
-  // store from the gradients still in the input buffers, with the function MuonUpdate used.
+  // store from the gradients still in the input buffers, with the function MuonUpdate used. A
+  // shared-memory peer could have changed its gradients after ringing; a non-finite value found
+  // now means the store may be half-updated, so the job is fenced rather than committed.
   std::vector<float> wide;
-  for (int r = 0; r < spec_.world_size; ++r) {
-    for (size_t i = 0; i < rank_spans_[r].size(); ++i) {
+  absl::Status changed;
+  for (int r = 0; r < spec_.world_size && changed.ok(); ++r) {
+    for (size_t i = 0; i < rank_spans_[r].size() && changed.ok(); ++i) {
       const common::ShardSpan& span = rank_spans_[r][i];
       const common::MatrixSpec& ms = spec_.matrices[span.matrix];
       wide.resize(span.length);
-      common::ToFloat32(ms.dtype, state.ranks[r].span_bytes[i].data(), span.length, wide.data());
+      common::ToFloat32(ms.dtype, state.ranks[r].span_in[i], span.length, wide.data());
+      if (const int64_t bad = common::FindNonFinite(wide.data(), wide.size()); bad >= 0) {
+        changed = absl::DataLossError(absl::StrCat(
+            "job '", id(), "' step ", state.step, " rank ", r, ": matrix '", ms.name,
+            "' element ", span.offset + static_cast<uint64_t>(bad),
+            " became non-finite after it was checked (gradient memory changed during the step)"));
+        break;
+      }
       ApplyMomentum(spec_.muon, wide.data(), momentum_[span.matrix].data() + span.offset,
                     span.length);
     }
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - state.start);
   absl::MutexLock lock(&mu_);
+  if (!changed.ok()) {
+    FailStep(state, changed, /*fence=*/true);
+    return;
+  }
   for (auto& out : state.outputs) out->compute_seconds = seconds;
   last_updates_.assign(state.outputs.begin(), state.outputs.end());
   state.done = true;
   state.result = absl::OkStatus();
-  for (RankInput& in : state.ranks) input_pool_.push_back(std::move(in.span_bytes));
+  input_pool_.resize(spec_.world_size);
+  for (int r = 0; r < spec_.world_size; ++r) {
+    if (!state.ranks[r].owned.empty()) input_pool_[r] = std::move(state.ranks[r].owned);
+  }
   ++next_step_;
   ++steps_completed_;
   if (in_flight_.get() == &state) in_flight_ = nullptr;
+  for (RankInput& in : state.ranks) {
+    if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), false, seconds);
+  }
   state.cv.SignalAll();
 }
 
@@ -480,6 +512,9 @@ void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
   state.done = true;
   state.result = status;
   state.ready.clear();
+  for (RankInput& in : state.ranks) {
+    if (in.done) std::exchange(in.done, nullptr)(status, false, 0);
+  }
   if (in_flight_.get() == &state) in_flight_ = nullptr;
   if (fence) {
     ++steps_aborted_;
@@ -547,6 +582,7 @@ v1::JobStatus Job::Status() const {
   st.set_fenced(fenced_);
   st.set_fence_reason(fence_reason_);
   st.set_gather_peak_bytes(gather_peak_bytes_);
+  st.set_host_copy_bytes(host_copy_bytes_.load());
   if (in_flight_ != nullptr) st.set_step_in_flight(in_flight_->step);
   for (int r = 0; r < spec_.world_size; ++r) {
     v1::RankStatus* rs = st.add_ranks();
@@ -561,6 +597,112 @@ v1::JobStatus Job::Status() const {
   }
   return st;
 }
+
+absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
+                              const std::vector<const char*>& in, const std::vector<char*>& out,
+                              std::shared_ptr<const void> keepalive, SharedDone done) {
+  if (rank < 0 || rank >= spec_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
+                                                   " is outside the world size [0, ",
+                                                   spec_.world_size, ")"));
+  }
+  const std::vector<common::ShardSpan>& spans = rank_spans_[rank];
+  if (in.size() != spans.size() || out.size() != spans.size()) {
+    return absl::InternalError("shared submission with the wrong number of spans");
+  }
+  const std::string where = absl::StrCat("job '", id(), "' step ", step, " rank ", rank);
+  // Every value is checked in place, before the step knows about the rank.
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const common::MatrixSpec& ms = spec_.matrices[spans[i].matrix];
+    if (const int64_t at = common::FindNonFiniteRaw(ms.dtype, in[i], spans[i].length); at >= 0) {
+      absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
+          where, ": matrix '", ms.name, "' has a non-finite gradient value at element ",
+          spans[i].offset + static_cast<uint64_t>(at),
+          "; the step is refused for every rank and the momentum is unchanged"));
+      absl::MutexLock lock(&mu_);
+      if (in_flight_ != nullptr && in_flight_->step == step) FailStep(*in_flight_, bad, false);
+      else ++steps_refused_;
+      return bad;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
+  if (sessions_[rank] == 0 || sessions_[rank] != session) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": session ", session, " is not the rank's current session; attach again"));
+  }
+  if (fenced_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", id(), "' is fenced (", fence_reason_, "); reset it or load a checkpoint"));
+  }
+  if (step == next_step_ - 1 && last_updates_[rank] != nullptr &&
+      last_updates_[rank]->step == step) {
+    // A replay: the committed bytes go where the rank reads them (already there when the rank
+    // used the same buffer).
+    const RankUpdate& last = *last_updates_[rank];
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (out[i] != last.spans[i].data) std::memcpy(out[i], last.spans[i].data, last.spans[i].size);
+    }
+    done(absl::OkStatus(), /*replayed=*/true, last.compute_seconds);
+    return absl::OkStatus();
+  }
+  if (step != next_step_) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", id(), "': step ", step,
+                                                      " out of order: expected step ", next_step_));
+  }
+  if (in_flight_ == nullptr) in_flight_ = NewStepState(step);
+  StepState& state = *in_flight_;
+  RankInput& rin = state.ranks[rank];
+  if (rin.begun) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": the rank already has the step in flight"));
+  }
+  rin.begun = true;
+  rin.finished = true;
+  rin.span_in = in;
+  rin.keepalive = keepalive;
+  rin.done = std::move(done);
+  auto update = std::make_shared<RankUpdate>();
+  update->step = step;
+  update->keepalive = std::move(keepalive);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const size_t bytes = spans[i].length * common::DTypeSize(spec_.matrices[spans[i].matrix].dtype);
+    update->spans.push_back({spans[i].matrix, spans[i].offset, out[i], bytes});
+    rin.span_received[i] = spans[i].length;
+    state.matrix_received[spans[i].matrix] += spans[i].length;
+    if (state.matrix_received[spans[i].matrix] ==
+        static_cast<uint64_t>(spec_.matrices[spans[i].matrix].numel())) {
+      state.ready.push_back(spans[i].matrix);
+    }
+  }
+  state.outputs[rank] = std::move(update);
+  if (!state.ready.empty() && !state.drain_queued) {
+    state.drain_queued = true;
+    executor_->Submit([self = shared_from_this(), state_ptr = in_flight_] {
+      self->DrainReady(state_ptr);
+    });
+  }
+  return absl::OkStatus();
+}
+
+void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive) {
+  if (rank < 0 || rank >= spec_.world_size) return;
+  absl::MutexLock lock(&mu_);
+  if (in_flight_ != nullptr && in_flight_->ranks[rank].keepalive.get() == keepalive &&
+      keepalive != nullptr) {
+    FailStep(*in_flight_,
+             absl::AbortedError(absl::StrCat("job '", id(), "' step ", in_flight_->step,
+                                             " aborted: rank ", rank,
+                                             " (shared memory) went away during the step")),
+             /*fence=*/true);
+  }
+  if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive) {
+    last_updates_[rank] = nullptr;  // its bytes live in the regions being released
+  }
+  if (sessions_[rank] == session) sessions_[rank] = 0;
+}
+
+void Job::CountHostCopy(uint64_t bytes) { host_copy_bytes_.fetch_add(bytes); }
 
 bool Job::StepInFlight(int64_t step) const {
   absl::MutexLock lock(&mu_);

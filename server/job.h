@@ -19,6 +19,7 @@
 #ifndef MUOND_SERVER_JOB_H_
 #define MUOND_SERVER_JOB_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -39,18 +40,26 @@ namespace muond::server {
 
 struct StepState;
 
-// One span of a rank's update, in the matrix's dtype.
+// One span of a rank's update, in the matrix's dtype: `size` bytes at `data`, which points into
+// the update's own storage (gRPC) or into the rank's shared update region.
 struct UpdateSpan {
   uint32_t matrix = 0;
   uint64_t offset = 0;  // elements
-  std::string bytes;
+  char* data = nullptr;
+  size_t size = 0;
 };
 
 struct RankUpdate {
   int64_t step = -1;
   std::vector<UpdateSpan> spans;  // in the order of common::RankSpans
   double compute_seconds = 0;
+  std::vector<std::string> storage;       // owned span bytes (gRPC ranks)
+  std::shared_ptr<const void> keepalive;  // the shared region the spans point into (shm ranks)
 };
+
+// Called once when a shared-memory submission ends: OK (the update is in the rank's update
+// region), or why not. Runs with the job's lock held: it must not call back into the Job.
+using SharedDone = std::function<void(const absl::Status& status, bool replayed, double seconds)>;
 
 class Job;
 
@@ -113,6 +122,22 @@ class Job : public std::enable_shared_from_this<Job> {
   // Starts `rank`'s part in `step`. FAILED_PRECONDITION when the job is fenced, the session is not
   // the rank's current one, the step is out of order, or the rank already has the step in flight.
   absl::StatusOr<std::unique_ptr<RankStep>> BeginStep(int rank, uint64_t session, int64_t step);
+  // The shared-memory path: `rank` submits all its gradients for `step` at once. `in[i]` holds span
+  // i of RankSpans (the matrix dtype), `out[i]` receives span i of the update; both stay mapped as
+  // long as `keepalive` lives (the step holds it). The gradient memory must not change until
+  // `done` ran. Validation errors (session, order, fence, non-finite values) are returned at once
+  // and `done` is not called; otherwise `done` is called exactly once.
+  absl::Status SubmitShared(int rank, uint64_t session, int64_t step,
+                            const std::vector<const char*>& in, const std::vector<char*>& out,
+                            std::shared_ptr<const void> keepalive, SharedDone done);
+  // A shared-memory session of `rank` ended (its peer hung up): a step the rank had in flight is
+  // aborted and the job fenced; replays that point into its regions are dropped; the rank is
+  // detached if `session` is still its session.
+  void EndSharedSession(int rank, uint64_t session, const void* keepalive);
+  // Bytes copied host to host on the data path (gRPC chunks into input buffers and updates into
+  // messages); the shared-memory path adds none.
+  void CountHostCopy(uint64_t bytes);
+
   // Zeroes the momentum, clears a fence and sets the next step. FAILED_PRECONDITION while a step is
   // in flight.
   absl::Status Reset(int64_t next_step);
@@ -148,6 +173,8 @@ class Job : public std::enable_shared_from_this<Job> {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortRank(const std::shared_ptr<StepState>& state, int rank, const std::string& why);
   std::shared_ptr<StepState> NewStepState(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives a gRPC rank its input buffers (reused from the last step) and update storage.
+  void PrepareOwnedRank(StepState& state, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const common::JobSpec spec_;
   const std::string token_;
@@ -181,6 +208,7 @@ class Job : public std::enable_shared_from_this<Job> {
   std::vector<std::shared_ptr<const RankUpdate>> last_updates_ ABSL_GUARDED_BY(mu_);
   // Input buffers of the last finished step, reused by the next one (per rank, per span).
   std::vector<std::vector<std::string>> input_pool_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> host_copy_bytes_{0};
 };
 
 }  // namespace muond::server

@@ -175,13 +175,14 @@ absl::Status MuondService::RunStep(
   for (const UpdateSpan& span : update->spans) {
     const size_t esize = common::DTypeSize(spec.matrices[span.matrix].dtype);
     const size_t per_chunk = kChunkBytes / esize * esize;
-    for (size_t at = 0; at < span.bytes.size(); at += per_chunk) {
-      const size_t n = std::min(per_chunk, span.bytes.size() - at);
+    for (size_t at = 0; at < span.size; at += per_chunk) {
+      const size_t n = std::min(per_chunk, span.size - at);
       v1::DataChunk* c = resp.mutable_update();
       c->set_matrix_index(span.matrix);
       c->set_element_offset(span.offset + at / esize);
-      c->set_data(span.bytes.data() + at, n);
-      c->set_crc32c(common::Crc32c(span.bytes.data() + at, n));
+      c->set_data(span.data + at, n);
+      job->CountHostCopy(n);
+      c->set_crc32c(common::Crc32c(span.data + at, n));
       if (!stream->Write(resp)) {
         // The step is committed; the rank may ask again for the same bytes (a replay).
         return absl::UnavailableError(absl::StrCat(

@@ -160,6 +160,42 @@ ProcessResult RunMuonctl(const std::string& address, const std::vector<std::stri
   return RunProcess(argv, env);
 }
 
+absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Start(
+    const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+  std::unique_ptr<ChildProcess> child(new ChildProcess());
+  auto pid = Spawn(argv, ChildEnvironment(env), child->dir_.File("stdout"),
+                   child->dir_.File("stderr"));
+  if (!pid.ok()) return pid.status();
+  child->pid_ = *pid;
+  return child;
+}
+
+ChildProcess::~ChildProcess() {
+  if (!reaped_) {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, &status_, 0);
+  }
+}
+
+bool ChildProcess::WaitForOutput(const std::string& text, double timeout_seconds) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_seconds);
+  while (true) {
+    if (Out().find(text) != std::string::npos) return true;
+    if (!reaped_ && WaitPid(pid_, 0, &status_)) reaped_ = true;
+    if (reaped_) return Out().find(text) != std::string::npos;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+int ChildProcess::Kill(int signal) {
+  if (reaped_) return status_;
+  ::kill(pid_, signal);
+  if (!WaitPid(pid_, 10, &status_)) return -1;
+  reaped_ = true;
+  return status_;
+}
+
 int CountLines(const std::string& text) {
   int n = 0;
   for (char c : text) n += c == '\n';

@@ -62,6 +62,36 @@ ProcessResult RunProcess(const std::vector<std::string>& argv,
 ProcessResult RunMuonctl(const std::string& address, const std::vector<std::string>& args,
                          const std::map<std::string, std::string>& env = {});
 
+// A child process that runs while the test goes on (e.g. a rank process to be killed mid-step);
+// stdin /dev/null, stdout and stderr to files, the environment as for RunProcess. SIGKILLed and
+// reaped on destruction when still running.
+class ChildProcess {
+ public:
+  static absl::StatusOr<std::unique_ptr<ChildProcess>> Start(
+      const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {});
+  ~ChildProcess();
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  // What it printed so far.
+  std::string Out() const { return ReadWholeFile(dir_.File("stdout")); }
+  std::string Err() const { return ReadWholeFile(dir_.File("stderr")); }
+  // Polls until stdout contains `text`; false after `timeout_seconds` or when the process exited.
+  bool WaitForOutput(const std::string& text, double timeout_seconds);
+  // Sends `signal` and waits for the process to end; returns its wait status (-1 if it did not
+  // end within 10 s).
+  int Kill(int signal);
+  bool running() const { return !reaped_; }
+
+ private:
+  ChildProcess() = default;
+  TempDir dir_;
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int status_ = 0;
+};
+
 // The number of '\n'-terminated lines in `text` (a last line without '\n' counts too).
 int CountLines(const std::string& text);
 
@@ -116,6 +146,8 @@ class DaemonSuite : public ::testing::Test {
   static client::Client& client() { return *client_; }
   static const std::string& address() { return daemon_->address(); }
   static const std::string& dir() { return dir_->path(); }
+  // The daemon's process id (for /proc/<pid>/status).
+  static pid_t daemon_pid() { return daemon_->pid(); }
   // A job id unique within the suite: "<prefix>-<n>".
   static std::string NewJobId(const std::string& prefix);
 

@@ -1,0 +1,77 @@
+// The node-local shared-memory data plane's wire format (DESIGN.md section 5).
+//
+// A rank attaches over a Unix SOCK_SEQPACKET socket (muond.v1.ShmAttachRequest, one datagram); the
+// daemon answers with muond.v1.ShmAttachResponse and, in the same datagram, five descriptors
+// (SCM_RIGHTS), in this order:
+//   0  gradient region (memfd, 2 buffers of `buffer_bytes`; the client writes, the daemon reads)
+//   1  update region   (memfd, 2 buffers; sealed F_SEAL_FUTURE_WRITE: the client can only read)
+//   2  ring            (memfd, kRingBytes: RingHeader, submissions, completions)
+//   3  doorbell        (eventfd: the client writes 1 after publishing a submission)
+//   4  completion      (eventfd: the daemon writes 1 after publishing a completion)
+// Step t uses buffer t % 2 of both regions. The connection stays open for the session: its hang-up
+// ends the session (a step in flight is aborted and the job fenced).
+//
+// The ring is single-producer/single-consumer each way. Indices only grow; slot = index % kRingSlots.
+// The daemon treats everything the client writes as hostile: indices, sizes and strings are
+// validated, and a malformed ring ends the session.
+#ifndef MUOND_COMMON_SHM_PROTOCOL_H_
+#define MUOND_COMMON_SHM_PROTOCOL_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace muond::common::shm {
+
+inline constexpr uint32_t kRingMagic = 0x6d756f6e;  // "muon"
+inline constexpr uint32_t kRingVersion = 1;
+inline constexpr uint32_t kRingSlots = 8;
+inline constexpr size_t kMessageBytes = 240;
+inline constexpr int kNumFds = 5;
+
+// One doorbell: "the gradients of `step` are in buffer `buffer` at [offset, offset + size)".
+// A valid one has buffer == step % 2, offset == 0, size == buffer_bytes and the session's generation.
+struct Submission {
+  uint64_t seq;
+  int64_t step;
+  uint64_t generation;
+  uint32_t buffer;
+  uint32_t reserved;
+  uint64_t offset;
+  uint64_t size;
+};
+
+// The outcome of a submission: code 0 (OK) means the update of `step` is in buffer step % 2 of the
+// update region. Otherwise `code` is a gRPC status code and `message` says why (NUL-terminated).
+struct Completion {
+  uint64_t seq;
+  int64_t step;
+  int32_t code;
+  uint32_t replayed;
+  double seconds;
+  char message[kMessageBytes];
+};
+
+struct RingHeader {
+  uint32_t magic;
+  uint32_t version;
+  uint64_t generation;
+  std::atomic<uint64_t> sub_head;   // written by the client
+  std::atomic<uint64_t> sub_tail;   // written by the daemon
+  std::atomic<uint64_t> comp_head;  // written by the daemon
+  std::atomic<uint64_t> comp_tail;  // written by the client
+};
+
+struct Ring {
+  RingHeader header;
+  Submission subs[kRingSlots];
+  Completion comps[kRingSlots];
+};
+
+inline constexpr size_t kRingBytes = 4096;
+static_assert(sizeof(Ring) <= kRingBytes, "the ring must fit its region");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "ring indices must be lock-free");
+
+}  // namespace muond::common::shm
+
+#endif  // MUOND_COMMON_SHM_PROTOCOL_H_

@@ -1,0 +1,198 @@
+#include "server/metrics_http.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace muond::server {
+namespace {
+
+struct HttpResponse {
+  std::string status_line;
+  std::string headers;  // Raw, lines joined with "\r\n".
+  std::string body;
+};
+
+// A minimal HTTP/1.1 client: one request, `Connection: close`, reads to EOF.
+HttpResponse Fetch(int port, const std::string& method, const std::string& path) {
+  HttpResponse r;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  EXPECT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ADD_FAILURE() << "connect to port " << port << " failed";
+    close(fd);
+    return r;
+  }
+  const std::string request = method + " " + path +
+                              " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                              "Content-Length: 0\r\n\r\n";
+  EXPECT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(request.size()));
+  std::string raw;
+  char buf[4096];
+  for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;) raw.append(buf, n);
+  close(fd);
+  const size_t eol = raw.find("\r\n");
+  const size_t end = raw.find("\r\n\r\n");
+  if (eol == std::string::npos || end == std::string::npos) {
+    ADD_FAILURE() << "malformed response: " << raw;
+    return r;
+  }
+  r.status_line = raw.substr(0, eol);
+  r.headers = raw.substr(eol + 2, end - eol - 2);
+  r.body = raw.substr(end + 4);
+  return r;
+}
+
+// The value of header `name` (case-insensitive), or "" when absent.
+std::string Header(const HttpResponse& r, const std::string& name) {
+  size_t pos = 0;
+  while (pos < r.headers.size()) {
+    size_t eol = r.headers.find("\r\n", pos);
+    if (eol == std::string::npos) eol = r.headers.size();
+    const std::string line = r.headers.substr(pos, eol - pos);
+    pos = eol + 2;
+    const size_t colon = line.find(':');
+    if (colon != name.size() || strncasecmp(line.c_str(), name.c_str(), colon) != 0) continue;
+    const size_t v = line.find_first_not_of(' ', colon + 1);
+    return v == std::string::npos ? "" : line.substr(v);
+  }
+  return "";
+}
+
+class MetricsHttpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    registry_.AddCounter("muond_requests_total", "Requests.")
+        .value()
+        ->Add({{"code", "OK"}})
+        .Increment(3);
+    auto server = MetricsServer::Start("127.0.0.1:0", &registry_);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+  }
+
+  common::Registry registry_;
+  std::unique_ptr<MetricsServer> server_;
+};
+
+TEST_F(MetricsHttpTest, ServesMetrics) {
+  ASSERT_GT(server_->port(), 0);
+  EXPECT_EQ(server_->address(), "127.0.0.1:" + std::to_string(server_->port()));
+  const HttpResponse r = Fetch(server_->port(), "GET", "/metrics");
+  EXPECT_EQ(r.status_line, "HTTP/1.1 200 OK");
+  EXPECT_EQ(Header(r, "Content-Type"), "text/plain; version=0.0.4; charset=utf-8");
+  EXPECT_EQ(Header(r, "Content-Length"), std::to_string(r.body.size()));
+  EXPECT_EQ(r.body, registry_.Serialize());
+  EXPECT_EQ(r.body,
+            "# HELP muond_requests_total Requests.\n# TYPE muond_requests_total counter\n"
+            "muond_requests_total{code=\"OK\"} 3\n");
+}
+
+TEST_F(MetricsHttpTest, EachScrapeIsFresh) {
+  common::Gauge& g = registry_.AddGauge("muond_depth", "Depth.").value()->Add({});
+  int depth = 0;
+  registry_.AddCollectCallback([&] { g.Set(++depth); });
+  EXPECT_NE(Fetch(server_->port(), "GET", "/metrics").body.find("muond_depth 1\n"),
+            std::string::npos);
+  EXPECT_NE(Fetch(server_->port(), "GET", "/metrics?x=1").body.find("muond_depth 2\n"),
+            std::string::npos);
+}
+
+TEST_F(MetricsHttpTest, HeadHasHeadersOnly) {
+  const HttpResponse r = Fetch(server_->port(), "HEAD", "/metrics");
+  EXPECT_EQ(r.status_line, "HTTP/1.1 200 OK");
+  EXPECT_EQ(Header(r, "Content-Type"), "text/plain; version=0.0.4; charset=utf-8");
+  EXPECT_EQ(Header(r, "Content-Length"), std::to_string(registry_.Serialize().size()));
+  EXPECT_EQ(r.body, "");
+}
+
+TEST_F(MetricsHttpTest, OtherPathsAre404) {
+  for (const char* path : {"/", "/metric", "/metrics/", "/metrics2", "/foo/bar"}) {
+    const HttpResponse r = Fetch(server_->port(), "GET", path);
+    EXPECT_EQ(r.status_line, "HTTP/1.1 404 Not Found") << path;
+    EXPECT_EQ(r.body.find("muond_requests_total"), std::string::npos) << path;
+  }
+}
+
+TEST_F(MetricsHttpTest, OtherMethodsAre405) {
+  for (const char* method : {"POST", "PUT", "DELETE"}) {
+    const HttpResponse r = Fetch(server_->port(), method, "/metrics");
+    EXPECT_EQ(r.status_line, "HTTP/1.1 405 Method Not Allowed") << method;
+    EXPECT_EQ(Header(r, "Allow"), "GET, HEAD") << method;
+    EXPECT_EQ(r.body.find("muond_requests_total"), std::string::npos) << method;
+  }
+}
+
+TEST_F(MetricsHttpTest, PortInUseNamesTheAddress) {
+  const std::string address = "127.0.0.1:" + std::to_string(server_->port());
+  auto second = MetricsServer::Start(address, &registry_);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(second.status().message().find(address), std::string::npos) << second.status();
+  EXPECT_NE(second.status().message().find("in use"), std::string::npos) << second.status();
+}
+
+TEST_F(MetricsHttpTest, StopReleasesThePort) {
+  const int port = server_->port();
+  server_.reset();
+  auto again = MetricsServer::Start("127.0.0.1:" + std::to_string(port), &registry_);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)->port(), port);
+  EXPECT_EQ(Fetch(port, "GET", "/metrics").status_line, "HTTP/1.1 200 OK");
+}
+
+TEST(MetricsHttpAddressTest, BadAddressesRefused) {
+  common::Registry registry;
+  for (const char* address :
+       {"", "127.0.0.1", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:65536", "127.0.0.1:-1",
+        "999.0.0.1:0", "example.com:9000", "::1:0", "[::1:0", "[nonsense]:0", ":9000"}) {
+    auto server = MetricsServer::Start(address, &registry);
+    ASSERT_FALSE(server.ok()) << address;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << address;
+    EXPECT_NE(server.status().message().find(std::string("\"") + address + "\""), std::string::npos)
+        << server.status();
+  }
+}
+
+TEST(MetricsHttpAddressTest, UnbindableAddressRefused) {
+  common::Registry registry;
+  // 192.0.2.0/24 is TEST-NET-1: not an address of this host.
+  auto server = MetricsServer::Start("192.0.2.1:0", &registry);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(server.status().message().find("192.0.2.1:0"), std::string::npos) << server.status();
+}
+
+TEST(MetricsHttpAddressTest, LocalhostMeansLoopback) {
+  common::Registry registry;
+  auto server = MetricsServer::Start("localhost:0", &registry);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->address(), "127.0.0.1:" + std::to_string((*server)->port()));
+  EXPECT_EQ(Fetch((*server)->port(), "GET", "/metrics").status_line, "HTTP/1.1 200 OK");
+}
+
+// Debian 12's civetweb is built without IPv6: then the refusal must say so and name the address.
+TEST(MetricsHttpAddressTest, Ipv6LoopbackServesOrIsRefusedClearly) {
+  common::Registry registry;
+  auto server = MetricsServer::Start("[::1]:0", &registry);
+  if (!server.ok()) {
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_NE(server.status().message().find("\"[::1]:0\""), std::string::npos) << server.status();
+    return;
+  }
+  EXPECT_GT((*server)->port(), 0);
+  EXPECT_EQ((*server)->address(), "[::1]:" + std::to_string((*server)->port()));
+}
+
+}  // namespace
+}  // namespace muond::server
