@@ -8,6 +8,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "client/shm_channel.h"
 #include "common/crc32c.h"
 #include "common/grpc_status.h"
 #include "common/job_spec_proto.h"
@@ -118,9 +119,43 @@ absl::StatusOr<std::vector<v1::JobStatus>> Client::ListJobs() {
   return std::vector<v1::JobStatus>(resp.jobs().begin(), resp.jobs().end());
 }
 
+absl::StatusOr<Transport> ParseTransport(const std::string& name) {
+  if (name == "auto") return Transport::kAuto;
+  if (name == "shm") return Transport::kShm;
+  if (name == "grpc") return Transport::kGrpc;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown transport '", name, "' (accepted: auto, shm, grpc)"));
+}
+
 absl::StatusOr<std::unique_ptr<RankSession>> Client::Attach(const std::string& job_id, int rank,
                                                             const std::string& token,
-                                                            bool takeover) {
+                                                            bool takeover, Transport transport) {
+  if (transport != Transport::kGrpc) {
+    const std::string path = ShmSocketFor(address_);
+    if (path.empty() && transport == Transport::kShm) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shared memory needs a unix:// daemon address on this host, not ", address_));
+    }
+    if (!path.empty()) {
+      auto channel = ShmChannel::Attach(path, job_id, rank, token, takeover);
+      if (channel.ok()) {
+        std::unique_ptr<RankSession> session(new RankSession());
+        session->stub_ = stub_;
+        session->token_ = token;
+        session->spec_ = (*channel)->spec();
+        session->spans_ = common::RankSpans(session->spec_, rank);
+        session->rank_ = rank;
+        session->session_id_ = (*channel)->session_id();
+        session->next_step_ = (*channel)->next_step_at_attach();
+        session->shm_ = *std::move(channel);
+        return session;
+      }
+      // auto falls back to gRPC only when the shared-memory socket cannot be reached.
+      if (transport == Transport::kShm || !absl::IsUnavailable(channel.status())) {
+        return Annotate(channel.status(), "AttachRank (shared memory)");
+      }
+    }
+  }
   ASSIGN_OR_RETURN(v1::JobStatus status, GetJob(job_id, token));
   ASSIGN_OR_RETURN(common::JobSpec spec, common::JobSpecFromProto(status.spec()));
   if (rank < 0 || rank >= spec.world_size) {
@@ -148,10 +183,18 @@ absl::StatusOr<std::unique_ptr<RankSession>> Client::Attach(const std::string& j
 }
 
 RankSession::~RankSession() {
-  if (attached_) (void)Detach();
+  if (attached_ || shm_ != nullptr) (void)Detach();
+}
+
+Transport RankSession::transport() const {
+  return shm_ != nullptr ? Transport::kShm : Transport::kGrpc;
 }
 
 absl::Status RankSession::Detach() {
+  if (shm_ != nullptr) {
+    shm_.reset();  // the daemon ends the session when the socket closes
+    return absl::OkStatus();
+  }
   if (!attached_) return absl::OkStatus();
   attached_ = false;
   grpc::ClientContext ctx;
@@ -163,6 +206,85 @@ absl::Status RankSession::Detach() {
   req.set_session_id(session_id_);
   v1::DetachRankResponse resp;
   return Annotate(FromGrpcStatus(stub_->DetachRank(&ctx, req, &resp)), "DetachRank");
+}
+
+absl::StatusOr<RankSession::View> RankSession::GradientView(int64_t step) {
+  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
+  if (step < 0) return absl::InvalidArgumentError("negative step");
+  return View{shm_->GradientBuffer(step), shm_->buffer_bytes()};
+}
+
+absl::StatusOr<RankSession::View> RankSession::UpdateView(int64_t step) {
+  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
+  if (step < 0) return absl::InvalidArgumentError("negative step");
+  return View{const_cast<char*>(shm_->UpdateBuffer(step)), shm_->buffer_bytes()};
+}
+
+absl::StatusOr<StepResult> RankSession::StepInPlace(int64_t step) {
+  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
+  auto r = shm_->Ring(step);
+  if (!r.ok()) return Annotate(r.status(), absl::StrCat("step ", step));
+  StepResult result;
+  result.step = r->step;
+  result.replayed = r->replayed;
+  result.compute_seconds = r->seconds;
+  result.bytes_in = shm_->buffer_bytes();
+  result.bytes_out = shm_->buffer_bytes();
+  return result;
+}
+
+absl::StatusOr<StepResult> RankSession::StepShared(int64_t step,
+                                                   const std::vector<GradientSpan>& grads,
+                                                   const std::vector<UpdateSpan>& updates) {
+  // Place every gradient span in the region; together they must cover the rank's spans exactly,
+  // since the daemon reads the whole buffer.
+  ASSIGN_OR_RETURN(View in, GradientView(step));
+  const auto& regions = shm_->spans();
+  std::vector<uint64_t> covered(regions.size(), 0);
+  auto locate = [&](uint32_t matrix, uint64_t offset, uint64_t length) -> int {
+    for (size_t i = 0; i < regions.size(); ++i) {
+      const ShmSpan& r = regions[i];
+      if (r.matrix == matrix && offset >= r.offset && offset - r.offset <= r.length &&
+          length <= r.length - (offset - r.offset)) {
+        return static_cast<int>(i);
+      }
+    }
+    return -1;
+  };
+  for (const GradientSpan& g : grads) {
+    const int i = locate(g.matrix, g.offset, g.length);
+    if (i < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gradient span of matrix ", g.matrix, " elements [", g.offset, ", ", g.offset + g.length,
+          ") is outside the rank's shard"));
+    }
+    const size_t esize = common::DTypeSize(spec_.matrices[g.matrix].dtype);
+    std::memcpy(in.data + regions[i].byte_offset + (g.offset - regions[i].offset) * esize, g.data,
+                g.length * esize);
+    covered[i] += g.length;
+  }
+  for (size_t i = 0; i < regions.size(); ++i) {
+    if (covered[i] != regions[i].length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "matrix '", spec_.matrices[regions[i].matrix].name, "': the gradient spans cover ",
+          covered[i], " of the rank's ", regions[i].length, " elements at element ",
+          regions[i].offset));
+    }
+  }
+  ASSIGN_OR_RETURN(StepResult result, StepInPlace(step));
+  const char* out = shm_->UpdateBuffer(step);
+  for (const UpdateSpan& u : updates) {
+    const int i = locate(u.matrix, u.offset, u.length);
+    if (i < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "update span of matrix ", u.matrix, " elements [", u.offset, ", ", u.offset + u.length,
+          ") is outside the rank's shard"));
+    }
+    const size_t esize = common::DTypeSize(spec_.matrices[u.matrix].dtype);
+    std::memcpy(u.data, out + regions[i].byte_offset + (u.offset - regions[i].offset) * esize,
+                u.length * esize);
+  }
+  return result;
 }
 
 absl::StatusOr<StepResult> RankSession::Step(int64_t step, const std::vector<GradientSpan>& grads,
@@ -179,6 +301,7 @@ absl::StatusOr<StepResult> RankSession::Step(int64_t step, const std::vector<Gra
           absl::StrCat("update span: matrix index ", u.matrix, " out of range"));
     }
   }
+  if (shm_ != nullptr) return StepShared(step, grads, updates);
   grpc::ClientContext ctx;
   SetToken(&ctx, token_);
   auto stream = stub_->Step(&ctx);

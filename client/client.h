@@ -18,6 +18,10 @@
 #include "muond/v1/muond.grpc.pb.h"
 
 namespace muond::client {
+class ShmChannel;
+}
+
+namespace muond::client {
 
 // A run of consecutive elements of one matrix in the caller's memory (the matrix's dtype).
 struct GradientSpan {
@@ -32,6 +36,12 @@ struct UpdateSpan {
   void* data = nullptr;  // receives `length` elements of the matrix's dtype
   uint64_t length = 0;
 };
+
+// How a rank's gradients and updates travel. kAuto: shared memory when the daemon is on this host
+// (a unix:// address whose shared-memory socket is reachable), else gRPC.
+enum class Transport { kAuto, kShm, kGrpc };
+// "auto", "shm", "grpc"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<Transport> ParseTransport(const std::string& name);
 
 struct StepResult {
   int64_t step = 0;
@@ -53,6 +63,8 @@ class RankSession {
  public:
   // Detaches the rank (best effort: a daemon that is gone cannot be told).
   ~RankSession();
+  // kShm or kGrpc: the transport this session uses.
+  Transport transport() const;
   RankSession(const RankSession&) = delete;
   RankSession& operator=(const RankSession&) = delete;
   // Ends the session now. FAILED_PRECONDITION when it was taken over meanwhile.
@@ -81,6 +93,17 @@ class RankSession {
   // Elements of the rank's flat buffer (common::RankBufferElements).
   uint64_t buffer_elements() const;
 
+  // Zero-copy steps (shared-memory sessions only; FAILED_PRECONDITION otherwise): write step t's
+  // gradients, in the rank's flat-buffer layout, into GradientView(t), call StepInPlace(t), read
+  // the update from UpdateView(t). Views stay valid for the session's life; step t uses t % 2.
+  struct View {
+    char* data = nullptr;
+    size_t size = 0;
+  };
+  absl::StatusOr<View> GradientView(int64_t step);
+  absl::StatusOr<View> UpdateView(int64_t step);
+  absl::StatusOr<StepResult> StepInPlace(int64_t step);
+
   // Whole-matrix step: `grads` holds one tensor per matrix of the job, named and shaped as the job
   // says; returns the updates with the same names, shapes and dtypes. INVALID_ARGUMENT naming the
   // tensor for a missing, extra, mis-shaped or mis-typed tensor. REQUIRES: rank owns whole matrices.
@@ -91,6 +114,8 @@ class RankSession {
  private:
   friend class Client;
   RankSession() = default;
+  absl::StatusOr<StepResult> StepShared(int64_t step, const std::vector<GradientSpan>& grads,
+                                        const std::vector<UpdateSpan>& updates);
   std::shared_ptr<v1::Muond::Stub> stub_;
   std::string token_;
   common::JobSpec spec_;
@@ -99,6 +124,7 @@ class RankSession {
   int64_t next_step_ = 0;
   bool attached_ = false;
   std::vector<common::ShardSpan> spans_;
+  std::unique_ptr<ShmChannel> shm_;
 };
 
 class Client {
@@ -120,7 +146,8 @@ class Client {
   // (for a restarted trainer whose old process is gone: its step in flight is aborted).
   absl::StatusOr<std::unique_ptr<RankSession>> Attach(const std::string& job_id, int rank,
                                                       const std::string& token,
-                                                      bool takeover = false);
+                                                      bool takeover = false,
+                                                      Transport transport = Transport::kAuto);
 
  private:
   Client() = default;

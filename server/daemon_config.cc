@@ -32,6 +32,11 @@ absl::Status Apply(DaemonConfig& c, const std::string& key, const std::string& v
   } else if (key == "state-dir") {
     if (value.empty() || value[0] != '/') return bad("must be an absolute path");
     c.state_dir = value;
+  } else if (key == "shm-socket") {
+    if (value != "off" && (value.empty() || value[0] != '/')) {
+      return bad("expected an absolute path or off");
+    }
+    c.shm_socket = value;
   } else if (key == "backend") {
     c.backend = value;
   } else if (key == "log-level") {
@@ -101,6 +106,9 @@ std::string DaemonUsage() {
       "  --state-dir DIR         where job state and checkpoints live (created 0750). Default: ",
       common::DefaultStateDir(),
       "\n"
+      "  --shm-socket PATH|off   the node-local shared-memory data plane's socket (memfd regions\n"
+      "                          passed with SCM_RIGHTS). Default: the --listen socket path +\n"
+      "                          \".shm\" for unix addresses, off for TCP.\n"
       "  --backend NAME          compute backend: auto or cpu. Default: auto (the first working\n"
       "                          GPU backend compiled in, else cpu; the log says which and why).\n"
       "  --config FILE           read options from FILE ('key = value' lines, '#' comments);\n"

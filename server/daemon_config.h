@@ -15,6 +15,7 @@ namespace muond::server {
 struct DaemonConfig {
   std::string listen;     // unix:///abs/path or HOST:PORT
   std::string state_dir;
+  std::string shm_socket;  // "" : <listen path>.shm for unix listen addresses; "off": none
   std::string backend = "auto";
   std::string log_level = "info";
   int threads = 0;        // compute threads; 0: one per CPU

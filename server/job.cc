@@ -697,7 +697,19 @@ void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive) {
              /*fence=*/true);
   }
   if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive) {
-    last_updates_[rank] = nullptr;  // its bytes live in the regions being released
+    // The committed update lives in the regions being released: keep a private copy, so a rank
+    // that comes back (over either transport) can still replay the step.
+    const RankUpdate& last = *last_updates_[rank];
+    auto copy = std::make_shared<RankUpdate>();
+    copy->step = last.step;
+    copy->compute_seconds = last.compute_seconds;
+    copy->storage.resize(last.spans.size());
+    for (size_t i = 0; i < last.spans.size(); ++i) {
+      copy->storage[i].assign(last.spans[i].data, last.spans[i].size);
+      copy->spans.push_back({last.spans[i].matrix, last.spans[i].offset, copy->storage[i].data(),
+                             last.spans[i].size});
+    }
+    last_updates_[rank] = std::move(copy);
   }
   if (sessions_[rank] == session) sessions_[rank] = 0;
 }

@@ -96,6 +96,13 @@ std::vector<std::shared_ptr<Job>> JobRegistry::List() const {
   return out;
 }
 
+bool JobRegistry::AnyStepInFlight() const {
+  for (const auto& job : List()) {
+    if (job->Status().has_step_in_flight()) return true;
+  }
+  return false;
+}
+
 uint64_t JobRegistry::momentum_bytes() const {
   absl::MutexLock lock(&mu_);
   return momentum_bytes_;

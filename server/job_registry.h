@@ -41,6 +41,8 @@ class JobRegistry {
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& job_id) const;
   std::vector<std::shared_ptr<Job>> List() const;
   uint64_t momentum_bytes() const;
+  // True while any job has a step in flight.
+  bool AnyStepInFlight() const;
 
  private:
   const std::string backend_;

@@ -21,6 +21,7 @@
 #include "server/daemon_config.h"
 #include "server/compute_executor.h"
 #include "server/job_registry.h"
+#include "server/shm_server.h"
 #include "server/muon/muon_math.h"
 #include "server/muond_service.h"
 
@@ -166,28 +167,49 @@ int Run(int argc, char** argv) {
     return Fail(1, absl::StrCat("cannot listen on ", config->listen));
   }
   if (!unix_path.empty()) ::chmod(unix_path.c_str(), 0660);
+  // The shared-memory data plane listens next to the gRPC socket (node-local only).
+  std::unique_ptr<ShmServer> shm;
+  std::string shm_path = config->shm_socket;
+  if (shm_path.empty() && !unix_path.empty()) shm_path = unix_path + ".shm";
+  if (shm_path == "off") shm_path.clear();
+  if (!shm_path.empty()) {
+    auto started = ShmServer::Start(shm_path, &registry);
+    if (!started.ok()) {
+      return Fail(1, absl::StrCat("--shm-socket ", shm_path, ": ", started.status().message()));
+    }
+    shm = *std::move(started);
+  }
   server->GetHealthCheckService()->SetServingStatus(true);
   MUOND_LOG(INFO) << "muond " << MUOND_VERSION << " serving on " << config->listen
                   << (unix_path.empty() ? absl::StrCat(" (port ", port, ")") : "")
                   << "; backend " << backend << ", " << threads << " compute threads, gather budget "
                   << config->gather_budget_bytes << " bytes, state "
-                  << config->state_dir;
+                  << config->state_dir
+                  << (shm ? absl::StrCat("; shared memory on ", shm_path) : "");
 
   int sig = 0;
   sigwait(&signals, &sig);
   MUOND_LOG(INFO) << "received " << strsignal(sig) << "; draining steps in flight (grace "
                   << config->shutdown_grace_seconds << " s)";
   service.BeginShutdown();
+  if (shm) shm->BeginShutdown();
   server->GetHealthCheckService()->SetServingStatus(false);
   // Drain only the steps in flight, then shut down at once: a graceful gRPC shutdown would also
   // wait (10-20 s, gRPC's GOAWAY timeout) for idle client connections, which trainers keep open.
   // Steps still running at the deadline are cancelled (they abort and fence their jobs).
   const absl::Duration grace =
       absl::Milliseconds(static_cast<int64_t>(config->shutdown_grace_seconds * 1000));
-  const bool drained = service.WaitForStepsToDrain(absl::Now() + grace);
+  const absl::Time deadline = absl::Now() + grace;
+  bool drained = service.WaitForStepsToDrain(deadline);
+  // Shared-memory steps have no RPC in flight: wait for the jobs' steps themselves.
+  while (drained && registry.AnyStepInFlight() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  drained = drained && !registry.AnyStepInFlight();
   if (!drained) MUOND_LOG(WARNING) << "grace period over; cancelling the steps still in flight";
   server->Shutdown(std::chrono::system_clock::now());
   server->Wait();
+  shm.reset();  // ends the shared-memory sessions (a step still in flight aborts)
   if (!unix_path.empty()) ::unlink(unix_path.c_str());
   MUOND_LOG(INFO) << "muond stopped";
   return 0;

@@ -245,11 +245,13 @@ TEST_F(MultiRankFaultTest, RankProcessKilledMidStepAbortsEveryRankAndFencesOnlyI
   // Step 1: rank 0 (a thread) pushes everything and waits; rank 1 is a process that pushed half
   // of its first span and is then killed.
   absl::Status rank0_status;
-  std::thread rank0([&] {
-    auto c = client::Client::Connect(address());
-    auto s = (*c)->Attach(id, 0, job.token);
-    rank0_status = s.ok() ? StepFlatBuffer(**s, 1, grads[1]).status() : s.status();
-  });
+  StepThread rank0(
+      [&] {
+        auto c = client::Client::Connect(address());
+        auto s = (*c)->Attach(id, 0, job.token);
+        rank0_status = s.ok() ? StepFlatBuffer(**s, 1, grads[1]).status() : s.status();
+      },
+      [&] { (void)client().DeleteJob(id, job.token); });
   auto pusher = ChildProcess::Start({RANK_PUSHER_BIN, address(), id, "1", "1"},
                                     {{"MUOND_JOB_TOKEN", job.token}});
   ASSERT_TRUE(pusher.ok()) << pusher.status();
@@ -263,7 +265,7 @@ TEST_F(MultiRankFaultTest, RankProcessKilledMidStepAbortsEveryRankAndFencesOnlyI
   const int wait_status = (*pusher)->Kill(SIGKILL);
   EXPECT_TRUE(WIFSIGNALED(wait_status) && WTERMSIG(wait_status) == SIGKILL)
       << DescribeWaitStatus(wait_status);
-  rank0.join();
+  rank0.Join();
 
   EXPECT_EQ(rank0_status.code(), absl::StatusCode::kAborted) << rank0_status;
   EXPECT_NE(rank0_status.message().find("rank 1"), std::string::npos) << rank0_status;
@@ -274,7 +276,6 @@ TEST_F(MultiRankFaultTest, RankProcessKilledMidStepAbortsEveryRankAndFencesOnlyI
   EXPECT_EQ(st.steps_completed(), 1);
   EXPECT_EQ(st.next_step(), 1);
   EXPECT_FALSE(st.has_step_in_flight());
-  EXPECT_TRUE(st.ranks(1).attached()) << "the dead process's session is still registered";
 
   // Fenced: the next step (and a retry of the committed one) are refused, naming the fence.
   {

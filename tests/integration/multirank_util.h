@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -84,6 +86,28 @@ std::vector<RankRun> RunRanks(const std::string& address, const std::string& job
 // The bytes of elements [offset, offset + length) of a matrix of `dtype`.
 std::string Slice(const std::string& whole, common::DType dtype, uint64_t offset,
                   uint64_t length);
+
+// A thread running one rank's blocking step. Join() waits for it; should a failed assertion leave
+// the scope first, the destructor calls `unblock` (e.g. deletes the job, which ends a step that
+// waits for other ranks) and then joins, so a failing test neither hangs nor terminates.
+class StepThread {
+ public:
+  StepThread(std::function<void()> body, std::function<void()> unblock)
+      : unblock_(std::move(unblock)), thread_(std::move(body)) {}
+  ~StepThread() {
+    if (thread_.joinable()) {
+      unblock_();
+      thread_.join();
+    }
+  }
+  StepThread(const StepThread&) = delete;
+  StepThread& operator=(const StepThread&) = delete;
+  void Join() { thread_.join(); }
+
+ private:
+  std::function<void()> unblock_;
+  std::thread thread_;
+};
 
 // Polls GetJob until `pred` holds (true) or `timeout_seconds` passed (false).
 bool WaitForJob(client::Client& client, const std::string& job_id, const std::string& token,

@@ -1,0 +1,182 @@
+#include "client/shm_channel.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/job_spec_proto.h"
+#include "common/shm_protocol.h"
+#include "common/status_macros.h"
+#include "muond/v1/muond.pb.h"
+
+namespace muond::client {
+
+namespace shm = common::shm;
+
+std::string ShmSocketFor(const std::string& address) {
+  if (!absl::StartsWith(address, "unix:///")) return "";
+  return address.substr(7) + ".shm";
+}
+
+absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(const std::string& socket_path,
+                                                               const std::string& job_id, int rank,
+                                                               const std::string& token,
+                                                               bool takeover) {
+  std::unique_ptr<ShmChannel> ch(new ShmChannel());
+  ch->conn_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (socket_path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("socket path too long: ", socket_path));
+  }
+  std::strncpy(addr.sun_path, socket_path.c_str(), sizeof(addr.sun_path) - 1);
+  if (ch->conn_ < 0 || connect(ch->conn_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return absl::UnavailableError(absl::StrCat("shared-memory socket ", socket_path, ": ",
+                                               std::strerror(errno)));
+  }
+  v1::ShmAttachRequest req;
+  req.set_job_id(job_id);
+  req.set_rank(rank);
+  req.set_token(token);
+  req.set_takeover(takeover);
+  const std::string bytes = req.SerializeAsString();
+  if (send(ch->conn_, bytes.data(), bytes.size(), MSG_NOSIGNAL) < 0) {
+    return absl::UnavailableError(absl::StrCat("shared-memory attach: send: ", std::strerror(errno)));
+  }
+  std::string buf(1 << 20, '\0');
+  iovec iov{buf.data(), buf.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * shm::kNumFds)];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t n = recvmsg(ch->conn_, &msg, MSG_CMSG_CLOEXEC);
+  if (n <= 0) {
+    return absl::UnavailableError("shared-memory attach: the daemon closed the connection");
+  }
+  int fds[shm::kNumFds];
+  int nfds = 0;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      nfds = static_cast<int>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+      std::memcpy(fds, CMSG_DATA(c), sizeof(int) * std::min(nfds, shm::kNumFds));
+    }
+  }
+  v1::ShmAttachResponse reply;
+  if (!reply.ParseFromArray(buf.data(), static_cast<int>(n))) {
+    for (int i = 0; i < nfds && i < shm::kNumFds; ++i) close(fds[i]);
+    return absl::InternalError("shared-memory attach: malformed reply");
+  }
+  if (reply.code() != 0) {
+    for (int i = 0; i < nfds && i < shm::kNumFds; ++i) close(fds[i]);
+    return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
+  }
+  if (nfds != shm::kNumFds || (msg.msg_flags & MSG_CTRUNC)) {
+    for (int i = 0; i < nfds && i < shm::kNumFds; ++i) close(fds[i]);
+    return absl::InternalError(absl::StrCat("shared-memory attach: got ", nfds, " descriptors"));
+  }
+  ch->session_id_ = reply.session_id();
+  ch->generation_ = reply.generation();
+  ch->buffer_bytes_ = reply.buffer_bytes();
+  ch->next_step_ = reply.next_step();
+  ch->pinned_ = reply.pinned();
+  ch->doorbell_ = fds[3];
+  ch->completion_ = fds[4];
+  auto in = common::SharedRegion::Map(fds[0], 2 * ch->buffer_bytes_, /*writable=*/true);
+  auto out = common::SharedRegion::Map(fds[1], 2 * ch->buffer_bytes_, /*writable=*/false);
+  auto ring = common::SharedRegion::Map(fds[2], shm::kRingBytes, /*writable=*/true);
+  if (!in.ok()) return in.status();
+  if (!out.ok()) return out.status();
+  if (!ring.ok()) return ring.status();
+  ch->in_ = *std::move(in);
+  ch->out_ = *std::move(out);
+  ch->ring_ = *std::move(ring);
+  ASSIGN_OR_RETURN(ch->spec_, common::JobSpecFromProto(reply.spec()));
+  for (const v1::ShmSpan& s : reply.spans()) {
+    ch->spans_.push_back({s.matrix_index(), s.offset(), s.length(), s.byte_offset()});
+  }
+  return ch;
+}
+
+ShmChannel::~ShmChannel() {
+  if (doorbell_ >= 0) close(doorbell_);
+  if (completion_ >= 0) close(completion_);
+  if (conn_ >= 0) {
+    // Hang up and wait (briefly) until the daemon has ended the session, so that the rank is
+    // detached when this returns, as with a gRPC detach.
+    shutdown(conn_, SHUT_WR);
+    pollfd p{conn_, POLLIN, 0};
+    char byte;
+    for (int i = 0; i < 100 && poll(&p, 1, 20) >= 0; ++i) {
+      if ((p.revents & (POLLIN | POLLHUP)) && recv(conn_, &byte, 1, MSG_DONTWAIT) <= 0) break;
+    }
+    close(conn_);
+  }
+}
+
+char* ShmChannel::GradientBuffer(int64_t step) const {
+  return in_.data() + static_cast<uint64_t>(step % 2) * buffer_bytes_;
+}
+
+const char* ShmChannel::UpdateBuffer(int64_t step) const {
+  return out_.data() + static_cast<uint64_t>(step % 2) * buffer_bytes_;
+}
+
+absl::StatusOr<ShmChannel::Ringing> ShmChannel::Ring(int64_t step) {
+  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("step ", step, " is negative"));
+  return RingRaw(step, static_cast<uint32_t>(step % 2), 0, buffer_bytes_, generation_);
+}
+
+absl::StatusOr<ShmChannel::Ringing> ShmChannel::RingRaw(int64_t step, uint32_t buffer,
+                                                        uint64_t offset, uint64_t size,
+                                                        uint64_t generation) {
+  auto* ring = reinterpret_cast<shm::Ring*>(ring_.data());
+  const uint64_t seq = next_seq_++;
+  shm::Submission& sub = ring->subs[seq % shm::kRingSlots];
+  sub.seq = seq;
+  sub.step = step;
+  sub.generation = generation;
+  sub.buffer = buffer;
+  sub.offset = offset;
+  sub.size = size;
+  ring->header.sub_head.store(seq + 1, std::memory_order_release);
+  const uint64_t one = 1;
+  if (write(doorbell_, &one, sizeof(one)) != sizeof(one)) {
+    return absl::UnavailableError(absl::StrCat("doorbell: ", std::strerror(errno)));
+  }
+  // Wait for the completion of this submission; the socket hanging up means the daemon is gone.
+  while (true) {
+    const uint64_t tail = ring->header.comp_tail.load(std::memory_order_relaxed);
+    if (ring->header.comp_head.load(std::memory_order_acquire) > tail) {
+      const shm::Completion c = ring->comps[tail % shm::kRingSlots];
+      ring->header.comp_tail.store(tail + 1, std::memory_order_release);
+      if (c.seq != seq) continue;  // a completion of an earlier, abandoned submission
+      if (c.code != 0) {
+        const size_t len = strnlen(c.message, shm::kMessageBytes);
+        return absl::Status(static_cast<absl::StatusCode>(c.code), std::string(c.message, len));
+      }
+      return Ringing{c.step, c.replayed != 0, c.seconds};
+    }
+    pollfd fds[2] = {{completion_, POLLIN, 0}, {conn_, POLLRDHUP, 0}};
+    const int r = poll(fds, 2, -1);
+    if (r < 0 && errno != EINTR) {
+      return absl::InternalError(absl::StrCat("poll: ", std::strerror(errno)));
+    }
+    if (fds[0].revents & POLLIN) {
+      uint64_t count;
+      ssize_t unused = read(completion_, &count, sizeof(count));
+      (void)unused;
+    } else if (fds[1].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+      return absl::UnavailableError("the daemon ended the shared-memory session");
+    }
+  }
+}
+
+}  // namespace muond::client

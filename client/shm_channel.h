@@ -1,0 +1,84 @@
+// The client end of a shared-memory session (common/shm_protocol.h): attaches a rank over the
+// daemon's SOCK_SEQPACKET socket, maps the regions it receives and rings the doorbell for a step.
+//
+// The trainer writes step t's gradients into GradientBuffer(t) (for example with a device-to-host
+// copy straight into it), calls Ring(t), and reads the update from UpdateBuffer(t): no copy on the
+// host in between. Closing the channel ends the session. Not thread-safe: one step at a time.
+#ifndef MUOND_CLIENT_SHM_CHANNEL_H_
+#define MUOND_CLIENT_SHM_CHANNEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+#include "common/shm_region.h"
+
+namespace muond::client {
+
+struct ShmSpan {
+  uint32_t matrix = 0;
+  uint64_t offset = 0;       // first element in the matrix
+  uint64_t length = 0;       // elements
+  uint64_t byte_offset = 0;  // in each buffer
+};
+
+class ShmChannel {
+ public:
+  struct Ringing {
+    int64_t step = 0;
+    bool replayed = false;
+    double seconds = 0;
+  };
+
+  // Errors carry the daemon's code (NOT_FOUND, UNAUTHENTICATED, ALREADY_EXISTS, ...); UNAVAILABLE
+  // when the socket cannot be reached.
+  static absl::StatusOr<std::unique_ptr<ShmChannel>> Attach(const std::string& socket_path,
+                                                            const std::string& job_id, int rank,
+                                                            const std::string& token,
+                                                            bool takeover);
+  ~ShmChannel();
+  ShmChannel(const ShmChannel&) = delete;
+  ShmChannel& operator=(const ShmChannel&) = delete;
+
+  const common::JobSpec& spec() const { return spec_; }
+  uint64_t session_id() const { return session_id_; }
+  int64_t next_step_at_attach() const { return next_step_; }
+  bool pinned() const { return pinned_; }
+  const std::vector<ShmSpan>& spans() const { return spans_; }
+  uint64_t buffer_bytes() const { return buffer_bytes_; }
+  // The buffers of step t (t % 2): gradients are written by the caller, the update is read-only.
+  char* GradientBuffer(int64_t step) const;
+  const char* UpdateBuffer(int64_t step) const;
+
+  // Publishes step t's gradients (GradientBuffer(t) must hold them) and waits for the update.
+  absl::StatusOr<Ringing> Ring(int64_t step);
+  // Rings with explicit fields, for tests of the daemon's checks.
+  absl::StatusOr<Ringing> RingRaw(int64_t step, uint32_t buffer, uint64_t offset, uint64_t size,
+                                  uint64_t generation);
+
+ private:
+  ShmChannel() = default;
+  int conn_ = -1;
+  int doorbell_ = -1;
+  int completion_ = -1;
+  common::SharedRegion in_, out_, ring_;
+  common::JobSpec spec_;
+  uint64_t session_id_ = 0;
+  uint64_t generation_ = 0;
+  uint64_t buffer_bytes_ = 0;
+  int64_t next_step_ = 0;
+  bool pinned_ = false;
+  uint64_t next_seq_ = 0;
+  std::vector<ShmSpan> spans_;
+};
+
+// The shared-memory socket of a daemon listening on `address` ("unix:///p" -> "/p.shm"), or ""
+// for TCP addresses.
+std::string ShmSocketFor(const std::string& address);
+
+}  // namespace muond::client
+
+#endif  // MUOND_CLIENT_SHM_CHANNEL_H_
