@@ -87,17 +87,52 @@ int muond_job_reset(muond_client* client, const char* job_id, const char* token,
 }
 
 int muond_attach(muond_client* client, const char* job_id, int rank, const char* token,
-                 int takeover, muond_session** out) {
+                 int takeover, const char* transport, muond_session** out) {
   if (client == nullptr || job_id == nullptr || token == nullptr || out == nullptr) {
     return NullArgument("client, job_id, token or out");
   }
-  auto s = client->impl->Attach(job_id, rank, token, takeover != 0);
+  auto kind = muond::client::ParseTransport(transport == nullptr ? "auto" : transport);
+  if (!kind.ok()) return Report(kind.status());
+  auto s = client->impl->Attach(job_id, rank, token, takeover != 0, *kind);
   if (!s.ok()) return Report(s.status());
   *out = new muond_session{*std::move(s)};
   return Report(absl::OkStatus());
 }
 
 void muond_session_free(muond_session* session) { delete session; }
+
+int muond_session_is_shm(const muond_session* session) {
+  return session != nullptr &&
+         session->impl->transport() == muond::client::Transport::kShm;
+}
+
+int muond_session_gradient_view(muond_session* session, int64_t step, void** data, size_t* size) {
+  if (session == nullptr || data == nullptr || size == nullptr) {
+    return NullArgument("session, data or size");
+  }
+  auto v = session->impl->GradientView(step);
+  if (!v.ok()) return Report(v.status());
+  *data = v->data;
+  *size = v->size;
+  return Report(absl::OkStatus());
+}
+
+int muond_session_update_view(muond_session* session, int64_t step, const void** data,
+                              size_t* size) {
+  if (session == nullptr || data == nullptr || size == nullptr) {
+    return NullArgument("session, data or size");
+  }
+  auto v = session->impl->UpdateView(step);
+  if (!v.ok()) return Report(v.status());
+  *data = v->data;
+  *size = v->size;
+  return Report(absl::OkStatus());
+}
+
+int muond_step_in_place(muond_session* session, int64_t step) {
+  if (session == nullptr) return NullArgument("session");
+  return Report(session->impl->StepInPlace(step).status());
+}
 
 int64_t muond_session_next_step(const muond_session* session) {
   return session == nullptr ? -1 : session->impl->next_step_at_attach();

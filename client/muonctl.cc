@@ -48,7 +48,9 @@ constexpr char kUsage[] =
     "  job reset --job ID [--step N] [--token-file F]\n"
     "                                       zero the momentum, clear a fence, expect step N (0)\n"
     "  step --job ID --rank R --step T --grads IN.safetensors --out OUT.safetensors\n"
-    "       [--token-file F]                push one step and write the update\n"
+    "       [--token-file F] [--transport auto|shm|grpc]\n"
+    "                                       push one step and write the update; auto: shared\n"
+    "                                       memory when the daemon is on this host, else gRPC\n"
     "\n"
     "ADDR is unix:///path or HOST:PORT (default: $MUOND_ADDRESS, else the daemon's default\n"
     "socket). Job commands read the token from --token-file, else from $MUOND_JOB_TOKEN.\n"
@@ -214,7 +216,7 @@ int Run(int argc, char** argv) {
     }
   }
   static const char* kKnown[] = {"address", "spec",  "token-file", "job", "rank",
-                                 "step",    "grads", "out",        "next-step"};
+                                 "step",    "grads", "out",        "next-step", "transport"};
   for (const auto& [key, value] : a.flags) {
     if (std::find(std::begin(kKnown), std::end(kKnown), key) == std::end(kKnown)) {
       return Usage(absl::StrCat("unknown option --", key));

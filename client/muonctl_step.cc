@@ -133,10 +133,14 @@ absl::Status CmdStep(Client& client, const Args& a) {
   if (rank < 0 || rank > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("--rank ", rank, " is out of range"));
   }
+  Transport transport = Transport::kAuto;
+  if (a.flags.count("transport") != 0) {
+    ASSIGN_OR_RETURN(transport, ParseTransport(a.flags.at("transport")));
+  }
   // Each muonctl run is a new process acting for the rank: it takes the rank over (a previous
   // muonctl for it has exited) and detaches when done.
   ASSIGN_OR_RETURN(auto session, client.Attach(a.flags.at("job"), static_cast<int>(rank), token,
-                                               /*takeover=*/true));
+                                               /*takeover=*/true, transport));
   const common::JobSpec& spec = session->spec();
   absl::StatusOr<StepOutput> out;
   if (!spec.explicit_layout.empty() || spec.zero_stage == 1 || spec.zero_stage == 2) {
@@ -155,9 +159,10 @@ absl::Status CmdStep(Client& client, const Args& a) {
       a.flags.at("out"), refs, {{"job", spec.job_id}, {"step", std::to_string(step)},
                                 {"rank", std::to_string(rank)}}));
   const StepResult& r = out->result;
-  std::printf("step %lld: job %s rank %lld: %zu tensors, %llu bytes in, %llu bytes out, "
+  std::printf("step %lld: job %s rank %lld (%s): %zu tensors, %llu bytes in, %llu bytes out, "
               "step time %.3f s%s -> %s\n",
               static_cast<long long>(step), spec.job_id.c_str(), static_cast<long long>(rank),
+              session->transport() == Transport::kShm ? "shm" : "grpc",
               out->tensors.size(), static_cast<unsigned long long>(r.bytes_in),
               static_cast<unsigned long long>(r.bytes_out), r.compute_seconds,
               r.replayed ? " (replayed)" : "", a.flags.at("out").c_str());

@@ -61,9 +61,12 @@ int muond_job_delete(muond_client* client, const char* job_id, const char* token
 int muond_job_reset(muond_client* client, const char* job_id, const char* token, int64_t next_step);
 
 /* Attaches `rank`; ALREADY_EXISTS (6) when it is attached elsewhere, unless `takeover` is nonzero
- * (a restarted trainer replacing a session whose process is gone). */
+ * (a restarted trainer replacing a session whose process is gone). `transport`: "auto" (or NULL:
+ * shared memory when the daemon is on this host, else gRPC), "shm" or "grpc". */
 int muond_attach(muond_client* client, const char* job_id, int rank, const char* token,
-                 int takeover, muond_session** out);
+                 int takeover, const char* transport, muond_session** out);
+/* 1 when the session uses shared memory, 0 for gRPC. */
+int muond_session_is_shm(const muond_session* session);
 /* Detaches the rank (best effort) and frees the session. */
 void muond_session_free(muond_session* session);
 /* The step the job expected when the rank attached. */
@@ -77,6 +80,14 @@ uint64_t muond_session_buffer_elements(const muond_session* session);
 /* Pushes the rank's gradients for `step` and fills the update spans (same elements). */
 int muond_step(muond_session* session, int64_t step, const muond_span* grads, size_t num_grads,
                const muond_span* updates, size_t num_updates);
+/* Zero-copy steps (shared-memory sessions; FAILED_PRECONDITION otherwise): step t's gradient
+ * buffer (writable, the rank's flat-buffer layout) and update buffer (read-only), t % 2. */
+int muond_session_gradient_view(muond_session* session, int64_t step, void** data, size_t* size);
+int muond_session_update_view(muond_session* session, int64_t step, const void** data,
+                              size_t* size);
+/* Rings the doorbell for step t (its gradients already in the gradient view) and waits. */
+int muond_step_in_place(muond_session* session, int64_t step);
+
 /* The same with the rank's flat buffers (muond_session_buffer_elements elements of the job's one
  * dtype): `updates` gets the update in the same layout, padding zeroed. */
 int muond_step_buffer(muond_session* session, int64_t step, const void* grads, void* updates);

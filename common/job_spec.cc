@@ -273,7 +273,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   if (!root.is_object()) return absl::InvalidArgumentError("job.json: expected a JSON object");
   RETURN_IF_ERROR(
       CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",
-                                   "gather_budget_bytes"}));
+                                   "gather_budget_bytes", "transport_probe"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -295,6 +295,10 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   RETURN_IF_ERROR(ReadInt64(root, "gather_budget_bytes", "gather_budget_bytes", &budget));
   if (budget < 0) return FieldError("gather_budget_bytes", "expected an integer >= 0");
   spec.gather_budget_bytes = static_cast<uint64_t>(budget);
+  if (const auto it = root.find("transport_probe"); it != root.end()) {
+    if (!it->is_boolean()) return FieldError("transport_probe", "expected true or false");
+    spec.transport_probe = it->get<bool>();
+  }
   if (const auto it = root.find("layout"); it != root.end()) {
     RETURN_IF_ERROR(ParseLayout(*it, spec.matrices, &spec.explicit_layout));
     if (root.find("world_size") == root.end()) {
@@ -327,6 +331,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
   }
   root["matrices"] = std::move(matrices);
   root["gather_budget_bytes"] = spec.gather_budget_bytes;
+  root["transport_probe"] = spec.transport_probe;
   if (!spec.explicit_layout.empty()) {
     Json layout = Json::array();
     for (const auto& rank : spec.explicit_layout) {

@@ -7,7 +7,8 @@
 //             "compute_dtype": "float32", "scale_mode": "original"},
 //    "matrices": [{"name": str, "shape": [r, c], "num_heads": 1, "dtype": "float32"}],
 //    "layout": [[{"matrix": name, "offset": 0, "length": n}, ...], ...],   (optional, per rank)
-//    "gather_budget_bytes": 0}                                  (0: the daemon's default)
+//    "gather_budget_bytes": 0,                                  (0: the daemon's default)
+//    "transport_probe": false}                  (true: updates echo gradients; no Muon math)
 // Plain value types; thread-compatible.
 #ifndef MUOND_COMMON_JOB_SPEC_H_
 #define MUOND_COMMON_JOB_SPEC_H_
@@ -74,6 +75,9 @@ struct JobSpec {
   std::vector<std::vector<LayoutSpan>> explicit_layout;
   // Bytes of whole matrices the daemon assembles at once for this job; 0: the daemon's default.
   uint64_t gather_budget_bytes = 0;
+  // A data-path probe: the daemon returns every gradient span unchanged as its update and keeps
+  // no momentum (for checking and measuring transports, e.g. muond-bench transport).
+  bool transport_probe = false;
 };
 
 inline constexpr int kMaxNsSteps = 100;

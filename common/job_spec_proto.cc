@@ -122,6 +122,7 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
     spec.matrices.push_back(std::move(ms));
   }
   spec.gather_budget_bytes = proto.gather_budget_bytes();
+  spec.transport_probe = proto.transport_probe();
   for (const v1::RankLayout& rank : proto.layout()) {
     std::vector<LayoutSpan> spans;
     for (const v1::Span& s : rank.spans()) spans.push_back({s.matrix_index(), s.offset(), s.length()});
@@ -151,6 +152,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
     pm->set_dtype(DTypeToProto(ms.dtype));
   }
   proto.set_gather_budget_bytes(spec.gather_budget_bytes);
+  proto.set_transport_probe(spec.transport_probe);
   for (const auto& rank : spec.explicit_layout) {
     v1::RankLayout* pr = proto.add_layout();
     for (const LayoutSpan& s : rank) {

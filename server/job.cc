@@ -111,7 +111,7 @@ Job::Job(common::JobSpec spec, std::string token, std::string backend, ComputeEx
     }
   }
   momentum_.resize(num_matrices);
-  for (size_t m = 0; m < num_matrices; ++m) {
+  for (size_t m = 0; m < num_matrices && !spec_.transport_probe; ++m) {
     momentum_[m].assign(static_cast<size_t>(spec_.matrices[m].numel()), 0.0f);
   }
   absl::MutexLock lock(&mu_);
@@ -240,6 +240,9 @@ absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t sess
                                                       next_step_ > 0 ? " (or a replay of " : "",
                                                       next_step_ > 0 ? absl::StrCat(next_step_ - 1, ")") : ""));
   }
+  // A rank that had not begun a refused step learns of the refusal on its first try, even when
+  // other ranks already began the retry.
+  if (absl::Status refused = TakeRefusal(rank, step); !refused.ok()) return refused;
   if (in_flight_ == nullptr) in_flight_ = NewStepState(step);
   if (in_flight_->ranks[rank].begun) {
     return absl::FailedPreconditionError(
@@ -391,7 +394,9 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
       }
       size_t taken = 0;
       for (uint32_t m : state.ready) {
-        const uint64_t bytes = 2 * sizeof(float) * static_cast<uint64_t>(spec_.matrices[m].numel());
+        const uint64_t bytes = spec_.transport_probe
+                                   ? 0
+                                   : 2 * sizeof(float) * static_cast<uint64_t>(spec_.matrices[m].numel());
         if (!batch.empty() && batch_bytes + bytes > gather_budget_bytes_) break;
         batch.push_back(m);
         batch_bytes += bytes;
@@ -438,6 +443,16 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
 absl::Status Job::ComputeMatrix(StepState& state, uint32_t m, std::vector<float>& grad,
                                 std::vector<float>& momentum) {
   const common::MatrixSpec& ms = spec_.matrices[m];
+  if (spec_.transport_probe) {
+    // The data-path probe: each owner's span goes back as it came, one copy, no assembly.
+    for (const SpanRef& ref : matrix_spans_[m]) {
+      const common::ShardSpan& span = rank_spans_[ref.rank][ref.span];
+      std::memcpy(state.outputs[ref.rank]->spans[ref.span].data,
+                  state.ranks[ref.rank].span_in[ref.span],
+                  span.length * common::DTypeSize(ms.dtype));
+    }
+    return absl::OkStatus();
+  }
   grad.resize(static_cast<size_t>(ms.numel()));
   // Gather: every owner's span, widened to fp32, at its place in the whole matrix.
   for (const SpanRef& ref : matrix_spans_[m]) {
@@ -467,7 +482,7 @@ void Job::Commit(StepState& state) {
   // now means the store may be half-updated, so the job is fenced rather than committed.
   std::vector<float> wide;
   absl::Status changed;
-  for (int r = 0; r < spec_.world_size && changed.ok(); ++r) {
+  for (int r = 0; r < spec_.world_size && changed.ok() && !spec_.transport_probe; ++r) {
     for (size_t i = 0; i < rank_spans_[r].size() && changed.ok(); ++i) {
       const common::ShardSpan& span = rank_spans_[r][i];
       const common::MatrixSpec& ms = spec_.matrices[span.matrix];
@@ -525,8 +540,20 @@ void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
     ++steps_refused_;
     MUOND_LOG(INFO) << "job '" << id() << "' step " << state.step
                     << " refused: " << status.message();
+    if (status.code() == absl::StatusCode::kInvalidArgument) {
+      refusal_.step = state.step;
+      refusal_.status = status;
+      refusal_.owed.assign(spec_.world_size, false);
+      for (int r = 0; r < spec_.world_size; ++r) refusal_.owed[r] = !state.ranks[r].begun;
+    }
   }
   state.cv.SignalAll();
+}
+
+absl::Status Job::TakeRefusal(int rank, int64_t step) {
+  if (refusal_.step != step || !refusal_.owed[rank]) return absl::OkStatus();
+  refusal_.owed[rank] = false;
+  return refusal_.status;
 }
 
 void Job::AbortRank(const std::shared_ptr<StepState>& state, int rank, const std::string& why) {
@@ -641,7 +668,10 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
     // used the same buffer).
     const RankUpdate& last = *last_updates_[rank];
     for (size_t i = 0; i < out.size(); ++i) {
-      if (out[i] != last.spans[i].data) std::memcpy(out[i], last.spans[i].data, last.spans[i].size);
+      if (out[i] != last.spans[i].data) {
+        std::memcpy(out[i], last.spans[i].data, last.spans[i].size);
+        CountHostCopy(last.spans[i].size);
+      }
     }
     done(absl::OkStatus(), /*replayed=*/true, last.compute_seconds);
     return absl::OkStatus();
@@ -650,6 +680,9 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
     return absl::FailedPreconditionError(absl::StrCat("job '", id(), "': step ", step,
                                                       " out of order: expected step ", next_step_));
   }
+  // A rank that had not begun a refused step learns of the refusal on its first try, even when
+  // other ranks already began the retry.
+  if (absl::Status refused = TakeRefusal(rank, step); !refused.ok()) return refused;
   if (in_flight_ == nullptr) in_flight_ = NewStepState(step);
   StepState& state = *in_flight_;
   RankInput& rin = state.ranks[rank];
@@ -688,13 +721,20 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
 void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive) {
   if (rank < 0 || rank >= spec_.world_size) return;
   absl::MutexLock lock(&mu_);
-  if (in_flight_ != nullptr && in_flight_->ranks[rank].keepalive.get() == keepalive &&
-      keepalive != nullptr) {
-    FailStep(*in_flight_,
-             absl::AbortedError(absl::StrCat("job '", id(), "' step ", in_flight_->step,
-                                             " aborted: rank ", rank,
-                                             " (shared memory) went away during the step")),
-             /*fence=*/true);
+  if (in_flight_ != nullptr) {
+    const RankInput& rin = in_flight_->ranks[rank];
+    // The rank submitted through this session, or it still owed its part of the step: with its
+    // session gone it can never complete the step, and the other ranks would wait for it forever.
+    const bool submitted = keepalive != nullptr && rin.keepalive.get() == keepalive;
+    const bool owed = sessions_[rank] == session && !rin.begun;
+    if (submitted || owed) {
+      FailStep(*in_flight_,
+               absl::AbortedError(absl::StrCat(
+                   "job '", id(), "' step ", in_flight_->step, " aborted: rank ", rank,
+                   " (shared memory) went away ",
+                   submitted ? "during the step" : "before submitting its part of the step")),
+               /*fence=*/true);
+    }
   }
   if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive) {
     // The committed update lives in the regions being released: keep a private copy, so a rank

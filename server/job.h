@@ -115,7 +115,8 @@ class Job : public std::enable_shared_from_this<Job> {
 
   // Starts a session for `rank`. INVALID_ARGUMENT for a rank outside the world size;
   // ALREADY_EXISTS when the rank is attached, unless `takeover` (a restarted trainer replacing a
-  // session whose process is gone; a step the old session had in flight is aborted and fenced).
+  // session whose process is gone; a step the old session was still pushing is aborted and the
+  // job fenced; one it had finished pushing completes, and the new session can replay it).
   absl::StatusOr<uint64_t> Attach(int rank, bool takeover);
   // Ends `rank`'s session. FAILED_PRECONDITION when `session` is not the rank's current one.
   absl::Status Detach(int rank, uint64_t session);
@@ -209,6 +210,16 @@ class Job : public std::enable_shared_from_this<Job> {
   // Input buffers of the last finished step, reused by the next one (per rank, per span).
   std::vector<std::vector<std::string>> input_pool_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> host_copy_bytes_{0};
+  // The last refused step: ranks that had not begun it when it was refused get the refusal once
+  // when they begin it, so every rank learns of it and none mixes old gradients into a retry.
+  struct Refusal {
+    int64_t step = -1;
+    absl::Status status;
+    std::vector<bool> owed;  // per rank: has not been told yet
+  };
+  Refusal refusal_ ABSL_GUARDED_BY(mu_);
+  // The refusal `rank` is owed for `step`, if any (and marks it told).
+  absl::Status TakeRefusal(int rank, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace muond::server

@@ -13,6 +13,7 @@ namespace muond::server {
 namespace {
 
 uint64_t MomentumBytes(const common::JobSpec& spec) {
+  if (spec.transport_probe) return 0;
   uint64_t n = 0;
   for (const common::MatrixSpec& m : spec.matrices) n += static_cast<uint64_t>(m.numel());
   return n * sizeof(float);

@@ -12,7 +12,10 @@
 #include <string>
 #include <vector>
 
+#include <sys/types.h>
+
 #include "absl/status/statusor.h"
+#include "client/client.h"
 
 namespace muond::bench {
 
@@ -20,6 +23,16 @@ namespace muond::bench {
 int RunNsBench(int argc, char** argv);
 // `muond-bench step`: a multi-rank step through a real muond against in-process Muon.
 int RunStepBench(int argc, char** argv);
+// `muond-bench transport`: shared memory and gRPC data paths against memcpy.
+int RunTransportBench(int argc, char** argv);
+
+// A real muond for the daemon benchmarks (bench_daemon.cc): started from the binary next to
+// muond-bench on a socket in `dir`, with `threads` compute threads.
+std::string MakeTempDir(const std::string& prefix);
+pid_t StartDaemon(const std::string& dir, int threads, std::string* address);
+bool WaitHealthy(client::Client& client);
+// SIGTERM, wait, and remove `dir`.
+void StopDaemon(pid_t pid, const std::string& dir);
 
 // Flags of a subcommand: `--name value` or `--name=value`; `--help`/`-h` is returned as "help".
 // INVALID_ARGUMENT for a flag not in `known`, a missing value or a positional argument.

@@ -59,24 +59,6 @@ common::JobSpec LayerSet(int layers, common::DType dtype) {
   return spec;
 }
 
-// Starts `muond` (next to this binary) on a private socket; returns its pid.
-pid_t StartDaemon(const std::string& dir, int threads, std::string* address) {
-  char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  std::string bin = n > 0 ? std::string(self, n) : std::string("muond-bench");
-  bin = bin.substr(0, bin.rfind('/') + 1) + "muond";
-  *address = "unix://" + dir + "/muond.sock";
-  const std::string threads_arg = std::to_string(threads);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    execl(bin.c_str(), bin.c_str(), "--listen", address->c_str(), "--state-dir",
-          (dir + "/state").c_str(), "--threads", threads_arg.c_str(), "--log-level", "warning",
-          static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  return pid;
-}
-
 }  // namespace
 
 int RunStepBench(int argc, char** argv) {
@@ -145,16 +127,11 @@ int RunStepBench(int argc, char** argv) {
     if (s > 0) baseline += Seconds(t0, Clock::now()) / steps;
   }
 
-  char dir_template[] = "/tmp/muond-bench-XXXXXX";
-  const std::string dir = mkdtemp(dir_template);
+  const std::string dir = MakeTempDir("muond-bench-step");
   std::string address;
   const pid_t daemon = StartDaemon(dir, threads, &address);
   auto client = client::Client::Connect(address);
-  bool up = false;
-  for (int i = 0; i < 200 && client.ok() && !up; ++i) {
-    up = (*client)->Health(1).ok();
-    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  const bool up = client.ok() && WaitHealthy(**client);
   int code = 0;
   double worst_ratio = 0;
   std::printf("%6s %14s %14s %8s\n", "ranks", "daemon s/step", "in-proc s/step", "ratio");
@@ -216,11 +193,7 @@ int RunStepBench(int argc, char** argv) {
     sessions.clear();
     (void)(*client)->DeleteJob(job.job_id, *token);
   }
-  kill(daemon, SIGTERM);
-  int wstatus = 0;
-  waitpid(daemon, &wstatus, 0);
-  std::string rm = "rm -rf " + dir;
-  if (std::system(rm.c_str()) != 0) std::fprintf(stderr, "muond-bench step: cannot remove %s\n", dir.c_str());
+  StopDaemon(daemon, dir);
   if (code != 0) return code;
   std::printf("result: step ratio=%.3f target=%.3f\n", worst_ratio, kTarget);
   return 0;

@@ -23,6 +23,8 @@ constexpr Subcommand kSubcommands[] = {
      RunNsBench},
     {"step", "a ZeRO-2 step of a Qwen3-0.6B-like layer set through muond vs in-process Muon",
      RunStepBench},
+    {"transport", "shared memory and gRPC data paths (GB/s) vs memcpy of the same bytes",
+     RunTransportBench},
 };
 
 void PrintUsage(std::FILE* out) {

@@ -82,7 +82,15 @@ class CAbiTest(unittest.TestCase):
         lib.muond_job_create.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.muond_job_delete.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
         lib.muond_attach.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                                     ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+                                     ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+        lib.muond_session_is_shm.argtypes = [ctypes.c_void_p]
+        lib.muond_session_gradient_view.argtypes = [ctypes.c_void_p, ctypes.c_int64,
+                                                    ctypes.POINTER(ctypes.c_void_p),
+                                                    ctypes.POINTER(ctypes.c_size_t)]
+        lib.muond_session_update_view.argtypes = [ctypes.c_void_p, ctypes.c_int64,
+                                                  ctypes.POINTER(ctypes.c_void_p),
+                                                  ctypes.POINTER(ctypes.c_size_t)]
+        lib.muond_step_in_place.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         lib.muond_session_free.argtypes = [ctypes.c_void_p]
         lib.muond_client_free.argtypes = [ctypes.c_void_p]
         lib.muond_session_next_step.argtypes = [ctypes.c_void_p]
@@ -125,9 +133,9 @@ class CAbiTest(unittest.TestCase):
         self.assertEqual(code, 0, self.lib.muond_last_error())
         return token.value
 
-    def attach(self, job_id, token):
+    def attach(self, job_id, token, transport=b"grpc"):
         session = ctypes.c_void_p()
-        code = self.lib.muond_attach(self.client, job_id.encode(), 0, token, 0, ctypes.byref(session))
+        code = self.lib.muond_attach(self.client, job_id.encode(), 0, token, 0, transport, ctypes.byref(session))
         self.assertEqual(code, 0, self.lib.muond_last_error())
         return session
 
@@ -164,12 +172,12 @@ class CAbiTest(unittest.TestCase):
     def test_errors_surface_with_codes(self):
         token = self.create("py-errors", [{"name": "w", "shape": [8, 16]}])
         session = ctypes.c_void_p()
-        self.assertEqual(self.lib.muond_attach(self.client, b"py-errors", 0, b"f" * 64, 0,
+        self.assertEqual(self.lib.muond_attach(self.client, b"py-errors", 0, b"f" * 64, 0, None,
                                                ctypes.byref(session)), PERMISSION_DENIED)
         self.assertIn(b"wrong job token", self.lib.muond_last_error())
-        self.assertEqual(self.lib.muond_attach(self.client, b"py-errors", 0, b"", 0,
+        self.assertEqual(self.lib.muond_attach(self.client, b"py-errors", 0, b"", 0, None,
                                                ctypes.byref(session)), UNAUTHENTICATED)
-        self.assertEqual(self.lib.muond_attach(self.client, b"no-such-job", 0, token, 0,
+        self.assertEqual(self.lib.muond_attach(self.client, b"no-such-job", 0, token, 0, None,
                                                ctypes.byref(session)), NOT_FOUND)
         session = self.attach("py-errors", token)
         g = np.ones((8, 16), dtype=np.float32)
@@ -214,7 +222,7 @@ class CAbiTest(unittest.TestCase):
             c = ctypes.c_void_p()
             self.assertEqual(self.lib.muond_connect(self.address.encode(), ctypes.byref(c)), 0)
             s = ctypes.c_void_p()
-            self.assertEqual(self.lib.muond_attach(c, b"py-zero2", r, token.value, 0, ctypes.byref(s)),
+            self.assertEqual(self.lib.muond_attach(c, b"py-zero2", r, token.value, 0, b"shm" if r == 0 else b"grpc", ctypes.byref(s)),
                              0, self.lib.muond_last_error())
             self.assertEqual(self.lib.muond_session_buffer_elements(s), 4256)
             clients.append(c)
@@ -248,6 +256,38 @@ class CAbiTest(unittest.TestCase):
             self.lib.muond_session_free(sessions[r])
             self.lib.muond_client_free(clients[r])
         self.lib.muond_session_free(whole)
+
+
+    def test_zero_copy_views_over_shared_memory(self):
+        """numpy arrays over the shm views: gradients written in place, updates read in place,
+        bit-identical to the gRPC path."""
+        mats = [{"name": "w", "shape": [32, 80]}, {"name": "v", "shape": [80, 24]}]
+        grpc_token = self.create("py-view-grpc", mats)
+        shm_token = self.create("py-view-shm", mats)
+        via_grpc = self.attach("py-view-grpc", grpc_token, b"grpc")
+        via_shm = self.attach("py-view-shm", shm_token, b"shm")
+        self.assertEqual(self.lib.muond_session_is_shm(via_grpc), 0)
+        self.assertEqual(self.lib.muond_session_is_shm(via_shm), 1)
+        ptr, size = ctypes.c_void_p(), ctypes.c_size_t()
+        self.assertEqual(self.lib.muond_session_gradient_view(via_grpc, 0, ctypes.byref(ptr),
+                                                              ctypes.byref(size)), FAILED_PRECONDITION)
+        rng = np.random.default_rng(11)
+        for t in range(3):
+            grads = [rng.standard_normal(m["shape"]).astype(np.float32) for m in mats]
+            code, want = self.step(via_grpc, t, [g.copy() for g in grads])
+            self.assertEqual(code, 0, self.lib.muond_last_error())
+            self.assertEqual(self.lib.muond_session_gradient_view(via_shm, t, ctypes.byref(ptr),
+                                                                  ctypes.byref(size)), 0)
+            self.assertEqual(size.value, 4 * (32 * 80 + 80 * 24))
+            view = np.ctypeslib.as_array((ctypes.c_float * (size.value // 4)).from_address(ptr.value))
+            view[:] = np.concatenate([g.ravel() for g in grads])
+            self.assertEqual(self.lib.muond_step_in_place(via_shm, t), 0, self.lib.muond_last_error())
+            self.assertEqual(self.lib.muond_session_update_view(via_shm, t, ctypes.byref(ptr),
+                                                                ctypes.byref(size)), 0)
+            got = np.ctypeslib.as_array((ctypes.c_float * (size.value // 4)).from_address(ptr.value))
+            self.assertEqual(got.tobytes(), np.concatenate([u.ravel() for u in want]).tobytes())
+        self.lib.muond_session_free(via_grpc)
+        self.lib.muond_session_free(via_shm)
 
 
 if __name__ == "__main__":
