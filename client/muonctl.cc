@@ -51,9 +51,18 @@ constexpr char kUsage[] =
     "       [--token-file F] [--transport auto|shm|grpc]\n"
     "                                       push one step and write the update; auto: shared\n"
     "                                       memory when the daemon is on this host, else gRPC\n"
+    "  status [--json] [--metrics-address HOST:PORT|off]\n"
+    "                                       backend and device, jobs (world size, ranks attached,\n"
+    "                                       step, fenced, memory, last checkpoint); --json for\n"
+    "                                       scripts\n"
+    "  top [--interval S] [--iterations N] [--metrics-address HOST:PORT|off]\n"
+    "                                       per-job step rates and phase times, refreshed every\n"
+    "                                       S seconds (1) until interrupted or N refreshes\n"
     "\n"
     "ADDR is unix:///path or HOST:PORT (default: $MUOND_ADDRESS, else the daemon's default\n"
     "socket). Job commands read the token from --token-file, else from $MUOND_JOB_TOKEN.\n"
+    "status and top read daemon-wide figures and phase times from the daemon's metrics endpoint:\n"
+    "--metrics-address, else $MUOND_METRICS_ADDRESS, else 127.0.0.1:9464.\n"
     "Exit codes: 0 ok, 1-16 the gRPC status code of the failure, 64 usage error.\n";
 
 int Usage(const std::string& why) {
@@ -199,6 +208,10 @@ int Run(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       return 0;
     }
+    if (arg == "--json") {  // the one flag without a value
+      a.flags["json"] = "true";
+      continue;
+    }
     if (arg.rfind("--", 0) == 0) {
       std::string key = arg.substr(2), value;
       const size_t eq = key.find('=');
@@ -216,7 +229,8 @@ int Run(int argc, char** argv) {
     }
   }
   static const char* kKnown[] = {"address", "spec",  "token-file", "job", "rank",
-                                 "step",    "grads", "out",        "next-step", "transport"};
+                                 "step",    "grads", "out",        "next-step", "transport",
+                                 "json",    "iterations", "interval", "metrics-address"};
   for (const auto& [key, value] : a.flags) {
     if (std::find(std::begin(kKnown), std::end(kKnown), key) == std::end(kKnown)) {
       return Usage(absl::StrCat("unknown option --", key));
@@ -224,7 +238,7 @@ int Run(int argc, char** argv) {
   }
   if (a.words.empty()) return Usage("missing command");
   const std::string cmd = a.words[0];
-  if (cmd != "health" && cmd != "job" && cmd != "step") {
+  if (cmd != "health" && cmd != "job" && cmd != "step" && cmd != "status" && cmd != "top") {
     return Usage(absl::StrCat("unknown command '", cmd, "'"));
   }
   if (cmd == "job" && a.words.size() < 2) return Usage("job needs a subcommand");
@@ -237,6 +251,10 @@ int Run(int argc, char** argv) {
     if (s.ok()) std::printf("SERVING\n");
   } else if (cmd == "job") {
     s = CmdJob(**client, a);
+  } else if (cmd == "status") {
+    s = CmdStatus(**client, a);
+  } else if (cmd == "top") {
+    s = CmdTop(**client, a);
   } else {
     s = CmdStep(**client, a);
   }

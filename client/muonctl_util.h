@@ -30,6 +30,10 @@ absl::StatusOr<int64_t> IntFlag(const Args& a, const std::string& name);
 
 // `muonctl step`: pushes one step of one rank from a safetensors file and writes the update.
 absl::Status CmdStep(Client& client, const Args& a);
+// `muonctl status [--json]`: the daemon and its jobs (muonctl_status.cc).
+absl::Status CmdStatus(Client& client, const Args& a);
+// `muonctl top [--iterations N] [--interval S]`: refreshes per-job step rates and phase times.
+absl::Status CmdTop(Client& client, const Args& a);
 
 }  // namespace muond::client
 

@@ -109,8 +109,11 @@ ShmChannel::~ShmChannel() {
   if (doorbell_ >= 0) close(doorbell_);
   if (completion_ >= 0) close(completion_);
   if (conn_ >= 0) {
-    // Hang up and wait (briefly) until the daemon has ended the session, so that the rank is
-    // detached when this returns, as with a gRPC detach.
+    // Detach, hang up and wait (briefly) until the daemon has ended the session, so that the rank
+    // is detached when this returns, as with a gRPC detach.
+    const char detach = shm::kDetachByte;
+    ssize_t unused = send(conn_, &detach, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)unused;
     shutdown(conn_, SHUT_WR);
     pollfd p{conn_, POLLIN, 0};
     char byte;

@@ -28,6 +28,8 @@ inline constexpr uint32_t kRingVersion = 1;
 inline constexpr uint32_t kRingSlots = 8;
 inline constexpr size_t kMessageBytes = 240;
 inline constexpr int kNumFds = 5;
+// Sent by the client on the socket to end its session cleanly (a hang-up without it is a death).
+inline constexpr char kDetachByte = 'D';
 
 // One doorbell: "the gradients of `step` are in buffer `buffer` at [offset, offset + size)".
 // A valid one has buffer == step % 2, offset == 0, size == buffer_bytes and the session's generation.

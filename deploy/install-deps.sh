@@ -7,6 +7,8 @@ set -euo pipefail
 # ~40x slower.
 # libcivetweb-dev: the /metrics HTTP endpoint. prometheus: `promtool` and a real server for the
 # metrics tests (the package enables a prometheus.service; muond does not need it running).
+# python3-yaml: the deployment tests parse the Kubernetes and Prometheus YAML. systemd:
+# `systemd-analyze verify` on deploy/systemd/muond.service.
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
@@ -14,6 +16,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcivetweb-dev prometheus
   python3 python3-numpy python3-torch
+  python3-yaml systemd
 )
 
 missing=()

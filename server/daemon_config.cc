@@ -50,10 +50,34 @@ absl::Status Apply(DaemonConfig& c, const std::string& key, const std::string& v
     }
   } else if (key == "max-momentum-bytes") {
     if (!absl::SimpleAtoi(value, &c.max_momentum_bytes)) return bad("expected a byte count");
+  } else if (key == "sim-copy-gbps" || key == "sim-compute-gflops" ||
+             key == "sim-copy-latency-us") {
+    double v = 0;
+    if (!absl::SimpleAtod(value, &v) || !(v >= 0) || v > 1e9 ||
+        (key != "sim-copy-latency-us" && v == 0)) {
+      return bad("expected a positive number");
+    }
+    (key == "sim-copy-gbps"        ? c.simulated.copy_gbps
+     : key == "sim-compute-gflops" ? c.simulated.compute_gflops
+                                   : c.simulated.copy_latency_us) = v;
+  } else if (key == "sim-sleep" || key == "serial-schedule") {
+    if (value != "true" && value != "false") return bad("expected true or false");
+    (key == "sim-sleep" ? c.simulated.sleep : c.serial_schedule) = value == "true";
+  } else if (key == "sim-fail-kernel") {
+    if (!absl::SimpleAtoi(value, &c.simulated.fail_kernel) || c.simulated.fail_kernel < 0) {
+      return bad("expected an integer >= 0");
+    }
   } else if (key == "gather-budget-bytes") {
     if (!absl::SimpleAtoi(value, &c.gather_budget_bytes) || c.gather_budget_bytes == 0) {
       return bad("expected a byte count > 0");
     }
+  } else if (key == "metrics-address") {
+    if (value != "off") {
+      std::string unix_path;
+      absl::Status s = ParseListenAddress(value, &unix_path);
+      if (!s.ok() || !unix_path.empty()) return bad("expected HOST:PORT or off");
+    }
+    c.metrics_address = value;
   } else if (key == "shutdown-grace-seconds") {
     if (!absl::SimpleAtod(value, &c.shutdown_grace_seconds) || !(c.shutdown_grace_seconds >= 0) ||
         c.shutdown_grace_seconds > 3600) {
@@ -109,8 +133,16 @@ std::string DaemonUsage() {
       "  --shm-socket PATH|off   the node-local shared-memory data plane's socket (memfd regions\n"
       "                          passed with SCM_RIGHTS). Default: the --listen socket path +\n"
       "                          \".shm\" for unix addresses, off for TCP.\n"
-      "  --backend NAME          compute backend: auto or cpu. Default: auto (the first working\n"
-      "                          GPU backend compiled in, else cpu; the log says which and why).\n"
+      "  --backend NAME          compute backend: auto, cpu or simulated. Default: auto (the first\n"
+      "                          working GPU backend compiled in, else cpu; the log and muonctl job\n"
+      "                          show say which and why).\n"
+      "  --sim-copy-gbps X       simulated backend: host<->device bandwidth in GB/s. Default: 16\n"
+      "  --sim-copy-latency-us X simulated backend: latency per copy. Default: 10\n"
+      "  --sim-compute-gflops X  simulated backend: Newton-Schulz rate. Default: 200\n"
+      "  --sim-sleep true|false  simulated backend: also spend the modelled time. Default: false\n"
+      "  --sim-fail-kernel N     simulated backend, for fault tests: the N-th kernel fails.\n"
+      "  --serial-schedule true|false  run each batch's copy-in, compute and writeback to the\n"
+      "                          end before the next (no overlap; for comparison). Default: false\n"
       "  --config FILE           read options from FILE ('key = value' lines, '#' comments);\n"
       "                          flags given on the command line override it.\n"
       "  --threads N             CPU compute threads; 0 = one per CPU. Default: 0\n"
@@ -121,6 +153,11 @@ std::string DaemonUsage() {
       "                          processed alone. A job may set its own. Default: 1073741824\n"
       "  --shutdown-grace-seconds S  on SIGTERM/SIGINT, how long steps in flight may run before\n"
       "                          they are cancelled. Default: 30\n"
+      "  --metrics-address HOST:PORT|off  Prometheus text format on http://HOST:PORT/metrics\n"
+      "                          (no TLS, no auth: keep it on loopback or a trusted network).\n"
+      "                          Default: 127.0.0.1:9464 (if that port is taken the daemon logs\n"
+      "                          an error and serves without metrics; an address given\n"
+      "                          explicitly must bind). off: no endpoint.\n"
       "  --log-level LEVEL       debug, info, warning or error. Default: info\n"
       "  --help                  print this help and exit\n"
       "  --version               print the version and exit\n"

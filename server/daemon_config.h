@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "server/device/device.h"
 
 namespace muond::server {
 
@@ -22,9 +23,17 @@ struct DaemonConfig {
   uint64_t max_momentum_bytes = 0;  // 0: unlimited
   uint64_t gather_budget_bytes = uint64_t{1} << 30;  // per job, unless the job sets its own
   double shutdown_grace_seconds = 30;
+  // The Prometheus endpoint, HOST:PORT. "": kDefaultMetricsAddress, best effort (a daemon that
+  // cannot bind it logs an error and serves without metrics); "off": none. An address given
+  // explicitly must bind, or muond exits 1.
+  std::string metrics_address;
+  device::SimulatedOptions simulated;  // --backend simulated
+  bool serial_schedule = false;        // run each batch to completion before the next
   bool help = false;
   bool version = false;
 };
+
+inline constexpr char kDefaultMetricsAddress[] = "127.0.0.1:9464";
 
 // The text of `muond --help`.
 std::string DaemonUsage();

@@ -1,4 +1,5 @@
 #include "server/job.h"
+#include "server/job_internal.h"
 
 #include <algorithm>
 #include <cstring>
@@ -14,41 +15,6 @@
 #include "server/muon/muon_math.h"
 
 namespace muond::server {
-
-// Largest data chunk accepted on any data path.
-constexpr size_t kMaxChunkBytes = size_t{4} << 20;
-// How often a rank waiting for the step's commit checks whether it went away.
-constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
-
-// One rank's input for the step: where the gradient bytes of each of its spans are. A gRPC rank's
-// chunks are copied into `owned`; a shared-memory rank's spans point into its gradient region.
-struct RankInput {
-  std::vector<const char*> span_in;                   // per span, the matrix dtype
-  std::vector<std::string> owned;                     // gRPC: the storage span_in points into
-  std::vector<std::map<uint64_t, uint64_t>> claimed;  // gRPC, per span: element ranges received
-  std::vector<uint64_t> span_received;                // per span: elements in
-  SharedDone done;                                    // shared memory: the completion
-  std::shared_ptr<const void> keepalive;              // shared memory: the regions
-  bool begun = false;
-  bool finished = false;
-};
-
-// The step in flight. Guarded by the owning Job's mu_, except the bytes of the input buffers
-// (written outside the lock into ranges claimed under it, read by compute once a matrix is
-// complete) and of the output buffers (written by compute, read after commit).
-struct StepState {
-  int64_t step = 0;
-  absl::Time start;
-  std::vector<RankInput> ranks;
-  std::vector<std::shared_ptr<RankUpdate>> outputs;  // per rank, set when the rank begins
-  std::vector<uint64_t> matrix_received;             // elements, all ranks
-  std::vector<uint32_t> ready;                       // complete matrices not yet taken
-  bool drain_queued = false;                         // a DrainReady task is queued or running
-  size_t matrices_done = 0;
-  bool done = false;
-  absl::Status result;
-  absl::CondVar cv;
-};
 
 RankStep::RankStep(std::shared_ptr<Job> job, int rank, int64_t step,
                    std::shared_ptr<StepState> state, std::shared_ptr<const RankUpdate> replay)
@@ -92,11 +58,12 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
 }
 
 Job::Job(common::JobSpec spec, std::string token, std::string backend, ComputeExecutor* executor,
-         uint64_t gather_budget_bytes)
+         uint64_t gather_budget_bytes, ComputeDevice* compute)
     : spec_(std::move(spec)),
       token_(std::move(token)),
       backend_(std::move(backend)),
       executor_(executor),
+      compute_(compute),
       gather_budget_bytes_(gather_budget_bytes),
       created_unix_ms_(absl::ToUnixMillis(absl::Now())) {
   const size_t num_matrices = spec_.matrices.size();
@@ -111,15 +78,24 @@ Job::Job(common::JobSpec spec, std::string token, std::string backend, ComputeEx
     }
   }
   momentum_.resize(num_matrices);
+  pinned_.assign(num_matrices, false);
   for (size_t m = 0; m < num_matrices && !spec_.transport_probe; ++m) {
     momentum_[m].assign(static_cast<size_t>(spec_.matrices[m].numel()), 0.0f);
+    pinned_[m] = compute_->device->RegisterHost(momentum_[m].data(),
+                                                momentum_[m].size() * sizeof(float));
   }
   absl::MutexLock lock(&mu_);
   sessions_.assign(spec_.world_size, 0);
   last_updates_.resize(spec_.world_size);
 }
 
-Job::~Job() = default;
+Job::~Job() {
+  for (size_t m = 0; m < momentum_.size(); ++m) {
+    if (pinned_[m]) {
+      compute_->device->UnregisterHost(momentum_[m].data(), momentum_[m].size() * sizeof(float));
+    }
+  }
+}
 
 bool Job::TokenMatches(std::string_view token) const {
   if (token.size() != token_.size()) return false;
@@ -378,103 +354,6 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
   return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
 }
 
-void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
-  StepState& state = *state_ptr;
-  std::vector<std::vector<float>> grads, moms;
-  while (true) {
-    // Take ready matrices up to the gather budget (fp32 gradient + temporary momentum each); a
-    // matrix larger than the budget is taken alone.
-    std::vector<uint32_t> batch;
-    uint64_t batch_bytes = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      if (state.done || state.ready.empty()) {
-        state.drain_queued = false;
-        return;
-      }
-      size_t taken = 0;
-      for (uint32_t m : state.ready) {
-        const uint64_t bytes = spec_.transport_probe
-                                   ? 0
-                                   : 2 * sizeof(float) * static_cast<uint64_t>(spec_.matrices[m].numel());
-        if (!batch.empty() && batch_bytes + bytes > gather_budget_bytes_) break;
-        batch.push_back(m);
-        batch_bytes += bytes;
-        ++taken;
-      }
-      state.ready.erase(state.ready.begin(), state.ready.begin() + taken);
-      gather_peak_bytes_ = std::max(gather_peak_bytes_, batch_bytes);
-    }
-    grads.resize(batch.size());
-    moms.resize(batch.size());
-    absl::Status status;
-    for (size_t i = 0; i < batch.size() && status.ok(); ++i) {
-      status = ComputeMatrix(state, batch[i], grads[i], moms[i]);
-    }
-    // Release the batch's assembly before taking the next one: the budget bounds what is live.
-    for (size_t i = 0; i < batch.size(); ++i) {
-      std::vector<float>().swap(grads[i]);
-      std::vector<float>().swap(moms[i]);
-    }
-    bool commit = false;
-    {
-      absl::MutexLock lock(&mu_);
-      if (state.done) {
-        state.drain_queued = false;
-        return;
-      }
-      if (!status.ok()) {
-        FailStep(state, status, /*fence=*/false);
-        state.drain_queued = false;
-        return;
-      }
-      state.matrices_done += batch.size();
-      commit = state.matrices_done == spec_.matrices.size();
-    }
-    if (commit) {
-      Commit(state);
-      absl::MutexLock lock(&mu_);
-      state.drain_queued = false;
-      return;
-    }
-  }
-}
-
-absl::Status Job::ComputeMatrix(StepState& state, uint32_t m, std::vector<float>& grad,
-                                std::vector<float>& momentum) {
-  const common::MatrixSpec& ms = spec_.matrices[m];
-  if (spec_.transport_probe) {
-    // The data-path probe: each owner's span goes back as it came, one copy, no assembly.
-    for (const SpanRef& ref : matrix_spans_[m]) {
-      const common::ShardSpan& span = rank_spans_[ref.rank][ref.span];
-      std::memcpy(state.outputs[ref.rank]->spans[ref.span].data,
-                  state.ranks[ref.rank].span_in[ref.span],
-                  span.length * common::DTypeSize(ms.dtype));
-    }
-    return absl::OkStatus();
-  }
-  grad.resize(static_cast<size_t>(ms.numel()));
-  // Gather: every owner's span, widened to fp32, at its place in the whole matrix.
-  for (const SpanRef& ref : matrix_spans_[m]) {
-    const common::ShardSpan& span = rank_spans_[ref.rank][ref.span];
-    common::ToFloat32(ms.dtype, state.ranks[ref.rank].span_in[ref.span], span.length,
-                      grad.data() + span.offset);
-  }
-  momentum = momentum_[m];  // the committed momentum; the store is not written until commit
-  absl::Status s = MuonUpdate(spec_.muon, ms, grad.data(), momentum.data(), grad.data());
-  if (!s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("job '", id(), "' step ", state.step, ": matrix '",
-                                               ms.name, "': ", s.message()));
-  }
-  // Scatter each owner's span of the update, narrowed to the gradient dtype.
-  for (const SpanRef& ref : matrix_spans_[m]) {
-    const common::ShardSpan& span = rank_spans_[ref.rank][ref.span];
-    common::FromFloat32(grad.data() + span.offset, span.length, ms.dtype,
-                        state.outputs[ref.rank]->spans[ref.span].data);
-  }
-  return absl::OkStatus();
-}
-
 void Job::Commit(StepState& state) {
   // Every matrix succeeded and every gradient value was checked: apply the momentum EMA to the
   // store from the gradients still in the input buffers, with the function MuonUpdate used. A
@@ -524,6 +403,9 @@ void Job::Commit(StepState& state) {
 
 void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
   if (state.done) return;
+  // A step whose ranks are all on shared memory is owned by in_flight_ alone (no RankStep holds
+  // it), and in_flight_ is reset below: keep `state` alive until this function returns.
+  const std::shared_ptr<StepState> keep = in_flight_.get() == &state ? in_flight_ : nullptr;
   state.done = true;
   state.result = status;
   state.ready.clear();
@@ -647,8 +529,16 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
           spans[i].offset + static_cast<uint64_t>(at),
           "; the step is refused for every rank and the momentum is unchanged"));
       absl::MutexLock lock(&mu_);
-      if (in_flight_ != nullptr && in_flight_->step == step) FailStep(*in_flight_, bad, false);
-      else ++steps_refused_;
+      if (in_flight_ != nullptr && in_flight_->step == step) {
+        FailStep(*in_flight_, bad, false);
+        // This rank learns of the refusal from this very answer: it is not owed it again on its
+        // retry (it never began the step, so FailStep counted it among the ranks owed it).
+        if (refusal_.step == step && static_cast<size_t>(rank) < refusal_.owed.size()) {
+          refusal_.owed[rank] = false;
+        }
+      } else {
+        ++steps_refused_;
+      }
       return bad;
     }
   }
@@ -718,7 +608,7 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
   return absl::OkStatus();
 }
 
-void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive) {
+void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive, bool clean) {
   if (rank < 0 || rank >= spec_.world_size) return;
   absl::MutexLock lock(&mu_);
   if (in_flight_ != nullptr) {
@@ -726,7 +616,7 @@ void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive) {
     // The rank submitted through this session, or it still owed its part of the step: with its
     // session gone it can never complete the step, and the other ranks would wait for it forever.
     const bool submitted = keepalive != nullptr && rin.keepalive.get() == keepalive;
-    const bool owed = sessions_[rank] == session && !rin.begun;
+    const bool owed = !clean && sessions_[rank] == session && !rin.begun;
     if (submitted || owed) {
       FailStep(*in_flight_,
                absl::AbortedError(absl::StrCat(

@@ -34,6 +34,7 @@
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "muond/v1/muond.pb.h"
+#include "server/compute_device.h"
 #include "server/compute_executor.h"
 
 namespace muond::server {
@@ -104,7 +105,7 @@ class Job : public std::enable_shared_from_this<Job> {
   // `executor` must outlive the job. gather_budget_bytes: bytes of whole matrices (fp32 gradient
   // and temporary momentum) assembled at once; a larger matrix is processed alone.
   Job(common::JobSpec spec, std::string token, std::string backend, ComputeExecutor* executor,
-      uint64_t gather_budget_bytes);
+      uint64_t gather_budget_bytes, ComputeDevice* compute);
   ~Job();
 
   const common::JobSpec& spec() const { return spec_; }
@@ -134,7 +135,9 @@ class Job : public std::enable_shared_from_this<Job> {
   // A shared-memory session of `rank` ended (its peer hung up): a step the rank had in flight is
   // aborted and the job fenced; replays that point into its regions are dropped; the rank is
   // detached if `session` is still its session.
-  void EndSharedSession(int rank, uint64_t session, const void* keepalive);
+  // `clean`: the peer detached on purpose; a rank that had not begun the step in flight then only
+  // leaves (it may attach again); a peer that died owes its part forever, so the step aborts.
+  void EndSharedSession(int rank, uint64_t session, const void* keepalive, bool clean = false);
   // Bytes copied host to host on the data path (gRPC chunks into input buffers and updates into
   // messages); the shared-memory path adds none.
   void CountHostCopy(uint64_t bytes);
@@ -166,8 +169,6 @@ class Job : public std::enable_shared_from_this<Job> {
   // Runs on the executor: processes ready matrices of `state` in batches under the gather budget
   // and commits the step when the last one is done.
   void DrainReady(const std::shared_ptr<StepState>& state);
-  absl::Status ComputeMatrix(StepState& state, uint32_t m, std::vector<float>& grad,
-                             std::vector<float>& momentum);
   void Commit(StepState& state);
   // Ends the step with `status` (refused: not fenced; aborted: fenced).
   void FailStep(StepState& state, const absl::Status& status, bool fence)
@@ -181,6 +182,7 @@ class Job : public std::enable_shared_from_this<Job> {
   const std::string token_;
   const std::string backend_;
   ComputeExecutor* const executor_;
+  ComputeDevice* const compute_;  // used only on the executor's thread
   const uint64_t gather_budget_bytes_;
   const int64_t created_unix_ms_;
   // Immutable layout tables.
@@ -188,10 +190,12 @@ class Job : public std::enable_shared_from_this<Job> {
   std::vector<std::vector<std::vector<size_t>>> rank_matrix_spans_;  // [rank][matrix] -> span idx
   std::vector<std::vector<SpanRef>> matrix_spans_;                    // [matrix] -> owners
 
-  // Momentum per matrix (fp32). Written only by Commit and Reset, which never run while a step is
+  // Momentum per matrix (fp32), registered (pinned) with the device from allocation on; which
+  // matrices the registration succeeded for is in pinned_. Written only by Commit and Reset, which never run while a step is
   // in flight computing (Commit ends the step; Reset is refused during one); the compute tasks of
   // the step in flight read it without the lock.
   std::vector<std::vector<float>> momentum_;
+  std::vector<bool> pinned_;
 
   mutable absl::Mutex mu_;
   std::vector<uint64_t> sessions_ ABSL_GUARDED_BY(mu_);  // per rank; 0 = not attached

@@ -37,11 +37,13 @@ absl::StatusOr<std::string> NewJobToken() {
 }
 
 JobRegistry::JobRegistry(std::string backend, uint64_t max_momentum_bytes,
-                         uint64_t default_gather_budget_bytes, ComputeExecutor* executor)
+                         uint64_t default_gather_budget_bytes, ComputeExecutor* executor,
+                         ComputeDevice* compute)
     : backend_(std::move(backend)),
       max_momentum_bytes_(max_momentum_bytes),
       default_gather_budget_bytes_(default_gather_budget_bytes),
-      executor_(executor) {}
+      executor_(executor),
+      compute_(compute) {}
 
 absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec) {
   auto token = NewJobToken();
@@ -59,7 +61,7 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec) {
   }
   const uint64_t budget =
       spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : default_gather_budget_bytes_;
-  auto job = std::make_shared<Job>(std::move(spec), *token, backend_, executor_, budget);
+  auto job = std::make_shared<Job>(std::move(spec), *token, backend_, executor_, budget, compute_);
   jobs_.emplace(id, job);
   momentum_bytes_ += bytes;
   MUOND_LOG(INFO) << "job '" << id << "' created: " << job->spec().matrices.size()

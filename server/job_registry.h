@@ -27,7 +27,7 @@ class JobRegistry {
   // default_gather_budget_bytes: for jobs that do not set their own. `executor` outlives the jobs'
   // work (it runs every task submitted before it is destroyed).
   JobRegistry(std::string backend, uint64_t max_momentum_bytes, uint64_t default_gather_budget_bytes,
-              ComputeExecutor* executor);
+              ComputeExecutor* executor, ComputeDevice* compute);
 
   struct Created {
     std::shared_ptr<Job> job;
@@ -43,12 +43,15 @@ class JobRegistry {
   uint64_t momentum_bytes() const;
   // True while any job has a step in flight.
   bool AnyStepInFlight() const;
+  // Compute tasks waiting on the daemon's executor (muond_compute_queue_depth).
+  size_t compute_queue_depth() const { return executor_->queue_depth(); }
 
  private:
   const std::string backend_;
   const uint64_t max_momentum_bytes_;
   const uint64_t default_gather_budget_bytes_;
   ComputeExecutor* const executor_;
+  ComputeDevice* const compute_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   uint64_t momentum_bytes_ ABSL_GUARDED_BY(mu_) = 0;

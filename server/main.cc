@@ -19,7 +19,12 @@
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "server/daemon_config.h"
+#include "server/daemon_metrics.h"
+#include "server/metrics_http.h"
+#include "server/sd_notify.h"
+#include "server/compute_device.h"
 #include "server/compute_executor.h"
+#include "server/device/device.h"
 #include "server/job_registry.h"
 #include "server/shm_server.h"
 #include "server/muon/muon_math.h"
@@ -117,21 +122,23 @@ int Run(int argc, char** argv) {
   common::ParseLogLevel(config->log_level, &level);
   common::SetMinLogLevel(level);
 
-  // Backends: the CPU backend is always built. GPU backends plug in here when compiled in.
-  std::string backend;
-  if (config->backend == "cpu") {
-    backend = "cpu";
-  } else if (config->backend == "auto") {
-    backend = "cpu";
-    MUOND_LOG(INFO) << "backend auto: no GPU backend is compiled into this muond; using cpu";
-  } else {
-    return Fail(2, absl::StrCat("--backend ", config->backend,
-                                ": not available in this build (available: auto, cpu)"));
-  }
   const int threads = config->threads > 0
                           ? config->threads
                           : std::max(1u, std::thread::hardware_concurrency());
   SetMathThreads(threads);
+  // The compute device: cpu and simulated are always built; GPU backends plug in via OpenBackend.
+  auto opened = device::OpenBackend(config->backend, threads, config->simulated);
+  if (!opened.ok()) {
+    return Fail(opened.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1,
+                absl::StrCat("--backend ", config->backend, ": ", opened.status().message()));
+  }
+  const std::string backend = opened->device->name();
+  MUOND_LOG(INFO) << "backend " << opened->why;
+  auto compute = ComputeDevice::Create(std::move(opened->device), opened->why,
+                                       config->serial_schedule);
+  if (!compute.ok()) {
+    return Fail(1, absl::StrCat("--backend ", config->backend, ": ", compute.status().message()));
+  }
 
   if (absl::Status s = MakeDirs(config->state_dir, 0750); !s.ok()) {
     return Fail(1, absl::StrCat("--state-dir: ", s.message()));
@@ -149,7 +156,7 @@ int Run(int argc, char** argv) {
   // Declared before the registry: destroyed after it, once every queued task ran.
   ComputeExecutor executor(threads);
   JobRegistry registry(backend, config->max_momentum_bytes, config->gather_budget_bytes,
-                       &executor);
+                       &executor, compute->get());
   MuondService service(&registry);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -187,8 +194,37 @@ int Run(int argc, char** argv) {
                   << config->state_dir
                   << (shm ? absl::StrCat("; shared memory on ", shm_path) : "");
 
+  // --- Observability (issue 8): /metrics, then systemd readiness and watchdog pings. ----------
+  std::unique_ptr<DaemonMetricsCollector> metrics_collector;
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (config->metrics_address != "off") {
+    metrics_collector = std::make_unique<DaemonMetricsCollector>(
+        &registry, shm.get(),
+        DaemonInfo{MUOND_VERSION, backend,
+                   backend == "cpu" || backend == "simulated" ? CpuModelName() : backend,
+                   config->max_momentum_bytes});
+    const std::string address =
+        config->metrics_address.empty() ? kDefaultMetricsAddress : config->metrics_address;
+    auto started = MetricsServer::Start(address, &common::DefaultRegistry());
+    if (started.ok()) {
+      metrics_server = *std::move(started);
+      MUOND_LOG(INFO) << "metrics on http://" << metrics_server->address() << "/metrics";
+    } else if (config->metrics_address.empty()) {
+      MUOND_LOG(ERROR) << "serving without metrics: " << started.status().message()
+                       << " (set --metrics-address or metrics-address = off)";
+    } else {
+      return Fail(1, absl::StrCat("--metrics-address: ", started.status().message()));
+    }
+  }
+  if (absl::Status s = SdNotify(absl::StrCat("READY=1\nSTATUS=serving on ", config->listen));
+      !s.ok()) {
+    MUOND_LOG(WARNING) << "systemd notification: " << s;
+  }
+  SdWatchdog watchdog;  // WATCHDOG=1 at half of $WATCHDOG_USEC until muond returns
+  // ------------------------------------------------------------------------------------------
   int sig = 0;
   sigwait(&signals, &sig);
+  (void)SdNotify("STOPPING=1\nSTATUS=draining steps in flight");  // issue 8
   MUOND_LOG(INFO) << "received " << strsignal(sig) << "; draining steps in flight (grace "
                   << config->shutdown_grace_seconds << " s)";
   service.BeginShutdown();
@@ -209,6 +245,8 @@ int Run(int argc, char** argv) {
   if (!drained) MUOND_LOG(WARNING) << "grace period over; cancelling the steps still in flight";
   server->Shutdown(std::chrono::system_clock::now());
   server->Wait();
+  metrics_server.reset();  // issue 8: no scrape reads the registry or shm after this
+  metrics_collector.reset();
   shm.reset();  // ends the shared-memory sessions (a step still in flight aborts)
   if (!unix_path.empty()) ::unlink(unix_path.c_str());
   MUOND_LOG(INFO) << "muond stopped";

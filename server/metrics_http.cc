@@ -1,11 +1,15 @@
 #include "server/metrics_http.h"
 
 #include <arpa/inet.h>
+#include <dlfcn.h>
+#include <pthread.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -16,6 +20,22 @@
 #include "absl/strings/str_cat.h"
 #include "civetweb.h"
 #include "common/logging.h"
+
+// civetweb's threads in a process with a large static TLS. Debian's libcivetweb is built with a
+// fixed thread stack size (USE_STACK_SIZE, ~100 KiB), and glibc carves every thread's static TLS
+// out of its stack: pthread_create fails with EINVAL when the TLS does not fit. muond loads
+// LibTorch, OpenBLAS and glog, whose static TLS is ~100 KiB together, so civetweb could not start
+// a single thread there ("Cannot create threads"). This definition interposes on the libc one for
+// the whole process (the executable's dynamic symbols come first) and raises any smaller request
+// to 1 MiB; a larger request is passed through unchanged. Thread stacks are virtual memory, so
+// the cost is address space only.
+extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
+  using SetStackSize = int (*)(pthread_attr_t*, size_t);
+  static const SetStackSize next =
+      reinterpret_cast<SetStackSize>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
+  if (next == nullptr) return ENOSYS;
+  return next(attr, std::max<size_t>(size, size_t{1} << 20));
+}
 
 namespace muond::server {
 namespace {

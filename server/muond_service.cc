@@ -9,6 +9,7 @@
 #include "common/job_spec_proto.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/daemon_metrics.h"
 
 namespace muond::server {
 namespace {
@@ -19,7 +20,10 @@ using common::ToGrpcStatus;
 constexpr size_t kChunkBytes = size_t{4} << 20;
 
 grpc::Status Logged(const char* rpc, const absl::Status& s) {
-  if (!s.ok()) MUOND_LOG(DEBUG) << rpc << ": " << s;
+  if (!s.ok()) {
+    MUOND_LOG(DEBUG) << rpc << ": " << s;
+    RecordRpcError(rpc, s.code());
+  }
   return ToGrpcStatus(s);
 }
 
@@ -157,6 +161,7 @@ absl::Status MuondService::RunStep(
         const v1::DataChunk& c = req.gradient();
         RETURN_IF_ERROR(rank_step->AddGradient(c.matrix_index(), c.element_offset(), c.data(),
                                                c.crc32c()));
+        RecordBytes(Transport::kGrpc, Direction::kIn, c.data().size());
         break;
       }
       case v1::StepRequest::kEnd:
@@ -190,6 +195,7 @@ absl::Status MuondService::RunStep(
                    "retry it to receive the same update"));
       }
       bytes_out += n;
+      RecordBytes(Transport::kGrpc, Direction::kOut, n);
     }
   }
   v1::StepDone* done = resp.mutable_done();

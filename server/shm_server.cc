@@ -18,6 +18,7 @@
 #include "common/logging.h"
 #include "common/shm_protocol.h"
 #include "common/shm_region.h"
+#include "server/daemon_metrics.h"
 #include "muond/v1/muond.pb.h"
 
 namespace muond::server {
@@ -81,6 +82,7 @@ struct ShmSession {
   int rank = 0;
   uint64_t session_id = 0;
   uint64_t buffer_bytes = 0;
+  uint64_t pinned_bytes = 0;  // bytes of the session's regions locked in memory (metrics)
   std::vector<uint64_t> byte_offsets;  // per span of RankSpans
   std::shared_ptr<ShmRegions> regions;
   std::shared_ptr<CompletionChannel> completions;
@@ -183,6 +185,17 @@ ShmServer::~ShmServer() {
   unlink(path_.c_str());
 }
 
+ShmServer::Usage ShmServer::usage() const {
+  absl::MutexLock lock(&mu_);
+  Usage u;
+  for (const auto& [conn, session] : sessions_) {
+    if (session == nullptr) continue;
+    ++u.sessions;
+    u.pinned_bytes += session->pinned_bytes;
+  }
+  return u;
+}
+
 size_t ShmServer::session_count() const {
   absl::MutexLock lock(&mu_);
   size_t n = 0;
@@ -218,13 +231,19 @@ void ShmServer::Loop() {
       if (doorbell_session != nullptr) {
         HandleDoorbell(doorbell_session);
       } else if (is_conn) {
-        if (events[i].events & (EPOLLHUP | EPOLLRDHUP | EPOLLERR)) {
+        if (attached && (events[i].events & EPOLLIN)) {
+          // After attaching, the peer says one thing on the socket: the detach byte (a clean
+          // end, possibly arriving with the hang-up); anything else ends the session as a failure.
+          char byte = 0;
+          const ssize_t n = recv(fd, &byte, 1, MSG_DONTWAIT);
+          const bool detach = n == 1 && byte == shm::kDetachByte;
+          EndSession(fd, detach ? "detached" : n == 0 ? "the peer hung up"
+                                                      : "unexpected message after attach",
+                     detach);
+        } else if (events[i].events & (EPOLLHUP | EPOLLRDHUP | EPOLLERR)) {
           EndSession(fd, "the peer hung up");
         } else if (!attached) {
           HandleAttach(fd);
-        } else {
-          // An attached peer has nothing more to say on the socket; anything it sends ends it.
-          EndSession(fd, "unexpected message after attach");
         }
       }
     }
@@ -323,6 +342,9 @@ void ShmServer::HandleAttach(int conn) {
   r->header.version = shm::kRingVersion;
   r->header.generation = *session_id;
   const bool pinned = in->locked() && out->locked() && ring->locked();
+  for (const common::SharedRegion* region : {&*in, &*out, &*ring}) {
+    if (region->locked()) session->pinned_bytes += region->size();
+  }
   const int fds[shm::kNumFds] = {in->fd(), out->fd(), ring->fd(), doorbell, completion};
   regions->in = *std::move(in);
   regions->out = *std::move(out);
@@ -403,16 +425,22 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
     auto channel = s->completions;
     const uint64_t seq = sub.seq;
     const int64_t step = sub.step;
+    const uint64_t buffer_bytes = s->buffer_bytes;
     absl::Status st = s->job->SubmitShared(
         s->rank, s->session_id, step, in, out, s->regions,
-        [channel, seq, step](const absl::Status& status, bool replayed, double seconds) {
+        [channel, seq, step, buffer_bytes](const absl::Status& status, bool replayed,
+                                           double seconds) {
+          if (status.ok()) {  // the rank's whole buffer went in, its update came out
+            RecordBytes(Transport::kShm, Direction::kIn, buffer_bytes);
+            RecordBytes(Transport::kShm, Direction::kOut, buffer_bytes);
+          }
           channel->Complete(seq, step, status, replayed, seconds);
         });
     if (!st.ok()) s->completions->Complete(seq, step, st, false, 0);
   }
 }
 
-void ShmServer::EndSession(int conn, const std::string& why) {
+void ShmServer::EndSession(int conn, const std::string& why, bool clean) {
   std::shared_ptr<ShmSession> session;
   {
     absl::MutexLock lock(&mu_);
@@ -425,7 +453,8 @@ void ShmServer::EndSession(int conn, const std::string& why) {
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn, nullptr);
   if (session != nullptr) {
     epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, session->doorbell, nullptr);
-    session->job->EndSharedSession(session->rank, session->session_id, session->regions.get());
+    session->job->EndSharedSession(session->rank, session->session_id, session->regions.get(),
+                                   clean);
     close(session->doorbell);
     MUOND_LOG(INFO) << "job '" << session->job->id() << "' rank " << session->rank
                     << ": shared-memory session " << session->session_id << " ended: " << why;

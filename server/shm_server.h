@@ -41,6 +41,13 @@ class ShmServer {
   // New attaches get UNAVAILABLE; sessions keep working until the server is destroyed.
   void BeginShutdown() { shutting_down_.store(true); }
   size_t session_count() const;
+  // For the metrics (muond_shm_sessions, muond_pinned_bytes): attached sessions and the bytes of
+  // their regions that are locked in memory.
+  struct Usage {
+    size_t sessions = 0;
+    uint64_t pinned_bytes = 0;
+  };
+  Usage usage() const;
 
  private:
   ShmServer(std::string path, JobRegistry* registry, int listen_fd, int epoll_fd, int wake_fd);
@@ -48,7 +55,8 @@ class ShmServer {
   void Accept();
   void HandleAttach(int conn);
   void HandleDoorbell(const std::shared_ptr<ShmSession>& session);
-  void EndSession(int conn, const std::string& why);
+  // `clean`: the peer detached (rather than dying); see Job::EndSharedSession.
+  void EndSession(int conn, const std::string& why, bool clean = false);
 
   const std::string path_;
   JobRegistry* const registry_;

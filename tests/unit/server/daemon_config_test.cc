@@ -42,6 +42,26 @@ TEST(DaemonConfigTest, FlagsOverrideConfigFile) {
   EXPECT_EQ(c->threads, 3);
 }
 
+TEST(DaemonConfigTest, MetricsAddress) {
+  auto c = Parse({});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->metrics_address, "");  // the default, 127.0.0.1:9464, best effort
+  EXPECT_EQ(std::string(kDefaultMetricsAddress), "127.0.0.1:9464");
+  c = Parse({"--metrics-address", "off"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->metrics_address, "off");
+  c = Parse({"--config", WriteConfig("metrics-address = 0.0.0.0:9100\n")});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->metrics_address, "0.0.0.0:9100");
+  for (const char* bad : {"9464", "unix:///tmp/m.sock", "127.0.0.1:http", "127.0.0.1:70000"}) {
+    auto r = Parse({"--metrics-address", bad});
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("--metrics-address"), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("expected HOST:PORT or off"), std::string::npos)
+        << r.status();
+  }
+}
+
 TEST(DaemonConfigTest, RejectsBadInputNamingIt) {
   auto unknown = Parse({"--frobnicate", "1"});
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);

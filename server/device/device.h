@@ -1,0 +1,131 @@
+// The device layer (DESIGN.md section 6): Backend -> Device -> Stream (in order) and Event.
+//
+// Shaped for CUDA streams/events and Level Zero immediate command lists as well as the CPU:
+// memory is either host memory (registered = pinned once) or device memory (DeviceBuffer, owned,
+// move-only); a Stream runs copies and kernels in the order they were enqueued; an Event marks a
+// point in a stream that the host or another stream can wait for. Every method says whether it
+// "enqueues" (returns at once; the work runs later on the stream) or "blocks".
+//
+// Lifetimes: a source buffer must stay alive and unchanged until an event recorded after its copy
+// has completed; the host must not read a destination before that. Devices and streams are
+// thread-safe; a stream's operations run in order.
+#ifndef MUOND_SERVER_DEVICE_DEVICE_H_
+#define MUOND_SERVER_DEVICE_DEVICE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+
+namespace muond::server::device {
+
+class Device;
+
+// Device memory. Move-only; freed by its destructor (the device must outlive it).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Device* device, void* data, size_t size) : device_(device), data_(data), size_(size) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer();
+  // A device address: dereferenceable by the host only on host-memory devices (cpu, simulated).
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  Device* device_ = nullptr;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+class Event {
+ public:
+  virtual ~Event() = default;
+  // Blocks until the stream reached the event; returns the first error of the work before it.
+  virtual absl::Status Wait() = 0;
+  // True once reached (does not block).
+  virtual bool Done() const = 0;
+};
+
+// One matrix of a Muon kernel call, all in device memory (fp32): the whole gradient (overwritten
+// with the update) and a momentum buffer (read as M, written with the new momentum M').
+struct MuonKernelItem {
+  const common::MatrixSpec* spec = nullptr;
+  DeviceBuffer* grad_update = nullptr;
+  DeviceBuffer* momentum = nullptr;
+};
+
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  // Enqueues a copy of `bytes` from host `src` to `dst` at `offset`.
+  virtual absl::Status CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
+                                    size_t bytes) = 0;
+  // Enqueues a copy of `bytes` from `src` at `offset` to host `dst`.
+  virtual absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
+                                  size_t bytes) = 0;
+  // Enqueues the Muon update (DESIGN.md 3) of each item with `config`.
+  virtual absl::Status Muon(const common::MuonConfig& config,
+                            std::vector<MuonKernelItem> items) = 0;
+  // Enqueues an event at the current end of the stream.
+  virtual absl::StatusOr<std::shared_ptr<Event>> Record() = 0;
+  // Enqueues a wait: later work on this stream starts after `event` (recorded on any stream of
+  // the same device) was reached.
+  virtual absl::Status WaitFor(std::shared_ptr<Event> event) = 0;
+  // Blocks until everything enqueued so far has run; returns its first error.
+  virtual absl::Status Synchronize() = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  // "cpu", "simulated", "cuda:0", ...
+  virtual std::string name() const = 0;
+  // Blocks. RESOURCE_EXHAUSTED when the device is out of memory.
+  virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
+  // Registers (pins) host memory once for fast copies; false when the platform refused (the memory
+  // still works, unpinned). Blocks.
+  virtual bool RegisterHost(void* data, size_t bytes) = 0;
+  virtual void UnregisterHost(void* data, size_t bytes) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
+  // The simulated device's clock in seconds (the modelled end of all work so far); 0 elsewhere.
+  virtual double SimulatedSeconds() const { return 0; }
+
+ protected:
+  friend class DeviceBuffer;
+  virtual void Free(void* data, size_t size) = 0;
+};
+
+// Simulated device parameters (--backend simulated).
+struct SimulatedOptions {
+  double copy_gbps = 16;            // host<->device bandwidth, GB/s
+  double copy_latency_us = 10;      // per copy
+  double compute_gflops = 200;      // Newton-Schulz rate
+  bool sleep = false;               // also spend the modelled time in wall-clock time
+  // Test hook: the n-th kernel (1-based) fails with INTERNAL; 0: never.
+  int fail_kernel = 0;
+};
+
+struct BackendChoice {
+  std::unique_ptr<Device> device;
+  std::string why;  // for the log and job status: which backend and why
+};
+
+// Opens the compute device for --backend: "cpu", "simulated", or "auto" (the first working GPU
+// backend compiled in, else cpu). INVALID_ARGUMENT for an unknown name; UNAVAILABLE when a named
+// backend has no working device.
+absl::StatusOr<BackendChoice> OpenBackend(const std::string& name, int cpu_threads,
+                                          const SimulatedOptions& simulated);
+
+}  // namespace muond::server::device
+
+#endif  // MUOND_SERVER_DEVICE_DEVICE_H_

@@ -1,0 +1,319 @@
+// The host-memory devices: "cpu" (streams are worker threads, kernels run the LibTorch math) and
+// "simulated" (the same, plus a modelled device clock: copies cost latency + bytes / bandwidth,
+// kernels cost flops / rate, streams advance their own timelines and events carry timestamps, so
+// overlap can be measured and tested without a GPU).
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "server/device/device.h"
+#include "server/muon/muon_math.h"
+
+namespace muond::server::device {
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (device_ != nullptr && data_ != nullptr) device_->Free(data_, size_);
+    device_ = std::exchange(o.device_, nullptr);
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (device_ != nullptr && data_ != nullptr) device_->Free(data_, size_);
+}
+
+namespace {
+
+// Modelled Newton-Schulz FLOPs of one matrix (per iteration 4 m^2 n + 2 m^3 per block, m <= n).
+double MuonFlops(const common::MuonConfig& config, const common::MatrixSpec& spec) {
+  const MatrixGeometry g = GeometryOf(spec);
+  const double m = static_cast<double>(std::min(g.rows, g.cols));
+  const double n = static_cast<double>(std::max(g.rows, g.cols));
+  return static_cast<double>(g.batch) * config.ns_steps * (4 * m * m * n + 2 * m * m * m);
+}
+
+class HostEvent final : public Event {
+ public:
+  absl::Status Wait() override {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&done_));
+    return status_;
+  }
+  bool Done() const override {
+    absl::MutexLock lock(&mu_);
+    return done_;
+  }
+  void Reach(const absl::Status& status, double sim_time) {
+    absl::MutexLock lock(&mu_);
+    status_ = status;
+    sim_time_ = sim_time;
+    done_ = true;
+  }
+  double sim_time() const {
+    absl::MutexLock lock(&mu_);
+    return sim_time_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  double sim_time_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class HostDevice;
+
+// An in-order stream: one worker thread running the enqueued operations. The first error sticks
+// (later operations are skipped and events report it), as on CUDA.
+class HostStream final : public Stream {
+ public:
+  HostStream(HostDevice* device, int math_threads);
+  ~HostStream() override;
+
+  absl::Status CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
+                            size_t bytes) override;
+  absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
+                          size_t bytes) override;
+  absl::Status Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) override;
+  absl::StatusOr<std::shared_ptr<Event>> Record() override;
+  absl::Status WaitFor(std::shared_ptr<Event> event) override;
+  absl::Status Synchronize() override;
+
+ private:
+  // Runs `op` on the worker; `sim_cost` is its modelled duration (simulated device).
+  void Enqueue(std::function<absl::Status()> op, double sim_cost);
+  void Loop(int math_threads);
+  bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !ops_.empty(); }
+
+  struct Op {
+    std::function<absl::Status()> run;
+    double sim_cost = 0;
+    std::shared_ptr<HostEvent> wait_for;  // a cross-stream dependency
+    std::shared_ptr<HostEvent> record;    // an event to reach
+  };
+  HostDevice* device_;
+  absl::Mutex mu_;
+  std::deque<Op> ops_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // Worker-thread state.
+  absl::Status error_;
+  double sim_time_ = 0;
+  std::thread worker_;
+};
+
+class HostDevice final : public Device {
+ public:
+  HostDevice(std::string name, int math_threads, const SimulatedOptions* sim)
+      : name_(std::move(name)), math_threads_(math_threads) {
+    if (sim != nullptr) {
+      simulated_ = true;
+      sim_ = *sim;
+    }
+  }
+  std::string name() const override { return name_; }
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    void* p = std::malloc(std::max<size_t>(bytes, 1));
+    if (p == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(name_, ": cannot allocate ", bytes, " bytes"));
+    }
+    return DeviceBuffer(this, p, bytes);
+  }
+  bool RegisterHost(void* data, size_t bytes) override { return mlock(data, bytes) == 0; }
+  void UnregisterHost(void* data, size_t bytes) override { munlock(data, bytes); }
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
+    return std::unique_ptr<Stream>(new HostStream(this, math_threads_));
+  }
+  double SimulatedSeconds() const override {
+    absl::MutexLock lock(&mu_);
+    return sim_end_;
+  }
+
+  bool simulated() const { return simulated_; }
+  const SimulatedOptions& sim() const { return sim_; }
+  double CopyCost(size_t bytes) const {
+    return simulated_ ? sim_.copy_latency_us * 1e-6 + static_cast<double>(bytes) / (sim_.copy_gbps * 1e9)
+                      : 0;
+  }
+  double KernelCost(double flops) const {
+    return simulated_ ? flops / (sim_.compute_gflops * 1e9) : 0;
+  }
+  // Counts kernels; true when this one must fail (SimulatedOptions::fail_kernel).
+  bool InjectKernelFailure() {
+    absl::MutexLock lock(&mu_);
+    return sim_.fail_kernel > 0 && ++kernels_ == sim_.fail_kernel;
+  }
+  void AdvanceClock(double t) {
+    absl::MutexLock lock(&mu_);
+    sim_end_ = std::max(sim_end_, t);
+  }
+
+ protected:
+  void Free(void* data, size_t) override { std::free(data); }
+
+ private:
+  const std::string name_;
+  const int math_threads_;
+  bool simulated_ = false;
+  SimulatedOptions sim_;
+  mutable absl::Mutex mu_;
+  double sim_end_ ABSL_GUARDED_BY(mu_) = 0;
+  int kernels_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+HostStream::HostStream(HostDevice* device, int math_threads)
+    : device_(device), worker_([this, math_threads] { Loop(math_threads); }) {}
+
+HostStream::~HostStream() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  worker_.join();
+}
+
+void HostStream::Enqueue(std::function<absl::Status()> op, double sim_cost) {
+  absl::MutexLock lock(&mu_);
+  ops_.push_back(Op{std::move(op), sim_cost, nullptr, nullptr});
+}
+
+absl::Status HostStream::CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
+                                      size_t bytes) {
+  if (offset > dst.size() || bytes > dst.size() - offset) {
+    return absl::OutOfRangeError(absl::StrCat("copy of ", bytes, " bytes at ", offset,
+                                              " overruns a ", dst.size(), "-byte device buffer"));
+  }
+  char* to = static_cast<char*>(dst.data()) + offset;
+  Enqueue([to, src, bytes] {
+            std::memcpy(to, src, bytes);
+            return absl::OkStatus();
+          },
+          device_->CopyCost(bytes));
+  return absl::OkStatus();
+}
+
+absl::Status HostStream::CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
+                                    size_t bytes) {
+  if (offset > src.size() || bytes > src.size() - offset) {
+    return absl::OutOfRangeError(absl::StrCat("copy of ", bytes, " bytes at ", offset,
+                                              " overruns a ", src.size(), "-byte device buffer"));
+  }
+  const char* from = static_cast<const char*>(src.data()) + offset;
+  Enqueue([dst, from, bytes] {
+            std::memcpy(dst, from, bytes);
+            return absl::OkStatus();
+          },
+          device_->CopyCost(bytes));
+  return absl::OkStatus();
+}
+
+absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) {
+  double flops = 0;
+  for (const MuonKernelItem& it : items) flops += MuonFlops(config, *it.spec);
+  HostDevice* device = device_;
+  Enqueue([config, items = std::move(items), device]() -> absl::Status {
+            if (device->InjectKernelFailure()) {
+              return absl::InternalError(absl::StrCat(device->name(), ": injected kernel failure"));
+            }
+            for (const MuonKernelItem& it : items) {
+              auto* g = static_cast<float*>(it.grad_update->data());
+              absl::Status s =
+                  MuonUpdate(config, *it.spec, g, static_cast<float*>(it.momentum->data()), g);
+              if (!s.ok()) return s;
+            }
+            return absl::OkStatus();
+          },
+          device_->KernelCost(flops));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Event>> HostStream::Record() {
+  auto event = std::make_shared<HostEvent>();
+  absl::MutexLock lock(&mu_);
+  ops_.push_back(Op{nullptr, 0, nullptr, event});
+  return std::shared_ptr<Event>(event);
+}
+
+absl::Status HostStream::WaitFor(std::shared_ptr<Event> event) {
+  auto host = std::dynamic_pointer_cast<HostEvent>(event);
+  if (host == nullptr) return absl::InvalidArgumentError("event of another device");
+  absl::MutexLock lock(&mu_);
+  ops_.push_back(Op{nullptr, 0, std::move(host), nullptr});
+  return absl::OkStatus();
+}
+
+absl::Status HostStream::Synchronize() {
+  auto event = Record();
+  if (!event.ok()) return event.status();
+  return (*event)->Wait();
+}
+
+void HostStream::Loop(int math_threads) {
+  SetMathThreads(math_threads);
+  while (true) {
+    Op op;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &HostStream::HasWork));
+      if (ops_.empty()) return;
+      op = std::move(ops_.front());
+      ops_.pop_front();
+    }
+    if (op.wait_for != nullptr) {
+      // Host-side synchronization between streams: this worker blocks until the event.
+      absl::Status s = op.wait_for->Wait();
+      if (error_.ok() && !s.ok()) error_ = s;
+      sim_time_ = std::max(sim_time_, op.wait_for->sim_time());
+    } else if (op.record != nullptr) {
+      // An error is reported to the first event after it, then the stream is usable again (a
+      // failed batch fails its job's step, not the next job's).
+      op.record->Reach(error_, sim_time_);
+      error_ = absl::OkStatus();
+    } else {
+      if (error_.ok()) error_ = op.run();
+      sim_time_ += op.sim_cost;
+      device_->AdvanceClock(sim_time_);
+      if (device_->simulated() && device_->sim().sleep && op.sim_cost > 0) {
+        absl::SleepFor(absl::Seconds(op.sim_cost));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<BackendChoice> OpenBackend(const std::string& name, int cpu_threads,
+                                          const SimulatedOptions& simulated) {
+  BackendChoice c;
+  if (name == "cpu") {
+    c.device = std::make_unique<HostDevice>("cpu", cpu_threads, nullptr);
+    c.why = "cpu (asked for)";
+  } else if (name == "auto") {
+    c.device = std::make_unique<HostDevice>("cpu", cpu_threads, nullptr);
+    c.why = "cpu (auto: no GPU backend is compiled into this muond)";
+  } else if (name == "simulated") {
+    if (!(simulated.copy_gbps > 0) || !(simulated.compute_gflops > 0) ||
+        !(simulated.copy_latency_us >= 0)) {
+      return absl::InvalidArgumentError(
+          "simulated backend: bandwidth and rate must be > 0, latency >= 0");
+    }
+    c.device = std::make_unique<HostDevice>("simulated", cpu_threads, &simulated);
+    c.why = absl::StrCat("simulated (asked for: ", simulated.copy_gbps, " GB/s copies, ",
+                         simulated.copy_latency_us, " us latency, ", simulated.compute_gflops,
+                         " GFLOP/s)");
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown backend '", name, "' (available in this build: auto, cpu, simulated)"));
+  }
+  return c;
+}
+
+}  // namespace muond::server::device

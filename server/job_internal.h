@@ -1,0 +1,55 @@
+// The step state shared by job.cc (ranks, commit) and job_compute.cc (the device pipeline).
+// Internal to the Job; not for other users.
+#ifndef MUOND_SERVER_JOB_INTERNAL_H_
+#define MUOND_SERVER_JOB_INTERNAL_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/job.h"
+
+namespace muond::server {
+
+// Largest data chunk accepted on any data path.
+inline constexpr size_t kMaxChunkBytes = size_t{4} << 20;
+// How often a rank waiting for the step's commit checks whether it went away.
+inline constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
+
+// One rank's input for the step: where the gradient bytes of each of its spans are. A gRPC rank's
+// chunks are copied into `owned`; a shared-memory rank's spans point into its gradient region.
+struct RankInput {
+  std::vector<const char*> span_in;                   // per span, the matrix dtype
+  std::vector<std::string> owned;                     // gRPC: the storage span_in points into
+  std::vector<std::map<uint64_t, uint64_t>> claimed;  // gRPC, per span: element ranges received
+  std::vector<uint64_t> span_received;                // per span: elements in
+  SharedDone done;                                    // shared memory: the completion
+  std::shared_ptr<const void> keepalive;              // shared memory: the regions
+  bool begun = false;
+  bool finished = false;
+};
+
+// The step in flight. Guarded by the owning Job's mu_, except the bytes of the input buffers
+// (written outside the lock into ranges claimed under it, read by compute once a matrix is
+// complete) and of the output buffers (written by compute, read after commit).
+struct StepState {
+  int64_t step = 0;
+  absl::Time start;
+  std::vector<RankInput> ranks;
+  std::vector<std::shared_ptr<RankUpdate>> outputs;  // per rank, set when the rank begins
+  std::vector<uint64_t> matrix_received;             // elements, all ranks
+  std::vector<uint32_t> ready;                       // complete matrices not yet taken
+  bool drain_queued = false;                         // a DrainReady task is queued or running
+  size_t matrices_done = 0;
+  bool done = false;
+  absl::Status result;
+  absl::CondVar cv;
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_JOB_INTERNAL_H_
