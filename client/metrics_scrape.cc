@@ -146,7 +146,8 @@ absl::StatusOr<std::vector<MetricSample>> ParseMetricsText(const std::string& te
     if (line.empty() || line[0] == '#') continue;
     MetricSample s;
     if (!ParseSampleLine(line, &s)) {
-      return absl::InvalidArgumentError(absl::StrCat("metrics line ", n, " does not parse: ", line));
+      return absl::InvalidArgumentError(
+          absl::StrCat("metrics line ", n, " does not parse: ", line));
     }
     samples.push_back(std::move(s));
   }

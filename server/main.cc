@@ -155,7 +155,7 @@ int Run(int argc, char** argv) {
 
   // Declared before the registry: destroyed after it, once every queued task ran.
   ComputeExecutor executor(threads);
-  JobRegistry registry(backend, config->max_momentum_bytes, config->gather_budget_bytes,
+  JobRegistry registry((*compute)->why, config->max_momentum_bytes, config->gather_budget_bytes,
                        &executor, compute->get());
   MuondService service(&registry);
   grpc::EnableDefaultHealthCheckService(true);

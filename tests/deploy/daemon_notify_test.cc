@@ -57,12 +57,11 @@ TEST(DaemonNotifyTest, ReadyWatchdogAndStoppingFromTheRealDaemon) {
   NotifyListener listener;
   ASSERT_TRUE(listener.ok());
 
-  std::vector<std::string> args = {MUOND_BIN,
-                                   "--config", MUOND_SOURCE_DIR "/deploy/muond.conf.sample",
-                                   "--listen", "unix://" + socket,
-                                   "--state-dir", dir + "/state",
-                                   "--threads", "1",
-                                   "--metrics-address", "127.0.0.1:0"};
+  std::vector<std::string> args = {
+      MUOND_BIN,           "--config",         MUOND_SOURCE_DIR "/deploy/muond.conf.sample",
+      "--listen",          "unix://" + socket, "--state-dir",
+      dir + "/state",      "--threads",        "1",
+      "--metrics-address", "127.0.0.1:0"};
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string var = *e;

@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# The real daemon's metrics as Prometheus sees them:
+#   a muond on a temporary socket, --metrics-address 127.0.0.1:0, runs a job of one 64x128 float32
+#   matrix for 3 steps (steps 0-1 over gRPC, step 2 over shared memory) plus one out-of-order step
+#   (FAILED_PRECONDITION over gRPC); then
+#   (a) the scrape holds the expected values: muond_steps_completed_total{muond_job="live"} 3,
+#       muond_jobs 1, the job's momentum 32768 bytes, world size 1, no rank attached, transfer
+#       bytes grpc in/out 65536 each and shm in/out 32768 each, one Step error FAILED_PRECONDITION,
+#       build and device info;
+#   (b) `promtool check metrics` on it exits 0 with no output at all;
+#   (c) a real prometheus server scrapes it; its HTTP API reports the target up and
+#       muond_steps_completed_total{muond_job="live"} = 3;
+#   (d) after `muonctl job delete`, the job's series are gone and muond_jobs is 0;
+#   (e) SIGTERM: muond exits 0.
+# Usage: muond_live_test.sh PATH/TO/muond PATH/TO/muonctl
+# Exits 77 (ctest: skipped) when promtool or prometheus is not installed (deploy/install-deps.sh).
+set -euo pipefail
+MUOND=${1:?usage: muond_live_test.sh MUOND MUONCTL}
+MUONCTL=${2:?usage: muond_live_test.sh MUOND MUONCTL}
+for tool in promtool prometheus /usr/bin/python3; do
+  if ! command -v "$tool" >/dev/null; then
+    echo "SKIP: $tool not installed (deploy/install-deps.sh installs it)"
+    exit 77
+  fi
+done
+# shellcheck source=tests/metrics/live_daemon.sh
+. "$(dirname "$0")/live_daemon.sh"
+
+start_daemon
+echo "muond serving on $addr, metrics on $metrics"
+create_job live 64 128
+run_steps live 64 128 2 --transport grpc
+write_grads "$tmp/live.g2.safetensors" 64 128 2
+"$MUONCTL" step --job live --rank 0 --step 2 --grads "$tmp/live.g2.safetensors" \
+  --out "$tmp/live.u2.safetensors" --token-file "$tmp/live.token" --transport shm >/dev/null ||
+  fail "muonctl step live 2 --transport shm"
+set +e
+"$MUONCTL" step --job live --rank 0 --step 7 --grads "$tmp/live.g2.safetensors" \
+  --out "$tmp/live.u7.safetensors" --token-file "$tmp/live.token" --transport grpc \
+  >/dev/null 2>"$tmp/step7.err"
+rc=$?
+set -e
+[ "$rc" -eq 9 ] || fail "out-of-order step: exit $rc (wanted 9, FAILED_PRECONDITION): $(cat "$tmp/step7.err")"
+
+# --- (a) values ----------------------------------------------------------------------------------
+scrape "$tmp/scrape.txt"
+"$PY" - "$tmp/scrape.txt" <<'PYEOF'
+import re, sys
+samples = {}
+for line in open(sys.argv[1]):
+    if line.startswith("#") or not line.strip():
+        continue
+    m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)$', line.rstrip("\n"))
+    assert m, f"unparsable line: {line!r}"
+    samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+want = {
+    'muond_steps_completed_total{muond_job="live"}': 3,
+    'muond_jobs': 1,
+    'muond_job_world_size{muond_job="live"}': 1,
+    'muond_job_ranks_attached{muond_job="live"}': 0,
+    'muond_job_next_step{muond_job="live"}': 3,
+    'muond_job_fenced{muond_job="live"}': 0,
+    'muond_job_momentum_bytes{muond_job="live"}': 64 * 128 * 4,
+    'muond_momentum_bytes': 64 * 128 * 4,
+    'muond_ranks_attached': 0,
+    'muond_shm_sessions': 0,
+    'muond_compute_queue_depth': 0,
+    'muond_transfer_bytes_total{direction="in",transport="grpc"}': 2 * 64 * 128 * 4,
+    'muond_transfer_bytes_total{direction="out",transport="grpc"}': 2 * 64 * 128 * 4,
+    'muond_transfer_bytes_total{direction="in",transport="shm"}': 64 * 128 * 4,
+    'muond_transfer_bytes_total{direction="out",transport="shm"}': 64 * 128 * 4,
+    'muond_rpc_errors_total{code="FAILED_PRECONDITION",rpc="Step"}': 1,
+}
+bad = [f"{k} = {samples.get(k)!r}, wanted {v}" for k, v in want.items() if samples.get(k) != v]
+for prefix in ('muond_build_info{backend="', 'muond_device_info{backend="',
+               'muond_steps_refused_total{muond_job="live"}',
+               'muond_steps_aborted_total{muond_job="live"}',
+               'muond_job_gather_budget_bytes{muond_job="live"}', 'muond_memlock_limit_bytes'):
+    if not any(k.startswith(prefix) for k in samples):
+        bad.append(f"no sample {prefix}...")
+if bad:
+    sys.exit("FAIL: " + "; ".join(bad))
+print(f"scrape: {len(samples)} samples, all {len(want)} expected values present")
+PYEOF
+
+# --- (b) promtool ----------------------------------------------------------------------------------
+set +e
+promtool check metrics <"$tmp/scrape.txt" >"$tmp/promtool.out" 2>&1
+promtool_rc=$?
+set -e
+if [ "$promtool_rc" -ne 0 ] || [ -s "$tmp/promtool.out" ]; then
+  cat "$tmp/promtool.out"
+  fail "promtool check metrics: exit $promtool_rc, $(wc -l <"$tmp/promtool.out") lines of output"
+fi
+echo "promtool check metrics: exit 0, no output ($(wc -l <"$tmp/scrape.txt") lines scraped)"
+
+# --- (c) a real prometheus server -------------------------------------------------------------
+prom_port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+cat >"$tmp/prometheus.yml" <<PROMEOF
+global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: muond
+    static_configs:
+      - targets: ["$metrics"]
+PROMEOF
+promtool check config "$tmp/prometheus.yml" >"$tmp/check_config.out" 2>&1 ||
+  { cat "$tmp/check_config.out"; fail "promtool check config"; }
+prometheus --config.file="$tmp/prometheus.yml" --storage.tsdb.path="$tmp/data" \
+  --web.listen-address="127.0.0.1:$prom_port" --log.level=warn >"$tmp/prometheus.log" 2>&1 &
+prom_pid=$!
+"$PY" - "$prom_port" "$metrics" <<'PYEOF'
+import json, sys, time, urllib.parse, urllib.request
+prom, target = sys.argv[1], sys.argv[2]
+def api(path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{prom}{path}", timeout=2) as r:
+        return json.load(r)
+query = 'muond_steps_completed_total{muond_job="live"}'
+deadline = time.time() + 30
+health = value = labels = None
+while time.time() < deadline:
+    try:
+        targets = api("/api/v1/targets")["data"]["activeTargets"]
+        health = [t["health"] for t in targets if t["labels"].get("instance") == target]
+        if health == ["up"]:
+            result = api("/api/v1/query?query=" + urllib.parse.quote(query))["data"]["result"]
+            if result:
+                value, labels = result[0]["value"][1], result[0]["metric"]
+                break
+    except OSError:
+        pass  # not listening yet
+    time.sleep(0.2)
+if health != ["up"]:
+    sys.exit(f"FAIL: target {target} health {health} after 30 s")
+if value != "3":
+    sys.exit(f"FAIL: {query} = {value!r}, expected \"3\"")
+print(f"prometheus: target {target} health up; {query} = {value} (labels {labels})")
+PYEOF
+kill "$prom_pid"
+wait "$prom_pid" 2>/dev/null || true
+prom_pid=""
+
+# --- (d) a deleted job's series go -----------------------------------------------------------
+"$MUONCTL" job delete --job live --token-file "$tmp/live.token" >/dev/null || fail "job delete"
+scrape "$tmp/after.txt"
+if grep -q 'muond_job="live"' "$tmp/after.txt"; then
+  grep 'muond_job="live"' "$tmp/after.txt" | head -5
+  fail "series of the deleted job are still exported"
+fi
+grep -qx 'muond_jobs 0' "$tmp/after.txt" || fail "muond_jobs is not 0 after the delete"
+grep -qx 'muond_steps_completed_total{muond_job="live"} 3' "$tmp/scrape.txt" || fail "first scrape changed?"
+echo "after job delete: no muond_job=\"live\" series, muond_jobs 0"
+
+# --- (e) clean stop -------------------------------------------------------------------------------
+stop_daemon
+echo "PASS"
