@@ -385,6 +385,7 @@ void Job::Commit(StepState& state) {
     return;
   }
   for (auto& out : state.outputs) out->compute_seconds = seconds;
+  last_step_device_seconds_ = state.device_seconds;
   last_updates_.assign(state.outputs.begin(), state.outputs.end());
   state.done = true;
   state.result = absl::OkStatus();
@@ -491,6 +492,7 @@ v1::JobStatus Job::Status() const {
   st.set_fenced(fenced_);
   st.set_fence_reason(fence_reason_);
   st.set_gather_peak_bytes(gather_peak_bytes_);
+  st.set_last_step_device_seconds(last_step_device_seconds_);
   st.set_host_copy_bytes(host_copy_bytes_.load());
   if (in_flight_ != nullptr) st.set_step_in_flight(in_flight_->step);
   for (int r = 0; r < spec_.world_size; ++r) {

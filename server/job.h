@@ -205,6 +205,7 @@ class Job : public std::enable_shared_from_this<Job> {
   int64_t steps_refused_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t gather_peak_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  double last_step_device_seconds_ ABSL_GUARDED_BY(mu_) = 0;  // simulated clock, last commit
   bool fenced_ ABSL_GUARDED_BY(mu_) = false;
   bool deleted_ ABSL_GUARDED_BY(mu_) = false;
   std::string fence_reason_ ABSL_GUARDED_BY(mu_);

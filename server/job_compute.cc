@@ -54,6 +54,8 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
   ComputeDevice& dev = *compute_;
   std::deque<Batch> flight;
   absl::Status status;
+  // The simulated clock this call spends (every call drains what it enqueued before returning).
+  const double clock_start = dev.device->SimulatedSeconds();
 
   // Waits for the oldest batch's writeback, then scatters its updates to the ranks' outputs.
   auto retire = [&]() {
@@ -110,9 +112,17 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
       const uint64_t live = in_flight + batch_bytes;
       if (!spec_.transport_probe) gather_peak_bytes_ = std::max(gather_peak_bytes_, live);
       if (batch.matrices.empty() && flight.empty()) {
-        if (!status.ok() && !state.done) FailStep(state, status, /*fence=*/false);
+        if (!status.ok() && !state.done) {
+          // A device error fails this step only (the momentum store is untouched until commit).
+          FailStep(state,
+                   absl::Status(status.code(),
+                                absl::StrCat("job '", id(), "' step ", state.step,
+                                             " failed on the compute device: ", status.message())),
+                   /*fence=*/false);
+        }
         const bool commit = status.ok() && !state.done &&
                             state.matrices_done == spec_.matrices.size();
+        state.device_seconds += dev.device->SimulatedSeconds() - clock_start;
         if (!commit) state.drain_queued = false;
         if (!commit) return;
       }

@@ -45,6 +45,7 @@ struct StepState {
   std::vector<uint32_t> ready;                       // complete matrices not yet taken
   bool drain_queued = false;                         // a DrainReady task is queued or running
   size_t matrices_done = 0;
+  double device_seconds = 0;  // the simulated device's clock spent on this step (DrainReady)
   bool done = false;
   absl::Status result;
   absl::CondVar cv;

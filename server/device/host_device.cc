@@ -1,7 +1,10 @@
 // The host-memory devices: "cpu" (streams are worker threads, kernels run the LibTorch math) and
 // "simulated" (the same, plus a modelled device clock: copies cost latency + bytes / bandwidth,
 // kernels cost flops / rate, streams advance their own timelines and events carry timestamps, so
-// overlap can be measured and tested without a GPU).
+// overlap can be measured and tested without a GPU). The host has a clock too: waiting for an
+// event moves it to the event's time, and work enqueued later starts no earlier (as on a GPU,
+// where the host enqueues after it saw the event), so a serial schedule costs the sum of its
+// stages on the modelled clock.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -41,9 +44,16 @@ double MuonFlops(const common::MuonConfig& config, const common::MatrixSpec& spe
   return static_cast<double>(g.batch) * config.ns_steps * (4 * m * m * n + 2 * m * m * m);
 }
 
+class HostDevice;
+
 class HostEvent final : public Event {
  public:
-  absl::Status Wait() override {
+  explicit HostEvent(HostDevice* device) : device_(device) {}
+  // The host waits: the device's host clock moves to the event's time (work the host enqueues
+  // afterwards cannot start earlier).
+  absl::Status Wait() override;
+  // A stream worker waits (WaitFor): the host clock is not involved.
+  absl::Status WaitOnDevice() {
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(&done_));
     return status_;
@@ -64,13 +74,12 @@ class HostEvent final : public Event {
   }
 
  private:
+  HostDevice* const device_;
   mutable absl::Mutex mu_;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   double sim_time_ ABSL_GUARDED_BY(mu_) = 0;
 };
-
-class HostDevice;
 
 // An in-order stream: one worker thread running the enqueued operations. The first error sticks
 // (later operations are skipped and events report it), as on CUDA.
@@ -97,6 +106,7 @@ class HostStream final : public Stream {
   struct Op {
     std::function<absl::Status()> run;
     double sim_cost = 0;
+    double not_before = 0;  // the host clock when enqueued (the op cannot start earlier)
     std::shared_ptr<HostEvent> wait_for;  // a cross-stream dependency
     std::shared_ptr<HostEvent> record;    // an event to reach
   };
@@ -155,6 +165,16 @@ class HostDevice final : public Device {
     absl::MutexLock lock(&mu_);
     sim_end_ = std::max(sim_end_, t);
   }
+  // The host clock: the latest simulated time the host has seen reached (Event::Wait,
+  // Stream::Synchronize). Work enqueued after that cannot start before it, as on a real device.
+  void ObserveOnHost(double t) {
+    absl::MutexLock lock(&mu_);
+    host_time_ = std::max(host_time_, t);
+  }
+  double HostTime() const {
+    absl::MutexLock lock(&mu_);
+    return host_time_;
+  }
 
  protected:
   void Free(void* data, size_t) override { std::free(data); }
@@ -166,8 +186,15 @@ class HostDevice final : public Device {
   SimulatedOptions sim_;
   mutable absl::Mutex mu_;
   double sim_end_ ABSL_GUARDED_BY(mu_) = 0;
+  double host_time_ ABSL_GUARDED_BY(mu_) = 0;
   int kernels_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+absl::Status HostEvent::Wait() {
+  absl::Status status = WaitOnDevice();
+  device_->ObserveOnHost(sim_time());
+  return status;
+}
 
 HostStream::HostStream(HostDevice* device, int math_threads)
     : device_(device), worker_([this, math_threads] { Loop(math_threads); }) {}
@@ -181,8 +208,9 @@ HostStream::~HostStream() {
 }
 
 void HostStream::Enqueue(std::function<absl::Status()> op, double sim_cost) {
+  const double not_before = device_->HostTime();
   absl::MutexLock lock(&mu_);
-  ops_.push_back(Op{std::move(op), sim_cost, nullptr, nullptr});
+  ops_.push_back(Op{std::move(op), sim_cost, not_before, nullptr, nullptr});
 }
 
 absl::Status HostStream::CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
@@ -236,9 +264,9 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
 }
 
 absl::StatusOr<std::shared_ptr<Event>> HostStream::Record() {
-  auto event = std::make_shared<HostEvent>();
+  auto event = std::make_shared<HostEvent>(device_);
   absl::MutexLock lock(&mu_);
-  ops_.push_back(Op{nullptr, 0, nullptr, event});
+  ops_.push_back(Op{nullptr, 0, 0, nullptr, event});
   return std::shared_ptr<Event>(event);
 }
 
@@ -246,7 +274,7 @@ absl::Status HostStream::WaitFor(std::shared_ptr<Event> event) {
   auto host = std::dynamic_pointer_cast<HostEvent>(event);
   if (host == nullptr) return absl::InvalidArgumentError("event of another device");
   absl::MutexLock lock(&mu_);
-  ops_.push_back(Op{nullptr, 0, std::move(host), nullptr});
+  ops_.push_back(Op{nullptr, 0, 0, std::move(host), nullptr});
   return absl::OkStatus();
 }
 
@@ -269,7 +297,7 @@ void HostStream::Loop(int math_threads) {
     }
     if (op.wait_for != nullptr) {
       // Host-side synchronization between streams: this worker blocks until the event.
-      absl::Status s = op.wait_for->Wait();
+      absl::Status s = op.wait_for->WaitOnDevice();
       if (error_.ok() && !s.ok()) error_ = s;
       sim_time_ = std::max(sim_time_, op.wait_for->sim_time());
     } else if (op.record != nullptr) {
@@ -279,7 +307,7 @@ void HostStream::Loop(int math_threads) {
       error_ = absl::OkStatus();
     } else {
       if (error_.ok()) error_ = op.run();
-      sim_time_ += op.sim_cost;
+      sim_time_ = std::max(sim_time_, op.not_before) + op.sim_cost;
       device_->AdvanceClock(sim_time_);
       if (device_->simulated() && device_->sim().sleep && op.sim_cost > 0) {
         absl::SleepFor(absl::Seconds(op.sim_cost));

@@ -25,11 +25,14 @@ int RunNsBench(int argc, char** argv);
 int RunStepBench(int argc, char** argv);
 // `muond-bench transport`: shared memory and gRPC data paths against memcpy.
 int RunTransportBench(int argc, char** argv);
+// `muond-bench overlap`: the simulated device's step time, pipelined against a serial schedule.
+int RunOverlapBench(int argc, char** argv);
 
 // A real muond for the daemon benchmarks (bench_daemon.cc): started from the binary next to
-// muond-bench on a socket in `dir`, with `threads` compute threads.
+// muond-bench on a socket in `dir`, with `threads` compute threads (and `extra` flags).
 std::string MakeTempDir(const std::string& prefix);
-pid_t StartDaemon(const std::string& dir, int threads, std::string* address);
+pid_t StartDaemon(const std::string& dir, int threads, std::string* address,
+                  const std::vector<std::string>& extra = {});
 bool WaitHealthy(client::Client& client);
 // SIGTERM, wait, and remove `dir`.
 void StopDaemon(pid_t pid, const std::string& dir);

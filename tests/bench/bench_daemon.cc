@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "tests/bench/bench.h"
 
@@ -19,7 +20,8 @@ std::string MakeTempDir(const std::string& prefix) {
   return dir == nullptr ? std::string("/tmp") : std::string(dir);
 }
 
-pid_t StartDaemon(const std::string& dir, int threads, std::string* address) {
+pid_t StartDaemon(const std::string& dir, int threads, std::string* address,
+                  const std::vector<std::string>& extra) {
   char self[4096];
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   std::string bin = n > 0 ? std::string(self, n) : std::string("muond-bench");
@@ -27,10 +29,15 @@ pid_t StartDaemon(const std::string& dir, int threads, std::string* address) {
   *address = "unix://" + dir + "/muond.sock";
   const std::string threads_arg = std::to_string(threads);
   const std::string state = dir + "/state";
+  std::vector<std::string> args = {bin,         "--listen",  *address,      "--state-dir", state,
+                                   "--threads", threads_arg, "--log-level", "warning"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
   const pid_t pid = fork();
   if (pid == 0) {
-    execl(bin.c_str(), bin.c_str(), "--listen", address->c_str(), "--state-dir", state.c_str(),
-          "--threads", threads_arg.c_str(), "--log-level", "warning", static_cast<char*>(nullptr));
+    execv(bin.c_str(), argv.data());
     _exit(127);
   }
   return pid;

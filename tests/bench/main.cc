@@ -25,6 +25,8 @@ constexpr Subcommand kSubcommands[] = {
      RunStepBench},
     {"transport", "shared memory and gRPC data paths (GB/s) vs memcpy of the same bytes",
      RunTransportBench},
+    {"overlap", "simulated device: pipelined step time vs the serial sum of its stages",
+     RunOverlapBench},
 };
 
 void PrintUsage(std::FILE* out) {

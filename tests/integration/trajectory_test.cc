@@ -67,7 +67,7 @@ TEST_F(TrajectoryTest, SharedConfigJobFollowsReferenceForThreeSteps) {
   EXPECT_EQ(status->steps_refused(), 0);
   EXPECT_FALSE(status->fenced());
   EXPECT_EQ(status->momentum_bytes(), (64u * 256 + 256 * 64 + 128 * 48) * sizeof(float));
-  EXPECT_EQ(status->backend(), "cpu");
+  EXPECT_EQ(status->backend().rfind("cpu", 0), 0u) << status->backend();  // "cpu (why)"
 }
 
 TEST_F(TrajectoryTest, PolarExpressNonNesterovAndRmsAdamwJobsFollowReference) {
