@@ -1,4 +1,5 @@
 #include "server/job.h"
+#include "server/daemon_metrics.h"
 #include "server/job_internal.h"
 
 #include <algorithm>
@@ -379,6 +380,14 @@ void Job::Commit(StepState& state) {
     }
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - state.start);
+  if (changed.ok()) {
+    // Outside the job's lock: a scrape reads job status while holding the metrics' locks.
+    RecordStepCompleted(id(), seconds);
+    const StepPhase phases[5] = {StepPhase::kAssembly, StepPhase::kCopyIn,
+                                 StepPhase::kNewtonSchulz, StepPhase::kWriteback,
+                                 StepPhase::kReturn};
+    for (int p = 0; p < 5; ++p) RecordPhase(id(), phases[p], state.phase_seconds[p]);
+  }
   absl::MutexLock lock(&mu_);
   if (!changed.ok()) {
     FailStep(state, changed, /*fence=*/true);

@@ -56,6 +56,7 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
   absl::Status status;
   // The simulated clock this call spends (every call drains what it enqueued before returning).
   const double clock_start = dev.device->SimulatedSeconds();
+  const device::Device::BusySeconds busy_start = dev.device->Busy();
 
   // Waits for the oldest batch's writeback, then scatters its updates to the ranks' outputs.
   auto retire = [&]() {
@@ -64,6 +65,7 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
     absl::Status s = b.written->Wait();
     if (!s.ok() && status.ok()) status = s;
     if (!status.ok()) return;
+    const absl::Time scatter_start = absl::Now();
     for (size_t i = 0; i < b.matrices.size(); ++i) {
       const uint32_t m = b.matrices[i];
       const common::MatrixSpec& ms = spec_.matrices[m];
@@ -73,6 +75,7 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
                             state.outputs[ref.rank]->spans[ref.span].data);
       }
     }
+    state.phase_seconds[4] += absl::ToDoubleSeconds(absl::Now() - scatter_start);
     absl::MutexLock lock(&mu_);
     state.matrices_done += b.matrices.size();
   };
@@ -123,6 +126,10 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
         const bool commit = status.ok() && !state.done &&
                             state.matrices_done == spec_.matrices.size();
         state.device_seconds += dev.device->SimulatedSeconds() - clock_start;
+        const device::Device::BusySeconds busy = dev.device->Busy();
+        state.phase_seconds[1] += busy.copy_in - busy_start.copy_in;
+        state.phase_seconds[2] += busy.compute - busy_start.compute;
+        state.phase_seconds[3] += busy.writeback - busy_start.writeback;
         if (!commit) state.drain_queued = false;
         if (!commit) return;
       }
@@ -158,12 +165,14 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
       const uint32_t m = batch.matrices[i];
       const common::MatrixSpec& ms = spec_.matrices[m];
       const size_t n = static_cast<size_t>(ms.numel());
+      const absl::Time gather_start = absl::Now();
       batch.staging[i].resize(n);
       for (const SpanRef& ref : matrix_spans_[m]) {
         const common::ShardSpan& span = rank_spans_[ref.rank][ref.span];
         common::ToFloat32(ms.dtype, state.ranks[ref.rank].span_in[ref.span], span.length,
                           batch.staging[i].data() + span.offset);
       }
+      state.phase_seconds[0] += absl::ToDoubleSeconds(absl::Now() - gather_start);
       auto g = dev.device->Allocate(n * sizeof(float));
       auto mo = dev.device->Allocate(n * sizeof(float));
       if (!g.ok() || !mo.ok()) {

@@ -49,6 +49,9 @@ struct StepState {
   bool done = false;
   absl::Status result;
   absl::CondVar cv;
+  // Seconds per phase of the step, for the metrics: assembly, copy-in, Newton-Schulz, writeback,
+  // return (scatter into the ranks' outputs). Written by the executor thread only.
+  double phase_seconds[5] = {0, 0, 0, 0, 0};
 };
 
 }  // namespace muond::server

@@ -99,6 +99,14 @@ class Device {
   virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
   // The simulated device's clock in seconds (the modelled end of all work so far); 0 elsewhere.
   virtual double SimulatedSeconds() const { return 0; }
+  // Cumulative busy seconds by kind of work (wall time; modelled time on the simulated device),
+  // for the per-phase step metrics.
+  struct BusySeconds {
+    double copy_in = 0;    // host to device copies
+    double compute = 0;    // kernels
+    double writeback = 0;  // device to host copies
+  };
+  virtual BusySeconds Busy() const { return {}; }
 
  protected:
   friend class DeviceBuffer;

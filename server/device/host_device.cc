@@ -99,7 +99,7 @@ class HostStream final : public Stream {
 
  private:
   // Runs `op` on the worker; `sim_cost` is its modelled duration (simulated device).
-  void Enqueue(std::function<absl::Status()> op, double sim_cost);
+  void Enqueue(std::function<absl::Status()> op, double sim_cost, int kind);
   void Loop(int math_threads);
   bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !ops_.empty(); }
 
@@ -109,6 +109,7 @@ class HostStream final : public Stream {
     double not_before = 0;  // the host clock when enqueued (the op cannot start earlier)
     std::shared_ptr<HostEvent> wait_for;  // a cross-stream dependency
     std::shared_ptr<HostEvent> record;    // an event to reach
+    int kind = 0;  // 0 copy in, 1 kernel, 2 writeback (for HostDevice::Busy)
   };
   HostDevice* device_;
   absl::Mutex mu_;
@@ -141,6 +142,14 @@ class HostDevice final : public Device {
   void UnregisterHost(void* data, size_t bytes) override { munlock(data, bytes); }
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
     return std::unique_ptr<Stream>(new HostStream(this, math_threads_));
+  }
+  BusySeconds Busy() const override {
+    absl::MutexLock lock(&mu_);
+    return busy_;
+  }
+  void AddBusy(int kind, double seconds) {
+    absl::MutexLock lock(&mu_);
+    (kind == 0 ? busy_.copy_in : kind == 1 ? busy_.compute : busy_.writeback) += seconds;
   }
   double SimulatedSeconds() const override {
     absl::MutexLock lock(&mu_);
@@ -188,6 +197,7 @@ class HostDevice final : public Device {
   double sim_end_ ABSL_GUARDED_BY(mu_) = 0;
   double host_time_ ABSL_GUARDED_BY(mu_) = 0;
   int kernels_ ABSL_GUARDED_BY(mu_) = 0;
+  BusySeconds busy_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::Status HostEvent::Wait() {
@@ -207,10 +217,10 @@ HostStream::~HostStream() {
   worker_.join();
 }
 
-void HostStream::Enqueue(std::function<absl::Status()> op, double sim_cost) {
+void HostStream::Enqueue(std::function<absl::Status()> op, double sim_cost, int kind) {
   const double not_before = device_->HostTime();
   absl::MutexLock lock(&mu_);
-  ops_.push_back(Op{std::move(op), sim_cost, not_before, nullptr, nullptr});
+  ops_.push_back(Op{std::move(op), sim_cost, not_before, nullptr, nullptr, kind});
 }
 
 absl::Status HostStream::CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
@@ -224,7 +234,7 @@ absl::Status HostStream::CopyToDevice(DeviceBuffer& dst, size_t offset, const vo
             std::memcpy(to, src, bytes);
             return absl::OkStatus();
           },
-          device_->CopyCost(bytes));
+          device_->CopyCost(bytes), 0);
   return absl::OkStatus();
 }
 
@@ -239,7 +249,7 @@ absl::Status HostStream::CopyToHost(void* dst, const DeviceBuffer& src, size_t o
             std::memcpy(dst, from, bytes);
             return absl::OkStatus();
           },
-          device_->CopyCost(bytes));
+          device_->CopyCost(bytes), 2);
   return absl::OkStatus();
 }
 
@@ -259,7 +269,7 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
             }
             return absl::OkStatus();
           },
-          device_->KernelCost(flops));
+          device_->KernelCost(flops), 1);
   return absl::OkStatus();
 }
 
@@ -306,7 +316,10 @@ void HostStream::Loop(int math_threads) {
       op.record->Reach(error_, sim_time_);
       error_ = absl::OkStatus();
     } else {
+      const absl::Time start = absl::Now();
       if (error_.ok()) error_ = op.run();
+      device_->AddBusy(op.kind, device_->simulated() ? op.sim_cost
+                                                     : absl::ToDoubleSeconds(absl::Now() - start));
       sim_time_ = std::max(sim_time_, op.not_before) + op.sim_cost;
       device_->AdvanceClock(sim_time_);
       if (device_->simulated() && device_->sim().sleep && op.sim_cost > 0) {
