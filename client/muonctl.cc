@@ -110,6 +110,8 @@ void PrintStatus(const v1::JobStatus& st) {
               static_cast<unsigned long long>(st.momentum_bytes()),
               static_cast<unsigned long long>(st.gather_budget_bytes()),
               static_cast<unsigned long long>(st.gather_peak_bytes()));
+  std::printf("host_copy_bytes: %llu\nlast_step_device_seconds: %.6f\n",
+              static_cast<unsigned long long>(st.host_copy_bytes()), st.last_step_device_seconds());
   if (spec_or.ok()) {
     const common::MuonConfig& m = spec_or->muon;
     std::printf("muon: momentum=%g nesterov=%s ns_method=%s ns_steps=%d compute_dtype=%s "

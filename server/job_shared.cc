@@ -1,0 +1,150 @@
+// The shared-memory side of a Job: whole-shard submissions from a rank's regions and the end of
+// a rank's shared-memory session (see job.h).
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "server/job.h"
+#include "server/job_internal.h"
+
+namespace muond::server {
+
+absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
+                              const std::vector<const char*>& in, const std::vector<char*>& out,
+                              std::shared_ptr<const void> keepalive, SharedDone done) {
+  if (rank < 0 || rank >= spec_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
+                                                   " is outside the world size [0, ",
+                                                   spec_.world_size, ")"));
+  }
+  const std::vector<common::ShardSpan>& spans = rank_spans_[rank];
+  if (in.size() != spans.size() || out.size() != spans.size()) {
+    return absl::InternalError("shared submission with the wrong number of spans");
+  }
+  const std::string where = absl::StrCat("job '", id(), "' step ", step, " rank ", rank);
+  // Every value is checked in place, before the step knows about the rank.
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const common::MatrixSpec& ms = spec_.matrices[spans[i].matrix];
+    if (const int64_t at = common::FindNonFiniteRaw(ms.dtype, in[i], spans[i].length); at >= 0) {
+      absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
+          where, ": matrix '", ms.name, "' has a non-finite gradient value at element ",
+          spans[i].offset + static_cast<uint64_t>(at),
+          "; the step is refused for every rank and the momentum is unchanged"));
+      absl::MutexLock lock(&mu_);
+      if (in_flight_ != nullptr && in_flight_->step == step) {
+        FailStep(*in_flight_, bad, false);
+        // This rank learns of the refusal from this very answer: it is not owed it again on its
+        // retry (it never began the step, so FailStep counted it among the ranks owed it).
+        if (refusal_.step == step && static_cast<size_t>(rank) < refusal_.owed.size()) {
+          refusal_.owed[rank] = false;
+        }
+      } else {
+        ++steps_refused_;
+      }
+      return bad;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
+  if (sessions_[rank] == 0 || sessions_[rank] != session) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": session ", session, " is not the rank's current session; attach again"));
+  }
+  if (fenced_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", id(), "' is fenced (", fence_reason_, "); reset it or load a checkpoint"));
+  }
+  if (step == next_step_ - 1 && last_updates_[rank] != nullptr &&
+      last_updates_[rank]->step == step) {
+    // A replay: the committed bytes go where the rank reads them (already there when the rank
+    // used the same buffer).
+    const RankUpdate& last = *last_updates_[rank];
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (out[i] != last.spans[i].data) {
+        std::memcpy(out[i], last.spans[i].data, last.spans[i].size);
+        CountHostCopy(last.spans[i].size);
+      }
+    }
+    done(absl::OkStatus(), /*replayed=*/true, last.compute_seconds);
+    return absl::OkStatus();
+  }
+  if (step != next_step_) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", id(), "': step ", step,
+                                                      " out of order: expected step ", next_step_));
+  }
+  // A rank that had not begun a refused step learns of the refusal on its first try, even when
+  // other ranks already began the retry.
+  if (absl::Status refused = TakeRefusal(rank, step); !refused.ok()) return refused;
+  if (in_flight_ == nullptr) in_flight_ = NewStepState(step);
+  StepState& state = *in_flight_;
+  RankInput& rin = state.ranks[rank];
+  if (rin.begun) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": the rank already has the step in flight"));
+  }
+  rin.begun = true;
+  rin.finished = true;
+  rin.span_in = in;
+  rin.keepalive = keepalive;
+  rin.done = std::move(done);
+  auto update = std::make_shared<RankUpdate>();
+  update->step = step;
+  update->keepalive = std::move(keepalive);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const size_t bytes = spans[i].length * common::DTypeSize(spec_.matrices[spans[i].matrix].dtype);
+    update->spans.push_back({spans[i].matrix, spans[i].offset, out[i], bytes});
+    rin.span_received[i] = spans[i].length;
+    state.matrix_received[spans[i].matrix] += spans[i].length;
+    if (state.matrix_received[spans[i].matrix] ==
+        static_cast<uint64_t>(spec_.matrices[spans[i].matrix].numel())) {
+      state.ready.push_back(spans[i].matrix);
+    }
+  }
+  state.outputs[rank] = std::move(update);
+  if (!state.ready.empty() && !state.drain_queued) {
+    state.drain_queued = true;
+    executor_->Submit([self = shared_from_this(), state_ptr = in_flight_] {
+      self->DrainReady(state_ptr);
+    });
+  }
+  return absl::OkStatus();
+}
+
+void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive, bool clean) {
+  if (rank < 0 || rank >= spec_.world_size) return;
+  absl::MutexLock lock(&mu_);
+  if (in_flight_ != nullptr) {
+    const RankInput& rin = in_flight_->ranks[rank];
+    // The rank submitted through this session, or it still owed its part of the step: with its
+    // session gone it can never complete the step, and the other ranks would wait for it forever.
+    const bool submitted = keepalive != nullptr && rin.keepalive.get() == keepalive;
+    const bool owed = !clean && sessions_[rank] == session && !rin.begun;
+    if (submitted || owed) {
+      FailStep(*in_flight_,
+               absl::AbortedError(absl::StrCat(
+                   "job '", id(), "' step ", in_flight_->step, " aborted: rank ", rank,
+                   " (shared memory) went away ",
+                   submitted ? "during the step" : "before submitting its part of the step")),
+               /*fence=*/true);
+    }
+  }
+  if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive) {
+    // The committed update lives in the regions being released: keep a private copy, so a rank
+    // that comes back (over either transport) can still replay the step.
+    const RankUpdate& last = *last_updates_[rank];
+    auto copy = std::make_shared<RankUpdate>();
+    copy->step = last.step;
+    copy->compute_seconds = last.compute_seconds;
+    copy->storage.resize(last.spans.size());
+    for (size_t i = 0; i < last.spans.size(); ++i) {
+      copy->storage[i].assign(last.spans[i].data, last.spans[i].size);
+      copy->spans.push_back({last.spans[i].matrix, last.spans[i].offset, copy->storage[i].data(),
+                             last.spans[i].size});
+    }
+    last_updates_[rank] = std::move(copy);
+  }
+  if (sessions_[rank] == session) sessions_[rank] = 0;
+}
+
+}  // namespace muond::server
