@@ -16,6 +16,7 @@
 #include "server/compute_device.h"
 #include "server/job.h"
 #include "server/job_internal.h"
+#include "server/parallel_bytes.h"
 
 namespace muond::server {
 
@@ -145,15 +146,31 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
       return;
     }
     if (spec_.transport_probe) {
-      // The data-path probe: each owner's span goes back as it came, one copy, no device.
+      // The data-path probe: each owner's span goes back as it came, one copy, no device, in
+      // slices spread over the CPUs.
+      constexpr size_t kSlice = size_t{4} << 20;
+      struct Slice {
+        char* dst;
+        const char* src;
+        size_t bytes;
+      };
+      std::vector<Slice> slices;
+      size_t total = 0;
       for (uint32_t m : batch.matrices) {
         for (const SpanRef& ref : matrix_spans_[m]) {
           const common::ShardSpan& span = rank_spans_[ref.rank][ref.span];
-          std::memcpy(state.outputs[ref.rank]->spans[ref.span].data,
-                      state.ranks[ref.rank].span_in[ref.span],
-                      span.length * common::DTypeSize(spec_.matrices[m].dtype));
+          char* dst = state.outputs[ref.rank]->spans[ref.span].data;
+          const char* src = state.ranks[ref.rank].span_in[ref.span];
+          const size_t bytes = span.length * common::DTypeSize(spec_.matrices[m].dtype);
+          for (size_t at = 0; at < bytes; at += kSlice) {
+            slices.push_back({dst + at, src + at, std::min(kSlice, bytes - at)});
+          }
+          total += bytes;
         }
       }
+      ParallelFor(slices.size(), total, [&](size_t i) {
+        std::memcpy(slices[i].dst, slices[i].src, slices[i].bytes);
+      });
       absl::MutexLock lock(&mu_);
       state.matrices_done += batch.matrices.size();
       continue;

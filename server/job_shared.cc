@@ -7,6 +7,7 @@
 #include "common/dtype.h"
 #include "server/job.h"
 #include "server/job_internal.h"
+#include "server/parallel_bytes.h"
 
 namespace muond::server {
 
@@ -23,10 +24,34 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
     return absl::InternalError("shared submission with the wrong number of spans");
   }
   const std::string where = absl::StrCat("job '", id(), "' step ", step, " rank ", rank);
-  // Every value is checked in place, before the step knows about the rank.
+  // Every value is checked in place, before the step knows about the rank: in slices of 1M
+  // elements over the CPUs, then the first bad element reported.
+  struct Slice {
+    size_t span;
+    uint64_t first;
+    uint64_t count;
+  };
+  constexpr uint64_t kSlice = uint64_t{1} << 20;
+  std::vector<Slice> slices;
+  size_t total = 0;
   for (size_t i = 0; i < spans.size(); ++i) {
+    for (uint64_t at = 0; at < spans[i].length; at += kSlice) {
+      slices.push_back({i, at, std::min(kSlice, spans[i].length - at)});
+    }
+    total += spans[i].length * common::DTypeSize(spec_.matrices[spans[i].matrix].dtype);
+  }
+  std::vector<int64_t> found(slices.size(), -1);
+  ParallelFor(slices.size(), total, [&](size_t k) {
+    const Slice& sl = slices[k];
+    const common::DType dtype = spec_.matrices[spans[sl.span].matrix].dtype;
+    found[k] = common::FindNonFiniteRaw(dtype, in[sl.span] + sl.first * common::DTypeSize(dtype),
+                                        sl.count);
+  });
+  for (size_t k = 0; k < slices.size(); ++k) {
+    if (found[k] < 0) continue;
+    const size_t i = slices[k].span;
     const common::MatrixSpec& ms = spec_.matrices[spans[i].matrix];
-    if (const int64_t at = common::FindNonFiniteRaw(ms.dtype, in[i], spans[i].length); at >= 0) {
+    if (const int64_t at = static_cast<int64_t>(slices[k].first) + found[k]; at >= 0) {
       absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
           where, ": matrix '", ms.name, "' has a non-finite gradient value at element ",
           spans[i].offset + static_cast<uint64_t>(at),
