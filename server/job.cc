@@ -13,6 +13,7 @@
 #include "common/dtype.h"
 #include "common/job_spec_proto.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "server/muon/muon_math.h"
 
 namespace muond::server {
@@ -106,11 +107,7 @@ bool Job::TokenMatches(std::string_view token) const {
 }
 
 absl::StatusOr<uint64_t> Job::Attach(int rank, bool takeover) {
-  if (rank < 0 || rank >= spec_.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
-                                                   " is outside the world size [0, ",
-                                                   spec_.world_size, ")"));
-  }
+  RETURN_IF_ERROR(CheckRank(rank));
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
   if (sessions_[rank] != 0) {
@@ -135,11 +132,7 @@ absl::StatusOr<uint64_t> Job::Attach(int rank, bool takeover) {
 }
 
 absl::Status Job::Detach(int rank, uint64_t session) {
-  if (rank < 0 || rank >= spec_.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
-                                                   " is outside the world size [0, ",
-                                                   spec_.world_size, ")"));
-  }
+  RETURN_IF_ERROR(CheckRank(rank));
   absl::MutexLock lock(&mu_);
   if (sessions_[rank] == 0 || sessions_[rank] != session) {
     return absl::FailedPreconditionError(absl::StrCat("job '", id(), "' rank ", rank,
@@ -185,12 +178,29 @@ void Job::PrepareOwnedRank(StepState& state, int rank) {
 }
 
 absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t session, int64_t step) {
+  RETURN_IF_ERROR(CheckRank(rank));
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<const RankUpdate> replay;
+  RETURN_IF_ERROR(EnterStep(rank, session, step, &replay));
+  if (replay != nullptr) {
+    return std::unique_ptr<RankStep>(new RankStep(shared_from_this(), rank, step, nullptr, replay));
+  }
+  PrepareOwnedRank(*in_flight_, rank);
+  return std::unique_ptr<RankStep>(
+      new RankStep(shared_from_this(), rank, step, in_flight_, nullptr));
+}
+
+absl::Status Job::CheckRank(int rank) const {
   if (rank < 0 || rank >= spec_.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
                                                    " is outside the world size [0, ",
                                                    spec_.world_size, ")"));
   }
-  absl::MutexLock lock(&mu_);
+  return absl::OkStatus();
+}
+
+absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step,
+                            std::shared_ptr<const RankUpdate>* replay) {
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
   if (sessions_[rank] == 0 || sessions_[rank] != session) {
     return absl::FailedPreconditionError(
@@ -208,8 +218,8 @@ absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t sess
           absl::StrCat("job '", id(), "' rank ", rank, ": cannot replay step ", step,
                        " while the rank has step ", in_flight_->step, " in flight"));
     }
-    return std::unique_ptr<RankStep>(
-        new RankStep(shared_from_this(), rank, step, nullptr, last_updates_[rank]));
+    *replay = last_updates_[rank];
+    return absl::OkStatus();
   }
   if (step != next_step_) {
     return absl::FailedPreconditionError(absl::StrCat("job '", id(), "': step ", step,
@@ -226,9 +236,7 @@ absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t sess
         absl::StrCat("job '", id(), "' rank ", rank, " already has step ", step, " in flight"));
   }
   in_flight_->ranks[rank].begun = true;
-  PrepareOwnedRank(*in_flight_, rank);
-  return std::unique_ptr<RankStep>(
-      new RankStep(shared_from_this(), rank, step, in_flight_, nullptr));
+  return absl::OkStatus();
 }
 
 absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int rank,

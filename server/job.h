@@ -175,6 +175,14 @@ class Job : public std::enable_shared_from_this<Job> {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortRank(const std::shared_ptr<StepState>& state, int rank, const std::string& why);
   std::shared_ptr<StepState> NewStepState(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT for a rank outside the world size.
+  absl::Status CheckRank(int rank) const;
+  // The checks every rank's entry into `step` shares (gRPC and shared memory): job deleted,
+  // session, fence, replay, order, owed refusal, the rank already in the step. On OK either
+  // *replay is the committed update to hand back, or the rank is marked begun in in_flight_.
+  absl::Status EnterStep(int rank, uint64_t session, int64_t step,
+                         std::shared_ptr<const RankUpdate>* replay)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives a gRPC rank its input buffers (reused from the last step) and update storage.
   void PrepareOwnedRank(StepState& state, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

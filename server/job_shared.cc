@@ -7,6 +7,7 @@
 #include "common/dtype.h"
 #include "server/job.h"
 #include "server/job_internal.h"
+#include "common/status_macros.h"
 #include "server/parallel_bytes.h"
 
 namespace muond::server {
@@ -14,11 +15,7 @@ namespace muond::server {
 absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
                               const std::vector<const char*>& in, const std::vector<char*>& out,
                               std::shared_ptr<const void> keepalive, SharedDone done) {
-  if (rank < 0 || rank >= spec_.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
-                                                   " is outside the world size [0, ",
-                                                   spec_.world_size, ")"));
-  }
+  RETURN_IF_ERROR(CheckRank(rank));
   const std::vector<common::ShardSpan>& spans = rank_spans_[rank];
   if (in.size() != spans.size() || out.size() != spans.size()) {
     return absl::InternalError("shared submission with the wrong number of spans");
@@ -71,44 +68,22 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
     }
   }
   absl::MutexLock lock(&mu_);
-  if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
-  if (sessions_[rank] == 0 || sessions_[rank] != session) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        where, ": session ", session, " is not the rank's current session; attach again"));
-  }
-  if (fenced_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", id(), "' is fenced (", fence_reason_, "); reset it or load a checkpoint"));
-  }
-  if (step == next_step_ - 1 && last_updates_[rank] != nullptr &&
-      last_updates_[rank]->step == step) {
-    // A replay: the committed bytes go where the rank reads them (already there when the rank
-    // used the same buffer).
-    const RankUpdate& last = *last_updates_[rank];
+  std::shared_ptr<const RankUpdate> replay;
+  RETURN_IF_ERROR(EnterStep(rank, session, step, &replay));
+  if (replay != nullptr) {
+    // The committed bytes go where the rank reads them (already there when the rank used the
+    // same buffer).
     for (size_t i = 0; i < out.size(); ++i) {
-      if (out[i] != last.spans[i].data) {
-        std::memcpy(out[i], last.spans[i].data, last.spans[i].size);
-        CountHostCopy(last.spans[i].size);
+      if (out[i] != replay->spans[i].data) {
+        std::memcpy(out[i], replay->spans[i].data, replay->spans[i].size);
+        CountHostCopy(replay->spans[i].size);
       }
     }
-    done(absl::OkStatus(), /*replayed=*/true, last.compute_seconds);
+    done(absl::OkStatus(), /*replayed=*/true, replay->compute_seconds);
     return absl::OkStatus();
   }
-  if (step != next_step_) {
-    return absl::FailedPreconditionError(absl::StrCat("job '", id(), "': step ", step,
-                                                      " out of order: expected step ", next_step_));
-  }
-  // A rank that had not begun a refused step learns of the refusal on its first try, even when
-  // other ranks already began the retry.
-  if (absl::Status refused = TakeRefusal(rank, step); !refused.ok()) return refused;
-  if (in_flight_ == nullptr) in_flight_ = NewStepState(step);
   StepState& state = *in_flight_;
   RankInput& rin = state.ranks[rank];
-  if (rin.begun) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(where, ": the rank already has the step in flight"));
-  }
-  rin.begun = true;
   rin.finished = true;
   rin.span_in = in;
   rin.keepalive = keepalive;
