@@ -164,48 +164,27 @@ void FromFloat32(const float* src, size_t n, DType dst_dtype, void* dst) {
   }
 }
 
-int64_t FindNonFinite(const float* data, size_t n) {
-  // Scan in blocks with a branch-free count the compiler vectorizes; only a block that holds a
-  // non-finite value is rescanned element by element to find the first index.
-  constexpr size_t kBlock = 1024;
-  const auto* bits = reinterpret_cast<const unsigned char*>(data);
-  for (size_t start = 0; start < n; start += kBlock) {
-    const size_t end = start + kBlock < n ? start + kBlock : n;
-    uint32_t hits = 0;
-    for (size_t i = start; i < end; ++i) {
-      uint32_t u;
-      std::memcpy(&u, bits + i * sizeof(float), sizeof(u));
-      hits += (u & 0x7F800000u) == 0x7F800000u;
-    }
-    if (hits == 0) continue;
-    for (size_t i = start; i < end; ++i) {
-      uint32_t u;
-      std::memcpy(&u, bits + i * sizeof(float), sizeof(u));
-      if ((u & 0x7F800000u) == 0x7F800000u) return static_cast<int64_t>(i);
-    }
-  }
-  return -1;
-}
-
 namespace {
 
-// First element of 16-bit values whose exponent field (`mask`) is all ones, or -1.
-int64_t FindAllOnesExponent16(const void* data, size_t n, uint16_t mask) {
-  constexpr size_t kBlock = 2048;
+// First element of `n` values of type Bits at `data` whose exponent field (`mask`) is all ones
+// (inf or NaN), or -1. Scans in blocks with a branch-free count the compiler vectorizes; only a
+// block that holds one is rescanned element by element to find the first index.
+template <typename Bits>
+int64_t FindAllOnesExponent(const void* data, size_t n, Bits mask) {
+  constexpr size_t kBlock = 4096 / sizeof(Bits);
   const auto* bytes = static_cast<const unsigned char*>(data);
+  auto at = [&](size_t i) {
+    Bits u;
+    std::memcpy(&u, bytes + i * sizeof(Bits), sizeof(Bits));
+    return static_cast<Bits>(u & mask) == mask;
+  };
   for (size_t start = 0; start < n; start += kBlock) {
     const size_t end = start + kBlock < n ? start + kBlock : n;
     uint32_t hits = 0;
-    for (size_t i = start; i < end; ++i) {
-      uint16_t u;
-      std::memcpy(&u, bytes + i * 2, 2);
-      hits += (u & mask) == mask;
-    }
+    for (size_t i = start; i < end; ++i) hits += at(i);
     if (hits == 0) continue;
     for (size_t i = start; i < end; ++i) {
-      uint16_t u;
-      std::memcpy(&u, bytes + i * 2, 2);
-      if ((u & mask) == mask) return static_cast<int64_t>(i);
+      if (at(i)) return static_cast<int64_t>(i);
     }
   }
   return -1;
@@ -213,14 +192,18 @@ int64_t FindAllOnesExponent16(const void* data, size_t n, uint16_t mask) {
 
 }  // namespace
 
+int64_t FindNonFinite(const float* data, size_t n) {
+  return FindAllOnesExponent<uint32_t>(data, n, 0x7F800000u);
+}
+
 int64_t FindNonFiniteRaw(DType dtype, const void* data, size_t n) {
   switch (dtype) {
     case DType::kFloat32:
       return FindNonFinite(static_cast<const float*>(data), n);
     case DType::kBFloat16:
-      return FindAllOnesExponent16(data, n, 0x7F80);
+      return FindAllOnesExponent<uint16_t>(data, n, 0x7F80);
     case DType::kFloat16:
-      return FindAllOnesExponent16(data, n, 0x7C00);
+      return FindAllOnesExponent<uint16_t>(data, n, 0x7C00);
   }
   return -1;
 }
