@@ -128,11 +128,21 @@ struct BackendChoice {
   std::string why;  // for the log and job status: which backend and why
 };
 
-// Opens the compute device for --backend: "cpu", "simulated", or "auto" (the first working GPU
-// backend compiled in, else cpu). INVALID_ARGUMENT for an unknown name; UNAVAILABLE when a named
-// backend has no working device.
+// Opens the compute device for --backend: "cpu", "simulated", "cuda", "level_zero", or "auto" (the
+// first GPU backend compiled in that has a working device, else cpu; `why` says which and why).
+// INVALID_ARGUMENT for an unknown name or bad simulated parameters; UNAVAILABLE when a named
+// backend is not compiled in or has no working device (the message says which).
 absl::StatusOr<BackendChoice> OpenBackend(const std::string& name, int cpu_threads,
                                           const SimulatedOptions& simulated);
+
+// The host-memory devices (host_device.cc): "cpu", or "simulated" when `simulated` is non-null.
+std::unique_ptr<Device> NewHostDevice(int cpu_threads, const SimulatedOptions* simulated);
+
+// The GPU backends, each in its own file, built when its toolchain is found (MUOND_HAVE_CUDA,
+// MUOND_HAVE_LEVEL_ZERO); OpenBackend does not call them otherwise. Open device `ordinal`;
+// UNAVAILABLE with a one-line reason when there is no driver or no device.
+absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal);
+absl::StatusOr<std::unique_ptr<Device>> OpenLevelZeroDevice(int ordinal);
 
 }  // namespace muond::server::device
 

@@ -331,30 +331,9 @@ void HostStream::Loop(int math_threads) {
 
 }  // namespace
 
-absl::StatusOr<BackendChoice> OpenBackend(const std::string& name, int cpu_threads,
-                                          const SimulatedOptions& simulated) {
-  BackendChoice c;
-  if (name == "cpu") {
-    c.device = std::make_unique<HostDevice>("cpu", cpu_threads, nullptr);
-    c.why = "cpu (asked for)";
-  } else if (name == "auto") {
-    c.device = std::make_unique<HostDevice>("cpu", cpu_threads, nullptr);
-    c.why = "cpu (auto: no GPU backend is compiled into this muond)";
-  } else if (name == "simulated") {
-    if (!(simulated.copy_gbps > 0) || !(simulated.compute_gflops > 0) ||
-        !(simulated.copy_latency_us >= 0)) {
-      return absl::InvalidArgumentError(
-          "simulated backend: bandwidth and rate must be > 0, latency >= 0");
-    }
-    c.device = std::make_unique<HostDevice>("simulated", cpu_threads, &simulated);
-    c.why = absl::StrCat("simulated (asked for: ", simulated.copy_gbps, " GB/s copies, ",
-                         simulated.copy_latency_us, " us latency, ", simulated.compute_gflops,
-                         " GFLOP/s)");
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown backend '", name, "' (available in this build: auto, cpu, simulated)"));
-  }
-  return c;
+std::unique_ptr<Device> NewHostDevice(int cpu_threads, const SimulatedOptions* simulated) {
+  return std::make_unique<HostDevice>(simulated != nullptr ? "simulated" : "cpu", cpu_threads,
+                                      simulated);
 }
 
 }  // namespace muond::server::device
