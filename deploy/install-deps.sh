@@ -9,6 +9,10 @@ set -euo pipefail
 # metrics tests (the package enables a prometheus.service; muond does not need it running).
 # python3-yaml: the deployment tests parse the Kubernetes and Prometheus YAML. systemd:
 # `systemd-analyze verify` on deploy/systemd/muond.service.
+# libze-dev: the Level Zero loader (the backend is built against it). clang-14 + llvm-spirv-14:
+# the Level Zero kernels are compiled from OpenCL C to SPIR-V at build time. pocl-opencl-icd,
+# ocl-icd-opencl-dev, opencl-headers: the tests run the same kernel source on this CPU through
+# PoCL. python3-matplotlib: the training example plots its loss curves.
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
@@ -17,6 +21,8 @@ PACKAGES=(
   libcivetweb-dev prometheus
   python3 python3-numpy python3-torch
   python3-yaml systemd
+  libze-dev clang-14 llvm-spirv-14 pocl-opencl-icd ocl-icd-opencl-dev opencl-headers
+  python3-matplotlib
 )
 
 missing=()
