@@ -261,10 +261,28 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
             if (device->InjectKernelFailure()) {
               return absl::InternalError(absl::StrCat(device->name(), ": injected kernel failure"));
             }
-            for (const MuonKernelItem& it : items) {
-              auto* g = static_cast<float*>(it.grad_update->data());
-              absl::Status s =
-                  MuonUpdate(config, *it.spec, g, static_cast<float*>(it.momentum->data()), g);
+            // Same-shape matrices (equal shape and heads) go into one batched Newton-Schulz.
+            std::vector<bool> done(items.size(), false);
+            for (size_t i = 0; i < items.size(); ++i) {
+              if (done[i]) continue;
+              const common::MatrixSpec& spec = *items[i].spec;
+              std::vector<const common::MatrixSpec*> specs;
+              std::vector<const float*> grads;
+              std::vector<float*> momenta, updates;
+              for (size_t j = i; j < items.size(); ++j) {
+                const common::MatrixSpec& other = *items[j].spec;
+                if (done[j] || other.shape != spec.shape || other.num_heads != spec.num_heads) {
+                  continue;
+                }
+                done[j] = true;
+                specs.push_back(&other);
+                auto* g = static_cast<float*>(items[j].grad_update->data());
+                grads.push_back(g);
+                updates.push_back(g);
+                momenta.push_back(static_cast<float*>(items[j].momentum->data()));
+              }
+              absl::Status s = MuonUpdateSameShape(config, grads.size(), specs.data(), grads.data(),
+                                                   momenta.data(), updates.data());
               if (!s.ok()) return s;
             }
             return absl::OkStatus();

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <vector>
 #include <cstddef>
 
 #include "absl/strings/str_cat.h"
@@ -68,22 +70,12 @@ void ApplyMomentum(const common::MuonConfig& config, const float* grad, float* m
   for (size_t i = 0; i < n; ++i) momentum[i] = Lerp(momentum[i], grad[i], one_minus_beta);
 }
 
-absl::Status MuonUpdate(const common::MuonConfig& config, const common::MatrixSpec& spec,
-                        const float* grad, float* momentum, float* update) {
-  const MatrixGeometry g = GeometryOf(spec);
-  const int64_t n = spec.numel();
-  if (g.batch < 1 || g.rows < 1 || g.cols < 1 || g.batch * g.rows * g.cols != n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("matrix '", spec.name, "': shape [", absl::StrJoin(spec.shape, ", "),
-                     "] with num_heads ", spec.num_heads, " is not a Muon matrix"));
-  }
-  // Checked before momentum is touched, so a refused gradient leaves the momentum bit-identical.
-  if (const int64_t bad = common::FindNonFinite(grad, static_cast<size_t>(n)); bad >= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("matrix '", spec.name, "': gradient element ",
-                                                   bad, " is not finite (", grad[bad], ")"));
-  }
-  // Steps 1 and 2 in fp32, one pass (memory-bound: a second thread would not help much next to
-  // the O(r^2 c) Newton-Schulz). `update` may alias `grad`: grad[i] is read before update[i].
+namespace {
+
+// Steps 1 and 2 in fp32, one pass (memory-bound: a second thread would not help much next to the
+// O(r^2 c) Newton-Schulz). `update` may alias `grad`: grad[i] is read before update[i].
+void MomentumAndUpdate(const common::MuonConfig& config, const float* grad, float* momentum,
+                       float* update, int64_t n) {
   const float one_minus_beta = static_cast<float>(1.0 - config.momentum);
   const float beta = static_cast<float>(config.momentum);
   if (config.nesterov) {
@@ -100,11 +92,79 @@ absl::Status MuonUpdate(const common::MuonConfig& config, const common::MatrixSp
       update[i] = m;
     }
   }
-  const absl::Status status =
-      internal::ScaledNewtonSchulz(config, g, MuonScale(config.scale_mode, g.rows, g.cols), update);
+}
+
+}  // namespace
+
+absl::Status MuonUpdate(const common::MuonConfig& config, const common::MatrixSpec& spec,
+                        const float* grad, float* momentum, float* update) {
+  const common::MatrixSpec* specs = &spec;
+  return MuonUpdateSameShape(config, 1, &specs, &grad, &momentum, &update);
+}
+
+absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
+                                 const common::MatrixSpec* const* specs, const float* const* grads,
+                                 float* const* momenta, float* const* updates) {
+  if (count == 0) return absl::OkStatus();
+  const common::MatrixSpec& spec = *specs[0];
+  const MatrixGeometry g = GeometryOf(spec);
+  const int64_t n = spec.numel();
+  if (g.batch < 1 || g.rows < 1 || g.cols < 1 || g.batch * g.rows * g.cols != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("matrix '", spec.name, "': shape [", absl::StrJoin(spec.shape, ", "),
+                     "] with num_heads ", spec.num_heads, " is not a Muon matrix"));
+  }
+  for (size_t k = 1; k < count; ++k) {
+    if (specs[k]->shape != spec.shape || specs[k]->num_heads != spec.num_heads) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "matrices '", spec.name, "' and '", specs[k]->name,
+          "' differ in shape or heads and cannot share one batched Newton-Schulz"));
+    }
+  }
+  // Checked before any momentum is touched, so a refused gradient leaves every momentum
+  // bit-identical.
+  for (size_t k = 0; k < count; ++k) {
+    if (const int64_t bad = common::FindNonFinite(grads[k], static_cast<size_t>(n)); bad >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrix '", specs[k]->name, "': gradient element ", bad,
+                       " is not finite (", grads[k][bad], ")"));
+    }
+  }
+  const double scale = MuonScale(config.scale_mode, g.rows, g.cols);
+  if (count == 1) {
+    MomentumAndUpdate(config, grads[0], momenta[0], updates[0], n);
+    const absl::Status status = internal::ScaledNewtonSchulz(config, g, scale, updates[0]);
+    if (!status.ok()) {
+      return absl::Status(status.code(),
+                          absl::StrCat("matrix '", spec.name, "': ", status.message()));
+    }
+    return absl::OkStatus();
+  }
+  // Same-shape batching: the blocks of all `count` matrices side by side, one batched
+  // Newton-Schulz (newton_schulz.cc computes every block independently of the batch size, so the
+  // bits equal those of one matrix at a time).
+  std::vector<float> x(count * static_cast<size_t>(n));
+  for (size_t k = 0; k < count; ++k) {
+    MomentumAndUpdate(config, grads[k], momenta[k], x.data() + k * n, n);
+  }
+  const MatrixGeometry all{g.batch * static_cast<int64_t>(count), g.rows, g.cols};
+  const absl::Status status = internal::ScaledNewtonSchulz(config, all, scale, x.data());
   if (!status.ok()) {
-    return absl::Status(status.code(),
-                        absl::StrCat("matrix '", spec.name, "': ", status.message()));
+    // Name the matrix: the first whose result is not finite (or the whole batch).
+    for (size_t k = 0; k < count; ++k) {
+      const float* r = x.data() + k * n;
+      if (const int64_t bad = common::FindNonFinite(r, static_cast<size_t>(n)); bad >= 0) {
+        return absl::Status(status.code(),
+                            absl::StrCat("matrix '", specs[k]->name,
+                                         "': Newton-Schulz: result is not finite (element ", bad,
+                                         " of ", n, " is ", r[bad], ")"));
+      }
+    }
+    return absl::Status(status.code(), absl::StrCat("matrices '", spec.name, "' and ", count - 1,
+                                                    " more of its shape: ", status.message()));
+  }
+  for (size_t k = 0; k < count; ++k) {
+    std::memcpy(updates[k], x.data() + k * n, n * sizeof(float));
   }
   return absl::OkStatus();
 }

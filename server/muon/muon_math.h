@@ -44,6 +44,15 @@ absl::Status NewtonSchulz(const common::MuonConfig& config, MatrixGeometry geome
 absl::Status MuonUpdate(const common::MuonConfig& config, const common::MatrixSpec& spec,
                         const float* grad, float* momentum, float* update);
 
+// MuonUpdate of `count` matrices of one shape (equal shape and num_heads; INVALID_ARGUMENT
+// otherwise) at once: one batched Newton-Schulz over the blocks of all of them. Bit-identical to
+// MuonUpdate of each alone (every block is computed independently of the batch it is in).
+// specs[k], grads[k], momenta[k], updates[k] as in MuonUpdate; updates[k] may alias grads[k].
+// Every gradient is checked before any momentum is written; errors name the matrix.
+absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
+                                 const common::MatrixSpec* const* specs, const float* const* grads,
+                                 float* const* momenta, float* const* updates);
+
 // Step 1 alone: momentum[i] <- lerp(momentum[i], grad[i], 1 - beta) for n elements. Bit-identical to
 // the momentum MuonUpdate writes for the same inputs (same formula, same rounding), so a step can
 // compute its updates from a temporary momentum and commit the store later from the gradients.

@@ -122,8 +122,8 @@ constexpr int64_t kBf16WideRatio = 8;
 bool Bf16PolynomialInFp32(int64_t m, int64_t n) {
   return m < kBf16SmallSide || n >= kBf16WideRatio * m;
 }
-// batch*m*k*n at or below which a bf16 baddbmm is evaluated in fp32 (see BatchedMath::Baddbmm); a
-// margin above LibTorch's own threshold (16^3 per product), still negligible work.
+// m*k*n of one block at or below which a bf16 product is evaluated in fp32 (see BatchedMath); a
+// margin above LibTorch's own threshold (16^3 per batched product), still negligible work.
 constexpr int64_t kSmallBf16Gemm = int64_t{1} << 16;
 
 Coefficients IterationCoefficients(NsMethod method, int i, int steps) {
@@ -148,6 +148,12 @@ class BatchedMath {
   // out = a @ b
   void Bmm(const char* op, const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
     *op_ = op;
+    if (out.scalar_type() == at::kBFloat16 && SmallPerBlock(a, b)) {
+      // Whether LibTorch sends a bf16 product to oneDNN depends on batch*m*k*n; computed in fp32
+      // and rounded once, a small block's bits do not depend on the batch it is in.
+      out.copy_(at::bmm(a.to(at::kFloat), b.to(at::kFloat)));
+      return;
+    }
     at::bmm_out(out, a, b);
     RoundToCompute(out);
   }
@@ -155,16 +161,20 @@ class BatchedMath {
   void Baddbmm(const char* op, const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
                double beta, double alpha, at::Tensor& out) {
     *op_ = op;
-    if (out.scalar_type() == at::kBFloat16 &&
-        a.size(0) * a.size(1) * a.size(2) * b.size(2) <= kSmallBf16Gemm) {
-      // LibTorch 1.13 sends small bf16 GEMMs (below oneDNN's 16^3 threshold) to a kernel that
-      // rounds beta * C to bf16 before adding the product: a second rounding that costs ~4x the
-      // error against float64 here. Tiny products are computed in fp32 and rounded once instead.
+    if (out.scalar_type() == at::kBFloat16 && SmallPerBlock(a, b)) {
+      // LibTorch 1.13 sends small bf16 GEMMs (below oneDNN's 16^3 threshold, counted over the
+      // whole batch) to a kernel that rounds beta * C to bf16 before adding the product: a second
+      // rounding that costs ~4x the error against float64 here, and bits that would depend on the
+      // batch size. Small blocks are computed in fp32 and rounded once instead.
       out.copy_(at::baddbmm(c.to(at::kFloat), a.to(at::kFloat), b.to(at::kFloat), beta, alpha));
       return;
     }
     at::baddbmm_out(out, c, a, b, beta, alpha);
     RoundToCompute(out);
+  }
+  // Per block m*k*n at or below kSmallBf16Gemm (independent of the batch size).
+  static bool SmallPerBlock(const at::Tensor& a, const at::Tensor& b) {
+    return a.size(1) * a.size(2) * b.size(2) <= kSmallBf16Gemm;
   }
   // Under fp16 emulation, rounds t's fp32 values to fp16 in place; otherwise nothing.
   void RoundToCompute(at::Tensor& t) {
@@ -341,8 +351,14 @@ absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometr
 
     const double k = config.ns_method == NsMethod::kPolarExpress ? kPolarExpressSafety : 1.0;
     op = "frobenius norm";
-    at::Tensor denom =
-        at::linalg_vector_norm(view, 2, at::IntArrayRef{1, 2}, /*keepdim=*/true, c10::nullopt);
+    // One reduction per block: a reduction over several blocks at once may split a block's sum
+    // differently (across threads) than over that block alone, and a matrix's bits must not
+    // depend on the batch it is computed in (same-shape batching).
+    at::Tensor denom = at::empty({geometry.batch, 1, 1}, view.options());
+    for (int64_t b = 0; b < geometry.batch; ++b) {
+      denom[b].copy_(at::linalg_vector_norm(view[b], 2, c10::nullopt, /*keepdim=*/true,
+                                            c10::nullopt));
+    }
     denom.mul_(k).add_(kNormEpsilon);
     op = "normalize";
     // fp32 for every compute dtype: bf16 starts with fp32 iterations, fp16 is emulated in fp32.

@@ -52,6 +52,11 @@ const ShapeCase kShapes[] = {
     {"experts_heads", {2, 32, 20}, 2},
     {"conv", {16, 4, 3, 3}, 1},       // 16 x 36
     {"conv_tall", {48, 2, 2, 3}, 2},  // 2 blocks of 24 x 12
+    // Same shapes again, in the same kernel call: a backend batches them (one batched
+    // Newton-Schulz) and must still give each matrix its own bits.
+    {"wide_2", {24, 72}, 1},
+    {"per_head_2", {64, 24}, 4},
+    {"wide_3", {24, 72}, 1},
 };
 
 // DESIGN.md 3 accuracy contract (fp16 between fp32 and bf16, as in the muon unit tests).

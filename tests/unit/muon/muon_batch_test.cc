@@ -1,0 +1,151 @@
+// Same-shape batching (MuonUpdateSameShape): several matrices of one shape in one batched
+// Newton-Schulz give exactly the bits of each matrix alone, for every compute dtype, method and
+// block shape (small blocks that LibTorch routes differently by batch size, wide and tall blocks,
+// heads); and its errors name the matrix and leave every momentum untouched.
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/job_spec.h"
+#include "gtest/gtest.h"
+#include "server/muon/muon_math.h"
+
+namespace muond::server {
+namespace {
+
+using common::DType;
+using common::MatrixSpec;
+using common::MuonConfig;
+using common::NsMethod;
+
+std::vector<float> Random(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+struct Shape {
+  std::vector<int64_t> dims;
+  int64_t heads;
+};
+
+TEST(MuonSameShapeTest, BatchedEqualsOneAtATimeBitForBit) {
+  SetMathThreads(2);
+  const std::vector<Shape> shapes = {
+      {{8, 12}, 1},     {{12, 8}, 1},    {{16, 16}, 1},   {{40, 24}, 1},   {{64, 64}, 1},
+      {{64, 1024}, 1},  {{1024, 64}, 1}, {{96, 160}, 1},  {{256, 256}, 1}, {{128, 64}, 4},
+      {{4, 24, 16}, 1}, {{8, 4, 3, 3}, 1}, {{300, 200}, 1},
+  };
+  int compared = 0;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (NsMethod method : {NsMethod::kStandard, NsMethod::kGram, NsMethod::kPolarExpress}) {
+      MuonConfig config;
+      config.compute_dtype = dtype;
+      config.ns_method = method;
+      for (const Shape& shape : shapes) {
+        MatrixSpec spec;
+        spec.name = "w";
+        spec.shape = shape.dims;
+        spec.num_heads = shape.heads;
+        const size_t n = static_cast<size_t>(spec.numel());
+        SCOPED_TRACE(absl::StrCat(std::string(common::DTypeName(dtype)), " method ", static_cast<int>(method),
+                                  " shape ", absl::StrJoin(shape.dims, "x"), " heads ",
+                                  shape.heads));
+        constexpr size_t kCount = 3;
+        std::vector<std::vector<float>> grads, moms, alone_u, alone_m, batch_u, batch_m;
+        for (size_t k = 0; k < kCount; ++k) {
+          grads.push_back(Random(n, 11 * k + n));
+          moms.push_back(Random(n, 7 * k + 3 * n + 1));
+        }
+        for (size_t k = 0; k < kCount; ++k) {
+          alone_m.push_back(moms[k]);
+          alone_u.emplace_back(n);
+          ASSERT_TRUE(
+              MuonUpdate(config, spec, grads[k].data(), alone_m[k].data(), alone_u[k].data())
+                  .ok());
+        }
+        batch_m = moms;
+        batch_u.assign(kCount, std::vector<float>(n));
+        std::vector<const float*> g;
+        std::vector<float*> m, u;
+        for (size_t k = 0; k < kCount; ++k) {
+          g.push_back(grads[k].data());
+          m.push_back(batch_m[k].data());
+          u.push_back(batch_u[k].data());
+        }
+        const std::vector<const MatrixSpec*> specs(kCount, &spec);
+        ASSERT_TRUE(
+            MuonUpdateSameShape(config, kCount, specs.data(), g.data(), m.data(), u.data()).ok());
+        for (size_t k = 0; k < kCount; ++k) {
+          EXPECT_TRUE(SameBits(batch_u[k], alone_u[k])) << "update of matrix " << k;
+          EXPECT_TRUE(SameBits(batch_m[k], alone_m[k])) << "momentum of matrix " << k;
+          ++compared;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(compared, 3 * 3 * 13 * 3);
+}
+
+// A non-finite gradient in the second of three matrices: INVALID_ARGUMENT naming it, and no
+// momentum written (not even the first matrix's).
+TEST(MuonSameShapeTest, NonFiniteGradientNamesTheMatrixAndWritesNoMomentum) {
+  MuonConfig config;
+  MatrixSpec spec, spec1;
+  spec.name = "layers.0.mlp";
+  spec.shape = {16, 32};
+  spec1 = spec;
+  spec1.name = "layers.1.mlp";
+  const std::vector<const MatrixSpec*> specs = {&spec, &spec1, &spec};
+  const size_t n = 16 * 32;
+  std::vector<std::vector<float>> grads = {Random(n, 1), Random(n, 2), Random(n, 3)};
+  grads[1][77] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<std::vector<float>> moms = {Random(n, 4), Random(n, 5), Random(n, 6)};
+  const auto before = moms;
+  std::vector<std::vector<float>> ups(3, std::vector<float>(n));
+  std::vector<const float*> g = {grads[0].data(), grads[1].data(), grads[2].data()};
+  std::vector<float*> m = {moms[0].data(), moms[1].data(), moms[2].data()};
+  std::vector<float*> u = {ups[0].data(), ups[1].data(), ups[2].data()};
+  absl::Status s = MuonUpdateSameShape(config, 3, specs.data(), g.data(), m.data(), u.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("'layers.1.mlp'"), std::string::npos) << s;
+  EXPECT_NE(std::string(s.message()).find("element 77"), std::string::npos) << s;
+  for (int k = 0; k < 3; ++k) EXPECT_TRUE(SameBits(moms[k], before[k])) << k;
+}
+
+}  // namespace
+}  // namespace muond::server
+
+namespace muond::server {
+namespace {
+
+TEST(MuonSameShapeTest, DifferentShapesAreRefused) {
+  common::MuonConfig config;
+  common::MatrixSpec a, b;
+  a.name = "a";
+  a.shape = {8, 8};
+  b.name = "b";
+  b.shape = {8, 8};
+  b.num_heads = 2;
+  std::vector<float> ga(64, 1.0f), gb(64, 1.0f), ma(64, 0.0f), mb(64, 0.0f);
+  const std::vector<const common::MatrixSpec*> specs = {&a, &b};
+  std::vector<const float*> g = {ga.data(), gb.data()};
+  std::vector<float*> m = {ma.data(), mb.data()}, u = {ga.data(), gb.data()};
+  absl::Status s = MuonUpdateSameShape(config, 2, specs.data(), g.data(), m.data(), u.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("'a' and 'b'"), std::string::npos) << s;
+  EXPECT_EQ(ma, std::vector<float>(64, 0.0f));
+}
+
+}  // namespace
+}  // namespace muond::server
