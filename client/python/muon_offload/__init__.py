@@ -1,0 +1,25 @@
+"""muon_offload: the Muon optimizer with its state in the muond daemon, for PyTorch.
+
+    from muon_offload import MuonWithAuxAdam
+    hidden = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    other = [p for p in model.parameters() if all(p is not h for h in hidden)]
+    opt = MuonWithAuxAdam([dict(params=hidden, use_muon=True, lr=0.02, weight_decay=0.01),
+                           dict(params=other, use_muon=False, lr=3e-4, betas=(0.9, 0.95))])
+
+Modules: client (Client, Session, layout_spans over the C ABI of libmuond_client.so), optim
+(MuonWithAuxAdam), zero (ZeRO partitions for torch.distributed ranks), reference (the Muon update
+of DESIGN.md section 3 in PyTorch). Errors: MuondError with the gRPC code and message.
+"""
+from ._native import CODE_NAMES, CODES, MuondError, library_path
+from .client import Client, Session, layout_spans
+from .optim import MuonWithAuxAdam
+from .reference import muon_update, newton_schulz
+from .zero import (Partition, all_gather_partitions, copy_from_buffer, copy_into_buffer,
+                   group_partition, group_rank_and_size, job_partitions, stage12_spec)
+
+__all__ = [
+    "CODE_NAMES", "CODES", "MuondError", "library_path", "Client", "Session", "layout_spans",
+    "MuonWithAuxAdam", "muon_update", "newton_schulz", "Partition", "all_gather_partitions",
+    "copy_from_buffer", "copy_into_buffer", "group_partition", "group_rank_and_size",
+    "job_partitions", "stage12_spec",
+]

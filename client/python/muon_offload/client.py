@@ -1,0 +1,215 @@
+"""Python objects over the C ABI: a daemon connection (Client), one rank's session of a job
+(Session) and the layout of a job.json (layout_spans).
+
+Thread-safety: as the C ABI. A Client may be shared between threads; a Session runs one step at a
+time. Tensors returned by Session.gradient_view()/update_view() alias the session's shared memory
+and are valid while the session is open.
+"""
+import ctypes
+import json
+
+import torch
+
+from . import _native
+from ._native import MuondError, ShardSpan, Span
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def dtype_name(dtype):
+    """The job.json name of a torch dtype; ValueError for dtypes muond does not take."""
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"muond takes float32, bfloat16 or float16 gradients, not {dtype}")
+    return DTYPE_NAMES[dtype]
+
+
+def _spec_text(spec):
+    return (spec if isinstance(spec, str) else json.dumps(spec)).encode()
+
+
+def _spans_tuple(array, n):
+    return tuple((array[i].matrix, array[i].offset, array[i].length, array[i].rank_offset)
+                 for i in range(n))
+
+
+def layout_spans(spec, rank):
+    """The spans `rank` owns under the layout of a job spec (a dict or job.json text), computed by
+    the client library as the daemon computes them. Returns (spans, buffer_elements): spans are
+    (matrix, offset, length, rank_offset) tuples, buffer_elements the size of the rank's flat
+    buffer (stage 1/2: the padded partition; stage 3: the padded chunks back to back)."""
+    text = _spec_text(spec)
+    total, elements = ctypes.c_size_t(), ctypes.c_uint64()
+    fn = _native.function("muond_layout_spans")
+    _native.check(fn(text, rank, None, 0, ctypes.byref(total), ctypes.byref(elements)),
+                  "muond_layout_spans")
+    array = (ShardSpan * max(total.value, 1))()
+    _native.check(fn(text, rank, array, total.value, None, None), "muond_layout_spans")
+    return _spans_tuple(array, total.value), elements.value
+
+
+class Client:
+    """A connection to a muond daemon. address: "unix:///path" or "HOST:PORT"; None or "" for the
+    daemon's default address. Connecting is lazy: an unreachable daemon shows at the first call
+    (MuondError UNAVAILABLE)."""
+
+    def __init__(self, address=None):
+        self.address = address or ""
+        handle = ctypes.c_void_p()
+        _native.call("muond_connect", self.address.encode(), ctypes.byref(handle))
+        self._handle = handle
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise MuondError(_native.CODES["FAILED_PRECONDITION"], "the client is closed", "client")
+        return self._handle
+
+    def close(self):
+        if self._handle is not None:
+            _native.lib().muond_client_free(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+    def health(self, timeout_seconds=5.0):
+        """Returns when the daemon is SERVING; MuondError UNAVAILABLE otherwise."""
+        _native.call("muond_health", self.handle, float(timeout_seconds))
+
+    def create_job(self, spec):
+        """Creates a job from its spec (dict or job.json text); returns the job's token (str)."""
+        token = ctypes.create_string_buffer(65)
+        _native.call("muond_job_create", self.handle, _spec_text(spec), token, len(token))
+        return token.value.decode()
+
+    def delete_job(self, job_id, token):
+        _native.call("muond_job_delete", self.handle, job_id.encode(), token.encode())
+
+    def reset_job(self, job_id, token, next_step=0):
+        _native.call("muond_job_reset", self.handle, job_id.encode(), token.encode(), next_step)
+
+    def attach(self, job_id, rank, token, takeover=False, transport="auto"):
+        """Attaches `rank` of the job and returns its Session. transport: "auto" (shared memory when
+        the daemon is on this host), "shm" or "grpc"."""
+        handle = ctypes.c_void_p()
+        _native.call("muond_attach", self.handle, job_id.encode(), int(rank), token.encode(),
+                     1 if takeover else 0, transport.encode(), ctypes.byref(handle))
+        return Session(self, handle, job_id, rank)
+
+    def checkpoint_save(self, job_id, token):
+        """Saves a checkpoint generation of the job; returns (generation, step) once it is
+        durable."""
+        generation, step = ctypes.c_int64(-1), ctypes.c_int64(-1)
+        _native.call("muond_checkpoint_save", self.handle, job_id.encode(), token.encode(),
+                     ctypes.byref(generation), ctypes.byref(step))
+        return generation.value, step.value
+
+    def checkpoint_load(self, job_id, token, generation=-1, step=-1):
+        """Loads generation `generation` (>= 0), or the one saved at `step` (>= 0), or the newest
+        good one (both -1). Returns (loaded_generation, next_step)."""
+        loaded, next_step = ctypes.c_int64(-1), ctypes.c_int64(-1)
+        _native.call("muond_checkpoint_load", self.handle, job_id.encode(), token.encode(),
+                     int(generation), int(step), ctypes.byref(loaded), ctypes.byref(next_step))
+        return loaded.value, next_step.value
+
+
+class Session:
+    """One attached rank of a job. Steps go up by one from `next_step`; step t's shared-memory
+    buffers are those of t % 2."""
+
+    def __init__(self, client, handle, job_id, rank):
+        self.client = client  # keeps the connection alive as long as the session
+        self.job_id = job_id
+        self.rank = rank
+        self._handle = handle
+        lib = _native.lib()
+        self.is_shm = bool(lib.muond_session_is_shm(handle))
+        self.next_step = int(lib.muond_session_next_step(handle))
+        n = lib.muond_session_spans(handle, None, 0)
+        array = (ShardSpan * max(n, 1))()
+        lib.muond_session_spans(handle, array, n)
+        self.spans = _spans_tuple(array, n)
+        self.buffer_elements = int(lib.muond_session_buffer_elements(handle))
+        self._views = {}
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise MuondError(_native.CODES["FAILED_PRECONDITION"],
+                             f"the session of rank {self.rank} of job '{self.job_id}' is closed",
+                             "session")
+        return self._handle
+
+    def close(self):
+        """Detaches the rank (best effort) and frees the session; its views become invalid."""
+        if self._handle is not None:
+            self._views.clear()
+            _native.lib().muond_session_free(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _view(self, kind, step, dtype):
+        key = (kind, step % 2, dtype)
+        view = self._views.get(key)
+        if view is None:
+            data, size = ctypes.c_void_p(), ctypes.c_size_t()
+            name = f"muond_session_{kind}_view"
+            _native.call(name, self.handle, step, ctypes.byref(data), ctypes.byref(size))
+            raw = (ctypes.c_char * size.value).from_address(data.value)
+            elements = self.buffer_elements
+            view = torch.frombuffer(raw, dtype=dtype, count=elements) if elements else \
+                torch.empty(0, dtype=dtype)
+            self._views[key] = view
+        return view
+
+    def gradient_view(self, step, dtype=torch.float32):
+        """Step `step`'s gradient buffer in shared memory as a 1-D tensor of buffer_elements
+        elements (the rank's flat-buffer layout): write the gradients here, then step_in_place().
+        MuondError FAILED_PRECONDITION for a gRPC session."""
+        return self._view("gradient", step, dtype)
+
+    def update_view(self, step, dtype=torch.float32):
+        """Step `step`'s update buffer, valid after step_in_place(step) until step + 2 begins.
+        The memory is mapped read-only: never write to this tensor."""
+        return self._view("update", step, dtype)
+
+    def step_in_place(self, step):
+        """Submits the gradient view of `step` and waits for the update view."""
+        _native.call("muond_step_in_place", self.handle, int(step))
+
+    def step_buffer(self, step, grads, updates):
+        """Flat-buffer step: `grads` and `updates` are contiguous CPU tensors of buffer_elements
+        elements in the job's dtype; `updates` receives the update (padding zeroed)."""
+        for name, t in (("grads", grads), ("updates", updates)):
+            if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != self.buffer_elements:
+                raise ValueError(f"{name} must be a contiguous CPU tensor of {self.buffer_elements} "
+                                 f"elements, got {tuple(t.shape)} on {t.device}")
+        _native.call("muond_step_buffer", self.handle, int(step), grads.data_ptr(),
+                     updates.data_ptr())
+
+    def step_spans(self, step, grads, updates):
+        """Span step: grads/updates are lists of (matrix, offset, tensor) with contiguous CPU
+        tensors; together they must cover the rank's spans."""
+        ins = (Span * max(len(grads), 1))()
+        outs = (Span * max(len(updates), 1))()
+        for array, items in ((ins, grads), (outs, updates)):
+            for i, (matrix, offset, t) in enumerate(items):
+                if t.device.type != "cpu" or not t.is_contiguous():
+                    raise ValueError("span tensors must be contiguous CPU tensors")
+                array[i] = Span(matrix, offset, t.data_ptr(), t.numel())
+        _native.call("muond_step", self.handle, int(step), ins, len(grads), outs, len(updates))

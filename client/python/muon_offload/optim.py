@@ -1,0 +1,447 @@
+"""MuonWithAuxAdam: Muon for the hidden weight matrices, through muond; AdamW in-process for the rest.
+
+Mirrors DeepSpeed's MuonWithAuxAdam: every parameter group says `use_muon`. Muon groups hold the
+hidden 2-D weights (3-D expert stacks and 4-D conv weights too); their momentum lives in the muond
+daemon, which returns the orthogonalized update U of each rank's ZeRO partition, and the optimizer
+applies W <- W * (1 - lr * weight_decay) - lr * U. The other groups (embeddings, output head,
+norms, biases) run AdamW here.
+
+Hyperparameters are named as torch.optim.Muon names them: lr, weight_decay, momentum, nesterov,
+ns_steps, adjust_lr_fn (None or "original", "match_rms_adamw"; or scale_mode, which also takes
+"none"), plus ns_method ("standard", "gram", "polar_express") and num_heads per group. lr and
+weight_decay may differ per group; the rest configure the muond job and must agree across the Muon
+groups.
+
+Distributed use: with a torch.distributed process group of N ranks, one job of world size N is
+created (by the group's rank 0) with a ZeRO stage 1/2 (default) or 3 layout. step() averages the
+gradients over the group (reduce_gradients), copies this rank's partition into the session's
+shared-memory gradient buffer, lets muond compute, applies the update to its partition and
+all-gathers the new weights. Construction, step(), state_dict() and load_state_dict() are then
+collectives: every rank of the group calls them in the same order.
+
+backend="local" computes the same Muon math in this process (fp32, muon_offload.reference) with the
+momentum in the optimizer state: the side-by-side reference for muond.
+
+Errors: MuondError (code, code_name, message). A step that fails changes nothing: no weight, AdamW
+state or momentum is updated, the step id stays, and the gradients are left as they were.
+"""
+import math
+import uuid
+
+import torch
+
+from . import reference
+from ._native import CODES, MuondError
+from .client import Client, dtype_name
+from .zero import Partition, all_gather_partitions, copy_into_buffer, job_partitions
+
+MUON_KEYS = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True, "ns_steps": 5,
+             "ns_method": "standard", "adjust_lr_fn": None, "scale_mode": None, "num_heads": 1}
+ADAM_KEYS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
+# Muon keys that configure the muond job (one per job), not the trainer-side update.
+JOB_KEYS = ("momentum", "nesterov", "ns_steps", "ns_method", "scale_mode")
+
+
+def _scale_mode(group):
+    adjust, mode = group.get("adjust_lr_fn"), group.get("scale_mode")
+    if adjust is not None and mode is not None and adjust != mode:
+        raise ValueError(f"adjust_lr_fn '{adjust}' and scale_mode '{mode}' disagree")
+    mode = mode or adjust or "original"
+    if mode not in reference.SCALE_MODES:
+        raise ValueError(f"unknown adjust_lr_fn/scale_mode '{mode}' "
+                         f"(accepted: {', '.join(reference.SCALE_MODES)})")
+    return mode
+
+
+class MuonWithAuxAdam(torch.optim.Optimizer):
+    """See the module comment.
+
+    param_groups: dicts with "params" (tensors, or (name, tensor) pairs), "use_muon" (required),
+      optional "param_names" and the hyperparameters above.
+    backend: "muond" (default) or "local".
+    address: the daemon's address (None: its default unix socket).
+    job_id: the muond job; a fresh id when None. token: the job's token when the job exists
+      already (a restarted trainer); None creates the job.
+    process_group: the torch.distributed group of the job's ranks (None: the default group if
+      torch.distributed is initialized, else a single rank).
+    zero_stage: 1, 2 (default for more than one rank) or 3; 0 for a single rank.
+    transport: "auto", "shm" or "grpc". compute_dtype: muond's Newton-Schulz dtype.
+    reduce_gradients: average gradients over the group in step() (default: True for more than one
+      rank); False when the caller has reduced them already (e.g. DistributedDataParallel).
+    takeover: attach even when the rank is attached elsewhere (a restarted trainer).
+    """
+
+    def __init__(self, param_groups, *, backend="muond", address=None, job_id=None, token=None,
+                 process_group=None, zero_stage=None, transport="auto", compute_dtype="float32",
+                 reduce_gradients=None, takeover=False):
+        if backend not in ("muond", "local"):
+            raise ValueError(f"backend must be 'muond' or 'local', not '{backend}'")
+        self.backend = backend
+        self._sealed = False
+        super().__init__(list(param_groups), {})
+        self._sealed = True
+
+        import torch.distributed as dist
+        self._dist = dist if dist.is_available() and dist.is_initialized() else None
+        self.process_group = process_group if self._dist else None
+        if self._dist:
+            self.rank = dist.get_rank(self.process_group)
+            self.world_size = dist.get_world_size(self.process_group)
+        else:
+            self.rank, self.world_size = 0, 1
+        self.reduce_gradients = self.world_size > 1 if reduce_gradients is None else reduce_gradients
+
+        self._muon = [(g, p) for g in self.param_groups if g["use_muon"] for p in g["params"]]
+        self._adam = [(g, p) for g in self.param_groups if not g["use_muon"] for p in g["params"]]
+        self._names = {}
+        for g in self.param_groups:
+            for name, p in zip(g["param_names"], g["params"]):
+                self._names[p] = name
+        self.muon_config = self._job_config(compute_dtype)
+
+        self.client = self.session = self.partition = None
+        self.partitions = []
+        self.job_id = job_id
+        self.token = token
+        self.zero_stage = zero_stage
+        self.transport = transport
+        self.address = address
+        self.step_id = 0  # the muond step id of the next step (the local backend counts too)
+        if backend == "local" or not self._muon:
+            return
+        if self.zero_stage is None:
+            self.zero_stage = 2 if self.world_size > 1 else 0
+        # The id is rank 0's choice; every rank needs it for the layout.
+        self.job_id = self._on_rank0(lambda: job_id or f"muon-{uuid.uuid4().hex[:16]}")
+        self.spec = self._job_spec()
+        self.partitions = [Partition(p.rank, p.spans, p.buffer_elements)
+                           for p in job_partitions(self.spec)]
+        self.partition = self.partitions[self.rank]
+        self.client = Client(address)
+        created = self._on_rank0(lambda: self._create_job(token, takeover))
+        self.job_id, self.token = created
+        self._attach(takeover)
+
+    # ----- parameter groups -----
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_sealed", False):
+            raise ValueError("MuonWithAuxAdam: the muond job's matrices are fixed at construction; "
+                             "create the optimizer with every parameter group")
+        if "use_muon" not in param_group:
+            raise ValueError("every parameter group needs 'use_muon' (True: Muon through muond, "
+                             "False: AdamW)")
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        names = list(group.get("param_names", []))
+        if params and isinstance(params[0], tuple):
+            names = [n for n, _ in params]
+            params = [p for _, p in params]
+        index = len(self.param_groups)
+        if not names:
+            names = [f"group{index}.param{i}" for i in range(len(params))]
+        if len(names) != len(params):
+            raise ValueError(f"group {index}: {len(names)} param_names for {len(params)} params")
+        group["params"], group["param_names"] = params, names
+        keys = MUON_KEYS if group["use_muon"] else ADAM_KEYS
+        unknown = set(group) - set(keys) - {"params", "param_names", "use_muon"}
+        if unknown:
+            raise ValueError(f"group {index} (use_muon={group['use_muon']}): unknown "
+                             f"hyperparameters {sorted(unknown)}; accepted: {sorted(keys)}")
+        for k, v in keys.items():
+            group.setdefault(k, v)
+        if group["use_muon"]:
+            group["scale_mode"] = _scale_mode(group)
+            for name, p in zip(names, params):
+                if not 2 <= p.dim() <= 4:
+                    raise ValueError(f"parameter '{name}' has shape {list(p.shape)}: Muon takes "
+                                     "2-D weights (3-D expert stacks, 4-D conv weights); put it in "
+                                     "a use_muon=False group")
+                if p.device.type != "cpu":
+                    raise ValueError(f"parameter '{name}' is on {p.device}: this optimizer "
+                                     "updates CPU parameters")
+                if not p.is_contiguous():
+                    raise ValueError(f"parameter '{name}' is not contiguous")
+        super().add_param_group(group)
+
+    def _job_config(self, compute_dtype):
+        groups = [g for g in self.param_groups if g["use_muon"]]
+        if not groups:
+            return None
+        first = groups[0]
+        for g in groups[1:]:
+            for k in JOB_KEYS:
+                if g[k] != first[k]:
+                    raise ValueError(f"Muon groups disagree on '{k}' ({first[k]!r} vs {g[k]!r}); "
+                                     "it configures the one muond job, only lr and weight_decay "
+                                     "may differ per group")
+        if first["ns_method"] not in reference.NS_METHODS:
+            raise ValueError(f"unknown ns_method '{first['ns_method']}'")
+        if self.backend == "local" and compute_dtype != "float32":
+            raise ValueError("backend='local' computes in float32; compute_dtype "
+                             f"'{compute_dtype}' applies to muond only")
+        return {"momentum": float(first["momentum"]), "nesterov": bool(first["nesterov"]),
+                "ns_method": first["ns_method"], "ns_steps": int(first["ns_steps"]),
+                "compute_dtype": compute_dtype, "scale_mode": first["scale_mode"]}
+
+    def _job_spec(self):
+        dtypes = {p.dtype for _, p in self._muon}
+        if len(dtypes) != 1:
+            raise ValueError(f"the Muon parameters have dtypes {sorted(map(str, dtypes))}; a muond "
+                             "job with a ZeRO partition takes one dtype")
+        matrices = []
+        for g, p in self._muon:
+            m = {"name": self._names[p], "shape": list(p.shape), "dtype": dtype_name(p.dtype)}
+            if g["num_heads"] != 1:
+                m["num_heads"] = int(g["num_heads"])
+            matrices.append(m)
+        return {"job_id": self.job_id, "world_size": self.world_size,
+                "zero_stage": self.zero_stage, "muon": self.muon_config, "matrices": matrices}
+
+    # ----- collectives over the process group -----
+
+    def _on_rank0(self, fn):
+        """Runs fn on the group's rank 0 and returns its result on every rank; an exception there is
+        raised on every rank (so no rank waits for a peer that failed)."""
+        result = [None, None]
+        if self.rank == 0:
+            try:
+                result[0] = fn()
+            except MuondError as e:
+                result[1] = (e.code, e.message, e.operation)
+            except Exception as e:  # re-raised below, after the peers know
+                result[1] = (CODES["UNKNOWN"], f"{type(e).__name__}: {e}", "rank 0")
+        if self.world_size > 1:
+            src = 0
+            if self.process_group is not None:
+                c10d = self._dist.distributed_c10d
+                global_rank = getattr(c10d, "get_global_rank", None) or c10d._get_global_rank
+                src = global_rank(self.process_group, 0)
+            self._dist.broadcast_object_list(result, src=src, group=self.process_group)
+        if result[1] is not None:
+            raise MuondError(*result[1])
+        return result[0]
+
+    def _barrier(self):
+        if self.world_size > 1:
+            self._dist.barrier(group=self.process_group)
+
+    def _create_job(self, token, takeover):
+        if token is not None:
+            if not self.job_id:
+                raise ValueError("a token was given without its job_id")
+            return self.job_id, token
+        return self.job_id, self.client.create_job(self.spec)
+
+    def _attach(self, takeover):
+        self.spec["job_id"] = self.job_id
+        self.session = self.client.attach(self.job_id, self.rank, self.token, takeover,
+                                          self.transport)
+        if tuple(self.session.spans) != tuple(self.partition.spans):
+            raise MuondError(CODES["FAILED_PRECONDITION"],
+                             f"job '{self.job_id}' rank {self.rank}: the daemon's layout differs "
+                             "from this optimizer's parameters (another model or world size?)",
+                             "attach")
+        self.step_id = self.session.next_step
+        if self.session.is_shm:
+            self._grad_buffers = self._update_buffers = None
+        else:
+            dtype = self._muon[0][1].dtype
+            self._grad_buffers = torch.zeros(self.partition.buffer_elements, dtype=dtype)
+            self._update_buffers = torch.zeros(self.partition.buffer_elements, dtype=dtype)
+
+    def close(self, delete_job=False):
+        """Detaches this rank; with delete_job, rank 0 deletes the job (after all ranks detached)."""
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        if delete_job and self.client is not None:
+            self._barrier()
+            if self.rank == 0:
+                self.client.delete_job(self.job_id, self.token)
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    # ----- the step -----
+
+    def _gradients(self):
+        """Averaged gradients of (muon, adam) parameters, without changing p.grad."""
+        missing = [self._names[p] for _, p in self._muon if p.grad is None]
+        if missing:
+            raise MuondError(CODES["INVALID_ARGUMENT"],
+                             f"Muon parameter(s) {', '.join(repr(n) for n in missing)} have no "
+                             "gradient (p.grad is None): every Muon matrix of the muond job needs "
+                             "one each step; was the parameter used in the forward pass?",
+                             "step")
+        muon = [p.grad for _, p in self._muon]
+        adam = [p.grad for _, p in self._adam]  # None: skipped, as torch.optim.AdamW does
+        if not (self.reduce_gradients and self.world_size > 1):
+            return muon, adam
+        # One flat buffer per dtype, all-reduced (gloo has no reduce_scatter; the sum is the same),
+        # then scaled by 1/N: p.grad stays untouched, so a failed step can be retried.
+        present = [g for g in muon + adam if g is not None]
+        by_dtype = {}
+        for g in present:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        reduced = {}
+        for dtype, grads in by_dtype.items():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self._dist.all_reduce(flat, group=self.process_group)
+            flat.mul_(1.0 / self.world_size)
+            at = 0
+            for g in grads:
+                reduced[id(g)] = flat[at:at + g.numel()].view(g.shape)
+                at += g.numel()
+        return ([reduced[id(g)] for g in muon],
+                [None if g is None else reduced[id(g)] for g in adam])
+
+    def _muond_updates(self, grads):
+        """Pushes this rank's partition of `grads` and returns its update (flat, partition layout)."""
+        step = self.step_id
+        s = self.session
+        dtype = grads[0].dtype
+        buffer = s.gradient_view(step, dtype) if s.is_shm else self._grad_buffers
+        copy_into_buffer(buffer, self.partition, grads)
+        if s.is_shm:
+            s.step_in_place(step)
+            return s.update_view(step, dtype)
+        s.step_buffer(step, buffer, self._update_buffers)
+        return self._update_buffers
+
+    @staticmethod
+    def _apply(weight, update, lr, weight_decay):
+        # W <- W * (1 - lr * wd) - lr * U, as separate roundings (no fused multiply-add) so that
+        # a partition's elements and the whole matrix's get the same bits.
+        if weight_decay:
+            weight.mul_(1.0 - lr * weight_decay)
+        weight.sub_(torch.mul(update, lr))
+
+    @torch.no_grad()
+    def _muon_step(self, grads):
+        if self.backend == "local":
+            cfg = self.muon_config
+            updates = []
+            for (g, p), grad in zip(self._muon, grads):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32)
+                updates.append(reference.muon_update(
+                    grad, state["momentum_buffer"], cfg["momentum"], cfg["nesterov"],
+                    cfg["ns_method"], cfg["ns_steps"], cfg["scale_mode"], g["num_heads"]))
+            for (g, p), u in zip(self._muon, updates):
+                self._apply(p, u, g["lr"], g["weight_decay"])
+            return
+        update = self._muond_updates(grads)
+        params = [p for _, p in self._muon]
+        groups = [g for g, _ in self._muon]
+        for matrix, offset, length, rank_offset in self.partition.spans:
+            g = groups[matrix]
+            self._apply(params[matrix].view(-1)[offset:offset + length],
+                        update[rank_offset:rank_offset + length], g["lr"], g["weight_decay"])
+        if self.world_size > 1:
+            mine = torch.zeros(self.partition.buffer_elements, dtype=params[0].dtype)
+            copy_into_buffer(mine, self.partition, params)
+            all_gather_partitions(mine, self.partitions, self.rank, params, self.process_group)
+
+    @torch.no_grad()
+    def _adam_step(self, grads):
+        for (g, p), grad in zip(self._adam, grads):
+            if grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            beta1, beta2 = g["betas"]
+            state["exp_avg"].lerp_(grad, 1 - beta1)
+            state["exp_avg_sq"].lerp_(grad.square(), 1 - beta2)
+            m = state["exp_avg"] / (1 - beta1 ** state["step"])
+            v = state["exp_avg_sq"] / (1 - beta2 ** state["step"])
+            self._apply(p, m / (v.sqrt() + g["eps"]), g["lr"], g["weight_decay"])
+
+    def step(self, closure=None):
+        """One optimizer step (a collective with a process group). Raises MuondError, with nothing
+        updated, when a Muon gradient is missing or muond refuses the step (e.g. INVALID_ARGUMENT
+        for a non-finite gradient, naming the matrix and rank)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            muon_grads, adam_grads = self._gradients()
+            if self._muon:
+                self._muon_step(muon_grads)
+            self._adam_step(adam_grads)
+        self.step_id += 1
+        return loss
+
+    # ----- checkpoints -----
+
+    def save_checkpoint(self):
+        """Collective: asks muond for a durable checkpoint generation of the job (rank 0) and
+        returns {"job_id", "generation", "step", "next_step"} on every rank."""
+        if self.session is None:
+            raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
+        self._barrier()  # every rank has its update of the last step: the job is between steps
+        generation, step = self._on_rank0(lambda: self.client.checkpoint_save(self.job_id,
+                                                                               self.token))
+        return {"job_id": self.job_id, "generation": generation, "step": step,
+                "next_step": self.step_id}
+
+    def load_checkpoint(self, generation=-1, step=-1):
+        """Collective: detaches, loads the job's checkpoint generation (`generation` >= 0, the one
+        saved at `step`, or the newest good one) on rank 0 and attaches again. Returns
+        (loaded_generation, next_step)."""
+        if self.client is None:
+            raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        self._barrier()
+        loaded, next_step = self._on_rank0(
+            lambda: self.client.checkpoint_load(self.job_id, self.token, generation, step))
+        self._barrier()
+        self._attach(takeover=False)
+        if self.step_id != next_step:
+            raise MuondError(CODES["FAILED_PRECONDITION"],
+                             f"job '{self.job_id}': generation {loaded} resumes at step "
+                             f"{next_step}, but rank {self.rank} attached at step {self.step_id}",
+                             "checkpoint")
+        return loaded, next_step
+
+    def state_dict(self):
+        """AdamW state (and the local backend's momentum) as torch.optim keeps it, plus, for muond,
+        {"muond": {"job_id", "generation", "step", "next_step"}}: a checkpoint generation saved
+        by this call (a collective)."""
+        sd = super().state_dict()
+        sd["step_id"] = self.step_id
+        if self.backend == "muond" and self._muon:
+            sd["muond"] = self.save_checkpoint()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Restores the AdamW part in-process and, for muond, loads the referenced generation of the
+        job into the daemon (a collective)."""
+        state_dict = dict(state_dict)
+        muond = state_dict.pop("muond", None)
+        step_id = state_dict.pop("step_id", 0)
+        if self.backend == "muond" and self._muon:
+            if muond is None:
+                raise ValueError("this state_dict has no muond part (saved by backend='local'?)")
+            if muond["job_id"] != self.job_id:
+                raise ValueError(f"the state_dict is of muond job '{muond['job_id']}', this "
+                                 f"optimizer drives job '{self.job_id}'")
+        super().load_state_dict(state_dict)
+        if self.backend == "muond" and self._muon:
+            _, next_step = self.load_checkpoint(generation=muond["generation"])
+            if next_step != muond["next_step"]:
+                raise MuondError(CODES["DATA_LOSS"],
+                                 f"job '{self.job_id}' generation {muond['generation']} resumes "
+                                 f"at step {next_step}, the state_dict at step "
+                                 f"{muond['next_step']}", "load_state_dict")
+        else:
+            self.step_id = step_id

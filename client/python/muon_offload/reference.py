@@ -1,0 +1,131 @@
+"""The Muon update of DESIGN.md section 3 in PyTorch, in-process and in fp32: the reference that a
+trainer runs side by side with muond, and the math of MuonWithAuxAdam(backend="local").
+
+The operations follow the daemon's CPU path (server/muon): the EMA as a lerp, the norm over
+each block, X / (||X||_F * k + 1e-7), then per iteration A = X X^T, B = b A + c A A, X = a X + B X
+as batched products, so that with fp32 compute the two agree to rounding. Pure functions on tensors.
+"""
+import math
+
+import torch
+
+STANDARD = (3.4445, -4.7750, 2.0315)
+POLAR_EXPRESS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+)
+POLAR_EXPRESS_TAIL = (1.875, -1.25, 0.375)
+POLAR_EXPRESS_SAFETY = 1.01
+NORM_EPSILON = 1e-7
+GRAM_RESTART_AFTER = 2
+NS_METHODS = ("standard", "gram", "polar_express")
+SCALE_MODES = ("original", "match_rms_adamw", "none")
+
+
+def geometry(shape, num_heads=1):
+    """(batch, rows, cols) of the blocks Newton-Schulz orthogonalizes: [r, c] as num_heads blocks
+    of r/H rows, [E, r, c] as E*H blocks, conv [out, in, kh, kw] as [out, in*kh*kw]."""
+    h = max(1, int(num_heads))
+    if len(shape) == 2:
+        return h, shape[0] // h, shape[1]
+    if len(shape) == 3:
+        return shape[0] * h, shape[1] // h, shape[2]
+    if len(shape) == 4:
+        return h, shape[0] // h, shape[1] * shape[2] * shape[3]
+    raise ValueError(f"a Muon matrix has 2 to 4 dimensions, got shape {list(shape)}")
+
+
+def scale(mode, rows, cols):
+    if mode == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if mode == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if mode == "none":
+        return 1.0
+    raise ValueError(f"unknown scale mode '{mode}' (accepted: {', '.join(SCALE_MODES)})")
+
+
+def coefficients(method, i, steps):
+    if method != "polar_express":
+        return STANDARD
+    a, b, c = POLAR_EXPRESS[i] if i < len(POLAR_EXPRESS) else POLAR_EXPRESS_TAIL
+    if i != steps - 1:
+        f = POLAR_EXPRESS_SAFETY
+        a, b, c = a / f, b / (f * f * f), c / (f * f * f * f * f)
+    return a, b, c
+
+
+def _direct(x, method, steps):
+    for i in range(steps):
+        a, b, c = coefficients(method, i, steps)
+        gram = torch.bmm(x, x.transpose(1, 2))
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
+    return x
+
+
+def _gram(x0, method, steps):
+    # The polynomial on R = X X^T: P = a I + b R + c R R, Q <- P Q, R <- P R P; X = Q X0 at the
+    # end, restarting X0 <- Q X0 after GRAM_RESTART_AFTER iterations.
+    r = torch.bmm(x0, x0.transpose(1, 2))
+    q = None
+    for i in range(steps):
+        if i == GRAM_RESTART_AFTER:
+            x0 = torch.bmm(q, x0)
+            r = torch.bmm(x0, x0.transpose(1, 2))
+            q = None
+        a, b, c = coefficients(method, i, steps)
+        p = torch.baddbmm(r, r, r, beta=b, alpha=c)
+        p.diagonal(0, 1, 2).add_(a)
+        if i + 1 < steps and i + 1 != GRAM_RESTART_AFTER:
+            r = torch.bmm(p, torch.bmm(r, p))
+        q = p if q is None else torch.bmm(p, q)
+    return torch.bmm(q, x0)
+
+
+def newton_schulz(blocks, method="standard", steps=5):
+    """NS of each [rows, cols] block of a [batch, rows, cols] fp32 tensor (a new tensor)."""
+    if method not in NS_METHODS:
+        raise ValueError(f"unknown ns_method '{method}' (accepted: {', '.join(NS_METHODS)})")
+    transposed = blocks.size(1) > blocks.size(2)
+    view = blocks.transpose(1, 2) if transposed else blocks
+    k = POLAR_EXPRESS_SAFETY if method == "polar_express" else 1.0
+    denom = torch.linalg.vector_norm(view, 2, dim=(1, 2), keepdim=True)
+    denom.mul_(k).add_(NORM_EPSILON)
+    x = torch.div(view, denom).contiguous()
+    if method == "gram" and x.size(1) != x.size(2):
+        x = _gram(x, method, steps)
+    else:
+        x = _direct(x, method, steps)
+    return x.transpose(1, 2) if transposed else x
+
+
+def lerp(start, end, weight):
+    """start + weight * (end - start) in fp32, from the nearer end, with one rounding per operation
+    (as the daemon computes the EMA; torch.lerp may fuse a multiply-add and round differently)."""
+    w = float(torch.tensor(weight, dtype=torch.float32))
+    if abs(w) < 0.5:
+        return torch.add(start, torch.mul(torch.sub(end, start), w))
+    one_minus_w = float(torch.tensor(1.0, dtype=torch.float32) - torch.tensor(w, dtype=torch.float32))
+    return torch.sub(end, torch.mul(torch.sub(end, start), one_minus_w))
+
+
+@torch.no_grad()
+def muon_update(grad, momentum, beta=0.95, nesterov=True, ns_method="standard", ns_steps=5,
+                scale_mode="original", num_heads=1):
+    """One Muon step of a matrix: updates `momentum` (fp32, the gradient's shape) in place and
+    returns U in the gradient's dtype and shape (DESIGN.md 3, fp32 compute)."""
+    g = grad.detach().to(torch.float32)
+    momentum.copy_(lerp(momentum, g, 1.0 - beta))
+    u = lerp(g, momentum, beta) if nesterov else momentum.clone()
+    batch, rows, cols = geometry(list(grad.shape), num_heads)
+    if batch * rows * cols != grad.numel():
+        raise ValueError(f"shape {list(grad.shape)} with num_heads {num_heads} is not a Muon matrix")
+    u = newton_schulz(u.reshape(batch, rows, cols), ns_method, ns_steps)
+    u = torch.mul(u, scale(scale_mode, rows, cols))
+    return u.reshape(grad.shape).to(grad.dtype)
