@@ -1,0 +1,290 @@
+#!/usr/bin/python3
+"""Trains a small character-level GPT with Muon through muond, next to the same training with an
+in-process Muon, and compares the two.
+
+The model (2 transformer blocks, d=128) learns the GNU GPL v3 text that Debian ships in
+/usr/share/common-licenses. Two ranks (processes) run torch.distributed with gloo; each gets its own
+batches, the gradients are averaged, and the Muon matrices are split ZeRO-2 style (--zero-stage): each rank pushes
+only its partition of the gradient buffer to muond (through shared memory when the daemon is on
+this host), applies the update muond returns to its partition, and the ranks all-gather the new
+weights. Embeddings, the output head and the layer norms use AdamW in-process.
+
+Side by side, each rank trains a copy of the same model, from the same weights and on the same
+batches, with backend="local": the Muon math of DESIGN.md section 3 in PyTorch. The script prints
+both losses per step and the largest difference, and writes a plot of the two loss curves.
+
+Usage: train_tiny_gpt.py [--steps N] [--address ADDR] [--plot PNG] [--json OUT]
+         [--save-at N --checkpoint DIR] [--stop-after N] [--resume DIR]
+         [--inject-nonfinite-at N]
+--save-at writes a trainer checkpoint after N steps (models, AdamW state, and a muond checkpoint
+generation of the job); --resume continues from one (also after a daemon restart).
+--inject-nonfinite-at puts a NaN into rank 1's gradient at step N, shows muond refusing the step,
+and recomputes the gradients: the trajectory is unchanged.
+Exit status: 0 when both trainings ran and the loss went down; 1 otherwise.
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+import muon_offload  # noqa: E402
+from muon_offload import MuondError, MuonWithAuxAdam  # noqa: E402
+
+TEXT = "/usr/share/common-licenses/GPL-3"
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, block_size):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d, bias=False)
+        self.fc_out = nn.Linear(4 * d, d, bias=False)
+        mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab, d=128, layers=2, heads=4, block_size=64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block_size, d)
+        self.blocks = nn.ModuleList(Block(d, heads, block_size) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def param_groups(model, muon_lr, adam_lr, weight_decay):
+    """MuonWithAuxAdam groups: the blocks' 2-D weights to Muon, everything else to AdamW."""
+    hidden = [(n, p) for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() >= 2]
+    hidden_ids = {id(p) for _, p in hidden}
+    other = [(n, p) for n, p in model.named_parameters() if id(p) not in hidden_ids]
+    return [dict(params=hidden, use_muon=True, lr=muon_lr, weight_decay=weight_decay),
+            dict(params=other, use_muon=False, lr=adam_lr, betas=(0.9, 0.95),
+                 weight_decay=weight_decay)]
+
+
+def load_text():
+    with open(TEXT, encoding="utf-8") as f:
+        text = f.read()
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long), len(chars)
+
+
+def batch(data, step, rank, batch_size, block_size, seed):
+    """The batch of `rank` at `step`: a function of (seed, step, rank) only, so a resumed run sees
+    the same batches."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    starts = torch.randint(0, data.numel() - block_size - 1, (batch_size,), generator=g)
+    x = torch.stack([data[s:s + block_size] for s in starts])
+    y = torch.stack([data[s + 1:s + block_size + 1] for s in starts])
+    return x, y
+
+
+def global_mean(value, world):
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def checkpoint_path(directory, rank):
+    return os.path.join(directory, f"rank{rank}.pt")
+
+
+def run_rank(rank, world, args, store_path, result_path):
+    torch.set_num_threads(1)  # two ranks and the daemon share the machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world)
+    data, vocab = load_text()
+    torch.manual_seed(args.seed)
+    model = TinyGPT(vocab, d=args.d, layers=args.layers, block_size=args.block_size)
+    reference = copy.deepcopy(model)
+    resume = torch.load(checkpoint_path(args.resume, rank)) if args.resume else None
+    job = dict(address=args.address or None, job_id=args.job_id, transport=args.transport,
+               zero_stage=args.zero_stage)
+    if resume:
+        model.load_state_dict(resume["model"])
+        reference.load_state_dict(resume["reference"])
+        job.update(job_id=resume["job_id"], token=resume["token"])
+    groups = (args.muon_lr, args.adam_lr, args.weight_decay)
+    opt = MuonWithAuxAdam(param_groups(model, *groups), **job)
+    opt_ref = MuonWithAuxAdam(param_groups(reference, *groups), backend="local")
+    losses, ref_losses, start = [], [], 0
+    if resume:
+        opt.load_state_dict(resume["optimizer"])
+        opt_ref.load_state_dict(resume["reference_optimizer"])
+        losses, ref_losses, start = resume["losses"], resume["ref_losses"], resume["step"]
+    if rank == 0:
+        print(f"muond job '{opt.job_id}': {world} ranks, ZeRO stage {opt.zero_stage}, "
+              f"{len(opt.spec['matrices'])} Muon matrices, "
+              f"{'shared memory' if opt.session.is_shm else 'gRPC'}, "
+              f"rank 0 owns {opt.partition.buffer_elements} elements; starts at step {start}",
+              flush=True)
+        print(f"{'step':>5} {'loss (muond)':>14} {'loss (in-process)':>18} {'|diff|':>10}",
+              flush=True)
+    refusals = []
+    t0 = time.time()
+    for step in range(start, args.steps):
+        x, y = batch(data, step, rank, args.batch_size, args.block_size, args.seed)
+        step_losses = []
+        for m, o in ((model, opt), (reference, opt_ref)):
+            o.zero_grad()
+            loss = m(x, y)
+            loss.backward()
+            if o is opt and step == args.inject_nonfinite_at:
+                # A poisoned gradient on one rank: muond refuses the step for the whole job and
+                # nothing changes; the gradients are computed again and the step retried.
+                if rank == 1:
+                    o.param_groups[0]["params"][0].grad[0, 0] = float("nan")
+                try:
+                    o.step()
+                    raise RuntimeError("muond accepted a non-finite gradient")
+                except MuondError as e:
+                    refusals.append({"step": step, "code": e.code, "code_name": e.code_name,
+                                     "message": e.message})
+                    if rank == 0:
+                        print(f"  step {step}: refused as expected: {e}", flush=True)
+                o.zero_grad()
+                m(x, y).backward()
+            o.step()
+            step_losses.append(global_mean(loss.item(), world))
+        losses.append(step_losses[0])
+        ref_losses.append(step_losses[1])
+        if rank == 0:
+            print(f"{step:>5} {losses[-1]:>14.6f} {ref_losses[-1]:>18.6f} "
+                  f"{abs(losses[-1] - ref_losses[-1]):>10.2e}", flush=True)
+        if args.save_at is not None and step + 1 == args.save_at:
+            state = {"model": model.state_dict(), "reference": reference.state_dict(),
+                     "optimizer": opt.state_dict(), "reference_optimizer": opt_ref.state_dict(),
+                     "losses": losses, "ref_losses": ref_losses, "step": step + 1,
+                     "job_id": opt.job_id, "token": opt.token}
+            os.makedirs(args.checkpoint, exist_ok=True)
+            torch.save(state, checkpoint_path(args.checkpoint, rank))
+            if rank == 0:
+                m = state["optimizer"]["muond"]
+                print(f"  checkpoint after step {step}: {args.checkpoint} (muond generation "
+                      f"{m['generation']}, next step {m['next_step']})", flush=True)
+        if args.stop_after is not None and step + 1 == args.stop_after:
+            break
+    seconds = time.time() - t0
+    finished = args.stop_after is None or args.stop_after >= args.steps
+    opt.close(delete_job=finished and not args.keep_job)
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump({"losses": losses, "ref_losses": ref_losses, "start": start,
+                       "job_id": opt.job_id, "refusals": refusals, "seconds": seconds,
+                       "steps_run": len(losses) - start}, f)
+    dist.destroy_process_group()
+
+
+def plot(losses, ref_losses, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(range(len(ref_losses)), ref_losses, label="in-process Muon", linewidth=3, alpha=0.5)
+    ax.plot(range(len(losses)), losses, label="Muon through muond", linestyle="--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (cross-entropy, mean of 2 ranks)")
+    ax.set_title("Tiny GPT on GPL-3: muond vs in-process Muon")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--address", default="", help="muond address (default: its default socket)")
+    ap.add_argument("--plot", default="tiny_gpt_loss.png", help="PNG of the two loss curves")
+    ap.add_argument("--json", default=None, help="write the losses as JSON here")
+    ap.add_argument("--job-id", default=None)
+    ap.add_argument("--transport", default="auto", choices=("auto", "shm", "grpc"))
+    ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3),
+                    help="the muond job's partition: 1/2 of the concatenated matrices, 3 per matrix")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
+    ap.add_argument("--muon-lr", type=float, default=0.02)
+    ap.add_argument("--adam-lr", type=float, default=3e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--save-at", type=int, default=None)
+    ap.add_argument("--checkpoint", default=None, help="directory of the trainer checkpoint")
+    ap.add_argument("--stop-after", type=int, default=None)
+    ap.add_argument("--resume", default=None, help="trainer checkpoint directory to resume from")
+    ap.add_argument("--inject-nonfinite-at", type=int, default=None)
+    ap.add_argument("--keep-job", action="store_true", help="do not delete the muond job at the end")
+    args = ap.parse_args(argv)
+    if args.save_at is not None and not args.checkpoint:
+        ap.error("--save-at needs --checkpoint")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world = 2
+    with tempfile.TemporaryDirectory(prefix="tiny-gpt-") as tmp:
+        store, result = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
+        mp.spawn(run_rank, args=(world, args, store, result), nprocs=world, join=True)
+        with open(result) as f:
+            out = json.load(f)
+    losses, ref = out["losses"], out["ref_losses"]
+    start = out["start"]
+    diffs = [abs(a - b) for a, b in zip(losses, ref)]
+    run = diffs[start:]
+    worst = max(range(start, len(diffs)), key=lambda i: diffs[i]) if run else None
+    out["max_abs_diff"] = max(run) if run else 0.0
+    print(f"{out['steps_run']} steps in {out['seconds']:.1f} s; largest |loss(muond) - "
+          f"loss(in-process)| = {out['max_abs_diff']:.3e}"
+          + (f" (step {worst})" if worst is not None else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+    if args.plot:
+        plot(losses, ref, args.plot)
+        print(f"plot of the two loss curves: {os.path.abspath(args.plot)}")
+    went_down = len(losses) >= 2 and losses[-1] < losses[0]
+    if not went_down:
+        print(f"the loss did not go down: {losses[0] if losses else None} -> "
+              f"{losses[-1] if losses else None}", file=sys.stderr)
+    return 0 if went_down else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
