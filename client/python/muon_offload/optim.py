@@ -228,6 +228,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             self._dist.barrier(group=self.process_group)
 
     def _create_job(self, token, takeover):
+        self.client.health(5.0)  # "muond at ADDRESS is not reachable" beats a failed CreateJob
         if token is not None:
             if not self.job_id:
                 raise ValueError("a token was given without its job_id")
