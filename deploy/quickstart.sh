@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The main job: installs what is missing, builds, starts muond with its defaults, runs a real
-# multi-step Muon workload through it with muonctl, prints the per-step results and stops the
-# daemon. Run as root on Debian 12 (as another user it needs the packages already installed and
-# XDG_RUNTIME_DIR set).
+# The main job: installs what is missing, builds, starts muond with its defaults, trains a small
+# character-level GPT through it (client/examples/train_tiny_gpt.py: two torch.distributed ranks,
+# ZeRO-2 partition, shared memory) next to the same training with an in-process Muon, prints the
+# per-step losses of both and their largest difference, writes a plot of the two loss curves and
+# stops the daemon. Run as root on Debian 12 (as another user it needs the packages already
+# installed and XDG_RUNTIME_DIR set). MUOND_QUICKSTART_STEPS (default 40) and
+# MUOND_QUICKSTART_PLOT (default build/tiny_gpt_loss.png) change the run.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -30,8 +33,12 @@ done
 echo "== muonctl health: $(build/bin/muonctl health)"
 head -n 3 "$log"
 
-echo "== running a Muon training workload through muond"
-/usr/bin/python3 client/examples/muonctl_regression.py --muonctl build/bin/muonctl --steps 8
+steps="${MUOND_QUICKSTART_STEPS:-40}"
+plot="${MUOND_QUICKSTART_PLOT:-$root/build/tiny_gpt_loss.png}"
+echo "== training a tiny GPT for $steps steps through muond (2 ranks) and with an in-process Muon"
+MUOND_CLIENT_LIB="$root/build/lib/libmuond_client.so" /usr/bin/python3 \
+  client/examples/train_tiny_gpt.py --steps "$steps" --plot "$plot"
+echo "== the loss curves (muond vs in-process Muon) are in $plot"
 stop
 trap - EXIT
 echo "== daemon log"
