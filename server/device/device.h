@@ -107,6 +107,11 @@ class Device {
     double writeback = 0;  // device to host copies
   };
   virtual BusySeconds Busy() const { return {}; }
+  // Bounds the device memory this device holds at once (buffers in use and those it caches for
+  // reuse, including its own scratch space for kernels); Allocate and kernels that need more fail
+  // with RESOURCE_EXHAUSTED. 0 restores the device's default. Devices without a pool of their own
+  // (cpu, simulated) ignore it.
+  virtual void SetMemoryLimit(size_t bytes) {}
 
  protected:
   friend class DeviceBuffer;
