@@ -86,6 +86,40 @@ int muond_job_reset(muond_client* client, const char* job_id, const char* token,
   return Report(client->impl->ResetJob(job_id, token, next_step));
 }
 
+int muond_checkpoint_save(muond_client* client, const char* job_id, const char* token,
+                          int64_t* generation, int64_t* step) {
+  if (client == nullptr || job_id == nullptr || token == nullptr) {
+    return NullArgument("client, job_id or token");
+  }
+  auto info = client->impl->SaveCheckpoint(job_id, token);
+  if (!info.ok()) return Report(info.status());
+  if (generation != nullptr) *generation = info->generation();
+  if (step != nullptr) *step = info->step();
+  return Report(absl::OkStatus());
+}
+
+int muond_checkpoint_load(muond_client* client, const char* job_id, const char* token,
+                          int64_t generation, int64_t step, int64_t* loaded_generation,
+                          int64_t* next_step) {
+  if (client == nullptr || job_id == nullptr || token == nullptr) {
+    return NullArgument("client, job_id or token");
+  }
+  if (generation < -1 || step < -1) {
+    return Report(absl::InvalidArgumentError(absl::StrCat(
+        "muond_checkpoint_load: generation ", generation, " / step ", step,
+        ": pass a generation >= 1 or -1, a step >= 0 or -1")));
+  }
+  if (generation == 0) {
+    return Report(absl::NotFoundError(absl::StrCat(
+        "job '", job_id, "': no checkpoint generation 0 (generations are numbered from 1)")));
+  }
+  auto loaded = client->impl->LoadCheckpoint(job_id, token, generation < 0 ? 0 : generation, step);
+  if (!loaded.ok()) return Report(loaded.status());
+  if (loaded_generation != nullptr) *loaded_generation = loaded->loaded().generation();
+  if (next_step != nullptr) *next_step = loaded->next_step();
+  return Report(absl::OkStatus());
+}
+
 int muond_attach(muond_client* client, const char* job_id, int rank, const char* token,
                  int takeover, const char* transport, muond_session** out) {
   if (client == nullptr || job_id == nullptr || token == nullptr || out == nullptr) {

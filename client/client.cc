@@ -72,10 +72,12 @@ absl::Status Client::Health(double timeout_seconds) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> Client::CreateJob(const common::JobSpec& spec) {
+absl::StatusOr<std::string> Client::CreateJob(const common::JobSpec& spec,
+                                              const v1::RestoreFrom* restore) {
   grpc::ClientContext ctx;
   v1::CreateJobRequest req;
   *req.mutable_spec() = common::JobSpecToProto(spec);
+  if (restore != nullptr) *req.mutable_restore() = *restore;
   v1::CreateJobResponse resp;
   RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->CreateJob(&ctx, req, &resp)), "CreateJob"));
   return resp.token();
@@ -99,6 +101,46 @@ absl::Status Client::ResetJob(const std::string& job_id, const std::string& toke
   req.set_next_step(next_step);
   v1::ResetJobResponse resp;
   return Annotate(FromGrpcStatus(stub_->ResetJob(&ctx, req, &resp)), "ResetJob");
+}
+
+absl::StatusOr<v1::CheckpointInfo> Client::SaveCheckpoint(const std::string& job_id,
+                                                          const std::string& token) {
+  grpc::ClientContext ctx;
+  SetToken(&ctx, token);
+  v1::SaveCheckpointRequest req;
+  req.set_job_id(job_id);
+  v1::CheckpointInfo resp;
+  RETURN_IF_ERROR(
+      Annotate(FromGrpcStatus(stub_->SaveCheckpoint(&ctx, req, &resp)), "SaveCheckpoint"));
+  return resp;
+}
+
+absl::StatusOr<v1::LoadCheckpointResponse> Client::LoadCheckpoint(const std::string& job_id,
+                                                                  const std::string& token,
+                                                                  int64_t generation,
+                                                                  int64_t step) {
+  grpc::ClientContext ctx;
+  SetToken(&ctx, token);
+  v1::LoadCheckpointRequest req;
+  req.set_job_id(job_id);
+  req.set_generation(generation);
+  if (step >= 0) req.set_step(step);
+  v1::LoadCheckpointResponse resp;
+  RETURN_IF_ERROR(
+      Annotate(FromGrpcStatus(stub_->LoadCheckpoint(&ctx, req, &resp)), "LoadCheckpoint"));
+  return resp;
+}
+
+absl::StatusOr<std::vector<v1::CheckpointInfo>> Client::ListCheckpoints(
+    const std::string& job_id, const std::string& token) {
+  grpc::ClientContext ctx;
+  SetToken(&ctx, token);
+  v1::ListCheckpointsRequest req;
+  req.set_job_id(job_id);
+  v1::ListCheckpointsResponse resp;
+  RETURN_IF_ERROR(
+      Annotate(FromGrpcStatus(stub_->ListCheckpoints(&ctx, req, &resp)), "ListCheckpoints"));
+  return std::vector<v1::CheckpointInfo>(resp.generations().begin(), resp.generations().end());
 }
 
 absl::StatusOr<v1::JobStatus> Client::GetJob(const std::string& job_id, const std::string& token) {

@@ -135,8 +135,19 @@ class Client {
 
   // OK when the daemon reports SERVING; UNAVAILABLE when it cannot be reached or does not serve.
   absl::Status Health(double timeout_seconds = 5);
-  // Creates a job; returns its token.
-  absl::StatusOr<std::string> CreateJob(const common::JobSpec& spec);
+  // Creates a job; returns its token. With `restore`, the job's momentum and next step come from a
+  // checkpoint generation of another job of the daemon (RestoreFrom.token: that job's token).
+  absl::StatusOr<std::string> CreateJob(const common::JobSpec& spec,
+                                        const v1::RestoreFrom* restore = nullptr);
+  // Checkpoints (DESIGN.md 7). Save returns once the generation is durable. Load: generation > 0,
+  // or the newest generation at `step` >= 0, or (0, -1) the newest good one.
+  absl::StatusOr<v1::CheckpointInfo> SaveCheckpoint(const std::string& job_id,
+                                                    const std::string& token);
+  absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(const std::string& job_id,
+                                                            const std::string& token,
+                                                            int64_t generation, int64_t step);
+  absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpoints(const std::string& job_id,
+                                                                  const std::string& token);
   absl::Status DeleteJob(const std::string& job_id, const std::string& token);
   absl::Status ResetJob(const std::string& job_id, const std::string& token, int64_t next_step);
   absl::StatusOr<v1::JobStatus> GetJob(const std::string& job_id, const std::string& token);

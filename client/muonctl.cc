@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,13 +41,26 @@ constexpr char kUsage[] =
     "Commands:\n"
     "  health                               print SERVING when the daemon serves (exit 0)\n"
     "  job create --spec job.json [--token-file F]\n"
+    "       [--restore-from JOB [--restore-token-file F2] [--restore-generation G |\n"
+    "        --restore-step S]]\n"
     "                                       create a job; its token goes to F (mode 0600), or\n"
-    "                                       is printed when no file is given\n"
+    "                                       is printed when no file is given. --restore-from:\n"
+    "                                       its momentum and next step come from a checkpoint\n"
+    "                                       of job JOB (token from F2, else $MUOND_JOB_TOKEN);\n"
+    "                                       world size and ZeRO stage may differ\n"
     "  job list                             list the jobs (never their tokens)\n"
     "  job show --job ID [--token-file F]   print a job's status\n"
     "  job delete --job ID [--token-file F] delete a job and its state\n"
     "  job reset --job ID [--step N] [--token-file F]\n"
     "                                       zero the momentum, clear a fence, expect step N (0)\n"
+    "  checkpoint save --job ID [--token-file F]\n"
+    "                                       write a checkpoint generation; returns once it is\n"
+    "                                       durable on disk\n"
+    "  checkpoint load --job ID [--generation G | --step S] [--token-file F]\n"
+    "                                       load generation G, the newest at step S, or the\n"
+    "                                       newest good one; clears a fence\n"
+    "  checkpoint list --job ID [--token-file F]\n"
+    "                                       the job's generations, newest first\n"
     "  step --job ID --rank R --step T --grads IN.safetensors --out OUT.safetensors\n"
     "       [--token-file F] [--transport auto|shm|grpc]\n"
     "                                       push one step and write the update; auto: shared\n"
@@ -146,7 +160,43 @@ absl::Status CmdJob(Client& client, const Args& a) {
       return absl::InvalidArgumentError(
           absl::StrCat(a.flags.at("spec"), ": ", spec.status().message()));
     }
-    ASSIGN_OR_RETURN(std::string token, client.CreateJob(*spec));
+    std::optional<v1::RestoreFrom> restore;
+    if (a.flags.count("restore-from") != 0) {
+      restore.emplace();
+      restore->set_job_id(a.flags.at("restore-from"));
+      Args source = a;
+      source.flags.erase("token-file");
+      if (a.flags.count("restore-token-file") != 0) {
+        source.flags["token-file"] = a.flags.at("restore-token-file");
+      }
+      ASSIGN_OR_RETURN(std::string source_token, Token(source));
+      restore->set_token(source_token);
+      if (a.flags.count("restore-generation") != 0 && a.flags.count("restore-step") != 0) {
+        return absl::InvalidArgumentError(
+            "job create takes --restore-generation or --restore-step, not both");
+      }
+      if (a.flags.count("restore-generation") != 0) {
+        ASSIGN_OR_RETURN(int64_t g, IntFlag(a, "restore-generation"));
+        if (g < 1) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("--restore-generation ", g, ": generations are numbered from 1"));
+        }
+        restore->set_generation(g);
+      }
+      if (a.flags.count("restore-step") != 0) {
+        ASSIGN_OR_RETURN(int64_t s, IntFlag(a, "restore-step"));
+        if (s < 0) return absl::InvalidArgumentError(absl::StrCat("--restore-step ", s, " is negative"));
+        restore->set_step(s);
+      }
+    } else {
+      for (const char* flag : {"restore-token-file", "restore-generation", "restore-step"}) {
+        if (a.flags.count(flag) != 0) {
+          return absl::InvalidArgumentError(absl::StrCat("--", flag, " needs --restore-from"));
+        }
+      }
+    }
+    ASSIGN_OR_RETURN(std::string token,
+                     client.CreateJob(*spec, restore ? &*restore : nullptr));
     auto file = a.flags.find("token-file");
     if (file == a.flags.end()) {
       std::printf("%s\n", token.c_str());
@@ -232,7 +282,9 @@ int Run(int argc, char** argv) {
   }
   static const char* kKnown[] = {"address", "spec",  "token-file", "job", "rank",
                                  "step",    "grads", "out",        "next-step", "transport",
-                                 "json",    "iterations", "interval", "metrics-address"};
+                                 "json",    "iterations", "interval", "metrics-address",
+                                 "generation", "restore-from", "restore-token-file",
+                                 "restore-generation", "restore-step"};
   for (const auto& [key, value] : a.flags) {
     if (std::find(std::begin(kKnown), std::end(kKnown), key) == std::end(kKnown)) {
       return Usage(absl::StrCat("unknown option --", key));
@@ -240,10 +292,14 @@ int Run(int argc, char** argv) {
   }
   if (a.words.empty()) return Usage("missing command");
   const std::string cmd = a.words[0];
-  if (cmd != "health" && cmd != "job" && cmd != "step" && cmd != "status" && cmd != "top") {
+  if (cmd != "health" && cmd != "job" && cmd != "step" && cmd != "status" && cmd != "top" &&
+      cmd != "checkpoint") {
     return Usage(absl::StrCat("unknown command '", cmd, "'"));
   }
   if (cmd == "job" && a.words.size() < 2) return Usage("job needs a subcommand");
+  if (cmd == "checkpoint" && a.words.size() < 2) {
+    return Usage("checkpoint needs a subcommand (save, load, list)");
+  }
   const std::string address = a.flags.count("address") ? a.flags.at("address") : "";
   auto client = Client::Connect(address);
   if (!client.ok()) return Fail(client.status());
@@ -253,6 +309,8 @@ int Run(int argc, char** argv) {
     if (s.ok()) std::printf("SERVING\n");
   } else if (cmd == "job") {
     s = CmdJob(**client, a);
+  } else if (cmd == "checkpoint") {
+    s = CmdCheckpoint(**client, a);
   } else if (cmd == "status") {
     s = CmdStatus(**client, a);
   } else if (cmd == "top") {

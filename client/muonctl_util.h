@@ -32,6 +32,8 @@ absl::StatusOr<int64_t> IntFlag(const Args& a, const std::string& name);
 absl::Status CmdStep(Client& client, const Args& a);
 // `muonctl status [--json]`: the daemon and its jobs (muonctl_status.cc).
 absl::Status CmdStatus(Client& client, const Args& a);
+// `muonctl checkpoint save|load|list` (muonctl_checkpoint.cc).
+absl::Status CmdCheckpoint(Client& client, const Args& a);
 // `muonctl top [--iterations N] [--interval S]`: refreshes per-job step rates and phase times.
 absl::Status CmdTop(Client& client, const Args& a);
 

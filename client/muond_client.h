@@ -63,6 +63,16 @@ int muond_job_reset(muond_client* client, const char* job_id, const char* token,
 /* Attaches `rank`; ALREADY_EXISTS (6) when it is attached elsewhere, unless `takeover` is nonzero
  * (a restarted trainer replacing a session whose process is gone). `transport`: "auto" (or NULL:
  * shared memory when the daemon is on this host, else gRPC), "shm" or "grpc". */
+/* Saves a checkpoint generation of the job; returns once it is durable. Out (may be NULL): the
+ * generation and the step it was taken at (the job's next step then). */
+int muond_checkpoint_save(muond_client* client, const char* job_id, const char* token,
+                          int64_t* generation, int64_t* step);
+/* Loads a generation: `generation` >= 1, or the one saved at `step` >= 0, or the newest good one
+ * when both are -1. Out (may be NULL): the generation loaded and the job's next step. */
+int muond_checkpoint_load(muond_client* client, const char* job_id, const char* token,
+                          int64_t generation, int64_t step, int64_t* loaded_generation,
+                          int64_t* next_step);
+
 int muond_attach(muond_client* client, const char* job_id, int rank, const char* token,
                  int takeover, const char* transport, muond_session** out);
 /* 1 when the session uses shared memory, 0 for gRPC. */

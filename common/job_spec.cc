@@ -273,7 +273,8 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   if (!root.is_object()) return absl::InvalidArgumentError("job.json: expected a JSON object");
   RETURN_IF_ERROR(
       CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",
-                                   "gather_budget_bytes", "transport_probe"}));
+                                   "gather_budget_bytes", "transport_probe", "checkpoint_every_steps",
+                                   "checkpoint_keep"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -295,6 +296,12 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   RETURN_IF_ERROR(ReadInt64(root, "gather_budget_bytes", "gather_budget_bytes", &budget));
   if (budget < 0) return FieldError("gather_budget_bytes", "expected an integer >= 0");
   spec.gather_budget_bytes = static_cast<uint64_t>(budget);
+  int64_t every = 0;
+  RETURN_IF_ERROR(
+      ReadInt64(root, "checkpoint_every_steps", "checkpoint_every_steps", &every));
+  if (every < 0) return FieldError("checkpoint_every_steps", "expected an integer >= 0");
+  spec.checkpoint_every_steps = static_cast<uint64_t>(every);
+  RETURN_IF_ERROR(ReadInt(root, "checkpoint_keep", "checkpoint_keep", &spec.checkpoint_keep));
   if (const auto it = root.find("transport_probe"); it != root.end()) {
     if (!it->is_boolean()) return FieldError("transport_probe", "expected true or false");
     spec.transport_probe = it->get<bool>();
@@ -332,6 +339,8 @@ std::string JobSpecToJson(const JobSpec& spec) {
   root["matrices"] = std::move(matrices);
   root["gather_budget_bytes"] = spec.gather_budget_bytes;
   root["transport_probe"] = spec.transport_probe;
+  root["checkpoint_every_steps"] = spec.checkpoint_every_steps;
+  root["checkpoint_keep"] = spec.checkpoint_keep;
   if (!spec.explicit_layout.empty()) {
     Json layout = Json::array();
     for (const auto& rank : spec.explicit_layout) {
@@ -361,6 +370,10 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (spec.world_size < 1 || spec.world_size > kMaxWorldSize) {
     return absl::InvalidArgumentError(
         absl::StrCat("world_size ", spec.world_size, " is outside 1..", kMaxWorldSize));
+  }
+  if (spec.checkpoint_keep < 1 || spec.checkpoint_keep > kMaxCheckpointKeep) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint_keep ", spec.checkpoint_keep, " is outside 1..", kMaxCheckpointKeep));
   }
   if (spec.zero_stage < 0 || spec.zero_stage > 3) {
     return absl::InvalidArgumentError(

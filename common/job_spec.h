@@ -8,6 +8,8 @@
 //    "matrices": [{"name": str, "shape": [r, c], "num_heads": 1, "dtype": "float32"}],
 //    "layout": [[{"matrix": name, "offset": 0, "length": n}, ...], ...],   (optional, per rank)
 //    "gather_budget_bytes": 0,                                  (0: the daemon's default)
+//    "checkpoint_every_steps": 0,            (0: only on request and at shutdown)
+//    "checkpoint_keep": 3,                   (generations kept, 1..1000)
 //    "transport_probe": false}                  (true: updates echo gradients; no Muon math)
 // Plain value types; thread-compatible.
 #ifndef MUOND_COMMON_JOB_SPEC_H_
@@ -78,9 +80,14 @@ struct JobSpec {
   // A data-path probe: the daemon returns every gradient span unchanged as its update and keeps
   // no momentum (for checking and measuring transports, e.g. muond-bench transport).
   bool transport_probe = false;
+  // A checkpoint generation every N committed steps (0: only on request and at shutdown).
+  uint64_t checkpoint_every_steps = 0;
+  // Newest generations kept (1..kMaxCheckpointKeep).
+  int checkpoint_keep = 3;
 };
 
 inline constexpr int kMaxNsSteps = 100;
+inline constexpr int kMaxCheckpointKeep = 1000;
 inline constexpr int kMaxWorldSize = 65536;
 inline constexpr size_t kMaxJobIdLength = 128;
 // Largest matrix muond accepts, in elements (2^34: 64 GiB of fp32 momentum).

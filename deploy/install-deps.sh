@@ -16,7 +16,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
-  libtorch-dev libopenblas0-pthread nlohmann-json3-dev
+  libtorch-dev libopenblas0-pthread nlohmann-json3-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcivetweb-dev prometheus
   python3 python3-numpy python3-torch

@@ -100,6 +100,14 @@ struct Families {
     }
     rpc_errors = Must(
         r.AddCounter("muond_rpc_errors_total", "RPCs that ended with an error, by gRPC code."));
+    checkpoint_saves = Must(r.AddCounter("muond_checkpoint_saves_total",
+                                         "Checkpoint saves of the job, by result (ok, error)."));
+    checkpoint_bytes = Must(r.AddCounter("muond_checkpoint_written_bytes_total",
+                                         "Bytes of checkpoint payload written durably."));
+    checkpoint_seconds =
+        Must(r.AddHistogram("muond_checkpoint_save_duration_seconds",
+                            "Wall time of a checkpoint save, snapshot to durable.",
+                            common::ExponentialBuckets(0.001, 2, 18)));
   }
 
   // Removes every series of `job` from the per-job families.
@@ -109,10 +117,15 @@ struct Families {
                              job_momentum, job_gather_budget, job_gather_peak}) {
       f->Remove(&f->Add(labels));
     }
-    for (Family<Counter>* f : {steps_completed, steps_refused, steps_aborted, host_copy}) {
+    for (Family<Counter>* f : {steps_completed, steps_refused, steps_aborted, host_copy,
+                               checkpoint_bytes}) {
       f->Remove(&f->Add(labels));
     }
+    for (const char* result : {"ok", "error"}) {
+      checkpoint_saves->Remove(&checkpoint_saves->Add({{kJobLabel, job}, {"result", result}}));
+    }
     step_seconds->Remove(&step_seconds->Add(labels));
+    checkpoint_seconds->Remove(&checkpoint_seconds->Add(labels));
     for (StepPhase p : {StepPhase::kAssembly, StepPhase::kCopyIn, StepPhase::kNewtonSchulz,
                         StepPhase::kWriteback, StepPhase::kReturn}) {
       phase_seconds->Remove(&phase_seconds->Add({{kJobLabel, job}, {"phase", StepPhaseName(p)}}));
@@ -123,8 +136,9 @@ struct Families {
       *momentum_limit, *queue_depth, *shm_sessions, *pinned, *memlock_limit;
   Family<Gauge>*job_world_size, *job_ranks_attached, *job_next_step, *job_fenced, *job_momentum,
       *job_gather_budget, *job_gather_peak;
-  Family<Counter>*steps_completed, *steps_refused, *steps_aborted, *host_copy, *rpc_errors;
-  Family<Histogram>*step_seconds, *phase_seconds;
+  Family<Counter>*steps_completed, *steps_refused, *steps_aborted, *host_copy, *rpc_errors,
+      *checkpoint_saves, *checkpoint_bytes;
+  Family<Histogram>*step_seconds, *phase_seconds, *checkpoint_seconds;
   Counter* bytes[2][2];
   // Orders the creation of per-job series by Record* against their removal by the collector, so
   // a child is never used after Family::Remove destroyed it.
@@ -171,6 +185,17 @@ void RecordStepCompleted(const std::string& job, double seconds) {
   absl::MutexLock lock(&f.job_series_mu);
   f.recorded_jobs.insert(job);
   f.step_seconds->Add({{kJobLabel, job}}).Observe(seconds);
+}
+
+void RecordCheckpointSave(const std::string& job, bool ok, double seconds, uint64_t bytes) {
+  Families& f = F();
+  absl::MutexLock lock(&f.job_series_mu);
+  f.recorded_jobs.insert(job);
+  f.checkpoint_saves->Add({{kJobLabel, job}, {"result", ok ? "ok" : "error"}}).Increment();
+  if (ok) {
+    f.checkpoint_seconds->Add({{kJobLabel, job}}).Observe(seconds);
+    f.checkpoint_bytes->Add({{kJobLabel, job}}).Increment(static_cast<double>(bytes));
+  }
 }
 
 void RecordPhase(const std::string& job, StepPhase phase, double seconds) {

@@ -55,6 +55,10 @@ enum class Direction { kIn, kOut };    // "in": gradients to the daemon; "out": 
 // muond_step_duration_seconds{muond_job}. Call once per committed step (not per rank, not for
 // replays).
 void RecordStepCompleted(const std::string& job, double seconds);
+// A checkpoint save of `job` ended: muond_checkpoint_saves_total{muond_job,result},
+// muond_checkpoint_save_duration_seconds{muond_job} and muond_checkpoint_written_bytes_total
+// {muond_job} (successful saves).
+void RecordCheckpointSave(const std::string& job, bool ok, double seconds, uint64_t bytes);
 // One phase of a step of `job` took `seconds`: muond_step_phase_duration_seconds{muond_job,phase}.
 // Call once per phase per step (sum the batches of a phase that runs in several).
 void RecordPhase(const std::string& job, StepPhase phase, double seconds);

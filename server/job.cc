@@ -13,6 +13,7 @@
 #include "common/dtype.h"
 #include "common/job_spec_proto.h"
 #include "common/logging.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 #include "server/muon/muon_math.h"
 
@@ -59,15 +60,17 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
   return job_->FinishRank(state_, rank_, cancelled);
 }
 
-Job::Job(common::JobSpec spec, std::string token, std::string backend, ComputeExecutor* executor,
-         uint64_t gather_budget_bytes, ComputeDevice* compute)
+Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
+         ComputeExecutor* executor, uint64_t gather_budget_bytes, ComputeDevice* compute,
+         std::string checkpoint_dir)
     : spec_(std::move(spec)),
-      token_(std::move(token)),
+      token_sha256_(std::move(token_sha256)),
       backend_(std::move(backend)),
       executor_(executor),
       compute_(compute),
       gather_budget_bytes_(gather_budget_bytes),
-      created_unix_ms_(absl::ToUnixMillis(absl::Now())) {
+      created_unix_ms_(absl::ToUnixMillis(absl::Now())),
+      store_(std::move(checkpoint_dir), spec_.checkpoint_keep) {
   const size_t num_matrices = spec_.matrices.size();
   matrix_spans_.resize(num_matrices);
   for (int r = 0; r < spec_.world_size; ++r) {
@@ -100,9 +103,10 @@ Job::~Job() {
 }
 
 bool Job::TokenMatches(std::string_view token) const {
-  if (token.size() != token_.size()) return false;
+  const std::string hash = common::Sha256(token);
+  if (hash.size() != token_sha256_.size()) return false;
   unsigned char diff = 0;
-  for (size_t i = 0; i < token.size(); ++i) diff |= token[i] ^ token_[i];
+  for (size_t i = 0; i < hash.size(); ++i) diff |= hash[i] ^ token_sha256_[i];
   return diff == 0;
 }
 
@@ -368,6 +372,9 @@ void Job::Commit(StepState& state) {
   // store from the gradients still in the input buffers, with the function MuonUpdate used. A
   // shared-memory peer could have changed its gradients after ringing; a non-finite value found
   // now means the store may be half-updated, so the job is fenced rather than committed.
+  // The store changes below: a save in progress gets the old values first.
+  absl::MutexLock snap_lock(&snap_mu_);
+  if (!spec_.transport_probe) PreserveForSnapshot();
   std::vector<float> wide;
   absl::Status changed;
   for (int r = 0; r < spec_.world_size && changed.ok() && !spec_.transport_probe; ++r) {
@@ -417,6 +424,10 @@ void Job::Commit(StepState& state) {
     if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), false, seconds);
   }
   state.cv.SignalAll();
+  if (spec_.checkpoint_every_steps > 0 && !spec_.transport_probe &&
+      static_cast<uint64_t>(steps_completed_) % spec_.checkpoint_every_steps == 0) {
+    SaveCheckpointInBackground();
+  }
 }
 
 void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
@@ -469,12 +480,15 @@ absl::Status Job::Reset(int64_t next_step) {
   if (next_step < 0) {
     return absl::InvalidArgumentError(absl::StrCat("next step ", next_step, " is negative"));
   }
+  absl::MutexLock snap_lock(&snap_mu_);
   absl::MutexLock lock(&mu_);
   if (in_flight_ != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job '", id(), "': step ", in_flight_->step, " is in flight; reset after it ends"));
   }
+  PreserveForSnapshot();
   for (auto& m : momentum_) std::fill(m.begin(), m.end(), 0.0f);
+  last_checkpoint_step_ = -1;
   for (auto& u : last_updates_) u = nullptr;
   next_step_ = next_step;
   fenced_ = false;

@@ -35,6 +35,7 @@
 #include "common/layout.h"
 #include "muond/v1/muond.pb.h"
 #include "server/compute_device.h"
+#include "server/checkpoint.h"
 #include "server/compute_executor.h"
 
 namespace muond::server {
@@ -104,15 +105,54 @@ class Job : public std::enable_shared_from_this<Job> {
  public:
   // `executor` must outlive the job. gather_budget_bytes: bytes of whole matrices (fp32 gradient
   // and temporary momentum) assembled at once; a larger matrix is processed alone.
-  Job(common::JobSpec spec, std::string token, std::string backend, ComputeExecutor* executor,
-      uint64_t gather_budget_bytes, ComputeDevice* compute);
+  // token_sha256: the SHA-256 of the job's token (32 bytes; the token itself is not kept).
+  // checkpoint_dir: the job's checkpoint directory (server/checkpoint.h).
+  Job(common::JobSpec spec, std::string token_sha256, std::string backend,
+      ComputeExecutor* executor, uint64_t gather_budget_bytes, ComputeDevice* compute,
+      std::string checkpoint_dir);
   ~Job();
 
   const common::JobSpec& spec() const { return spec_; }
   const std::string& id() const { return spec_.job_id; }
   uint64_t gather_budget_bytes() const { return gather_budget_bytes_; }
-  // Constant-time comparison with the job's token.
+  // Constant-time comparison of the token's SHA-256 with the job's.
   bool TokenMatches(std::string_view token) const;
+  const std::string& token_sha256() const { return token_sha256_; }
+
+  // ---- Checkpoints (DESIGN.md 7). Saving takes a consistent snapshot at a step boundary (the
+  // store changes only at commit, so the momentum between commits is one) and writes it while
+  // later steps run: copy-on-write per matrix — a commit, reset or load that would change a matrix
+  // the writer has not copied yet first copies it for the writer. Extra memory: one matrix's
+  // staging buffer, plus the copies of matrices overtaken by a commit (at most the momentum not
+  // yet written). One save at a time per job; a request while one runs waits for it, then saves.
+
+  // Blocks until the generation is durable. FAILED_PRECONDITION for a fenced job (its momentum
+  // may be inconsistent) or a transport probe; errors of the write name the path and call.
+  absl::StatusOr<checkpoint::GenerationInfo> SaveCheckpoint();
+  // Starts a save in the background unless one runs (the checkpoint_every_steps saves).
+  void SaveCheckpointInBackground();
+  // Blocks until no save of this job is running.
+  void WaitForSaves();
+  struct LoadResult {
+    checkpoint::GenerationInfo info;
+    int64_t next_step = 0;
+    std::vector<std::string> set_aside;
+  };
+  // Loads a verified generation into the (pinned) momentum store, sets the next step to its step
+  // and clears a fence. FAILED_PRECONDITION while a step is in flight or when the generation's
+  // matrices do not match the job's (named); NOT_FOUND / DATA_LOSS from the store.
+  absl::StatusOr<LoadResult> LoadCheckpoint(const checkpoint::Selector& selector);
+  // Loads from another job's checkpoint directory (re-creating a job with another world size or
+  // ZeRO stage): matrices matched by name and shape.
+  absl::StatusOr<LoadResult> LoadCheckpointFrom(const std::shared_ptr<Job>& source,
+                                                const checkpoint::Selector& selector);
+  // Fences the job (steps FAILED_PRECONDITION until a load or reset), e.g. when its checkpoints
+  // could not be read at restart.
+  void Fence(const std::string& reason);
+  absl::StatusOr<std::vector<checkpoint::GenerationInfo>> ListCheckpoints() const;
+  const std::string& checkpoint_dir() const { return store_.dir(); }
+  // The step of the newest generation written or loaded by this process (-1: none).
+  int64_t last_checkpoint_step() const;
 
   // Starts a session for `rank`. INVALID_ARGUMENT for a rank outside the world size;
   // ALREADY_EXISTS when the rank is attached, unless `takeover` (a restarted trainer replacing a
@@ -186,8 +226,20 @@ class Job : public std::enable_shared_from_this<Job> {
   // Gives a gRPC rank its input buffers (reused from the last step) and update storage.
   void PrepareOwnedRank(StepState& state, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Copy-on-write bookkeeping of the save in progress (see SaveCheckpoint).
+  struct Snapshot {
+    int64_t step = 0;
+    std::vector<bool> copied;               // per matrix: the writer has it
+    std::vector<std::vector<float>> saved;  // per matrix: its value at the snapshot, if overtaken
+  };
+  // Before the store changes: gives the save in progress the old values of every matrix it has not
+  // copied yet.
+  void PreserveForSnapshot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_);
+  absl::Status InstallMomentum(const checkpoint::Loaded& loaded, const std::string& source)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_, mu_);
+
   const common::JobSpec spec_;
-  const std::string token_;
+  const std::string token_sha256_;
   const std::string backend_;
   ComputeExecutor* const executor_;
   ComputeDevice* const compute_;  // used only on the executor's thread
@@ -204,6 +256,15 @@ class Job : public std::enable_shared_from_this<Job> {
   // the step in flight read it without the lock.
   std::vector<std::vector<float>> momentum_;
   std::vector<bool> pinned_;
+
+  // Held across every change of the momentum store (Commit, Reset, Load) and by the checkpoint
+  // writer while it copies a matrix. Lock order: save_mu_, then snap_mu_, then mu_.
+  absl::Mutex save_mu_;  // one save at a time
+  mutable absl::Mutex snap_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::unique_ptr<Snapshot> snapshot_ ABSL_GUARDED_BY(snap_mu_);
+  checkpoint::Store store_;
+  std::atomic<bool> background_save_{false};
+  std::atomic<int64_t> last_checkpoint_step_{-1};
 
   mutable absl::Mutex mu_;
   std::vector<uint64_t> sessions_ ABSL_GUARDED_BY(mu_);  // per rank; 0 = not attached

@@ -1,13 +1,21 @@
 #include "server/job_registry.h"
 
+#include <dirent.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/sha256.h"
+#include "nlohmann/json.hpp"
 
 namespace muond::server {
 namespace {
@@ -38,14 +46,36 @@ absl::StatusOr<std::string> NewJobToken() {
 
 JobRegistry::JobRegistry(std::string backend, uint64_t max_momentum_bytes,
                          uint64_t default_gather_budget_bytes, ComputeExecutor* executor,
-                         ComputeDevice* compute)
+                         ComputeDevice* compute, std::string state_dir)
     : backend_(std::move(backend)),
       max_momentum_bytes_(max_momentum_bytes),
       default_gather_budget_bytes_(default_gather_budget_bytes),
       executor_(executor),
-      compute_(compute) {}
+      compute_(compute),
+      state_dir_(std::move(state_dir)) {}
 
-absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec) {
+std::string JobRegistry::JobDir(const std::string& id) const {
+  return absl::StrCat(state_dir_, "/jobs/", id);
+}
+
+absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
+                                                         const std::optional<RestoreFrom>& restore) {
+  std::shared_ptr<Job> source;
+  if (restore) {
+    auto found = Find(restore->job_id);
+    if (!found.ok()) {
+      return absl::NotFoundError(absl::StrCat("restore: job '", restore->job_id, "' not found"));
+    }
+    if (restore->token.empty()) {
+      return absl::UnauthenticatedError(
+          absl::StrCat("restore: the token of job '", restore->job_id, "' is missing"));
+    }
+    if (!(*found)->TokenMatches(restore->token)) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("restore: wrong token for job '", restore->job_id, "'"));
+    }
+    source = *std::move(found);
+  }
   auto token = NewJobToken();
   if (!token.ok()) return token.status();
   const uint64_t bytes = MomentumBytes(spec);
@@ -61,13 +91,122 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec) {
   }
   const uint64_t budget =
       spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : default_gather_budget_bytes_;
-  auto job = std::make_shared<Job>(std::move(spec), *token, backend_, executor_, budget, compute_);
+  const std::string dir = JobDir(id);
+  auto job = std::make_shared<Job>(std::move(spec), common::Sha256(*token), backend_, executor_,
+                                   budget, compute_, absl::StrCat(dir, "/checkpoints"));
+  if (source != nullptr) {
+    auto loaded = job->LoadCheckpointFrom(source, restore->selector);
+    if (!loaded.ok()) return loaded.status();
+  }
+  nlohmann::json record = {
+      {"format", "muond-job"},
+      {"format_version", 1},
+      {"spec", nlohmann::json::parse(common::JobSpecToJson(job->spec()))},
+      {"token_sha256", absl::BytesToHexString(job->token_sha256())}};
+  // A directory left by a job of this id that is gone (a failed create) holds nothing of the new
+  // job's.
+  absl::Status persisted = checkpoint::RemoveTree(dir);
+  if (persisted.ok() && ::mkdir(absl::StrCat(state_dir_, "/jobs").c_str(), 0750) != 0 &&
+      errno != EEXIST) {
+    persisted = absl::InternalError(
+        absl::StrCat("mkdir ", state_dir_, "/jobs: ", std::strerror(errno)));
+  }
+  if (persisted.ok() && ::mkdir(dir.c_str(), 0750) != 0) {
+    persisted = absl::InternalError(absl::StrCat("mkdir ", dir, ": ", std::strerror(errno)));
+  }
+  if (persisted.ok()) {
+    persisted = checkpoint::WriteFileDurably(absl::StrCat(dir, "/job.json"), record.dump(1) + "\n");
+  }
+  if (!persisted.ok()) {
+    (void)checkpoint::RemoveTree(dir);
+    return absl::Status(persisted.code(), absl::StrCat("job '", id, "' could not be stored in ",
+                                                       state_dir_, ": ", persisted.message()));
+  }
   jobs_.emplace(id, job);
   momentum_bytes_ += bytes;
   MUOND_LOG(INFO) << "job '" << id << "' created: " << job->spec().matrices.size()
                   << " matrices, " << bytes << " bytes of momentum, world size "
-                  << job->spec().world_size << ", gather budget " << budget << " bytes";
+                  << job->spec().world_size << ", gather budget " << budget << " bytes"
+                  << (source != nullptr ? absl::StrCat(", momentum from job '", source->id(), "'")
+                                        : std::string());
   return Created{std::move(job), *std::move(token)};
+}
+
+absl::Status JobRegistry::Restore() {
+  const std::string jobs_dir = absl::StrCat(state_dir_, "/jobs");
+  DIR* d = ::opendir(jobs_dir.c_str());
+  if (d == nullptr) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat("opendir ", jobs_dir, ": ", std::strerror(errno)));
+  }
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    if (name.rfind(".deleted-", 0) == 0) {
+      // A deletion that did not finish.
+      (void)checkpoint::RemoveTree(absl::StrCat(jobs_dir, "/", name));
+      continue;
+    }
+    names.push_back(name);
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    const std::string path = absl::StrCat(jobs_dir, "/", name, "/job.json");
+    std::ifstream in(path);
+    if (!in) {
+      MUOND_LOG(WARNING) << "restore: " << jobs_dir << "/" << name
+                         << " has no job.json (an interrupted create); removing it";
+      (void)checkpoint::RemoveTree(absl::StrCat(jobs_dir, "/", name));
+      continue;
+    }
+    std::stringstream text;
+    text << in.rdbuf();
+    const nlohmann::json record = nlohmann::json::parse(text.str(), nullptr, false);
+    std::string hash;
+    if (record.is_discarded() || record.value("format", "") != "muond-job" ||
+        !record.contains("spec") || !record["token_sha256"].is_string() ||
+        (hash = absl::HexStringToBytes(record["token_sha256"].get<std::string>())).size() != 32) {
+      return absl::DataLossError(absl::StrCat("restore: ", path, " is not a muond job record"));
+    }
+    auto spec = common::ParseJobSpecJson(record["spec"].dump());
+    if (!spec.ok()) {
+      return absl::DataLossError(absl::StrCat("restore: ", path, ": ", spec.status().message()));
+    }
+    if (spec->job_id != name) {
+      return absl::DataLossError(absl::StrCat("restore: ", path, " names job '", spec->job_id,
+                                              "', its directory '", name, "'"));
+    }
+    const uint64_t bytes = MomentumBytes(*spec);
+    absl::MutexLock lock(&mu_);
+    if (max_momentum_bytes_ != 0 && momentum_bytes_ + bytes > max_momentum_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "restore: job '", name, "' needs ", bytes, " bytes of momentum; with the jobs before it ",
+          momentum_bytes_ + bytes, " > --max-momentum-bytes ", max_momentum_bytes_));
+    }
+    const uint64_t budget =
+        spec->gather_budget_bytes != 0 ? spec->gather_budget_bytes : default_gather_budget_bytes_;
+    auto job = std::make_shared<Job>(*std::move(spec), hash, backend_, executor_, budget, compute_,
+                                     absl::StrCat(jobs_dir, "/", name, "/checkpoints"));
+    std::string how;
+    if (!job->spec().transport_probe) {
+      auto loaded = job->LoadCheckpoint({});
+      if (loaded.ok()) {
+        how = absl::StrCat("from checkpoint generation ", loaded->info.generation, ", next step ",
+                           loaded->next_step);
+      } else if (loaded.status().code() == absl::StatusCode::kNotFound) {
+        how = "no checkpoint: zero momentum, next step 0";
+      } else {
+        how = absl::StrCat("FENCED: ", loaded.status().message());
+        job->Fence(absl::StrCat("restart: ", loaded.status().message()));
+      }
+    }
+    MUOND_LOG(INFO) << "job '" << name << "' restored (" << how << ")";
+    jobs_.emplace(name, std::move(job));
+    momentum_bytes_ += bytes;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status JobRegistry::Delete(const std::string& job_id) {
@@ -76,13 +215,29 @@ absl::Status JobRegistry::Delete(const std::string& job_id) {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    // Out of the way first (one rename): a restart never sees a half-removed job.
+    const std::string dir = JobDir(job_id);
+    const std::string gone = absl::StrCat(state_dir_, "/jobs/.deleted-", job_id, "-",
+                                          absl::ToUnixNanos(absl::Now()));
+    if (::rename(dir.c_str(), gone.c_str()) != 0 && errno != ENOENT) {
+      return absl::InternalError(absl::StrCat("job '", job_id, "': rename ", dir, " -> ", gone,
+                                              ": ", std::strerror(errno)));
+    }
     job = std::move(it->second);
     jobs_.erase(it);
     momentum_bytes_ -= MomentumBytes(job->spec());
+    job->MarkDeleted();
+    job->WaitForSaves();
+    if (absl::Status s = checkpoint::RemoveTree(gone); !s.ok()) {
+      MUOND_LOG(WARNING) << "job '" << job_id << "' deleted; its files: " << s.message();
+    }
   }
-  job->MarkDeleted();
   MUOND_LOG(INFO) << "job '" << job_id << "' deleted";
   return absl::OkStatus();
+}
+
+void JobRegistry::WaitForSaves() const {
+  for (const auto& job : List()) job->WaitForSaves();
 }
 
 absl::StatusOr<std::shared_ptr<Job>> JobRegistry::Find(const std::string& job_id) const {

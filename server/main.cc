@@ -156,7 +156,10 @@ int Run(int argc, char** argv) {
   // Declared before the registry: destroyed after it, once every queued task ran.
   ComputeExecutor executor(threads);
   JobRegistry registry((*compute)->why, config->max_momentum_bytes, config->gather_budget_bytes,
-                       &executor, compute->get());
+                       &executor, compute->get(), config->state_dir);
+  if (absl::Status s = registry.Restore(); !s.ok()) {
+    return Fail(1, absl::StrCat("--state-dir ", config->state_dir, ": ", s.message()));
+  }
   MuondService service(&registry);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -245,6 +248,25 @@ int Run(int argc, char** argv) {
   if (!drained) MUOND_LOG(WARNING) << "grace period over; cancelling the steps still in flight";
   server->Shutdown(std::chrono::system_clock::now());
   server->Wait();
+  // Every job's momentum to disk (after draining; no step runs now), unless nothing changed since
+  // its newest generation.
+  registry.WaitForSaves();
+  for (const auto& job : registry.List()) {
+    const v1::JobStatus st = job->Status();
+    if (job->spec().transport_probe || st.fenced()) {
+      if (st.fenced()) {
+        MUOND_LOG(WARNING) << "job '" << job->id() << "' is fenced; no checkpoint at shutdown";
+      }
+      continue;
+    }
+    if (job->last_checkpoint_step() == st.next_step()) continue;  // unchanged since
+    if (job->last_checkpoint_step() < 0 && st.steps_completed() == 0) continue;  // never stepped
+    auto saved = job->SaveCheckpoint();
+    if (!saved.ok()) {
+      MUOND_LOG(ERROR) << "shutdown checkpoint of job '" << job->id()
+                       << "' failed: " << saved.status().message();
+    }
+  }
   metrics_server.reset();  // issue 8: no scrape reads the registry or shm after this
   metrics_collector.reset();
   shm.reset();  // ends the shared-memory sessions (a step still in flight aborts)

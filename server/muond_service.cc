@@ -52,7 +52,19 @@ grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJ
   if (shutting_down_.load()) return Logged("CreateJob", absl::UnavailableError("muond is shutting down"));
   auto spec = common::JobSpecFromProto(req->spec());
   if (!spec.ok()) return Logged("CreateJob", spec.status());
-  auto created = registry_->Create(*std::move(spec));
+  std::optional<JobRegistry::RestoreFrom> restore;
+  if (req->has_restore()) {
+    const v1::RestoreFrom& r = req->restore();
+    if (r.generation() < 0 || (r.has_step() && r.step() < 0)) {
+      return Logged("CreateJob", absl::InvalidArgumentError(absl::StrCat(
+                                     "restore: generation ", r.generation(), " / step ",
+                                     r.has_step() ? r.step() : 0, " must not be negative")));
+    }
+    restore = JobRegistry::RestoreFrom{
+        r.job_id(), r.token(),
+        {r.generation() > 0 ? r.generation() : -1, r.has_step() ? r.step() : -1}};
+  }
+  auto created = registry_->Create(*std::move(spec), restore);
   if (!created.ok()) return Logged("CreateJob", created.status());
   resp->set_job_id(created->job->id());
   resp->set_token(created->token);
@@ -89,6 +101,63 @@ grpc::Status MuondService::ResetJob(grpc::ServerContext* ctx, const v1::ResetJob
     MUOND_LOG(INFO) << "job '" << req->job_id() << "' reset; next step " << req->next_step();
   }
   return Logged("ResetJob", s);
+}
+
+namespace {
+
+void ToProto(const checkpoint::GenerationInfo& info, v1::CheckpointInfo* out) {
+  out->set_generation(info.generation);
+  out->set_step(info.step);
+  out->set_created_unix_ms(info.created_unix_ms);
+  out->set_bytes(info.bytes);
+  out->set_path(info.path);
+  out->set_problem(info.problem);
+}
+
+}  // namespace
+
+grpc::Status MuondService::SaveCheckpoint(grpc::ServerContext* ctx,
+                                          const v1::SaveCheckpointRequest* req,
+                                          v1::CheckpointInfo* resp) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("SaveCheckpoint", job.status());
+  auto info = (*job)->SaveCheckpoint();
+  if (!info.ok()) return Logged("SaveCheckpoint", info.status());
+  ToProto(*info, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::LoadCheckpoint(grpc::ServerContext* ctx,
+                                          const v1::LoadCheckpointRequest* req,
+                                          v1::LoadCheckpointResponse* resp) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("LoadCheckpoint", job.status());
+  if (req->generation() < 0 || (req->has_step() && req->step() < 0)) {
+    return Logged("LoadCheckpoint",
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "job '", req->job_id(), "': generation ", req->generation(), " / step ",
+                      req->has_step() ? req->step() : 0, " must not be negative")));
+  }
+  checkpoint::Selector selector;
+  selector.generation = req->generation() > 0 ? req->generation() : -1;
+  selector.step = req->has_step() ? req->step() : -1;
+  auto loaded = (*job)->LoadCheckpoint(selector);
+  if (!loaded.ok()) return Logged("LoadCheckpoint", loaded.status());
+  ToProto(loaded->info, resp->mutable_loaded());
+  resp->set_next_step(loaded->next_step);
+  for (const std::string& p : loaded->set_aside) resp->add_set_aside(p);
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::ListCheckpoints(grpc::ServerContext* ctx,
+                                           const v1::ListCheckpointsRequest* req,
+                                           v1::ListCheckpointsResponse* resp) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("ListCheckpoints", job.status());
+  auto list = (*job)->ListCheckpoints();
+  if (!list.ok()) return Logged("ListCheckpoints", list.status());
+  for (const checkpoint::GenerationInfo& info : *list) ToProto(info, resp->add_generations());
+  return grpc::Status::OK;
 }
 
 grpc::Status MuondService::AttachRank(grpc::ServerContext* ctx, const v1::AttachRankRequest* req,

@@ -44,6 +44,12 @@ class MuondService final : public v1::Muond::Service {
                           v1::AttachRankResponse* resp) override;
   grpc::Status DetachRank(grpc::ServerContext* ctx, const v1::DetachRankRequest* req,
                           v1::DetachRankResponse* resp) override;
+  grpc::Status SaveCheckpoint(grpc::ServerContext* ctx, const v1::SaveCheckpointRequest* req,
+                              v1::CheckpointInfo* resp) override;
+  grpc::Status LoadCheckpoint(grpc::ServerContext* ctx, const v1::LoadCheckpointRequest* req,
+                              v1::LoadCheckpointResponse* resp) override;
+  grpc::Status ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest* req,
+                               v1::ListCheckpointsResponse* resp) override;
   grpc::Status Step(grpc::ServerContext* ctx,
                     grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) override;
 

@@ -1,0 +1,79 @@
+// `muonctl checkpoint save|load|list` (DESIGN.md 7).
+#include <cstdio>
+#include <ctime>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/muonctl_util.h"
+#include "common/status_macros.h"
+
+namespace muond::client {
+namespace {
+
+std::string Time(int64_t unix_ms) {
+  const std::time_t t = static_cast<std::time_t>(unix_ms / 1000);
+  std::tm tm;
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+}  // namespace
+
+absl::Status CmdCheckpoint(Client& client, const Args& a) {
+  const std::string sub = a.words.size() > 1 ? a.words[1] : "";
+  if (sub != "save" && sub != "load" && sub != "list") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown checkpoint command '", sub, "'"));
+  }
+  if (a.flags.count("job") == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint ", sub, " needs --job"));
+  }
+  const std::string id = a.flags.at("job");
+  ASSIGN_OR_RETURN(std::string token, Token(a));
+  if (sub == "save") {
+    ASSIGN_OR_RETURN(v1::CheckpointInfo info, client.SaveCheckpoint(id, token));
+    std::printf("saved job %s generation %lld at step %lld (%llu bytes) in %s\n", id.c_str(),
+                static_cast<long long>(info.generation()), static_cast<long long>(info.step()),
+                static_cast<unsigned long long>(info.bytes()), info.path().c_str());
+    return absl::OkStatus();
+  }
+  if (sub == "list") {
+    ASSIGN_OR_RETURN(auto list, client.ListCheckpoints(id, token));
+    std::printf("%-10s %10s %-20s %14s %s\n", "GENERATION", "STEP", "CREATED", "BYTES", "PATH");
+    for (const v1::CheckpointInfo& g : list) {
+      std::printf("%-10lld %10s %-20s %14llu %s%s\n", static_cast<long long>(g.generation()),
+                  g.problem().empty() ? std::to_string(g.step()).c_str() : "?",
+                  g.problem().empty() ? Time(g.created_unix_ms()).c_str() : "?",
+                  static_cast<unsigned long long>(g.bytes()), g.path().c_str(),
+                  g.problem().empty() ? "" : absl::StrCat(" (", g.problem(), ")").c_str());
+    }
+    return absl::OkStatus();
+  }
+  if (a.flags.count("generation") != 0 && a.flags.count("step") != 0) {
+    return absl::InvalidArgumentError("checkpoint load takes --generation or --step, not both");
+  }
+  int64_t generation = 0, step = -1;
+  if (a.flags.count("generation") != 0) {
+    ASSIGN_OR_RETURN(generation, IntFlag(a, "generation"));
+    if (generation < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--generation ", generation, ": generations are numbered from 1"));
+    }
+  }
+  if (a.flags.count("step") != 0) {
+    ASSIGN_OR_RETURN(step, IntFlag(a, "step"));
+    if (step < 0) return absl::InvalidArgumentError(absl::StrCat("--step ", step, " is negative"));
+  }
+  ASSIGN_OR_RETURN(v1::LoadCheckpointResponse r,
+                   client.LoadCheckpoint(id, token, generation, step));
+  for (const std::string& p : r.set_aside()) {
+    std::fprintf(stderr, "muonctl: warning: corrupt generation set aside as %s\n", p.c_str());
+  }
+  std::printf("loaded job %s generation %lld (step %lld); next step %lld\n", id.c_str(),
+              static_cast<long long>(r.loaded().generation()),
+              static_cast<long long>(r.loaded().step()), static_cast<long long>(r.next_step()));
+  return absl::OkStatus();
+}
+
+}  // namespace muond::client
