@@ -11,12 +11,9 @@
 
 #include <cstdint>
 
+#include "server/device/cuda/cuda_ns_plan.h"  // Elem, kMaxNormChunks
+
 namespace muond::server::device::cuda {
-
-// Element types of the Newton-Schulz buffers.
-enum class Elem { kF32, kBf16, kF16 };
-
-inline size_t ElemSize(Elem e) { return e == Elem::kF32 ? 4 : 2; }
 
 // Muon steps 1 and 2 (DESIGN.md 3) for n elements, with the host's Lerp and rounding (no FMA):
 //   m = lerp(momentum, grad, one_minus_beta); momentum = m; update = nesterov ? lerp(grad, m, beta) : m
@@ -28,7 +25,6 @@ cudaError_t LaunchMomentum(const float* grad, float* momentum, float* update, in
 // of squares (double) into partials[batch][chunks], then
 //   denom[b] = float(sqrt(sum)) * k + eps   (fp32 arithmetic, as the host computes it).
 // A non-finite sum (a NaN or Inf in the block) sets the flag. chunks in [1, kMaxNormChunks].
-constexpr int kMaxNormChunks = 64;
 int NormChunks(int64_t block_elems);
 cudaError_t LaunchNormPartials(const float* x, int64_t batch, int64_t block_elems, int chunks,
                                double* partials, cudaStream_t stream);

@@ -21,296 +21,57 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/device/cuda/cuda_kernels.h"
+#include "server/device/cuda/cuda_ns_plan.h"
 #include "server/device/cuda/cuda_status.h"
 #include "server/muon/muon_math.h"
 
 namespace muond::server::device::cuda {
 namespace {
 
-using common::DType;
 using common::MuonConfig;
-using common::NsMethod;
 
-// The coefficients and constants of newton_schulz.cc (DESIGN.md 3), which this file must match.
-struct Coefficients {
-  double a, b, c;
-};
-constexpr Coefficients kStandard{3.4445, -4.7750, 2.0315};
-constexpr Coefficients kPolarExpress[] = {
-    {8.28721201814563, -23.595886519098837, 17.300387312530933},
-    {4.107059111542203, -2.9478499167379106, 0.5448431082926601},
-    {3.9486908534822946, -2.908902115962949, 0.5518191394370137},
-    {3.3184196573706015, -2.488488024314874, 0.51004894012372},
-    {2.300652019954817, -1.6689039845747493, 0.4188073119525673},
-    {1.891301407787398, -1.2679958271945868, 0.37680408948524835},
-    {1.8750014808534479, -1.2500016453999487, 0.3750001645474248},
-};
-constexpr int kPolarExpressListed = sizeof(kPolarExpress) / sizeof(kPolarExpress[0]);
-constexpr Coefficients kPolarExpressTail{1.875, -1.25, 0.375};
-constexpr double kPolarExpressSafety = 1.01;
-constexpr double kNormEpsilon = 1e-7;
-constexpr int kGramRestartAfter = 2;
-constexpr int kBf16Fp32Steps = 2;
-constexpr int64_t kBf16SmallSide = 256;
-constexpr int64_t kBf16WideRatio = 8;
-constexpr size_t kAlign = 256;
 
-Coefficients IterationCoefficients(NsMethod method, int i, int steps) {
-  if (method != NsMethod::kPolarExpress) return kStandard;
-  Coefficients k = i < kPolarExpressListed ? kPolarExpress[i] : kPolarExpressTail;
-  if (i != steps - 1) {
-    const double f = kPolarExpressSafety;
-    k.a /= f;
-    k.b /= f * f * f;
-    k.c /= f * f * f * f * f;
-  }
-  return k;
-}
-
-cudaDataType CudaType(Elem e) {
-  switch (e) {
-    case Elem::kF32:
-      return CUDA_R_32F;
-    case Elem::kBf16:
-      return CUDA_R_16BF;
-    case Elem::kF16:
-      return CUDA_R_16F;
-  }
-  return CUDA_R_32F;
-}
-
-size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-// A batch of row-major blocks in one element type.
-struct Mat {
-  void* data;
-  Elem type;
-};
-
-// Workspace bytes for `blocks` blocks of m x n (m <= n): two [B, m, n] fp32 buffers (X and the
-// next X, also used as 16-bit), five [B, m, m] fp32 buffers (A/R, B/P, Q, T and a 16-bit cast),
-// the per-block denominators and norm partial sums.
-struct WorkspaceLayout {
-  WorkspaceLayout(int64_t blocks, int64_t m, int64_t n) {
-    e_bytes = AlignUp(static_cast<size_t>(blocks * m * n) * sizeof(float));
-    s_bytes = AlignUp(static_cast<size_t>(blocks * m * m) * sizeof(float));
-    denom_bytes = AlignUp(static_cast<size_t>(blocks) * sizeof(float));
-    partial_bytes = AlignUp(static_cast<size_t>(blocks) * kMaxNormChunks * sizeof(double));
-    total = 2 * e_bytes + 5 * s_bytes + denom_bytes + partial_bytes;
-  }
-  size_t e_bytes, s_bytes, denom_bytes, partial_bytes, total;
-};
-
-// Newton-Schulz on B blocks of m x n (m <= n) in a workspace, enqueued on one stream.
-class BatchedNs {
+// The plan's primitive operations on a CUDA stream: cuBLAS and the kernels of cuda_kernels.h.
+class CudaNsOps final : public NsOps {
  public:
-  BatchedNs(const MuonLaunch& launch, const MuonConfig& config, int64_t blocks, int64_t m,
-            int64_t n, char* workspace)
-      : launch_(launch), config_(config), blocks_(blocks), m_(m), n_(n), layout_(blocks, m, n) {
-    char* p = workspace;
-    e_[0] = p;
-    e_[1] = p + layout_.e_bytes;
-    p += 2 * layout_.e_bytes;
-    for (void*& s : s_) {
-      s = p;
-      p += layout_.s_bytes;
-    }
-    denom_ = reinterpret_cast<float*>(p);
-    partials_ = reinterpret_cast<double*>(p + layout_.denom_bytes);
-  }
-
-  // The normalized input goes here, in FirstType(), block by block.
-  void* input() const { return e_[0]; }
-  float* denom() const { return denom_; }
-  double* partials() const { return partials_; }
-  Elem FirstType() const {
-    return config_.compute_dtype == DType::kFloat16 ? Elem::kF16 : Elem::kF32;
-  }
-
-  // Runs the iterations on input(); the result is *out ([B, m, n] of type out->type).
-  absl::Status Run(Mat* out) {
-    const int steps = config_.ns_steps;
-    const NsMethod method = config_.ns_method;
-    const Elem compute = config_.compute_dtype == DType::kFloat32    ? Elem::kF32
-                         : config_.compute_dtype == DType::kBFloat16 ? Elem::kBf16
-                                                                     : Elem::kF16;
-    if (method == NsMethod::kGram && m_ != n_) return GramMethod(compute, out);
-    Mat x{e_[0], FirstType()};
-    Mat next{e_[1], FirstType()};
-    if (compute != Elem::kBf16) {
-      RETURN_IF_ERROR(Direct(&x, &next, 0, steps));
-      *out = x;
-      return absl::OkStatus();
-    }
-    // bf16 precision plan of newton_schulz.cc: iterations 0 and 1 in fp32, then bf16.
-    const int fp32_steps = std::min(kBf16Fp32Steps, steps);
-    RETURN_IF_ERROR(Direct(&x, &next, 0, fp32_steps));
-    if (fp32_steps < steps) {
-      next.type = Elem::kBf16;
-      RETURN_IF_ERROR(Convert(x, next, Elems()));
-      std::swap(x, next);
-      next.type = Elem::kBf16;
-      const bool fp32_polynomial = m_ < kBf16SmallSide || n_ >= kBf16WideRatio * m_;
-      RETURN_IF_ERROR(fp32_polynomial ? Fp32Polynomial(&x, &next, fp32_steps, steps)
-                                       : Direct(&x, &next, fp32_steps, steps));
-    }
-    *out = x;
-    return absl::OkStatus();
-  }
-
- private:
-  int64_t Elems() const { return blocks_ * m_ * n_; }
-  int64_t Squares() const { return blocks_ * m_ * m_; }
-
-  // Row-major C[M, N] = alpha op(A)[M, K] op(B)[K, N] + beta C, batched over the blocks; ld* are
-  // the row lengths of the stored operands, stride* their block strides (elements).
-  absl::Status RowMajorGemm(bool ta, bool tb, int64_t rows, int64_t cols, int64_t inner,
-                            float alpha, Mat a, int64_t lda, int64_t stride_a, Mat b, int64_t ldb,
-                            int64_t stride_b, float beta, Mat c, int64_t ldc, int64_t stride_c) {
+  explicit CudaNsOps(const MuonLaunch& launch) : launch_(launch) {}
+  absl::Status Gemm(const GemmArgs& g) override {
     MUOND_CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(
-        launch_.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-        static_cast<int>(cols), static_cast<int>(rows), static_cast<int>(inner), &alpha, b.data,
-        CudaType(b.type), static_cast<int>(ldb), stride_b, a.data, CudaType(a.type),
-        static_cast<int>(lda), stride_a, &beta, c.data, CudaType(c.type), static_cast<int>(ldc),
-        stride_c, static_cast<int>(blocks_), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        launch_.blas, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+        g.m, g.n, g.k, &g.alpha, g.a.data, CudaType(g.a.type), g.lda, g.stride_a, g.b.data,
+        CudaType(g.b.type), g.ldb, g.stride_b, &g.beta, g.c.data, CudaType(g.c.type), g.ldc,
+        g.stride_c, g.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return absl::OkStatus();
   }
-  // out[m, m] = X X^T
-  absl::Status XXt(Mat x, Mat out) {
-    return RowMajorGemm(false, true, m_, m_, n_, 1.0f, x, n_, m_ * n_, x, n_, m_ * n_, 0.0f, out,
-                        m_, m_ * m_);
-  }
-  // out[m, m] = alpha a b + beta out
-  absl::Status Square(Mat a, Mat b, float alpha, float beta, Mat out) {
-    return RowMajorGemm(false, false, m_, m_, m_, alpha, a, m_, m_ * m_, b, m_, m_ * m_, beta, out,
-                        m_, m_ * m_);
-  }
-  // out[m, n] = alpha p x + beta out
-  absl::Status Left(Mat p, Mat x, float alpha, float beta, Mat out) {
-    return RowMajorGemm(false, false, m_, n_, m_, alpha, p, m_, m_ * m_, x, n_, m_ * n_, beta, out,
-                        n_, m_ * n_);
-  }
-  absl::Status Copy(Mat to, Mat from, int64_t elems) {
+  absl::Status Copy(Mat to, Mat from, int64_t elems) override {
     MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(to.data, from.data, elems * ElemSize(from.type),
                                                cudaMemcpyDeviceToDevice, launch_.stream));
     return absl::OkStatus();
   }
-  absl::Status Convert(Mat from, Mat to, int64_t elems) {
+  absl::Status Convert(Mat from, Mat to, int64_t elems) override {
     MUOND_CUDA_RETURN_IF_ERROR(
         LaunchConvert(from.type, from.data, to.type, to.data, elems, launch_.stream));
     return absl::OkStatus();
   }
-  absl::Status AddDiagonal(Mat p, double a) {
-    MUOND_CUDA_RETURN_IF_ERROR(LaunchAddDiagonal(static_cast<float*>(p.data), blocks_, m_,
-                                                 static_cast<float>(a), launch_.stream));
+  absl::Status AddDiagonal(Mat p, int64_t blocks, int64_t m, float a) override {
+    MUOND_CUDA_RETURN_IF_ERROR(
+        LaunchAddDiagonal(static_cast<float*>(p.data), blocks, m, a, launch_.stream));
     return absl::OkStatus();
   }
 
-  // Iterations [begin, end) of the formula as written, in x's type:
-  // A = X X^T; B = b A + c A A; X = a X + B X.
-  absl::Status Direct(Mat* x, Mat* next, int begin, int end) {
-    const Mat a{s_[0], x->type};
-    const Mat b{s_[1], x->type};
-    for (int i = begin; i < end; ++i) {
-      const Coefficients k = IterationCoefficients(config_.ns_method, i, config_.ns_steps);
-      RETURN_IF_ERROR(XXt(*x, a));
-      RETURN_IF_ERROR(Copy(b, a, Squares()));
-      RETURN_IF_ERROR(Square(a, a, static_cast<float>(k.c), static_cast<float>(k.b), b));
-      next->type = x->type;
-      RETURN_IF_ERROR(Copy(*next, *x, Elems()));
-      RETURN_IF_ERROR(Left(b, *x, 1.0f, static_cast<float>(k.a), *next));
-      std::swap(*x, *next);
+ private:
+  static cudaDataType CudaType(Elem e) {
+    switch (e) {
+      case Elem::kF32:
+        return CUDA_R_32F;
+      case Elem::kBf16:
+        return CUDA_R_16BF;
+      case Elem::kF16:
+        return CUDA_R_16F;
     }
-    return absl::OkStatus();
+    return CUDA_R_32F;
   }
-
-  // bf16 iterations [begin, end) with the m x m polynomial in fp32:
-  // A = X X^T (bf16), P = a I + b A + c A A (fp32), X = bf16(P) X (bf16).
-  absl::Status Fp32Polynomial(Mat* x, Mat* next, int begin, int end) {
-    const Mat a{s_[0], Elem::kBf16};
-    const Mat a32{s_[1], Elem::kF32};
-    const Mat p{s_[2], Elem::kF32};
-    const Mat p16{s_[3], Elem::kBf16};
-    for (int i = begin; i < end; ++i) {
-      const Coefficients k = IterationCoefficients(config_.ns_method, i, config_.ns_steps);
-      RETURN_IF_ERROR(XXt(*x, a));
-      RETURN_IF_ERROR(Convert(a, a32, Squares()));
-      RETURN_IF_ERROR(Copy(p, a32, Squares()));
-      RETURN_IF_ERROR(Square(a32, a32, static_cast<float>(k.c), static_cast<float>(k.b), p));
-      RETURN_IF_ERROR(AddDiagonal(p, k.a));
-      RETURN_IF_ERROR(Convert(p, p16, Squares()));
-      RETURN_IF_ERROR(Left(p16, *x, 1.0f, 0.0f, *next));
-      std::swap(*x, *next);
-    }
-    return absl::OkStatus();
-  }
-
-  // The gram method of newton_schulz.cc (GramIterations): the polynomial on R = X0 X0^T with the
-  // m x m side in fp32, Q accumulated, X = Q X0 at the restart and at the end. X0 starts in the
-  // first type (fp32, or fp16) and is `compute` after the restart.
-  absl::Status GramMethod(Elem compute, Mat* out) {
-    Mat x0{e_[0], FirstType()};
-    Mat spare{e_[1], FirstType()};
-    Mat r{s_[0], Elem::kF32}, p{s_[1], Elem::kF32}, q{s_[2], Elem::kF32}, t{s_[3], Elem::kF32};
-    const int steps = config_.ns_steps;
-    // Q in X0's type for Q X0 (fp32: Q itself).
-    auto q_as = [&](Elem type, Mat* qc) -> absl::Status {
-      if (type == Elem::kF32) {
-        *qc = q;
-        return absl::OkStatus();
-      }
-      *qc = Mat{s_[4], type};
-      return Convert(q, *qc, Squares());
-    };
-    RETURN_IF_ERROR(XXt(x0, r));  // mixed: X0's type in, fp32 out
-    bool q_is_identity = true;
-    for (int i = 0; i < steps; ++i) {
-      if (i == kGramRestartAfter) {
-        Mat qc{};
-        RETURN_IF_ERROR(q_as(x0.type, &qc));
-        spare.type = x0.type;
-        RETURN_IF_ERROR(Left(qc, x0, 1.0f, 0.0f, spare));
-        if (x0.type != compute) {
-          x0.type = compute;
-          RETURN_IF_ERROR(Convert(spare, x0, Elems()));
-        } else {
-          std::swap(x0, spare);
-        }
-        RETURN_IF_ERROR(XXt(x0, r));
-        q_is_identity = true;
-      }
-      const Coefficients k = IterationCoefficients(config_.ns_method, i, steps);
-      RETURN_IF_ERROR(Copy(p, r, Squares()));
-      RETURN_IF_ERROR(Square(r, r, static_cast<float>(k.c), static_cast<float>(k.b), p));
-      RETURN_IF_ERROR(AddDiagonal(p, k.a));
-      if (i + 1 < steps && i + 1 != kGramRestartAfter) {
-        RETURN_IF_ERROR(Square(r, p, 1.0f, 0.0f, t));
-        RETURN_IF_ERROR(Square(p, t, 1.0f, 0.0f, r));
-      }
-      if (q_is_identity) {
-        std::swap(q, p);
-        q_is_identity = false;
-      } else {
-        RETURN_IF_ERROR(Square(p, q, 1.0f, 0.0f, t));
-        std::swap(q, t);
-      }
-    }
-    Mat qc{};
-    RETURN_IF_ERROR(q_as(x0.type, &qc));
-    spare.type = x0.type;
-    RETURN_IF_ERROR(Left(qc, x0, 1.0f, 0.0f, spare));
-    *out = spare;
-    return absl::OkStatus();
-  }
-
   const MuonLaunch& launch_;
-  const MuonConfig& config_;
-  const int64_t blocks_, m_, n_;
-  const WorkspaceLayout layout_;
-  void* e_[2];
-  void* s_[5];
-  float* denom_;
-  double* partials_;
 };
 
 struct ItemShape {
@@ -333,11 +94,11 @@ absl::Status RunGroup(const MuonLaunch& launch, const MuonConfig& config,
     return absl::InvalidArgumentError(absl::StrCat("matrix '", items[group.front().index].spec->name,
                                                    "': blocks too large for cuBLAS"));
   }
-  const WorkspaceLayout layout(blocks, m, n);
+  const NsWorkspace layout(blocks, m, n);
   ASSIGN_OR_RETURN(DeviceBuffer workspace, launch.allocate(layout.total));
-  BatchedNs ns(launch, config, blocks, m, n, static_cast<char*>(workspace.data()));
-  const float k = static_cast<float>(
-      config.ns_method == NsMethod::kPolarExpress ? kPolarExpressSafety : 1.0);
+  CudaNsOps ops(launch);
+  NsPlan ns(ops, config, blocks, m, n, static_cast<char*>(workspace.data()));
+  const float k = static_cast<float>(NsNormFactor(config.ns_method));
   const Elem first = ns.FirstType();
   int64_t offset = 0;  // blocks before the item
   for (const ItemShape& s : group) {
@@ -347,7 +108,7 @@ absl::Status RunGroup(const MuonLaunch& launch, const MuonConfig& config,
         u, s.g.batch, rows * cols, chunks, ns.partials() + offset * kMaxNormChunks, launch.stream));
     MUOND_CUDA_RETURN_IF_ERROR(LaunchNormFinalize(
         ns.partials() + offset * kMaxNormChunks, s.g.batch, chunks, k,
-        static_cast<float>(kNormEpsilon), ns.denom() + offset, launch.flag,
+        static_cast<float>(kNsNormEpsilon), ns.denom() + offset, launch.flag,
         FlagCode(launch.first_seq + s.index, kInputNotFinite), launch.stream));
     MUOND_CUDA_RETURN_IF_ERROR(LaunchTransform(
         Elem::kF32, u, first, static_cast<char*>(ns.input()) + offset * m * n * ElemSize(first),
@@ -426,7 +187,7 @@ absl::Status EnqueueMuon(const MuonLaunch& launch, const MuonConfig& config,
     int64_t blocks = 0;
     for (const ItemShape& s : group) {
       if (!batch.empty() &&
-          WorkspaceLayout(blocks + s.g.batch, m, n).total > launch.workspace_cap) {
+          NsWorkspace(blocks + s.g.batch, m, n).total > launch.workspace_cap) {
         RETURN_IF_ERROR(RunGroup(launch, config, items, batch));
         batch.clear();
         blocks = 0;
