@@ -62,12 +62,14 @@ common::JobSpec LayerSet(int layers, common::DType dtype) {
 }  // namespace
 
 int RunStepBench(int argc, char** argv) {
-  auto flags = ParseFlags(argc, argv, {"ranks", "layers", "dtype", "steps", "threads"});
+  auto flags = ParseFlags(argc, argv, {"ranks", "layers", "dtype", "steps", "threads", "backend"});
   if (!flags.ok() || flags->count("help")) {
     std::fprintf(flags.ok() ? stdout : stderr,
                  "%s%susage: muond-bench step [--ranks 1,2,4] [--layers 2] [--dtype bfloat16]\n"
-                 "                        [--steps 1] [--threads N]\n"
-                 "  --steps  timed steps per configuration (after one warm-up step)\n",
+                 "                        [--steps 1] [--threads N] [--backend cpu]\n"
+                 "  --steps    timed steps per configuration (after one warm-up step)\n"
+                 "  --backend  the daemon's --backend (cpu, cuda, auto, ...); the baseline is\n"
+                 "             always the in-process CPU update\n",
                  flags.ok() ? "" : std::string(flags.status().message()).c_str(),
                  flags.ok() ? "" : "\n");
     return flags.ok() ? 0 : 2;
@@ -129,7 +131,7 @@ int RunStepBench(int argc, char** argv) {
 
   const std::string dir = MakeTempDir("muond-bench-step");
   std::string address;
-  const pid_t daemon = StartDaemon(dir, threads, &address);
+  const pid_t daemon = StartDaemon(dir, threads, &address, {"--backend", get("backend", "cpu")});
   auto client = client::Client::Connect(address);
   const bool up = client.ok() && WaitHealthy(**client);
   int code = 0;

@@ -27,6 +27,10 @@ constexpr Subcommand kSubcommands[] = {
      RunTransportBench},
     {"overlap", "simulated device: pipelined step time vs the serial sum of its stages",
      RunOverlapBench},
+#ifdef MUOND_HAVE_CUDA
+    {"gpu", "CUDA: Newton-Schulz vs cuBLAS GEMM peak, pinned vs pageable copies, Muon apply",
+     RunGpuBench},
+#endif
 };
 
 void PrintUsage(std::FILE* out) {
