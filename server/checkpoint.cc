@@ -191,9 +191,18 @@ absl::StatusOr<std::vector<Entry>> ScanDir(const std::string& dir) {
   return out;
 }
 
+// Reading a file of a complete generation: a missing file or an I/O error is damage to the
+// generation (DATA_LOSS), not a passing condition.
+absl::Status ReadError(int err, const char* call, const std::string& path) {
+  if (err == ENOENT || err == EIO) {
+    return absl::DataLossError(absl::StrCat(call, " ", path, ": ", std::strerror(err)));
+  }
+  return ErrnoStatus(err, call, path);
+}
+
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, uint64_t limit) {
   const int f = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f < 0) return ErrnoStatus(errno, "open", path);
+  if (f < 0) return ReadError(errno, "open", path);
   Fd fd(f);
   std::string out;
   char buf[65536];
@@ -201,7 +210,7 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, uint64_t limi
     const ssize_t r = ::read(fd.get(), buf, sizeof buf);
     if (r < 0) {
       if (errno == EINTR) continue;
-      return ErrnoStatus(errno, "read", path);
+      return ReadError(errno, "read", path);
     }
     if (r == 0) break;
     out.append(buf, static_cast<size_t>(r));
@@ -219,7 +228,7 @@ absl::Status PreadAll(int fd, void* data, size_t n, uint64_t offset, const std::
                               static_cast<off_t>(offset));
     if (r < 0) {
       if (errno == EINTR) continue;
-      return ErrnoStatus(errno, "read", path);
+      return ReadError(errno, "read", path);
     }
     if (r == 0) return absl::DataLossError(absl::StrCat(path, ": truncated at byte ", offset));
     p += r;
@@ -284,7 +293,7 @@ absl::StatusOr<Loaded> Verify(const std::string& gen_dir) {
 
   const std::string path = absl::StrCat(gen_dir, "/", kPayload);
   const int f = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f < 0) return ErrnoStatus(errno, "open", path);
+  if (f < 0) return ReadError(errno, "open", path);
   Fd fd(f);
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", path);
@@ -301,6 +310,11 @@ absl::StatusOr<Loaded> Verify(const std::string& gen_dir) {
   }
   std::string header(header_len, '\0');
   RETURN_IF_ERROR(PreadAll(fd.get(), header.data(), header_len, 8, path));
+  if (!manifest["payload_header_crc32c"].is_number_unsigned() ||
+      common::Crc32c(header.data(), header.size()) !=
+          manifest["payload_header_crc32c"].get<uint32_t>()) {
+    return absl::DataLossError(absl::StrCat(path, ": header checksum mismatch"));
+  }
   Json h = Json::parse(header, nullptr, /*allow_exceptions=*/false);
   if (h.is_discarded() || !h.is_object()) {
     return absl::DataLossError(absl::StrCat(path, ": header is not valid JSON"));
@@ -480,6 +494,7 @@ absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t
     std::string header_text = header.dump();
     header_text.append((8 - header_text.size() % 8) % 8, ' ');
     const uint64_t header_len = header_text.size();
+    const uint32_t header_crc = common::Crc32c(header_text.data(), header_text.size());
     info.bytes = 8 + header_len + offset;
 
     const std::string payload = absl::StrCat(tmp_dir, "/", kPayload);
@@ -510,6 +525,7 @@ absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t
                      {"job", Json::parse(common::JobSpecToJson(spec))},
                      {"payload", kPayload},
                      {"payload_bytes", info.bytes},
+                     {"payload_header_crc32c", header_crc},
                      {"tensors", std::move(tensors)}};
     manifest["checksum"] = JsonChecksum(manifest);
     const std::string manifest_text = manifest.dump(1) + "\n";

@@ -7,6 +7,7 @@
 //                          "step": S (the job's next step at the snapshot), "created_unix_ms",
 //                          "job": the job spec (job.json form, Muon config included),
 //                          "payload": "momentum.safetensors", "payload_bytes",
+//                          "payload_header_crc32c": CRC32C of the safetensors header JSON,
 //                          "tensors": [{"name", "shape", "dtype": "float32",
 //                                       "data_offsets": [begin, end], "crc32c"}],
 //                          "checksum": CRC32C of this JSON without "checksum" (compact dump)}.

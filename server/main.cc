@@ -13,9 +13,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "server/daemon_config.h"
@@ -25,6 +29,7 @@
 #include "server/compute_device.h"
 #include "server/compute_executor.h"
 #include "server/device/device.h"
+#include "server/checkpoint.h"
 #include "server/job_registry.h"
 #include "server/shm_server.h"
 #include "server/muon/muon_math.h"
@@ -87,6 +92,37 @@ absl::Status PrepareUnixSocket(const std::string& path) {
     return absl::AlreadyExistsError(absl::StrCat("another process serves unix://", path));
   }
   ::unlink(path.c_str());
+  return absl::OkStatus();
+}
+
+// Fault injection for the checkpoint tests, from $MUOND_TEST_CHECKPOINT_FAULT: "delay:MS" (every
+// checkpoint write call sleeps MS ms: a slow disk) or "POINT:NTH:ERRNO" (the NTH call at POINT =
+// mkdir|open|write|fsync|fsyncdir|rename fails with ERRNO, e.g. "write:2:28" for ENOSPC).
+absl::Status ArmCheckpointFault() {
+  const char* env = std::getenv("MUOND_TEST_CHECKPOINT_FAULT");
+  if (env == nullptr || *env == '\0') return absl::OkStatus();
+  const std::vector<std::string> parts = absl::StrSplit(env, ':');
+  checkpoint::Fault f;
+  int a = 0, b = 0;
+  if (parts.size() == 2 && parts[0] == "delay" && absl::SimpleAtoi(parts[1], &a) && a > 0) {
+    f.point = checkpoint::IoPoint::kWrite;
+    f.delay_ms = a;
+  } else if (parts.size() == 3 && absl::SimpleAtoi(parts[1], &a) && a > 0 &&
+             absl::SimpleAtoi(parts[2], &b) && b > 0) {
+    const std::map<std::string, checkpoint::IoPoint> points = {
+        {"mkdir", checkpoint::IoPoint::kMkdir},     {"open", checkpoint::IoPoint::kOpen},
+        {"write", checkpoint::IoPoint::kWrite},     {"fsync", checkpoint::IoPoint::kFsyncFile},
+        {"fsyncdir", checkpoint::IoPoint::kFsyncDir}, {"rename", checkpoint::IoPoint::kRename}};
+    auto it = points.find(parts[0]);
+    if (it == points.end()) return absl::InvalidArgumentError(absl::StrCat("unknown point ", parts[0]));
+    f.point = it->second;
+    f.nth = a;
+    f.error = b;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("cannot parse '", env, "'"));
+  }
+  checkpoint::SetFaultForTesting(f);
+  MUOND_LOG(WARNING) << "checkpoint fault injection armed: " << env;
   return absl::OkStatus();
 }
 
@@ -157,6 +193,9 @@ int Run(int argc, char** argv) {
   ComputeExecutor executor(threads);
   JobRegistry registry((*compute)->why, config->max_momentum_bytes, config->gather_budget_bytes,
                        &executor, compute->get(), config->state_dir);
+  if (absl::Status s = ArmCheckpointFault(); !s.ok()) {
+    return Fail(2, absl::StrCat("MUOND_TEST_CHECKPOINT_FAULT: ", s.message()));
+  }
   if (absl::Status s = registry.Restore(); !s.ok()) {
     return Fail(1, absl::StrCat("--state-dir ", config->state_dir, ": ", s.message()));
   }
