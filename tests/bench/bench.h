@@ -27,6 +27,8 @@ int RunStepBench(int argc, char** argv);
 int RunTransportBench(int argc, char** argv);
 // `muond-bench overlap`: the simulated device's step time, pipelined against a serial schedule.
 int RunOverlapBench(int argc, char** argv);
+// `muond-bench checkpoint`: save/load throughput vs plain sequential I/O; step time during saves.
+int RunCheckpointBench(int argc, char** argv);
 // `muond-bench gpu` (built with the CUDA backend): the CUDA device against cuBLAS and copy peaks.
 int RunGpuBench(int argc, char** argv);
 

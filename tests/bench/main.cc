@@ -27,6 +27,8 @@ constexpr Subcommand kSubcommands[] = {
      RunTransportBench},
     {"overlap", "simulated device: pipelined step time vs the serial sum of its stages",
      RunOverlapBench},
+    {"checkpoint", "checkpoint save/load GB/s vs plain write/read; step time during saves",
+     RunCheckpointBench},
 #ifdef MUOND_HAVE_CUDA
     {"gpu", "CUDA: Newton-Schulz vs cuBLAS GEMM peak, pinned vs pageable copies, Muon apply",
      RunGpuBench},
