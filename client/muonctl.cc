@@ -126,6 +126,11 @@ void PrintStatus(const v1::JobStatus& st) {
               static_cast<unsigned long long>(st.gather_peak_bytes()));
   std::printf("host_copy_bytes: %llu\nlast_step_device_seconds: %.6f\n",
               static_cast<unsigned long long>(st.host_copy_bytes()), st.last_step_device_seconds());
+  std::printf("checkpoints: %s every=%llu keep=%d last_step=%s\n", st.checkpoint_dir().c_str(),
+              static_cast<unsigned long long>(st.spec().checkpoint_every_steps()),
+              st.spec().checkpoint_keep(),
+              st.has_last_checkpoint_step() ? std::to_string(st.last_checkpoint_step()).c_str()
+                                            : "none");
   if (spec_or.ok()) {
     const common::MuonConfig& m = spec_or->muon;
     std::printf("muon: momentum=%g nesterov=%s ns_method=%s ns_steps=%d compute_dtype=%s "

@@ -74,6 +74,9 @@ struct Families {
                                         "Bytes of whole matrices the job may assemble at once."));
     job_gather_peak = Must(
         r.AddGauge("muond_job_gather_peak_bytes", "The most bytes the job has assembled at once."));
+    job_checkpoint_age = Must(r.AddGauge(
+        "muond_checkpoint_newest_age_seconds",
+        "Seconds since the newest checkpoint generation this daemon wrote or loaded for the job."));
     steps_completed =
         Must(r.AddCounter("muond_steps_completed_total", "Optimizer steps committed."));
     steps_refused = Must(r.AddCounter("muond_steps_refused_total",
@@ -114,7 +117,8 @@ struct Families {
   void RemoveJob(const std::string& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_series_mu) {
     const Labels labels{{kJobLabel, job}};
     for (Family<Gauge>* f : {job_world_size, job_ranks_attached, job_next_step, job_fenced,
-                             job_momentum, job_gather_budget, job_gather_peak}) {
+                             job_momentum, job_gather_budget, job_gather_peak,
+                             job_checkpoint_age}) {
       f->Remove(&f->Add(labels));
     }
     for (Family<Counter>* f : {steps_completed, steps_refused, steps_aborted, host_copy,
@@ -135,7 +139,7 @@ struct Families {
   Family<Gauge>*build_info, *device_info, *start_time, *jobs, *ranks_attached, *momentum,
       *momentum_limit, *queue_depth, *shm_sessions, *pinned, *memlock_limit;
   Family<Gauge>*job_world_size, *job_ranks_attached, *job_next_step, *job_fenced, *job_momentum,
-      *job_gather_budget, *job_gather_peak;
+      *job_gather_budget, *job_gather_peak, *job_checkpoint_age;
   Family<Counter>*steps_completed, *steps_refused, *steps_aborted, *host_copy, *rpc_errors,
       *checkpoint_saves, *checkpoint_bytes;
   Family<Histogram>*step_seconds, *phase_seconds, *checkpoint_seconds;
@@ -282,6 +286,11 @@ void DaemonMetricsCollector::Collect() {
     f.job_momentum->Add(labels).Set(static_cast<double>(st.momentum_bytes()));
     f.job_gather_budget->Add(labels).Set(static_cast<double>(st.gather_budget_bytes()));
     f.job_gather_peak->Add(labels).Set(static_cast<double>(st.gather_peak_bytes()));
+    if (st.has_last_checkpoint_step()) {
+      f.job_checkpoint_age->Add(labels).Set(
+          static_cast<double>(absl::ToUnixMillis(absl::Now()) - st.last_checkpoint_unix_ms()) /
+          1000.0);
+    }
     Seen& seen = seen_[id];
     Advance(f.steps_completed->Add(labels), st.steps_completed(), &seen.completed);
     Advance(f.steps_refused->Add(labels), st.steps_refused(), &seen.refused);

@@ -525,6 +525,11 @@ v1::JobStatus Job::Status() const {
   st.set_gather_peak_bytes(gather_peak_bytes_);
   st.set_last_step_device_seconds(last_step_device_seconds_);
   st.set_host_copy_bytes(host_copy_bytes_.load());
+  if (last_checkpoint_step_.load() >= 0) {
+    st.set_last_checkpoint_step(last_checkpoint_step_.load());
+    st.set_last_checkpoint_unix_ms(last_checkpoint_unix_ms_.load());
+  }
+  st.set_checkpoint_dir(store_.dir());
   if (in_flight_ != nullptr) st.set_step_in_flight(in_flight_->step);
   for (int r = 0; r < spec_.world_size; ++r) {
     v1::RankStatus* rs = st.add_ranks();

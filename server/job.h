@@ -265,6 +265,7 @@ class Job : public std::enable_shared_from_this<Job> {
   checkpoint::Store store_;
   std::atomic<bool> background_save_{false};
   std::atomic<int64_t> last_checkpoint_step_{-1};
+  std::atomic<int64_t> last_checkpoint_unix_ms_{0};
 
   mutable absl::Mutex mu_;
   std::vector<uint64_t> sessions_ ABSL_GUARDED_BY(mu_);  // per rank; 0 = not attached

@@ -68,6 +68,7 @@ absl::StatusOr<checkpoint::GenerationInfo> Job::SaveCheckpoint() {
     return info.status();
   }
   last_checkpoint_step_ = step;
+  last_checkpoint_unix_ms_ = info->created_unix_ms;
   MUOND_LOG(INFO) << "job '" << id() << "': checkpoint generation " << info->generation
                   << " at step " << step << " (" << info->bytes << " bytes, " << seconds
                   << " s) in " << info->path;
@@ -170,6 +171,7 @@ absl::StatusOr<Job::LoadResult> Job::LoadCheckpoint(const checkpoint::Selector& 
   }
   RETURN_IF_ERROR(InstallMomentum(*loaded, loaded->info.path));
   last_checkpoint_step_ = loaded->info.step;
+  last_checkpoint_unix_ms_ = loaded->info.created_unix_ms;
   MUOND_LOG(INFO) << "job '" << id() << "': loaded checkpoint generation "
                   << loaded->info.generation << " (" << loaded->info.path << "); next step "
                   << next_step_;
