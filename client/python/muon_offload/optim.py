@@ -33,7 +33,7 @@ import torch
 from . import reference
 from ._native import CODES, MuondError
 from .client import Client, dtype_name
-from .zero import Partition, all_gather_partitions, copy_into_buffer, job_partitions
+from .zero import all_gather_partitions, copy_into_buffer, job_partitions
 
 MUON_KEYS = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True, "ns_steps": 5,
              "ns_method": "standard", "adjust_lr_fn": None, "scale_mode": None, "num_heads": 1}
@@ -76,6 +76,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                  reduce_gradients=None, takeover=False):
         if backend not in ("muond", "local"):
             raise ValueError(f"backend must be 'muond' or 'local', not '{backend}'")
+        if token is not None and not job_id:
+            raise ValueError("a token was given without the job_id it belongs to")
         self.backend = backend
         self._sealed = False
         super().__init__(list(param_groups), {})
@@ -114,13 +116,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         # The id is rank 0's choice; every rank needs it for the layout.
         self.job_id = self._on_rank0(lambda: job_id or f"muon-{uuid.uuid4().hex[:16]}")
         self.spec = self._job_spec()
-        self.partitions = [Partition(p.rank, p.spans, p.buffer_elements)
-                           for p in job_partitions(self.spec)]
+        self.partitions = job_partitions(self.spec)
         self.partition = self.partitions[self.rank]
+        self.dtype = self._muon[0][1].dtype
         self.client = Client(address)
-        created = self._on_rank0(lambda: self._create_job(token, takeover))
-        self.job_id, self.token = created
-        self._attach(takeover)
+        self.token = self._on_rank0(self._create_job)
+        self._all_ranks(lambda: self._attach(takeover))
 
     # ----- parameter groups -----
 
@@ -223,17 +224,32 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             raise MuondError(*result[1])
         return result[0]
 
+    def _all_ranks(self, fn):
+        """Runs fn on every rank; when it fails on any, every rank raises (the first failure), so
+        that no rank goes on to a collective that a failed peer will never join."""
+        error = None
+        try:
+            fn()
+        except MuondError as e:
+            error = (e.code, e.message, e.operation)
+        if self.world_size > 1:
+            errors = [None] * self.world_size
+            self._dist.all_gather_object(errors, error, group=self.process_group)
+            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+            if failed and error is None:
+                rank, (code, message, operation) = failed[0]
+                error = (code, f"rank {rank}: {message}", operation)
+        if error is not None:
+            raise MuondError(*error)
+
     def _barrier(self):
         if self.world_size > 1:
             self._dist.barrier(group=self.process_group)
 
-    def _create_job(self, token, takeover):
+    def _create_job(self):
+        """Rank 0: the job's token (creating the job unless a token was given)."""
         self.client.health(5.0)  # "muond at ADDRESS is not reachable" beats a failed CreateJob
-        if token is not None:
-            if not self.job_id:
-                raise ValueError("a token was given without its job_id")
-            return self.job_id, token
-        return self.job_id, self.client.create_job(self.spec)
+        return self.token if self.token is not None else self.client.create_job(self.spec)
 
     def _attach(self, takeover):
         self.spec["job_id"] = self.job_id
@@ -248,9 +264,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if self.session.is_shm:
             self._grad_buffers = self._update_buffers = None
         else:
-            dtype = self._muon[0][1].dtype
-            self._grad_buffers = torch.zeros(self.partition.buffer_elements, dtype=dtype)
-            self._update_buffers = torch.zeros(self.partition.buffer_elements, dtype=dtype)
+            self._grad_buffers = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
+            self._update_buffers = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
 
     def close(self, delete_job=False):
         """Detaches this rank; with delete_job, rank 0 deletes the job (after all ranks detached)."""
@@ -270,12 +285,22 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def _gradients(self):
         """Averaged gradients of (muon, adam) parameters, without changing p.grad."""
         missing = [self._names[p] for _, p in self._muon if p.grad is None]
+        ranks_missing = len(missing) > 0
+        if self.world_size > 1:
+            # Every rank must stop here, or the others would wait in all_reduce for it.
+            flag = torch.tensor([1 if missing else 0], dtype=torch.int32)
+            self._dist.all_reduce(flag, group=self.process_group)
+            ranks_missing = flag.item()
         if missing:
             raise MuondError(CODES["INVALID_ARGUMENT"],
                              f"Muon parameter(s) {', '.join(repr(n) for n in missing)} have no "
                              "gradient (p.grad is None): every Muon matrix of the muond job needs "
                              "one each step; was the parameter used in the forward pass?",
                              "step")
+        if ranks_missing:
+            raise MuondError(CODES["INVALID_ARGUMENT"],
+                             f"{ranks_missing} other rank(s) of the group have Muon parameters "
+                             "without a gradient (see their errors); the step is skipped", "step")
         muon = [p.grad for _, p in self._muon]
         adam = [p.grad for _, p in self._adam]  # None: skipped, as torch.optim.AdamW does
         if not (self.reduce_gradients and self.world_size > 1):
@@ -302,14 +327,49 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """Pushes this rank's partition of `grads` and returns its update (flat, partition layout)."""
         step = self.step_id
         s = self.session
-        dtype = grads[0].dtype
+        if s is None:
+            raise MuondError(CODES["FAILED_PRECONDITION"], f"job '{self.job_id}' rank {self.rank}: "
+                             "not attached (closed, or a checkpoint load failed)", "step")
+        dtype = self.dtype
         buffer = s.gradient_view(step, dtype) if s.is_shm else self._grad_buffers
         copy_into_buffer(buffer, self.partition, grads)
+        if self.world_size > 1:
+            self._check_finite_across_ranks(buffer)
         if s.is_shm:
             s.step_in_place(step)
             return s.update_view(step, dtype)
         s.step_buffer(step, buffer, self._update_buffers)
         return self._update_buffers
+
+    def _first_non_finite(self, buffer):
+        """(matrix name, element) of the first non-finite value of this rank's spans, or None."""
+        for matrix, offset, length, rank_offset in self.partition.spans:
+            finite = torch.isfinite(buffer[rank_offset:rank_offset + length])
+            if not bool(finite.all()):
+                at = int((~finite).nonzero()[0])
+                return self._names[self._muon[matrix][1]], offset + at
+        return None
+
+    def _check_finite_across_ranks(self, buffer):
+        """Collective: refuses the step on every rank when any rank's partition holds a non-finite
+        value, before any rank submits it. Why: the daemon refuses such a step for the whole job
+        when the step is already in flight, but a shared-memory submission that arrives first is
+        refused alone, and the ranks that submit after it then wait for it forever (while it, told
+        of the refusal, waits for them in the next collective). The daemon's own check still
+        applies (and is the only one with a single rank)."""
+        bad = self._first_non_finite(buffer)
+        flag = torch.tensor([0 if bad is None else 1], dtype=torch.int32)
+        self._dist.all_reduce(flag, group=self.process_group)
+        if flag.item() == 0:
+            return
+        reports = [None] * self.world_size
+        self._dist.all_gather_object(reports, bad, group=self.process_group)
+        rank, (name, element) = next((r, b) for r, b in enumerate(reports) if b is not None)
+        raise MuondError(CODES["INVALID_ARGUMENT"],
+                         f"job '{self.job_id}' step {self.step_id} rank {rank}: matrix '{name}' "
+                         f"has a non-finite gradient value at element {element}; the step is "
+                         "refused for every rank (before submitting it) and nothing is updated",
+                         "step")
 
     @staticmethod
     def _apply(weight, update, lr, weight_decay):
@@ -342,7 +402,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             self._apply(params[matrix].view(-1)[offset:offset + length],
                         update[rank_offset:rank_offset + length], g["lr"], g["weight_decay"])
         if self.world_size > 1:
-            mine = torch.zeros(self.partition.buffer_elements, dtype=params[0].dtype)
+            mine = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
             copy_into_buffer(mine, self.partition, params)
             all_gather_partitions(mine, self.partitions, self.rank, params, self.process_group)
 
@@ -406,7 +466,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         loaded, next_step = self._on_rank0(
             lambda: self.client.checkpoint_load(self.job_id, self.token, generation, step))
         self._barrier()
-        self._attach(takeover=False)
+        self._all_ranks(lambda: self._attach(takeover=False))
         if self.step_id != next_step:
             raise MuondError(CODES["FAILED_PRECONDITION"],
                              f"job '{self.job_id}': generation {loaded} resumes at step "
