@@ -1,0 +1,383 @@
+// The Muon driver: newton_schulz.cc's sequence of batched products, as kernel launches.
+//
+// Every block is processed as X [batch, m, n] with m <= n (tall blocks are transposed by the
+// normalization and back by the write-back), so each product is one batched GEMM launch over all
+// blocks of the matrix (heads, experts). Scratch: three X-sized slots (the iterate, the next one,
+// a cast copy) and five m x m slots, sized once per call for its largest matrix and reused by
+// every matrix of the call (the queue is in order).
+#include "server/device/level_zero/muon_kernel_driver.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
+#include "server/device/level_zero/muon_kernels.h"
+
+namespace muond::server::device::level_zero {
+namespace {
+
+using common::DType;
+using common::MuonConfig;
+using common::NsMethod;
+
+// DESIGN.md 3's coefficients, as server/muon/newton_schulz.cc uses them.
+struct Coefficients {
+  double a;
+  double b;
+  double c;
+};
+constexpr Coefficients kStandard{3.4445, -4.7750, 2.0315};
+constexpr Coefficients kPolarExpress[] = {
+    {8.28721201814563, -23.595886519098837, 17.300387312530933},
+    {4.107059111542203, -2.9478499167379106, 0.5448431082926601},
+    {3.9486908534822946, -2.908902115962949, 0.5518191394370137},
+    {3.3184196573706015, -2.488488024314874, 0.51004894012372},
+    {2.300652019954817, -1.6689039845747493, 0.4188073119525673},
+    {1.891301407787398, -1.2679958271945868, 0.37680408948524835},
+    {1.8750014808534479, -1.2500016453999487, 0.3750001645474248},
+};
+constexpr int kPolarExpressListed = sizeof(kPolarExpress) / sizeof(kPolarExpress[0]);
+constexpr Coefficients kPolarExpressTail{1.875, -1.25, 0.375};
+constexpr double kPolarExpressSafety = 1.01;
+constexpr double kNormEpsilon = 1e-7;
+// newton_schulz.cc's gram restart and bf16 precision plan (see its file comment).
+constexpr int kGramRestartAfter = 2;
+constexpr int kBf16Fp32Steps = 2;
+constexpr int64_t kBf16SmallSide = 256;
+constexpr int64_t kBf16WideRatio = 8;
+
+Coefficients IterationCoefficients(NsMethod method, int i, int steps) {
+  if (method != NsMethod::kPolarExpress) return kStandard;
+  Coefficients k = i < kPolarExpressListed ? kPolarExpress[i] : kPolarExpressTail;
+  if (i != steps - 1) {
+    const double f = kPolarExpressSafety;
+    k.a /= f;
+    k.b /= f * f * f;
+    k.c /= f * f * f * f * f;
+  }
+  return k;
+}
+
+// Scratch sizes in elements (allocated as fp32, the widest storage dtype).
+struct ScratchSize {
+  int64_t x = 1;        // batch * m * n
+  int64_t square = 1;   // batch * m * m
+  int64_t batch = 1;    // the norm denominators
+  int64_t partial = 1;  // the norm's partial sums
+
+  void Add(MatrixGeometry g) {
+    const int64_t m = std::min(g.rows, g.cols);
+    const int64_t n = std::max(g.rows, g.cols);
+    x = std::max(x, g.batch * m * n);
+    square = std::max(square, g.batch * m * m);
+    batch = std::max(batch, g.batch);
+    partial = std::max(partial, g.batch * NormParts(m * n));
+  }
+};
+
+struct Scratch {
+  std::unique_ptr<QueueBuffer> x[3];
+  std::unique_ptr<QueueBuffer> square[5];
+  std::unique_ptr<QueueBuffer> denom;
+  std::unique_ptr<QueueBuffer> partial;
+};
+
+absl::StatusOr<Scratch> AllocateScratch(KernelQueue& queue, const ScratchSize& size) {
+  Scratch s;
+  constexpr size_t kFloat = sizeof(float);
+  for (auto& b : s.x) {
+    ASSIGN_OR_RETURN(b, queue.Allocate(static_cast<size_t>(size.x) * kFloat));
+  }
+  for (auto& b : s.square) {
+    ASSIGN_OR_RETURN(b, queue.Allocate(static_cast<size_t>(size.square) * kFloat));
+  }
+  ASSIGN_OR_RETURN(s.denom, queue.Allocate(static_cast<size_t>(size.batch) * kFloat));
+  ASSIGN_OR_RETURN(s.partial, queue.Allocate(static_cast<size_t>(size.partial) * kFloat));
+  return s;
+}
+
+// One Newton-Schulz call on blocks [batch, m, n] (m <= n) held in scratch slots.
+class NewtonSchulzRun {
+ public:
+  NewtonSchulzRun(KernelQueue& queue, Scratch& scratch, const MuonConfig& config,
+                  MatrixGeometry g)
+      : q_(queue),
+        s_(scratch),
+        method_(config.ns_method),
+        steps_(config.ns_steps),
+        compute_(config.compute_dtype),
+        batch_(g.batch),
+        m_(std::min(g.rows, g.cols)),
+        n_(std::max(g.rows, g.cols)) {}
+
+  // x: fp32 [batch, rows, cols] of geometry g; result (times scale) written back into it.
+  absl::Status Run(MatrixGeometry g, double scale, KernelBufferRef x) {
+    const bool transposed = g.rows > g.cols;
+    const MatrixBatch input{x, 0, DType::kFloat32, g.batch, g.rows, g.cols};
+    const double k = method_ == NsMethod::kPolarExpress ? kPolarExpressSafety : 1.0;
+    const KernelBufferRef denom = s_.denom->ref();
+    RETURN_IF_ERROR(FrobeniusDenominator(q_, input, static_cast<float>(k),
+                                         static_cast<float>(kNormEpsilon), s_.partial->ref(),
+                                         denom));
+    const bool bf16 = compute_ == DType::kBFloat16;
+    // bf16 starts with fp32 iterations; fp16 rounds the normalized input once.
+    const DType first = bf16 ? DType::kFloat32 : compute_;
+    int xi = 0;
+    RETURN_IF_ERROR(Convert(q_, input, transposed, &denom, 1.0f, X(xi, first)));
+
+    DType dtype = first;
+    if (method_ == NsMethod::kGram && m_ != n_) {
+      RETURN_IF_ERROR(Gram(first, &xi, &dtype));
+    } else if (!bf16) {
+      RETURN_IF_ERROR(Direct(dtype, &xi, 0, steps_));
+    } else {
+      const int fp32_steps = std::min(kBf16Fp32Steps, steps_);
+      RETURN_IF_ERROR(Direct(DType::kFloat32, &xi, 0, fp32_steps));
+      if (fp32_steps < steps_) {
+        RETURN_IF_ERROR(CastX(&xi, &dtype, DType::kBFloat16));
+        const bool polynomial_fp32 = m_ < kBf16SmallSide || n_ >= kBf16WideRatio * m_;
+        RETURN_IF_ERROR(polynomial_fp32 ? Fp32PolynomialIterations(&xi, fp32_steps)
+                                        : Direct(dtype, &xi, fp32_steps, steps_));
+      }
+    }
+    return Convert(q_, X(xi, dtype), transposed, nullptr, static_cast<float>(scale), input);
+  }
+
+ private:
+  MatrixBatch X(int slot, DType dtype) const {
+    return {s_.x[slot]->ref(), 0, dtype, batch_, m_, n_};
+  }
+  MatrixBatch Square(int slot, DType dtype) const {
+    return {s_.square[slot]->ref(), 0, dtype, batch_, m_, m_};
+  }
+  static int OtherX(int a, int b = -1) {
+    for (int i = 0; i < 3; ++i) {
+      if (i != a && i != b) return i;
+    }
+    return 0;
+  }
+  // Copies X into another slot as `to` (the host's ToCompute of X).
+  absl::Status CastX(int* xi, DType* dtype, DType to) {
+    const int next = OtherX(*xi);
+    RETURN_IF_ERROR(Convert(q_, X(*xi, *dtype), false, nullptr, 1.0f, X(next, to)));
+    *xi = next;
+    *dtype = to;
+    return absl::OkStatus();
+  }
+
+  // Iterations [begin, end) as written, every product in `dtype`:
+  // A = X X^T; B = b A + c A A; X = a X + B X.
+  absl::Status Direct(DType dtype, int* xi, int begin, int end) {
+    const MatrixBatch a = Square(0, dtype);
+    const MatrixBatch b = Square(1, dtype);
+    for (int i = begin; i < end; ++i) {
+      const Coefficients k = IterationCoefficients(method_, i, steps_);
+      const MatrixBatch x = X(*xi, dtype);
+      const int next_slot = OtherX(*xi);
+      const MatrixBatch next = X(next_slot, dtype);
+      RETURN_IF_ERROR(Gemm(q_, x, false, x, true, nullptr, 1.0f, 0.0f, 0.0f, a));
+      RETURN_IF_ERROR(Gemm(q_, a, false, a, false, &a, static_cast<float>(k.c),
+                           static_cast<float>(k.b), 0.0f, b));
+      RETURN_IF_ERROR(
+          Gemm(q_, b, false, x, false, &x, 1.0f, static_cast<float>(k.a), 0.0f, next));
+      *xi = next_slot;
+    }
+    return absl::OkStatus();
+  }
+
+  // bf16 iterations [begin, steps) with the m x m polynomial in fp32:
+  // A = X X^T (bf16); P = a I + b A + c A A (fp32); X = bf16(P) X (bf16).
+  absl::Status Fp32PolynomialIterations(int* xi, int begin) {
+    const MatrixBatch a = Square(0, DType::kBFloat16);
+    const MatrixBatch p = Square(1, DType::kFloat32);
+    const MatrixBatch p16 = Square(2, DType::kBFloat16);
+    for (int i = begin; i < steps_; ++i) {
+      const Coefficients k = IterationCoefficients(method_, i, steps_);
+      const MatrixBatch x = X(*xi, DType::kBFloat16);
+      const int next_slot = OtherX(*xi);
+      RETURN_IF_ERROR(Gemm(q_, x, false, x, true, nullptr, 1.0f, 0.0f, 0.0f, a));
+      RETURN_IF_ERROR(Gemm(q_, a, false, a, false, &a, static_cast<float>(k.c),
+                           static_cast<float>(k.b), static_cast<float>(k.a), p));
+      RETURN_IF_ERROR(Convert(q_, p, false, nullptr, 1.0f, p16));
+      RETURN_IF_ERROR(Gemm(q_, p16, false, x, false, nullptr, 1.0f, 0.0f, 0.0f,
+                           X(next_slot, DType::kBFloat16)));
+      *xi = next_slot;
+    }
+    return absl::OkStatus();
+  }
+
+  // newton_schulz.cc's GramIterations: the m x m side (R, P, Q) in fp32; X0 and the products
+  // Q X0 in `x_dtype` until the restart and in the compute dtype after it.
+  absl::Status Gram(DType x_dtype, int* xi, DType* dtype) {
+    int r = 0, p = 1, q = 2, t = 3;
+    constexpr int kCastQ = 4;
+    const DType f32 = DType::kFloat32;
+    auto gram = [&]() {
+      const MatrixBatch x0 = X(*xi, x_dtype);
+      return Gemm(q_, x0, false, x0, true, nullptr, 1.0f, 0.0f, 0.0f, Square(r, f32));
+    };
+    // X = cast(Q) X0 into another slot, in x_dtype.
+    auto apply_q = [&](int* out_slot) -> absl::Status {
+      MatrixBatch qm = Square(q, f32);
+      if (x_dtype != f32) {
+        RETURN_IF_ERROR(Convert(q_, qm, false, nullptr, 1.0f, Square(kCastQ, x_dtype)));
+        qm = Square(kCastQ, x_dtype);
+      }
+      *out_slot = OtherX(*xi);
+      return Gemm(q_, qm, false, X(*xi, x_dtype), false, nullptr, 1.0f, 0.0f, 0.0f,
+                  X(*out_slot, x_dtype));
+    };
+    bool q_is_identity = true;  // Q = I is implicit: not stored, not multiplied
+    RETURN_IF_ERROR(gram());
+    for (int i = 0; i < steps_; ++i) {
+      if (i == kGramRestartAfter) {
+        int x_slot = 0;
+        RETURN_IF_ERROR(apply_q(&x_slot));
+        *xi = x_slot;
+        if (x_dtype != compute_) {
+          RETURN_IF_ERROR(CastX(xi, &x_dtype, compute_));
+        }
+        RETURN_IF_ERROR(gram());
+        q_is_identity = true;
+      }
+      const Coefficients k = IterationCoefficients(method_, i, steps_);
+      const MatrixBatch rm = Square(r, f32);
+      RETURN_IF_ERROR(Gemm(q_, rm, false, rm, false, &rm, static_cast<float>(k.c),
+                           static_cast<float>(k.b), static_cast<float>(k.a), Square(p, f32)));
+      // R is needed by the next iteration unless that one restarts from X.
+      if (i + 1 < steps_ && i + 1 != kGramRestartAfter) {
+        RETURN_IF_ERROR(Gemm(q_, rm, false, Square(p, f32), false, nullptr, 1.0f, 0.0f, 0.0f,
+                             Square(t, f32)));
+        RETURN_IF_ERROR(Gemm(q_, Square(p, f32), false, Square(t, f32), false, nullptr, 1.0f,
+                             0.0f, 0.0f, rm));
+      }
+      if (q_is_identity) {
+        std::swap(q, p);
+        q_is_identity = false;
+      } else {
+        RETURN_IF_ERROR(Gemm(q_, Square(p, f32), false, Square(q, f32), false, nullptr, 1.0f,
+                             0.0f, 0.0f, Square(t, f32)));
+        std::swap(q, t);
+      }
+    }
+    int x_slot = 0;
+    RETURN_IF_ERROR(apply_q(&x_slot));
+    *xi = x_slot;
+    *dtype = x_dtype;
+    return absl::OkStatus();
+  }
+
+  KernelQueue& q_;
+  Scratch& s_;
+  const NsMethod method_;
+  const int steps_;
+  const DType compute_;
+  const int64_t batch_;
+  const int64_t m_;
+  const int64_t n_;
+};
+
+absl::Status CheckGeometry(const MuonConfig& config, MatrixGeometry g) {
+  if (g.batch < 1 || g.rows < 1 || g.cols < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("Newton-Schulz: bad geometry [", g.batch, ", ",
+                                                   g.rows, ", ", g.cols, "]"));
+  }
+  if (config.ns_steps < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Newton-Schulz: ns_steps must be >= 1, got ", config.ns_steps));
+  }
+  return absl::OkStatus();
+}
+
+// The index of the first item whose flag is set, or -1.
+absl::StatusOr<int64_t> FirstFlagged(KernelQueue& queue, KernelBufferRef flags, size_t n) {
+  std::vector<int32_t> host(n, 0);
+  RETURN_IF_ERROR(queue.Read(flags, 0, host.data(), n * sizeof(int32_t)));
+  for (size_t i = 0; i < n; ++i) {
+    if (host[i] != 0) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+}  // namespace
+
+absl::Status RunNewtonSchulz(KernelQueue& queue, const MuonConfig& config,
+                             MatrixGeometry geometry, double scale, KernelBufferRef x) {
+  RETURN_IF_ERROR(CheckGeometry(config, geometry));
+  ScratchSize size;
+  size.Add(geometry);
+  ASSIGN_OR_RETURN(Scratch scratch, AllocateScratch(queue, size));
+  return NewtonSchulzRun(queue, scratch, config, geometry).Run(geometry, scale, x);
+}
+
+absl::Status RunMuon(KernelQueue& queue, const MuonConfig& config,
+                     const std::vector<KernelMuonItem>& items) {
+  if (items.empty()) return absl::OkStatus();
+  ScratchSize size;
+  std::vector<MatrixGeometry> geometries;
+  for (const KernelMuonItem& it : items) {
+    const common::MatrixSpec& spec = *it.spec;
+    const MatrixGeometry g = GeometryOf(spec);
+    if (g.batch < 1 || g.rows < 1 || g.cols < 1 || g.batch * g.rows * g.cols != spec.numel()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrix '", spec.name, "': shape [", absl::StrJoin(spec.shape, ", "),
+                       "] with num_heads ", spec.num_heads, " is not a Muon matrix"));
+    }
+    RETURN_IF_ERROR(CheckGeometry(config, g));
+    size.Add(g);
+    geometries.push_back(g);
+  }
+  const auto count = static_cast<int64_t>(items.size());
+  ASSIGN_OR_RETURN(std::unique_ptr<QueueBuffer> flags,
+                   queue.Allocate(items.size() * sizeof(int32_t)));
+
+  // Every gradient is checked before any momentum is touched.
+  RETURN_IF_ERROR(FillInt(queue, flags->ref(), count, 0));
+  for (int64_t i = 0; i < count; ++i) {
+    RETURN_IF_ERROR(FlagNonFinite(queue, items[i].grad_update, 0, items[i].spec->numel(),
+                                  flags->ref(), static_cast<int32_t>(i)));
+  }
+  ASSIGN_OR_RETURN(const int64_t bad_grad, FirstFlagged(queue, flags->ref(), items.size()));
+  if (bad_grad >= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("matrix '", items[bad_grad].spec->name,
+                     "': gradient holds a value that is not finite (NaN or infinity)"));
+  }
+
+  ASSIGN_OR_RETURN(Scratch scratch, AllocateScratch(queue, size));
+  const auto one_minus_beta = static_cast<float>(1.0 - config.momentum);
+  const auto beta = static_cast<float>(config.momentum);
+  for (int64_t i = 0; i < count; ++i) {
+    const KernelMuonItem& it = items[i];
+    const MatrixGeometry g = geometries[i];
+    RETURN_IF_ERROR(MuonMomentum(queue, it.grad_update, it.momentum, it.spec->numel(),
+                                 one_minus_beta, beta, config.nesterov));
+    const absl::Status s = NewtonSchulzRun(queue, scratch, config, g)
+                               .Run(g, MuonScale(config.scale_mode, g.rows, g.cols),
+                                    it.grad_update);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("matrix '", it.spec->name, "': ", s.message()));
+    }
+  }
+
+  RETURN_IF_ERROR(FillInt(queue, flags->ref(), count, 0));
+  for (int64_t i = 0; i < count; ++i) {
+    RETURN_IF_ERROR(FlagNonFinite(queue, items[i].grad_update, 0, items[i].spec->numel(),
+                                  flags->ref(), static_cast<int32_t>(i)));
+  }
+  ASSIGN_OR_RETURN(const int64_t bad_result, FirstFlagged(queue, flags->ref(), items.size()));
+  if (bad_result >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "matrix '", items[bad_result].spec->name,
+        "': Newton-Schulz: result is not finite; the input overflowed in ",
+        std::string(common::DTypeName(config.compute_dtype))));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace muond::server::device::level_zero
