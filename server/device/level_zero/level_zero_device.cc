@@ -22,12 +22,12 @@ constexpr uint32_t kEventsPerPool = 64;
 constexpr size_t kAlignment = 256;
 
 // Calls fn and, on error, logs it (for destructors and Free, which cannot return a Status).
-#define ZE_LOG_IF_ERROR(fn, ...)                                                      \
-  do {                                                                                \
-    const ze_result_t muond_ze_result_ = fn(__VA_ARGS__);                             \
-    if (muond_ze_result_ != ZE_RESULT_SUCCESS) {                                      \
+#define ZE_LOG_IF_ERROR(fn, ...)                                                       \
+  do {                                                                                 \
+    const ze_result_t muond_ze_result_ = fn(__VA_ARGS__);                              \
+    if (muond_ze_result_ != ZE_RESULT_SUCCESS) {                                       \
       MUOND_LOG(ERROR) << "level_zero: " << ZeStatus(#fn, muond_ze_result_).message(); \
-    }                                                                                 \
+    }                                                                                  \
   } while (0)
 
 // The module's build log ("" when there is none).
@@ -155,8 +155,8 @@ absl::StatusOr<void*> LevelZeroDevice::AllocateDeviceMemory(size_t bytes) {
   ze_device_mem_alloc_desc_t desc = {};
   desc.stype = ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC;
   void* p = nullptr;
-  ZE_RETURN_IF_ERROR(zeMemAllocDevice, context_, &desc, bytes == 0 ? 1 : bytes, kAlignment,
-                     device_, &p);
+  ZE_RETURN_IF_ERROR(zeMemAllocDevice, context_, &desc, bytes == 0 ? 1 : bytes, kAlignment, device_,
+                     &p);
   return p;
 }
 
@@ -225,14 +225,14 @@ absl::StatusOr<std::unique_ptr<Device>> OpenLevelZeroDevice(int ordinal) {
   using level_zero::ZeResultName;
   const ze_result_t init = zeInit(ZE_INIT_FLAG_GPU_ONLY);
   if (init != ZE_RESULT_SUCCESS) {
-    return absl::UnavailableError(absl::StrCat("no Level Zero driver: zeInit: ",
-                                               ZeResultName(init)));
+    return absl::UnavailableError(
+        absl::StrCat("no Level Zero driver: zeInit: ", ZeResultName(init)));
   }
   uint32_t driver_count = 0;
   const ze_result_t got = zeDriverGet(&driver_count, nullptr);
   if (got != ZE_RESULT_SUCCESS) {
-    return absl::UnavailableError(absl::StrCat("no Level Zero driver: zeDriverGet: ",
-                                               ZeResultName(got)));
+    return absl::UnavailableError(
+        absl::StrCat("no Level Zero driver: zeDriverGet: ", ZeResultName(got)));
   }
   if (driver_count == 0) return absl::UnavailableError("zeDriverGet found no driver");
   std::vector<ze_driver_handle_t> drivers(driver_count);
@@ -264,8 +264,8 @@ absl::StatusOr<std::unique_ptr<Device>> OpenLevelZeroDevice(int ordinal) {
                                                " device(s), none of them a GPU"));
   }
   if (ordinal < 0 || static_cast<size_t>(ordinal) >= gpus.size()) {
-    return absl::UnavailableError(absl::StrCat("no Level Zero GPU ", ordinal, " (", gpus.size(),
-                                               " found)"));
+    return absl::UnavailableError(
+        absl::StrCat("no Level Zero GPU ", ordinal, " (", gpus.size(), " found)"));
   }
   const Gpu& gpu = gpus[static_cast<size_t>(ordinal)];
   auto dev = level_zero::LevelZeroDevice::Open(gpu.driver, gpu.device, ordinal);

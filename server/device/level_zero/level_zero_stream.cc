@@ -109,8 +109,7 @@ class LevelZeroStream final : public Stream, public KernelQueue {
   // Stream.
   absl::Status CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
                             size_t bytes) override;
-  absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
-                          size_t bytes) override;
+  absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset, size_t bytes) override;
   absl::Status Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) override;
   absl::StatusOr<std::shared_ptr<Event>> Record() override;
   absl::Status WaitFor(std::shared_ptr<Event> event) override;
@@ -224,9 +223,9 @@ absl::Status LevelZeroStream::CopyToDevice(DeviceBuffer& dst, size_t offset, con
   }
   void* to = static_cast<char*>(dst.data()) + offset;
   Enqueue({[this, to, src, bytes] {
-             return AppendInOrder("zeCommandListAppendMemoryCopy (to device)",
-                                  zeCommandListAppendMemoryCopy(list_, to, src, bytes, nullptr,
-                                                                0, nullptr));
+             return AppendInOrder(
+                 "zeCommandListAppendMemoryCopy (to device)",
+                 zeCommandListAppendMemoryCopy(list_, to, src, bytes, nullptr, 0, nullptr));
            },
            nullptr, nullptr});
   return absl::OkStatus();
@@ -240,9 +239,9 @@ absl::Status LevelZeroStream::CopyToHost(void* dst, const DeviceBuffer& src, siz
   }
   const void* from = static_cast<const char*>(src.data()) + offset;
   Enqueue({[this, dst, from, bytes] {
-             return AppendInOrder("zeCommandListAppendMemoryCopy (to host)",
-                                  zeCommandListAppendMemoryCopy(list_, dst, from, bytes, nullptr,
-                                                                0, nullptr));
+             return AppendInOrder(
+                 "zeCommandListAppendMemoryCopy (to host)",
+                 zeCommandListAppendMemoryCopy(list_, dst, from, bytes, nullptr, 0, nullptr));
            },
            nullptr, nullptr});
   return absl::OkStatus();
@@ -298,8 +297,7 @@ void LevelZeroStream::Loop() {
       if (error_.ok() && !s.ok()) error_ = s;
     } else if (op.record != nullptr) {
       // An error is reported to the first event after it, then the stream is usable again.
-      const ze_result_t r =
-          zeCommandListAppendBarrier(list_, op.record->handle(), 0, nullptr);
+      const ze_result_t r = zeCommandListAppendBarrier(list_, op.record->handle(), 0, nullptr);
       absl::Status s = error_;
       if (r != ZE_RESULT_SUCCESS && s.ok()) s = ZeStatus("zeCommandListAppendBarrier", r);
       op.record->ReachedByWorker(s, r == ZE_RESULT_SUCCESS);
@@ -354,9 +352,9 @@ absl::Status LevelZeroStream::Launch(const char* name, const std::vector<KernelA
   ze_group_count_t groups = {static_cast<uint32_t>(global.x / local.x),
                              static_cast<uint32_t>(global.y / local.y),
                              static_cast<uint32_t>(global.z / local.z)};
-  return AppendInOrder("zeCommandListAppendLaunchKernel",
-                       zeCommandListAppendLaunchKernel(list_, kernel, &groups, nullptr, 0,
-                                                       nullptr));
+  return AppendInOrder(
+      "zeCommandListAppendLaunchKernel",
+      zeCommandListAppendLaunchKernel(list_, kernel, &groups, nullptr, 0, nullptr));
 }
 
 absl::Status LevelZeroStream::Read(KernelBufferRef src, size_t offset, void* dst, size_t bytes) {

@@ -104,8 +104,7 @@ absl::StatusOr<Scratch> AllocateScratch(KernelQueue& queue, const ScratchSize& s
 // One Newton-Schulz call on blocks [batch, m, n] (m <= n) held in scratch slots.
 class NewtonSchulzRun {
  public:
-  NewtonSchulzRun(KernelQueue& queue, Scratch& scratch, const MuonConfig& config,
-                  MatrixGeometry g)
+  NewtonSchulzRun(KernelQueue& queue, Scratch& scratch, const MuonConfig& config, MatrixGeometry g)
       : q_(queue),
         s_(scratch),
         method_(config.ns_method),
@@ -183,8 +182,7 @@ class NewtonSchulzRun {
       RETURN_IF_ERROR(Gemm(q_, x, false, x, true, nullptr, 1.0f, 0.0f, 0.0f, a));
       RETURN_IF_ERROR(Gemm(q_, a, false, a, false, &a, static_cast<float>(k.c),
                            static_cast<float>(k.b), 0.0f, b));
-      RETURN_IF_ERROR(
-          Gemm(q_, b, false, x, false, &x, 1.0f, static_cast<float>(k.a), 0.0f, next));
+      RETURN_IF_ERROR(Gemm(q_, b, false, x, false, &x, 1.0f, static_cast<float>(k.a), 0.0f, next));
       *xi = next_slot;
     }
     return absl::OkStatus();
@@ -251,17 +249,17 @@ class NewtonSchulzRun {
                            static_cast<float>(k.b), static_cast<float>(k.a), Square(p, f32)));
       // R is needed by the next iteration unless that one restarts from X.
       if (i + 1 < steps_ && i + 1 != kGramRestartAfter) {
-        RETURN_IF_ERROR(Gemm(q_, rm, false, Square(p, f32), false, nullptr, 1.0f, 0.0f, 0.0f,
-                             Square(t, f32)));
-        RETURN_IF_ERROR(Gemm(q_, Square(p, f32), false, Square(t, f32), false, nullptr, 1.0f,
-                             0.0f, 0.0f, rm));
+        RETURN_IF_ERROR(
+            Gemm(q_, rm, false, Square(p, f32), false, nullptr, 1.0f, 0.0f, 0.0f, Square(t, f32)));
+        RETURN_IF_ERROR(
+            Gemm(q_, Square(p, f32), false, Square(t, f32), false, nullptr, 1.0f, 0.0f, 0.0f, rm));
       }
       if (q_is_identity) {
         std::swap(q, p);
         q_is_identity = false;
       } else {
-        RETURN_IF_ERROR(Gemm(q_, Square(p, f32), false, Square(q, f32), false, nullptr, 1.0f,
-                             0.0f, 0.0f, Square(t, f32)));
+        RETURN_IF_ERROR(Gemm(q_, Square(p, f32), false, Square(q, f32), false, nullptr, 1.0f, 0.0f,
+                             0.0f, Square(t, f32)));
         std::swap(q, t);
       }
     }
@@ -284,8 +282,8 @@ class NewtonSchulzRun {
 
 absl::Status CheckGeometry(const MuonConfig& config, MatrixGeometry g) {
   if (g.batch < 1 || g.rows < 1 || g.cols < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("Newton-Schulz: bad geometry [", g.batch, ", ",
-                                                   g.rows, ", ", g.cols, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Newton-Schulz: bad geometry [", g.batch, ", ", g.rows, ", ", g.cols, "]"));
   }
   if (config.ns_steps < 1) {
     return absl::InvalidArgumentError(
@@ -306,8 +304,8 @@ absl::StatusOr<int64_t> FirstFlagged(KernelQueue& queue, KernelBufferRef flags, 
 
 }  // namespace
 
-absl::Status RunNewtonSchulz(KernelQueue& queue, const MuonConfig& config,
-                             MatrixGeometry geometry, double scale, KernelBufferRef x) {
+absl::Status RunNewtonSchulz(KernelQueue& queue, const MuonConfig& config, MatrixGeometry geometry,
+                             double scale, KernelBufferRef x) {
   RETURN_IF_ERROR(CheckGeometry(config, geometry));
   ScratchSize size;
   size.Add(geometry);
@@ -357,9 +355,9 @@ absl::Status RunMuon(KernelQueue& queue, const MuonConfig& config,
     const MatrixGeometry g = geometries[i];
     RETURN_IF_ERROR(MuonMomentum(queue, it.grad_update, it.momentum, it.spec->numel(),
                                  one_minus_beta, beta, config.nesterov));
-    const absl::Status s = NewtonSchulzRun(queue, scratch, config, g)
-                               .Run(g, MuonScale(config.scale_mode, g.rows, g.cols),
-                                    it.grad_update);
+    const absl::Status s =
+        NewtonSchulzRun(queue, scratch, config, g)
+            .Run(g, MuonScale(config.scale_mode, g.rows, g.cols), it.grad_update);
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("matrix '", it.spec->name, "': ", s.message()));
     }
@@ -372,10 +370,10 @@ absl::Status RunMuon(KernelQueue& queue, const MuonConfig& config,
   }
   ASSIGN_OR_RETURN(const int64_t bad_result, FirstFlagged(queue, flags->ref(), items.size()));
   if (bad_result >= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "matrix '", items[bad_result].spec->name,
-        "': Newton-Schulz: result is not finite; the input overflowed in ",
-        std::string(common::DTypeName(config.compute_dtype))));
+    return absl::InvalidArgumentError(
+        absl::StrCat("matrix '", items[bad_result].spec->name,
+                     "': Newton-Schulz: result is not finite; the input overflowed in ",
+                     std::string(common::DTypeName(config.compute_dtype))));
   }
   return absl::OkStatus();
 }

@@ -17,9 +17,7 @@ constexpr int64_t kMaxStrideGroups = 4096;
 // Partial sums per block of the Frobenius norm at most (one work-group each).
 constexpr int64_t kMaxNormParts = 256;
 
-size_t RoundUp(int64_t n, size_t to) {
-  return (static_cast<size_t>(n) + to - 1) / to * to;
-}
+size_t RoundUp(int64_t n, size_t to) { return (static_cast<size_t>(n) + to - 1) / to * to; }
 
 LaunchSize StrideLaunch(int64_t n) {
   const int64_t groups = std::clamp<int64_t>((n + kGroup - 1) / kGroup, 1, kMaxStrideGroups);
@@ -56,13 +54,12 @@ absl::Status Gemm(KernelQueue& queue, const MatrixBatch& a, bool a_trans, const 
   const int64_t kb = b_trans ? b.cols : b.rows;
   const int64_t n = b_trans ? b.rows : b.cols;
   const bool use_c = beta != 0.0f;
-  if (k != kb || out.rows != m || out.cols != n || a.batch != out.batch ||
-      b.batch != out.batch || (use_c && (c == nullptr || c->rows != m || c->cols != n ||
-                                         c->batch != out.batch))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "gemm: shapes do not match: a ", Describe(a), a_trans ? "^T" : "", ", b ", Describe(b),
-        b_trans ? "^T" : "", ", c ", use_c && c != nullptr ? Describe(*c) : "unused", ", out ",
-        Describe(out)));
+  if (k != kb || out.rows != m || out.cols != n || a.batch != out.batch || b.batch != out.batch ||
+      (use_c && (c == nullptr || c->rows != m || c->cols != n || c->batch != out.batch))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gemm: shapes do not match: a ", Describe(a), a_trans ? "^T" : "", ", b ",
+                     Describe(b), b_trans ? "^T" : "", ", c ",
+                     use_c && c != nullptr ? Describe(*c) : "unused", ", out ", Describe(out)));
   }
   if (out.buffer.handle == a.buffer.handle || out.buffer.handle == b.buffer.handle ||
       (use_c && out.buffer.handle == c->buffer.handle)) {
@@ -72,20 +69,34 @@ absl::Status Gemm(KernelQueue& queue, const MatrixBatch& a, bool a_trans, const 
     return absl::InvalidArgumentError("gemm: a dimension exceeds 2^31 - 1");
   }
   const MatrixBatch& cc = use_c ? *c : out;  // unread when beta == 0
-  const std::vector<KernelArg> args = {
-      KernelArg::Buffer(a.buffer), KernelArg::Long(a.offset), KernelArg::Long(a.rows * a.cols),
-      KernelArg::Int(static_cast<int32_t>(a.cols)), KernelArg::Int(a_trans ? 1 : 0),
-      KernelArg::Int(KernelDType(a.dtype)),
-      KernelArg::Buffer(b.buffer), KernelArg::Long(b.offset), KernelArg::Long(b.rows * b.cols),
-      KernelArg::Int(static_cast<int32_t>(b.cols)), KernelArg::Int(b_trans ? 1 : 0),
-      KernelArg::Int(KernelDType(b.dtype)),
-      KernelArg::Buffer(cc.buffer), KernelArg::Long(cc.offset), KernelArg::Long(cc.rows * cc.cols),
-      KernelArg::Int(static_cast<int32_t>(cc.cols)), KernelArg::Int(KernelDType(cc.dtype)),
-      KernelArg::Buffer(out.buffer), KernelArg::Long(out.offset), KernelArg::Long(m * n),
-      KernelArg::Int(static_cast<int32_t>(n)), KernelArg::Int(KernelDType(out.dtype)),
-      KernelArg::Int(static_cast<int32_t>(m)), KernelArg::Int(static_cast<int32_t>(n)),
-      KernelArg::Int(static_cast<int32_t>(k)), KernelArg::Float(alpha), KernelArg::Float(beta),
-      KernelArg::Float(diag)};
+  const std::vector<KernelArg> args = {KernelArg::Buffer(a.buffer),
+                                       KernelArg::Long(a.offset),
+                                       KernelArg::Long(a.rows * a.cols),
+                                       KernelArg::Int(static_cast<int32_t>(a.cols)),
+                                       KernelArg::Int(a_trans ? 1 : 0),
+                                       KernelArg::Int(KernelDType(a.dtype)),
+                                       KernelArg::Buffer(b.buffer),
+                                       KernelArg::Long(b.offset),
+                                       KernelArg::Long(b.rows * b.cols),
+                                       KernelArg::Int(static_cast<int32_t>(b.cols)),
+                                       KernelArg::Int(b_trans ? 1 : 0),
+                                       KernelArg::Int(KernelDType(b.dtype)),
+                                       KernelArg::Buffer(cc.buffer),
+                                       KernelArg::Long(cc.offset),
+                                       KernelArg::Long(cc.rows * cc.cols),
+                                       KernelArg::Int(static_cast<int32_t>(cc.cols)),
+                                       KernelArg::Int(KernelDType(cc.dtype)),
+                                       KernelArg::Buffer(out.buffer),
+                                       KernelArg::Long(out.offset),
+                                       KernelArg::Long(m * n),
+                                       KernelArg::Int(static_cast<int32_t>(n)),
+                                       KernelArg::Int(KernelDType(out.dtype)),
+                                       KernelArg::Int(static_cast<int32_t>(m)),
+                                       KernelArg::Int(static_cast<int32_t>(n)),
+                                       KernelArg::Int(static_cast<int32_t>(k)),
+                                       KernelArg::Float(alpha),
+                                       KernelArg::Float(beta),
+                                       KernelArg::Float(diag)};
   return queue.Launch("gemm", args,
                       {RoundUp(n, kTile), RoundUp(m, kTile), static_cast<size_t>(out.batch)},
                       {kTile, kTile, 1});
@@ -122,8 +133,8 @@ absl::Status Convert(KernelQueue& queue, const MatrixBatch& src, bool transpose,
 }
 
 int32_t NormParts(int64_t block_len) {
-  return static_cast<int32_t>(std::clamp<int64_t>((block_len + kGroup - 1) / kGroup, 1,
-                                                  kMaxNormParts));
+  return static_cast<int32_t>(
+      std::clamp<int64_t>((block_len + kGroup - 1) / kGroup, 1, kMaxNormParts));
 }
 
 absl::Status FrobeniusDenominator(KernelQueue& queue, const MatrixBatch& x, float k, float eps,
@@ -132,7 +143,7 @@ absl::Status FrobeniusDenominator(KernelQueue& queue, const MatrixBatch& x, floa
   const int32_t parts = NormParts(block_len);
   const std::vector<KernelArg> sum_args = {
       KernelArg::Buffer(x.buffer), KernelArg::Long(x.offset), KernelArg::Int(KernelDType(x.dtype)),
-      KernelArg::Long(block_len), KernelArg::Int(parts), KernelArg::Buffer(partial)};
+      KernelArg::Long(block_len),  KernelArg::Int(parts),     KernelArg::Buffer(partial)};
   const auto batch = static_cast<size_t>(x.batch);
   absl::Status s = queue.Launch("sum_squares", sum_args,
                                 {static_cast<size_t>(parts) * kGroup, batch, 1}, {kGroup, 1, 1});
@@ -157,12 +168,14 @@ absl::Status FillInt(KernelQueue& queue, KernelBufferRef p, int64_t n, int32_t v
   return queue.Launch("fill_int", args, StrideLaunch(n), {kGroup, 1, 1});
 }
 
-absl::Status MuonMomentum(KernelQueue& queue, KernelBufferRef grad_update,
-                          KernelBufferRef momentum, int64_t n, float one_minus_beta, float beta,
-                          bool nesterov) {
-  const std::vector<KernelArg> args = {
-      KernelArg::Buffer(grad_update), KernelArg::Buffer(momentum), KernelArg::Long(n),
-      KernelArg::Float(one_minus_beta), KernelArg::Float(beta), KernelArg::Int(nesterov ? 1 : 0)};
+absl::Status MuonMomentum(KernelQueue& queue, KernelBufferRef grad_update, KernelBufferRef momentum,
+                          int64_t n, float one_minus_beta, float beta, bool nesterov) {
+  const std::vector<KernelArg> args = {KernelArg::Buffer(grad_update),
+                                       KernelArg::Buffer(momentum),
+                                       KernelArg::Long(n),
+                                       KernelArg::Float(one_minus_beta),
+                                       KernelArg::Float(beta),
+                                       KernelArg::Int(nesterov ? 1 : 0)};
   return queue.Launch("muon_momentum", args, StrideLaunch(n), {kGroup, 1, 1});
 }
 

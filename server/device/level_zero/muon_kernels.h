@@ -59,9 +59,8 @@ absl::Status FillInt(KernelQueue& queue, KernelBufferRef p, int64_t n, int32_t v
 // DESIGN.md 3 steps 1-2 on n fp32 elements: momentum <- lerp(momentum, grad, 1 - beta); grad is
 // overwritten with the update (nesterov ? lerp(grad, momentum', beta) : momentum'). The weights
 // are passed as the host computes them (float(1 - beta), float(beta)).
-absl::Status MuonMomentum(KernelQueue& queue, KernelBufferRef grad_update,
-                          KernelBufferRef momentum, int64_t n, float one_minus_beta, float beta,
-                          bool nesterov);
+absl::Status MuonMomentum(KernelQueue& queue, KernelBufferRef grad_update, KernelBufferRef momentum,
+                          int64_t n, float one_minus_beta, float beta, bool nesterov);
 
 }  // namespace muond::server::device::level_zero
 

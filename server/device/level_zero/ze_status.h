@@ -21,12 +21,12 @@ absl::Status ZeStatus(const char* call, ze_result_t result);
 }  // namespace muond::server::device::level_zero
 
 // Calls fn(args...) and returns its error as a Status naming fn.
-#define ZE_RETURN_IF_ERROR(fn, ...)                                                   \
-  do {                                                                                \
-    const ze_result_t muond_ze_result_ = fn(__VA_ARGS__);                             \
-    if (muond_ze_result_ != ZE_RESULT_SUCCESS) {                                      \
-      return ::muond::server::device::level_zero::ZeStatus(#fn, muond_ze_result_);    \
-    }                                                                                 \
+#define ZE_RETURN_IF_ERROR(fn, ...)                                                \
+  do {                                                                             \
+    const ze_result_t muond_ze_result_ = fn(__VA_ARGS__);                          \
+    if (muond_ze_result_ != ZE_RESULT_SUCCESS) {                                   \
+      return ::muond::server::device::level_zero::ZeStatus(#fn, muond_ze_result_); \
+    }                                                                              \
   } while (0)
 
 #endif  // MUOND_SERVER_DEVICE_LEVEL_ZERO_ZE_STATUS_H_

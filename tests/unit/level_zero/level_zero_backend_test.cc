@@ -56,8 +56,8 @@ TEST(LevelZeroSpirvTest, EmbeddedModuleIsWellFormedSpirvWithEveryKernel) {
     }
     i += count;
   }
-  for (const char* kernel : {"gemm", "convert", "sum_squares", "norm_denominator",
-                             "flag_nonfinite", "fill_int", "muon_momentum"}) {
+  for (const char* kernel : {"gemm", "convert", "sum_squares", "norm_denominator", "flag_nonfinite",
+                             "fill_int", "muon_momentum"}) {
     EXPECT_NE(std::find(entry_points.begin(), entry_points.end(), kernel), entry_points.end())
         << kernel;
   }
@@ -71,8 +71,8 @@ double Bound(DType dtype) {
 // The Muon update of a few shapes through the Stream API on `dev` against the cpu backend's.
 void Conformance(Device& dev) {
   const std::vector<std::pair<std::vector<int64_t>, int64_t>> shapes = {
-      {{24, 72}, 1}, {{72, 24}, 1}, {{64, 24}, 4}, {{3, 20, 36}, 1}, {{16, 4, 3, 3}, 1},
-      {{1, 40}, 1},  {{33, 17}, 1}};
+      {{24, 72}, 1},      {{72, 24}, 1}, {{64, 24}, 4}, {{3, 20, 36}, 1},
+      {{16, 4, 3, 3}, 1}, {{1, 40}, 1},  {{33, 17}, 1}};
   auto cpu = OpenBackend("cpu", 2, SimulatedOptions{});
   ASSERT_TRUE(cpu.ok());
   uint32_t seed = 7;
@@ -126,8 +126,7 @@ TEST(LevelZeroBackendTest, UnavailableWithAReasonOrConformantOnAGpu) {
   SetMathThreads(2);
   auto dev = OpenLevelZeroDevice(0);
   if (dev.ok()) {
-    std::printf("Level Zero device: %s: running the conformance on it\n",
-                (*dev)->name().c_str());
+    std::printf("Level Zero device: %s: running the conformance on it\n", (*dev)->name().c_str());
     Conformance(**dev);
     return;
   }

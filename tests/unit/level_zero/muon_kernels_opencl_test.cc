@@ -117,13 +117,13 @@ TEST_F(MuonKernelsOpenClTest, GemmMatchesReferenceForEveryShapeTransposeAndDtype
   struct Shape {
     int64_t m, n, k, batch;
   };
-  const Shape shapes[] = {{1, 1, 1, 1},   {1, 37, 5, 1},  {37, 1, 5, 1},  {16, 16, 16, 1},
+  const Shape shapes[] = {{1, 1, 1, 1},    {1, 37, 5, 1},  {37, 1, 5, 1},  {16, 16, 16, 1},
                           {17, 33, 15, 2}, {31, 7, 64, 3}, {5, 70, 19, 1}, {48, 48, 40, 2}};
   struct Types {
     DType in, out;
   };
-  const Types types[] = {{DType::kFloat32, DType::kFloat32},   {DType::kBFloat16, DType::kBFloat16},
-                         {DType::kFloat16, DType::kFloat16},   {DType::kBFloat16, DType::kFloat32},
+  const Types types[] = {{DType::kFloat32, DType::kFloat32},  {DType::kBFloat16, DType::kBFloat16},
+                         {DType::kFloat16, DType::kFloat16},  {DType::kBFloat16, DType::kFloat32},
                          {DType::kFloat32, DType::kBFloat16}, {DType::kFloat16, DType::kFloat32}};
   uint32_t seed = 1;
   int checked = 0;
@@ -163,8 +163,9 @@ TEST_F(MuonKernelsOpenClTest, GemmMatchesReferenceForEveryShapeTransposeAndDtype
               }
               const double cz = c[z * s.m * s.n + i * s.n + j];
               const double want = alpha * sum + beta * cz + (i == j ? diag : 0.0);
-              const double bound = (s.k + 4) * 0x1p-24 * (alpha * mag + std::abs(beta * cz) + diag) +
-                                   Roundoff(t.out) * std::abs(want) + 1e-7;
+              const double bound =
+                  (s.k + 4) * 0x1p-24 * (alpha * mag + std::abs(beta * cz) + diag) +
+                  Roundoff(t.out) * std::abs(want) + 1e-7;
               const double g = got[z * s.m * s.n + i * s.n + j];
               ASSERT_LE(std::abs(g - want), bound) << "at " << z << "," << i << "," << j;
               ++checked;
@@ -198,10 +199,14 @@ TEST_F(MuonKernelsOpenClTest, ConvertCastsTransposesAndScalesExactly) {
   };
   const Shape shapes[] = {{1, 1, 1}, {1, 40, 1}, {40, 1, 1}, {17, 33, 2}, {16, 16, 1}, {33, 70, 3}};
   // Rounding edge cases: ties to even for bf16 and fp16, fp16 overflow and subnormals, specials.
-  const std::vector<float> specials = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-11f,
-                                       1.0f + 3 * 0x1p-11f, 70000.0f, 65519.0f, 65520.0f,
-                                       1e-8f, 3e-8f, -0.0f, std::nanf(""), INFINITY, -INFINITY,
-                                       3.0e38f, 1e-40f};
+  const std::vector<float> specials = {1.0f + 0x1p-8f,  1.0f + 3 * 0x1p-8f,
+                                       1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f,
+                                       70000.0f,        65519.0f,
+                                       65520.0f,        1e-8f,
+                                       3e-8f,           -0.0f,
+                                       std::nanf(""),   INFINITY,
+                                       -INFINITY,       3.0e38f,
+                                       1e-40f};
   uint32_t seed = 100;
   for (const Shape& s : shapes) {
     const int64_t n = s.rows * s.cols * s.batch;
@@ -222,7 +227,11 @@ TEST_F(MuonKernelsOpenClTest, ConvertCastsTransposesAndScalesExactly) {
             auto dsrc = Upload(src, from);
             auto dout = *queue().Allocate(static_cast<size_t>(n * 4));
             // src is stored as cols x rows when transposed.
-            const MatrixBatch msrc{dsrc->ref(), 0, from, s.batch, transpose ? s.cols : s.rows,
+            const MatrixBatch msrc{dsrc->ref(),
+                                   0,
+                                   from,
+                                   s.batch,
+                                   transpose ? s.cols : s.rows,
                                    transpose ? s.rows : s.cols};
             const MatrixBatch mout{dout->ref(), 0, to, s.batch, s.rows, s.cols};
             const float factor = mode == 1 ? 0.37f : 1.0f;
@@ -241,8 +250,8 @@ TEST_F(MuonKernelsOpenClTest, ConvertCastsTransposesAndScalesExactly) {
                   if (std::isnan(want)) {
                     ASSERT_TRUE(std::isnan(g)) << i << "," << j;
                   } else if (mode == 0 || std::isinf(want)) {
-                    ASSERT_EQ(std::memcmp(&g, &want, 4), 0) << i << "," << j << ": " << g
-                                                            << " vs " << want;
+                    ASSERT_EQ(std::memcmp(&g, &want, 4), 0)
+                        << i << "," << j << ": " << g << " vs " << want;
                   } else {
                     // Division may be 2.5 ulp in OpenCL; one unit of the output dtype.
                     ASSERT_LE(std::abs(g - want), 2 * Roundoff(to) * std::abs(want) + 1e-38)
@@ -274,8 +283,8 @@ TEST_F(MuonKernelsOpenClTest, FrobeniusDenominatorMatchesFloat64) {
       const MatrixBatch mx{dx->ref(), 0, d, s.batch, 1, s.len};
       ASSERT_TRUE(
           FrobeniusDenominator(queue(), mx, 1.01f, 1e-7f, partial->ref(), denom->ref()).ok());
-      const std::vector<float> got = Download(*denom, static_cast<size_t>(s.batch),
-                                              DType::kFloat32);
+      const std::vector<float> got =
+          Download(*denom, static_cast<size_t>(s.batch), DType::kFloat32);
       for (int64_t z = 0; z < s.batch; ++z) {
         double sum = 0;
         for (int64_t i = 0; i < s.len; ++i) sum += double{x[z * s.len + i]} * x[z * s.len + i];
@@ -303,9 +312,9 @@ TEST_F(MuonKernelsOpenClTest, FlagNonFiniteFindsEveryNanAndInfinity) {
     std::vector<std::unique_ptr<QueueBuffer>> held;
     for (size_t c = 0; c < cases.size(); ++c) {
       held.push_back(Upload(cases[c], DType::kFloat32));
-      ASSERT_TRUE(FlagNonFinite(queue(), held.back()->ref(), 0, n, flags->ref(),
-                                static_cast<int32_t>(c))
-                      .ok());
+      ASSERT_TRUE(
+          FlagNonFinite(queue(), held.back()->ref(), 0, n, flags->ref(), static_cast<int32_t>(c))
+              .ok());
     }
     int32_t got[4] = {-1, -1, -1, -1};
     ASSERT_TRUE(queue().Read(flags->ref(), 0, got, sizeof(got)).ok());
@@ -331,9 +340,8 @@ TEST_F(MuonKernelsOpenClTest, MomentumIsBitIdenticalToHostLerp) {
         const std::vector<float> grad = RandomValues(n, seed++);
         const std::vector<float> mom = RandomValues(n, seed++);
         auto dg = Upload(grad, DType::kFloat32), dm = Upload(mom, DType::kFloat32);
-        ASSERT_TRUE(MuonMomentum(queue(), dg->ref(), dm->ref(), n,
-                                 static_cast<float>(1.0 - beta), static_cast<float>(beta),
-                                 nesterov)
+        ASSERT_TRUE(MuonMomentum(queue(), dg->ref(), dm->ref(), n, static_cast<float>(1.0 - beta),
+                                 static_cast<float>(beta), nesterov)
                         .ok());
         const std::vector<float> got_u = Download(*dg, static_cast<size_t>(n), DType::kFloat32);
         const std::vector<float> got_m = Download(*dm, static_cast<size_t>(n), DType::kFloat32);
@@ -470,8 +478,7 @@ TEST_F(MuonKernelsOpenClTest, WholeMuonUpdateMatchesHostMath) {
     for (size_t i = 0; i < cases.size(); ++i) {
       const Case& c = cases[i];
       std::vector<float> want_u(c.grad.size()), want_m = c.momentum;
-      ASSERT_TRUE(
-          MuonUpdate(config, c.spec, c.grad.data(), want_m.data(), want_u.data()).ok());
+      ASSERT_TRUE(MuonUpdate(config, c.spec, c.grad.data(), want_m.data(), want_u.data()).ok());
       const auto got_u = Download(*grads[i], c.grad.size(), DType::kFloat32);
       const auto got_m = Download(*moms[i], c.grad.size(), DType::kFloat32);
       EXPECT_EQ(std::memcmp(got_m.data(), want_m.data(), want_m.size() * 4), 0)

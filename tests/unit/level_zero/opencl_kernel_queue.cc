@@ -15,9 +15,9 @@ absl::Status ClError(const char* call, cl_int err) {
   return absl::InternalError(absl::StrCat(call, " failed: OpenCL error ", err));
 }
 
-#define CL_RETURN_IF_ERROR(fn, ...)                    \
-  do {                                                 \
-    const cl_int muond_cl_err_ = fn(__VA_ARGS__);      \
+#define CL_RETURN_IF_ERROR(fn, ...)                                      \
+  do {                                                                   \
+    const cl_int muond_cl_err_ = fn(__VA_ARGS__);                        \
     if (muond_cl_err_ != CL_SUCCESS) return ClError(#fn, muond_cl_err_); \
   } while (0)
 
@@ -77,9 +77,8 @@ absl::StatusOr<std::unique_ptr<OpenClKernelQueue>> OpenClKernelQueue::Create(
   cl_uint platforms = 0;
   const cl_int got = clGetPlatformIDs(0, nullptr, &platforms);
   if (got != CL_SUCCESS || platforms == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "no OpenCL platform (clGetPlatformIDs: ", got,
-        "; install pocl-opencl-icd for the CPU platform)"));
+    return absl::UnavailableError(absl::StrCat("no OpenCL platform (clGetPlatformIDs: ", got,
+                                               "; install pocl-opencl-icd for the CPU platform)"));
   }
   std::vector<cl_platform_id> ids(platforms);
   CL_RETURN_IF_ERROR(clGetPlatformIDs, platforms, ids.data(), nullptr);
@@ -123,8 +122,8 @@ absl::StatusOr<std::unique_ptr<OpenClKernelQueue>> OpenClKernelQueue::Create(
 
 absl::StatusOr<std::unique_ptr<QueueBuffer>> OpenClKernelQueue::Allocate(size_t bytes) {
   cl_int err = CL_SUCCESS;
-  cl_mem mem = clCreateBuffer(impl_->context, CL_MEM_READ_WRITE, bytes == 0 ? 1 : bytes, nullptr,
-                              &err);
+  cl_mem mem =
+      clCreateBuffer(impl_->context, CL_MEM_READ_WRITE, bytes == 0 ? 1 : bytes, nullptr, &err);
   if (err == CL_MEM_OBJECT_ALLOCATION_FAILURE || err == CL_OUT_OF_HOST_MEMORY) {
     return absl::ResourceExhaustedError(absl::StrCat("clCreateBuffer(", bytes, ") failed"));
   }
@@ -171,8 +170,7 @@ absl::Status OpenClKernelQueue::Launch(const char* name, const std::vector<Kerne
   return absl::OkStatus();
 }
 
-absl::Status OpenClKernelQueue::Read(KernelBufferRef src, size_t offset, void* dst,
-                                     size_t bytes) {
+absl::Status OpenClKernelQueue::Read(KernelBufferRef src, size_t offset, void* dst, size_t bytes) {
   CL_RETURN_IF_ERROR(clEnqueueReadBuffer, impl_->queue, static_cast<cl_mem>(src.handle), CL_TRUE,
                      offset, bytes, dst, 0, nullptr, nullptr);
   return absl::OkStatus();

@@ -92,7 +92,9 @@ kernel void gemm(const global void* a, long a_off, long a_stride, int lda, int a
   }
   if (row < m && col < n) {
     float v = alpha * acc;
-    if (beta != 0.0f) v = beta * LoadValue(c, c_off + z * c_stride + (long)row * ldc + col, c_dtype) + v;
+    if (beta != 0.0f) {
+      v = beta * LoadValue(c, c_off + z * c_stride + (long)row * ldc + col, c_dtype) + v;
+    }
     if (row == col) v = v + diag;
     StoreValue(out, out_off + z * out_stride + (long)row * ldo + col, out_dtype, v);
   }
