@@ -79,6 +79,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "server/muon/ns_schedule.h"
 
 namespace muond::server {
 namespace {
@@ -87,56 +88,17 @@ using common::DType;
 using common::MuonConfig;
 using common::NsMethod;
 
-struct Coefficients {
-  double a;
-  double b;
-  double c;
-};
+using ns::Bf16PolynomialInFp32;
+using ns::Coefficients;
+using ns::IterationCoefficients;
+using ns::kBf16Fp32Steps;
+using ns::kGramRestartAfter;
+using ns::kNormEpsilon;
 
-constexpr Coefficients kStandard{3.4445, -4.7750, 2.0315};
-// Polar Express (arXiv 2505.16932), one triple per iteration; kPolarExpressTail after these.
-constexpr Coefficients kPolarExpress[] = {
-    {8.28721201814563, -23.595886519098837, 17.300387312530933},
-    {4.107059111542203, -2.9478499167379106, 0.5448431082926601},
-    {3.9486908534822946, -2.908902115962949, 0.5518191394370137},
-    {3.3184196573706015, -2.488488024314874, 0.51004894012372},
-    {2.300652019954817, -1.6689039845747493, 0.4188073119525673},
-    {1.891301407787398, -1.2679958271945868, 0.37680408948524835},
-    {1.8750014808534479, -1.2500016453999487, 0.3750001645474248},
-};
-constexpr int kPolarExpressListed = sizeof(kPolarExpress) / sizeof(kPolarExpress[0]);
-constexpr Coefficients kPolarExpressTail{1.875, -1.25, 0.375};
-// Polar Express safety factor: the norm is inflated by it, and every iteration but the last one
-// divides (a, b, c) by (f, f^3, f^5).
-constexpr double kPolarExpressSafety = 1.01;
-constexpr double kNormEpsilon = 1e-7;
-// The gram method recomputes X and R from the accumulated factor after this many iterations (once):
-// the first iterations see the badly conditioned R of the raw input, and restarting there bounds
-// the error that the r x r products accumulate.
-constexpr int kGramRestartAfter = 2;
-// bf16 precision plan (file comment): leading iterations computed in fp32, and the blocks [m, n]
-// (m <= n) whose P = a I + b A + c A A is computed in fp32.
-constexpr int kBf16Fp32Steps = 2;
-constexpr int64_t kBf16SmallSide = 256;
-constexpr int64_t kBf16WideRatio = 8;
-bool Bf16PolynomialInFp32(int64_t m, int64_t n) {
-  return m < kBf16SmallSide || n >= kBf16WideRatio * m;
-}
 // m*k*n of one block at or below which a bf16 product is evaluated in fp32 (see BatchedMath); a
 // margin above LibTorch's own threshold (16^3 per batched product), still negligible work.
 constexpr int64_t kSmallBf16Gemm = int64_t{1} << 16;
 
-Coefficients IterationCoefficients(NsMethod method, int i, int steps) {
-  if (method != NsMethod::kPolarExpress) return kStandard;
-  Coefficients k = i < kPolarExpressListed ? kPolarExpress[i] : kPolarExpressTail;
-  if (i != steps - 1) {
-    const double f = kPolarExpressSafety;
-    k.a /= f;
-    k.b /= f * f * f;
-    k.c /= f * f * f * f * f;
-  }
-  return k;
-}
 
 // The batched products in one dtype (the compute dtype, or fp32 for the m x m side and bf16's fp32
 // iterations). `*op` names the op in flight for error messages; it is shared between instances.
@@ -349,7 +311,7 @@ absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometr
     const bool transposed = geometry.rows > geometry.cols;
     at::Tensor view = transposed ? blocks.transpose(1, 2) : blocks;  // [b, m, n], m <= n
 
-    const double k = config.ns_method == NsMethod::kPolarExpress ? kPolarExpressSafety : 1.0;
+    const double k = ns::NormFactor(config.ns_method);
     op = "frobenius norm";
     // One reduction per block: a reduction over several blocks at once may split a block's sum
     // differently (across threads) than over that block alone, and a matrix's bits must not

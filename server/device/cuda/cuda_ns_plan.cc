@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "common/status_macros.h"
+#include "server/muon/ns_schedule.h"
 
 namespace muond::server::device::cuda {
 namespace {
@@ -12,48 +13,19 @@ using common::DType;
 using common::MuonConfig;
 using common::NsMethod;
 
-// The coefficients and constants of newton_schulz.cc (DESIGN.md 3), which this file must match.
-struct Coefficients {
-  double a, b, c;
-};
-constexpr Coefficients kStandard{3.4445, -4.7750, 2.0315};
-constexpr Coefficients kPolarExpress[] = {
-    {8.28721201814563, -23.595886519098837, 17.300387312530933},
-    {4.107059111542203, -2.9478499167379106, 0.5448431082926601},
-    {3.9486908534822946, -2.908902115962949, 0.5518191394370137},
-    {3.3184196573706015, -2.488488024314874, 0.51004894012372},
-    {2.300652019954817, -1.6689039845747493, 0.4188073119525673},
-    {1.891301407787398, -1.2679958271945868, 0.37680408948524835},
-    {1.8750014808534479, -1.2500016453999487, 0.3750001645474248},
-};
-constexpr int kPolarExpressListed = sizeof(kPolarExpress) / sizeof(kPolarExpress[0]);
-constexpr Coefficients kPolarExpressTail{1.875, -1.25, 0.375};
-constexpr double kPolarExpressSafety = 1.01;
-constexpr int kGramRestartAfter = 2;
-constexpr int kBf16Fp32Steps = 2;
-constexpr int64_t kBf16SmallSide = 256;
-constexpr int64_t kBf16WideRatio = 8;
+using ns::Coefficients;
+using ns::IterationCoefficients;
+using ns::kBf16Fp32Steps;
+using ns::kGramRestartAfter;
+
 constexpr size_t kAlign = 256;
 
-Coefficients IterationCoefficients(NsMethod method, int i, int steps) {
-  if (method != NsMethod::kPolarExpress) return kStandard;
-  Coefficients k = i < kPolarExpressListed ? kPolarExpress[i] : kPolarExpressTail;
-  if (i != steps - 1) {
-    const double f = kPolarExpressSafety;
-    k.a /= f;
-    k.b /= f * f * f;
-    k.c /= f * f * f * f * f;
-  }
-  return k;
-}
 
 size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
 
-double NsNormFactor(NsMethod method) {
-  return method == NsMethod::kPolarExpress ? kPolarExpressSafety : 1.0;
-}
+double NsNormFactor(NsMethod method) { return ns::NormFactor(method); }
 
 NsWorkspace::NsWorkspace(int64_t blocks, int64_t m, int64_t n) {
   e_bytes = AlignUp(static_cast<size_t>(blocks * m * n) * sizeof(float));
@@ -105,7 +77,7 @@ absl::Status NsPlan::Run(Mat* out) {
     RETURN_IF_ERROR(ops_.Convert(x, next, Elems()));
     std::swap(x, next);
     next.type = Elem::kBf16;
-    const bool fp32_polynomial = m_ < kBf16SmallSide || n_ >= kBf16WideRatio * m_;
+    const bool fp32_polynomial = ns::Bf16PolynomialInFp32(m_, n_);
     RETURN_IF_ERROR(fp32_polynomial ? Fp32Polynomial(&x, &next, fp32_steps, steps)
                                      : Direct(&x, &next, fp32_steps, steps));
   }
