@@ -17,6 +17,7 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "server/device/level_zero/muon_kernels.h"
+#include "server/muon/ns_schedule.h"
 
 namespace muond::server::device::level_zero {
 namespace {
@@ -25,43 +26,11 @@ using common::DType;
 using common::MuonConfig;
 using common::NsMethod;
 
-// DESIGN.md 3's coefficients, as server/muon/newton_schulz.cc uses them.
-struct Coefficients {
-  double a;
-  double b;
-  double c;
-};
-constexpr Coefficients kStandard{3.4445, -4.7750, 2.0315};
-constexpr Coefficients kPolarExpress[] = {
-    {8.28721201814563, -23.595886519098837, 17.300387312530933},
-    {4.107059111542203, -2.9478499167379106, 0.5448431082926601},
-    {3.9486908534822946, -2.908902115962949, 0.5518191394370137},
-    {3.3184196573706015, -2.488488024314874, 0.51004894012372},
-    {2.300652019954817, -1.6689039845747493, 0.4188073119525673},
-    {1.891301407787398, -1.2679958271945868, 0.37680408948524835},
-    {1.8750014808534479, -1.2500016453999487, 0.3750001645474248},
-};
-constexpr int kPolarExpressListed = sizeof(kPolarExpress) / sizeof(kPolarExpress[0]);
-constexpr Coefficients kPolarExpressTail{1.875, -1.25, 0.375};
-constexpr double kPolarExpressSafety = 1.01;
-constexpr double kNormEpsilon = 1e-7;
-// newton_schulz.cc's gram restart and bf16 precision plan (see its file comment).
-constexpr int kGramRestartAfter = 2;
-constexpr int kBf16Fp32Steps = 2;
-constexpr int64_t kBf16SmallSide = 256;
-constexpr int64_t kBf16WideRatio = 8;
-
-Coefficients IterationCoefficients(NsMethod method, int i, int steps) {
-  if (method != NsMethod::kPolarExpress) return kStandard;
-  Coefficients k = i < kPolarExpressListed ? kPolarExpress[i] : kPolarExpressTail;
-  if (i != steps - 1) {
-    const double f = kPolarExpressSafety;
-    k.a /= f;
-    k.b /= f * f * f;
-    k.c /= f * f * f * f * f;
-  }
-  return k;
-}
+using ns::Coefficients;
+using ns::IterationCoefficients;
+using ns::kBf16Fp32Steps;
+using ns::kGramRestartAfter;
+using ns::kNormEpsilon;
 
 // Scratch sizes in elements (allocated as fp32, the widest storage dtype).
 struct ScratchSize {
@@ -118,7 +87,7 @@ class NewtonSchulzRun {
   absl::Status Run(MatrixGeometry g, double scale, KernelBufferRef x) {
     const bool transposed = g.rows > g.cols;
     const MatrixBatch input{x, 0, DType::kFloat32, g.batch, g.rows, g.cols};
-    const double k = method_ == NsMethod::kPolarExpress ? kPolarExpressSafety : 1.0;
+    const double k = ns::NormFactor(method_);
     const KernelBufferRef denom = s_.denom->ref();
     RETURN_IF_ERROR(FrobeniusDenominator(q_, input, static_cast<float>(k),
                                          static_cast<float>(kNormEpsilon), s_.partial->ref(),
@@ -139,7 +108,7 @@ class NewtonSchulzRun {
       RETURN_IF_ERROR(Direct(DType::kFloat32, &xi, 0, fp32_steps));
       if (fp32_steps < steps_) {
         RETURN_IF_ERROR(CastX(&xi, &dtype, DType::kBFloat16));
-        const bool polynomial_fp32 = m_ < kBf16SmallSide || n_ >= kBf16WideRatio * m_;
+        const bool polynomial_fp32 = ns::Bf16PolynomialInFp32(m_, n_);
         RETURN_IF_ERROR(polynomial_fp32 ? Fp32PolynomialIterations(&xi, fp32_steps)
                                         : Direct(dtype, &xi, fp32_steps, steps_));
       }
