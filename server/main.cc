@@ -9,6 +9,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -169,6 +170,10 @@ int Run(int argc, char** argv) {
                 absl::StrCat("--backend ", config->backend, ": ", opened.status().message()));
   }
   const std::string backend = opened->device->name();
+  // Device memory (GPU backends) is bounded by the gather budget: the gathered gradients and
+  // momentum of the batches in flight plus Newton-Schulz scratch (up to about twice that again).
+  opened->device->SetMemoryLimit(
+      static_cast<size_t>(std::max<uint64_t>(3 * config->gather_budget_bytes, uint64_t{1} << 30)));
   MUOND_LOG(INFO) << "backend " << opened->why;
   auto compute = ComputeDevice::Create(std::move(opened->device), opened->why,
                                        config->serial_schedule);
