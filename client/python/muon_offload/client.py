@@ -115,7 +115,7 @@ class Client:
         return generation.value, step.value
 
     def checkpoint_load(self, job_id, token, generation=-1, step=-1):
-        """Loads generation `generation` (>= 0), or the one saved at `step` (>= 0), or the newest
+        """Loads generation `generation` (>= 1), or the one saved at `step` (>= 0), or the newest
         good one (both -1). Returns (loaded_generation, next_step)."""
         loaded, next_step = ctypes.c_int64(-1), ctypes.c_int64(-1)
         _native.call("muond_checkpoint_load", self.handle, job_id.encode(), token.encode(),
