@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/logging.h"
 #include "server/job.h"
 #include "server/job_internal.h"
 #include "common/status_macros.h"
@@ -61,8 +62,19 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
         if (refusal_.step == step && static_cast<size_t>(rank) < refusal_.owed.size()) {
           refusal_.owed[rank] = false;
         }
-      } else {
-        ++steps_refused_;
+      } else if (!deleted_ && !fenced_ && sessions_[rank] == session && step == next_step_) {
+        // Refused before any rank began the step: the ranks that submit it later are owed the
+        // refusal, or they would begin a step this rank has already left.
+        if (refusal_.step == step && refusal_.owed[rank]) {
+          refusal_.owed[rank] = false;  // a refusal of this same attempt; it learns of it now
+        } else {
+          ++steps_refused_;
+          refusal_.step = step;
+          refusal_.status = bad;
+          refusal_.owed.assign(spec_.world_size, true);
+          refusal_.owed[rank] = false;
+          MUOND_LOG(INFO) << "job '" << id() << "' step " << step << " refused: " << bad.message();
+        }
       }
       return bad;
     }

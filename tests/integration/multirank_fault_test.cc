@@ -160,6 +160,68 @@ TEST_F(MultiRankFaultTest, NonFiniteShardRefusesTheStepForEveryRankAndKeepsMomen
   EXPECT_EQ(Status(job).steps_completed(), 3);
 }
 
+// Over shared memory a rank's whole submission is checked before it joins the step, so the bad
+// rank can be refused before any other rank began the step: the ranks that submit afterwards are
+// refused too (not left waiting for it), each exactly once, and the retry computes the clean
+// trajectory. Also when both ranks send a bad value, and when the bad rank is first again on the
+// retry of a refused step.
+TEST_F(MultiRankFaultTest, RefusedBeforeTheOthersBeganOverSharedMemory) {
+  const std::vector<common::MatrixSpec> matrices = {Matrix("a", {32, 48}), Matrix("b", {16, 24})};
+  TestJob job = CreateJob("shm-first", 2, 2, matrices);
+  const MatrixBytes grads = MakeGradients(matrices, 1, /*seed=*/5);
+  auto want = ReferenceTrajectory(client(), NewJobId("shm-first-ref"), job.spec, grads);
+  ASSERT_TRUE(want.ok()) << want.status();
+  const std::vector<std::string> bad =
+      Poison(grads[0], 0, 7, std::numeric_limits<float>::quiet_NaN());
+  std::vector<std::unique_ptr<client::Client>> clients;
+  std::vector<std::unique_ptr<client::RankSession>> sessions;
+  for (int r = 0; r < 2; ++r) {
+    auto c = client::Client::Connect(address());
+    ASSERT_TRUE(c.ok());
+    auto s = (*c)->Attach(job.spec.job_id, r, job.token, false, client::Transport::kShm);
+    ASSERT_TRUE(s.ok()) << s.status();
+    clients.push_back(*std::move(c));
+    sessions.push_back(*std::move(s));
+  }
+  // One rank's step 0 in a thread, with a deadline: a rank left waiting is a failure, and the job
+  // is deleted to end its wait.
+  auto step = [&](int rank, const std::vector<std::string>& g) -> absl::Status {
+    absl::Status out = absl::DeadlineExceededError("the step did not end within 20 s");
+    std::atomic<bool> done{false};
+    std::thread t([&] {
+      out = StepSpans(*sessions[rank], 0, g).status();
+      done = true;
+    });
+    for (int i = 0; i < 2000 && !done; ++i) absl::SleepFor(absl::Milliseconds(10));
+    if (!done) (void)client().DeleteJob(job.spec.job_id, job.token);
+    t.join();
+    return out;
+  };
+  // Rank 0 bad first, then rank 1 clean: both refused.
+  absl::Status s0 = step(0, bad);
+  EXPECT_EQ(s0.code(), absl::StatusCode::kInvalidArgument) << s0;
+  absl::Status s1 = step(1, grads[0]);
+  EXPECT_EQ(s1.code(), absl::StatusCode::kInvalidArgument) << s1;
+  EXPECT_NE(std::string(s1.message()).find("matrix 'a'"), std::string::npos) << s1;
+  // The retry: rank 0 bad first again (a new attempt), rank 1 refused again.
+  s0 = step(0, bad);
+  EXPECT_EQ(s0.code(), absl::StatusCode::kInvalidArgument) << s0;
+  s1 = step(1, grads[0]);
+  EXPECT_EQ(s1.code(), absl::StatusCode::kInvalidArgument) << s1;
+  // Both bad in one attempt: each learns it once.
+  s0 = step(0, bad);
+  s1 = step(1, bad);
+  EXPECT_EQ(s0.code(), absl::StatusCode::kInvalidArgument) << s0;
+  EXPECT_EQ(s1.code(), absl::StatusCode::kInvalidArgument) << s1;
+  const v1::JobStatus st = Status(job);
+  EXPECT_EQ(st.steps_refused(), 3);
+  EXPECT_FALSE(st.has_step_in_flight());
+  EXPECT_EQ(st.next_step(), 0);
+  // The clean retry: both ranks at once, equal to the trajectory that never saw the bad values.
+  sessions.clear();
+  CleanSteps(job, {grads[0]}, {(*want)[0]}, 0, /*use_buffer=*/false, /*takeover=*/true);
+}
+
 // Job B, world size 1, steps in a loop (reset, step 0, step 1) and checks each update bit for bit.
 class BackgroundJob {
  public:
