@@ -368,6 +368,14 @@ TEST_F(ShmHostileTest, NonFiniteGradientIsRefusedNamingMatrixAndRankMomentumUnto
     EXPECT_TRUE(IsError(r0.status(), absl::StatusCode::kInvalidArgument,
                         "rank 0: matrix 'big' has a non-finite gradient value at element 0"));
   }
+  // Rank 1 had not begun that step: it is owed the refusal, once (it must not begin a step rank 0
+  // has already left, nor mix its gradients into rank 0's retry).
+  {
+    ASSERT_TRUE(FillGradientView(*s[1], 0, grads[0]).ok());
+    auto r1 = s[1]->StepInPlace(0);
+    EXPECT_TRUE(IsError(r1.status(), absl::StatusCode::kInvalidArgument,
+                        "rank 0: matrix 'big' has a non-finite gradient value at element 0"));
+  }
   // The clean steps equal the fresh job's, bit for bit.
   for (int64_t step = 0; step < 2; ++step) {
     auto got = StepAllRanks(client(), spec.job_id, *token, {s[0].get(), s[1].get()},
