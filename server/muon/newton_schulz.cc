@@ -54,17 +54,17 @@
 //  - gram: its products before the restart (R = X0 X0^T and Q X0: the same two iterations) in
 //    fp32, and R = X X^T always in fp32 (see GramIterations); only the final Q X is bf16.
 // Cost: two fp32 iterations of five, i.e. 6 of the 15 GEMMs of a square block (fewer for gram).
-// Measured with `muond-bench ns` (standard, square n x n, 2 threads; GFLOP/s, n = 256/512/1024):
-//   bf16 NS, this plan                25 / 45 / 86
-//   bf16 NS, every op bf16 (before)  137 /157 /162   (bf16 matmul ~150-165)
-//   fp32 NS                           17 / 32 / 53   (fp32 matmul ~60-65)
-// fp32 GEMMs (OpenBLAS, pthreads build) run at ~60 GFLOP/s alone vs ~160 for bf16 (oneDNN), and at
-// n <= 512 inside NS only at about half that: libgomp's spinning workers (ATen's elementwise ops)
-// compete with OpenBLAS's own threads for the cores. With OMP_WAIT_POLICY=passive fp32 NS reaches
-// 55-62 and bf16 NS 65-85 (oneDNN's small bf16 GEMMs slow down instead). So bf16 stays the
-// fastest compute dtype, but by ~1.5x over fp32 rather than ~3-10x; that is the price of the
-// DESIGN.md 3 bound (the previous all-bf16 formula exceeds it: 3.3e-2 in the tests, 2.3e-2 on a
-// 512 x 512 block with singular values ~1/i). The float16 emulation is fp32-GEMM bound likewise.
+// Measured with `muond-bench ns` (standard, square n x n, 2 threads; GFLOP/s, n = 512/1024):
+//   bf16 NS, this plan                63 / 88    (bf16 matmul ~166)
+//   bf16 NS, every op bf16 (before)  157 /162
+//   fp32 NS                           52 / 61    (fp32 matmul ~62-65)
+// fp32 GEMMs are OpenBLAS's (pthreads build, its own threads); ATen's libgomp workers spin while
+// they run and take the cores from them (fp32 NS at 512: ~33 with 2 ATen threads), so the fp32
+// GEMM phases run with one ATen thread (ScopedSingleAtenThread). bf16 stays the fastest compute
+// dtype, by ~1.2-1.5x over fp32 rather than ~2.5x: two of five iterations in fp32 cap bf16 NS at
+// ~0.6 of a bf16 matmul; that is the price of the DESIGN.md 3 bound (the all-bf16 formula exceeds
+// it: 3.3e-2 in the tests, 2.3e-2 on a 512 x 512 block with singular values ~1/i). The float16
+// emulation is fp32-GEMM bound likewise.
 #include "server/muon/newton_schulz.h"
 
 #include <ATen/ATen.h>
@@ -99,6 +99,28 @@ using ns::kNormEpsilon;
 // margin above LibTorch's own threshold (16^3 per batched product), still negligible work.
 constexpr int64_t kSmallBf16Gemm = int64_t{1} << 16;
 
+
+// fp32 products are OpenBLAS GEMMs, which run on OpenBLAS's own threads; ATen's OpenMP workers
+// (used by oneDNN's bf16 GEMMs and the elementwise ops) then only spin and take the cores from
+// them: measured at 512 x 512, fp32 Newton-Schulz runs at ~33 GFLOP/s with 2 ATen threads and ~55
+// with 1 (an fp32 matmul: ~63). Work that is fp32 GEMMs runs with one ATen thread; the previous
+// count is restored on leaving. Per calling thread (OpenMP's thread count is a per-thread
+// setting), so it does not affect other threads.
+class ScopedSingleAtenThread {
+ public:
+  explicit ScopedSingleAtenThread(bool active) : saved_(at::get_num_threads()), active_(active) {
+    if (active_ && saved_ != 1) at::set_num_threads(1);
+  }
+  ~ScopedSingleAtenThread() {
+    if (active_ && saved_ != 1) at::set_num_threads(saved_);
+  }
+  ScopedSingleAtenThread(const ScopedSingleAtenThread&) = delete;
+  ScopedSingleAtenThread& operator=(const ScopedSingleAtenThread&) = delete;
+
+ private:
+  const int saved_;
+  const bool active_;
+};
 
 // The batched products in one dtype (the compute dtype, or fp32 for the m x m side and bf16's fp32
 // iterations). `*op` names the op in flight for error messages; it is shared between instances.
@@ -335,12 +357,17 @@ absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometr
     const bool gram = method == NsMethod::kGram && m != n;
     at::Tensor result;
     if (gram) {
+      ScopedSingleAtenThread fp32_gemms(!bf16);
       result = GramIterations(bf16 ? fp32_math : math, math, fp32_math, &op, xs, method, steps);
     } else if (!bf16) {
+      ScopedSingleAtenThread fp32_gemms(true);
       result = DirectIterations(math, xs, method, 0, steps, steps);
     } else {
       const int fp32_steps = std::min(kBf16Fp32Steps, steps);
-      result = DirectIterations(fp32_math, xs, method, 0, fp32_steps, steps);
+      {
+        ScopedSingleAtenThread fp32_gemms(true);
+        result = DirectIterations(fp32_math, xs, method, 0, fp32_steps, steps);
+      }
       if (fp32_steps < steps) {
         result = math.ToCompute("cast X to bfloat16", result);
         result =
