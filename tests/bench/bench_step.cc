@@ -27,9 +27,10 @@
 namespace muond::bench {
 namespace {
 
-// Offloading may cost at most 15% over the bare in-process math: the data moved (gradient in,
-// update out) is a few hundred MB against several seconds of Newton-Schulz on the CPU.
-constexpr double kTarget = 1.15;
+// Offloading may cost at most 10% over the bare in-process math (the pipelined device layer's
+// target; 15% before it): the data moved (gradient in, update out) is a few hundred MB against
+// several seconds of Newton-Schulz on the CPU.
+constexpr double kTarget = 1.10;
 
 using Clock = std::chrono::steady_clock;
 
