@@ -21,6 +21,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "server/parallel_bytes.h"
 
 namespace muond::server::checkpoint {
 namespace {
@@ -320,6 +321,11 @@ absl::StatusOr<Loaded> Verify(const std::string& gen_dir) {
     return absl::DataLossError(absl::StrCat(path, ": header is not valid JSON"));
   }
   const uint64_t data_start = 8 + header_len;
+  struct Read {
+    uint64_t offset;
+    uint32_t crc;
+  };
+  std::vector<Read> reads;
   try {
     const Json& tensors = manifest.at("tensors");
     for (const Json& t : tensors) {
@@ -344,21 +350,28 @@ absl::StatusOr<Loaded> Verify(const std::string& gen_dir) {
         return absl::DataLossError(
             absl::StrCat(path, ": tensor '", name, "' has a bad size or offsets"));
       }
-      std::vector<float> v(numel);
-      RETURN_IF_ERROR(
-          PreadAll(fd.get(), v.data(), numel * sizeof(float), data_start + off[0], path));
-      const uint32_t got = common::Crc32c(v.data(), numel * sizeof(float));
-      if (got != crc) {
-        return absl::DataLossError(absl::StrFormat(
-            "%s: tensor '%s' checksum mismatch (crc32c %08x, manifest %08x)", path, name, got,
-            crc));
-      }
       out.names.push_back(name);
-      out.data.push_back(std::move(v));
+      out.data.emplace_back(numel);
+      reads.push_back({data_start + off[0], crc});
     }
   } catch (const Json::exception& e) {
     return absl::DataLossError(absl::StrCat(gen_dir, "/", kManifest, ": ", e.what()));
   }
+  // Every tensor read and checked, spread over the CPUs (page-cache copies and CRC32C).
+  std::vector<absl::Status> read_status(reads.size());
+  ParallelFor(reads.size(), size, [&](size_t i) {
+    std::vector<float>& v = out.data[i];
+    const size_t bytes = v.size() * sizeof(float);
+    read_status[i] = PreadAll(fd.get(), v.data(), bytes, reads[i].offset, path);
+    if (!read_status[i].ok()) return;
+    const uint32_t got = common::Crc32c(v.data(), bytes);
+    if (got != reads[i].crc) {
+      read_status[i] = absl::DataLossError(
+          absl::StrFormat("%s: tensor '%s' checksum mismatch (crc32c %08x, manifest %08x)", path,
+                          out.names[i], got, reads[i].crc));
+    }
+  });
+  for (const absl::Status& st : read_status) RETURN_IF_ERROR(st);
   return out;
 }
 

@@ -237,6 +237,7 @@ class Job : public std::enable_shared_from_this<Job> {
   void PreserveForSnapshot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_);
   absl::Status InstallMomentum(const checkpoint::Loaded& loaded, const std::string& source)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_, mu_);
+  uint64_t MomentumBytes() const;
 
   const common::JobSpec spec_;
   const std::string token_sha256_;

@@ -11,6 +11,7 @@
 #include "server/daemon_metrics.h"
 #include "server/job.h"
 #include "server/job_internal.h"
+#include "server/parallel_bytes.h"
 
 namespace muond::server {
 
@@ -98,6 +99,12 @@ absl::StatusOr<std::vector<checkpoint::GenerationInfo>> Job::ListCheckpoints() c
   return store_.List();
 }
 
+uint64_t Job::MomentumBytes() const {
+  uint64_t bytes = 0;
+  for (const auto& m : momentum_) bytes += m.size() * sizeof(float);
+  return bytes;
+}
+
 absl::Status Job::InstallMomentum(const checkpoint::Loaded& loaded, const std::string& source) {
   if (spec_.transport_probe) {
     return absl::FailedPreconditionError(
@@ -137,10 +144,10 @@ absl::Status Job::InstallMomentum(const checkpoint::Loaded& loaded, const std::s
   }
   PreserveForSnapshot();
   // Back into the registered (pinned) store, in place.
-  for (size_t m = 0; m < spec_.matrices.size(); ++m) {
+  ParallelFor(spec_.matrices.size(), MomentumBytes(), [&](size_t m) {
     const std::vector<float>& data = loaded.data[index[m]];
     std::memcpy(momentum_[m].data(), data.data(), data.size() * sizeof(float));
-  }
+  });
   for (auto& u : last_updates_) u = nullptr;
   refusal_ = Refusal();
   next_step_ = loaded.info.step;
