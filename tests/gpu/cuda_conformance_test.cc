@@ -29,17 +29,16 @@ using common::MatrixSpec;
 using common::MuonConfig;
 using common::NsMethod;
 using common::ScaleMode;
-using testing_cuda::RandomValues;
-using testing_cuda::RelativeError;
-using testing_cuda::SameBits;
+using test_util::Bound;
+using test_util::Case;
+using test_util::DeviceUpdate;
+using test_util::HostUpdate;
+using test_util::RandomValues;
+using test_util::RelativeError;
+using test_util::SameBits;
+using test_util::ShapeCase;
 
-struct ShapeCase {
-  const char* name;
-  std::vector<int64_t> shape;
-  int64_t heads;
-};
-
-const ShapeCase kShapes[] = {
+const std::vector<ShapeCase> kShapes = {
     {"wide", {24, 72}, 1},
     {"wide_again", {24, 72}, 1},  // batched with "wide" into one GEMM batch
     {"tall", {72, 24}, 1},
@@ -58,19 +57,6 @@ const ShapeCase kShapes[] = {
     {"large_tall", {320, 256}, 1},  // the same, transposed
     {"very_wide", {40, 400}, 1},    // n >= 8m
 };
-
-// DESIGN.md 3 (fp16 between fp32 and bf16, as in the muon unit tests and the device conformance).
-double Bound(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 1e-4;
-    case DType::kBFloat16:
-      return 2e-2;
-    case DType::kFloat16:
-      return 1e-2;
-  }
-  return 0;
-}
 
 struct Coefficients {
   double a, b, c;
@@ -158,79 +144,7 @@ std::vector<double> ReferenceUpdate(const MuonConfig& config, const MatrixSpec& 
   return u;
 }
 
-struct Case {
-  MatrixSpec spec;
-  std::vector<float> grad, momentum;
-  std::vector<float> update, new_momentum;
-};
-
-std::vector<Case> MakeCases(uint32_t seed) {
-  std::vector<Case> cases;
-  for (const ShapeCase& s : kShapes) {
-    Case c;
-    c.spec.name = s.name;
-    c.spec.shape = s.shape;
-    c.spec.num_heads = s.heads;
-    const size_t n = static_cast<size_t>(c.spec.numel());
-    c.grad = RandomValues(n, seed++);
-    c.momentum = RandomValues(n, seed++, 0.5f);
-    cases.push_back(std::move(c));
-  }
-  return cases;
-}
-
-void HostUpdate(const MuonConfig& config, Case& c) {
-  c.update.assign(c.grad.size(), 0.0f);
-  c.new_momentum = c.momentum;
-  const absl::Status s =
-      MuonUpdate(config, c.spec, c.grad.data(), c.new_momentum.data(), c.update.data());
-  ASSERT_TRUE(s.ok()) << c.spec.name << ": " << s;
-}
-
-// All cases as one Muon call, on three streams ordered by events as the step pipeline does.
-void DeviceUpdate(Device& dev, const MuonConfig& config, std::vector<Case>& cases) {
-  auto in = dev.CreateStream();
-  auto compute = dev.CreateStream();
-  auto out = dev.CreateStream();
-  ASSERT_TRUE(in.ok() && compute.ok() && out.ok());
-  std::vector<DeviceBuffer> grads, moms;
-  for (const Case& c : cases) {
-    auto g = dev.Allocate(c.grad.size() * sizeof(float));
-    auto m = dev.Allocate(c.grad.size() * sizeof(float));
-    ASSERT_TRUE(g.ok() && m.ok());
-    grads.push_back(*std::move(g));
-    moms.push_back(*std::move(m));
-  }
-  std::vector<MuonKernelItem> items;
-  for (size_t i = 0; i < cases.size(); ++i) {
-    const size_t bytes = cases[i].grad.size() * sizeof(float);
-    ASSERT_TRUE((*in)->CopyToDevice(grads[i], 0, cases[i].grad.data(), bytes).ok());
-    ASSERT_TRUE((*in)->CopyToDevice(moms[i], 0, cases[i].momentum.data(), bytes).ok());
-    items.push_back({&cases[i].spec, &grads[i], &moms[i]});
-  }
-  auto copied = (*in)->Record();
-  ASSERT_TRUE(copied.ok());
-  ASSERT_TRUE((*compute)->WaitFor(*copied).ok());
-  ASSERT_TRUE((*compute)->Muon(config, std::move(items)).ok());
-  auto computed = (*compute)->Record();
-  ASSERT_TRUE(computed.ok());
-  ASSERT_TRUE((*out)->WaitFor(*computed).ok());
-  for (size_t i = 0; i < cases.size(); ++i) {
-    Case& c = cases[i];
-    c.update.assign(c.grad.size(), std::nanf(""));
-    c.new_momentum.assign(c.grad.size(), std::nanf(""));
-    const size_t bytes = c.grad.size() * sizeof(float);
-    ASSERT_TRUE((*out)->CopyToHost(c.update.data(), grads[i], 0, bytes).ok());
-    ASSERT_TRUE((*out)->CopyToHost(c.new_momentum.data(), moms[i], 0, bytes).ok());
-  }
-  auto written = (*out)->Record();
-  ASSERT_TRUE(written.ok());
-  const absl::Status s = (*written)->Wait();
-  ASSERT_TRUE(s.ok()) << s;
-  EXPECT_TRUE((*written)->Done());
-  EXPECT_TRUE((*copied)->Done());
-  EXPECT_TRUE((*computed)->Done());
-}
+std::vector<Case> MakeCases(uint32_t seed) { return test_util::MakeCases(kShapes, seed); }
 
 std::string ConfigName(const MuonConfig& c) {
   return absl::StrCat(std::string(common::NsMethodName(c.ns_method)), "/",

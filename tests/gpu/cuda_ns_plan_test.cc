@@ -139,9 +139,7 @@ std::vector<float> PlanNewtonSchulz(const MuonConfig& config, int64_t blocks, in
   return back;
 }
 
-double Bound(DType dtype) {
-  return dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 2e-2 : 1e-2;
-}
+using testing_cuda::Bound;
 
 struct Shape {
   int64_t blocks, rows, cols;

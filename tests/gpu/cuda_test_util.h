@@ -1,5 +1,5 @@
 // Helpers of the CUDA backend tests: the shared device (opened once; tests skip with the reason
-// when there is none), random inputs and error measures.
+// when there is none); random inputs and error measures from tests/common/muon_cases.h.
 #ifndef MUOND_TESTS_GPU_CUDA_TEST_UTIL_H_
 #define MUOND_TESTS_GPU_CUDA_TEST_UTIL_H_
 
@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/device/device.h"
+#include "tests/common/muon_cases.h"
 
 namespace muond::server::device::testing_cuda {
 
@@ -34,28 +35,11 @@ inline absl::StatusOr<Device*> SharedCudaDevice() {
     dev = *muond_opened_;                                                               \
   } while (0)
 
-inline std::vector<float> RandomValues(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-scale, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-template <typename T>
-double RelativeError(const std::vector<float>& got, const std::vector<T>& want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double d = static_cast<double>(got[i]) - static_cast<double>(want[i]);
-    diff += d * d;
-    norm += static_cast<double>(want[i]) * static_cast<double>(want[i]);
-  }
-  return norm == 0 ? std::sqrt(diff) : std::sqrt(diff / norm);
-}
-
-inline bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+// Random inputs and error measures, shared with the other backends' conformance tests.
+using test_util::Bound;
+using test_util::RandomValues;
+using test_util::RelativeError;
+using test_util::SameBits;
 
 }  // namespace muond::server::device::testing_cuda
 

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "server/device/device.h"
 #include "server/muon/muon_math.h"
+#include "tests/common/muon_cases.h"
 
 namespace muond::server::device {
 namespace {
@@ -34,13 +35,16 @@ constexpr int kMathThreads = 2;
 // The backends every build has; GPU backends are added here when compiled in.
 const char* const kBackends[] = {"cpu", "simulated"};
 
-struct ShapeCase {
-  const char* name;
-  std::vector<int64_t> shape;
-  int64_t heads;
-};
+using test_util::Bound;
+using test_util::Case;
+using test_util::DeviceUpdate;
+using test_util::HostUpdate;
+using test_util::RandomValues;
+using test_util::RelativeError;
+using test_util::SameBits;
+using test_util::ShapeCase;
 
-const ShapeCase kShapes[] = {
+const std::vector<ShapeCase> kShapes = {
     {"wide", {24, 72}, 1},
     {"tall", {72, 24}, 1},
     {"square", {32, 32}, 1},
@@ -59,120 +63,7 @@ const ShapeCase kShapes[] = {
     {"wide_3", {24, 72}, 1},
 };
 
-// DESIGN.md 3 accuracy contract (fp16 between fp32 and bf16, as in the muon unit tests).
-double Bound(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 1e-4;
-    case DType::kBFloat16:
-      return 2e-2;
-    case DType::kFloat16:
-      return 1e-2;
-  }
-  return 0;
-}
-
-std::vector<float> RandomValues(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-double RelativeError(const std::vector<float>& got, const std::vector<float>& want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double d = static_cast<double>(got[i]) - want[i];
-    diff += d * d;
-    norm += static_cast<double>(want[i]) * want[i];
-  }
-  return norm == 0 ? std::sqrt(diff) : std::sqrt(diff / norm);
-}
-
-bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-// One matrix's inputs and outputs.
-struct Case {
-  MatrixSpec spec;
-  std::vector<float> grad, momentum;        // inputs
-  std::vector<float> update, new_momentum;  // outputs (device or host)
-};
-
-std::vector<Case> MakeCases(uint32_t seed) {
-  std::vector<Case> cases;
-  for (const ShapeCase& s : kShapes) {
-    Case c;
-    c.spec.name = s.name;
-    c.spec.shape = s.shape;
-    c.spec.num_heads = s.heads;
-    const size_t n = static_cast<size_t>(c.spec.numel());
-    c.grad = RandomValues(n, seed++);
-    c.momentum = RandomValues(n, seed++);
-    for (float& m : c.momentum) m *= 0.5f;
-    cases.push_back(std::move(c));
-  }
-  return cases;
-}
-
-// The host reference: MuonUpdate on copies of the inputs.
-void HostUpdate(const MuonConfig& config, Case& c) {
-  c.update.assign(c.grad.size(), 0.0f);
-  c.new_momentum = c.momentum;
-  ASSERT_TRUE(
-      MuonUpdate(config, c.spec, c.grad.data(), c.new_momentum.data(), c.update.data()).ok())
-      << c.spec.name;
-}
-
-// Runs all `cases` as one Muon kernel call on `dev` through three streams ordered by events, as
-// the step pipeline does: copy-in, compute, writeback (update and momentum).
-void DeviceUpdate(Device& dev, const MuonConfig& config, std::vector<Case>& cases) {
-  auto in = dev.CreateStream();
-  auto compute = dev.CreateStream();
-  auto out = dev.CreateStream();
-  ASSERT_TRUE(in.ok() && compute.ok() && out.ok());
-  std::vector<DeviceBuffer> grads, moms;
-  for (const Case& c : cases) {
-    const size_t bytes = c.grad.size() * sizeof(float);
-    auto g = dev.Allocate(bytes);
-    auto m = dev.Allocate(bytes);
-    ASSERT_TRUE(g.ok() && m.ok());
-    EXPECT_EQ(g->size(), bytes);
-    grads.push_back(*std::move(g));
-    moms.push_back(*std::move(m));
-  }
-  std::vector<MuonKernelItem> items;
-  for (size_t i = 0; i < cases.size(); ++i) {
-    const size_t bytes = cases[i].grad.size() * sizeof(float);
-    ASSERT_TRUE((*in)->CopyToDevice(grads[i], 0, cases[i].grad.data(), bytes).ok());
-    ASSERT_TRUE((*in)->CopyToDevice(moms[i], 0, cases[i].momentum.data(), bytes).ok());
-    items.push_back({&cases[i].spec, &grads[i], &moms[i]});
-  }
-  auto copied = (*in)->Record();
-  ASSERT_TRUE(copied.ok());
-  ASSERT_TRUE((*compute)->WaitFor(*copied).ok());
-  ASSERT_TRUE((*compute)->Muon(config, std::move(items)).ok());
-  auto computed = (*compute)->Record();
-  ASSERT_TRUE(computed.ok());
-  ASSERT_TRUE((*out)->WaitFor(*computed).ok());
-  for (size_t i = 0; i < cases.size(); ++i) {
-    Case& c = cases[i];
-    c.update.assign(c.grad.size(), std::nanf(""));
-    c.new_momentum.assign(c.grad.size(), std::nanf(""));
-    const size_t bytes = c.grad.size() * sizeof(float);
-    ASSERT_TRUE((*out)->CopyToHost(c.update.data(), grads[i], 0, bytes).ok());
-    ASSERT_TRUE((*out)->CopyToHost(c.new_momentum.data(), moms[i], 0, bytes).ok());
-  }
-  auto written = (*out)->Record();
-  ASSERT_TRUE(written.ok());
-  const absl::Status s = (*written)->Wait();
-  ASSERT_TRUE(s.ok()) << s;
-  EXPECT_TRUE((*written)->Done());
-  EXPECT_TRUE((*copied)->Done());
-  EXPECT_TRUE((*computed)->Done());
-}
+std::vector<Case> MakeCases(uint32_t seed) { return test_util::MakeCases(kShapes, seed); }
 
 std::string ConfigName(const MuonConfig& c) {
   return absl::StrCat(std::string(common::NsMethodName(c.ns_method)), "/",

@@ -14,6 +14,7 @@
 #include "common/job_spec.h"
 #include "gtest/gtest.h"
 #include "server/device/device.h"
+#include "tests/common/muon_cases.h"
 #include "server/device/level_zero/muon_kernels_spirv.h"
 #include "server/muon/muon_math.h"
 
@@ -63,10 +64,7 @@ TEST(LevelZeroSpirvTest, EmbeddedModuleIsWellFormedSpirvWithEveryKernel) {
   }
 }
 
-// DESIGN.md 3 accuracy contract, as in tests/unit/device/device_conformance_test.cc.
-double Bound(DType dtype) {
-  return dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 2e-2 : 1e-2;
-}
+using test_util::Bound;
 
 // The Muon update of a few shapes through the Stream API on `dev` against the cpu backend's.
 void Conformance(Device& dev) {

@@ -24,6 +24,7 @@
 #include "server/device/level_zero/muon_kernel_driver.h"
 #include "server/device/level_zero/muon_kernels.h"
 #include "server/muon/muon_math.h"
+#include "tests/common/muon_cases.h"
 #include "tests/unit/level_zero/muon_kernels_test_util.h"
 #ifdef MUOND_HAVE_OPENCL
 #include "tests/unit/level_zero/opencl_kernel_queue.h"
@@ -362,13 +363,12 @@ TEST_F(MuonKernelsOpenClTest, MomentumIsBitIdenticalToHostLerp) {
 
 // --- The whole Muon update through the driver ---
 
-struct ShapeCase {
-  const char* name;
-  std::vector<int64_t> shape;
-  int64_t heads;
-};
+using test_util::Bound;
+using test_util::Case;
+using test_util::RelativeError;
+using test_util::ShapeCase;
 
-const ShapeCase kShapes[] = {
+const std::vector<ShapeCase> kShapes = {
     {"wide", {24, 72}, 1},
     {"tall", {72, 24}, 1},
     {"square", {32, 32}, 1},
@@ -386,25 +386,7 @@ const ShapeCase kShapes[] = {
     {"conv_tall", {48, 2, 2, 3}, 2},  // 2 blocks of 24 x 12
 };
 
-struct Case {
-  MatrixSpec spec;
-  std::vector<float> grad, momentum;
-};
-
-std::vector<Case> MakeCases(uint32_t seed) {
-  std::vector<Case> cases;
-  for (const ShapeCase& s : kShapes) {
-    Case c;
-    c.spec.name = s.name;
-    c.spec.shape = s.shape;
-    c.spec.num_heads = s.heads;
-    c.grad = RandomValues(c.spec.numel(), seed++);
-    c.momentum = RandomValues(c.spec.numel(), seed++);
-    for (float& m : c.momentum) m *= 0.5f;
-    cases.push_back(std::move(c));
-  }
-  return cases;
-}
+std::vector<Case> MakeCases(uint32_t seed) { return test_util::MakeCases(kShapes, seed); }
 
 std::vector<MuonConfig> Configs() {
   std::vector<MuonConfig> configs;
@@ -434,20 +416,6 @@ std::vector<MuonConfig> Configs() {
   add(NsMethod::kStandard, DType::kFloat16, true, 2, ScaleMode::kNone, 0.0);
   add(NsMethod::kPolarExpress, DType::kFloat32, false, 9, ScaleMode::kOriginal, 0.99);
   return configs;
-}
-
-double Bound(DType dtype) {  // DESIGN.md 3, as tests/unit/device/device_conformance_test.cc
-  return dtype == DType::kFloat32 ? 1e-4 : dtype == DType::kBFloat16 ? 2e-2 : 1e-2;
-}
-
-double RelativeError(const std::vector<float>& got, const std::vector<float>& want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double d = static_cast<double>(got[i]) - want[i];
-    diff += d * d;
-    norm += static_cast<double>(want[i]) * want[i];
-  }
-  return norm == 0 ? std::sqrt(diff) : std::sqrt(diff / norm);
 }
 
 std::string ConfigName(const MuonConfig& c) {
