@@ -59,8 +59,8 @@
 //   bf16 NS, every op bf16 (before)  157 /162
 //   fp32 NS                           52 / 61    (fp32 matmul ~62-65)
 // fp32 GEMMs are OpenBLAS's (pthreads build, its own threads); ATen's libgomp workers spin while
-// they run and take the cores from them (fp32 NS at 512: ~33 with 2 ATen threads), so the fp32
-// GEMM phases run with one ATen thread (ScopedSingleAtenThread). bf16 stays the fastest compute
+// they run and take the cores from them (fp32 NS at 512: ~33 with 2 OpenMP threads), so the fp32
+// GEMM phases run with one OpenMP thread (ScopedSingleAtenThread). bf16 stays the fastest compute
 // dtype, by ~1.2-1.5x over fp32 rather than ~2.5x: two of five iterations in fp32 cap bf16 NS at
 // ~0.6 of a bf16 matmul; that is the price of the DESIGN.md 3 bound (the all-bf16 formula exceeds
 // it: 3.3e-2 in the tests, 2.3e-2 on a 512 x 512 block with singular values ~1/i). The float16
@@ -69,6 +69,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
@@ -102,17 +103,19 @@ constexpr int64_t kSmallBf16Gemm = int64_t{1} << 16;
 
 // fp32 products are OpenBLAS GEMMs, which run on OpenBLAS's own threads; ATen's OpenMP workers
 // (used by oneDNN's bf16 GEMMs and the elementwise ops) then only spin and take the cores from
-// them: measured at 512 x 512, fp32 Newton-Schulz runs at ~33 GFLOP/s with 2 ATen threads and ~55
-// with 1 (an fp32 matmul: ~63). Work that is fp32 GEMMs runs with one ATen thread; the previous
-// count is restored on leaving. Per calling thread (OpenMP's thread count is a per-thread
-// setting), so it does not affect other threads.
+// them: measured at 512 x 512, fp32 Newton-Schulz runs at ~33 GFLOP/s with 2 OpenMP threads and
+// ~55 with 1 (an fp32 matmul: ~63). Work that is fp32 GEMMs runs with one OpenMP thread; the
+// previous count is restored on leaving. OpenMP's thread count is a setting of the calling thread
+// (other threads are not affected). at::set_num_threads is not used: it also rebuilds LibTorch's
+// pthreadpool on every change, creating threads per call.
 class ScopedSingleAtenThread {
  public:
-  explicit ScopedSingleAtenThread(bool active) : saved_(at::get_num_threads()), active_(active) {
-    if (active_ && saved_ != 1) at::set_num_threads(1);
+  explicit ScopedSingleAtenThread(bool active)
+      : saved_(omp_get_max_threads()), active_(active && saved_ != 1) {
+    if (active_) omp_set_num_threads(1);
   }
   ~ScopedSingleAtenThread() {
-    if (active_ && saved_ != 1) at::set_num_threads(saved_);
+    if (active_) omp_set_num_threads(saved_);
   }
   ScopedSingleAtenThread(const ScopedSingleAtenThread&) = delete;
   ScopedSingleAtenThread& operator=(const ScopedSingleAtenThread&) = delete;

@@ -87,7 +87,8 @@ TEST(LifecycleTest, StaleSocketFileIsReplaced) {
   ASSERT_TRUE(std::filesystem::exists(dir.path() + "/muond.sock"));
   auto d = DaemonProcess::StartIn(dir.path());
   ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_TRUE(ExitedZero((*d)->Stop()));
+  const int status = (*d)->Stop();
+  EXPECT_TRUE(ExitedZero(status)) << DescribeWaitStatus(status) << "\n" << (*d)->Log();
 }
 
 TEST(LifecycleTest, HelpExitsZeroAndNamesTheFlags) {
@@ -149,7 +150,8 @@ TEST(LifecycleTest, ConfigFileSetsListenAndStateDir) {
   EXPECT_EQ((*d)->Log().find(" I "), std::string::npos)
       << "log-level = warning should silence info lines:\n"
       << (*d)->Log();
-  EXPECT_TRUE(ExitedZero((*d)->Stop())) << (*d)->Log();
+  const int status = (*d)->Stop();
+  EXPECT_TRUE(ExitedZero(status)) << DescribeWaitStatus(status) << "\n" << (*d)->Log();
   EXPECT_FALSE(std::filesystem::exists(socket));
 }
 
