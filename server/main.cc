@@ -2,6 +2,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/grpcpp.h>
+#include <fcntl.h>
 #include <malloc.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -45,6 +46,28 @@ namespace {
 
 // Largest gRPC message: a 4 MiB data chunk plus headroom for the envelope.
 constexpr int kMaxMessageBytes = (4 << 20) + (64 << 10);
+
+// SIGTERM/SIGINT: a handler that writes the signal number to a pipe the main thread reads. A
+// handler, not only sigwait with the signals blocked: threads that libraries start before main
+// (OpenBLAS's workers) do not have them blocked, and a process-directed signal delivered to one of
+// them while the main thread still blocks it would take the default action and kill the daemon.
+int stop_pipe[2] = {-1, -1};
+
+extern "C" void OnStopSignal(int sig) {
+  const int saved = errno;
+  const unsigned char b = static_cast<unsigned char>(sig);
+  [[maybe_unused]] const ssize_t n = ::write(stop_pipe[1], &b, 1);
+  errno = saved;
+}
+
+// Blocks until SIGTERM or SIGINT arrived (also one that arrived earlier); returns it.
+int WaitForStopSignal(const sigset_t& signals) {
+  pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
+  unsigned char b = 0;
+  while (::read(stop_pipe[0], &b, 1) != 1) {
+  }
+  return b;
+}
 
 int Fail(int code, const std::string& message) {
   std::fprintf(stderr, "muond: %s\n", message.c_str());
@@ -128,11 +151,21 @@ absl::Status ArmCheckpointFault() {
 }
 
 int Run(int argc, char** argv) {
-  // Signals are taken synchronously by the main thread (sigwait); block them before any thread.
+  // Stop signals go to OnStopSignal (any thread) and are read by the main thread; threads this
+  // process starts from here on block them.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  if (::pipe2(stop_pipe, O_CLOEXEC) != 0) {
+    return Fail(1, absl::StrCat("pipe2: ", std::strerror(errno)));
+  }
+  struct sigaction stop_action = {};
+  stop_action.sa_handler = OnStopSignal;
+  sigemptyset(&stop_action.sa_mask);
+  stop_action.sa_flags = SA_RESTART;
+  ::sigaction(SIGTERM, &stop_action, nullptr);
+  ::sigaction(SIGINT, &stop_action, nullptr);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
   // Resident memory must not depend on the step history (issue 3, "Memory"). glibc raises its
@@ -269,8 +302,7 @@ int Run(int argc, char** argv) {
   }
   SdWatchdog watchdog;  // WATCHDOG=1 at half of $WATCHDOG_USEC until muond returns
   // ------------------------------------------------------------------------------------------
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = WaitForStopSignal(signals);
   (void)SdNotify("STOPPING=1\nSTATUS=draining steps in flight");  // issue 8
   MUOND_LOG(INFO) << "received " << strsignal(sig) << "; draining steps in flight (grace "
                   << config->shutdown_grace_seconds << " s)";
