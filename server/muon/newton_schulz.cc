@@ -55,9 +55,9 @@
 //    fp32, and R = X X^T always in fp32 (see GramIterations); only the final Q X is bf16.
 // Cost: two fp32 iterations of five, i.e. 6 of the 15 GEMMs of a square block (fewer for gram).
 // Measured with `muond-bench ns` (standard, square n x n, 2 threads; GFLOP/s, n = 512/1024):
-//   bf16 NS, this plan                63 / 88    (bf16 matmul ~166)
-//   bf16 NS, every op bf16 (before)  157 /162
-//   fp32 NS                           52 / 61    (fp32 matmul ~62-65)
+//   bf16 NS, this plan                78-85 / 90-94   (bf16 matmul ~166)
+//   bf16 NS, every op bf16 (before)  157 / 162
+//   fp32 NS                           53-57 / 61-62   (fp32 matmul ~62-65)
 // fp32 GEMMs are OpenBLAS's (pthreads build, its own threads); ATen's libgomp workers spin while
 // they run and take the cores from them (fp32 NS at 512: ~33 with 2 OpenMP threads), so the fp32
 // GEMM phases run with one OpenMP thread (ScopedSingleAtenThread). bf16 stays the fastest compute
