@@ -21,11 +21,17 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "server/durable_file.h"
 #include "server/parallel_bytes.h"
 
 namespace muond::server::checkpoint {
 namespace {
 
+using durable::ErrnoStatus;
+using durable::Fd;
+using durable::FsyncDir;
+using durable::IoPoint;
+using durable::RemoveTree;
 using Json = nlohmann::json;
 
 constexpr char kFormat[] = "muond-checkpoint";
@@ -35,128 +41,6 @@ constexpr char kManifest[] = "manifest.json";
 constexpr char kPrefix[] = "gen-";
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 
-// ---- Fault injection (tests) ----
-
-std::mutex fault_mu;
-std::optional<Fault> armed_fault;
-int fault_calls = 0;
-
-// 0, or the errno the call at `point` must fail with.
-int InjectedError(IoPoint point) {
-  std::unique_lock<std::mutex> lock(fault_mu);
-  if (!armed_fault || armed_fault->point != point) return 0;
-  if (armed_fault->delay_ms > 0) {
-    const int ms = armed_fault->delay_ms;
-    lock.unlock();
-    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-    return 0;
-  }
-  if (++fault_calls != armed_fault->nth) return 0;
-  const Fault f = *armed_fault;
-  armed_fault.reset();
-  if (f.kill) ::kill(::getpid(), SIGKILL);
-  return f.error;
-}
-
-absl::Status ErrnoStatus(int err, const char* call, const std::string& path) {
-  const std::string what = absl::StrCat(call, " ", path, ": ", std::strerror(err));
-  switch (err) {
-    case ENOSPC:
-    case EDQUOT:
-    case EFBIG:
-      return absl::ResourceExhaustedError(what);
-    case EACCES:
-    case EPERM:
-    case EROFS:
-      return absl::PermissionDeniedError(what);
-    default:
-      return absl::InternalError(what);
-  }
-}
-
-absl::Status Mkdir(const std::string& path) {
-  if (int e = InjectedError(IoPoint::kMkdir)) return ErrnoStatus(e, "mkdir", path);
-  if (::mkdir(path.c_str(), 0750) != 0 && errno != EEXIST) {
-    return ErrnoStatus(errno, "mkdir", path);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status MkdirAll(const std::string& path) {
-  for (size_t at = 1; at <= path.size(); ++at) {
-    if (at == path.size() || path[at] == '/') {
-      const std::string prefix = path.substr(0, at);
-      struct stat st;
-      if (::stat(prefix.c_str(), &st) == 0) continue;
-      RETURN_IF_ERROR(Mkdir(prefix));
-    }
-  }
-  return absl::OkStatus();
-}
-
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_ = -1;
-};
-
-absl::Status OpenForWrite(const std::string& path, Fd* fd) {
-  if (int e = InjectedError(IoPoint::kOpen)) return ErrnoStatus(e, "open", path);
-  const int f = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0640);
-  if (f < 0) return ErrnoStatus(errno, "open", path);
-  fd->~Fd();
-  new (fd) Fd(f);
-  return absl::OkStatus();
-}
-
-absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    if (int e = InjectedError(IoPoint::kWrite)) return ErrnoStatus(e, "write", path);
-    const size_t chunk = std::min<size_t>(n, size_t{64} << 20);
-    const ssize_t w = ::write(fd, p, chunk);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus(errno, "write", path);
-    }
-    if (w == 0) return ErrnoStatus(EIO, "write", path);
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Fsync(int fd, IoPoint point, const std::string& path) {
-  if (int e = InjectedError(point)) return ErrnoStatus(e, "fsync", path);
-  if (::fsync(fd) != 0) return ErrnoStatus(errno, "fsync", path);
-  return absl::OkStatus();
-}
-
-absl::Status FsyncDir(const std::string& path) {
-  const int f = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (f < 0) return ErrnoStatus(errno, "open", path);
-  Fd fd(f);
-  return Fsync(fd.get(), IoPoint::kFsyncDir, path);
-}
-
-absl::Status Rename(const std::string& from, const std::string& to) {
-  if (int e = InjectedError(IoPoint::kRename)) {
-    return ErrnoStatus(e, "rename", absl::StrCat(from, " -> ", to));
-  }
-  if (::rename(from.c_str(), to.c_str()) != 0) {
-    return ErrnoStatus(errno, "rename", absl::StrCat(from, " -> ", to));
-  }
-  return absl::OkStatus();
-}
 
 std::string GenerationName(int64_t g) { return absl::StrFormat("%s%012d", kPrefix, g); }
 
@@ -395,77 +279,12 @@ std::string SetAside(const std::string& dir, const std::string& name) {
 
 }  // namespace
 
-const char* IoPointName(IoPoint point) {
-  switch (point) {
-    case IoPoint::kMkdir:
-      return "mkdir";
-    case IoPoint::kOpen:
-      return "open";
-    case IoPoint::kWrite:
-      return "write";
-    case IoPoint::kFsyncFile:
-      return "fsync (file)";
-    case IoPoint::kFsyncDir:
-      return "fsync (directory)";
-    case IoPoint::kRename:
-      return "rename";
-  }
-  return "?";
-}
-
-void SetFaultForTesting(std::optional<Fault> fault) {
-  std::lock_guard<std::mutex> lock(fault_mu);
-  armed_fault = fault;
-  fault_calls = 0;
-}
-
-absl::Status RemoveTree(const std::string& path) {
-  struct stat st;
-  if (::lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return absl::OkStatus();
-    return ErrnoStatus(errno, "lstat", path);
-  }
-  if (S_ISDIR(st.st_mode)) {
-    DIR* d = ::opendir(path.c_str());
-    if (d == nullptr) return ErrnoStatus(errno, "opendir", path);
-    std::vector<std::string> names;
-    while (const dirent* e = ::readdir(d)) {
-      const std::string name = e->d_name;
-      if (name != "." && name != "..") names.push_back(name);
-    }
-    ::closedir(d);
-    for (const std::string& name : names) {
-      RETURN_IF_ERROR(RemoveTree(absl::StrCat(path, "/", name)));
-    }
-    if (::rmdir(path.c_str()) != 0) return ErrnoStatus(errno, "rmdir", path);
-    return absl::OkStatus();
-  }
-  if (::unlink(path.c_str()) != 0) return ErrnoStatus(errno, "unlink", path);
-  return absl::OkStatus();
-}
-
-absl::Status WriteFileDurably(const std::string& path, const std::string& data) {
-  const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash);
-  const std::string tmp = absl::StrCat(path, ".tmp");
-  ::unlink(tmp.c_str());
-  Fd fd;
-  RETURN_IF_ERROR(OpenForWrite(tmp, &fd));
-  absl::Status s = WriteAll(fd.get(), data.data(), data.size(), tmp);
-  if (s.ok()) s = Fsync(fd.get(), IoPoint::kFsyncFile, tmp);
-  if (s.ok()) s = Rename(tmp, path);
-  if (!s.ok()) {
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  return FsyncDir(dir);
-}
 
 Store::Store(std::string dir, int keep) : dir_(std::move(dir)), keep_(std::max(1, keep)) {}
 
 absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t step,
                                             const MatrixSource& source) {
-  RETURN_IF_ERROR(MkdirAll(dir_));
+  RETURN_IF_ERROR(durable::MakeDirs(dir_));
   auto entries = ScanDir(dir_);
   if (!entries.ok()) return entries.status();
   int64_t generation = 1;
@@ -488,7 +307,7 @@ absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t
   info.path = final_dir;
 
   auto write = [&]() -> absl::Status {
-    RETURN_IF_ERROR(Mkdir(tmp_dir));
+    RETURN_IF_ERROR(durable::Mkdir(tmp_dir));
     // The safetensors header: offsets follow from the shapes.
     Json header = Json::object();
     Json tensors = Json::array();
@@ -513,9 +332,9 @@ absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t
     const std::string payload = absl::StrCat(tmp_dir, "/", kPayload);
     {
       Fd fd;
-      RETURN_IF_ERROR(OpenForWrite(payload, &fd));
-      RETURN_IF_ERROR(WriteAll(fd.get(), &header_len, 8, payload));
-      RETURN_IF_ERROR(WriteAll(fd.get(), header_text.data(), header_text.size(), payload));
+      RETURN_IF_ERROR(durable::OpenForWrite(payload, &fd));
+      RETURN_IF_ERROR(durable::WriteAll(fd.get(), &header_len, 8, payload));
+      RETURN_IF_ERROR(durable::WriteAll(fd.get(), header_text.data(), header_text.size(), payload));
       std::vector<float> buf;
       for (size_t i = 0; i < spec.matrices.size(); ++i) {
         RETURN_IF_ERROR(source(i, &buf));
@@ -526,9 +345,9 @@ absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t
         }
         const size_t bytes = buf.size() * sizeof(float);
         tensors[i]["crc32c"] = common::Crc32c(buf.data(), bytes);
-        RETURN_IF_ERROR(WriteAll(fd.get(), buf.data(), bytes, payload));
+        RETURN_IF_ERROR(durable::WriteAll(fd.get(), buf.data(), bytes, payload));
       }
-      RETURN_IF_ERROR(Fsync(fd.get(), IoPoint::kFsyncFile, payload));
+      RETURN_IF_ERROR(durable::Fsync(fd.get(), IoPoint::kFsyncFile, payload));
     }
     Json manifest = {{"format", kFormat},
                      {"format_version", kFormatVersion},
@@ -545,13 +364,13 @@ absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t
     const std::string manifest_path = absl::StrCat(tmp_dir, "/", kManifest);
     {
       Fd fd;
-      RETURN_IF_ERROR(OpenForWrite(manifest_path, &fd));
+      RETURN_IF_ERROR(durable::OpenForWrite(manifest_path, &fd));
       RETURN_IF_ERROR(
-          WriteAll(fd.get(), manifest_text.data(), manifest_text.size(), manifest_path));
-      RETURN_IF_ERROR(Fsync(fd.get(), IoPoint::kFsyncFile, manifest_path));
+          durable::WriteAll(fd.get(), manifest_text.data(), manifest_text.size(), manifest_path));
+      RETURN_IF_ERROR(durable::Fsync(fd.get(), IoPoint::kFsyncFile, manifest_path));
     }
     RETURN_IF_ERROR(FsyncDir(tmp_dir));
-    RETURN_IF_ERROR(Rename(tmp_dir, final_dir));
+    RETURN_IF_ERROR(durable::Rename(tmp_dir, final_dir));
     return FsyncDir(dir_);
   };
   if (absl::Status s = write(); !s.ok()) {

@@ -88,25 +88,6 @@ class Store {
   const int keep_;
 };
 
-// Test hooks: fault injection at the I/O points of Store::Write. The `nth` (1-based) call at
-// `point` fails with errno `error`, or, with `kill`, the process sends itself SIGKILL there. Only
-// one fault is armed at a time; it fires once.
-enum class IoPoint { kMkdir, kOpen, kWrite, kFsyncFile, kFsyncDir, kRename };
-struct Fault {
-  IoPoint point = IoPoint::kWrite;
-  int nth = 1;
-  int error = 5;  // EIO
-  bool kill = false;
-  int delay_ms = 0;  // instead of failing: sleep this long at every such call (slow disks)
-};
-void SetFaultForTesting(std::optional<Fault> fault);
-const char* IoPointName(IoPoint point);
-
-// Removes a directory tree (used when a job is deleted). Errors name the path.
-absl::Status RemoveTree(const std::string& path);
-// Writes `data` to `path` durably: temporary file, fsync, rename, directory fsync.
-absl::Status WriteFileDurably(const std::string& path, const std::string& data);
-
 }  // namespace muond::server::checkpoint
 
 #endif  // MUOND_SERVER_CHECKPOINT_H_

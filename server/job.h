@@ -238,6 +238,10 @@ class Job : public std::enable_shared_from_this<Job> {
   absl::Status InstallMomentum(const checkpoint::Loaded& loaded, const std::string& source)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_, mu_);
   uint64_t MomentumBytes() const;
+  // Installs a verified generation of job `from` (this job or another) and sets the next step;
+  // FAILED_PRECONDITION while a step is in flight.
+  absl::StatusOr<LoadResult> InstallLoaded(const checkpoint::Loaded& loaded, const Job& from)
+      ABSL_LOCKS_EXCLUDED(snap_mu_, mu_);
 
   const common::JobSpec spec_;
   const std::string token_sha256_;

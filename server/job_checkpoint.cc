@@ -156,11 +156,31 @@ absl::Status Job::InstallMomentum(const checkpoint::Loaded& loaded, const std::s
   return absl::OkStatus();
 }
 
+absl::StatusOr<Job::LoadResult> Job::InstallLoaded(const checkpoint::Loaded& loaded,
+                                                   const Job& from) {
+  absl::MutexLock snap_lock(&snap_mu_);
+  absl::MutexLock lock(&mu_);
+  if (in_flight_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", id(), "': step ", in_flight_->step, " is in flight; load after it ends"));
+  }
+  RETURN_IF_ERROR(InstallMomentum(loaded, loaded.info.path));
+  if (&from == this) {  // one of this job's own generations
+    last_checkpoint_step_ = loaded.info.step;
+    last_checkpoint_unix_ms_ = loaded.info.created_unix_ms;
+  }
+  MUOND_LOG(INFO) << "job '" << id() << "': momentum from checkpoint generation "
+                  << loaded.info.generation << " of job '" << from.id() << "' ("
+                  << loaded.info.path << "); next step " << next_step_;
+  return LoadResult{loaded.info, next_step_, loaded.set_aside};
+}
+
 absl::StatusOr<Job::LoadResult> Job::LoadCheckpoint(const checkpoint::Selector& selector) {
+  // Held across the load and the install: no save of this job interleaves.
   absl::MutexLock save_lock(&save_mu_);
   {
     absl::MutexLock lock(&mu_);
-    if (in_flight_ != nullptr) {
+    if (in_flight_ != nullptr) {  // checked before reading the generation as well
       return absl::FailedPreconditionError(absl::StrCat(
           "job '", id(), "': step ", in_flight_->step, " is in flight; load after it ends"));
     }
@@ -170,19 +190,7 @@ absl::StatusOr<Job::LoadResult> Job::LoadCheckpoint(const checkpoint::Selector& 
     return absl::Status(loaded.status().code(),
                         absl::StrCat("job '", id(), "': ", loaded.status().message()));
   }
-  absl::MutexLock snap_lock(&snap_mu_);
-  absl::MutexLock lock(&mu_);
-  if (in_flight_ != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", id(), "': step ", in_flight_->step, " began during the load; load again after it"));
-  }
-  RETURN_IF_ERROR(InstallMomentum(*loaded, loaded->info.path));
-  last_checkpoint_step_ = loaded->info.step;
-  last_checkpoint_unix_ms_ = loaded->info.created_unix_ms;
-  MUOND_LOG(INFO) << "job '" << id() << "': loaded checkpoint generation "
-                  << loaded->info.generation << " (" << loaded->info.path << "); next step "
-                  << next_step_;
-  return LoadResult{loaded->info, next_step_, loaded->set_aside};
+  return InstallLoaded(*loaded, *this);
 }
 
 absl::StatusOr<Job::LoadResult> Job::LoadCheckpointFrom(const std::shared_ptr<Job>& source,
@@ -198,17 +206,7 @@ absl::StatusOr<Job::LoadResult> Job::LoadCheckpointFrom(const std::shared_ptr<Jo
                         absl::StrCat("job '", source->id(), "': ", loaded.status().message()));
   }
   absl::MutexLock save_lock(&save_mu_);
-  absl::MutexLock snap_lock(&snap_mu_);
-  absl::MutexLock lock(&mu_);
-  if (in_flight_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job '", id(), "': step ", in_flight_->step, " is in flight"));
-  }
-  RETURN_IF_ERROR(InstallMomentum(*loaded, loaded->info.path));
-  MUOND_LOG(INFO) << "job '" << id() << "': momentum restored from checkpoint generation "
-                  << loaded->info.generation << " of job '" << source->id() << "' ("
-                  << loaded->info.path << "); next step " << next_step_;
-  return LoadResult{loaded->info, next_step_, loaded->set_aside};
+  return InstallLoaded(*loaded, *source);
 }
 
 void Job::Fence(const std::string& reason) {

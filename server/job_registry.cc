@@ -16,6 +16,7 @@
 #include "common/logging.h"
 #include "common/sha256.h"
 #include "nlohmann/json.hpp"
+#include "server/durable_file.h"
 
 namespace muond::server {
 namespace {
@@ -58,6 +59,14 @@ std::string JobRegistry::JobDir(const std::string& id) const {
   return absl::StrCat(state_dir_, "/jobs/", id);
 }
 
+std::shared_ptr<Job> JobRegistry::NewJob(common::JobSpec spec, std::string token_sha256) const {
+  const uint64_t budget =
+      spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : default_gather_budget_bytes_;
+  const std::string checkpoints = absl::StrCat(JobDir(spec.job_id), "/checkpoints");
+  return std::make_shared<Job>(std::move(spec), std::move(token_sha256), backend_, executor_,
+                               budget, compute_, checkpoints);
+}
+
 absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
                                                          const std::optional<RestoreFrom>& restore) {
   std::shared_ptr<Job> source;
@@ -89,11 +98,9 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
         "job '", id, "' needs ", bytes, " bytes of momentum; ", momentum_bytes_, " of ",
         max_momentum_bytes_, " bytes (--max-momentum-bytes) are in use"));
   }
-  const uint64_t budget =
-      spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : default_gather_budget_bytes_;
   const std::string dir = JobDir(id);
-  auto job = std::make_shared<Job>(std::move(spec), common::Sha256(*token), backend_, executor_,
-                                   budget, compute_, absl::StrCat(dir, "/checkpoints"));
+  std::shared_ptr<Job> job = NewJob(std::move(spec), common::Sha256(*token));
+  const uint64_t budget = job->gather_budget_bytes();
   if (source != nullptr) {
     auto loaded = job->LoadCheckpointFrom(source, restore->selector);
     if (!loaded.ok()) return loaded.status();
@@ -105,20 +112,13 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
       {"token_sha256", absl::BytesToHexString(job->token_sha256())}};
   // A directory left by a job of this id that is gone (a failed create) holds nothing of the new
   // job's.
-  absl::Status persisted = checkpoint::RemoveTree(dir);
-  if (persisted.ok() && ::mkdir(absl::StrCat(state_dir_, "/jobs").c_str(), 0750) != 0 &&
-      errno != EEXIST) {
-    persisted = absl::InternalError(
-        absl::StrCat("mkdir ", state_dir_, "/jobs: ", std::strerror(errno)));
-  }
-  if (persisted.ok() && ::mkdir(dir.c_str(), 0750) != 0) {
-    persisted = absl::InternalError(absl::StrCat("mkdir ", dir, ": ", std::strerror(errno)));
-  }
+  absl::Status persisted = durable::RemoveTree(dir);
+  if (persisted.ok()) persisted = durable::MakeDirs(dir);
   if (persisted.ok()) {
-    persisted = checkpoint::WriteFileDurably(absl::StrCat(dir, "/job.json"), record.dump(1) + "\n");
+    persisted = durable::WriteFileDurably(absl::StrCat(dir, "/job.json"), record.dump(1) + "\n");
   }
   if (!persisted.ok()) {
-    (void)checkpoint::RemoveTree(dir);
+    (void)durable::RemoveTree(dir);
     return absl::Status(persisted.code(), absl::StrCat("job '", id, "' could not be stored in ",
                                                        state_dir_, ": ", persisted.message()));
   }
@@ -145,7 +145,7 @@ absl::Status JobRegistry::Restore() {
     if (name == "." || name == "..") continue;
     if (name.rfind(".deleted-", 0) == 0) {
       // A deletion that did not finish.
-      (void)checkpoint::RemoveTree(absl::StrCat(jobs_dir, "/", name));
+      (void)durable::RemoveTree(absl::StrCat(jobs_dir, "/", name));
       continue;
     }
     names.push_back(name);
@@ -158,7 +158,7 @@ absl::Status JobRegistry::Restore() {
     if (!in) {
       MUOND_LOG(WARNING) << "restore: " << jobs_dir << "/" << name
                          << " has no job.json (an interrupted create); removing it";
-      (void)checkpoint::RemoveTree(absl::StrCat(jobs_dir, "/", name));
+      (void)durable::RemoveTree(absl::StrCat(jobs_dir, "/", name));
       continue;
     }
     std::stringstream text;
@@ -185,10 +185,7 @@ absl::Status JobRegistry::Restore() {
           "restore: job '", name, "' needs ", bytes, " bytes of momentum; with the jobs before it ",
           momentum_bytes_ + bytes, " > --max-momentum-bytes ", max_momentum_bytes_));
     }
-    const uint64_t budget =
-        spec->gather_budget_bytes != 0 ? spec->gather_budget_bytes : default_gather_budget_bytes_;
-    auto job = std::make_shared<Job>(*std::move(spec), hash, backend_, executor_, budget, compute_,
-                                     absl::StrCat(jobs_dir, "/", name, "/checkpoints"));
+    std::shared_ptr<Job> job = NewJob(*std::move(spec), hash);
     std::string how;
     if (!job->spec().transport_probe) {
       auto loaded = job->LoadCheckpoint({});
@@ -228,7 +225,7 @@ absl::Status JobRegistry::Delete(const std::string& job_id) {
     momentum_bytes_ -= MomentumBytes(job->spec());
     job->MarkDeleted();
     job->WaitForSaves();
-    if (absl::Status s = checkpoint::RemoveTree(gone); !s.ok()) {
+    if (absl::Status s = durable::RemoveTree(gone); !s.ok()) {
       MUOND_LOG(WARNING) << "job '" << job_id << "' deleted; its files: " << s.message();
     }
   }

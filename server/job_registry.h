@@ -77,6 +77,9 @@ class JobRegistry {
   ComputeDevice* const compute_;
   const std::string state_dir_;
   std::string JobDir(const std::string& id) const;
+  // A job of this daemon (its gather budget: the spec's, else the default; its checkpoints under
+  // JobDir), not registered.
+  std::shared_ptr<Job> NewJob(common::JobSpec spec, std::string token_sha256) const;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   uint64_t momentum_bytes_ ABSL_GUARDED_BY(mu_) = 0;

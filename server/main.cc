@@ -31,7 +31,7 @@
 #include "server/compute_device.h"
 #include "server/compute_executor.h"
 #include "server/device/device.h"
-#include "server/checkpoint.h"
+#include "server/durable_file.h"
 #include "server/job_registry.h"
 #include "server/shm_server.h"
 #include "server/muon/muon_math.h"
@@ -74,23 +74,6 @@ int Fail(int code, const std::string& message) {
   return code;
 }
 
-// mkdir -p with `mode` for the directories it creates.
-absl::Status MakeDirs(const std::string& path, mode_t mode) {
-  for (size_t pos = 1; pos <= path.size(); ++pos) {
-    if (pos != path.size() && path[pos] != '/') continue;
-    const std::string prefix = path.substr(0, pos);
-    if (::mkdir(prefix.c_str(), mode) != 0 && errno != EEXIST) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("cannot create directory ", prefix, ": ", std::strerror(errno)));
-    }
-  }
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(path, " is not a directory"));
-  }
-  return absl::OkStatus();
-}
-
 // Prepares the socket path: creates its directory 0750, refuses to steal the socket of a live
 // daemon, and removes a stale socket file left by a crashed one.
 absl::Status PrepareUnixSocket(const std::string& path) {
@@ -98,7 +81,7 @@ absl::Status PrepareUnixSocket(const std::string& path) {
   if (!dir.empty()) {
     struct stat st;
     const bool existed = ::stat(dir.c_str(), &st) == 0;
-    if (absl::Status s = MakeDirs(dir, 0750); !s.ok()) return s;
+    if (absl::Status s = durable::MakeDirs(dir, 0750); !s.ok()) return s;
     if (!existed) ::chmod(dir.c_str(), 0750);
   }
   struct stat st;
@@ -126,17 +109,17 @@ absl::Status ArmCheckpointFault() {
   const char* env = std::getenv("MUOND_TEST_CHECKPOINT_FAULT");
   if (env == nullptr || *env == '\0') return absl::OkStatus();
   const std::vector<std::string> parts = absl::StrSplit(env, ':');
-  checkpoint::Fault f;
+  durable::Fault f;
   int a = 0, b = 0;
   if (parts.size() == 2 && parts[0] == "delay" && absl::SimpleAtoi(parts[1], &a) && a > 0) {
-    f.point = checkpoint::IoPoint::kWrite;
+    f.point = durable::IoPoint::kWrite;
     f.delay_ms = a;
   } else if (parts.size() == 3 && absl::SimpleAtoi(parts[1], &a) && a > 0 &&
              absl::SimpleAtoi(parts[2], &b) && b > 0) {
-    const std::map<std::string, checkpoint::IoPoint> points = {
-        {"mkdir", checkpoint::IoPoint::kMkdir},     {"open", checkpoint::IoPoint::kOpen},
-        {"write", checkpoint::IoPoint::kWrite},     {"fsync", checkpoint::IoPoint::kFsyncFile},
-        {"fsyncdir", checkpoint::IoPoint::kFsyncDir}, {"rename", checkpoint::IoPoint::kRename}};
+    const std::map<std::string, durable::IoPoint> points = {
+        {"mkdir", durable::IoPoint::kMkdir},     {"open", durable::IoPoint::kOpen},
+        {"write", durable::IoPoint::kWrite},     {"fsync", durable::IoPoint::kFsyncFile},
+        {"fsyncdir", durable::IoPoint::kFsyncDir}, {"rename", durable::IoPoint::kRename}};
     auto it = points.find(parts[0]);
     if (it == points.end()) return absl::InvalidArgumentError(absl::StrCat("unknown point ", parts[0]));
     f.point = it->second;
@@ -145,7 +128,7 @@ absl::Status ArmCheckpointFault() {
   } else {
     return absl::InvalidArgumentError(absl::StrCat("cannot parse '", env, "'"));
   }
-  checkpoint::SetFaultForTesting(f);
+  durable::SetFaultForTesting(f);
   MUOND_LOG(WARNING) << "checkpoint fault injection armed: " << env;
   return absl::OkStatus();
 }
@@ -214,7 +197,7 @@ int Run(int argc, char** argv) {
     return Fail(1, absl::StrCat("--backend ", config->backend, ": ", compute.status().message()));
   }
 
-  if (absl::Status s = MakeDirs(config->state_dir, 0750); !s.ok()) {
+  if (absl::Status s = durable::MakeDirs(config->state_dir, 0750); !s.ok()) {
     return Fail(1, absl::StrCat("--state-dir: ", s.message()));
   }
   std::string unix_path;

@@ -27,6 +27,30 @@ grpc::Status Logged(const char* rpc, const absl::Status& s) {
   return ToGrpcStatus(s);
 }
 
+void ToProto(const checkpoint::GenerationInfo& info, v1::CheckpointInfo* out) {
+  out->set_generation(info.generation);
+  out->set_step(info.step);
+  out->set_created_unix_ms(info.created_unix_ms);
+  out->set_bytes(info.bytes);
+  out->set_path(info.path);
+  out->set_problem(info.problem);
+}
+
+// Which checkpoint generation a request names (generation > 0, else the newest at `step` when
+// given, else the newest good one). INVALID_ARGUMENT, prefixed by `what`, for negative numbers.
+template <typename Request>
+absl::StatusOr<checkpoint::Selector> SelectorOf(const std::string& what, const Request& r) {
+  if (r.generation() < 0 || (r.has_step() && r.step() < 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": generation ", r.generation(),
+                                                   " / step ", r.has_step() ? r.step() : 0,
+                                                   " must not be negative"));
+  }
+  checkpoint::Selector selector;
+  selector.generation = r.generation() > 0 ? r.generation() : -1;
+  selector.step = r.has_step() ? r.step() : -1;
+  return selector;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Job>> MuondService::Authorize(grpc::ServerContext* ctx,
@@ -55,14 +79,9 @@ grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJ
   std::optional<JobRegistry::RestoreFrom> restore;
   if (req->has_restore()) {
     const v1::RestoreFrom& r = req->restore();
-    if (r.generation() < 0 || (r.has_step() && r.step() < 0)) {
-      return Logged("CreateJob", absl::InvalidArgumentError(absl::StrCat(
-                                     "restore: generation ", r.generation(), " / step ",
-                                     r.has_step() ? r.step() : 0, " must not be negative")));
-    }
-    restore = JobRegistry::RestoreFrom{
-        r.job_id(), r.token(),
-        {r.generation() > 0 ? r.generation() : -1, r.has_step() ? r.step() : -1}};
+    auto selector = SelectorOf("restore", r);
+    if (!selector.ok()) return Logged("CreateJob", selector.status());
+    restore = JobRegistry::RestoreFrom{r.job_id(), r.token(), *selector};
   }
   auto created = registry_->Create(*std::move(spec), restore);
   if (!created.ok()) return Logged("CreateJob", created.status());
@@ -103,19 +122,6 @@ grpc::Status MuondService::ResetJob(grpc::ServerContext* ctx, const v1::ResetJob
   return Logged("ResetJob", s);
 }
 
-namespace {
-
-void ToProto(const checkpoint::GenerationInfo& info, v1::CheckpointInfo* out) {
-  out->set_generation(info.generation);
-  out->set_step(info.step);
-  out->set_created_unix_ms(info.created_unix_ms);
-  out->set_bytes(info.bytes);
-  out->set_path(info.path);
-  out->set_problem(info.problem);
-}
-
-}  // namespace
-
 grpc::Status MuondService::SaveCheckpoint(grpc::ServerContext* ctx,
                                           const v1::SaveCheckpointRequest* req,
                                           v1::CheckpointInfo* resp) {
@@ -132,16 +138,9 @@ grpc::Status MuondService::LoadCheckpoint(grpc::ServerContext* ctx,
                                           v1::LoadCheckpointResponse* resp) {
   auto job = Authorize(ctx, req->job_id());
   if (!job.ok()) return Logged("LoadCheckpoint", job.status());
-  if (req->generation() < 0 || (req->has_step() && req->step() < 0)) {
-    return Logged("LoadCheckpoint",
-                  absl::InvalidArgumentError(absl::StrCat(
-                      "job '", req->job_id(), "': generation ", req->generation(), " / step ",
-                      req->has_step() ? req->step() : 0, " must not be negative")));
-  }
-  checkpoint::Selector selector;
-  selector.generation = req->generation() > 0 ? req->generation() : -1;
-  selector.step = req->has_step() ? req->step() : -1;
-  auto loaded = (*job)->LoadCheckpoint(selector);
+  auto selector = SelectorOf(absl::StrCat("job '", req->job_id(), "'"), *req);
+  if (!selector.ok()) return Logged("LoadCheckpoint", selector.status());
+  auto loaded = (*job)->LoadCheckpoint(*selector);
   if (!loaded.ok()) return Logged("LoadCheckpoint", loaded.status());
   ToProto(loaded->info, resp->mutable_loaded());
   resp->set_next_step(loaded->next_step);

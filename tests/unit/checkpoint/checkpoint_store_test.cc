@@ -2,6 +2,7 @@
 // fault injection at every write / fsync / rename point, ENOSPC, a process killed in the middle of
 // a save. After every failure the previous generation loads bit for bit.
 #include "server/checkpoint.h"
+#include "server/durable_file.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -25,6 +26,12 @@
 
 namespace muond::server::checkpoint {
 namespace {
+
+using durable::Fault;
+using durable::IoPoint;
+using durable::IoPointName;
+using durable::RemoveTree;
+using durable::SetFaultForTesting;
 
 class TempDir {
  public:
