@@ -117,6 +117,11 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   if (persisted.ok()) {
     persisted = durable::WriteFileDurably(absl::StrCat(dir, "/job.json"), record.dump(1) + "\n");
   }
+  if (persisted.ok() && source != nullptr) {
+    // The restored momentum exists only in memory until the job has a generation of its own: a
+    // restart before its first save would bring it back empty.
+    persisted = job->SaveCheckpoint().status();
+  }
   if (!persisted.ok()) {
     (void)durable::RemoveTree(dir);
     return absl::Status(persisted.code(), absl::StrCat("job '", id, "' could not be stored in ",

@@ -53,7 +53,8 @@ class JobRegistry {
   };
   // ALREADY_EXISTS for a taken id; RESOURCE_EXHAUSTED when the momentum would exceed the quota;
   // with `restore`: NOT_FOUND / UNAUTHENTICATED / PERMISSION_DENIED for the source job, the load's
-  // errors (FAILED_PRECONDITION for matrices that do not match). Nothing is created on error.
+  // errors (FAILED_PRECONDITION for matrices that do not match); the restored job's first
+  // checkpoint generation is written before it is returned. Nothing is created on error.
   // REQUIRES: spec passed ValidateJobSpec.
   absl::StatusOr<Created> Create(common::JobSpec spec,
                                  const std::optional<RestoreFrom>& restore = std::nullopt);

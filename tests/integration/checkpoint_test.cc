@@ -314,6 +314,47 @@ TEST_F(CheckpointTest, CorruptGenerationsAtRestart) {
   EXPECT_EQ((*daemon)->Stop(), 0);
 }
 
+// A job re-created from another job's checkpoint is durable at once: a kill -9 before its first
+// own save still brings it back with the restored momentum and step.
+TEST_F(CheckpointTest, RestoredJobSurvivesARestartBeforeItsFirstStep) {
+  common::JobSpec spec;
+  spec.job_id = "src";
+  spec.matrices = {Matrix("a", {16, 24}), Matrix("b", {8, 8})};
+  const MatrixBytes grads = MakeGradients(spec.matrices, 3, 9);
+  TempDir dir;
+  auto daemon = DaemonProcess::StartIn(dir.path());
+  ASSERT_TRUE(daemon.ok());
+  auto c = Connect(**daemon);
+  auto token = c->CreateJob(spec);
+  ASSERT_TRUE(token.ok());
+  RunRanks((*daemon)->address(), "src", *token, 1, Steps(grads, 0, 2), false, 0);
+  ASSERT_TRUE(c->SaveCheckpoint("src", *token).ok());
+  common::JobSpec copy = spec;
+  copy.job_id = "copy";
+  v1::RestoreFrom from;
+  from.set_job_id("src");
+  from.set_token(*token);
+  auto copy_token = c->CreateJob(copy, &from);
+  ASSERT_TRUE(copy_token.ok()) << copy_token.status();
+  auto list = c->ListCheckpoints("copy", *copy_token);
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ((*list)[0].step(), 2);
+  KillDaemon(*daemon);
+  daemon = DaemonProcess::StartIn(dir.path());
+  ASSERT_TRUE(daemon.ok());
+  c = Connect(**daemon);
+  auto st = c->GetJob("copy", *copy_token);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->next_step(), 2);
+  // Step 2 of the copy equals step 2 of the source.
+  auto a = RunRanks((*daemon)->address(), "src", *token, 1, Steps(grads, 2, 1), false, 2);
+  auto b = RunRanks((*daemon)->address(), "copy", *copy_token, 1, Steps(grads, 2, 1), false, 2);
+  ASSERT_TRUE(a[0].status[0].ok() && b[0].status[0].ok()) << a[0].status[0] << b[0].status[0];
+  EXPECT_EQ(a[0].spans[0], b[0].spans[0]);
+  EXPECT_EQ((*daemon)->Stop(), 0);
+}
+
 TEST_F(CheckpointTest, BadRequests) {
   common::JobSpec spec;
   spec.job_id = "req";
