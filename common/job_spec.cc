@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "common/layout.h"
 #include "common/status_macros.h"
+#include "common/names.h"
 #include "common/utf8.h"
 #include "nlohmann/json.hpp"
 
@@ -167,23 +168,13 @@ absl::Status ParseLayout(const Json& layout, const std::vector<MatrixSpec>& matr
   return absl::OkStatus();
 }
 
-bool IsJobIdChar(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-         c == '_' || c == '-';
-}
-
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 absl::Status ValidateMatrix(const MatrixSpec& m, size_t index) {
-  if (m.name.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("matrices[", index, "].name is empty"));
-  }
-  if (!IsValidUtf8(m.name)) {
-    return absl::InvalidArgumentError(absl::StrCat("matrices[", index, "].name is not UTF-8"));
-  }
-  const std::string where = absl::StrCat("matrix '", m.name, "': ");
+  RETURN_IF_ERROR(ValidateTensorName(m.name, absl::StrCat("matrices[", index, "].name")));
+  const std::string where = absl::StrCat("matrix ", Quoted(m.name), ": ");
   if (m.shape.size() < 2 || m.shape.size() > 4) {
     return absl::InvalidArgumentError(absl::StrCat(where, "shape ", ShapeString(m.shape), " has ",
                                                    m.shape.size(), " dimensions; expected 2 to 4"));
@@ -274,7 +265,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   RETURN_IF_ERROR(
       CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",
                                    "gather_budget_bytes", "transport_probe", "checkpoint_every_steps",
-                                   "checkpoint_keep"}));
+                                   "checkpoint_keep", "step_timeout_seconds"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -302,6 +293,8 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   if (every < 0) return FieldError("checkpoint_every_steps", "expected an integer >= 0");
   spec.checkpoint_every_steps = static_cast<uint64_t>(every);
   RETURN_IF_ERROR(ReadInt(root, "checkpoint_keep", "checkpoint_keep", &spec.checkpoint_keep));
+  RETURN_IF_ERROR(ReadInt(root, "step_timeout_seconds", "step_timeout_seconds",
+                          &spec.step_timeout_seconds));
   if (const auto it = root.find("transport_probe"); it != root.end()) {
     if (!it->is_boolean()) return FieldError("transport_probe", "expected true or false");
     spec.transport_probe = it->get<bool>();
@@ -341,6 +334,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
   root["transport_probe"] = spec.transport_probe;
   root["checkpoint_every_steps"] = spec.checkpoint_every_steps;
   root["checkpoint_keep"] = spec.checkpoint_keep;
+  root["step_timeout_seconds"] = spec.step_timeout_seconds;
   if (!spec.explicit_layout.empty()) {
     Json layout = Json::array();
     for (const auto& rank : spec.explicit_layout) {
@@ -361,12 +355,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
-  if (spec.job_id.empty() || spec.job_id.size() > kMaxJobIdLength ||
-      !std::all_of(spec.job_id.begin(), spec.job_id.end(), IsJobIdChar)) {
-    return absl::InvalidArgumentError(absl::StrCat("job_id '", spec.job_id, "' must be 1..",
-                                                   kMaxJobIdLength,
-                                                   " characters of [A-Za-z0-9._-]"));
-  }
+  RETURN_IF_ERROR(ValidateJobId(spec.job_id));
   if (spec.world_size < 1 || spec.world_size > kMaxWorldSize) {
     return absl::InvalidArgumentError(
         absl::StrCat("world_size ", spec.world_size, " is outside 1..", kMaxWorldSize));
@@ -374,6 +363,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (spec.checkpoint_keep < 1 || spec.checkpoint_keep > kMaxCheckpointKeep) {
     return absl::InvalidArgumentError(absl::StrCat(
         "checkpoint_keep ", spec.checkpoint_keep, " is outside 1..", kMaxCheckpointKeep));
+  }
+  if (spec.step_timeout_seconds < 0 || spec.step_timeout_seconds > kMaxStepTimeoutSeconds) {
+    return absl::InvalidArgumentError(absl::StrCat("step_timeout_seconds ",
+                                                   spec.step_timeout_seconds, " is outside 0..",
+                                                   kMaxStepTimeoutSeconds));
   }
   if (spec.zero_stage < 0 || spec.zero_stage > 3) {
     return absl::InvalidArgumentError(

@@ -10,6 +10,7 @@
 //    "gather_budget_bytes": 0,                                  (0: the daemon's default)
 //    "checkpoint_every_steps": 0,            (0: only on request and at shutdown)
 //    "checkpoint_keep": 3,                   (generations kept, 1..1000)
+//    "step_timeout_seconds": 0,             (0: the daemon's default)
 //    "transport_probe": false}                  (true: updates echo gradients; no Muon math)
 // Plain value types; thread-compatible.
 #ifndef MUOND_COMMON_JOB_SPEC_H_
@@ -84,12 +85,16 @@ struct JobSpec {
   uint64_t checkpoint_every_steps = 0;
   // Newest generations kept (1..kMaxCheckpointKeep).
   int checkpoint_keep = 3;
+  // Seconds from a step's first rank entry until every rank pushed its part (0: the daemon's
+  // default; else 1..kMaxStepTimeoutSeconds).
+  int step_timeout_seconds = 0;
 };
 
 inline constexpr int kMaxNsSteps = 100;
 inline constexpr int kMaxCheckpointKeep = 1000;
 inline constexpr int kMaxWorldSize = 65536;
 inline constexpr size_t kMaxJobIdLength = 128;
+inline constexpr int kMaxStepTimeoutSeconds = 7 * 24 * 3600;
 // Largest matrix muond accepts, in elements (2^34: 64 GiB of fp32 momentum).
 inline constexpr int64_t kMaxMatrixElements = int64_t{1} << 34;
 

@@ -125,6 +125,7 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
   spec.transport_probe = proto.transport_probe();
   spec.checkpoint_every_steps = proto.checkpoint_every_steps();
   spec.checkpoint_keep = proto.checkpoint_keep() == 0 ? 3 : proto.checkpoint_keep();
+  spec.step_timeout_seconds = proto.step_timeout_seconds();
   for (const v1::RankLayout& rank : proto.layout()) {
     std::vector<LayoutSpan> spans;
     for (const v1::Span& s : rank.spans()) spans.push_back({s.matrix_index(), s.offset(), s.length()});
@@ -157,6 +158,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   proto.set_transport_probe(spec.transport_probe);
   proto.set_checkpoint_every_steps(spec.checkpoint_every_steps);
   proto.set_checkpoint_keep(spec.checkpoint_keep);
+  proto.set_step_timeout_seconds(spec.step_timeout_seconds);
   for (const auto& rank : spec.explicit_layout) {
     v1::RankLayout* pr = proto.add_layout();
     for (const LayoutSpan& s : rank) {

@@ -53,6 +53,9 @@ struct Families {
     momentum = Must(r.AddGauge("muond_momentum_bytes", "fp32 momentum held, all jobs."));
     momentum_limit = Must(
         r.AddGauge("muond_momentum_limit_bytes", "--max-momentum-bytes (absent when unlimited)."));
+    limit = Must(r.AddGauge("muond_limit",
+                            "A limit in force (muond --help, Limits): its value by key; "
+                            "max_state_bytes 0 means unlimited."));
     queue_depth = Must(
         r.AddGauge("muond_compute_queue_depth", "Compute tasks waiting for the compute thread."));
     shm_sessions = Must(r.AddGauge("muond_shm_sessions", "Shared-memory rank sessions attached."));
@@ -136,6 +139,7 @@ struct Families {
     }
   }
 
+  Family<Gauge>* limit;
   Family<Gauge>*build_info, *device_info, *start_time, *jobs, *ranks_attached, *momentum,
       *momentum_limit, *queue_depth, *shm_sessions, *pinned, *memlock_limit;
   Family<Gauge>*job_world_size, *job_ranks_attached, *job_next_step, *job_fenced, *job_momentum,
@@ -240,6 +244,7 @@ DaemonMetricsCollector::DaemonMetricsCollector(const JobRegistry* jobs, const Sh
   if (info.max_momentum_bytes != 0) {
     f.momentum_limit->Add({}).Set(static_cast<double>(info.max_momentum_bytes));
   }
+  for (const auto& [key, value] : info.limits) f.limit->Add({{"limit", key}}).Set(value);
   callback_id_ = common::DefaultRegistry().AddCollectCallback([this] { Collect(); });
 }
 

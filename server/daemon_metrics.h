@@ -27,6 +27,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -76,6 +78,8 @@ struct DaemonInfo {
   std::string backend;              // "cpu", "cuda", ...
   std::string device;               // e.g. the CPU model or the GPU name
   uint64_t max_momentum_bytes = 0;  // 0: unlimited (muond_momentum_limit_bytes is then absent)
+  // muond_limit{limit=KEY}: every limit in force (server/daemon_limits.h LimitValues).
+  std::vector<std::pair<std::string, double>> limits;
 };
 
 // The CPU model ("model name" in /proc/cpuinfo), or "unknown cpu".

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/crc32c.h"
 #include "common/dtype.h"
@@ -52,6 +53,16 @@ absl::Status RankStep::AddGradient(uint32_t matrix, uint64_t offset, std::string
   return s;
 }
 
+absl::Status RankStep::Abandon(const std::string& why) {
+  if (done_) return absl::FailedPreconditionError("the step already ended for this rank");
+  done_ = true;
+  if (replay_ != nullptr) {
+    return absl::CancelledError(absl::StrCat("step ", step_, " (replay): ", why,
+                                             "; nothing changed, the step stays committed"));
+  }
+  return job_->AbandonRank(state_, rank_, why);
+}
+
 absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
     const std::function<bool()>& cancelled) {
   if (done_) return absl::FailedPreconditionError("the step already ended for this rank");
@@ -62,25 +73,31 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
 
 Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
          ComputeExecutor* executor, uint64_t gather_budget_bytes, ComputeDevice* compute,
-         std::string checkpoint_dir)
+         std::string checkpoint_dir, absl::Duration step_timeout, JobOwner owner)
     : spec_(std::move(spec)),
       token_sha256_(std::move(token_sha256)),
       backend_(std::move(backend)),
       executor_(executor),
       compute_(compute),
       gather_budget_bytes_(gather_budget_bytes),
+      step_timeout_(step_timeout),
+      owner_(std::move(owner)),
       created_unix_ms_(absl::ToUnixMillis(absl::Now())),
       store_(std::move(checkpoint_dir), spec_.checkpoint_keep) {
   const size_t num_matrices = spec_.matrices.size();
   matrix_spans_.resize(num_matrices);
   for (int r = 0; r < spec_.world_size; ++r) {
     rank_spans_.push_back(common::RankSpans(spec_, r));
-    rank_matrix_spans_.emplace_back(num_matrices);
-    for (size_t i = 0; i < rank_spans_[r].size(); ++i) {
-      const uint32_t m = rank_spans_[r][i].matrix;
-      rank_matrix_spans_[r][m].push_back(i);
-      matrix_spans_[m].push_back({r, i});
+    const std::vector<common::ShardSpan>& spans = rank_spans_[r];
+    std::vector<uint32_t>& index = rank_span_index_.emplace_back(spans.size());
+    for (size_t i = 0; i < spans.size(); ++i) {
+      index[i] = static_cast<uint32_t>(i);
+      matrix_spans_[spans[i].matrix].push_back({r, i});
     }
+    std::sort(index.begin(), index.end(), [&spans](uint32_t a, uint32_t b) {
+      return spans[a].matrix != spans[b].matrix ? spans[a].matrix < spans[b].matrix
+                                                : spans[a].offset < spans[b].offset;
+    });
   }
   momentum_.resize(num_matrices);
   pinned_.assign(num_matrices, false);
@@ -91,6 +108,7 @@ Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
   }
   absl::MutexLock lock(&mu_);
   sessions_.assign(spec_.world_size, 0);
+  lost_.resize(spec_.world_size);
   last_updates_.resize(spec_.world_size);
 }
 
@@ -132,6 +150,7 @@ absl::StatusOr<uint64_t> Job::Attach(int rank, bool takeover) {
                     << " taken over";
   }
   sessions_[rank] = next_session_++;
+  lost_[rank].clear();
   return sessions_[rank];
 }
 
@@ -143,8 +162,80 @@ absl::Status Job::Detach(int rank, uint64_t session) {
                                                       ": session ", session,
                                                       " is not the rank's current session"));
   }
+  if (in_flight_ != nullptr) AbortIfOwed(rank, "detached during the step");
   sessions_[rank] = 0;
   return absl::OkStatus();
+}
+
+absl::Status Job::CheckSession(int rank, uint64_t session) const {
+  RETURN_IF_ERROR(CheckRank(rank));
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
+  if (sessions_[rank] == 0 || sessions_[rank] != session) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", id(), "' rank ", rank,
+                                                      ": session ", session,
+                                                      " is not the rank's current session"));
+  }
+  return absl::OkStatus();
+}
+
+void Job::AbortIfOwed(int rank, const std::string& why) {
+  const RankInput& in = in_flight_->ranks[rank];
+  // A shared-memory rank that submitted has pushed everything (its done callback is set).
+  const bool pushed = in.finished || in.done != nullptr;
+  if (in.begun && pushed) return;
+  FailStep(*in_flight_,
+           absl::AbortedError(absl::StrCat("job '", id(), "' step ", in_flight_->step,
+                                           " aborted: rank ", rank, " ", why,
+                                           in.begun ? " before it finished pushing its part"
+                                                    : " before it began its part")),
+           /*fence=*/true);
+}
+
+void Job::EndLostSession(int rank, uint64_t session, const std::string& why) {
+  if (rank < 0 || rank >= spec_.world_size) return;
+  absl::MutexLock lock(&mu_);
+  if (sessions_[rank] != session) return;  // detached or taken over meanwhile
+  if (in_flight_ != nullptr) AbortIfOwed(rank, absl::StrCat("went away (", why, ")"));
+  sessions_[rank] = 0;
+  lost_[rank] = why;
+  MUOND_LOG(WARNING) << "job '" << id() << "' rank " << rank << ": session " << session
+                     << " lost: " << why;
+}
+
+void Job::CheckStepTimeout(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  if (in_flight_ == nullptr || in_flight_->done || in_flight_->committing) return;
+  if (now - in_flight_->start < step_timeout_) return;
+  std::vector<int> absent, pushing;
+  for (int r = 0; r < spec_.world_size; ++r) {
+    const RankInput& in = in_flight_->ranks[r];
+    if (!in.begun) {
+      absent.push_back(r);
+    } else if (!in.finished && in.done == nullptr) {
+      pushing.push_back(r);
+    }
+  }
+  if (absent.empty() && pushing.empty()) return;  // all data is in: the device is working on it
+  auto list = [](const std::vector<int>& ranks) {
+    constexpr size_t kShown = 16;
+    std::vector<int> shown(ranks.begin(), ranks.begin() + std::min(ranks.size(), kShown));
+    return absl::StrCat(absl::StrJoin(shown, ", "),
+                        ranks.size() > kShown ? absl::StrCat(" and ", ranks.size() - kShown,
+                                                             " more")
+                                              : "");
+  };
+  std::string missing;
+  if (!absent.empty()) missing = absl::StrCat("ranks never arrived: ", list(absent));
+  if (!pushing.empty()) {
+    absl::StrAppend(&missing, missing.empty() ? "" : "; ",
+                    "ranks did not finish pushing: ", list(pushing));
+  }
+  FailStep(*in_flight_,
+           absl::AbortedError(absl::StrCat(
+               "job '", id(), "' step ", in_flight_->step, " aborted: the step timeout of ",
+               absl::ToInt64Seconds(step_timeout_), " s expired (", missing, ")")),
+           /*fence=*/true);
 }
 
 std::shared_ptr<StepState> Job::NewStepState(int64_t step) {
@@ -215,6 +306,14 @@ absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step,
     return absl::FailedPreconditionError(absl::StrCat(
         "job '", id(), "' is fenced (", fence_reason_, "); reset it or load a checkpoint"));
   }
+  if (in_flight_ == nullptr) {
+    for (int r = 0; r < spec_.world_size; ++r) {
+      if (lost_[r].empty()) continue;
+      return absl::AbortedError(absl::StrCat(
+          "job '", id(), "' step ", step, " cannot run: rank ", r, " is gone (", lost_[r],
+          ") and has not attached again; nothing changed"));
+    }
+  }
   if (step == next_step_ - 1 && last_updates_[rank] != nullptr &&
       last_updates_[rank]->step == step) {
     if (in_flight_ != nullptr && in_flight_->ranks[rank].begun) {
@@ -269,14 +368,23 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
                                                   "' chunk at element ", offset,
                                                   ": CRC32C mismatch (corrupt or truncated chunk)"));
   } else {
+    // The rank's last span of `matrix` starting at or before `offset` is the only candidate.
     bool inside = false;
-    for (size_t i : rank_matrix_spans_[rank][matrix]) {
-      const common::ShardSpan& span = rank_spans_[rank][i];
-      if (offset >= span.offset && offset - span.offset <= span.length &&
+    const std::vector<common::ShardSpan>& spans = rank_spans_[rank];
+    const std::vector<uint32_t>& index = rank_span_index_[rank];
+    auto after = std::upper_bound(index.begin(), index.end(), std::make_pair(matrix, offset),
+                                  [&spans](const std::pair<uint32_t, uint64_t>& key, uint32_t i) {
+                                    return key.first != spans[i].matrix
+                                               ? key.first < spans[i].matrix
+                                               : key.second < spans[i].offset;
+                                  });
+    if (after != index.begin()) {
+      const uint32_t i = *std::prev(after);
+      const common::ShardSpan& span = spans[i];
+      if (span.matrix == matrix && offset - span.offset <= span.length &&
           count <= span.length - (offset - span.offset)) {
         inside = true;
         span_index = i;
-        break;
       }
     }
     if (!inside) {
@@ -294,6 +402,13 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
   char* dst = nullptr;
   {
     absl::MutexLock lock(&mu_);
+    if (state.committing || (state.done && state.result.ok())) {
+      // Every element was in: nothing more can be applied, and re-sent data is never taken.
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": the step is ", state.done ? "committed" : "committing",
+          " (all data was in); this chunk (matrix ", matrix, " at element ", offset,
+          ") was not applied; ask for step ", state.step, " again to receive its update"));
+    }
     if (state.done) return state.result;
     if (!bad.ok()) {
       FailStep(state, bad, /*fence=*/false);
@@ -404,6 +519,7 @@ void Job::Commit(StepState& state) {
     for (int p = 0; p < 5; ++p) RecordPhase(id(), phases[p], state.phase_seconds[p]);
   }
   absl::MutexLock lock(&mu_);
+  state.committing = false;
   if (!changed.ok()) {
     FailStep(state, changed, /*fence=*/true);
     return;
@@ -430,8 +546,9 @@ void Job::Commit(StepState& state) {
   }
 }
 
-void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
-  if (state.done) return;
+bool Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
+  // A step whose commit began is committed: nothing may report it as failed.
+  if (state.done || state.committing) return false;
   // A step whose ranks are all on shared memory is owned by in_flight_ alone (no RankStep holds
   // it), and in_flight_ is reset below: keep `state` alive until this function returns.
   const std::shared_ptr<StepState> keep = in_flight_.get() == &state ? in_flight_ : nullptr;
@@ -459,6 +576,7 @@ void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
     }
   }
   state.cv.SignalAll();
+  return true;
 }
 
 absl::Status Job::TakeRefusal(int rank, int64_t step) {
@@ -474,6 +592,24 @@ void Job::AbortRank(const std::shared_ptr<StepState>& state, int rank, const std
            absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step,
                                            " aborted: rank ", rank, " ", why)),
            /*fence=*/true);
+}
+
+absl::Status Job::AbandonRank(const std::shared_ptr<StepState>& state, int rank,
+                              const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  // A commit in progress finishes: wait for it so the answer names the outcome.
+  while (state->committing && !state->done) state->cv.WaitWithTimeout(&mu_, kCancelPoll);
+  if (state->done) {
+    if (!state->result.ok()) return state->result;
+    return absl::UnavailableError(absl::StrCat(
+        "job '", id(), "' step ", state->step, " rank ", rank, ": ", why,
+        ", but the step was already committed (all data was in); ask for step ", state->step,
+        " again to receive its update"));
+  }
+  const absl::Status aborted = absl::AbortedError(absl::StrCat(
+      "job '", id(), "' step ", state->step, " aborted: rank ", rank, " ", why));
+  FailStep(*state, aborted, /*fence=*/true);
+  return aborted;
 }
 
 absl::Status Job::Reset(int64_t next_step) {
@@ -530,6 +666,9 @@ v1::JobStatus Job::Status() const {
     st.set_last_checkpoint_unix_ms(last_checkpoint_unix_ms_.load());
   }
   st.set_checkpoint_dir(store_.dir());
+  if (owner_.uid >= 0) st.set_owner_uid(owner_.uid);
+  st.set_owner(owner_.description);
+  st.set_step_timeout_seconds(static_cast<int32_t>(absl::ToInt64Seconds(step_timeout_)));
   if (in_flight_ != nullptr) st.set_step_in_flight(in_flight_->step);
   for (int r = 0; r < spec_.world_size; ++r) {
     v1::RankStatus* rs = st.add_ranks();

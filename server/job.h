@@ -31,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "muond/v1/muond.pb.h"
@@ -65,6 +66,12 @@ using SharedDone = std::function<void(const absl::Status& status, bool replayed,
 
 class Job;
 
+// Who created a job (recorded in its job.json and shown by muonctl job show).
+struct JobOwner {
+  int64_t uid = -1;  // the peer's uid on the Unix socket; -1 when unknown (TCP)
+  std::string description;  // e.g. "uid 1000 gid 1000 pid 4242" or "ipv4:127.0.0.1:5555"
+};
+
 // One rank's part in one step. Not thread-safe: used by the one stream of that rank.
 // Destroying it before Finish() returned means the rank went away mid-step: the step is aborted for
 // every rank and the job is fenced.
@@ -82,6 +89,11 @@ class RankStep {
   // while waiting (true: the rank went away, the step is aborted). On success returns the rank's
   // update, valid as long as the caller holds it.
   absl::StatusOr<std::shared_ptr<const RankUpdate>> Finish(const std::function<bool()>& cancelled);
+  // The rank's stream ended before StepEnd. The answer tells the truth about the commit: ABORTED
+  // when this aborted the step (the job is fenced); when the step's commit had already begun (all
+  // data was in), UNAVAILABLE saying the step is committed, which the rank receives by asking
+  // for the step again (a replay); a step that had already failed returns its status.
+  absl::Status Abandon(const std::string& why);
   // True when this is a replay of the last committed step: gradients are not applied again.
   bool replay() const { return replay_ != nullptr; }
   int64_t step() const { return step_; }
@@ -107,9 +119,10 @@ class Job : public std::enable_shared_from_this<Job> {
   // and temporary momentum) assembled at once; a larger matrix is processed alone.
   // token_sha256: the SHA-256 of the job's token (32 bytes; the token itself is not kept).
   // checkpoint_dir: the job's checkpoint directory (server/checkpoint.h).
+  // step_timeout: see common::JobSpec::step_timeout_seconds (the daemon's default applied).
   Job(common::JobSpec spec, std::string token_sha256, std::string backend,
       ComputeExecutor* executor, uint64_t gather_budget_bytes, ComputeDevice* compute,
-      std::string checkpoint_dir);
+      std::string checkpoint_dir, absl::Duration step_timeout, JobOwner owner);
   ~Job();
 
   const common::JobSpec& spec() const { return spec_; }
@@ -160,7 +173,21 @@ class Job : public std::enable_shared_from_this<Job> {
   // job fenced; one it had finished pushing completes, and the new session can replay it).
   absl::StatusOr<uint64_t> Attach(int rank, bool takeover);
   // Ends `rank`'s session. FAILED_PRECONDITION when `session` is not the rank's current one.
+  // During a step the rank has not finished pushing (or not begun), the step is aborted for every
+  // rank and the job fenced: the others would otherwise wait for a part that never comes.
   absl::Status Detach(int rank, uint64_t session);
+  // OK while `session` is `rank`'s current session, else FAILED_PRECONDITION saying why.
+  absl::Status CheckSession(int rank, uint64_t session) const;
+  // A gRPC rank's session watch ended without a detach (its process died or its connection
+  // broke): as Detach mid-step; between steps the rank is remembered as lost, and a step that
+  // other ranks try to begin before it attaches again is refused with ABORTED naming it.
+  void EndLostSession(int rank, uint64_t session, const std::string& why);
+  // Aborts the step in flight (ABORTED for every rank, job fenced) when it has run longer than
+  // the job's step timeout since its first rank entered it without every rank having pushed its
+  // part; the message names the ranks missing. Called periodically by the registry.
+  void CheckStepTimeout(absl::Time now);
+  absl::Duration step_timeout() const { return step_timeout_; }
+  const JobOwner& owner() const { return owner_; }
   // Starts `rank`'s part in `step`. FAILED_PRECONDITION when the job is fenced, the session is not
   // the rank's current one, the step is out of order, or the rank already has the step in flight.
   absl::StatusOr<std::unique_ptr<RankStep>> BeginStep(int rank, uint64_t session, int64_t step);
@@ -211,9 +238,15 @@ class Job : public std::enable_shared_from_this<Job> {
   void DrainReady(const std::shared_ptr<StepState>& state);
   void Commit(StepState& state);
   // Ends the step with `status` (refused: not fenced; aborted: fenced).
-  void FailStep(StepState& state, const absl::Status& status, bool fence)
+  // False (and nothing changes) when the step already ended or its commit began.
+  bool FailStep(StepState& state, const absl::Status& status, bool fence)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortRank(const std::shared_ptr<StepState>& state, int rank, const std::string& why);
+  absl::Status AbandonRank(const std::shared_ptr<StepState>& state, int rank,
+                           const std::string& why);
+  // Aborts the step in flight if `rank` still owes its part (not begun, or begun and not
+  // finished pushing). REQUIRES: a step in flight.
+  void AbortIfOwed(int rank, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::shared_ptr<StepState> NewStepState(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // INVALID_ARGUMENT for a rank outside the world size.
   absl::Status CheckRank(int rank) const;
@@ -249,10 +282,15 @@ class Job : public std::enable_shared_from_this<Job> {
   ComputeExecutor* const executor_;
   ComputeDevice* const compute_;  // used only on the executor's thread
   const uint64_t gather_budget_bytes_;
+  const absl::Duration step_timeout_;
+  const JobOwner owner_;
   const int64_t created_unix_ms_;
   // Immutable layout tables.
   std::vector<std::vector<common::ShardSpan>> rank_spans_;            // [rank] -> spans
-  std::vector<std::vector<std::vector<size_t>>> rank_matrix_spans_;  // [rank][matrix] -> span idx
+  // [rank] -> the rank's span indices sorted by (matrix, offset): the lookup of a chunk's span.
+  // (Not a dense [rank][matrix] table: world size x tensors of empty vectors is gigabytes for a
+  // large ZeRO-3 job whose ranks own few spans each.)
+  std::vector<std::vector<uint32_t>> rank_span_index_;
   std::vector<std::vector<SpanRef>> matrix_spans_;                    // [matrix] -> owners
 
   // Momentum per matrix (fp32), registered (pinned) with the device from allocation on; which
@@ -274,6 +312,8 @@ class Job : public std::enable_shared_from_this<Job> {
 
   mutable absl::Mutex mu_;
   std::vector<uint64_t> sessions_ ABSL_GUARDED_BY(mu_);  // per rank; 0 = not attached
+  // Per rank: why its session ended without a detach ("" while fine); cleared when it attaches.
+  std::vector<std::string> lost_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t next_step_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;

@@ -126,6 +126,7 @@ void Job::DrainReady(const std::shared_ptr<StepState>& state_ptr) {
         }
         const bool commit = status.ok() && !state.done &&
                             state.matrices_done == spec_.matrices.size();
+        if (commit) state.committing = true;
         state.device_seconds += dev.device->SimulatedSeconds() - clock_start;
         const device::Device::BusySeconds busy = dev.device->Busy();
         state.phase_seconds[1] += busy.copy_in - busy_start.copy_in;

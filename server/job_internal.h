@@ -47,6 +47,10 @@ struct StepState {
   size_t matrices_done = 0;
   double device_seconds = 0;  // the simulated device's clock spent on this step (DrainReady)
   bool done = false;
+  // Set (under the job's lock) when every matrix succeeded and Commit starts changing the store:
+  // from then on the step can no longer be aborted or refused; it ends committed (or, if Commit
+  // itself finds a changed gradient, fenced). Whoever races with it learns the commit.
+  bool committing = false;
   absl::Status result;
   absl::CondVar cv;
   // Seconds per phase of the step, for the metrics: assembly, copy-in, Newton-Schulz, writeback,

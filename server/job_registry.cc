@@ -1,31 +1,49 @@
 #include "server/job_registry.h"
 
 #include <dirent.h>
+#include <malloc.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <new>
 #include <sstream>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/names.h"
 #include "common/sha256.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "server/durable_file.h"
+#include "server/job_footprint.h"
 
 namespace muond::server {
 namespace {
 
-uint64_t MomentumBytes(const common::JobSpec& spec) {
-  if (spec.transport_probe) return 0;
-  uint64_t n = 0;
-  for (const common::MatrixSpec& m : spec.matrices) n += static_cast<uint64_t>(m.numel());
-  return n * sizeof(float);
+constexpr char kCreatingMarker[] = ".creating";
+constexpr char kDeletedPrefix[] = ".deleted-";
+constexpr char kResetRecord[] = "reset.json";
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// The newest generation number in the job's checkpoint directory (0: none).
+int64_t NewestGeneration(const Job& job) {
+  auto list = job.ListCheckpoints();
+  int64_t newest = 0;
+  if (list.ok()) {
+    for (const auto& info : *list) newest = std::max(newest, info.generation);
+  }
+  return newest;
 }
 
 }  // namespace
@@ -45,32 +63,130 @@ absl::StatusOr<std::string> NewJobToken() {
       absl::string_view(reinterpret_cast<const char*>(raw), sizeof(raw)));
 }
 
-JobRegistry::JobRegistry(std::string backend, uint64_t max_momentum_bytes,
+JobRegistry::JobRegistry(std::string backend, const DaemonLimits& limits,
                          uint64_t default_gather_budget_bytes, ComputeExecutor* executor,
                          ComputeDevice* compute, std::string state_dir)
     : backend_(std::move(backend)),
-      max_momentum_bytes_(max_momentum_bytes),
+      limits_(limits),
       default_gather_budget_bytes_(default_gather_budget_bytes),
       executor_(executor),
       compute_(compute),
-      state_dir_(std::move(state_dir)) {}
+      state_dir_(std::move(state_dir)) {
+  watchdog_ = std::thread([this] { WatchSteps(); });
+}
+
+JobRegistry::~JobRegistry() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  watchdog_.join();
+}
+
+void JobRegistry::WatchSteps() {
+  absl::MutexLock lock(&mu_);
+  auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+  while (!mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(250))) {
+    std::vector<std::shared_ptr<Job>> jobs;
+    for (const auto& [id, job] : jobs_) jobs.push_back(job);
+    mu_.Unlock();
+    const absl::Time now = absl::Now();
+    for (const auto& job : jobs) job->CheckStepTimeout(now);
+    jobs.clear();
+    mu_.Lock();
+  }
+}
 
 std::string JobRegistry::JobDir(const std::string& id) const {
+  // Every caller passes an id that passed common::ValidateJobId: a single path component that
+  // cannot be "." or ".." nor start with a dot.
   return absl::StrCat(state_dir_, "/jobs/", id);
 }
 
-std::shared_ptr<Job> JobRegistry::NewJob(common::JobSpec spec, std::string token_sha256) const {
+std::shared_ptr<Job> JobRegistry::NewJob(common::JobSpec spec, std::string token_sha256,
+                                         JobOwner owner) const {
   const uint64_t budget =
       spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : default_gather_budget_bytes_;
+  const absl::Duration timeout = absl::Seconds(
+      spec.step_timeout_seconds != 0 ? spec.step_timeout_seconds : limits_.step_timeout_seconds);
   const std::string checkpoints = absl::StrCat(JobDir(spec.job_id), "/checkpoints");
   return std::make_shared<Job>(std::move(spec), std::move(token_sha256), backend_, executor_,
-                               budget, compute_, checkpoints);
+                               budget, compute_, checkpoints, timeout, std::move(owner));
+}
+
+absl::Status JobRegistry::Reserve(const common::JobSpec& spec, uint64_t bytes, bool restoring) {
+  const std::string& id = spec.job_id;
+  absl::MutexLock lock(&mu_);
+  if (jobs_.count(id) != 0 || busy_.count(id) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "job '", id, "' already exists", busy_.count(id) != 0 ? " (being created or deleted)" : ""));
+  }
+  if (auto it = broken_.find(id); it != broken_.end()) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "job '", id, "': its directory ", JobDir(id), " exists but could not be restored (",
+        it->second, "); move it out of the state directory to reuse the id"));
+  }
+  if (!restoring && Exists(JobDir(id))) {
+    return absl::AlreadyExistsError(absl::StrCat("job '", id, "': ", JobDir(id),
+                                                 " exists and was not made by this daemon"));
+  }
+  const size_t jobs = jobs_.size() + busy_.size();
+  if (jobs >= static_cast<size_t>(limits_.max_jobs)) {
+    return absl::ResourceExhaustedError(absl::StrCat("job '", id, "': ", jobs,
+                                                     " jobs exist or are being made; the limit "
+                                                     "is --max-jobs ", limits_.max_jobs));
+  }
+  if (limits_.max_state_bytes != 0 && (bytes > limits_.max_state_bytes ||
+                                       state_bytes_ > limits_.max_state_bytes - bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "job '", id, "' needs ", bytes, " bytes of state (momentum and tables); ", state_bytes_,
+        " of --max-state-bytes ", limits_.max_state_bytes, " are in use"));
+  }
+  busy_.insert(id);
+  state_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+void JobRegistry::Unreserve(const std::string& id, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  busy_.erase(id);
+  state_bytes_ -= bytes;
+}
+
+void JobRegistry::Publish(std::shared_ptr<Job> job, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  busy_.erase(job->id());
+  job_bytes_[job->id()] = bytes;
+  jobs_.emplace(job->id(), std::move(job));
+}
+
+absl::Status JobRegistry::Persist(const Job& job) const {
+  const std::string dir = JobDir(job.id());
+  nlohmann::json record = {
+      {"format", "muond-job"},
+      {"format_version", 1},
+      {"spec", nlohmann::json::parse(common::JobSpecToJson(job.spec()))},
+      {"token_sha256", absl::BytesToHexString(job.token_sha256())},
+      {"owner", {{"uid", job.owner().uid}, {"description", job.owner().description}}}};
+  RETURN_IF_ERROR(durable::MakeDirs(dir));
+  const std::string marker = absl::StrCat(dir, "/", kCreatingMarker);
+  RETURN_IF_ERROR(durable::WriteFileDurably(marker, "muond: job directory being created\n"));
+  RETURN_IF_ERROR(durable::WriteFileDurably(absl::StrCat(dir, "/job.json"),
+                                            record.dump(1, ' ', false,
+                                                        nlohmann::json::error_handler_t::replace) +
+                                                "\n"));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
-                                                         const std::optional<RestoreFrom>& restore) {
+                                                         const std::optional<RestoreFrom>& restore,
+                                                         JobOwner owner) {
+  RETURN_IF_ERROR(common::ValidateJobId(spec.job_id));
+  ASSIGN_OR_RETURN(const JobFootprint footprint, MeasureJob(spec));
+  RETURN_IF_ERROR(CheckJobLimits(spec, footprint, limits_, default_gather_budget_bytes_));
   std::shared_ptr<Job> source;
   if (restore) {
+    RETURN_IF_ERROR(common::ValidateJobId(restore->job_id, "restore.job_id"));
     auto found = Find(restore->job_id);
     if (!found.ok()) {
       return absl::NotFoundError(absl::StrCat("restore: job '", restore->job_id, "' not found"));
@@ -85,167 +201,129 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
     }
     source = *std::move(found);
   }
-  auto token = NewJobToken();
-  if (!token.ok()) return token.status();
-  const uint64_t bytes = MomentumBytes(spec);
+  ASSIGN_OR_RETURN(std::string token, NewJobToken());
+  const uint64_t bytes = footprint.total();
   const std::string id = spec.job_id;
-  absl::MutexLock lock(&mu_);
-  if (jobs_.count(id) != 0) {
-    return absl::AlreadyExistsError(absl::StrCat("job '", id, "' already exists"));
-  }
-  if (max_momentum_bytes_ != 0 && momentum_bytes_ + bytes > max_momentum_bytes_) {
+  RETURN_IF_ERROR(Reserve(spec, bytes, /*restoring=*/false));
+  // From here on the id and bytes are ours; the lock is not held.
+  std::shared_ptr<Job> job;
+  try {
+    job = NewJob(std::move(spec), common::Sha256(token), std::move(owner));
+  } catch (const std::bad_alloc&) {
+    Unreserve(id, bytes);
     return absl::ResourceExhaustedError(absl::StrCat(
-        "job '", id, "' needs ", bytes, " bytes of momentum; ", momentum_bytes_, " of ",
-        max_momentum_bytes_, " bytes (--max-momentum-bytes) are in use"));
+        "job '", id, "': the system could not allocate its ", bytes, " bytes of state"));
   }
-  const std::string dir = JobDir(id);
-  std::shared_ptr<Job> job = NewJob(std::move(spec), common::Sha256(*token));
-  const uint64_t budget = job->gather_budget_bytes();
-  if (source != nullptr) {
-    auto loaded = job->LoadCheckpointFrom(source, restore->selector);
-    if (!loaded.ok()) return loaded.status();
+  absl::Status s;
+  if (source != nullptr) s = job->LoadCheckpointFrom(source, restore->selector).status();
+  bool made_dir = false;
+  if (s.ok()) {
+    s = Persist(*job);
+    made_dir = true;
   }
-  nlohmann::json record = {
-      {"format", "muond-job"},
-      {"format_version", 1},
-      {"spec", nlohmann::json::parse(common::JobSpecToJson(job->spec()))},
-      {"token_sha256", absl::BytesToHexString(job->token_sha256())}};
-  // A directory left by a job of this id that is gone (a failed create) holds nothing of the new
-  // job's.
-  absl::Status persisted = durable::RemoveTree(dir);
-  if (persisted.ok()) persisted = durable::MakeDirs(dir);
-  if (persisted.ok()) {
-    persisted = durable::WriteFileDurably(absl::StrCat(dir, "/job.json"), record.dump(1) + "\n");
-  }
-  if (persisted.ok() && source != nullptr) {
+  if (s.ok() && source != nullptr) {
     // The restored momentum exists only in memory until the job has a generation of its own: a
-    // restart before its first save would bring it back empty.
-    persisted = job->SaveCheckpoint().status();
+    // restart before its first save would bring it back empty (the marker makes a restart
+    // remove this half-made job instead).
+    s = job->SaveCheckpoint().status();
   }
-  if (!persisted.ok()) {
-    (void)durable::RemoveTree(dir);
-    return absl::Status(persisted.code(), absl::StrCat("job '", id, "' could not be stored in ",
-                                                       state_dir_, ": ", persisted.message()));
+  if (s.ok()) s = durable::RemoveTree(absl::StrCat(JobDir(id), "/", kCreatingMarker));
+  if (!s.ok()) {
+    if (made_dir) (void)durable::RemoveTree(JobDir(id));
+    job.reset();
+    Unreserve(id, bytes);
+    ::malloc_trim(0);
+    if (source != nullptr && !made_dir) return s;
+    return absl::Status(s.code(), absl::StrCat("job '", id, "' could not be stored in ",
+                                               state_dir_, ": ", s.message()));
   }
-  jobs_.emplace(id, job);
-  momentum_bytes_ += bytes;
-  MUOND_LOG(INFO) << "job '" << id << "' created: " << job->spec().matrices.size()
-                  << " matrices, " << bytes << " bytes of momentum, world size "
-                  << job->spec().world_size << ", gather budget " << budget << " bytes"
+  Publish(job, bytes);
+  MUOND_LOG(INFO) << "job '" << id << "' created by " << job->owner().description << ": "
+                  << job->spec().matrices.size() << " matrices, " << footprint.state_bytes
+                  << " bytes of momentum, " << footprint.table_bytes << " bytes of tables ("
+                  << footprint.spans << " spans), world size " << job->spec().world_size
+                  << ", gather budget " << job->gather_budget_bytes() << " bytes"
                   << (source != nullptr ? absl::StrCat(", momentum from job '", source->id(), "'")
                                         : std::string());
-  return Created{std::move(job), *std::move(token)};
-}
-
-absl::Status JobRegistry::Restore() {
-  const std::string jobs_dir = absl::StrCat(state_dir_, "/jobs");
-  DIR* d = ::opendir(jobs_dir.c_str());
-  if (d == nullptr) {
-    if (errno == ENOENT) return absl::OkStatus();
-    return absl::InternalError(absl::StrCat("opendir ", jobs_dir, ": ", std::strerror(errno)));
-  }
-  std::vector<std::string> names;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name == "." || name == "..") continue;
-    if (name.rfind(".deleted-", 0) == 0) {
-      // A deletion that did not finish.
-      (void)durable::RemoveTree(absl::StrCat(jobs_dir, "/", name));
-      continue;
-    }
-    names.push_back(name);
-  }
-  ::closedir(d);
-  std::sort(names.begin(), names.end());
-  for (const std::string& name : names) {
-    const std::string path = absl::StrCat(jobs_dir, "/", name, "/job.json");
-    std::ifstream in(path);
-    if (!in) {
-      MUOND_LOG(WARNING) << "restore: " << jobs_dir << "/" << name
-                         << " has no job.json (an interrupted create); removing it";
-      (void)durable::RemoveTree(absl::StrCat(jobs_dir, "/", name));
-      continue;
-    }
-    std::stringstream text;
-    text << in.rdbuf();
-    const nlohmann::json record = nlohmann::json::parse(text.str(), nullptr, false);
-    std::string hash;
-    if (record.is_discarded() || record.value("format", "") != "muond-job" ||
-        !record.contains("spec") || !record["token_sha256"].is_string() ||
-        (hash = absl::HexStringToBytes(record["token_sha256"].get<std::string>())).size() != 32) {
-      return absl::DataLossError(absl::StrCat("restore: ", path, " is not a muond job record"));
-    }
-    auto spec = common::ParseJobSpecJson(record["spec"].dump());
-    if (!spec.ok()) {
-      return absl::DataLossError(absl::StrCat("restore: ", path, ": ", spec.status().message()));
-    }
-    if (spec->job_id != name) {
-      return absl::DataLossError(absl::StrCat("restore: ", path, " names job '", spec->job_id,
-                                              "', its directory '", name, "'"));
-    }
-    const uint64_t bytes = MomentumBytes(*spec);
-    absl::MutexLock lock(&mu_);
-    if (max_momentum_bytes_ != 0 && momentum_bytes_ + bytes > max_momentum_bytes_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "restore: job '", name, "' needs ", bytes, " bytes of momentum; with the jobs before it ",
-          momentum_bytes_ + bytes, " > --max-momentum-bytes ", max_momentum_bytes_));
-    }
-    std::shared_ptr<Job> job = NewJob(*std::move(spec), hash);
-    std::string how;
-    if (!job->spec().transport_probe) {
-      auto loaded = job->LoadCheckpoint({});
-      if (loaded.ok()) {
-        how = absl::StrCat("from checkpoint generation ", loaded->info.generation, ", next step ",
-                           loaded->next_step);
-      } else if (loaded.status().code() == absl::StatusCode::kNotFound) {
-        how = "no checkpoint: zero momentum, next step 0";
-      } else {
-        how = absl::StrCat("FENCED: ", loaded.status().message());
-        job->Fence(absl::StrCat("restart: ", loaded.status().message()));
-      }
-    }
-    MUOND_LOG(INFO) << "job '" << name << "' restored (" << how << ")";
-    jobs_.emplace(name, std::move(job));
-    momentum_bytes_ += bytes;
-  }
-  return absl::OkStatus();
+  return Created{std::move(job), std::move(token)};
 }
 
 absl::Status JobRegistry::Delete(const std::string& job_id) {
   std::shared_ptr<Job> job;
+  uint64_t bytes = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
-    // Out of the way first (one rename): a restart never sees a half-removed job.
-    const std::string dir = JobDir(job_id);
-    const std::string gone = absl::StrCat(state_dir_, "/jobs/.deleted-", job_id, "-",
-                                          absl::ToUnixNanos(absl::Now()));
-    if (::rename(dir.c_str(), gone.c_str()) != 0 && errno != ENOENT) {
-      return absl::InternalError(absl::StrCat("job '", job_id, "': rename ", dir, " -> ", gone,
-                                              ": ", std::strerror(errno)));
+    if (it == jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat("job ", common::Quoted(job_id), " not found"));
     }
     job = std::move(it->second);
     jobs_.erase(it);
-    momentum_bytes_ -= MomentumBytes(job->spec());
-    job->MarkDeleted();
-    job->WaitForSaves();
-    if (absl::Status s = durable::RemoveTree(gone); !s.ok()) {
-      MUOND_LOG(WARNING) << "job '" << job_id << "' deleted; its files: " << s.message();
-    }
+    bytes = job_bytes_[job_id];
+    job_bytes_.erase(job_id);
+    busy_.insert(job_id);  // until its files are gone: a create of the same id waits for that
   }
+  job->MarkDeleted();
+  job->WaitForSaves();
+  // Out of the way first (one rename): a restart never sees a half-removed job.
+  const std::string dir = JobDir(job_id);
+  const std::string gone = absl::StrCat(state_dir_, "/jobs/", kDeletedPrefix, job_id, "-",
+                                        absl::ToUnixNanos(absl::Now()));
+  absl::Status s;
+  if (::rename(dir.c_str(), gone.c_str()) != 0 && errno != ENOENT) {
+    s = absl::InternalError(absl::StrCat("job '", job_id, "': rename ", dir, " -> ", gone, ": ",
+                                         std::strerror(errno)));
+  } else if (absl::Status removed = durable::RemoveTree(gone); !removed.ok()) {
+    MUOND_LOG(WARNING) << "job '" << job_id << "' deleted; its files: " << removed.message();
+  }
+  job.reset();  // the last reference but those of steps still unwinding
+  {
+    absl::MutexLock lock(&mu_);
+    busy_.erase(job_id);
+    state_bytes_ -= bytes;
+    if (!s.ok()) broken_[job_id] = std::string(s.message());
+  }
+  ::malloc_trim(0);
+  if (!s.ok()) return s;
   MUOND_LOG(INFO) << "job '" << job_id << "' deleted";
   return absl::OkStatus();
 }
 
-void JobRegistry::WaitForSaves() const {
-  for (const auto& job : List()) job->WaitForSaves();
+absl::Status JobRegistry::Reset(const std::shared_ptr<Job>& job, int64_t next_step) {
+  RETURN_IF_ERROR(job->Reset(next_step));
+  // A save that began before the reset writes the old momentum: let it finish, then every
+  // generation up to the newest is older than the reset.
+  job->WaitForSaves();
+  const nlohmann::json record = {{"format", "muond-reset"},
+                                 {"next_step", next_step},
+                                 {"after_generation", NewestGeneration(*job)}};
+  const std::string path = absl::StrCat(JobDir(job->id()), "/", kResetRecord);
+  absl::Status s = durable::WriteFileDurably(path, record.dump() + "\n");
+  if (!s.ok()) {
+    job->Fence(absl::StrCat("reset to step ", next_step, " could not be made durable: ",
+                            s.message()));
+    return absl::Status(s.code(), absl::StrCat("job '", job->id(), "' was reset in memory but ",
+                                               path, " could not be written (", s.message(),
+                                               "); the job is fenced"));
+  }
+  MUOND_LOG(INFO) << "job '" << job->id() << "' reset; next step " << next_step;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Job::LoadResult> JobRegistry::LoadCheckpoint(const std::shared_ptr<Job>& job,
+                                                            const checkpoint::Selector& selector) {
+  ASSIGN_OR_RETURN(Job::LoadResult loaded, job->LoadCheckpoint(selector));
+  // The loaded state supersedes an earlier reset.
+  (void)durable::RemoveTree(absl::StrCat(JobDir(job->id()), "/", kResetRecord));
+  return loaded;
 }
 
 absl::StatusOr<std::shared_ptr<Job>> JobRegistry::Find(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("job ", common::Quoted(job_id), " not found"));
+  }
   return it->second;
 }
 
@@ -256,6 +334,17 @@ std::vector<std::shared_ptr<Job>> JobRegistry::List() const {
   return out;
 }
 
+std::vector<JobRegistry::BrokenJob> JobRegistry::Broken() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<BrokenJob> out;
+  for (const auto& [name, reason] : broken_) out.push_back({JobDir(name), reason});
+  return out;
+}
+
+void JobRegistry::WaitForSaves() const {
+  for (const auto& job : List()) job->WaitForSaves();
+}
+
 bool JobRegistry::AnyStepInFlight() const {
   for (const auto& job : List()) {
     if (job->Status().has_step_in_flight()) return true;
@@ -263,9 +352,18 @@ bool JobRegistry::AnyStepInFlight() const {
   return false;
 }
 
-uint64_t JobRegistry::momentum_bytes() const {
+uint64_t JobRegistry::state_bytes() const {
   absl::MutexLock lock(&mu_);
-  return momentum_bytes_;
+  return state_bytes_;
+}
+
+uint64_t JobRegistry::momentum_bytes() const {
+  uint64_t n = 0;
+  for (const auto& job : List()) {
+    if (job->spec().transport_probe) continue;
+    for (const common::MatrixSpec& m : job->spec().matrices) n += m.numel() * sizeof(float);
+  }
+  return n;
 }
 
 }  // namespace muond::server

@@ -1,19 +1,33 @@
-// The daemon's jobs by id. Creating a job draws its random token and reserves its momentum memory
-// against the daemon-wide quota. Thread-safe.
+// The daemon's jobs by id. Creating a job checks every limit against the job's footprint (sized
+// from the spec, server/job_footprint.h) and reserves it before anything is allocated, draws the
+// job's random token, and persists the job. Thread-safe.
 //
-// Persistence: each job has a directory <state_dir>/jobs/<id>/ with job.json ({"format":
-// "muond-job", "format_version": 1, "spec": job.json form, "token_sha256": hex}, written durably
-// at creation; the token itself is never stored) and checkpoints/ (server/checkpoint.h). A muond
-// started on the same state directory restores every job (Restore) from its newest good
-// checkpoint generation. Deleting a job removes its directory.
+// Lock discipline: the registry's mutex guards only the maps and counters; it is never held
+// across allocation, mlock, checkpoint work, file I/O or fsync. A create reserves its id and
+// bytes under the lock, builds and persists the job without it, then publishes it; a delete
+// unpublishes under the lock and removes files without it. One job's heavy create, restore or
+// delete therefore never stalls another job's steps, attaches or metric scrapes.
+//
+// Persistence: each job has a directory <state_dir>/jobs/<id>/ (the id validated by
+// common::ValidateJobId, so it can never be ".", ".." or start with a dot) holding job.json
+// ({"format": "muond-job", "format_version": 1, "spec": job.json form, "token_sha256": hex,
+// "owner": {...}}; the token itself is never stored), reset.json after a reset, and
+// checkpoints/ (server/checkpoint.h). A directory being created holds a ".creating" marker until
+// its job.json is durable; a deleted job's directory is first renamed to ".deleted-<id>-<ns>".
+// The daemon only ever removes what it made: marked interrupted creates and .deleted-* entries.
+// At start, every job directory is restored from its newest good checkpoint generation; one that
+// cannot be restored (unreadable, not a job, beyond a limit) is set aside as broken (listed, its
+// id reserved, its files untouched) while every other job starts normally.
 #ifndef MUOND_SERVER_JOB_REGISTRY_H_
 #define MUOND_SERVER_JOB_REGISTRY_H_
 
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -21,6 +35,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/job_spec.h"
 #include "server/compute_executor.h"
+#include "server/daemon_limits.h"
 #include "server/job.h"
 
 namespace muond::server {
@@ -30,15 +45,16 @@ absl::StatusOr<std::string> NewJobToken();
 
 class JobRegistry {
  public:
-  // max_momentum_bytes: the sum of all jobs' fp32 momentum allowed (0: unlimited).
-  // default_gather_budget_bytes: for jobs that do not set their own. `executor` outlives the jobs'
-  // work (it runs every task submitted before it is destroyed).
-  JobRegistry(std::string backend, uint64_t max_momentum_bytes, uint64_t default_gather_budget_bytes,
-              ComputeExecutor* executor, ComputeDevice* compute, std::string state_dir);
+  // default_gather_budget_bytes: for jobs that do not set their own, and the most a job may set.
+  // `executor` outlives the jobs' work (it runs every task submitted before it is destroyed).
+  // Starts the step-timeout watchdog (stopped by the destructor).
+  JobRegistry(std::string backend, const DaemonLimits& limits,
+              uint64_t default_gather_budget_bytes, ComputeExecutor* executor,
+              ComputeDevice* compute, std::string state_dir);
+  ~JobRegistry();
 
-  // Restores the jobs of the state directory (at startup, before serving): each from its newest
-  // good checkpoint generation (none: zero momentum, next step 0; none good: the job is fenced with
-  // the reason until a load or reset). Errors (unreadable job.json, quota) name the path.
+  // Restores the jobs of the state directory (at startup, before serving). Fails only when the
+  // jobs directory itself cannot be read; a job that cannot be restored is listed in Broken().
   absl::Status Restore();
 
   struct Created {
@@ -51,18 +67,37 @@ class JobRegistry {
     std::string token;
     checkpoint::Selector selector;
   };
-  // ALREADY_EXISTS for a taken id; RESOURCE_EXHAUSTED when the momentum would exceed the quota;
-  // with `restore`: NOT_FOUND / UNAUTHENTICATED / PERMISSION_DENIED for the source job, the load's
-  // errors (FAILED_PRECONDITION for matrices that do not match); the restored job's first
-  // checkpoint generation is written before it is returned. Nothing is created on error.
+  // ALREADY_EXISTS for a taken (or broken, or being-deleted) id; RESOURCE_EXHAUSTED naming the
+  // limit for a job beyond a limit (jobs, world size, tensors, spans, gather budget, state
+  // bytes); with `restore`: NOT_FOUND / UNAUTHENTICATED / PERMISSION_DENIED for the source job,
+  // the load's errors; the restored job's first generation is written before it is returned.
+  // Nothing is created (and nothing stays allocated) on error.
   // REQUIRES: spec passed ValidateJobSpec.
   absl::StatusOr<Created> Create(common::JobSpec spec,
-                                 const std::optional<RestoreFrom>& restore = std::nullopt);
-  // NOT_FOUND for an unknown id. Steps in flight on the job fail with NOT_FOUND.
+                                 const std::optional<RestoreFrom>& restore = std::nullopt,
+                                 JobOwner owner = {});
+  // NOT_FOUND for an unknown id. Steps in flight on the job fail with NOT_FOUND. The job's memory
+  // is returned to the system before this returns.
   absl::Status Delete(const std::string& job_id);
+  // Job::Reset, made durable: a reset.json in the job's directory says the job restarts reset
+  // unless a newer checkpoint generation was written after it. When the record cannot be
+  // written the job is fenced (its memory was reset, its disk says otherwise) and the error
+  // returned names the path.
+  absl::Status Reset(const std::shared_ptr<Job>& job, int64_t next_step);
+  // Job::LoadCheckpoint; a successful load supersedes an earlier reset record.
+  absl::StatusOr<Job::LoadResult> LoadCheckpoint(const std::shared_ptr<Job>& job,
+                                                 const checkpoint::Selector& selector);
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& job_id) const;
   std::vector<std::shared_ptr<Job>> List() const;
+  struct BrokenJob {
+    std::string directory;
+    std::string reason;
+  };
+  std::vector<BrokenJob> Broken() const;
+  // Bytes of job state and tables counted against --max-state-bytes (reservations included).
+  uint64_t state_bytes() const;
   uint64_t momentum_bytes() const;
+  const DaemonLimits& limits() const { return limits_; }
   // Waits for every job's checkpoint saves in progress.
   void WaitForSaves() const;
   // True while any job has a step in flight.
@@ -71,19 +106,35 @@ class JobRegistry {
   size_t compute_queue_depth() const { return executor_->queue_depth(); }
 
  private:
+  std::string JobDir(const std::string& id) const;
+  std::shared_ptr<Job> NewJob(common::JobSpec spec, std::string token_sha256,
+                              JobOwner owner) const;
+  // Checks the limits and reserves the id and bytes under the lock.
+  absl::Status Reserve(const common::JobSpec& spec, uint64_t bytes, bool restoring)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Unreserve(const std::string& id, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  void Publish(std::shared_ptr<Job> job, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Writes the new job's directory (marker, job.json, marker removed).
+  absl::Status Persist(const Job& job) const;
+  // Restores one entry of the jobs directory (a broken one is recorded).
+  void RestoreOne(const std::string& name);
+  void SetBroken(const std::string& name, const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
+  void WatchSteps();
+
   const std::string backend_;
-  const uint64_t max_momentum_bytes_;
+  const DaemonLimits limits_;
   const uint64_t default_gather_budget_bytes_;
   ComputeExecutor* const executor_;
   ComputeDevice* const compute_;
   const std::string state_dir_;
-  std::string JobDir(const std::string& id) const;
-  // A job of this daemon (its gather budget: the spec's, else the default; its checkpoints under
-  // JobDir), not registered.
-  std::shared_ptr<Job> NewJob(common::JobSpec spec, std::string token_sha256) const;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
-  uint64_t momentum_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, uint64_t> job_bytes_ ABSL_GUARDED_BY(mu_);  // counted per job
+  std::set<std::string> busy_ ABSL_GUARDED_BY(mu_);  // ids being created or deleted
+  std::map<std::string, std::string> broken_ ABSL_GUARDED_BY(mu_);  // directory -> reason
+  uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread watchdog_;
 };
 
 }  // namespace muond::server

@@ -6,5 +6,5 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
 deploy/install-deps.sh
-deploy/build.sh -DMUOND_BUILD_TESTS=ON -DMUOND_BUILD_BENCHMARKS=ON
+deploy/build.sh -DMUOND_BUILD_TESTS=ON -DMUOND_BUILD_BENCHMARKS=ON -DMUOND_TEST_HOOKS=ON
 ctest --test-dir build --output-on-failure --timeout 600 -j "${MUOND_TEST_JOBS:-2}"
