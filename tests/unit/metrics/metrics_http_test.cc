@@ -1,73 +1,16 @@
 #include "server/metrics_http.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <string>
 
 #include "gtest/gtest.h"
+#include "tests/unit/metrics/http_test_client.h"
 
 namespace muond::server {
 namespace {
 
-struct HttpResponse {
-  std::string status_line;
-  std::string headers;  // Raw, lines joined with "\r\n".
-  std::string body;
-};
-
-// A minimal HTTP/1.1 client: one request, `Connection: close`, reads to EOF.
-HttpResponse Fetch(int port, const std::string& method, const std::string& path) {
-  HttpResponse r;
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  EXPECT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ADD_FAILURE() << "connect to port " << port << " failed";
-    close(fd);
-    return r;
-  }
-  const std::string request = method + " " + path +
-                              " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
-                              "Content-Length: 0\r\n\r\n";
-  EXPECT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL),
-            static_cast<ssize_t>(request.size()));
-  std::string raw;
-  char buf[4096];
-  for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;) raw.append(buf, n);
-  close(fd);
-  const size_t eol = raw.find("\r\n");
-  const size_t end = raw.find("\r\n\r\n");
-  if (eol == std::string::npos || end == std::string::npos) {
-    ADD_FAILURE() << "malformed response: " << raw;
-    return r;
-  }
-  r.status_line = raw.substr(0, eol);
-  r.headers = raw.substr(eol + 2, end - eol - 2);
-  r.body = raw.substr(end + 4);
-  return r;
-}
-
-// The value of header `name` (case-insensitive), or "" when absent.
-std::string Header(const HttpResponse& r, const std::string& name) {
-  size_t pos = 0;
-  while (pos < r.headers.size()) {
-    size_t eol = r.headers.find("\r\n", pos);
-    if (eol == std::string::npos) eol = r.headers.size();
-    const std::string line = r.headers.substr(pos, eol - pos);
-    pos = eol + 2;
-    const size_t colon = line.find(':');
-    if (colon != name.size() || strncasecmp(line.c_str(), name.c_str(), colon) != 0) continue;
-    const size_t v = line.find_first_not_of(' ', colon + 1);
-    return v == std::string::npos ? "" : line.substr(v);
-  }
-  return "";
-}
+using http_test::Fetch;
+using http_test::Header;
+using http_test::HttpResponse;
 
 class MetricsHttpTest : public ::testing::Test {
  protected:
@@ -181,7 +124,7 @@ TEST(MetricsHttpAddressTest, LocalhostMeansLoopback) {
   EXPECT_EQ(Fetch((*server)->port(), "GET", "/metrics").status_line, "HTTP/1.1 200 OK");
 }
 
-// Debian 12's civetweb is built without IPv6: then the refusal must say so and name the address.
+// A host without IPv6 (a container without ::1) refuses clearly, naming the address.
 TEST(MetricsHttpAddressTest, Ipv6LoopbackServesOrIsRefusedClearly) {
   common::Registry registry;
   auto server = MetricsServer::Start("[::1]:0", &registry);
