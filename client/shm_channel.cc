@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -19,6 +20,12 @@ namespace muond::client {
 
 namespace shm = common::shm;
 
+// How long Attach waits on the daemon: to connect (a full backlog), to send and for the reply.
+// The daemon answers or closes a connection that has not attached within its attach timeout
+// (default 5 s), but creating and locking large regions takes time: a generous bound that still
+// never leaves the caller blocked forever.
+constexpr int kAttachTimeoutSeconds = 60;
+
 std::string ShmSocketFor(const std::string& address) {
   if (!absl::StartsWith(address, "unix:///")) return "";
   return address.substr(7) + ".shm";
@@ -30,6 +37,11 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(const std::string
                                                                bool takeover) {
   std::unique_ptr<ShmChannel> ch(new ShmChannel());
   ch->conn_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (ch->conn_ >= 0) {
+    const timeval timeout{kAttachTimeoutSeconds, 0};
+    setsockopt(ch->conn_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    setsockopt(ch->conn_, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  }
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (socket_path.size() >= sizeof(addr.sun_path)) {
@@ -46,8 +58,15 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(const std::string
   req.set_token(token);
   req.set_takeover(takeover);
   const std::string bytes = req.SerializeAsString();
+  // A daemon that refuses the connection (too many connections, out of descriptors) answers and
+  // closes it at once, possibly before this send: then its answer is still there to be read.
+  int send_errno = 0;
   if (send(ch->conn_, bytes.data(), bytes.size(), MSG_NOSIGNAL) < 0) {
-    return absl::UnavailableError(absl::StrCat("shared-memory attach: send: ", std::strerror(errno)));
+    send_errno = errno;
+    if (send_errno != EPIPE && send_errno != ECONNRESET) {
+      return absl::UnavailableError(
+          absl::StrCat("shared-memory attach: send: ", std::strerror(send_errno)));
+    }
   }
   std::string buf(1 << 20, '\0');
   iovec iov{buf.data(), buf.size()};
@@ -57,9 +76,23 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(const std::string
   msg.msg_iovlen = 1;
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
-  const ssize_t n = recvmsg(ch->conn_, &msg, MSG_CMSG_CLOEXEC);
-  if (n <= 0) {
-    return absl::UnavailableError("shared-memory attach: the daemon closed the connection");
+  ssize_t n = -1;
+  do {
+    n = recvmsg(ch->conn_, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "shared-memory attach: no reply from the daemon on ", socket_path, " within ",
+        kAttachTimeoutSeconds, " s"));
+  }
+  if (n < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("shared-memory attach: recvmsg: ", std::strerror(errno)));
+  }
+  if (n == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "shared-memory attach: the daemon closed the connection without replying",
+        send_errno != 0 ? absl::StrCat(" (send: ", std::strerror(send_errno), ")") : ""));
   }
   int fds[shm::kNumFds];
   int nfds = 0;

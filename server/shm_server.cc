@@ -1,7 +1,10 @@
 #include "server/shm_server.h"
 
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -11,91 +14,107 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/job_spec_proto.h"
 #include "common/layout.h"
 #include "common/logging.h"
+#include "common/metrics.h"
 #include "common/shm_protocol.h"
 #include "common/shm_region.h"
 #include "server/daemon_metrics.h"
+#include "server/shm_session.h"
 #include "muond/v1/muond.pb.h"
 
 namespace muond::server {
 
 namespace shm = common::shm;
 
-// The regions a step reads and writes; shared with the steps that use them (keepalive).
-struct ShmRegions {
-  common::SharedRegion in;
-  common::SharedRegion out;
-};
-
-// Where completions go: the ring and the completion eventfd. Shared with pending step callbacks,
-// so a callback that runs after the session ended still writes into valid memory.
-class CompletionChannel {
- public:
-  CompletionChannel(common::SharedRegion ring, int event_fd)
-      : ring_(std::move(ring)), event_fd_(event_fd) {}
-  ~CompletionChannel() { close(event_fd_); }
-  shm::Ring* ring() const { return reinterpret_cast<shm::Ring*>(ring_.data()); }
-
-  void Complete(uint64_t seq, int64_t step, const absl::Status& status, bool replayed,
-                double seconds) {
-    absl::MutexLock lock(&mu_);
-    shm::RingHeader& h = ring()->header;
-    const uint64_t tail = h.comp_tail.load(std::memory_order_acquire);
-    if (head_ - tail >= shm::kRingSlots) {
-      // The peer stopped reading completions (it may ring only one step at a time).
-      MUOND_LOG(WARNING) << "shared-memory completion ring full; dropping completion of step "
-                         << step;
-      return;
-    }
-    shm::Completion& c = ring()->comps[head_ % shm::kRingSlots];
-    c.seq = seq;
-    c.step = step;
-    c.code = static_cast<int32_t>(status.code());
-    c.replayed = replayed ? 1 : 0;
-    c.seconds = seconds;
-    const std::string msg(status.message());
-    const size_t n = std::min(msg.size(), shm::kMessageBytes - 1);
-    std::memcpy(c.message, msg.data(), n);
-    c.message[n] = '\0';
-    ++head_;
-    h.comp_head.store(head_, std::memory_order_release);
-    const uint64_t one = 1;
-    ssize_t unused = write(event_fd_, &one, sizeof(one));
-    (void)unused;
-  }
-
- private:
-  common::SharedRegion ring_;
-  const int event_fd_;
-  absl::Mutex mu_;
-  uint64_t head_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
-struct ShmSession {
-  int conn = -1;
-  int doorbell = -1;
-  std::shared_ptr<Job> job;
-  int rank = 0;
-  uint64_t session_id = 0;
-  uint64_t buffer_bytes = 0;
-  uint64_t pinned_bytes = 0;  // bytes of the session's regions locked in memory (metrics)
-  std::vector<uint64_t> byte_offsets;  // per span of RankSpans
-  std::shared_ptr<ShmRegions> regions;
-  std::shared_ptr<CompletionChannel> completions;
-  uint64_t sub_tail = 0;  // used by the server thread only
-};
-
 namespace {
 
-absl::Status Errno(const std::string& what) {
-  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+// Connections accepted per wake-up of the listening socket, so that a flood of connections does
+// not hold up the doorbells of attached sessions (the level-triggered socket wakes us again).
+constexpr int kAcceptBatch = 64;
+// How long the listening socket is ignored after the process ran out of descriptors.
+constexpr auto kOutOfDescriptorsPause = std::chrono::milliseconds(100);
+// At most one warning per reason this often; the ones held back are counted in the next.
+constexpr auto kRefusalLogPeriod = std::chrono::seconds(10);
+
+// Why a connection was refused or dropped before attaching: the `reason` label of
+// muond_shm_connections_refused_total.
+constexpr const char* kReasons[] = {"session_limit", "attach_timeout", "out_of_descriptors",
+                                    "bad_request", "attach_failed", "reply_failed"};
+
+// The server's own metrics, declared next to the code that updates them.
+struct ShmMetrics {
+  ShmMetrics() {
+    common::Registry& r = common::DefaultRegistry();
+    auto f = r.AddCounter("muond_shm_connections_refused_total",
+                          "Shared-memory connections answered with an error (or dropped) before "
+                          "a session was attached, by reason.");
+    auto g = r.AddGauge("muond_shm_pending_connections",
+                        "Shared-memory connections accepted and not attached yet.");
+    if (!f.ok() || !g.ok()) {
+      MUOND_LOG(ERROR) << "metrics: " << (f.ok() ? g.status() : f.status());
+      return;
+    }
+    for (const char* reason : kReasons) refused[reason] = &(*f)->Add({{"reason", reason}});
+    pending = &(*g)->Add({});
+  }
+  std::map<std::string, common::Counter*> refused;
+  common::Gauge* pending = nullptr;
+};
+
+ShmMetrics& Metrics() {
+  static ShmMetrics* metrics = new ShmMetrics();
+  return *metrics;
 }
 
-void SendReply(int conn, const v1::ShmAttachResponse& reply, const int* fds, int nfds) {
+void CountRefusal(const char* reason) {
+  auto it = Metrics().refused.find(reason);
+  if (it != Metrics().refused.end()) it->second->Increment();
+}
+
+absl::Status Errno(const std::string& what, int err = errno) {
+  const std::string msg = absl::StrCat(what, ": ", std::strerror(err));
+  if (err == EMFILE || err == ENFILE || err == ENOMEM || err == ENOBUFS) {
+    return absl::ResourceExhaustedError(msg);
+  }
+  return absl::InternalError(msg);
+}
+
+std::string NoFileLimit() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return "RLIMIT_NOFILE unknown";
+  return absl::StrCat("RLIMIT_NOFILE ", lim.rlim_cur);
+}
+
+std::string PeerString(const ShmPeer& p) {
+  return absl::StrCat("pid ", p.pid, " uid ", p.uid, " gid ", p.gid);
+}
+
+ShmPeer PeerOf(int conn) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  ShmPeer peer;
+  if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+    peer.pid = cred.pid;
+    peer.uid = cred.uid;
+    peer.gid = cred.gid;
+  }
+  return peer;
+}
+
+// True when the peer has closed the connection or shut down its sending side (it can never send
+// an attach request that we have not already read).
+bool PeerHungUp(int conn) {
+  pollfd p{conn, POLLIN | POLLRDHUP, 0};
+  return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
+// Sends the attach reply (and `nfds` descriptors); never blocks. Errors name the call.
+absl::Status SendReply(int conn, const v1::ShmAttachResponse& reply, const int* fds, int nfds) {
   const std::string bytes = reply.SerializeAsString();
   iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
   msghdr msg{};
@@ -111,9 +130,10 @@ void SendReply(int conn, const v1::ShmAttachResponse& reply, const int* fds, int
     c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
     std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
   }
-  if (sendmsg(conn, &msg, MSG_NOSIGNAL) < 0) {
-    MUOND_LOG(WARNING) << "shared-memory attach reply: sendmsg: " << std::strerror(errno);
+  if (sendmsg(conn, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+    return Errno("sendmsg of the shared-memory attach reply");
   }
+  return absl::OkStatus();
 }
 
 v1::ShmAttachResponse ErrorReply(const absl::Status& s) {
@@ -123,13 +143,127 @@ v1::ShmAttachResponse ErrorReply(const absl::Status& s) {
   return r;
 }
 
+// The attach request in the `n` bytes of one datagram whose full length was `full`.
+absl::StatusOr<v1::ShmAttachRequest> ParseAttachRequest(const char* data, size_t full,
+                                                        size_t limit) {
+  if (full > limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared-memory attach request of ", full, " bytes is larger than the limit of ",
+                     limit, " bytes"));
+  }
+  if (full == 0) return absl::InvalidArgumentError("empty shared-memory attach request");
+  v1::ShmAttachRequest req;
+  if (!req.ParseFromArray(data, static_cast<int>(full))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed shared-memory attach request (", full, " bytes)"));
+  }
+  return req;
+}
+
+// The job of an attach request, once its token and rank are checked.
+absl::StatusOr<std::shared_ptr<Job>> Authorize(JobRegistry& registry,
+                                               const v1::ShmAttachRequest& req) {
+  auto job = registry.Find(req.job_id());
+  if (!job.ok()) return job.status();
+  if (req.token().empty()) {
+    return absl::UnauthenticatedError(absl::StrCat("job '", req.job_id(), "': missing job token"));
+  }
+  if (!(*job)->TokenMatches(req.token())) {
+    return absl::PermissionDeniedError(absl::StrCat("job '", req.job_id(), "': wrong job token"));
+  }
+  const int world = (*job)->spec().world_size;
+  if (req.rank() < 0 || req.rank() >= world) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", req.job_id(), "': rank ", req.rank(),
+                                                   " is outside the world size [0, ", world, ")"));
+  }
+  return *std::move(job);
+}
+
+// Lays out the rank's buffer (into `session` and the spans of `reply`), creates the session's
+// regions and eventfds (five new descriptors) and fills in the rest of the reply.
+// RESOURCE_EXHAUSTED when the process is out of descriptors or memory.
+// REQUIRES: session.job, rank and session_id are set.
+absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& reply) {
+  const common::JobSpec& spec = session.job->spec();
+  const int rank = session.rank;
+  // Span byte offsets: the rank's flat buffer when all matrices share a dtype, else back to back.
+  bool uniform = true;
+  for (const auto& m : spec.matrices) uniform = uniform && m.dtype == spec.matrices[0].dtype;
+  uint64_t bytes = 0;
+  for (const common::ShardSpan& span : common::RankSpans(spec, rank)) {
+    const size_t esize = common::DTypeSize(spec.matrices[span.matrix].dtype);
+    const uint64_t at = uniform ? span.rank_offset * esize : bytes;
+    session.byte_offsets.push_back(at);
+    bytes = std::max(bytes, at + span.length * esize);
+    v1::ShmSpan* s = reply.add_spans();
+    s->set_matrix_index(span.matrix);
+    s->set_offset(span.offset);
+    s->set_length(span.length);
+    s->set_byte_offset(at);
+  }
+  if (uniform) {
+    bytes = common::RankBufferElements(spec, rank) * common::DTypeSize(spec.matrices[0].dtype);
+  }
+  session.buffer_bytes = std::max<uint64_t>(bytes, 1);
+  auto in = common::SharedRegion::Create("muond-grad", 2 * session.buffer_bytes, false, true);
+  if (!in.ok()) return in.status();
+  auto out = common::SharedRegion::Create("muond-update", 2 * session.buffer_bytes, true, true);
+  if (!out.ok()) return out.status();
+  auto ring = common::SharedRegion::Create("muond-ring", shm::kRingBytes, false, true);
+  if (!ring.ok()) return ring.status();
+  session.doorbell = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (session.doorbell < 0) return Errno("eventfd (doorbell)");
+  const int completion = eventfd(0, EFD_CLOEXEC);
+  if (completion < 0) return Errno("eventfd (completion)");
+  auto* r = reinterpret_cast<shm::Ring*>(ring->data());
+  r->header.magic = shm::kRingMagic;
+  r->header.version = shm::kRingVersion;
+  r->header.generation = session.session_id;
+  for (const common::SharedRegion* region : {&*in, &*out, &*ring}) {
+    if (region->locked()) session.pinned_bytes += region->size();
+  }
+  reply.set_pinned(in->locked() && out->locked() && ring->locked());
+  session.regions = std::make_shared<ShmRegions>();
+  session.regions->in = *std::move(in);
+  session.regions->out = *std::move(out);
+  session.completions = std::make_shared<CompletionChannel>(*std::move(ring), completion);
+  reply.set_session_id(session.session_id);
+  reply.set_generation(session.session_id);
+  reply.set_buffer_bytes(session.buffer_bytes);
+  reply.set_next_step(session.job->Status().next_step());
+  *reply.mutable_spec() = common::JobSpecToProto(spec);
+  return absl::OkStatus();
+}
+
+// Why an attach could not get its resources, with the descriptor limit when that was the cause.
+absl::Status SetupError(const std::string& who, const absl::Status& s) {
+  const bool no_fds = absl::StrContains(s.message(), std::strerror(EMFILE)) ||
+                      absl::StrContains(s.message(), std::strerror(ENFILE));
+  return absl::Status(s.code(), absl::StrCat(who, ": cannot set up the shared-memory session: ",
+                                             s.message(),
+                                             no_fds ? absl::StrCat(" (", NoFileLimit(), ")") : ""));
+}
+
+// The refusal of a connection that accept4 could not take (`err`: EMFILE, ENFILE, ...).
+absl::Status OutOfDescriptors(int err) {
+  const bool fds = err == EMFILE || err == ENFILE;
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "muond is out of ", fds ? "file descriptors" : "kernel memory", " (", NoFileLimit(),
+      "; accept: ", std::strerror(err), "): shared-memory connection refused, try again later"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const std::string& path,
-                                                            JobRegistry* registry) {
+                                                            JobRegistry* registry,
+                                                            const ShmLimits& limits) {
   sockaddr_un addr{};
   if (path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("shared-memory socket path too long: ", path));
+  }
+  if (limits.max_sessions == 0 || limits.attach_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "shared-memory limits: max_sessions and attach_timeout must be positive");
   }
   const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return Errno("socket(AF_UNIX, SOCK_SEQPACKET)");
@@ -147,8 +281,16 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const std::string& p
   chmod(path.c_str(), 0660);
   const int ep = epoll_create1(EPOLL_CLOEXEC);
   const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (ep < 0 || wake < 0) return Errno("epoll_create1/eventfd");
-  std::unique_ptr<ShmServer> server(new ShmServer(path, registry, fd, ep, wake));
+  const int reserve = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (ep < 0 || wake < 0 || reserve < 0) {
+    absl::Status s = Errno("epoll_create1/eventfd/open(/dev/null)");
+    for (int d : {fd, ep, wake, reserve}) {
+      if (d >= 0) close(d);
+    }
+    return s;
+  }
+  Metrics();  // declares the families before the first scrape
+  std::unique_ptr<ShmServer> server(new ShmServer(path, registry, limits, fd, ep, wake, reserve));
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.fd = fd;
@@ -159,13 +301,15 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const std::string& p
   return server;
 }
 
-ShmServer::ShmServer(std::string path, JobRegistry* registry, int listen_fd, int epoll_fd,
-                     int wake_fd)
+ShmServer::ShmServer(std::string path, JobRegistry* registry, const ShmLimits& limits,
+                     int listen_fd, int epoll_fd, int wake_fd, int reserve_fd)
     : path_(std::move(path)),
       registry_(registry),
+      limits_(limits),
       listen_fd_(listen_fd),
       epoll_fd_(epoll_fd),
-      wake_fd_(wake_fd) {}
+      wake_fd_(wake_fd),
+      reserve_fd_(reserve_fd) {}
 
 ShmServer::~ShmServer() {
   stopping_.store(true);
@@ -179,6 +323,8 @@ ShmServer::~ShmServer() {
     for (const auto& [conn, session] : sessions_) conns.push_back(conn);
   }
   for (int conn : conns) EndSession(conn, "muond is stopping");
+  while (!pending_.empty()) ClosePending(pending_.begin()->first);
+  if (reserve_fd_ >= 0) close(reserve_fd_);
   close(listen_fd_);
   close(epoll_fd_);
   close(wake_fd_);
@@ -189,7 +335,6 @@ ShmServer::Usage ShmServer::usage() const {
   absl::MutexLock lock(&mu_);
   Usage u;
   for (const auto& [conn, session] : sessions_) {
-    if (session == nullptr) continue;
     ++u.sessions;
     u.pinned_bytes += session->pinned_bytes;
   }
@@ -198,183 +343,266 @@ ShmServer::Usage ShmServer::usage() const {
 
 size_t ShmServer::session_count() const {
   absl::MutexLock lock(&mu_);
-  size_t n = 0;
-  for (const auto& [conn, session] : sessions_) n += session != nullptr;
-  return n;
+  return sessions_.size();
 }
 
 void ShmServer::Loop() {
   epoll_event events[32];
   while (!stopping_.load()) {
-    const int n = epoll_wait(epoll_fd_, events, 32, -1);
+    const int n = epoll_wait(epoll_fd_, events, 32, WaitMillis(Clock::now()));
     if (n < 0 && errno != EINTR) {
       MUOND_LOG(ERROR) << "shared-memory server: epoll_wait: " << std::strerror(errno);
       return;
     }
-    for (int i = 0; i < n; ++i) {
-      const int fd = events[i].data.fd;
-      if (fd == wake_fd_) continue;
-      if (fd == listen_fd_) {
-        Accept();
-        continue;
-      }
-      std::shared_ptr<ShmSession> doorbell_session;
-      bool is_conn = false, attached = false;
-      {
-        absl::MutexLock lock(&mu_);
-        if (auto it = by_doorbell_.find(fd); it != by_doorbell_.end()) doorbell_session = it->second;
-        if (auto it = sessions_.find(fd); it != sessions_.end()) {
-          is_conn = true;
-          attached = it->second != nullptr;
-        }
-      }
-      if (doorbell_session != nullptr) {
-        HandleDoorbell(doorbell_session);
-      } else if (is_conn) {
-        if (attached && (events[i].events & EPOLLIN)) {
-          // After attaching, the peer says one thing on the socket: the detach byte (a clean
-          // end, possibly arriving with the hang-up); anything else ends the session as a failure.
-          char byte = 0;
-          const ssize_t n = recv(fd, &byte, 1, MSG_DONTWAIT);
-          const bool detach = n == 1 && byte == shm::kDetachByte;
-          EndSession(fd, detach ? "detached" : n == 0 ? "the peer hung up"
-                                                      : "unexpected message after attach",
-                     detach);
-        } else if (events[i].events & (EPOLLHUP | EPOLLRDHUP | EPOLLERR)) {
-          EndSession(fd, "the peer hung up");
-        } else if (!attached) {
-          HandleAttach(fd);
-        }
-      }
-    }
+    for (int i = 0; i < n; ++i) Dispatch(events[i].data.fd, events[i].events);
+    ExpireDeadlines(Clock::now());
+  }
+}
+
+void ShmServer::Dispatch(int fd, uint32_t events) {
+  if (fd == wake_fd_) return;
+  if (fd == listen_fd_) return Accept();
+  if (pending_.count(fd) != 0) return HandleAttach(fd);
+  std::shared_ptr<ShmSession> doorbell_session;
+  bool attached = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = by_doorbell_.find(fd); it != by_doorbell_.end()) doorbell_session = it->second;
+    attached = sessions_.count(fd) != 0;
+  }
+  if (doorbell_session != nullptr) {
+    HandleDoorbell(doorbell_session);
+  } else if (attached && (events & (EPOLLIN | EPOLLHUP | EPOLLRDHUP | EPOLLERR))) {
+    HandleSessionSocket(fd);
+  }
+}
+
+int ShmServer::WaitMillis(Clock::time_point now) const {
+  Clock::time_point next = Clock::time_point::max();
+  if (!deadlines_.empty()) next = deadlines_.begin()->first;
+  if (listen_paused_) next = std::min(next, listen_paused_until_);
+  if (next == Clock::time_point::max()) return -1;
+  if (next <= now) return 0;
+  // Round up, so that the deadline has passed when epoll_wait returns.
+  return static_cast<int>(
+      std::min<int64_t>(std::chrono::ceil<std::chrono::milliseconds>(next - now).count(), 60000));
+}
+
+void ShmServer::ExpireDeadlines(Clock::time_point now) {
+  while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+    const int conn = deadlines_.begin()->second;
+    RefusePending(conn,
+                  absl::DeadlineExceededError(absl::StrCat(
+                      "no shared-memory attach request completed within ",
+                      absl::FormatDuration(limits_.attach_timeout),
+                      " of connecting (--shm-attach-timeout-seconds); connection closed")),
+                  "attach_timeout");
+  }
+  if (listen_paused_ && now >= listen_paused_until_) {
+    if (reserve_fd_ < 0) reserve_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = listen_fd_;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, listen_fd_, &ev);
+    listen_paused_ = false;
   }
 }
 
 void ShmServer::Accept() {
-  while (true) {
+  bool out_of_descriptors = false;
+  for (int i = 0; i < kAcceptBatch; ++i) {
     const int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (conn < 0) return;
-    {
-      absl::MutexLock lock(&mu_);
-      sessions_[conn] = nullptr;
+    if (conn >= 0) {
+      Admit(conn);
+      continue;
     }
-    epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLRDHUP;
-    ev.data.fd = conn;
-    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, conn, &ev);
+    const int err = errno;
+    if (err == EINTR || err == ECONNABORTED) continue;
+    if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+      // The connection stays in the backlog and keeps the socket readable: without a pause the
+      // level-triggered loop would spin until descriptors come back.
+      out_of_descriptors = true;
+      if (RefuseWithoutDescriptors(err)) continue;
+    }
+    break;
   }
+  if (out_of_descriptors) PauseListening(Clock::now());
+}
+
+void ShmServer::Admit(int conn) {
+  size_t attached = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    attached = sessions_.size();
+  }
+  if (attached + pending_.size() >= limits_.max_sessions) {
+    const absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
+        "muond holds ", attached, " shared-memory sessions and ", pending_.size(),
+        " connections not attached yet, the limit (--max-shm-sessions ", limits_.max_sessions,
+        "); connection refused, try again later"));
+    (void)SendReply(conn, ErrorReply(s), nullptr, 0);
+    CountRefusal("session_limit");
+    LogRefusal("session_limit", s, PeerOf(conn));
+    close(conn);
+    return;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.fd = conn;
+  if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, conn, &ev) != 0) {
+    const absl::Status s = Errno("epoll_ctl (new shared-memory connection)");
+    (void)SendReply(conn, ErrorReply(s), nullptr, 0);
+    CountRefusal("out_of_descriptors");
+    LogRefusal("out_of_descriptors", s, PeerOf(conn));
+    close(conn);
+    return;
+  }
+  AddPending(conn, PeerOf(conn));
+}
+
+bool ShmServer::RefuseWithoutDescriptors(int err) {
+  const absl::Status s = OutOfDescriptors(err);
+  if (reserve_fd_ < 0) {
+    LogRefusal("out_of_descriptors", s, ShmPeer{});
+    return false;
+  }
+  close(reserve_fd_);
+  const int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (conn >= 0) {
+    (void)SendReply(conn, ErrorReply(s), nullptr, 0);
+    CountRefusal("out_of_descriptors");
+    LogRefusal("out_of_descriptors", s, PeerOf(conn));
+    close(conn);
+  }
+  // Another thread may have taken the descriptor meanwhile: then retried when listening resumes.
+  reserve_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  return conn >= 0 && reserve_fd_ >= 0;
+}
+
+void ShmServer::PauseListening(Clock::time_point now) {
+  epoll_event ev{};
+  ev.events = 0;
+  ev.data.fd = listen_fd_;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, listen_fd_, &ev);
+  listen_paused_ = true;
+  listen_paused_until_ = now + kOutOfDescriptorsPause;
 }
 
 void ShmServer::HandleAttach(int conn) {
-  char buf[64 * 1024];
-  const ssize_t n = recv(conn, buf, sizeof(buf), 0);
-  if (n <= 0) {
-    EndSession(conn, "closed before attaching");
+  const ShmPeer peer = pending_.at(conn).peer;
+  if (PeerHungUp(conn)) {  // nobody would read the reply
+    ClosePending(conn);
     return;
   }
-  v1::ShmAttachRequest req;
-  auto fail = [&](const absl::Status& s) {
-    SendReply(conn, ErrorReply(s), nullptr, 0);
-    EndSession(conn, std::string(s.message()));
-  };
-  if (!req.ParseFromArray(buf, static_cast<int>(n))) {
-    return fail(absl::InvalidArgumentError("malformed shared-memory attach request"));
+  std::string buf(limits_.max_attach_request_bytes, '\0');
+  // MSG_TRUNC: the datagram's full length, even when it is larger than the buffer.
+  const ssize_t n = recv(conn, buf.data(), buf.size(), MSG_DONTWAIT | MSG_TRUNC);
+  if (n < 0) {
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) ClosePending(conn);
+    return;
   }
-  if (shutting_down_.load()) return fail(absl::UnavailableError("muond is shutting down"));
-  auto job = registry_->Find(req.job_id());
-  if (!job.ok()) return fail(job.status());
-  if (req.token().empty()) {
-    return fail(absl::UnauthenticatedError(
-        absl::StrCat("job '", req.job_id(), "': missing job token")));
+  auto req = ParseAttachRequest(buf.data(), static_cast<size_t>(n),
+                                limits_.max_attach_request_bytes);
+  if (!req.ok()) return RefusePending(conn, req.status(), "bad_request");
+  if (shutting_down_.load()) {
+    return RefusePending(conn, absl::UnavailableError("muond is shutting down"), nullptr);
   }
-  if (!(*job)->TokenMatches(req.token())) {
-    return fail(absl::PermissionDeniedError(absl::StrCat("job '", req.job_id(),
-                                                         "': wrong job token")));
-  }
-  const common::JobSpec& spec = (*job)->spec();
-  if (req.rank() < 0 || req.rank() >= spec.world_size) {
-    return fail(absl::InvalidArgumentError(absl::StrCat("job '", req.job_id(), "': rank ",
-                                                        req.rank(), " is outside the world size [0, ",
-                                                        spec.world_size, ")")));
-  }
-  auto session_id = (*job)->Attach(req.rank(), req.takeover());
-  if (!session_id.ok()) return fail(session_id.status());
+  auto job = Authorize(*registry_, *req);
+  if (!job.ok()) return RefusePending(conn, job.status(), nullptr);
+  auto session_id = (*job)->Attach(req->rank(), req->takeover());
+  if (!session_id.ok()) return RefusePending(conn, session_id.status(), nullptr);
   auto session = std::make_shared<ShmSession>();
   session->conn = conn;
+  session->peer = peer;
   session->job = *job;
-  session->rank = req.rank();
+  session->rank = req->rank();
   session->session_id = *session_id;
+  const std::string who = absl::StrCat("job '", req->job_id(), "' rank ", req->rank());
   v1::ShmAttachResponse reply;
-  // Span byte offsets: the rank's flat buffer when all matrices share a dtype, else back to back.
-  bool uniform = true;
-  for (const auto& m : spec.matrices) uniform = uniform && m.dtype == spec.matrices[0].dtype;
-  uint64_t bytes = 0;
-  for (const common::ShardSpan& span : common::RankSpans(spec, req.rank())) {
-    const size_t esize = common::DTypeSize(spec.matrices[span.matrix].dtype);
-    const uint64_t at = uniform ? span.rank_offset * esize : bytes;
-    session->byte_offsets.push_back(at);
-    bytes = std::max(bytes, at + span.length * esize);
-    v1::ShmSpan* s = reply.add_spans();
-    s->set_matrix_index(span.matrix);
-    s->set_offset(span.offset);
-    s->set_length(span.length);
-    s->set_byte_offset(at);
+  if (absl::Status s = CreateSessionResources(*session, reply); !s.ok()) {
+    (void)(*job)->Detach(req->rank(), *session_id);
+    return RefusePending(conn, SetupError(who, s), "attach_failed");
   }
-  if (uniform) {
-    bytes = common::RankBufferElements(spec, req.rank()) * common::DTypeSize(spec.matrices[0].dtype);
+  const int fds[shm::kNumFds] = {session->regions->in.fd(), session->regions->out.fd(),
+                                 session->completions->ring_fd(), session->doorbell,
+                                 session->completions->event_fd()};
+  if (absl::Status s = SendReply(conn, reply, fds, shm::kNumFds); !s.ok()) {
+    // The peer never got its session: detach the rank, so that it can attach again. The session's
+    // descriptors close with it.
+    (void)(*job)->Detach(req->rank(), *session_id);
+    MUOND_LOG(WARNING) << who << " (peer " << PeerString(peer)
+                       << "): shared-memory attach abandoned: " << s.message();
+    CountRefusal("reply_failed");
+    ClosePending(conn);
+    return;
   }
-  session->buffer_bytes = std::max<uint64_t>(bytes, 1);
-  auto regions = std::make_shared<ShmRegions>();
-  auto in = common::SharedRegion::Create("muond-grad", 2 * session->buffer_bytes, false, true);
-  auto out = common::SharedRegion::Create("muond-update", 2 * session->buffer_bytes, true, true);
-  auto ring = common::SharedRegion::Create("muond-ring", shm::kRingBytes, false, true);
-  const int doorbell = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  const int completion = eventfd(0, EFD_CLOEXEC);
-  if (!in.ok() || !out.ok() || !ring.ok() || doorbell < 0 || completion < 0) {
-    if (doorbell >= 0) close(doorbell);
-    if (completion >= 0) close(completion);
-    (void)(*job)->Detach(req.rank(), *session_id);
-    return fail(!in.ok() ? in.status() : !out.ok() ? out.status() : !ring.ok() ? ring.status()
-                                                   : Errno("eventfd"));
-  }
-  auto* r = reinterpret_cast<shm::Ring*>(ring->data());
-  r->header.magic = shm::kRingMagic;
-  r->header.version = shm::kRingVersion;
-  r->header.generation = *session_id;
-  const bool pinned = in->locked() && out->locked() && ring->locked();
-  for (const common::SharedRegion* region : {&*in, &*out, &*ring}) {
-    if (region->locked()) session->pinned_bytes += region->size();
-  }
-  const int fds[shm::kNumFds] = {in->fd(), out->fd(), ring->fd(), doorbell, completion};
-  regions->in = *std::move(in);
-  regions->out = *std::move(out);
-  session->regions = regions;
-  session->completions = std::make_shared<CompletionChannel>(*std::move(ring), completion);
-  session->doorbell = doorbell;
-  reply.set_session_id(*session_id);
-  reply.set_generation(*session_id);
-  reply.set_buffer_bytes(session->buffer_bytes);
-  reply.set_next_step((*job)->Status().next_step());
-  *reply.mutable_spec() = common::JobSpecToProto(spec);
-  reply.set_pinned(pinned);
-  SendReply(conn, reply, fds, shm::kNumFds);
-  if (!pinned) {
-    MUOND_LOG(WARNING) << "job '" << spec.job_id << "' rank " << req.rank()
-                       << ": shared regions are not locked in memory (mlock failed; raise "
-                          "RLIMIT_MEMLOCK, e.g. LimitMEMLOCK=infinity)";
-  }
+  RemovePending(conn);
+  RegisterSession(session, who, reply.pinned());
+}
+
+void ShmServer::RegisterSession(const std::shared_ptr<ShmSession>& session, const std::string& who,
+                                bool pinned) {
   {
     absl::MutexLock lock(&mu_);
-    sessions_[conn] = session;
-    by_doorbell_[doorbell] = session;
+    sessions_[session->conn] = session;
+    by_doorbell_[session->doorbell] = session;
   }
   epoll_event ev{};
   ev.events = EPOLLIN;
-  ev.data.fd = doorbell;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, doorbell, &ev);
-  MUOND_LOG(INFO) << "job '" << spec.job_id << "' rank " << req.rank()
-                  << ": shared-memory session " << *session_id << ", 2 x "
-                  << session->buffer_bytes << " bytes per direction";
+  ev.data.fd = session->doorbell;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, session->doorbell, &ev);
+  if (!pinned) {
+    MUOND_LOG(WARNING) << who << ": shared regions are not locked in memory (mlock failed; raise "
+                                 "RLIMIT_MEMLOCK, e.g. LimitMEMLOCK=infinity)";
+  }
+  MUOND_LOG(INFO) << who << ": shared-memory session " << session->session_id << " (peer "
+                  << PeerString(session->peer) << "), 2 x " << session->buffer_bytes
+                  << " bytes per direction";
+}
+
+void ShmServer::RefusePending(int conn, const absl::Status& status, const char* reason) {
+  (void)SendReply(conn, ErrorReply(status), nullptr, 0);
+  if (reason != nullptr) {
+    CountRefusal(reason);
+    LogRefusal(reason, status, pending_.at(conn).peer);
+  }
+  ClosePending(conn);
+}
+
+void ShmServer::AddPending(int conn, const ShmPeer& peer) {
+  const Clock::time_point deadline =
+      Clock::now() + absl::ToChronoNanoseconds(limits_.attach_timeout);
+  pending_[conn] = Pending{deadline, peer};
+  deadlines_.insert({deadline, conn});
+  if (Metrics().pending != nullptr) Metrics().pending->Set(static_cast<double>(pending_.size()));
+}
+
+void ShmServer::RemovePending(int conn) {
+  auto it = pending_.find(conn);
+  if (it == pending_.end()) return;
+  deadlines_.erase({it->second.deadline, conn});
+  pending_.erase(it);
+  if (Metrics().pending != nullptr) Metrics().pending->Set(static_cast<double>(pending_.size()));
+}
+
+void ShmServer::ClosePending(int conn) {
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn, nullptr);
+  close(conn);
+  RemovePending(conn);
+}
+
+void ShmServer::HandleSessionSocket(int conn) {
+  // After attaching, the peer says one thing on the socket: the detach byte (a clean end,
+  // possibly arriving with the hang-up); anything else ends the session as a failure.
+  char byte = 0;
+  const ssize_t n = recv(conn, &byte, 1, MSG_DONTWAIT | MSG_TRUNC);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+  const bool detach = n == 1 && byte == shm::kDetachByte;
+  EndSession(conn,
+             detach   ? "detached"
+             : n <= 0 ? "the peer hung up"
+                      : absl::StrCat("unexpected message of ", n, " bytes after attach"),
+             detach);
 }
 
 void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
@@ -448,18 +676,32 @@ void ShmServer::EndSession(int conn, const std::string& why, bool clean) {
     if (it == sessions_.end()) return;
     session = std::move(it->second);
     sessions_.erase(it);
-    if (session != nullptr) by_doorbell_.erase(session->doorbell);
+    by_doorbell_.erase(session->doorbell);
   }
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn, nullptr);
-  if (session != nullptr) {
-    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, session->doorbell, nullptr);
-    session->job->EndSharedSession(session->rank, session->session_id, session->regions.get(),
-                                   clean);
-    close(session->doorbell);
-    MUOND_LOG(INFO) << "job '" << session->job->id() << "' rank " << session->rank
-                    << ": shared-memory session " << session->session_id << " ended: " << why;
-  }
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, session->doorbell, nullptr);
+  session->job->EndSharedSession(session->rank, session->session_id, session->regions.get(),
+                                 clean);
+  MUOND_LOG(INFO) << "job '" << session->job->id() << "' rank " << session->rank
+                  << ": shared-memory session " << session->session_id << " (peer "
+                  << PeerString(session->peer) << ") ended: " << why;
   close(conn);
+}
+
+void ShmServer::LogRefusal(const char* reason, const absl::Status& status, const ShmPeer& peer) {
+  auto& [last, held] = refusal_log_[reason];
+  const Clock::time_point now = Clock::now();
+  if (last != Clock::time_point{} && now - last < kRefusalLogPeriod) {
+    ++held;
+    return;
+  }
+  MUOND_LOG(WARNING) << "shared-memory connection"
+                     << (peer.pid != 0 ? absl::StrCat(" from ", PeerString(peer)) : "")
+                     << " refused (" << reason << "): " << status.message()
+                     << (held > 0 ? absl::StrCat(" (and ", held, " more since the last warning)")
+                                  : "");
+  last = now;
+  held = 0;
 }
 
 }  // namespace muond::server
