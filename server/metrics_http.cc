@@ -300,6 +300,7 @@ class MetricsServer::EventLoop {
       if (!accepting_ && now >= resume_at_) {
         if (reserve_fd_ < 0) RestoreReserve();
         accepting_ = Watch(listen_fd_, EpollTag(0, listen_fd_), EPOLLIN, EPOLL_CTL_MOD);
+        if (!accepting_) resume_at_ = now + backoff_;  // Retried later, never in a busy loop.
       }
     }
   }
