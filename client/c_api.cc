@@ -46,6 +46,17 @@ int muond_connect(const char* address, muond_client** out) {
   return Report(absl::OkStatus());
 }
 
+int muond_connect_tls(const char* address, const char* ca_file, const char* cert_file,
+                      const char* key_file, muond_client** out) {
+  if (out == nullptr) return NullArgument("out");
+  auto str = [](const char* s) { return s == nullptr ? std::string() : std::string(s); };
+  auto c = muond::client::Client::Connect(
+      str(address), muond::client::TlsOptions{str(ca_file), str(cert_file), str(key_file)});
+  if (!c.ok()) return Report(c.status());
+  *out = new muond_client{*std::move(c)};
+  return Report(absl::OkStatus());
+}
+
 void muond_client_free(muond_client* client) { delete client; }
 
 int muond_health(muond_client* client, double timeout_seconds) {

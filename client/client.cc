@@ -3,10 +3,15 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
+#include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/shm_channel.h"
 #include "common/crc32c.h"
@@ -29,6 +34,45 @@ void SetToken(grpc::ClientContext* ctx, const std::string& token) {
   ctx->AddMetadata(kTokenKey, token);
 }
 
+constexpr char kTlsScheme[] = "tls://";
+
+absl::StatusOr<std::string> ReadPem(const char* what, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TLS ", what, " ", path, ": cannot open: ", std::strerror(errno)));
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Plaintext for unix:// and HOST:PORT, TLS (TlsOptions) for tls://HOST:PORT.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
+    const std::string& address, const TlsOptions& tls) {
+  const bool any = !tls.ca_file.empty() || !tls.cert_file.empty() || !tls.key_file.empty();
+  if (!absl::StartsWith(address, kTlsScheme)) {
+    if (any) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "TLS settings need a tls://HOST:PORT address, not ", address));
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  if (tls.cert_file.empty() != tls.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "TLS: a client certificate and its key go together (MUOND_TLS_CERT, MUOND_TLS_KEY)");
+  }
+  grpc::SslCredentialsOptions options;
+  if (!tls.ca_file.empty()) {
+    ASSIGN_OR_RETURN(options.pem_root_certs, ReadPem("CA", tls.ca_file));
+  }
+  if (!tls.cert_file.empty()) {
+    ASSIGN_OR_RETURN(options.pem_cert_chain, ReadPem("certificate", tls.cert_file));
+    ASSIGN_OR_RETURN(options.pem_private_key, ReadPem("key", tls.key_file));
+  }
+  return grpc::SslCredentials(options);
+}
+
 // Prefixes a daemon error with the operation, keeping its code.
 absl::Status Annotate(const absl::Status& s, const std::string& what) {
   if (s.ok()) return s;
@@ -37,14 +81,33 @@ absl::Status Annotate(const absl::Status& s, const std::string& what) {
 
 }  // namespace
 
+TlsOptions TlsOptionsFromEnvironment() {
+  auto env = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v == nullptr ? std::string() : std::string(v);
+  };
+  return TlsOptions{env("MUOND_TLS_CA"), env("MUOND_TLS_CERT"), env("MUOND_TLS_KEY")};
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address) {
+  const std::string resolved = address.empty() ? common::DefaultClientAddress() : address;
+  return Connect(resolved, absl::StartsWith(resolved, kTlsScheme) ? TlsOptionsFromEnvironment()
+                                                                  : TlsOptions{});
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
+                                                        const TlsOptions& tls) {
   std::unique_ptr<Client> c(new Client());
   c->address_ = address.empty() ? common::DefaultClientAddress() : address;
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                   ChannelCredentialsFor(c->address_, tls));
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
-  c->channel_ =
-      grpc::CreateCustomChannel(c->address_, grpc::InsecureChannelCredentials(), args);
+  const std::string target = absl::StartsWith(c->address_, kTlsScheme)
+                                 ? c->address_.substr(std::strlen(kTlsScheme))
+                                 : c->address_;
+  c->channel_ = grpc::CreateCustomChannel(target, credentials, args);
   if (c->channel_ == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to ", c->address_));
   }

@@ -127,10 +127,29 @@ class RankSession {
   std::unique_ptr<ShmChannel> shm_;
 };
 
+// TLS to a daemon on TCP. TLS is chosen by the address alone: "tls://HOST:PORT" connects with
+// TLS and verifies the daemon's certificate (against `ca_file`, else gRPC's default roots) for
+// HOST; `cert_file` + `key_file` (both or neither) are presented for mutual TLS. "HOST:PORT" is
+// plaintext (a loopback daemon, or one started with --insecure-tcp); "unix:///path" the local
+// socket. Files are PEM.
+struct TlsOptions {
+  std::string ca_file;
+  std::string cert_file;
+  std::string key_file;
+};
+// $MUOND_TLS_CA, $MUOND_TLS_CERT, $MUOND_TLS_KEY (unset: empty).
+TlsOptions TlsOptionsFromEnvironment();
+
 class Client {
  public:
-  // Connects lazily to `address` (unix:///path or HOST:PORT; empty: the default address).
+  // Connects lazily to `address` (unix:///path, HOST:PORT or tls://HOST:PORT; empty: the default
+  // address) with TlsOptionsFromEnvironment() for tls:// addresses.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address);
+  // The same with explicit TLS settings. INVALID_ARGUMENT naming the file when a PEM file cannot
+  // be read, for a certificate without its key (or the reverse), and for non-empty `tls` with an
+  // address that is not tls://.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
+                                                         const TlsOptions& tls);
   const std::string& address() const { return address_; }
 
   // OK when the daemon reports SERVING; UNAVAILABLE when it cannot be reached or does not serve.

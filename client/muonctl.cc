@@ -27,6 +27,7 @@
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
 #include "common/layout.h"
+#include "common/paths.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 
@@ -36,7 +37,7 @@ namespace {
 constexpr int kUsageExit = 64;
 
 constexpr char kUsage[] =
-    "Usage: muonctl [--address ADDR] COMMAND [options]\n"
+    "Usage: muonctl [--address ADDR] [--tls-ca F] [--tls-cert F --tls-key F] COMMAND [options]\n"
     "\n"
     "Commands:\n"
     "  health                               print SERVING when the daemon serves (exit 0)\n"
@@ -73,8 +74,13 @@ constexpr char kUsage[] =
     "                                       per-job step rates and phase times, refreshed every\n"
     "                                       S seconds (1) until interrupted or N refreshes\n"
     "\n"
-    "ADDR is unix:///path or HOST:PORT (default: $MUOND_ADDRESS, else the daemon's default\n"
-    "socket). Job commands read the token from --token-file, else from $MUOND_JOB_TOKEN.\n"
+    "ADDR is unix:///path, HOST:PORT (plaintext TCP) or tls://HOST:PORT (default:\n"
+    "$MUOND_ADDRESS, else the daemon's default socket). tls:// verifies the daemon's certificate\n"
+    "against --tls-ca FILE (else $MUOND_TLS_CA, else gRPC's default roots) and presents\n"
+    "--tls-cert FILE --tls-key FILE (else $MUOND_TLS_CERT, $MUOND_TLS_KEY) for mutual TLS.\n"
+    "Job commands read the token from --token-file, else from $MUOND_JOB_TOKEN. A token file\n"
+    "must be a regular file, not a symbolic link, readable by its owner only (mode 0600 or\n"
+    "0400); job create writes it 0600, replacing the file atomically.\n"
     "status and top read daemon-wide figures and phase times from the daemon's metrics endpoint:\n"
     "--metrics-address, else $MUOND_METRICS_ADDRESS, else 127.0.0.1:9464.\n"
     "Exit codes: 0 ok, 1-16 the gRPC status code of the failure, 64 usage error.\n";
@@ -289,7 +295,8 @@ int Run(int argc, char** argv) {
                                  "step",    "grads", "out",        "next-step", "transport",
                                  "json",    "iterations", "interval", "metrics-address",
                                  "generation", "restore-from", "restore-token-file",
-                                 "restore-generation", "restore-step"};
+                                 "restore-generation", "restore-step", "tls-ca", "tls-cert",
+                                 "tls-key"};
   for (const auto& [key, value] : a.flags) {
     if (std::find(std::begin(kKnown), std::end(kKnown), key) == std::end(kKnown)) {
       return Usage(absl::StrCat("unknown option --", key));
@@ -306,7 +313,15 @@ int Run(int argc, char** argv) {
     return Usage("checkpoint needs a subcommand (save, load, list)");
   }
   const std::string address = a.flags.count("address") ? a.flags.at("address") : "";
-  auto client = Client::Connect(address);
+  // TLS files: the flags, else the environment (for tls:// addresses only).
+  const std::string target = address.empty() ? common::DefaultClientAddress() : address;
+  TlsOptions tls = target.rfind("tls://", 0) == 0 ? TlsOptionsFromEnvironment() : TlsOptions{};
+  for (auto [flag, field] : {std::pair{"tls-ca", &tls.ca_file},
+                             std::pair{"tls-cert", &tls.cert_file},
+                             std::pair{"tls-key", &tls.key_file}}) {
+    if (a.flags.count(flag) != 0) *field = a.flags.at(flag);
+  }
+  auto client = Client::Connect(target, tls);
   if (!client.ok()) return Fail(client.status());
   absl::Status s;
   if (cmd == "health") {

@@ -12,6 +12,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
 
@@ -30,28 +31,95 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string&
 }
 
 absl::Status WriteTokenFile(const std::string& path, const std::string& token) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  // A fresh temporary name next to the target (O_EXCL|O_NOFOLLOW: nothing planted there is
+  // opened), then rename(2), which replaces a symbolic link at `path` instead of following it.
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; attempt < 16 && fd < 0; ++attempt) {
+    tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", attempt);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0 && errno != EEXIST) break;
+  }
   if (fd < 0) {
     return absl::PermissionDeniedError(
-        absl::StrCat("token file ", path, ": ", std::strerror(errno)));
+        absl::StrCat("token file ", path, ": cannot create ", tmp, ": ", std::strerror(errno)));
   }
-  ::fchmod(fd, 0600);
   const std::string line = token + "\n";
-  const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) &&
-                  ::fsync(fd) == 0;
-  const int err = errno;
+  bool ok = ::fchmod(fd, 0600) == 0 &&
+            ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) &&
+            ::fsync(fd) == 0;
+  int err = errno;
   ::close(fd);
+  if (ok && ::rename(tmp.c_str(), path.c_str()) != 0) {
+    ok = false;
+    err = errno;
+  }
   if (!ok) {
-    return absl::InternalError(absl::StrCat("token file ", path, ": ", std::strerror(err)));
+    ::unlink(tmp.c_str());
+    return absl::PermissionDeniedError(
+        absl::StrCat("token file ", path, ": ", std::strerror(err)));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  // O_NONBLOCK: a FIFO planted at the path must not block the open; it is refused below.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ELOOP) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "token file ", path, ": is a symbolic link; refusing to follow it (name the file itself)"));
+    }
+    const std::string msg = absl::StrCat("token file ", path, ": ", std::strerror(err));
+    return err == ENOENT ? absl::NotFoundError(msg) : absl::PermissionDeniedError(msg);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::PermissionDeniedError(
+        absl::StrCat("token file ", path, ": fstat: ", std::strerror(err)));
+  }
+  const std::string mode = absl::StrFormat("%04o", st.st_mode & 07777);
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "token file ", path, ": not a regular file (",
+        S_ISDIR(st.st_mode) ? "a directory" : "a special file", ", mode ", mode, ")"));
+  }
+  if ((st.st_mode & 077) != 0) {
+    ::close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "token file ", path, ": mode ", mode,
+        " lets group or others read or write it; chmod 600 it (a job token is a secret)"));
+  }
+  std::string text;
+  char buf[4096];
+  while (true) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      return absl::PermissionDeniedError(
+          absl::StrCat("token file ", path, ": read: ", std::strerror(err)));
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+    if (text.size() > (1u << 16)) {
+      ::close(fd);
+      return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": larger than 64 KiB"));
+    }
+  }
+  ::close(fd);
+  return std::string(absl::StripAsciiWhitespace(text));
 }
 
 absl::StatusOr<std::string> Token(const Args& a) {
   auto it = a.flags.find("token-file");
   if (it != a.flags.end()) {
-    ASSIGN_OR_RETURN(std::string text, ReadFile(it->second, "token file"));
-    return std::string(absl::StripAsciiWhitespace(text));
+    return ReadTokenFile(it->second);
   }
   const char* env = std::getenv("MUOND_JOB_TOKEN");
   return env == nullptr ? std::string() : std::string(env);

@@ -20,8 +20,13 @@ struct Args {
 
 // The whole file; NOT_FOUND / PERMISSION_DENIED naming `what` and the path.
 absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& what);
-// Writes the token (mode 0600, fsynced).
+// Writes the token to a new file (mode 0600, fsynced) in the directory of `path`, then renames
+// it over `path`: atomic, and an existing symbolic link at `path` is replaced, never followed.
 absl::Status WriteTokenFile(const std::string& path, const std::string& token);
+// Reads a token file, stripped of surrounding whitespace. Opened with O_NOFOLLOW; refused with
+// PERMISSION_DENIED naming the path and the reason when it is a symbolic link, not a regular
+// file, or readable or writable by group or others (mode & 077); NOT_FOUND when missing.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 // The token for a job command: --token-file, else $MUOND_JOB_TOKEN, else "" (the daemon then
 // answers UNAUTHENTICATED).
 absl::StatusOr<std::string> Token(const Args& a);

@@ -47,8 +47,15 @@ int muond_layout_spans(const char* spec_json, int rank, muond_shard_span* spans,
 /* The message of this thread's last failed call ("" if none). Valid until the next call. */
 const char* muond_last_error(void);
 
-/* address: "unix:///path" or "HOST:PORT"; NULL or "" for the default address. */
+/* address: "unix:///path", "HOST:PORT" or "tls://HOST:PORT"; NULL or "" for the default address.
+ * tls:// addresses use TLS with the PEM files named by $MUOND_TLS_CA (the CA that signed the
+ * daemon's certificate; unset: gRPC's default roots), $MUOND_TLS_CERT and $MUOND_TLS_KEY (a client
+ * certificate for mutual TLS). */
 int muond_connect(const char* address, muond_client** out);
+/* The same with the TLS files given here instead of the environment (NULL or "": none); a file
+ * given with an address that is not tls:// is INVALID_ARGUMENT. */
+int muond_connect_tls(const char* address, const char* ca_file, const char* cert_file,
+                      const char* key_file, muond_client** out);
 void muond_client_free(muond_client* client);
 /* 0 when the daemon is SERVING. */
 int muond_health(muond_client* client, double timeout_seconds);

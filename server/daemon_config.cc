@@ -78,6 +78,20 @@ absl::Status Apply(DaemonConfig& c, const std::string& key, const std::string& v
       if (!s.ok() || !unix_path.empty()) return bad("expected HOST:PORT or off");
     }
     c.metrics_address = value;
+  } else if (key == "allow-uids" || key == "allow-groups" || key == "tls-cert" ||
+             key == "tls-key" || key == "tls-client-ca") {
+    (key == "allow-uids"     ? c.allow_uids
+     : key == "allow-groups" ? c.allow_groups
+     : key == "tls-cert"     ? c.tls_cert
+     : key == "tls-key"      ? c.tls_key
+                             : c.tls_client_ca) = value;
+  } else if (key == "insecure-tcp") {
+    if (value != "true" && value != "false") return bad("expected true or false");
+    c.insecure_tcp = value == "true";
+  } else if (key == "max-connections") {
+    if (!absl::SimpleAtoi(value, &c.max_connections) || c.max_connections > 1000000) {
+      return bad("expected a count in [0, 1000000]");
+    }
   } else if (key == "shutdown-grace-seconds") {
     if (!absl::SimpleAtod(value, &c.shutdown_grace_seconds) || !(c.shutdown_grace_seconds >= 0) ||
         c.shutdown_grace_seconds > 3600) {
@@ -122,8 +136,8 @@ std::string DaemonUsage() {
       "\n"
       "muond keeps the Muon optimizer state of training jobs on this node and computes their\n"
       "updates. Options (a config file may set the same keys, without the leading --):\n"
-      "  --listen ADDR           unix:///abs/path/to/socket or HOST:PORT (TCP, no TLS: use only on\n"
-      "                          a trusted network). Default: ",
+      "  --listen ADDR           unix:///abs/path/to/socket or HOST:PORT (TCP: TLS with --tls-cert,\n"
+      "                          plaintext only on loopback or with --insecure-tcp). Default: ",
       common::DefaultListenAddress(),
       "\n"
       "                          (the directory is created 0750, the socket 0660).\n"
@@ -160,6 +174,24 @@ std::string DaemonUsage() {
       "                          an error and serves without metrics; an address given\n"
       "                          explicitly must bind). off: no endpoint.\n"
       "  --log-level LEVEL       debug, info, warning or error. Default: info\n"
+      "  --allow-uids LIST       comma-separated uids or user names that may create jobs over the\n"
+      "                          Unix socket (peer credentials, SO_PEERCRED). Default: empty =\n"
+      "                          everyone who can open the socket. Root and the daemon's own uid\n"
+      "                          always may. With an allow-list, TCP peers may create jobs only\n"
+      "                          with a client certificate verified by mutual TLS.\n"
+      "  --allow-groups LIST     comma-separated gids or group names; a peer whose gid or whose\n"
+      "                          user's groups include one of them may create jobs.\n"
+      "  --max-connections N     Unix-socket connections held at once; more are closed at accept.\n"
+      "                          0 = the open-file limit less a quarter (at least 64 kept back).\n"
+      "                          Default: 0\n"
+      "  --tls-cert FILE         TCP only: PEM server certificate (chain); with --tls-key the API\n"
+      "                          is served over TLS.\n"
+      "  --tls-key FILE          TCP only: PEM private key of --tls-cert.\n"
+      "  --tls-client-ca FILE    TCP only: PEM CA; clients must present a certificate it signed\n"
+      "                          (mutual TLS).\n"
+      "  --insecure-tcp          allow plaintext TCP on an address that is not loopback (logged as\n"
+      "                          a WARNING). Without it such a --listen is refused (exit 2);\n"
+      "                          127.0.0.0/8, ::1 and localhost need no TLS.\n"
       "  --help                  print this help and exit\n"
       "  --version               print the version and exit\n"
       "\n"
@@ -200,6 +232,10 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(int argc, char** argv) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
       c.help = true;
+      continue;
+    }
+    if (arg == "--insecure-tcp") {  // a switch: no value
+      flags.emplace_back("insecure-tcp", "true");
       continue;
     }
     if (arg == "--version") {

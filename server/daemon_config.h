@@ -29,6 +29,15 @@ struct DaemonConfig {
   std::string metrics_address;
   device::SimulatedOptions simulated;  // --backend simulated
   bool serial_schedule = false;        // run each batch to completion before the next
+  // Who may do what (server/peer_identity.h, server/tls_config.h). Comma-separated ids or names;
+  // "" = everyone who can reach the socket may create jobs.
+  std::string allow_uids;
+  std::string allow_groups;
+  std::string tls_cert;       // PEM server certificate (chain) for TCP listen addresses
+  std::string tls_key;        // PEM private key
+  std::string tls_client_ca;  // PEM CA: require and verify client certificates (mutual TLS)
+  bool insecure_tcp = false;  // allow plaintext TCP on a non-loopback address
+  size_t max_connections = 0;  // Unix-socket connections held at once; 0: from RLIMIT_NOFILE
   bool help = false;
   bool version = false;
 };

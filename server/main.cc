@@ -2,6 +2,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/server_posix.h>
 #include <fcntl.h>
 #include <malloc.h>
 #include <signal.h>
@@ -36,6 +37,9 @@
 #include "server/shm_server.h"
 #include "server/muon/muon_math.h"
 #include "server/muond_service.h"
+#include "server/peer_identity.h"
+#include "server/tls_config.h"
+#include "server/uds_listener.h"
 
 #ifndef MUOND_VERSION
 #define MUOND_VERSION "0.0.0"
@@ -174,6 +178,13 @@ int Run(int argc, char** argv) {
   common::LogLevel level;
   common::ParseLogLevel(config->log_level, &level);
   common::SetMinLogLevel(level);
+  // Who may connect and create jobs: TLS for TCP, allow-lists for CreateJob.
+  auto transport = ServerTransportFor(*config);
+  if (!transport.ok()) return Fail(2, std::string(transport.status().message()));
+  if (!transport->warning.empty()) MUOND_LOG(WARNING) << transport->warning;
+  auto access = AccessPolicy::Create(config->allow_uids, config->allow_groups,
+                                     transport->mutual_tls, ::geteuid());
+  if (!access.ok()) return Fail(2, std::string(access.status().message()));
 
   const int threads = config->threads > 0
                           ? config->threads
@@ -220,23 +231,37 @@ int Run(int argc, char** argv) {
   if (absl::Status s = registry.Restore(); !s.ok()) {
     return Fail(1, absl::StrCat("--state-dir ", config->state_dir, ": ", s.message()));
   }
-  MuondService service(&registry);
+  MuondService service(&registry, access->get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(config->listen, grpc::InsecureServerCredentials(), &port);
+  // Unix sockets: the daemon accepts itself (peer credentials) and hands connections to gRPC.
+  std::unique_ptr<UdsListener> uds;
+  if (unix_path.empty()) {
+    builder.AddListeningPort(config->listen, transport->credentials, &port);
+  } else {
+    auto bound = UdsListener::Bind(unix_path, config->max_connections);
+    if (!bound.ok()) {
+      return Fail(1, absl::StrCat("--listen ", config->listen, ": ", bound.status().message()));
+    }
+    uds = *std::move(bound);
+  }
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
-  // The socket is created by BuildAndStart: a umask makes it 0660 from its first moment.
-  const mode_t old_umask = ::umask(0117);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ::umask(old_umask);
-  if (server == nullptr || port == 0) {
+  if (server == nullptr || (uds == nullptr && port == 0)) {
     return Fail(1, absl::StrCat("cannot listen on ", config->listen));
   }
-  if (!unix_path.empty()) ::chmod(unix_path.c_str(), 0660);
+  if (uds != nullptr) {
+    uds->Start([s = server.get()](int fd) { grpc::AddInsecureChannelFromFd(s, fd); });
+    MUOND_LOG(INFO) << "unix socket " << unix_path << " (0660): peer credentials recorded, up to "
+                    << uds->max_connections() << " connections";
+  } else {
+    MUOND_LOG(INFO) << "TCP " << config->listen << ": " << transport->Describe();
+  }
+  MUOND_LOG(INFO) << "CreateJob: " << (*access)->Describe();
   // The shared-memory data plane listens next to the gRPC socket (node-local only).
   std::unique_ptr<ShmServer> shm;
   std::string shm_path = config->shm_socket;
@@ -305,6 +330,7 @@ int Run(int argc, char** argv) {
   }
   drained = drained && !registry.AnyStepInFlight();
   if (!drained) MUOND_LOG(WARNING) << "grace period over; cancelling the steps still in flight";
+  if (uds != nullptr) uds->Stop();  // no connection is handed to a server shutting down
   server->Shutdown(std::chrono::system_clock::now());
   server->Wait();
   // Every job's momentum to disk (after draining; no step runs now), unless nothing changed since

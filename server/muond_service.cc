@@ -73,6 +73,8 @@ absl::StatusOr<std::shared_ptr<Job>> MuondService::Authorize(grpc::ServerContext
 
 grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,
                                      v1::CreateJobResponse* resp) {
+  absl::Status allowed = access_ ? access_->MayCreateJob(PeerOf(*ctx)) : absl::OkStatus();
+  if (!allowed.ok()) return Logged("CreateJob", allowed);
   if (shutting_down_.load()) return Logged("CreateJob", absl::UnavailableError("muond is shutting down"));
   auto spec = common::JobSpecFromProto(req->spec());
   if (!spec.ok()) return Logged("CreateJob", spec.status());

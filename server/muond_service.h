@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "muond/v1/muond.grpc.pb.h"
 #include "server/job_registry.h"
+#include "server/peer_identity.h"
 
 namespace muond::server {
 
@@ -24,7 +25,9 @@ inline constexpr char kTokenMetadataKey[] = "x-muond-job-token";
 
 class MuondService final : public v1::Muond::Service {
  public:
-  explicit MuondService(JobRegistry* registry) : registry_(registry) {}
+  // `access`: who may create jobs (nullptr: everyone); not owned, outlives the service.
+  explicit MuondService(JobRegistry* registry, const AccessPolicy* access = nullptr)
+      : registry_(registry), access_(access) {}
 
   void BeginShutdown() { shutting_down_.store(true); }
   // Blocks until no Step call is in flight or `deadline` passed; true when none is in flight.
@@ -62,6 +65,7 @@ class MuondService final : public v1::Muond::Service {
                        grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream);
 
   JobRegistry* registry_;
+  const AccessPolicy* access_;
   std::atomic<bool> shutting_down_{false};
   absl::Mutex steps_mu_;
   int steps_in_flight_ ABSL_GUARDED_BY(steps_mu_) = 0;
