@@ -24,15 +24,15 @@ namespace {
 constexpr std::streamsize kMaxRecordBytes = 64 << 20;
 
 absl::StatusOr<std::string> ReadRecord(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(errno)));
-  std::string text(static_cast<size_t>(kMaxRecordBytes) + 1, '\0');
-  in.read(text.data(), kMaxRecordBytes + 1);
-  if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read failed"));
-  if (in.gcount() > kMaxRecordBytes) {
+  const std::streamsize size = in.tellg();
+  if (size < 0 || size > kMaxRecordBytes) {
     return absl::DataLossError(absl::StrCat(path, " is larger than ", kMaxRecordBytes, " bytes"));
   }
-  text.resize(static_cast<size_t>(in.gcount()));
+  std::string text(static_cast<size_t>(size), '\0');
+  in.seekg(0);
+  if (!in.read(text.data(), size)) return absl::DataLossError(absl::StrCat(path, ": read failed"));
   return text;
 }
 
@@ -46,11 +46,11 @@ absl::StatusOr<Record> ParseRecord(const std::string& path, const std::string& n
   ASSIGN_OR_RETURN(const std::string text, ReadRecord(path));
   const nlohmann::json record = nlohmann::json::parse(text, nullptr, false);
   Record r;
+  const auto hash = record.is_object() ? record.find("token_sha256") : record.end();
   if (record.is_discarded() || !record.is_object() ||
       record.value("format", "") != "muond-job" || !record.contains("spec") ||
-      !record["token_sha256"].is_string() ||
-      (r.token_sha256 = absl::HexStringToBytes(record["token_sha256"].get<std::string>()))
-              .size() != 32) {
+      hash == record.end() || !hash->is_string() ||
+      (r.token_sha256 = absl::HexStringToBytes(hash->get<std::string>())).size() != 32) {
     return absl::DataLossError(absl::StrCat(path, " is not a muond job record"));
   }
   auto spec = common::ParseJobSpecJson(record["spec"].dump());
@@ -79,7 +79,8 @@ std::optional<ResetRecord> ReadReset(const std::string& path) {
   if (!text.ok()) return std::nullopt;
   const nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
   if (j.is_discarded() || !j.is_object() || j.value("format", "") != "muond-reset" ||
-      !j["next_step"].is_number_integer() || !j["after_generation"].is_number_integer()) {
+      !j.contains("next_step") || !j.contains("after_generation") ||
+      !j.at("next_step").is_number_integer() || !j.at("after_generation").is_number_integer()) {
     return std::nullopt;
   }
   return ResetRecord{j["next_step"].get<int64_t>(), j["after_generation"].get<int64_t>()};

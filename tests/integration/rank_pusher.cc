@@ -3,6 +3,9 @@
 //
 //   rank_pusher ADDRESS JOB RANK STEP      (the job token in $MUOND_JOB_TOKEN)
 //
+// STEP -1: attaches RANK over gRPC, prints "ATTACHED <session>" and waits to be killed (a rank
+// that dies between steps).
+//
 // Attaches RANK of JOB with takeover, begins STEP on a raw Step stream, pushes the first half of
 // the rank's first span (values 0.25), prints "PUSHED <elements>" and then waits, with the stream
 // open, until it is killed. Exits 1 (with one line on stderr) when any of that fails, 64 on usage.
@@ -42,6 +45,13 @@ int main(int argc, char** argv) {
 
   auto client = client::Client::Connect(address);
   if (!client.ok()) return Fail(std::string(client.status().message()));
+  if (step < 0) {
+    auto idle = (*client)->Attach(job, rank, token, /*takeover=*/true, client::Transport::kGrpc);
+    if (!idle.ok()) return Fail(std::string(idle.status().message()));
+    std::printf("ATTACHED %llu\n", static_cast<unsigned long long>((*idle)->session_id()));
+    std::fflush(stdout);
+    while (true) ::pause();  // until SIGKILL
+  }
   auto session = (*client)->Attach(job, rank, token, /*takeover=*/true);
   if (!session.ok()) return Fail(std::string(session.status().message()));
   if ((*session)->spans().empty()) return Fail("the rank owns no elements");
