@@ -20,9 +20,11 @@ bool IsIdChar(char c) { return IsIdHead(c) || c == '.' || c == '_' || c == '-'; 
 std::string Quoted(absl::string_view value) {
   std::string out = "'";
   const size_t n = std::min(value.size(), kMaxQuotedBytes);
+  // Bytes of invalid UTF-8 are escaped too: the message must stay valid text.
+  const bool utf8 = IsValidUtf8(std::string_view(value.data(), value.size()));
   for (size_t i = 0; i < n; ++i) {
     const unsigned char c = static_cast<unsigned char>(value[i]);
-    if (c < 0x20 || c == 0x7f || c == '\\' || c == '\'') {
+    if (c < 0x20 || c == 0x7f || c == '\\' || c == '\'' || (c >= 0x80 && !utf8)) {
       absl::StrAppendFormat(&out, "\\x%02x", c);
     } else {
       out.push_back(static_cast<char>(c));

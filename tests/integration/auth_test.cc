@@ -166,6 +166,7 @@ TEST_F(AuthTest, MuonctlExitCodesAreTheGrpcCodes) {
   ASSERT_EQ(::stat(token_file.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u) << "the token file must be private";
   WriteWholeFile(files.File("wrong.token"), std::string(64, 'f') + "\n");
+  ::chmod(files.File("wrong.token").c_str(), 0600);  // token files must be private
 
   // No token at all: 16. Wrong token (file or $MUOND_JOB_TOKEN): 7. Right token: 0.
   for (const char* cmd : {"show", "delete", "reset"}) {

@@ -192,13 +192,20 @@ TEST(JobSpecTest, ValidateAcceptsBoundaries) {
 TEST(JobSpecTest, ValidateJobFields) {
   JobSpec spec = ValidSpec();
   spec.job_id = "";
-  ExpectValidateError(spec, "job_id '' must be 1..128 characters of [A-Za-z0-9._-]");
+  ExpectValidateError(spec, "job_id is empty");
   spec.job_id = std::string(kMaxJobIdLength + 1, 'a');
-  ExpectValidateError(spec, "must be 1..128 characters");
+  ExpectValidateError(spec, "... (129 bytes) is longer than 128 bytes");
   spec.job_id = "a b";
-  ExpectValidateError(spec, "job_id 'a b' must be");
+  ExpectValidateError(spec, "job_id 'a b' must match [A-Za-z0-9][A-Za-z0-9._-]{0,127}");
   spec.job_id = "../etc";
-  ExpectValidateError(spec, "job_id '../etc' must be");
+  ExpectValidateError(spec, "job_id '../etc' must match");
+  // Names that would be the state directory itself, its parent, or hidden/daemon-made entries.
+  for (const char* id : {".", "..", ".deleted-x", ".creating", "-x", "_x"}) {
+    spec.job_id = id;
+    ExpectValidateError(spec, "must match");
+  }
+  spec.job_id = std::string("a\0b", 3);
+  ExpectValidateError(spec, "job_id 'a\\x00b' must match");
 
   spec = ValidSpec();
   spec.world_size = 0;
@@ -240,7 +247,11 @@ TEST(JobSpecTest, ValidateMatrices) {
   spec.matrices[1].name = "";
   ExpectValidateError(spec, "matrices[1].name is empty");
   spec.matrices[1].name = "bad\xFF";
-  ExpectValidateError(spec, "matrices[1].name is not UTF-8");
+  ExpectValidateError(spec, "matrices[1].name 'bad\\xff' is not UTF-8");
+  spec.matrices[1].name = "a\nb";
+  ExpectValidateError(spec, "matrices[1].name 'a\\x0ab' holds a control character");
+  spec.matrices[1].name = std::string(257, 'n');
+  ExpectValidateError(spec, "is longer than 256 bytes");
 
   spec = ValidSpec();
   MatrixSpec& m = spec.matrices[0];
