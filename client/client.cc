@@ -1,5 +1,7 @@
 #include "client/client.h"
 
+#include <thread>
+
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -224,6 +226,14 @@ absl::StatusOr<std::vector<v1::JobStatus>> Client::ListJobs() {
   return std::vector<v1::JobStatus>(resp.jobs().begin(), resp.jobs().end());
 }
 
+absl::StatusOr<v1::ListJobsResponse> Client::ListJobsWithBroken() {
+  grpc::ClientContext ctx;
+  v1::ListJobsRequest req;
+  v1::ListJobsResponse resp;
+  RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->ListJobs(&ctx, req, &resp)), "ListJobs"));
+  return resp;
+}
+
 absl::StatusOr<Transport> ParseTransport(const std::string& name) {
   if (name == "auto") return Transport::kAuto;
   if (name == "shm") return Transport::kShm;
@@ -231,6 +241,30 @@ absl::StatusOr<Transport> ParseTransport(const std::string& name) {
   return absl::InvalidArgumentError(
       absl::StrCat("unknown transport '", name, "' (accepted: auto, shm, grpc)"));
 }
+
+// Holds a WatchSession call open on its own thread for as long as the session lives.
+class SessionWatch {
+ public:
+  SessionWatch(v1::Muond::Stub* stub, const std::string& token, v1::WatchSessionRequest req) {
+    SetToken(&ctx_, token);
+    reader_ = stub->WatchSession(&ctx_, req);
+    thread_ = std::thread([this] {
+      v1::SessionEvent event;
+      while (reader_->Read(&event)) {
+      }
+      (void)reader_->Finish();
+    });
+  }
+  ~SessionWatch() {
+    ctx_.TryCancel();
+    thread_.join();
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::SessionEvent>> reader_;
+  std::thread thread_;
+};
 
 absl::StatusOr<std::unique_ptr<RankSession>> Client::Attach(const std::string& job_id, int rank,
                                                             const std::string& token,
@@ -284,6 +318,11 @@ absl::StatusOr<std::unique_ptr<RankSession>> Client::Attach(const std::string& j
   session->session_id_ = resp.session_id();
   session->next_step_ = resp.next_step();
   session->attached_ = true;
+  v1::WatchSessionRequest watch;
+  watch.set_job_id(job_id);
+  watch.set_rank(rank);
+  watch.set_session_id(resp.session_id());
+  session->watch_ = std::make_unique<SessionWatch>(stub_.get(), token, std::move(watch));
   return session;
 }
 
@@ -310,7 +349,9 @@ absl::Status RankSession::Detach() {
   req.set_rank(rank_);
   req.set_session_id(session_id_);
   v1::DetachRankResponse resp;
-  return Annotate(FromGrpcStatus(stub_->DetachRank(&ctx, req, &resp)), "DetachRank");
+  absl::Status s = Annotate(FromGrpcStatus(stub_->DetachRank(&ctx, req, &resp)), "DetachRank");
+  watch_.reset();  // after the detach: the daemon sees a session that already ended
+  return s;
 }
 
 absl::StatusOr<RankSession::View> RankSession::GradientView(int64_t step) {

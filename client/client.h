@@ -19,6 +19,7 @@
 
 namespace muond::client {
 class ShmChannel;
+class SessionWatch;
 }
 
 namespace muond::client {
@@ -125,6 +126,9 @@ class RankSession {
   bool attached_ = false;
   std::vector<common::ShardSpan> spans_;
   std::unique_ptr<ShmChannel> shm_;
+  // gRPC sessions: the WatchSession stream that tells the daemon this process is alive (when
+  // the process dies, the daemon ends the session and aborts a step the rank owes).
+  std::unique_ptr<SessionWatch> watch_;
 };
 
 // TLS to a daemon on TCP. TLS is chosen by the address alone: "tls://HOST:PORT" connects with
@@ -171,6 +175,8 @@ class Client {
   absl::Status ResetJob(const std::string& job_id, const std::string& token, int64_t next_step);
   absl::StatusOr<v1::JobStatus> GetJob(const std::string& job_id, const std::string& token);
   absl::StatusOr<std::vector<v1::JobStatus>> ListJobs();
+  // ListJobs with the job directories the daemon set aside at start (broken).
+  absl::StatusOr<v1::ListJobsResponse> ListJobsWithBroken();
   // Attaches `rank` of the job (fetching the job's spec) and returns its session; the session
   // detaches when destroyed. ALREADY_EXISTS when the rank is attached elsewhere, unless `takeover`
   // (for a restarted trainer whose old process is gone: its step in flight is aborted).

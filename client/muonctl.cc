@@ -114,6 +114,8 @@ void PrintStatus(const v1::JobStatus& st) {
                                                                 " elements per rank"));
   }
   std::printf("zero_stage: %d\nlayout: %s\n", spec.zero_stage(), layout.c_str());
+  std::printf("owner: %s\n", st.owner().empty() ? "unknown" : st.owner().c_str());
+  std::printf("step_timeout_seconds: %d\n", st.step_timeout_seconds());
   std::printf("next_step: %lld\n", static_cast<long long>(st.next_step()));
   if (st.has_step_in_flight()) {
     std::printf("step_in_flight: %lld\n", static_cast<long long>(st.step_in_flight()));
@@ -223,7 +225,8 @@ absl::Status CmdJob(Client& client, const Args& a) {
     return absl::OkStatus();
   }
   if (sub == "list") {
-    ASSIGN_OR_RETURN(auto jobs, client.ListJobs());
+    ASSIGN_OR_RETURN(const v1::ListJobsResponse listed, client.ListJobsWithBroken());
+    const auto& jobs = listed.jobs();
     std::printf("%-24s %5s %5s %8s %10s %8s %6s %s\n", "JOB", "WORLD", "STAGE", "MATRICES",
                 "NEXT_STEP", "STEPS", "FENCED", "BACKEND");
     for (const v1::JobStatus& j : jobs) {
@@ -232,6 +235,9 @@ absl::Status CmdJob(Client& client, const Args& a) {
                   static_cast<long long>(j.next_step()),
                   static_cast<long long>(j.steps_completed()), j.fenced() ? "yes" : "no",
                   j.backend().c_str());
+    }
+    for (const v1::BrokenJob& b : listed.broken()) {
+      std::printf("BROKEN %s: %s\n", b.directory().c_str(), b.reason().c_str());
     }
     return absl::OkStatus();
   }

@@ -24,6 +24,7 @@ absl::Status Apply(DaemonConfig& c, const std::string& key, const std::string& v
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", key, "=\"", value, "\": ", why));
   };
+  if (IsLimitKey(key)) return ApplyLimit(c.limits, key, value, where);
   if (key == "listen") {
     std::string unused;
     absl::Status s = ParseListenAddress(value, &unused);
@@ -48,8 +49,6 @@ absl::Status Apply(DaemonConfig& c, const std::string& key, const std::string& v
     if (!absl::SimpleAtoi(value, &c.threads) || c.threads < 0 || c.threads > 1024) {
       return bad("expected an integer in [0, 1024]");
     }
-  } else if (key == "max-momentum-bytes") {
-    if (!absl::SimpleAtoi(value, &c.max_momentum_bytes)) return bad("expected a byte count");
   } else if (key == "sim-copy-gbps" || key == "sim-compute-gflops" ||
              key == "sim-copy-latency-us") {
     double v = 0;
@@ -161,8 +160,6 @@ std::string DaemonUsage() {
       "  --config FILE           read options from FILE ('key = value' lines, '#' comments);\n"
       "                          flags given on the command line override it.\n"
       "  --threads N             CPU compute threads; 0 = one per CPU. Default: 0\n"
-      "  --max-momentum-bytes N  total fp32 momentum all jobs may hold; CreateJob beyond it fails\n"
-      "                          with RESOURCE_EXHAUSTED. 0 = unlimited. Default: 0\n"
       "  --gather-budget-bytes N  bytes of whole matrices a job assembles at once (fp32 gradient\n"
       "                          and temporary momentum, 8 bytes per element); a larger matrix is\n"
       "                          processed alone. A job may set its own. Default: 1073741824\n"
@@ -194,6 +191,7 @@ std::string DaemonUsage() {
       "                          127.0.0.0/8, ::1 and localhost need no TLS.\n"
       "  --help                  print this help and exit\n"
       "  --version               print the version and exit\n"
+      "\n", LimitsUsage(),
       "\n"
       "Signals: SIGTERM or SIGINT stop accepting new steps, let steps in flight finish (or cancel\n"
       "them after the grace period, which aborts them with a clear status) and exit 0.\n"

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "server/daemon_limits.h"
 #include "server/device/device.h"
 
 namespace muond::server {
@@ -20,7 +21,7 @@ struct DaemonConfig {
   std::string backend = "auto";
   std::string log_level = "info";
   int threads = 0;        // compute threads; 0: one per CPU
-  uint64_t max_momentum_bytes = 0;  // 0: unlimited
+  DaemonLimits limits = DefaultDaemonLimits();  // server/daemon_limits.h
   uint64_t gather_budget_bytes = uint64_t{1} << 30;  // per job, unless the job sets its own
   double shutdown_grace_seconds = 30;
   // The Prometheus endpoint, HOST:PORT. "": kDefaultMetricsAddress, best effort (a daemon that

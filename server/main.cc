@@ -110,6 +110,9 @@ absl::Status PrepareUnixSocket(const std::string& path) {
 // checkpoint write call sleeps MS ms: a slow disk) or "POINT:NTH:ERRNO" (the NTH call at POINT =
 // mkdir|open|write|fsync|fsyncdir|rename fails with ERRNO, e.g. "write:2:28" for ENOSPC).
 absl::Status ArmCheckpointFault() {
+#ifndef MUOND_TEST_HOOKS
+  return absl::OkStatus();  // a release build has no fault hooks
+#else
   const char* env = std::getenv("MUOND_TEST_CHECKPOINT_FAULT");
   if (env == nullptr || *env == '\0') return absl::OkStatus();
   const std::vector<std::string> parts = absl::StrSplit(env, ':');
@@ -135,6 +138,7 @@ absl::Status ArmCheckpointFault() {
   durable::SetFaultForTesting(f);
   MUOND_LOG(WARNING) << "checkpoint fault injection armed: " << env;
   return absl::OkStatus();
+#endif
 }
 
 int Run(int argc, char** argv) {
@@ -223,8 +227,11 @@ int Run(int argc, char** argv) {
 
   // Declared before the registry: destroyed after it, once every queued task ran.
   ComputeExecutor executor(threads);
-  JobRegistry registry((*compute)->why, config->max_momentum_bytes, config->gather_budget_bytes,
-                       &executor, compute->get(), config->state_dir);
+  JobRegistry registry((*compute)->why, config->limits, config->gather_budget_bytes, &executor,
+                       compute->get(), config->state_dir);
+  if (config->limits.max_state_bytes == 0) {
+    MUOND_LOG(WARNING) << "--max-state-bytes 0: job state is not limited";
+  }
   if (absl::Status s = ArmCheckpointFault(); !s.ok()) {
     return Fail(2, absl::StrCat("MUOND_TEST_CHECKPOINT_FAULT: ", s.message()));
   }
@@ -268,7 +275,10 @@ int Run(int argc, char** argv) {
   if (shm_path.empty() && !unix_path.empty()) shm_path = unix_path + ".shm";
   if (shm_path == "off") shm_path.clear();
   if (!shm_path.empty()) {
-    auto started = ShmServer::Start(shm_path, &registry);
+    ShmLimits shm_limits;
+    shm_limits.max_sessions = static_cast<size_t>(config->limits.max_shm_sessions);
+    shm_limits.attach_timeout = absl::Seconds(config->limits.shm_attach_timeout_seconds);
+    auto started = ShmServer::Start(shm_path, &registry, shm_limits);
     if (!started.ok()) {
       return Fail(1, absl::StrCat("--shm-socket ", shm_path, ": ", started.status().message()));
     }
@@ -290,7 +300,8 @@ int Run(int argc, char** argv) {
         &registry, shm.get(),
         DaemonInfo{MUOND_VERSION, backend,
                    backend == "cpu" || backend == "simulated" ? CpuModelName() : backend,
-                   config->max_momentum_bytes});
+                   config->limits.max_state_bytes,
+                   LimitValues(config->limits, config->gather_budget_bytes)});
     const std::string address =
         config->metrics_address.empty() ? kDefaultMetricsAddress : config->metrics_address;
     auto started = MetricsServer::Start(address, &common::DefaultRegistry());

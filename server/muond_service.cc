@@ -1,13 +1,17 @@
 #include "server/muond_service.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/crc32c.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "common/job_spec_proto.h"
 #include "common/logging.h"
+#include "common/names.h"
 #include "common/status_macros.h"
 #include "server/daemon_metrics.h"
 
@@ -55,7 +59,7 @@ absl::StatusOr<checkpoint::Selector> SelectorOf(const std::string& what, const R
 
 absl::StatusOr<std::shared_ptr<Job>> MuondService::Authorize(grpc::ServerContext* ctx,
                                                              const std::string& job_id) const {
-  if (job_id.empty()) return absl::InvalidArgumentError("job_id is empty");
+  RETURN_IF_ERROR(common::ValidateJobId(job_id));
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, registry_->Find(job_id));
   const auto& md = ctx->client_metadata();
   auto it = md.find(kTokenMetadataKey);
@@ -85,8 +89,16 @@ grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJ
     if (!selector.ok()) return Logged("CreateJob", selector.status());
     restore = JobRegistry::RestoreFrom{r.job_id(), r.token(), *selector};
   }
-  auto created = registry_->Create(*std::move(spec), restore);
-  if (!created.ok()) return Logged("CreateJob", created.status());
+  const PeerIdentity peer = PeerOf(*ctx);
+  JobOwner owner;
+  if (peer.unix_credentials) owner.uid = peer.unix_credentials->uid;
+  owner.description = peer.Describe();
+  auto created = registry_->Create(*std::move(spec), restore, std::move(owner));
+  if (!created.ok()) {
+    // A refused spec can be megabytes of parsed request: give it back to the system.
+    ::malloc_trim(0);
+    return Logged("CreateJob", created.status());
+  }
   resp->set_job_id(created->job->id());
   resp->set_token(created->token);
   return grpc::Status::OK;
@@ -110,6 +122,11 @@ grpc::Status MuondService::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequ
 grpc::Status MuondService::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
                                     v1::ListJobsResponse* resp) {
   for (const auto& job : registry_->List()) *resp->add_jobs() = job->Status();
+  for (const JobRegistry::BrokenJob& b : registry_->Broken()) {
+    v1::BrokenJob* out = resp->add_broken();
+    out->set_directory(b.directory);
+    out->set_reason(b.reason);
+  }
   return grpc::Status::OK;
 }
 
@@ -117,11 +134,7 @@ grpc::Status MuondService::ResetJob(grpc::ServerContext* ctx, const v1::ResetJob
                                     v1::ResetJobResponse*) {
   auto job = Authorize(ctx, req->job_id());
   if (!job.ok()) return Logged("ResetJob", job.status());
-  absl::Status s = (*job)->Reset(req->next_step());
-  if (s.ok()) {
-    MUOND_LOG(INFO) << "job '" << req->job_id() << "' reset; next step " << req->next_step();
-  }
-  return Logged("ResetJob", s);
+  return Logged("ResetJob", registry_->Reset(*job, req->next_step()));
 }
 
 grpc::Status MuondService::SaveCheckpoint(grpc::ServerContext* ctx,
@@ -142,7 +155,7 @@ grpc::Status MuondService::LoadCheckpoint(grpc::ServerContext* ctx,
   if (!job.ok()) return Logged("LoadCheckpoint", job.status());
   auto selector = SelectorOf(absl::StrCat("job '", req->job_id(), "'"), *req);
   if (!selector.ok()) return Logged("LoadCheckpoint", selector.status());
-  auto loaded = (*job)->LoadCheckpoint(*selector);
+  auto loaded = registry_->LoadCheckpoint(*job, *selector);
   if (!loaded.ok()) return Logged("LoadCheckpoint", loaded.status());
   ToProto(loaded->info, resp->mutable_loaded());
   resp->set_next_step(loaded->next_step);
@@ -178,6 +191,37 @@ grpc::Status MuondService::DetachRank(grpc::ServerContext* ctx, const v1::Detach
   auto job = Authorize(ctx, req->job_id());
   if (!job.ok()) return Logged("DetachRank", job.status());
   return Logged("DetachRank", (*job)->Detach(req->rank(), req->session_id()));
+}
+
+grpc::Status MuondService::WatchSession(grpc::ServerContext* ctx,
+                                        const v1::WatchSessionRequest* req,
+                                        grpc::ServerWriter<v1::SessionEvent>* writer) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("WatchSession", job.status());
+  if (absl::Status s = (*job)->CheckSession(req->rank(), req->session_id()); !s.ok()) {
+    return Logged("WatchSession", s);
+  }
+  v1::SessionEvent event;
+  event.set_event("watching");
+  writer->Write(event);
+  // Held until the rank's process goes away (the call is cancelled), the session ends on the
+  // daemon's side (detach, takeover, deleted job) or the daemon stops.
+  while (true) {
+    if (shutting_down_.load()) {
+      return Logged("WatchSession", absl::UnavailableError("muond is shutting down"));
+    }
+    if (ctx->IsCancelled()) {
+      (*job)->EndLostSession(req->rank(), req->session_id(),
+                             "its session watch ended: the process or its connection is gone");
+      return grpc::Status::CANCELLED;
+    }
+    if (absl::Status s = (*job)->CheckSession(req->rank(), req->session_id()); !s.ok()) {
+      event.set_event(std::string(s.message()));
+      writer->Write(event);
+      return grpc::Status::OK;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
 }
 
 grpc::Status MuondService::Step(
@@ -223,7 +267,7 @@ absl::Status MuondService::RunStep(
   bool ended = false;
   while (!ended) {
     if (!stream->Read(&req)) {
-      return absl::AbortedError(absl::StrCat(where, ": the client closed the stream before StepEnd",
+      return rank_step->Abandon(absl::StrCat("closed its stream before StepEnd",
                                              ctx->IsCancelled() ? " (cancelled)" : ""));
     }
     switch (req.kind_case()) {
