@@ -5,8 +5,9 @@ set -euo pipefail
 
 # libopenblas0-pthread: LibTorch's fp32 CPU GEMMs go through the system BLAS; the reference BLAS is
 # ~40x slower.
-# libcivetweb-dev: the /metrics HTTP endpoint. prometheus: `promtool` and a real server for the
-# metrics tests (the package enables a prometheus.service; muond does not need it running).
+# openssl: the TLS tests make a CA and certificates at test time. prometheus: `promtool` and a
+# real server for the metrics tests (the package enables a prometheus.service; muond does not
+# need it running).
 # python3-yaml: the deployment tests parse the Kubernetes and Prometheus YAML. systemd:
 # `systemd-analyze verify` on deploy/systemd/muond.service.
 # libze-dev: the Level Zero loader (the backend is built against it). clang-14 + llvm-spirv-14:
@@ -18,7 +19,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libtorch-dev libopenblas0-pthread nlohmann-json3-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libcivetweb-dev prometheus
+  prometheus openssl
   python3 python3-numpy python3-torch
   python3-yaml systemd
   libze-dev clang-14 llvm-spirv-14 pocl-opencl-icd ocl-icd-opencl-dev opencl-headers
