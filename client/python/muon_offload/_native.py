@@ -61,6 +61,8 @@ _SIGNATURES = {
                                           ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
                                           ctypes.POINTER(ctypes.c_uint64)]),
     "muond_connect": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(_P)]),
+    "muond_connect_tls": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                         ctypes.c_char_p, ctypes.POINTER(_P)]),
     "muond_client_free": (None, [_P]),
     "muond_health": (ctypes.c_int, [_P, ctypes.c_double]),
     "muond_job_create": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),

@@ -49,14 +49,22 @@ def layout_spans(spec, rank):
 
 
 class Client:
-    """A connection to a muond daemon. address: "unix:///path" or "HOST:PORT"; None or "" for the
-    daemon's default address. Connecting is lazy: an unreachable daemon shows at the first call
-    (MuondError UNAVAILABLE)."""
+    """A connection to a muond daemon. address: "unix:///path", "HOST:PORT" or "tls://HOST:PORT";
+    None or "" for the daemon's default address. Connecting is lazy: an unreachable daemon shows at
+    the first call (MuondError UNAVAILABLE). tls:// addresses verify the daemon's certificate
+    against tls_ca (a PEM file; None: gRPC's default roots) and present tls_cert + tls_key for
+    mutual TLS. With none of the three given, $MUOND_TLS_CA, $MUOND_TLS_CERT and $MUOND_TLS_KEY
+    are used."""
 
-    def __init__(self, address=None):
+    def __init__(self, address=None, tls_ca=None, tls_cert=None, tls_key=None):
         self.address = address or ""
         handle = ctypes.c_void_p()
-        _native.call("muond_connect", self.address.encode(), ctypes.byref(handle))
+        if tls_ca or tls_cert or tls_key:
+            enc = lambda s: s.encode() if s else None
+            _native.call("muond_connect_tls", self.address.encode(), enc(tls_ca), enc(tls_cert),
+                         enc(tls_key), ctypes.byref(handle))
+        else:
+            _native.call("muond_connect", self.address.encode(), ctypes.byref(handle))
         self._handle = handle
 
     @property
