@@ -267,6 +267,10 @@ int Run(int argc, char** argv) {
                     << uds->max_connections() << " connections";
   } else {
     MUOND_LOG(INFO) << "TCP " << config->listen << ": " << transport->Describe();
+    if ((*access)->restricted() && !transport->mutual_tls) {
+      MUOND_LOG(WARNING) << "--allow-uids/--allow-groups on TCP without --tls-client-ca: TCP "
+                            "peers have no identity, so none of them may create jobs";
+    }
   }
   MUOND_LOG(INFO) << "CreateJob: " << (*access)->Describe();
   // The shared-memory data plane listens next to the gRPC socket (node-local only).

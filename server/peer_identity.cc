@@ -221,7 +221,8 @@ std::string AccessPolicy::Describe() const {
   if (!restricted()) return "unrestricted";
   return absl::StrCat("allow-uids ", uids_.empty() ? "-" : absl::StrJoin(uids_, ","),
                       "; allow-groups ", gids_.empty() ? "-" : absl::StrJoin(gids_, ","),
-                      "; root and uid ", daemon_uid_, " always",
+                      daemon_uid_ == 0 ? "; root always"
+                                       : absl::StrCat("; root and uid ", daemon_uid_, " always"),
                       mutual_tls_ ? "; TCP peers with a verified client certificate" : "");
 }
 
