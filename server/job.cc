@@ -427,7 +427,29 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
       FailStep(state, s, /*fence=*/false);
       return s;
     }
-    claimed.emplace(offset, offset + count);
+    // Adjacent ranges merge, so a span pushed in order is one entry; a client that scatters tiny
+    // chunks is bounded (the bookkeeping is memory the client makes the daemon hold).
+    auto prev = next == claimed.begin() ? claimed.end() : std::prev(next);
+    if (prev != claimed.end() && prev->second == offset) {
+      prev->second = offset + count;
+      if (next != claimed.end() && next->first == prev->second) {
+        prev->second = next->second;
+        claimed.erase(next);
+      }
+    } else if (next != claimed.end() && next->first == offset + count) {
+      const uint64_t end = next->second;
+      claimed.erase(next);
+      claimed.emplace(offset, end);
+    } else if (claimed.size() >= kMaxClaimedRanges) {
+      absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
+          where, ": matrix '", ms->name, "' span at element ", span.offset, " has ",
+          claimed.size(), " separate pieces received (limit ", kMaxClaimedRanges,
+          "); send chunks in order"));
+      FailStep(state, s, /*fence=*/false);
+      return s;
+    } else {
+      claimed.emplace(offset, offset + count);
+    }
     dst = in.owned[span_index].data() + (offset - span.offset) * esize;
   }
   // The claimed range is this rank's alone: copy outside the lock.

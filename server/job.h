@@ -202,8 +202,8 @@ class Job : public std::enable_shared_from_this<Job> {
   // A shared-memory session of `rank` ended (its peer hung up): a step the rank had in flight is
   // aborted and the job fenced; replays that point into its regions are dropped; the rank is
   // detached if `session` is still its session.
-  // `clean`: the peer detached on purpose; a rank that had not begun the step in flight then only
-  // leaves (it may attach again); a peer that died owes its part forever, so the step aborts.
+  // `clean`: the peer detached on purpose (only the message differs: a rank that still owed its
+  // part of the step in flight aborts it either way, as a gRPC rank's Detach does).
   void EndSharedSession(int rank, uint64_t session, const void* keepalive, bool clean = false);
   // Bytes copied host to host on the data path (gRPC chunks into input buffers and updates into
   // messages); the shared-memory path adds none.

@@ -17,6 +17,8 @@ namespace muond::server {
 
 // Largest data chunk accepted on any data path.
 inline constexpr size_t kMaxChunkBytes = size_t{4} << 20;
+// Separate pieces (not adjacent to one another) of one span a gRPC rank may have sent at once.
+inline constexpr size_t kMaxClaimedRanges = 4096;
 // How often a rank waiting for the step's commit checks whether it went away.
 inline constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
 

@@ -131,12 +131,14 @@ void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive, bo
     // The rank submitted through this session, or it still owed its part of the step: with its
     // session gone it can never complete the step, and the other ranks would wait for it forever.
     const bool submitted = keepalive != nullptr && rin.keepalive.get() == keepalive;
-    const bool owed = !clean && sessions_[rank] == session && !rin.begun;
+    // A clean detach that still owed its part ends the step the same way: the others would wait
+    // for it until the step timeout.
+    const bool owed = sessions_[rank] == session && !rin.begun;
     if (submitted || owed) {
       FailStep(*in_flight_,
                absl::AbortedError(absl::StrCat(
                    "job '", id(), "' step ", in_flight_->step, " aborted: rank ", rank,
-                   " (shared memory) went away ",
+                   " (shared memory) ", clean ? "detached " : "went away ",
                    submitted ? "during the step" : "before submitting its part of the step")),
                /*fence=*/true);
     }
@@ -156,7 +158,12 @@ void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive, bo
     }
     last_updates_[rank] = std::move(copy);
   }
-  if (sessions_[rank] == session) sessions_[rank] = 0;
+  if (sessions_[rank] == session) {
+    sessions_[rank] = 0;
+    // A peer that died between steps: a step the others begin before it attaches again is
+    // refused at once instead of waiting for it.
+    if (!clean) lost_[rank] = "its shared-memory session ended without a detach";
+  }
 }
 
 }  // namespace muond::server

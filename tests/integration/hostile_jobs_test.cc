@@ -499,6 +499,74 @@ TEST_F(HostileJobsTest, ResentDataIsAlwaysRefused) {
   Stop();
 }
 
+// Malformed specs (negative and huge dims, duplicate names), a scattered chunk stream, and a
+// malformed safetensors file given to muonctl: each a clear refusal, the victim untouched.
+TEST_F(HostileJobsTest, MalformedSpecsChunksAndFilesAreRefused) {
+  Start();
+  MakeVictim();
+  struct Case {
+    std::string what;
+    v1::JobSpec spec;
+    std::string want;
+  };
+  std::vector<Case> cases;
+  v1::JobSpec neg = common::JobSpecToProto(SmallSpec("neg"));
+  neg.mutable_matrices(0)->set_shape(0, -16);
+  cases.push_back({"negative dim", neg, "non-positive dimension"});
+  v1::JobSpec huge = common::JobSpecToProto(SmallSpec("hugedim"));
+  huge.mutable_matrices(0)->set_shape(0, int64_t{1} << 62);
+  huge.mutable_matrices(0)->set_shape(1, int64_t{1} << 62);
+  cases.push_back({"dims 2^62 x 2^62", huge, "elements"});
+  v1::JobSpec dup = common::JobSpecToProto(SmallSpec("dup"));
+  dup.mutable_matrices(1)->set_name("w");
+  cases.push_back({"duplicate names", dup, "appears twice"});
+  v1::JobSpec threed = common::JobSpecToProto(SmallSpec("dims"));
+  for (int i = 0; i < 6; ++i) threed.mutable_matrices(0)->add_shape(2);
+  cases.push_back({"8 dims", threed, "dimensions"});
+  for (const Case& c : cases) {
+    const grpc::Status s = RawCreate(daemon_->address(), c.spec);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.what;
+    EXPECT_TRUE(absl::StrContains(s.error_message(), c.want)) << s.error_message();
+    std::printf("%s: code %d: %s\n", c.what.c_str(), s.error_code(), s.error_message().c_str());
+  }
+  // One element per chunk, every other element first: the span's bookkeeping is bounded.
+  common::JobSpec spec = SmallSpec("scatter");
+  spec.matrices = {Matrix("s", {128, 128})};
+  auto token = client_->CreateJob(spec);
+  ASSERT_TRUE(token.ok());
+  auto stub = RawStub(daemon_->address());
+  grpc::ClientContext actx;
+  actx.AddMetadata("x-muond-job-token", *token);
+  v1::AttachRankRequest areq;
+  areq.set_job_id("scatter");
+  v1::AttachRankResponse aresp;
+  ASSERT_TRUE(stub->AttachRank(&actx, areq, &aresp).ok());
+  std::vector<v1::StepRequest> reqs = {BeginRequest("scatter", 0, aresp.session_id(), 0)};
+  for (uint64_t e = 0; e < 2 * 5000; e += 2) reqs.push_back(GradientRequest(0, e, Fp32Bytes({0.5f})));
+  const RawStepResult r = RunRawStep(*stub, &*token, reqs);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_TRUE(absl::StrContains(r.status.error_message(), "separate pieces"));
+  std::printf("scattered chunks: code %d: %s\n", r.status.error_code(),
+              r.status.error_message().c_str());
+  // muonctl step with a malformed safetensors file: refused before anything reaches the daemon.
+  WriteWholeFile(dir_.File("token"), victim_token_ + "\n");
+  ::chmod(dir_.File("token").c_str(), 0600);
+  for (const std::string& junk : {std::string("\xff\xff\xff\xff\xff\xff\xff\x7f{"),
+                                   std::string("\x10\0\0\0\0\0\0\0{\"w\":{\"dtype\":1}}  ", 27),
+                                   std::string("abc")}) {
+    WriteWholeFile(dir_.File("bad.safetensors"), junk);
+    const ProcessResult p = RunMuonctl(
+        daemon_->address(), {"step", "--job", "victim", "--rank", "0", "--step", "1", "--grads",
+                             dir_.File("bad.safetensors"), "--out", dir_.File("out.safetensors"),
+                             "--token-file", dir_.File("token")});
+    EXPECT_TRUE(p.exited && p.exit_code != 0) << p.out;
+    std::printf("muonctl step with a malformed safetensors file: exit %d: %s", p.exit_code,
+                p.err.c_str());
+  }
+  ExpectVictimIntact();
+  Stop();
+}
+
 // Job A's heavy work (a slow checkpoint save, a create restored from it that writes its first
 // generation slowly) never stalls job B: B's steps, attaches and job listings go on.
 TEST_F(HostileJobsTest, OneJobsHeavyWorkDoesNotStallAnother) {
