@@ -77,9 +77,15 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(const std::string
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
   ssize_t n = -1;
-  do {
+  for (int resets = 0;;) {
     n = recvmsg(ch->conn_, &msg, MSG_CMSG_CLOEXEC);
-  } while (n < 0 && errno == EINTR);
+    if (n >= 0) break;
+    if (errno == EINTR) continue;
+    // The daemon closed the connection with our request unread: the reset is reported first, its
+    // answer (if it sent one) is still queued behind it.
+    if (errno == ECONNRESET && resets++ == 0) continue;
+    break;
+  }
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "shared-memory attach: no reply from the daemon on ", socket_path, " within ",

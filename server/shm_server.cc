@@ -136,6 +136,15 @@ absl::Status SendReply(int conn, const v1::ShmAttachResponse& reply, const int* 
   return absl::OkStatus();
 }
 
+// Closes a connection that was answered. Datagrams the peer sent that were not read are dropped
+// first: closing a socket with unread data makes the peer's next receive fail with ECONNRESET
+// before it gets to the answer.
+void DrainAndClose(int conn) {
+  for (int i = 0; i < 16 && recv(conn, nullptr, 0, MSG_DONTWAIT | MSG_TRUNC) >= 0; ++i) {
+  }
+  close(conn);
+}
+
 v1::ShmAttachResponse ErrorReply(const absl::Status& s) {
   v1::ShmAttachResponse r;
   r.set_code(static_cast<int>(s.code()));
@@ -443,7 +452,7 @@ void ShmServer::Admit(int conn) {
     (void)SendReply(conn, ErrorReply(s), nullptr, 0);
     CountRefusal("session_limit");
     LogRefusal("session_limit", s, PeerOf(conn));
-    close(conn);
+    DrainAndClose(conn);
     return;
   }
   epoll_event ev{};
@@ -454,7 +463,7 @@ void ShmServer::Admit(int conn) {
     (void)SendReply(conn, ErrorReply(s), nullptr, 0);
     CountRefusal("out_of_descriptors");
     LogRefusal("out_of_descriptors", s, PeerOf(conn));
-    close(conn);
+    DrainAndClose(conn);
     return;
   }
   AddPending(conn, PeerOf(conn));
@@ -472,7 +481,7 @@ bool ShmServer::RefuseWithoutDescriptors(int err) {
     (void)SendReply(conn, ErrorReply(s), nullptr, 0);
     CountRefusal("out_of_descriptors");
     LogRefusal("out_of_descriptors", s, PeerOf(conn));
-    close(conn);
+    DrainAndClose(conn);
   }
   // Another thread may have taken the descriptor meanwhile: then retried when listening resumes.
   reserve_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -587,7 +596,7 @@ void ShmServer::RemovePending(int conn) {
 
 void ShmServer::ClosePending(int conn) {
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn, nullptr);
-  close(conn);
+  DrainAndClose(conn);
   RemovePending(conn);
 }
 
