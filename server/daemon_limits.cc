@@ -27,7 +27,7 @@ bool IsLimitKey(const std::string& key) {
   return key == "max-state-bytes" || key == "max-momentum-bytes" || key == "max-jobs" ||
          key == "max-world-size" || key == "max-tensors-per-job" || key == "max-spans-per-job" ||
          key == "max-shm-sessions" || key == "shm-attach-timeout-seconds" ||
-         key == "step-timeout-seconds";
+         key == "step-timeout-seconds" || key == "max-metrics-connections";
 }
 
 absl::Status ApplyLimit(DaemonLimits& l, const std::string& key, const std::string& value,
@@ -64,6 +64,8 @@ absl::Status ApplyLimit(DaemonLimits& l, const std::string& key, const std::stri
       return bad("expected seconds in (0, 3600]");
     }
     l.shm_attach_timeout_seconds = v;
+  } else if (key == "max-metrics-connections") {
+    return count(1, 1 << 20, &l.max_metrics_connections);
   } else if (key == "step-timeout-seconds") {
     return count(1, common::kMaxStepTimeoutSeconds, &l.step_timeout_seconds);
   } else {
@@ -90,6 +92,8 @@ std::string LimitsUsage() {
       "  --max-shm-sessions N    shared-memory connections (attached and attaching). Default: 256\n"
       "  --shm-attach-timeout-seconds S  a shared-memory connection must attach within S.\n"
       "                          Default: 5\n"
+      "  --max-metrics-connections N  connections to the metrics endpoint at once; beyond it the\n"
+      "                          oldest idle one is closed. Default: 1024\n"
       "  --step-timeout-seconds S  a job's step timeout unless its spec sets one: S after the\n"
       "                          first rank entered a step, ranks that have not pushed their part\n"
       "                          abort it (named) and the job is fenced. Default: 600\n");
@@ -105,6 +109,7 @@ std::vector<std::pair<std::string, double>> LimitValues(const DaemonLimits& l,
           {"max_shm_sessions", l.max_shm_sessions},
           {"shm_attach_timeout_seconds", l.shm_attach_timeout_seconds},
           {"step_timeout_seconds", l.step_timeout_seconds},
+          {"max_metrics_connections", l.max_metrics_connections},
           {"gather_budget_bytes", static_cast<double>(gather_budget_bytes)}};
 }
 

@@ -30,6 +30,8 @@ struct DaemonLimits {
   // may take to send its attach request.
   int max_shm_sessions = 256;
   double shm_attach_timeout_seconds = 5;
+  // Connections to the metrics endpoint open at once (the oldest idle one is shed beyond it).
+  int max_metrics_connections = 1024;
   // A job's step timeout when its spec sets none (counted from the first rank's entry).
   int step_timeout_seconds = 600;
 };

@@ -308,7 +308,9 @@ int Run(int argc, char** argv) {
                    LimitValues(config->limits, config->gather_budget_bytes)});
     const std::string address =
         config->metrics_address.empty() ? kDefaultMetricsAddress : config->metrics_address;
-    auto started = MetricsServer::Start(address, &common::DefaultRegistry());
+    MetricsServerOptions metrics_options;
+    metrics_options.max_connections = static_cast<size_t>(config->limits.max_metrics_connections);
+    auto started = MetricsServer::Start(address, &common::DefaultRegistry(), metrics_options);
     if (started.ok()) {
       metrics_server = *std::move(started);
       MUOND_LOG(INFO) << "metrics on http://" << metrics_server->address() << "/metrics";
