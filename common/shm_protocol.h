@@ -11,6 +11,12 @@
 // Step t uses buffer t % 2 of both regions. The connection stays open for the session: its hang-up
 // ends the session (a step in flight is aborted and the job fenced).
 //
+// Refusals are a ShmAttachResponse with a non-zero code and no descriptors, after which the daemon
+// closes the connection. It may send one before reading the request (RESOURCE_EXHAUSTED: too many
+// connections, or out of descriptors), or when no attach completed in time (DEADLINE_EXCEEDED); a
+// client must therefore read the answer even when its send failed (EPIPE) or its first receive
+// reported ECONNRESET. An attach request is one datagram of at most 64 KiB by default.
+//
 // The ring is single-producer/single-consumer each way. Indices only grow; slot = index % kRingSlots.
 // The daemon treats everything the client writes as hostile: indices, sizes and strings are
 // validated, and a malformed ring ends the session.
