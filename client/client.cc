@@ -289,8 +289,10 @@ absl::StatusOr<std::unique_ptr<RankSession>> Client::Attach(const std::string& j
         session->shm_ = *std::move(channel);
         return session;
       }
-      // auto falls back to gRPC only when the shared-memory socket cannot be reached.
-      if (transport == Transport::kShm || !absl::IsUnavailable(channel.status())) {
+      // auto falls back to gRPC only when the shared-memory socket cannot be reached or the
+      // daemon has no shared-memory session to spare (its session limit, its descriptors).
+      if (transport == Transport::kShm || !(absl::IsUnavailable(channel.status()) ||
+                                            absl::IsResourceExhausted(channel.status()))) {
         return Annotate(channel.status(), "AttachRank (shared memory)");
       }
     }

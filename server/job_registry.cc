@@ -276,7 +276,14 @@ absl::Status JobRegistry::Delete(const std::string& job_id) {
   } else if (absl::Status removed = durable::RemoveTree(gone); !removed.ok()) {
     MUOND_LOG(WARNING) << "job '" << job_id << "' deleted; its files: " << removed.message();
   }
-  job.reset();  // the last reference but those of steps still unwinding
+  // Steps and session watches still holding the job unwind (they see it deleted) within a poll
+  // period: wait for them, so the job's memory is back before this returns.
+  const std::weak_ptr<Job> last = job;
+  job.reset();
+  for (int i = 0; i < 1000 && !last.expired(); ++i) absl::SleepFor(absl::Milliseconds(5));
+  if (!last.expired()) {
+    MUOND_LOG(WARNING) << "job '" << job_id << "' deleted; something still holds it after 5 s";
+  }
   {
     absl::MutexLock lock(&mu_);
     busy_.erase(job_id);

@@ -6,8 +6,10 @@
 // where the host enqueues after it saw the event), so a serial schedule costs the sum of its
 // stages on the modelled clock.
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <utility>
 #include <cstring>
 #include <deque>
 #include <thread>
@@ -138,8 +140,24 @@ class HostDevice final : public Device {
     }
     return DeviceBuffer(this, p, bytes);
   }
-  bool RegisterHost(void* data, size_t bytes) override { return mlock(data, bytes) == 0; }
-  void UnregisterHost(void* data, size_t bytes) override { munlock(data, bytes); }
+  // Locks are per page and not counted: locking a buffer's partial edge pages, which other heap
+  // data shares, and unlocking them when the buffer goes would silently unlock a neighbour's
+  // locked bytes. Only the pages the buffer owns whole are locked (a small buffer: none).
+  bool RegisterHost(void* data, size_t bytes) override {
+    const auto [at, n] = WholePages(data, bytes);
+    return n == 0 || mlock(at, n) == 0;
+  }
+  void UnregisterHost(void* data, size_t bytes) override {
+    const auto [at, n] = WholePages(data, bytes);
+    if (n != 0) munlock(at, n);
+  }
+  static std::pair<void*, size_t> WholePages(void* data, size_t bytes) {
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) / page * page;
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) / page * page;
+    if (end <= begin) return {nullptr, 0};
+    return {reinterpret_cast<void*>(begin), static_cast<size_t>(end - begin)};
+  }
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
     return std::unique_ptr<Stream>(new HostStream(this, math_threads_));
   }
