@@ -20,6 +20,7 @@
 #include "common/grpc_status.h"
 #include "common/job_spec_proto.h"
 #include "common/paths.h"
+#include "common/pem.h"
 #include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -39,14 +40,7 @@ void SetToken(grpc::ClientContext* ctx, const std::string& token) {
 constexpr char kTlsScheme[] = "tls://";
 
 absl::StatusOr<std::string> ReadPem(const char* what, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TLS ", what, " ", path, ": cannot open: ", std::strerror(errno)));
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  return common::ReadPemFile(absl::StrCat("TLS ", what), path);
 }
 
 // Plaintext for unix:// and HOST:PORT, TLS (TlsOptions) for tls://HOST:PORT.

@@ -248,16 +248,16 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   return Created{std::move(job), std::move(token)};
 }
 
-absl::Status JobRegistry::Delete(const std::string& job_id) {
-  std::shared_ptr<Job> job;
+absl::Status JobRegistry::Delete(std::shared_ptr<Job> job) {
+  const std::string job_id = job->id();
   uint64_t bytes = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) {
+    if (it == jobs_.end() || it->second != job) {
       return absl::NotFoundError(absl::StrCat("job ", common::Quoted(job_id), " not found"));
     }
-    job = std::move(it->second);
+    it->second.reset();
     jobs_.erase(it);
     bytes = job_bytes_[job_id];
     job_bytes_.erase(job_id);

@@ -76,9 +76,10 @@ class JobRegistry {
   absl::StatusOr<Created> Create(common::JobSpec spec,
                                  const std::optional<RestoreFrom>& restore = std::nullopt,
                                  JobOwner owner = {});
-  // NOT_FOUND for an unknown id. Steps in flight on the job fail with NOT_FOUND. The job's memory
-  // is returned to the system before this returns.
-  absl::Status Delete(const std::string& job_id);
+  // Deletes `job` (taken from the caller, who keeps no reference: the job's memory is returned to
+  // the system before this returns). NOT_FOUND when it is no longer registered (deleted
+  // meanwhile). Steps in flight on the job fail with NOT_FOUND.
+  absl::Status Delete(std::shared_ptr<Job> job);
   // Job::Reset, made durable: a reset.json in the job's directory says the job restarts reset
   // unless a newer checkpoint generation was written after it. When the record cannot be
   // written the job is fenced (its memory was reset, its disk says otherwise) and the error

@@ -108,7 +108,8 @@ grpc::Status MuondService::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJ
                                      v1::DeleteJobResponse*) {
   auto job = Authorize(ctx, req->job_id());
   if (!job.ok()) return Logged("DeleteJob", job.status());
-  return Logged("DeleteJob", registry_->Delete(req->job_id()));
+  // The registry drops this reference too: Delete returns once the job's memory is back.
+  return Logged("DeleteJob", registry_->Delete(*std::move(job)));
 }
 
 grpc::Status MuondService::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,

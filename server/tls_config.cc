@@ -11,22 +11,13 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/pem.h"
 
 namespace muond::server {
 namespace {
 
 absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", flag, " ", path, ": cannot open: ", std::strerror(errno)));
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (ss.str().find("-----BEGIN ") == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, ": not a PEM file"));
-  }
-  return ss.str();
+  return common::ReadPemFile(absl::StrCat("--", flag), path);
 }
 
 }  // namespace

@@ -3,7 +3,11 @@
 // ranks that never come, die between steps or detach mid-step, streams that close before StepEnd
 // and chunks re-sent after all data was in, and one job's heavy work next to another job's steps.
 // After each attack the daemon still serves and a victim job keeps its state.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -60,6 +64,46 @@ grpc::Status RawCreate(const std::string& address, const v1::JobSpec& spec) {
   *req.mutable_spec() = spec;
   v1::CreateJobResponse resp;
   return stub->CreateJob(&ctx, req, &resp);
+}
+
+// GET http://127.0.0.1:PORT/metrics: the body (empty on failure).
+std::string Scrape(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string got;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+    if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+      char buf[65536];
+      ssize_t n;
+      while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) got.append(buf, static_cast<size_t>(n));
+    }
+  }
+  ::close(fd);
+  return got;
+}
+
+// The metrics port a daemon started with --metrics-address 127.0.0.1:0 chose (from its log).
+int MetricsPort(const std::string& log) {
+  const std::string key = "metrics on http://127.0.0.1:";
+  const size_t at = log.find(key);
+  return at == std::string::npos ? 0 : std::atoi(log.c_str() + at + key.size());
+}
+
+// Rank 0 of `job` attached with takeover on the raw stub; its session (0 on failure).
+uint64_t RawAttach(v1::Muond::Stub& stub, const std::string& job, const std::string& token) {
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("x-muond-job-token", token);
+  v1::AttachRankRequest req;
+  req.set_job_id(job);
+  req.set_takeover(true);
+  v1::AttachRankResponse resp;
+  return stub.AttachRank(&ctx, req, &resp).ok() ? resp.session_id() : 0;
 }
 
 class HostileJobsTest : public ::testing::Test {
@@ -416,20 +460,16 @@ TEST_F(HostileJobsTest, AStreamClosedBeforeStepEndNeverLiesAboutTheCommit) {
   auto stub = RawStub(daemon_->address());
   const MatrixBytes grads = MakeGradients(spec.matrices, 1, 3);
   int committed = 0, aborted = 0;
-  for (int i = 0; i < 60; ++i) {
+  constexpr int kRuns = 200;
+  for (int i = 0; i < kRuns; ++i) {
     auto st = client_->GetJob("race", *token);
     ASSERT_TRUE(st.ok());
     const int64_t step = st->next_step();
-    grpc::ClientContext actx;
-    actx.AddMetadata("x-muond-job-token", *token);
-    v1::AttachRankRequest areq;
-    areq.set_job_id("race");
-    areq.set_takeover(true);
-    v1::AttachRankResponse aresp;
-    ASSERT_TRUE(stub->AttachRank(&actx, areq, &aresp).ok());
+    const uint64_t session = RawAttach(*stub, "race", *token);
+    ASSERT_NE(session, 0u);
     const RawStepResult r = RunRawStep(
         *stub, &*token,
-        {BeginRequest("race", 0, aresp.session_id(), step), GradientRequest(0, 0, grads[0][0])});
+        {BeginRequest("race", 0, session, step), GradientRequest(0, 0, grads[0][0])});
     auto after = client_->GetJob("race", *token);
     ASSERT_TRUE(after.ok());
     if (after->next_step() == step + 1) {
@@ -445,9 +485,9 @@ TEST_F(HostileJobsTest, AStreamClosedBeforeStepEndNeverLiesAboutTheCommit) {
       ASSERT_TRUE(client_->ResetJob("race", *token, step).ok());
     }
   }
-  std::printf("stream closed before StepEnd, 60 runs: %d committed (told UNAVAILABLE), %d "
+  std::printf("stream closed before StepEnd, %d runs: %d committed (told UNAVAILABLE), %d "
               "aborted (told ABORTED)\n",
-              committed, aborted);
+              kRuns, committed, aborted);
   ExpectVictimIntact();
   Stop();
 }
@@ -467,16 +507,11 @@ TEST_F(HostileJobsTest, ResentDataIsAlwaysRefused) {
     auto st = client_->GetJob("resend", *token);
     ASSERT_TRUE(st.ok());
     const int64_t step = st->next_step();
-    grpc::ClientContext actx;
-    actx.AddMetadata("x-muond-job-token", *token);
-    v1::AttachRankRequest areq;
-    areq.set_job_id("resend");
-    areq.set_takeover(true);
-    v1::AttachRankResponse aresp;
-    ASSERT_TRUE(stub->AttachRank(&actx, areq, &aresp).ok());
+    const uint64_t session = RawAttach(*stub, "resend", *token);
+    ASSERT_NE(session, 0u);
     const RawStepResult r =
         RunRawStep(*stub, &*token,
-                   {BeginRequest("resend", 0, aresp.session_id(), step),
+                   {BeginRequest("resend", 0, session, step),
                     GradientRequest(0, 0, grads[0][0]), GradientRequest(0, 0, grads[1][0]),
                     EndRequest()});
     EXPECT_FALSE(r.status.ok()) << "a re-sent chunk with other values was accepted";
@@ -535,13 +570,9 @@ TEST_F(HostileJobsTest, MalformedSpecsChunksAndFilesAreRefused) {
   auto token = client_->CreateJob(spec);
   ASSERT_TRUE(token.ok());
   auto stub = RawStub(daemon_->address());
-  grpc::ClientContext actx;
-  actx.AddMetadata("x-muond-job-token", *token);
-  v1::AttachRankRequest areq;
-  areq.set_job_id("scatter");
-  v1::AttachRankResponse aresp;
-  ASSERT_TRUE(stub->AttachRank(&actx, areq, &aresp).ok());
-  std::vector<v1::StepRequest> reqs = {BeginRequest("scatter", 0, aresp.session_id(), 0)};
+  const uint64_t session = RawAttach(*stub, "scatter", *token);
+  ASSERT_NE(session, 0u);
+  std::vector<v1::StepRequest> reqs = {BeginRequest("scatter", 0, session, 0)};
   for (uint64_t e = 0; e < 2 * 5000; e += 2) reqs.push_back(GradientRequest(0, e, Fp32Bytes({0.5f})));
   const RawStepResult r = RunRawStep(*stub, &*token, reqs);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << r.status.error_message();
@@ -574,8 +605,10 @@ TEST_F(HostileJobsTest, OneJobsHeavyWorkDoesNotStallAnother) {
   GTEST_SKIP() << "muond was built without test hooks (-DMUOND_TEST_HOOKS=ON)";
 #endif
   ::setenv("MUOND_TEST_CHECKPOINT_FAULT", "delay:300", 1);
-  Start();
+  Start({"--metrics-address", "127.0.0.1:0"});
   ::unsetenv("MUOND_TEST_CHECKPOINT_FAULT");
+  const int metrics_port = MetricsPort(daemon_->Log());
+  ASSERT_NE(metrics_port, 0) << daemon_->Log();
   common::JobSpec a = SmallSpec("heavy");
   a.matrices = {Matrix("a0", {1024, 1024}), Matrix("a1", {1024, 1024}),
                 Matrix("a2", {1024, 1024}), Matrix("a3", {1024, 1024})};
@@ -588,7 +621,7 @@ TEST_F(HostileJobsTest, OneJobsHeavyWorkDoesNotStallAnother) {
   auto session = client_->Attach("light", 0, *b_token, false, client::Transport::kGrpc);
   ASSERT_TRUE(session.ok());
   int64_t step = 0;
-  // B's step latency (a step, an attach and a job listing), median of n.
+  // B's step latency (a step, an attach, a job listing and a /metrics scrape), median of n.
   auto measure = [&](int n) {
     std::vector<double> t;
     for (int i = 0; i < n; ++i) {
@@ -596,6 +629,7 @@ TEST_F(HostileJobsTest, OneJobsHeavyWorkDoesNotStallAnother) {
       EXPECT_TRUE(StepSpans(**session, step, grads[0]).ok());
       ++step;
       EXPECT_TRUE(client_->ListJobs().ok());
+      EXPECT_TRUE(absl::StrContains(Scrape(metrics_port), "muond_jobs")) << "a scrape failed";
       auto other = client_->Attach("light", 0, *b_token, /*takeover=*/true,
                                    client::Transport::kGrpc);
       EXPECT_TRUE(other.ok());
@@ -628,7 +662,7 @@ TEST_F(HostileJobsTest, OneJobsHeavyWorkDoesNotStallAnother) {
   const double busy = measure(15);
   const bool overlapped = !heavy_done.load();
   heavy.join();
-  std::printf("job B step+list+attach median: %.1f ms quiet, %.1f ms while job A saves (%.1f s) "
+  std::printf("job B step+list+attach+scrape median: %.1f ms quiet, %.1f ms while job A saves (%.1f s) "
               "and a job is created from A's checkpoint (%.1f s); ratio %.2f\n",
               quiet * 1e3, busy * 1e3, save_seconds, create_seconds, busy / quiet);
   EXPECT_TRUE(overlapped) << "A's work ended before B's measurement";
