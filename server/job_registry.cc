@@ -114,7 +114,7 @@ std::shared_ptr<Job> JobRegistry::NewJob(common::JobSpec spec, std::string token
                                budget, compute_, checkpoints, timeout, std::move(owner));
 }
 
-absl::Status JobRegistry::Reserve(const common::JobSpec& spec, uint64_t bytes, bool restoring) {
+absl::Status JobRegistry::Reserve(const common::JobSpec& spec, uint64_t bytes) {
   const std::string& id = spec.job_id;
   absl::MutexLock lock(&mu_);
   if (jobs_.count(id) != 0 || busy_.count(id) != 0) {
@@ -125,10 +125,6 @@ absl::Status JobRegistry::Reserve(const common::JobSpec& spec, uint64_t bytes, b
     return absl::AlreadyExistsError(absl::StrCat(
         "job '", id, "': its directory ", JobDir(id), " exists but could not be restored (",
         it->second, "); move it out of the state directory to reuse the id"));
-  }
-  if (!restoring && Exists(JobDir(id))) {
-    return absl::AlreadyExistsError(absl::StrCat("job '", id, "': ", JobDir(id),
-                                                 " exists and was not made by this daemon"));
   }
   const size_t jobs = jobs_.size() + busy_.size();
   if (jobs >= static_cast<size_t>(limits_.max_jobs)) {
@@ -204,8 +200,13 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   ASSIGN_OR_RETURN(std::string token, NewJobToken());
   const uint64_t bytes = footprint.total();
   const std::string id = spec.job_id;
-  RETURN_IF_ERROR(Reserve(spec, bytes, /*restoring=*/false));
+  RETURN_IF_ERROR(Reserve(spec, bytes));
   // From here on the id and bytes are ours; the lock is not held.
+  if (Exists(JobDir(id))) {
+    Unreserve(id, bytes);
+    return absl::AlreadyExistsError(absl::StrCat("job '", id, "': ", JobDir(id),
+                                                 " exists and was not made by this daemon"));
+  }
   std::shared_ptr<Job> job;
   try {
     job = NewJob(std::move(spec), common::Sha256(token), std::move(owner));

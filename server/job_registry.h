@@ -111,7 +111,7 @@ class JobRegistry {
   std::shared_ptr<Job> NewJob(common::JobSpec spec, std::string token_sha256,
                               JobOwner owner) const;
   // Checks the limits and reserves the id and bytes under the lock.
-  absl::Status Reserve(const common::JobSpec& spec, uint64_t bytes, bool restoring)
+  absl::Status Reserve(const common::JobSpec& spec, uint64_t bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
   void Unreserve(const std::string& id, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void Publish(std::shared_ptr<Job> job, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);

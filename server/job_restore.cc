@@ -143,7 +143,7 @@ void JobRegistry::RestoreOne(const std::string& name) {
   absl::Status s = footprint.status();
   if (s.ok()) s = CheckJobLimits(record->spec, *footprint, limits_, default_gather_budget_bytes_);
   const uint64_t bytes = footprint.ok() ? footprint->total() : 0;
-  if (s.ok()) s = Reserve(record->spec, bytes, /*restoring=*/true);
+  if (s.ok()) s = Reserve(record->spec, bytes);
   if (!s.ok()) return SetBroken(name, std::string(s.message()));
   std::shared_ptr<Job> job =
       NewJob(std::move(record->spec), std::move(record->token_sha256), std::move(record->owner));

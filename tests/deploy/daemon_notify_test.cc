@@ -115,8 +115,10 @@ TEST(DaemonNotifyTest, ReadyWatchdogAndStoppingFromTheRealDaemon) {
     EXPECT_EQ(*ping, "WATCHDOG=1");
     (i == 0 ? first : last) = Clock::now();
   }
+  // Two intervals of 200 ms; the first ping may have waited in the socket before it was read, so
+  // the bound only says the pings are paced, not sent back to back.
   const double ms = std::chrono::duration<double, std::milli>(last - first).count();
-  EXPECT_GE(ms, 380);
+  EXPECT_GE(ms, 300);
 
   // SIGTERM: STOPPING=1 (pings may still come while it drains), then exit 0.
   ASSERT_EQ(kill(pid, SIGTERM), 0);
