@@ -467,9 +467,11 @@ TEST_F(HostileJobsTest, AStreamClosedBeforeStepEndNeverLiesAboutTheCommit) {
     const int64_t step = st->next_step();
     const uint64_t session = RawAttach(*stub, "race", *token);
     ASSERT_NE(session, 0u);
+    // 0 to 9 ms between the last chunk and the close: both outcomes occur.
     const RawStepResult r = RunRawStep(
         *stub, &*token,
-        {BeginRequest("race", 0, session, step), GradientRequest(0, 0, grads[0][0])});
+        {BeginRequest("race", 0, session, step), GradientRequest(0, 0, grads[0][0])}, 30, 0,
+        (i % 10) * 1e-3);
     auto after = client_->GetJob("race", *token);
     ASSERT_TRUE(after.ok());
     if (after->next_step() == step + 1) {
@@ -477,6 +479,13 @@ TEST_F(HostileJobsTest, AStreamClosedBeforeStepEndNeverLiesAboutTheCommit) {
       EXPECT_NE(r.status.error_code(), grpc::StatusCode::ABORTED)
           << "ABORTED for a committed step: " << r.status.error_message();
       EXPECT_FALSE(after->fenced());
+      if (committed == 1) {
+        // The rank learns the committed step by asking for it again: a replay.
+        const RawStepResult replay =
+            RunRawStep(*stub, &*token, {BeginRequest("race", 0, session, step), EndRequest()});
+        EXPECT_TRUE(replay.status.ok()) << replay.status.error_message();
+        EXPECT_TRUE(replay.replayed());
+      }
     } else {
       ++aborted;
       EXPECT_EQ(after->next_step(), step);
@@ -512,8 +521,8 @@ TEST_F(HostileJobsTest, ResentDataIsAlwaysRefused) {
     const RawStepResult r =
         RunRawStep(*stub, &*token,
                    {BeginRequest("resend", 0, session, step),
-                    GradientRequest(0, 0, grads[0][0]), GradientRequest(0, 0, grads[1][0]),
-                    EndRequest()});
+                    GradientRequest(0, 0, grads[0][0]), GradientRequest(0, 0, grads[1][0])},
+                   30, (i % 6) * 2e-3);  // 0 to 10 ms before the re-sent chunk
     EXPECT_FALSE(r.status.ok()) << "a re-sent chunk with other values was accepted";
     auto after = client_->GetJob("resend", *token);
     ASSERT_TRUE(after.ok());

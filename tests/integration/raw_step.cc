@@ -1,6 +1,9 @@
 #include "tests/integration/raw_step.h"
 
 #include <chrono>
+#include <thread>
+
+#include <chrono>
 #include <cstring>
 
 #include "common/crc32c.h"
@@ -62,15 +65,21 @@ bool RawStepResult::replayed() const {
 }
 
 RawStepResult RunRawStep(v1::Muond::Stub& stub, const std::string* token,
-                         const std::vector<v1::StepRequest>& requests, double timeout_seconds) {
+                         const std::vector<v1::StepRequest>& requests, double timeout_seconds,
+                         double pause_before_last, double pause_before_close) {
+  auto pause = [](double seconds) {
+    if (seconds > 0) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  };
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
   if (token != nullptr) ctx.AddMetadata("x-muond-job-token", *token);
   auto stream = stub.Step(&ctx);
-  for (const v1::StepRequest& req : requests) {
-    if (!stream->Write(req)) break;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (i + 1 == requests.size()) pause(pause_before_last);
+    if (!stream->Write(requests[i])) break;
   }
+  pause(pause_before_close);
   stream->WritesDone();
   RawStepResult result;
   v1::StepResponse resp;

@@ -37,9 +37,11 @@ struct RawStepResult {
 
 // Opens a Step stream (with metadata x-muond-job-token = *token unless token is null), writes the
 // requests (stopping at the first failed write), closes the writing side, reads every response and
-// finishes the call, within `timeout_seconds` (then DEADLINE_EXCEEDED).
+// finishes the call, within `timeout_seconds` (then DEADLINE_EXCEEDED). Pauses (seconds) before
+// writing the last request and before closing the writing side widen or narrow races.
 RawStepResult RunRawStep(v1::Muond::Stub& stub, const std::string* token,
-                         const std::vector<v1::StepRequest>& requests, double timeout_seconds = 30);
+                         const std::vector<v1::StepRequest>& requests, double timeout_seconds = 30,
+                         double pause_before_last = 0, double pause_before_close = 0);
 
 }  // namespace muond::integration
 
