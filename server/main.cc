@@ -300,12 +300,16 @@ int Run(int argc, char** argv) {
   std::unique_ptr<DaemonMetricsCollector> metrics_collector;
   std::unique_ptr<MetricsServer> metrics_server;
   if (config->metrics_address != "off") {
+    std::vector<std::pair<std::string, double>> limits =
+        LimitValues(config->limits, config->gather_budget_bytes);
+    if (uds != nullptr) {
+      limits.emplace_back("max_connections", static_cast<double>(uds->max_connections()));
+    }
     metrics_collector = std::make_unique<DaemonMetricsCollector>(
         &registry, shm.get(),
         DaemonInfo{MUOND_VERSION, backend,
                    backend == "cpu" || backend == "simulated" ? CpuModelName() : backend,
-                   config->limits.max_state_bytes,
-                   LimitValues(config->limits, config->gather_budget_bytes)});
+                   config->limits.max_state_bytes, std::move(limits)});
     const std::string address =
         config->metrics_address.empty() ? kDefaultMetricsAddress : config->metrics_address;
     MetricsServerOptions metrics_options;
