@@ -136,10 +136,16 @@ ProcessResult RunProcess(const std::vector<std::string>& argv,
     result.err = std::string(pid.status().message());
     return result;
   }
+  return FinishProcess(*pid, timeout_seconds, out_path, err_path);
+}
+
+ProcessResult FinishProcess(pid_t pid, double timeout_seconds, const std::string& out_path,
+                            const std::string& err_path) {
+  ProcessResult result;
   int status = 0;
-  if (!WaitPid(*pid, timeout_seconds, &status)) {
-    ::kill(*pid, SIGKILL);
-    ::waitpid(*pid, &status, 0);
+  if (!WaitPid(pid, timeout_seconds, &status)) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
     result.timed_out = true;
   }
   if (WIFEXITED(status)) {

@@ -58,6 +58,11 @@ ProcessResult RunProcess(const std::vector<std::string>& argv,
                          const std::map<std::string, std::string>& env = {},
                          double timeout_seconds = 30);
 
+// Waits for the child `pid` (SIGKILL after `timeout_seconds`) and collects how it ended and what
+// it wrote to `out_path` and `err_path`.
+ProcessResult FinishProcess(pid_t pid, double timeout_seconds, const std::string& out_path,
+                            const std::string& err_path);
+
 // Runs muonctl --address ADDRESS ARGS...
 ProcessResult RunMuonctl(const std::string& address, const std::vector<std::string>& args,
                          const std::map<std::string, std::string>& env = {});

@@ -66,8 +66,8 @@ grpc::Status RawCreate(const std::string& address, const v1::JobSpec& spec) {
   return stub->CreateJob(&ctx, req, &resp);
 }
 
-// GET http://127.0.0.1:PORT/metrics: the body (empty on failure).
-std::string Scrape(int port) {
+// A TCP connection to 127.0.0.1:PORT with a 5 s receive timeout; -1 when it cannot connect.
+int ConnectLoopback(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -75,8 +75,18 @@ std::string Scrape(int port) {
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   timeval tv{5, 0};
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// GET http://127.0.0.1:PORT/metrics: the body (empty on failure).
+std::string Scrape(int port) {
+  const int fd = ConnectLoopback(port);
   std::string got;
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+  if (fd >= 0) {
     const std::string req = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
     if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
       char buf[65536];
@@ -84,7 +94,7 @@ std::string Scrape(int port) {
       while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) got.append(buf, static_cast<size_t>(n));
     }
   }
-  ::close(fd);
+  if (fd >= 0) ::close(fd);
   return got;
 }
 
@@ -616,12 +626,8 @@ TEST_F(HostileJobsTest, IdleAndOversizedMetricsRequestsDoNotStarveScrapes) {
   ASSERT_NE(port, 0) << daemon_->Log();
   std::vector<int> idle;
   for (int i = 0; i < 300; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const int fd = ConnectLoopback(port);
+    ASSERT_GE(fd, 0);
     idle.push_back(fd);
   }
   double worst = 0;
@@ -637,14 +643,8 @@ TEST_F(HostileJobsTest, IdleAndOversizedMetricsRequestsDoNotStarveScrapes) {
   for (const std::string& req :
        {"GET /" + std::string(65536, 'a') + " HTTP/1.1\r\n\r\n",
         "GET /metrics HTTP/1.1\r\nX: " + std::string(1 << 20, 'h') + "\r\n\r\n"}) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    timeval tv{5, 0};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const int fd = ConnectLoopback(port);
+    ASSERT_GE(fd, 0);
     (void)::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
     char buf[256] = {};
     const ssize_t n = ::recv(fd, buf, sizeof(buf) - 1, 0);

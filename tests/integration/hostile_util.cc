@@ -57,27 +57,7 @@ ProcessResult RunAs(uid_t uid, gid_t gid, const std::vector<std::string>& argv, 
     result.err = absl::StrCat("fork: ", std::strerror(errno));
     return result;
   }
-  int status = 0;
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
-  while (::waitpid(pid, &status, WNOHANG) == 0) {
-    if (std::chrono::steady_clock::now() >= deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      result.timed_out = true;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  if (WIFEXITED(status)) {
-    result.exited = !result.timed_out;
-    result.exit_code = WEXITSTATUS(status);
-  } else if (WIFSIGNALED(status)) {
-    result.signal = WTERMSIG(status);
-  }
-  result.out = ReadWholeFile(out_path);
-  result.err = ReadWholeFile(err_path);
-  return result;
+  return FinishProcess(pid, timeout_seconds, out_path, err_path);
 }
 
 int LoggedPort(const std::string& log) {
