@@ -212,6 +212,12 @@ class Job : public std::enable_shared_from_this<Job> {
   // Zeroes the momentum, clears a fence and sets the next step. FAILED_PRECONDITION while a step is
   // in flight.
   absl::Status Reset(int64_t next_step);
+  // Reset, made durable by `persist`, which is called with the newest checkpoint generation on
+  // disk (0: none) and records the reset. No save of this job runs between the reset and the
+  // record, so every generation up to that number holds the momentum before the reset. When
+  // `persist` fails the job is fenced (memory reset, disk not) and its error returned.
+  absl::Status ResetDurably(int64_t next_step,
+                            const std::function<absl::Status(int64_t)>& persist);
   // Marks the job deleted: steps in flight and later ones fail with NOT_FOUND.
   void MarkDeleted();
 

@@ -1,5 +1,6 @@
 // The checkpoint half of Job (DESIGN.md 7): consistent snapshots with per-matrix copy-on-write,
 // background saves, loads into the pinned momentum store. Format and durability: checkpoint.cc.
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -97,6 +98,24 @@ int64_t Job::last_checkpoint_step() const { return last_checkpoint_step_.load();
 
 absl::StatusOr<std::vector<checkpoint::GenerationInfo>> Job::ListCheckpoints() const {
   return store_.List();
+}
+
+absl::Status Job::ResetDurably(int64_t next_step,
+                               const std::function<absl::Status(int64_t)>& persist) {
+  // Held across the reset, the listing and the record: a save that began earlier finishes
+  // first, and one that begins later writes the reset momentum under a newer number.
+  absl::MutexLock save_lock(&save_mu_);
+  RETURN_IF_ERROR(Reset(next_step));
+  int64_t newest = 0;
+  if (auto list = store_.List(); list.ok()) {
+    for (const auto& info : *list) newest = std::max(newest, info.generation);
+  }
+  absl::Status s = persist(newest);
+  if (s.ok()) return s;
+  Fence(absl::StrCat("reset to step ", next_step, " could not be made durable: ", s.message()));
+  return absl::Status(s.code(), absl::StrCat("job '", id(), "' was reset in memory but the reset "
+                                             "could not be recorded (", s.message(),
+                                             "); the job is fenced"));
 }
 
 uint64_t Job::MomentumBytes() const {

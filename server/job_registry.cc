@@ -31,19 +31,10 @@ namespace {
 constexpr char kCreatingMarker[] = ".creating";
 constexpr char kDeletedPrefix[] = ".deleted-";
 constexpr char kResetRecord[] = "reset.json";
+
 bool Exists(const std::string& path) {
   struct stat st;
   return ::lstat(path.c_str(), &st) == 0;
-}
-
-// The newest generation number in the job's checkpoint directory (0: none).
-int64_t NewestGeneration(const Job& job) {
-  auto list = job.ListCheckpoints();
-  int64_t newest = 0;
-  if (list.ok()) {
-    for (const auto& info : *list) newest = std::max(newest, info.generation);
-  }
-  return newest;
 }
 
 }  // namespace
@@ -298,22 +289,14 @@ absl::Status JobRegistry::Delete(std::shared_ptr<Job> job) {
 }
 
 absl::Status JobRegistry::Reset(const std::shared_ptr<Job>& job, int64_t next_step) {
-  RETURN_IF_ERROR(job->Reset(next_step));
-  // A save that began before the reset writes the old momentum: let it finish, then every
-  // generation up to the newest is older than the reset.
-  job->WaitForSaves();
-  const nlohmann::json record = {{"format", "muond-reset"},
-                                 {"next_step", next_step},
-                                 {"after_generation", NewestGeneration(*job)}};
   const std::string path = absl::StrCat(JobDir(job->id()), "/", kResetRecord);
-  absl::Status s = durable::WriteFileDurably(path, record.dump() + "\n");
-  if (!s.ok()) {
-    job->Fence(absl::StrCat("reset to step ", next_step, " could not be made durable: ",
-                            s.message()));
-    return absl::Status(s.code(), absl::StrCat("job '", job->id(), "' was reset in memory but ",
-                                               path, " could not be written (", s.message(),
-                                               "); the job is fenced"));
-  }
+  absl::Status s = job->ResetDurably(next_step, [&](int64_t newest_generation) {
+    const nlohmann::json record = {{"format", "muond-reset"},
+                                   {"next_step", next_step},
+                                   {"after_generation", newest_generation}};
+    return durable::WriteFileDurably(path, record.dump() + "\n");
+  });
+  if (!s.ok()) return s;
   MUOND_LOG(INFO) << "job '" << job->id() << "' reset; next step " << next_step;
   return absl::OkStatus();
 }

@@ -80,10 +80,10 @@ class JobRegistry {
   // the system before this returns). NOT_FOUND when it is no longer registered (deleted
   // meanwhile). Steps in flight on the job fail with NOT_FOUND.
   absl::Status Delete(std::shared_ptr<Job> job);
-  // Job::Reset, made durable: a reset.json in the job's directory says the job restarts reset
-  // unless a newer checkpoint generation was written after it. When the record cannot be
-  // written the job is fenced (its memory was reset, its disk says otherwise) and the error
-  // returned names the path.
+  // Job::Reset, made durable (Job::ResetDurably): a reset.json in the job's directory says the
+  // job restarts reset unless a newer checkpoint generation was written after it. When the record
+  // cannot be written the job is fenced (its memory was reset, its disk says otherwise) and the
+  // error returned names the path.
   absl::Status Reset(const std::shared_ptr<Job>& job, int64_t next_step);
   // Job::LoadCheckpoint; a successful load supersedes an earlier reset record.
   absl::StatusOr<Job::LoadResult> LoadCheckpoint(const std::shared_ptr<Job>& job,

@@ -370,6 +370,38 @@ TEST_F(HostileJobsTest, AResetSurvivesARestart) {
   Stop();
 }
 
+// A reset while a slow save of the old momentum is running: the save finishes first, and after a
+// restart the job is still reset (the save's generation is older than the reset record).
+TEST_F(HostileJobsTest, AResetDuringASlowSaveSurvivesARestart) {
+#ifndef MUOND_TEST_HOOKS
+  GTEST_SKIP() << "muond was built without test hooks (-DMUOND_TEST_HOOKS=ON)";
+#endif
+  ::setenv("MUOND_TEST_CHECKPOINT_FAULT", "delay:200", 1);
+  Start();
+  ::unsetenv("MUOND_TEST_CHECKPOINT_FAULT");
+  common::JobSpec spec = SmallSpec("slowsave");
+  auto token = client_->CreateJob(spec);
+  ASSERT_TRUE(token.ok());
+  const MatrixBytes grads = MakeGradients(spec.matrices, 2, 8);
+  {
+    auto s = client_->Attach("slowsave", 0, *token);
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE(StepSpans(**s, 0, grads[0]).ok());
+    ASSERT_TRUE(StepSpans(**s, 1, grads[1]).ok());
+  }
+  std::thread save([&] { EXPECT_TRUE(client_->SaveCheckpoint("slowsave", *token).ok()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the save is writing
+  ASSERT_TRUE(client_->ResetJob("slowsave", *token, 0).ok());
+  save.join();
+  Stop();
+  Start();
+  auto st = client_->GetJob("slowsave", *token);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->next_step(), 0) << "the slow save undid the reset at the restart";
+  EXPECT_FALSE(st->fenced()) << st->fence_reason();
+  Stop();
+}
+
 TEST_F(HostileJobsTest, AStepTimeoutAbortsNamingTheRanksThatNeverCame) {
   Start();
   MakeVictim();
