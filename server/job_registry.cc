@@ -30,6 +30,7 @@ namespace {
 
 constexpr char kCreatingMarker[] = ".creating";
 constexpr char kDeletedPrefix[] = ".deleted-";
+constexpr char kCreatingPrefix[] = ".creating-";
 constexpr char kResetRecord[] = "reset.json";
 
 bool Exists(const std::string& path) {
@@ -149,20 +150,31 @@ void JobRegistry::Publish(std::shared_ptr<Job> job, uint64_t bytes) {
 
 absl::Status JobRegistry::Persist(const Job& job) const {
   const std::string dir = JobDir(job.id());
+  const std::string jobs_dir = absl::StrCat(state_dir_, "/jobs");
   nlohmann::json record = {
       {"format", "muond-job"},
       {"format_version", 1},
       {"spec", nlohmann::json::parse(common::JobSpecToJson(job.spec()))},
       {"token_sha256", absl::BytesToHexString(job.token_sha256())},
       {"owner", {{"uid", job.owner().uid}, {"description", job.owner().description}}}};
-  RETURN_IF_ERROR(durable::MakeDirs(dir));
-  const std::string marker = absl::StrCat(dir, "/", kCreatingMarker);
-  RETURN_IF_ERROR(durable::WriteFileDurably(marker, "muond: job directory being created\n"));
-  RETURN_IF_ERROR(durable::WriteFileDurably(absl::StrCat(dir, "/job.json"),
-                                            record.dump(1, ' ', false,
-                                                        nlohmann::json::error_handler_t::replace) +
-                                                "\n"));
-  return absl::OkStatus();
+  // Made under a name only this daemon uses (a dot first), complete with its marker and record,
+  // then renamed into place: a crash leaves either that temporary directory or a marked one,
+  // both removed at the next start, never an unmarked half-made job directory.
+  const std::string tmp = absl::StrCat(jobs_dir, "/", kCreatingPrefix, job.id(), "-",
+                                       absl::ToUnixNanos(absl::Now()));
+  RETURN_IF_ERROR(durable::MakeDirs(tmp));
+  absl::Status s = durable::WriteFileDurably(absl::StrCat(tmp, "/", kCreatingMarker),
+                                             "muond: job directory being created\n");
+  if (s.ok()) {
+    s = durable::WriteFileDurably(
+        absl::StrCat(tmp, "/job.json"),
+        record.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+  }
+  bool renamed = false;
+  if (s.ok()) renamed = (s = durable::Rename(tmp, dir)).ok();
+  if (s.ok()) s = durable::FsyncDir(jobs_dir);
+  if (!s.ok()) (void)durable::RemoveTree(renamed ? dir : tmp);
+  return s;
 }
 
 absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
@@ -208,11 +220,9 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   }
   absl::Status s;
   if (source != nullptr) s = job->LoadCheckpointFrom(source, restore->selector).status();
+  const bool load_failed = !s.ok();
   bool made_dir = false;
-  if (s.ok()) {
-    s = Persist(*job);
-    made_dir = true;
-  }
+  if (s.ok()) made_dir = (s = Persist(*job)).ok();
   if (s.ok() && source != nullptr) {
     // The restored momentum exists only in memory until the job has a generation of its own: a
     // restart before its first save would bring it back empty (the marker makes a restart
@@ -225,7 +235,7 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
     job.reset();
     Unreserve(id, bytes);
     ::malloc_trim(0);
-    if (source != nullptr && !made_dir) return s;
+    if (load_failed) return s;
     return absl::Status(s.code(), absl::StrCat("job '", id, "' could not be stored in ",
                                                state_dir_, ": ", s.message()));
   }

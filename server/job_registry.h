@@ -12,9 +12,11 @@
 // common::ValidateJobId, so it can never be ".", ".." or start with a dot) holding job.json
 // ({"format": "muond-job", "format_version": 1, "spec": job.json form, "token_sha256": hex,
 // "owner": {...}}; the token itself is never stored), reset.json after a reset, and
-// checkpoints/ (server/checkpoint.h). A directory being created holds a ".creating" marker until
-// its job.json is durable; a deleted job's directory is first renamed to ".deleted-<id>-<ns>".
-// The daemon only ever removes what it made: marked interrupted creates and .deleted-* entries.
+// checkpoints/ (server/checkpoint.h). A new job's directory is made as ".creating-<id>-<ns>"
+// with its job.json and a ".creating" marker, renamed into place, and loses the marker once the
+// job is complete (a job restored from a checkpoint: after its first generation); a deleted job's
+// directory is first renamed to ".deleted-<id>-<ns>". The daemon only ever removes what it made:
+// .creating-* and .deleted-* entries and marked interrupted creates.
 // At start, every job directory is restored from its newest good checkpoint generation; one that
 // cannot be restored (unreadable, not a job, beyond a limit) is set aside as broken (listed, its
 // id reserved, its files untouched) while every other job starts normally.

@@ -105,9 +105,9 @@ absl::Status JobRegistry::Restore() {
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     if (name == "." || name == "..") continue;
-    if (absl::StartsWith(name, ".deleted-")) {
-      // A deletion that did not finish (only this daemon makes such names: ids cannot start
-      // with a dot).
+    if (absl::StartsWith(name, ".deleted-") || absl::StartsWith(name, ".creating-")) {
+      // A deletion or a create that did not finish (only this daemon makes such names: ids
+      // cannot start with a dot).
       (void)durable::RemoveTree(absl::StrCat(jobs_dir, "/", name));
       continue;
     }

@@ -316,7 +316,16 @@ TEST_F(HostileJobsTest, BrokenJobDirectoriesAreSetAsideAndTheRestStarts) {
   ASSERT_EQ(::mkdir((jobs + "/unreadable").c_str(), 0750), 0);
   WriteWholeFile(jobs + "/unreadable/job.json", "{}");
   ::chmod((jobs + "/unreadable/job.json").c_str(), 0);
+  // What an interrupted create leaves: its temporary directory, or a marked job directory. Both
+  // are the daemon's own and go at the start (not listed as broken).
+  ASSERT_EQ(::mkdir((jobs + "/.creating-half-1").c_str(), 0750), 0);
+  WriteWholeFile(jobs + "/.creating-half-1/.creating", "x");
+  ASSERT_EQ(::mkdir((jobs + "/marked").c_str(), 0750), 0);
+  WriteWholeFile(jobs + "/marked/.creating", "x");
   Start();
+  struct stat st;
+  EXPECT_NE(::lstat((jobs + "/.creating-half-1").c_str(), &st), 0);
+  EXPECT_NE(::lstat((jobs + "/marked").c_str(), &st), 0);
   auto listed = client_->ListJobsWithBroken();
   ASSERT_TRUE(listed.ok()) << listed.status();
   std::vector<std::string> broken;
