@@ -185,18 +185,10 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   RETURN_IF_ERROR(CheckJobLimits(spec, footprint, limits_, default_gather_budget_bytes_));
   std::shared_ptr<Job> source;
   if (restore) {
-    RETURN_IF_ERROR(common::ValidateJobId(restore->job_id, "restore.job_id"));
-    auto found = Find(restore->job_id);
+    auto found = Authorize(restore->job_id, restore->token, " (restore.token)");
     if (!found.ok()) {
-      return absl::NotFoundError(absl::StrCat("restore: job '", restore->job_id, "' not found"));
-    }
-    if (restore->token.empty()) {
-      return absl::UnauthenticatedError(
-          absl::StrCat("restore: the token of job '", restore->job_id, "' is missing"));
-    }
-    if (!(*found)->TokenMatches(restore->token)) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("restore: wrong token for job '", restore->job_id, "'"));
+      return absl::Status(found.status().code(),
+                          absl::StrCat("restore: ", found.status().message()));
     }
     source = *std::move(found);
   }
@@ -326,6 +318,20 @@ absl::StatusOr<std::shared_ptr<Job>> JobRegistry::Find(const std::string& job_id
     return absl::NotFoundError(absl::StrCat("job ", common::Quoted(job_id), " not found"));
   }
   return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobRegistry::Authorize(const std::string& job_id,
+                                                            std::string_view token,
+                                                            const std::string& hint) const {
+  RETURN_IF_ERROR(common::ValidateJobId(job_id));
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Find(job_id));
+  if (token.empty()) {
+    return absl::UnauthenticatedError(absl::StrCat("job '", job_id, "': missing job token", hint));
+  }
+  if (!job->TokenMatches(token)) {
+    return absl::PermissionDeniedError(absl::StrCat("job '", job_id, "': wrong job token"));
+  }
+  return job;
 }
 
 std::vector<std::shared_ptr<Job>> JobRegistry::List() const {

@@ -29,6 +29,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -91,6 +92,13 @@ class JobRegistry {
   absl::StatusOr<Job::LoadResult> LoadCheckpoint(const std::shared_ptr<Job>& job,
                                                  const checkpoint::Selector& selector);
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& job_id) const;
+  // The job `job_id` if `token` is its token: INVALID_ARGUMENT for an id no job can have,
+  // NOT_FOUND, UNAUTHENTICATED for an empty token ("missing job token", then `hint`, e.g. where
+  // the token is carried), PERMISSION_DENIED for a wrong one. The one token check of every path
+  // (gRPC calls, shared-memory attaches, CreateJob's restore source).
+  absl::StatusOr<std::shared_ptr<Job>> Authorize(const std::string& job_id,
+                                                 std::string_view token,
+                                                 const std::string& hint = "") const;
   std::vector<std::shared_ptr<Job>> List() const;
   struct BrokenJob {
     std::string directory;

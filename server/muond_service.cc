@@ -59,20 +59,14 @@ absl::StatusOr<checkpoint::Selector> SelectorOf(const std::string& what, const R
 
 absl::StatusOr<std::shared_ptr<Job>> MuondService::Authorize(grpc::ServerContext* ctx,
                                                              const std::string& job_id) const {
-  RETURN_IF_ERROR(common::ValidateJobId(job_id));
-  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, registry_->Find(job_id));
   const auto& md = ctx->client_metadata();
   auto it = md.find(kTokenMetadataKey);
   // An empty value counts as missing: a client without a token (e.g. muonctl with no token file
   // and no $MUOND_JOB_TOKEN) still sends the key.
-  if (it == md.end() || it->second.empty()) {
-    return absl::UnauthenticatedError(absl::StrCat(
-        "job '", job_id, "': missing job token (metadata '", kTokenMetadataKey, "')"));
-  }
-  if (!job->TokenMatches(std::string_view(it->second.data(), it->second.size()))) {
-    return absl::PermissionDeniedError(absl::StrCat("job '", job_id, "': wrong job token"));
-  }
-  return job;
+  const std::string_view token =
+      it == md.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
+  return registry_->Authorize(job_id, token,
+                              absl::StrCat(" (metadata '", kTokenMetadataKey, "')"));
 }
 
 grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,

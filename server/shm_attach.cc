@@ -119,14 +119,8 @@ absl::StatusOr<v1::ShmAttachRequest> ParseAttachRequest(const char* data, size_t
 // The job of an attach request, once its token and rank are checked.
 absl::StatusOr<std::shared_ptr<Job>> Authorize(JobRegistry& registry,
                                                const v1::ShmAttachRequest& req) {
-  auto job = registry.Find(req.job_id());
+  auto job = registry.Authorize(req.job_id(), req.token());
   if (!job.ok()) return job.status();
-  if (req.token().empty()) {
-    return absl::UnauthenticatedError(absl::StrCat("job '", req.job_id(), "': missing job token"));
-  }
-  if (!(*job)->TokenMatches(req.token())) {
-    return absl::PermissionDeniedError(absl::StrCat("job '", req.job_id(), "': wrong job token"));
-  }
   const int world = (*job)->spec().world_size;
   if (req.rank() < 0 || req.rank() >= world) {
     return absl::InvalidArgumentError(absl::StrCat("job '", req.job_id(), "': rank ", req.rank(),
