@@ -1,17 +1,13 @@
 #include "client/client.h"
 
-#include <thread>
-
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <map>
-#include <sstream>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -213,10 +209,7 @@ absl::StatusOr<v1::JobStatus> Client::GetJob(const std::string& job_id, const st
 }
 
 absl::StatusOr<std::vector<v1::JobStatus>> Client::ListJobs() {
-  grpc::ClientContext ctx;
-  v1::ListJobsRequest req;
-  v1::ListJobsResponse resp;
-  RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->ListJobs(&ctx, req, &resp)), "ListJobs"));
+  ASSIGN_OR_RETURN(const v1::ListJobsResponse resp, ListJobsWithBroken());
   return std::vector<v1::JobStatus>(resp.jobs().begin(), resp.jobs().end());
 }
 

@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "common/names.h"
 
 namespace muond::common {
 
@@ -93,7 +94,7 @@ struct JobSpec {
 inline constexpr int kMaxNsSteps = 100;
 inline constexpr int kMaxCheckpointKeep = 1000;
 inline constexpr int kMaxWorldSize = 65536;
-inline constexpr size_t kMaxJobIdLength = 128;
+inline constexpr size_t kMaxJobIdLength = kMaxJobIdBytes;  // common/names.h
 inline constexpr int kMaxStepTimeoutSeconds = 7 * 24 * 3600;
 // Largest matrix muond accepts, in elements (2^34: 64 GiB of fp32 momentum).
 inline constexpr int64_t kMaxMatrixElements = int64_t{1} << 34;

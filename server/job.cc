@@ -30,7 +30,7 @@ RankStep::RankStep(std::shared_ptr<Job> job, int rank, int64_t step,
 
 RankStep::~RankStep() {
   if (!done_ && state_ != nullptr) {
-    job_->AbortRank(state_, rank_, "left before the step completed");
+    (void)job_->AbandonRank(state_, rank_, "left before the step completed");
   }
 }
 
@@ -181,9 +181,7 @@ absl::Status Job::CheckSession(int rank, uint64_t session) const {
 
 void Job::AbortIfOwed(int rank, const std::string& why) {
   const RankInput& in = in_flight_->ranks[rank];
-  // A shared-memory rank that submitted has pushed everything (its done callback is set).
-  const bool pushed = in.finished || in.done != nullptr;
-  if (in.begun && pushed) return;
+  if (in.begun && in.pushed()) return;
   FailStep(*in_flight_,
            absl::AbortedError(absl::StrCat("job '", id(), "' step ", in_flight_->step,
                                            " aborted: rank ", rank, " ", why,
@@ -212,7 +210,7 @@ void Job::CheckStepTimeout(absl::Time now) {
     const RankInput& in = in_flight_->ranks[r];
     if (!in.begun) {
       absent.push_back(r);
-    } else if (!in.finished && in.done == nullptr) {
+    } else if (!in.pushed()) {
       pushing.push_back(r);
     }
   }
@@ -568,9 +566,9 @@ void Job::Commit(StepState& state) {
   }
 }
 
-bool Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
+void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
   // A step whose commit began is committed: nothing may report it as failed.
-  if (state.done || state.committing) return false;
+  if (state.done || state.committing) return;
   // A step whose ranks are all on shared memory is owned by in_flight_ alone (no RankStep holds
   // it), and in_flight_ is reset below: keep `state` alive until this function returns.
   const std::shared_ptr<StepState> keep = in_flight_.get() == &state ? in_flight_ : nullptr;
@@ -598,22 +596,12 @@ bool Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
     }
   }
   state.cv.SignalAll();
-  return true;
 }
 
 absl::Status Job::TakeRefusal(int rank, int64_t step) {
   if (refusal_.step != step || !refusal_.owed[rank]) return absl::OkStatus();
   refusal_.owed[rank] = false;
   return refusal_.status;
-}
-
-void Job::AbortRank(const std::shared_ptr<StepState>& state, int rank, const std::string& why) {
-  absl::MutexLock lock(&mu_);
-  if (state->done) return;
-  FailStep(*state,
-           absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step,
-                                           " aborted: rank ", rank, " ", why)),
-           /*fence=*/true);
 }
 
 absl::Status Job::AbandonRank(const std::shared_ptr<StepState>& state, int rank,
@@ -670,9 +658,7 @@ v1::JobStatus Job::Status() const {
   st.set_backend(backend_);
   st.set_created_unix_ms(created_unix_ms_);
   st.set_gather_budget_bytes(gather_budget_bytes_);
-  uint64_t bytes = 0;
-  for (const auto& m : momentum_) bytes += m.size() * sizeof(float);
-  st.set_momentum_bytes(bytes);
+  st.set_momentum_bytes(MomentumBytes());
   absl::MutexLock lock(&mu_);
   st.set_next_step(next_step_);
   st.set_steps_completed(steps_completed_);

@@ -163,6 +163,8 @@ class Job : public std::enable_shared_from_this<Job> {
   // could not be read at restart.
   void Fence(const std::string& reason);
   absl::StatusOr<std::vector<checkpoint::GenerationInfo>> ListCheckpoints() const;
+  // The highest generation number in the job's checkpoint directory, good or not (0: none).
+  int64_t NewestGeneration() const;
   const std::string& checkpoint_dir() const { return store_.dir(); }
   // The step of the newest generation written or loaded by this process (-1: none).
   int64_t last_checkpoint_step() const;
@@ -187,6 +189,8 @@ class Job : public std::enable_shared_from_this<Job> {
   // part; the message names the ranks missing. Called periodically by the registry.
   void CheckStepTimeout(absl::Time now);
   absl::Duration step_timeout() const { return step_timeout_; }
+  // Bytes of fp32 momentum the job holds (0 for a transport probe).
+  uint64_t MomentumBytes() const;
   const JobOwner& owner() const { return owner_; }
   // Starts `rank`'s part in `step`. FAILED_PRECONDITION when the job is fenced, the session is not
   // the rank's current one, the step is out of order, or the rank already has the step in flight.
@@ -244,10 +248,11 @@ class Job : public std::enable_shared_from_this<Job> {
   void DrainReady(const std::shared_ptr<StepState>& state);
   void Commit(StepState& state);
   // Ends the step with `status` (refused: not fenced; aborted: fenced).
-  // False (and nothing changes) when the step already ended or its commit began.
-  bool FailStep(StepState& state, const absl::Status& status, bool fence)
+  // Nothing changes when the step already ended or its commit began.
+  void FailStep(StepState& state, const absl::Status& status, bool fence)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AbortRank(const std::shared_ptr<StepState>& state, int rank, const std::string& why);
+  // Aborts the step for every rank (job fenced) because `rank` left it; when the commit had
+  // already begun it waits for it and says so instead (see RankStep::Abandon).
   absl::Status AbandonRank(const std::shared_ptr<StepState>& state, int rank,
                            const std::string& why);
   // Aborts the step in flight if `rank` still owes its part (not begun, or begun and not
@@ -276,7 +281,6 @@ class Job : public std::enable_shared_from_this<Job> {
   void PreserveForSnapshot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_);
   absl::Status InstallMomentum(const checkpoint::Loaded& loaded, const std::string& source)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(snap_mu_, mu_);
-  uint64_t MomentumBytes() const;
   // Installs a verified generation of job `from` (this job or another) and sets the next step;
   // FAILED_PRECONDITION while a step is in flight.
   absl::StatusOr<LoadResult> InstallLoaded(const checkpoint::Loaded& loaded, const Job& from)

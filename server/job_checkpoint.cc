@@ -100,17 +100,21 @@ absl::StatusOr<std::vector<checkpoint::GenerationInfo>> Job::ListCheckpoints() c
   return store_.List();
 }
 
+int64_t Job::NewestGeneration() const {
+  int64_t newest = 0;
+  if (auto list = store_.List(); list.ok()) {
+    for (const auto& info : *list) newest = std::max(newest, info.generation);
+  }
+  return newest;
+}
+
 absl::Status Job::ResetDurably(int64_t next_step,
                                const std::function<absl::Status(int64_t)>& persist) {
   // Held across the reset, the listing and the record: a save that began earlier finishes
   // first, and one that begins later writes the reset momentum under a newer number.
   absl::MutexLock save_lock(&save_mu_);
   RETURN_IF_ERROR(Reset(next_step));
-  int64_t newest = 0;
-  if (auto list = store_.List(); list.ok()) {
-    for (const auto& info : *list) newest = std::max(newest, info.generation);
-  }
-  absl::Status s = persist(newest);
+  absl::Status s = persist(NewestGeneration());
   if (s.ok()) return s;
   Fence(absl::StrCat("reset to step ", next_step, " could not be made durable: ", s.message()));
   return absl::Status(s.code(), absl::StrCat("job '", id(), "' was reset in memory but the reset "

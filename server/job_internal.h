@@ -33,6 +33,9 @@ struct RankInput {
   std::shared_ptr<const void> keepalive;              // shared memory: the regions
   bool begun = false;
   bool finished = false;
+  // The rank has sent its whole part: a gRPC rank's StepEnd, a shared-memory rank's submission
+  // (its done callback is set).
+  bool pushed() const { return finished || done != nullptr; }
 };
 
 // The step in flight. Guarded by the owning Job's mu_, except the bytes of the input buffers

@@ -28,10 +28,6 @@
 namespace muond::server {
 namespace {
 
-constexpr char kCreatingMarker[] = ".creating";
-constexpr char kDeletedPrefix[] = ".deleted-";
-constexpr char kCreatingPrefix[] = ".creating-";
-constexpr char kResetRecord[] = "reset.json";
 
 bool Exists(const std::string& path) {
   struct stat st;
@@ -141,10 +137,9 @@ void JobRegistry::Unreserve(const std::string& id, uint64_t bytes) {
   state_bytes_ -= bytes;
 }
 
-void JobRegistry::Publish(std::shared_ptr<Job> job, uint64_t bytes) {
+void JobRegistry::Publish(std::shared_ptr<Job> job) {
   absl::MutexLock lock(&mu_);
   busy_.erase(job->id());
-  job_bytes_[job->id()] = bytes;
   jobs_.emplace(job->id(), std::move(job));
 }
 
@@ -231,7 +226,7 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
     return absl::Status(s.code(), absl::StrCat("job '", id, "' could not be stored in ",
                                                state_dir_, ": ", s.message()));
   }
-  Publish(job, bytes);
+  Publish(job);
   MUOND_LOG(INFO) << "job '" << id << "' created by " << job->owner().description << ": "
                   << job->spec().matrices.size() << " matrices, " << footprint.state_bytes
                   << " bytes of momentum, " << footprint.table_bytes << " bytes of tables ("
@@ -244,7 +239,8 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
 
 absl::Status JobRegistry::Delete(std::shared_ptr<Job> job) {
   const std::string job_id = job->id();
-  uint64_t bytes = 0;
+  // What Create or Restore reserved for it (the footprint is a function of the spec).
+  const uint64_t bytes = MeasureJob(job->spec()).value_or(JobFootprint()).total();
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
@@ -253,8 +249,6 @@ absl::Status JobRegistry::Delete(std::shared_ptr<Job> job) {
     }
     it->second.reset();
     jobs_.erase(it);
-    bytes = job_bytes_[job_id];
-    job_bytes_.erase(job_id);
     busy_.insert(job_id);  // until its files are gone: a create of the same id waits for that
   }
   job->MarkDeleted();
@@ -366,10 +360,7 @@ uint64_t JobRegistry::state_bytes() const {
 
 uint64_t JobRegistry::momentum_bytes() const {
   uint64_t n = 0;
-  for (const auto& job : List()) {
-    if (job->spec().transport_probe) continue;
-    for (const common::MatrixSpec& m : job->spec().matrices) n += m.numel() * sizeof(float);
-  }
+  for (const auto& job : List()) n += job->MomentumBytes();
   return n;
 }
 

@@ -117,6 +117,12 @@ class JobRegistry {
   size_t compute_queue_depth() const { return executor_->queue_depth(); }
 
  private:
+  // Entries of a jobs directory only this daemon makes (job ids cannot start with a dot), and the
+  // files of a job directory besides job.json and checkpoints/.
+  static constexpr char kCreatingPrefix[] = ".creating-";
+  static constexpr char kDeletedPrefix[] = ".deleted-";
+  static constexpr char kCreatingMarker[] = ".creating";
+  static constexpr char kResetRecord[] = "reset.json";
   std::string JobDir(const std::string& id) const;
   std::shared_ptr<Job> NewJob(common::JobSpec spec, std::string token_sha256,
                               JobOwner owner) const;
@@ -124,7 +130,8 @@ class JobRegistry {
   absl::Status Reserve(const common::JobSpec& spec, uint64_t bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
   void Unreserve(const std::string& id, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  void Publish(std::shared_ptr<Job> job, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Registers a job whose id and bytes Reserve reserved.
+  void Publish(std::shared_ptr<Job> job) ABSL_LOCKS_EXCLUDED(mu_);
   // Writes the new job's directory (marker, job.json, marker removed).
   absl::Status Persist(const Job& job) const;
   // Restores one entry of the jobs directory (a broken one is recorded).
@@ -140,7 +147,6 @@ class JobRegistry {
   const std::string state_dir_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, uint64_t> job_bytes_ ABSL_GUARDED_BY(mu_);  // counted per job
   std::set<std::string> busy_ ABSL_GUARDED_BY(mu_);  // ids being created or deleted
   std::map<std::string, std::string> broken_ ABSL_GUARDED_BY(mu_);  // directory -> reason
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -105,7 +105,7 @@ absl::Status JobRegistry::Restore() {
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     if (name == "." || name == "..") continue;
-    if (absl::StartsWith(name, ".deleted-") || absl::StartsWith(name, ".creating-")) {
+    if (absl::StartsWith(name, kDeletedPrefix) || absl::StartsWith(name, kCreatingPrefix)) {
       // A deletion or a create that did not finish (only this daemon makes such names: ids
       // cannot start with a dot).
       (void)durable::RemoveTree(absl::StrCat(jobs_dir, "/", name));
@@ -132,7 +132,7 @@ void JobRegistry::RestoreOne(const std::string& name) {
   if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
     return SetBroken(name, "not a directory");
   }
-  if (::lstat(absl::StrCat(dir, "/.creating").c_str(), &st) == 0) {
+  if (::lstat(absl::StrCat(dir, "/", kCreatingMarker).c_str(), &st) == 0) {
     MUOND_LOG(WARNING) << "restore: " << dir << " is an interrupted create; removing it";
     (void)durable::RemoveTree(dir);
     return;
@@ -149,17 +149,13 @@ void JobRegistry::RestoreOne(const std::string& name) {
       NewJob(std::move(record->spec), std::move(record->token_sha256), std::move(record->owner));
   std::string how;
   if (!job->spec().transport_probe) {
-    auto loaded = job->LoadCheckpoint({});
-    const std::optional<ResetRecord> reset = ReadReset(absl::StrCat(dir, "/reset.json"));
-    auto newest = job->ListCheckpoints();
-    int64_t newest_generation = 0;
-    if (newest.ok()) {
-      for (const auto& g : *newest) newest_generation = std::max(newest_generation, g.generation);
-    }
-    if (reset && newest_generation <= reset->after_generation) {
+    // A reset newer than every generation wins, and nothing is loaded.
+    const std::optional<ResetRecord> reset =
+        ReadReset(absl::StrCat(dir, "/", kResetRecord));
+    if (reset && job->NewestGeneration() <= reset->after_generation) {
       (void)job->Reset(reset->next_step);
       how = absl::StrCat("reset before the restart: zero momentum, next step ", reset->next_step);
-    } else if (loaded.ok()) {
+    } else if (auto loaded = job->LoadCheckpoint({}); loaded.ok()) {
       how = absl::StrCat("from checkpoint generation ", loaded->info.generation, ", next step ",
                          loaded->next_step);
     } else if (loaded.status().code() == absl::StatusCode::kNotFound) {
@@ -170,7 +166,7 @@ void JobRegistry::RestoreOne(const std::string& name) {
     }
   }
   MUOND_LOG(INFO) << "job '" << name << "' restored (" << how << ")";
-  Publish(std::move(job), bytes);
+  Publish(std::move(job));
 }
 
 }  // namespace muond::server

@@ -71,7 +71,8 @@ absl::StatusOr<std::shared_ptr<Job>> MuondService::Authorize(grpc::ServerContext
 
 grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,
                                      v1::CreateJobResponse* resp) {
-  absl::Status allowed = access_ ? access_->MayCreateJob(PeerOf(*ctx)) : absl::OkStatus();
+  const PeerIdentity peer = PeerOf(*ctx);
+  absl::Status allowed = access_ ? access_->MayCreateJob(peer) : absl::OkStatus();
   if (!allowed.ok()) return Logged("CreateJob", allowed);
   if (shutting_down_.load()) return Logged("CreateJob", absl::UnavailableError("muond is shutting down"));
   auto spec = common::JobSpecFromProto(req->spec());
@@ -83,7 +84,6 @@ grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJ
     if (!selector.ok()) return Logged("CreateJob", selector.status());
     restore = JobRegistry::RestoreFrom{r.job_id(), r.token(), *selector};
   }
-  const PeerIdentity peer = PeerOf(*ctx);
   JobOwner owner;
   if (peer.unix_credentials) owner.uid = peer.unix_credentials->uid;
   owner.description = peer.Describe();

@@ -4,10 +4,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <netinet/in.h>
 
-#include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
