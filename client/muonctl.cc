@@ -132,8 +132,8 @@ void PrintStatus(const v1::JobStatus& st) {
               static_cast<unsigned long long>(st.momentum_bytes()),
               static_cast<unsigned long long>(st.gather_budget_bytes()),
               static_cast<unsigned long long>(st.gather_peak_bytes()));
-  std::printf("host_copy_bytes: %llu\nlast_step_device_seconds: %.6f\n",
-              static_cast<unsigned long long>(st.host_copy_bytes()), st.last_step_device_seconds());
+  std::printf("transport_copy_bytes: %llu\nlast_step_device_seconds: %.6f\n",
+              static_cast<unsigned long long>(st.transport_copy_bytes()), st.last_step_device_seconds());
   std::printf("checkpoints: %s every=%llu keep=%d last_step=%s\n", st.checkpoint_dir().c_str(),
               static_cast<unsigned long long>(st.spec().checkpoint_every_steps()),
               st.spec().checkpoint_keep(),

@@ -154,7 +154,7 @@ nlohmann::json StatusJson(const std::string& address, const std::string& metrics
     job["momentum_bytes"] = j.momentum_bytes();
     job["gather_budget_bytes"] = j.gather_budget_bytes();
     job["gather_peak_bytes"] = j.gather_peak_bytes();
-    job["host_copy_bytes"] = j.host_copy_bytes();
+    job["transport_copy_bytes"] = j.transport_copy_bytes();
     // Exported by the checkpoint writer once checkpoints exist (null until then).
     job["last_checkpoint_age_seconds"] = NumberOrNull(scrape, "muond_checkpoint_newest_age_seconds",
                                                       {{"muond_job", j.spec().job_id()}});

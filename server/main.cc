@@ -25,21 +25,21 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
-#include "server/daemon_config.h"
-#include "server/daemon_metrics.h"
-#include "server/metrics_http.h"
-#include "server/sd_notify.h"
-#include "server/compute_device.h"
-#include "server/compute_executor.h"
+#include "server/ops/daemon_config.h"
+#include "server/ops/daemon_metrics.h"
+#include "server/ops/metrics_http.h"
+#include "server/ops/sd_notify.h"
+#include "server/device/device_streams.h"
+#include "server/jobs/compute_executor.h"
 #include "server/device/device.h"
-#include "server/durable_file.h"
-#include "server/job_registry.h"
-#include "server/shm_server.h"
-#include "server/muon/muon_math.h"
-#include "server/muond_service.h"
-#include "server/peer_identity.h"
-#include "server/tls_config.h"
-#include "server/uds_listener.h"
+#include "server/storage/durable_file.h"
+#include "server/jobs/job_registry.h"
+#include "server/api/shm_server.h"
+#include "server/optim/muon_math.h"
+#include "server/api/muond_service.h"
+#include "server/api/peer_identity.h"
+#include "server/api/tls_config.h"
+#include "server/api/uds_listener.h"
 
 #ifndef MUOND_VERSION
 #define MUOND_VERSION "0.0.0"
@@ -206,7 +206,7 @@ int Run(int argc, char** argv) {
   opened->device->SetMemoryLimit(
       static_cast<size_t>(std::max<uint64_t>(3 * config->gather_budget_bytes, uint64_t{1} << 30)));
   MUOND_LOG(INFO) << "backend " << opened->why;
-  auto compute = ComputeDevice::Create(std::move(opened->device), opened->why,
+  auto compute = DeviceStreams::Create(std::move(opened->device), opened->why,
                                        config->serial_schedule);
   if (!compute.ok()) {
     return Fail(1, absl::StrCat("--backend ", config->backend, ": ", compute.status().message()));
@@ -358,15 +358,15 @@ int Run(int argc, char** argv) {
   // its newest generation.
   registry.WaitForSaves();
   for (const auto& job : registry.List()) {
-    const v1::JobStatus st = job->Status();
-    if (job->spec().transport_probe || st.fenced()) {
-      if (st.fenced()) {
+    const JobReport st = job->Report();
+    if (job->spec().transport_probe || st.fenced) {
+      if (st.fenced) {
         MUOND_LOG(WARNING) << "job '" << job->id() << "' is fenced; no checkpoint at shutdown";
       }
       continue;
     }
-    if (job->last_checkpoint_step() == st.next_step()) continue;  // unchanged since
-    if (job->last_checkpoint_step() < 0 && st.steps_completed() == 0) continue;  // never stepped
+    if (job->last_checkpoint_step() == st.next_step) continue;  // unchanged since
+    if (job->last_checkpoint_step() < 0 && st.steps_completed == 0) continue;  // never stepped
     auto saved = job->SaveCheckpoint();
     if (!saved.ok()) {
       MUOND_LOG(ERROR) << "shutdown checkpoint of job '" << job->id()

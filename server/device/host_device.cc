@@ -18,7 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "server/device/device.h"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 
 namespace muond::server::device {
 

@@ -17,7 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "common/dtype.h"
 #include "common/job_spec.h"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 #include "tests/bench/bench.h"
 
 namespace muond::bench {

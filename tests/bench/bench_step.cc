@@ -21,7 +21,7 @@
 #include "client/client.h"
 #include "common/dtype.h"
 #include "common/layout.h"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 #include "tests/bench/bench.h"
 
 namespace muond::bench {

@@ -17,7 +17,7 @@
 #include "common/job_spec.h"
 #include "gtest/gtest.h"
 #include "server/device/device.h"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 
 namespace muond::test_util {
 

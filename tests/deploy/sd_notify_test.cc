@@ -1,7 +1,7 @@
-// server/sd_notify.h against a socket the test binds, as systemd would: the exact datagrams for a
+// server/ops/sd_notify.h against a socket the test binds, as systemd would: the exact datagrams for a
 // path and an abstract $NOTIFY_SOCKET, the errors, $WATCHDOG_USEC/$WATCHDOG_PID parsing, and the
 // watchdog thread's pings (count, spacing at half the interval, prompt stop).
-#include "server/sd_notify.h"
+#include "server/ops/sd_notify.h"
 
 #include <stdlib.h>
 #include <unistd.h>

@@ -18,7 +18,7 @@
 #include "common/job_spec.h"
 #include "gtest/gtest.h"
 #include "server/device/device.h"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 #include "tests/gpu/cuda_test_util.h"
 
 namespace muond::server::device {

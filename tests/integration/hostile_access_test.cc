@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
 #include "gtest/gtest.h"
-#include "server/peer_identity.h"
-#include "server/tls_config.h"
+#include "server/api/peer_identity.h"
+#include "server/api/tls_config.h"
 #include "tests/integration/daemon_fixture.h"
 #include "tests/integration/hostile_util.h"
 

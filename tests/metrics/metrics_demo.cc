@@ -14,7 +14,7 @@
 #include <string>
 
 #include "common/metrics.h"
-#include "server/metrics_http.h"
+#include "server/ops/metrics_http.h"
 
 namespace {
 

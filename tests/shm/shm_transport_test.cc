@@ -175,7 +175,7 @@ TEST_F(ShmTransportTest, TransportIsReportedAndAutoPicksSharedMemoryOnAUnixSocke
   ASSERT_TRUE(client().DeleteJob(id, *token).ok());
 }
 
-// The daemon's host-to-host copies on the data path (JobStatus.host_copy_bytes): none for
+// The daemon's host-to-host copies on the data path (JobStatus.transport_copy_bytes): none for
 // shared-memory steps (Step, StepBuffer or zero-copy); exactly the gradient bytes in plus the
 // update bytes out for a gRPC step of the same job; a shared-memory replay of a step committed
 // over gRPC copies the update once into the region. Switching transports mid-job keeps the
@@ -196,7 +196,7 @@ TEST_F(ShmTransportTest, HostCopiesAreCountedFromTheCodePath) {
   auto copies = [&]() -> uint64_t {
     auto st = client().GetJob(spec.job_id, *token);
     EXPECT_TRUE(st.ok()) << st.status();
-    return st.ok() ? st->host_copy_bytes() : ~uint64_t{0};
+    return st.ok() ? st->transport_copy_bytes() : ~uint64_t{0};
   };
   std::unique_ptr<client::RankSession> sessions[2];
   auto attach = [&](Transport t) {

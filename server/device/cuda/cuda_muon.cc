@@ -23,7 +23,7 @@
 #include "server/device/cuda/cuda_kernels.h"
 #include "server/device/cuda/cuda_ns_plan.h"
 #include "server/device/cuda/cuda_status.h"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 
 namespace muond::server::device::cuda {
 namespace {

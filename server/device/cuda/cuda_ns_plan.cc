@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "common/status_macros.h"
-#include "server/muon/ns_schedule.h"
+#include "server/optim/ns_schedule.h"
 
 namespace muond::server::device::cuda {
 namespace {

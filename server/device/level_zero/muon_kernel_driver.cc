@@ -17,7 +17,7 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "server/device/level_zero/muon_kernels.h"
-#include "server/muon/ns_schedule.h"
+#include "server/optim/ns_schedule.h"
 
 namespace muond::server::device::level_zero {
 namespace {

@@ -18,7 +18,7 @@
 #include "absl/status/status.h"
 #include "common/job_spec.h"
 #include "server/device/level_zero/kernel_queue.h"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 
 namespace muond::server::device::level_zero {
 
@@ -30,7 +30,7 @@ struct KernelMuonItem {
   KernelBufferRef momentum;
 };
 
-// MuonUpdate (server/muon/muon_math.h) of every item, with update aliasing grad. Errors:
+// MuonUpdate (server/optim/muon_math.h) of every item, with update aliasing grad. Errors:
 // INVALID_ARGUMENT for a spec that is not a Muon matrix or a bad config, or when a gradient holds a
 // non-finite value (checked for all items before any momentum is written: then nothing is
 // written), or when a result is not finite (momenta and updates then hold the partial step); a

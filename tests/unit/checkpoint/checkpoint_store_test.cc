@@ -1,8 +1,8 @@
-// checkpoint::Store (server/checkpoint.h): round trips, verification (bit flips, truncation),
+// checkpoint::Store (server/storage/checkpoint.h): round trips, verification (bit flips, truncation),
 // fault injection at every write / fsync / rename point, ENOSPC, a process killed in the middle of
 // a save. After every failure the previous generation loads bit for bit.
-#include "server/checkpoint.h"
-#include "server/durable_file.h"
+#include "server/storage/checkpoint.h"
+#include "server/storage/durable_file.h"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -16,7 +16,7 @@
 #include "server/device/device.h"
 #include "tests/common/muon_cases.h"
 #include "server/device/level_zero/muon_kernels_spirv.h"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 
 namespace muond::server::device {
 namespace {

@@ -23,7 +23,7 @@
 #include "gtest/gtest.h"
 #include "server/device/level_zero/muon_kernel_driver.h"
 #include "server/device/level_zero/muon_kernels.h"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 #include "tests/common/muon_cases.h"
 #include "tests/unit/level_zero/muon_kernels_test_util.h"
 #ifdef MUOND_HAVE_OPENCL

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "server/metrics_http.h"
+#include "server/ops/metrics_http.h"
 #include "tests/unit/metrics/http_test_client.h"
 
 namespace muond::server {

@@ -1,4 +1,4 @@
-#include "server/metrics_http.h"
+#include "server/ops/metrics_http.h"
 
 #include <string>
 

@@ -18,7 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "common/job_spec.h"
 #include "gtest/gtest.h"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 
 namespace muond::server {
 namespace {

@@ -13,7 +13,7 @@
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "server/muon/muon_math.h"
+#include "server/optim/muon_math.h"
 
 namespace muond::server {
 namespace {

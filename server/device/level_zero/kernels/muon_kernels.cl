@@ -13,7 +13,7 @@
 //  - matrices are batches of row-major blocks, contiguous, with an explicit batch stride.
 //
 // No contraction of a * b + c into an fma anywhere in this file: the momentum EMA must round
-// exactly as the host's Lerp (server/muon/muon_math.cc, built with -ffp-contract=off) so that the
+// exactly as the host's Lerp (server/optim/muon_math.cc, built with -ffp-contract=off) so that the
 // stored momentum is bit-identical across backends. The GEMM and the reductions use fma()
 // explicitly where they want it.
 #pragma OPENCL FP_CONTRACT OFF
@@ -196,7 +196,7 @@ kernel void fill_int(global int* p, long n, int value) {
   for (long i = (long)get_global_id(0); i < n; i += (long)get_global_size(0)) p[i] = value;
 }
 
-// torch.lerp's formula, exactly as the host's Lerp (server/muon/muon_math.cc).
+// torch.lerp's formula, exactly as the host's Lerp (server/optim/muon_math.cc).
 float Lerp(float start, float end, float weight) {
   return fabs(weight) < 0.5f ? start + weight * (end - start)
                              : end - (end - start) * (1.0f - weight);

@@ -1,0 +1,46 @@
+#include "server/api/job_status_proto.h"
+
+#include "common/job_spec_proto.h"
+
+namespace muond::server {
+
+v1::JobStatus JobStatusToProto(const JobReport& r) {
+  v1::JobStatus st;
+  *st.mutable_spec() = common::JobSpecToProto(r.spec);
+  st.set_backend(r.backend);
+  st.set_created_unix_ms(r.created_unix_ms);
+  st.set_gather_budget_bytes(r.gather_budget_bytes);
+  st.set_gather_peak_bytes(r.gather_peak_bytes);
+  st.set_momentum_bytes(r.momentum_bytes);
+  st.set_next_step(r.next_step);
+  st.set_steps_completed(r.steps_completed);
+  st.set_steps_refused(r.steps_refused);
+  st.set_steps_aborted(r.steps_aborted);
+  st.set_fenced(r.fenced);
+  st.set_fence_reason(r.fence_reason);
+  st.set_last_step_device_seconds(r.last_step_device_seconds);
+  st.set_transport_copy_bytes(r.transport_copy_bytes);
+  if (r.last_checkpoint_step) {
+    st.set_last_checkpoint_step(*r.last_checkpoint_step);
+    st.set_last_checkpoint_unix_ms(r.last_checkpoint_unix_ms);
+  }
+  st.set_checkpoint_dir(r.checkpoint_dir);
+  if (r.owner_uid) st.set_owner_uid(*r.owner_uid);
+  st.set_owner(r.owner);
+  st.set_step_timeout_seconds(r.step_timeout_seconds);
+  if (r.step_in_flight) st.set_step_in_flight(*r.step_in_flight);
+  for (const RankReport& rank : r.ranks) {
+    v1::RankStatus* rs = st.add_ranks();
+    rs->set_rank(rank.rank);
+    rs->set_attached(rank.attached);
+    rs->set_session_id(rank.session_id);
+    if (r.step_in_flight) {
+      rs->set_in_step(rank.in_step);
+      rs->set_finished_pushing(rank.finished_pushing);
+    }
+    rs->set_elements(rank.elements);
+  }
+  return st;
+}
+
+}  // namespace muond::server

@@ -1,0 +1,321 @@
+#include "server/api/muond_service.h"
+
+#include <malloc.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/crc32c.h"
+#include "common/dtype.h"
+#include "common/grpc_status.h"
+#include "common/job_spec_proto.h"
+#include "server/api/job_status_proto.h"
+#include "common/logging.h"
+#include "common/names.h"
+#include "common/status_macros.h"
+#include "server/ops/daemon_metrics.h"
+
+namespace muond::server {
+namespace {
+
+using common::ToGrpcStatus;
+
+// Update chunks sent back carry at most this many bytes.
+constexpr size_t kChunkBytes = size_t{4} << 20;
+
+grpc::Status Logged(const char* rpc, const absl::Status& s) {
+  if (!s.ok()) {
+    MUOND_LOG(DEBUG) << rpc << ": " << s;
+    RecordRpcError(rpc, s.code());
+  }
+  return ToGrpcStatus(s);
+}
+
+void ToProto(const checkpoint::GenerationInfo& info, v1::CheckpointInfo* out) {
+  out->set_generation(info.generation);
+  out->set_step(info.step);
+  out->set_created_unix_ms(info.created_unix_ms);
+  out->set_bytes(info.bytes);
+  out->set_path(info.path);
+  out->set_problem(info.problem);
+}
+
+// Which checkpoint generation a request names (generation > 0, else the newest at `step` when
+// given, else the newest good one). INVALID_ARGUMENT, prefixed by `what`, for negative numbers.
+template <typename Request>
+absl::StatusOr<checkpoint::Selector> SelectorOf(const std::string& what, const Request& r) {
+  if (r.generation() < 0 || (r.has_step() && r.step() < 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": generation ", r.generation(),
+                                                   " / step ", r.has_step() ? r.step() : 0,
+                                                   " must not be negative"));
+  }
+  checkpoint::Selector selector;
+  selector.generation = r.generation() > 0 ? r.generation() : -1;
+  selector.step = r.has_step() ? r.step() : -1;
+  return selector;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Job>> MuondService::Authorize(grpc::ServerContext* ctx,
+                                                             const std::string& job_id) const {
+  const auto& md = ctx->client_metadata();
+  auto it = md.find(kTokenMetadataKey);
+  // An empty value counts as missing: a client without a token (e.g. muonctl with no token file
+  // and no $MUOND_JOB_TOKEN) still sends the key.
+  const std::string_view token =
+      it == md.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
+  return registry_->Authorize(job_id, token,
+                              absl::StrCat(" (metadata '", kTokenMetadataKey, "')"));
+}
+
+grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,
+                                     v1::CreateJobResponse* resp) {
+  const PeerIdentity peer = PeerOf(*ctx);
+  absl::Status allowed = access_ ? access_->MayCreateJob(peer) : absl::OkStatus();
+  if (!allowed.ok()) return Logged("CreateJob", allowed);
+  if (shutting_down_.load()) return Logged("CreateJob", absl::UnavailableError("muond is shutting down"));
+  auto spec = common::JobSpecFromProto(req->spec());
+  if (!spec.ok()) return Logged("CreateJob", spec.status());
+  std::optional<JobRegistry::RestoreFrom> restore;
+  if (req->has_restore()) {
+    const v1::RestoreFrom& r = req->restore();
+    auto selector = SelectorOf("restore", r);
+    if (!selector.ok()) return Logged("CreateJob", selector.status());
+    restore = JobRegistry::RestoreFrom{r.job_id(), r.token(), *selector};
+  }
+  JobOwner owner;
+  if (peer.unix_credentials) owner.uid = peer.unix_credentials->uid;
+  owner.description = peer.Describe();
+  auto created = registry_->Create(*std::move(spec), restore, std::move(owner));
+  if (!created.ok()) {
+    // A refused spec can be megabytes of parsed request: give it back to the system.
+    ::malloc_trim(0);
+    return Logged("CreateJob", created.status());
+  }
+  resp->set_job_id(created->job->id());
+  resp->set_token(created->token);
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* req,
+                                     v1::DeleteJobResponse*) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("DeleteJob", job.status());
+  // The registry drops this reference too: Delete returns once the job's memory is back.
+  return Logged("DeleteJob", registry_->Delete(*std::move(job)));
+}
+
+grpc::Status MuondService::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
+                                  v1::JobStatus* resp) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("GetJob", job.status());
+  *resp = JobStatusToProto((*job)->Report());
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
+                                    v1::ListJobsResponse* resp) {
+  for (const auto& job : registry_->List()) *resp->add_jobs() = JobStatusToProto(job->Report());
+  for (const JobRegistry::BrokenJob& b : registry_->Broken()) {
+    v1::BrokenJob* out = resp->add_broken();
+    out->set_directory(b.directory);
+    out->set_reason(b.reason);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::ResetJob(grpc::ServerContext* ctx, const v1::ResetJobRequest* req,
+                                    v1::ResetJobResponse*) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("ResetJob", job.status());
+  return Logged("ResetJob", registry_->Reset(*job, req->next_step()));
+}
+
+grpc::Status MuondService::SaveCheckpoint(grpc::ServerContext* ctx,
+                                          const v1::SaveCheckpointRequest* req,
+                                          v1::CheckpointInfo* resp) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("SaveCheckpoint", job.status());
+  auto info = (*job)->SaveCheckpoint();
+  if (!info.ok()) return Logged("SaveCheckpoint", info.status());
+  ToProto(*info, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::LoadCheckpoint(grpc::ServerContext* ctx,
+                                          const v1::LoadCheckpointRequest* req,
+                                          v1::LoadCheckpointResponse* resp) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("LoadCheckpoint", job.status());
+  auto selector = SelectorOf(absl::StrCat("job '", req->job_id(), "'"), *req);
+  if (!selector.ok()) return Logged("LoadCheckpoint", selector.status());
+  auto loaded = registry_->LoadCheckpoint(*job, *selector);
+  if (!loaded.ok()) return Logged("LoadCheckpoint", loaded.status());
+  ToProto(loaded->info, resp->mutable_loaded());
+  resp->set_next_step(loaded->next_step);
+  for (const std::string& p : loaded->set_aside) resp->add_set_aside(p);
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::ListCheckpoints(grpc::ServerContext* ctx,
+                                           const v1::ListCheckpointsRequest* req,
+                                           v1::ListCheckpointsResponse* resp) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("ListCheckpoints", job.status());
+  auto list = (*job)->ListCheckpoints();
+  if (!list.ok()) return Logged("ListCheckpoints", list.status());
+  for (const checkpoint::GenerationInfo& info : *list) ToProto(info, resp->add_generations());
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::AttachRank(grpc::ServerContext* ctx, const v1::AttachRankRequest* req,
+                                      v1::AttachRankResponse* resp) {
+  if (shutting_down_.load()) return Logged("AttachRank", absl::UnavailableError("muond is shutting down"));
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("AttachRank", job.status());
+  auto session = (*job)->Attach(req->rank(), req->takeover());
+  if (!session.ok()) return Logged("AttachRank", session.status());
+  resp->set_session_id(*session);
+  resp->set_next_step((*job)->Report().next_step);
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::DetachRank(grpc::ServerContext* ctx, const v1::DetachRankRequest* req,
+                                      v1::DetachRankResponse*) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("DetachRank", job.status());
+  return Logged("DetachRank", (*job)->Detach(req->rank(), req->session_id()));
+}
+
+grpc::Status MuondService::WatchSession(grpc::ServerContext* ctx,
+                                        const v1::WatchSessionRequest* req,
+                                        grpc::ServerWriter<v1::SessionEvent>* writer) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("WatchSession", job.status());
+  if (absl::Status s = (*job)->CheckSession(req->rank(), req->session_id()); !s.ok()) {
+    return Logged("WatchSession", s);
+  }
+  v1::SessionEvent event;
+  event.set_event("watching");
+  writer->Write(event);
+  // Held until the rank's process goes away (the call is cancelled), the session ends on the
+  // daemon's side (detach, takeover, deleted job) or the daemon stops.
+  while (true) {
+    if (shutting_down_.load()) {
+      return Logged("WatchSession", absl::UnavailableError("muond is shutting down"));
+    }
+    if (ctx->IsCancelled()) {
+      (*job)->EndLostSession(req->rank(), req->session_id(),
+                             "its session watch ended: the process or its connection is gone");
+      return grpc::Status::CANCELLED;
+    }
+    if (absl::Status s = (*job)->CheckSession(req->rank(), req->session_id()); !s.ok()) {
+      event.set_event(std::string(s.message()));
+      writer->Write(event);
+      return grpc::Status::OK;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
+grpc::Status MuondService::Step(
+    grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  {
+    absl::MutexLock lock(&steps_mu_);
+    ++steps_in_flight_;
+  }
+  grpc::Status s = Logged("Step", RunStep(ctx, stream));
+  absl::MutexLock lock(&steps_mu_);
+  --steps_in_flight_;
+  return s;
+}
+
+bool MuondService::WaitForStepsToDrain(absl::Time deadline) {
+  absl::MutexLock lock(&steps_mu_);
+  auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(steps_mu_) {
+    return steps_in_flight_ == 0;
+  };
+  return steps_mu_.AwaitWithDeadline(absl::Condition(&drained), deadline);
+}
+
+absl::Status MuondService::RunStep(
+    grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  v1::StepRequest req;
+  if (!stream->Read(&req)) return absl::InvalidArgumentError("step stream closed before StepBegin");
+  if (req.kind_case() != v1::StepRequest::kBegin) {
+    return absl::InvalidArgumentError("the first message of a step must be StepBegin");
+  }
+  const v1::StepBegin begin = req.begin();
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Authorize(ctx, begin.job_id()));
+  // While draining, ranks may still join a step that other ranks already began (so it can
+  // complete), but no new step starts.
+  if (shutting_down_.load() && !job->StepInFlight(begin.step())) {
+    return absl::UnavailableError("muond is shutting down; retry the step");
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<RankStep> rank_step,
+                   job->BeginStep(begin.rank(), begin.session_id(), begin.step()));
+  const std::string where =
+      absl::StrCat("job '", begin.job_id(), "' step ", begin.step(), " rank ", begin.rank());
+  // Gradients until StepEnd. Returning early destroys rank_step: a step that was not finished is
+  // aborted for every rank, unless it was already refused.
+  bool ended = false;
+  while (!ended) {
+    if (!stream->Read(&req)) {
+      return rank_step->Abandon(absl::StrCat("closed its stream before StepEnd",
+                                             ctx->IsCancelled() ? " (cancelled)" : ""));
+    }
+    switch (req.kind_case()) {
+      case v1::StepRequest::kGradient: {
+        const v1::DataChunk& c = req.gradient();
+        RETURN_IF_ERROR(rank_step->AddGradient(c.matrix_index(), c.element_offset(), c.data(),
+                                               c.crc32c()));
+        RecordBytes(Transport::kGrpc, Direction::kIn, c.data().size());
+        break;
+      }
+      case v1::StepRequest::kEnd:
+        ended = true;
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": expected a gradient chunk or StepEnd"));
+    }
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<const RankUpdate> update,
+                   rank_step->Finish([ctx] { return ctx->IsCancelled(); }));
+  const common::JobSpec& spec = job->spec();
+  uint64_t bytes_out = 0;
+  v1::StepResponse resp;
+  for (const UpdateSpan& span : update->spans) {
+    const size_t esize = common::DTypeSize(spec.matrices[span.matrix].dtype);
+    const size_t per_chunk = kChunkBytes / esize * esize;
+    for (size_t at = 0; at < span.size; at += per_chunk) {
+      const size_t n = std::min(per_chunk, span.size - at);
+      v1::DataChunk* c = resp.mutable_update();
+      c->set_matrix_index(span.matrix);
+      c->set_element_offset(span.offset + at / esize);
+      c->set_data(span.data + at, n);
+      job->CountTransportCopy(n);
+      c->set_crc32c(common::Crc32c(span.data + at, n));
+      if (!stream->Write(resp)) {
+        // The step is committed; the rank may ask again for the same bytes (a replay).
+        return absl::UnavailableError(absl::StrCat(
+            where, ": the client went away while receiving the update; the step is committed, "
+                   "retry it to receive the same update"));
+      }
+      bytes_out += n;
+      RecordBytes(Transport::kGrpc, Direction::kOut, n);
+    }
+  }
+  v1::StepDone* done = resp.mutable_done();
+  done->set_step(update->step);
+  done->set_replayed(rank_step->replay());
+  done->set_compute_seconds(update->compute_seconds);
+  done->set_bytes_in(rank_step->bytes_in());
+  done->set_bytes_out(bytes_out);
+  stream->Write(resp);
+  return absl::OkStatus();
+}
+
+}  // namespace muond::server

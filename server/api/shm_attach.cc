@@ -1,0 +1,205 @@
+#include "server/api/shm_attach.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/job_spec_proto.h"
+#include "common/layout.h"
+#include "common/logging.h"
+#include "common/shm_protocol.h"
+#include "common/shm_region.h"
+
+namespace muond::server::shm_attach {
+
+namespace shm = common::shm;
+
+absl::Status Errno(const std::string& what, int err) {
+  const std::string msg = absl::StrCat(what, ": ", std::strerror(err));
+  if (err == EMFILE || err == ENFILE || err == ENOMEM || err == ENOBUFS) {
+    return absl::ResourceExhaustedError(msg);
+  }
+  return absl::InternalError(msg);
+}
+
+std::string NoFileLimit() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return "RLIMIT_NOFILE unknown";
+  return absl::StrCat("RLIMIT_NOFILE ", lim.rlim_cur);
+}
+
+std::string PeerString(const ShmPeer& p) {
+  return absl::StrCat("pid ", p.pid, " uid ", p.uid, " gid ", p.gid);
+}
+
+ShmPeer PeerOf(int conn) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  ShmPeer peer;
+  if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+    peer.pid = cred.pid;
+    peer.uid = cred.uid;
+    peer.gid = cred.gid;
+  }
+  return peer;
+}
+
+// True when the peer has closed the connection or shut down its sending side (it can never send
+// an attach request that we have not already read).
+bool PeerHungUp(int conn) {
+  pollfd p{conn, POLLIN | POLLRDHUP, 0};
+  return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
+// Sends the attach reply (and `nfds` descriptors); never blocks. Errors name the call.
+absl::Status SendReply(int conn, const v1::ShmAttachResponse& reply, const int* fds, int nfds) {
+  const std::string bytes = reply.SerializeAsString();
+  iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * shm::kNumFds)];
+  if (nfds > 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+    std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+  }
+  if (sendmsg(conn, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+    return Errno("sendmsg of the shared-memory attach reply");
+  }
+  return absl::OkStatus();
+}
+
+// Closes a connection that was answered. Datagrams the peer sent that were not read are dropped
+// first: closing a socket with unread data makes the peer's next receive fail with ECONNRESET
+// before it gets to the answer.
+void DrainAndClose(int conn) {
+  for (int i = 0; i < 16 && recv(conn, nullptr, 0, MSG_DONTWAIT | MSG_TRUNC) >= 0; ++i) {
+  }
+  close(conn);
+}
+
+v1::ShmAttachResponse ErrorReply(const absl::Status& s) {
+  v1::ShmAttachResponse r;
+  r.set_code(static_cast<int>(s.code()));
+  r.set_message(std::string(s.message()));
+  return r;
+}
+
+// The attach request in the `n` bytes of one datagram whose full length was `full`.
+absl::StatusOr<v1::ShmAttachRequest> ParseAttachRequest(const char* data, size_t full,
+                                                        size_t limit) {
+  if (full > limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared-memory attach request of ", full, " bytes is larger than the limit of ",
+                     limit, " bytes"));
+  }
+  if (full == 0) return absl::InvalidArgumentError("empty shared-memory attach request");
+  v1::ShmAttachRequest req;
+  if (!req.ParseFromArray(data, static_cast<int>(full))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed shared-memory attach request (", full, " bytes)"));
+  }
+  return req;
+}
+
+// The job of an attach request, once its token and rank are checked.
+absl::StatusOr<std::shared_ptr<Job>> Authorize(JobRegistry& registry,
+                                               const v1::ShmAttachRequest& req) {
+  auto job = registry.Authorize(req.job_id(), req.token());
+  if (!job.ok()) return job.status();
+  const int world = (*job)->spec().world_size;
+  if (req.rank() < 0 || req.rank() >= world) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", req.job_id(), "': rank ", req.rank(),
+                                                   " is outside the world size [0, ", world, ")"));
+  }
+  return *std::move(job);
+}
+
+// Lays out the rank's buffer (into `session` and the spans of `reply`), creates the session's
+// regions and eventfds (five new descriptors) and fills in the rest of the reply.
+// RESOURCE_EXHAUSTED when the process is out of descriptors or memory.
+// REQUIRES: session.job, rank and session_id are set.
+absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& reply) {
+  const common::JobSpec& spec = session.job->spec();
+  const int rank = session.rank;
+  // Span byte offsets: the rank's flat buffer when all matrices share a dtype, else back to back.
+  bool uniform = true;
+  for (const auto& m : spec.matrices) uniform = uniform && m.dtype == spec.matrices[0].dtype;
+  uint64_t bytes = 0;
+  for (const common::ShardSpan& span : common::RankSpans(spec, rank)) {
+    const size_t esize = common::DTypeSize(spec.matrices[span.matrix].dtype);
+    const uint64_t at = uniform ? span.rank_offset * esize : bytes;
+    session.byte_offsets.push_back(at);
+    bytes = std::max(bytes, at + span.length * esize);
+    v1::ShmSpan* s = reply.add_spans();
+    s->set_matrix_index(span.matrix);
+    s->set_offset(span.offset);
+    s->set_length(span.length);
+    s->set_byte_offset(at);
+  }
+  if (uniform) {
+    bytes = common::RankBufferElements(spec, rank) * common::DTypeSize(spec.matrices[0].dtype);
+  }
+  session.buffer_bytes = std::max<uint64_t>(bytes, 1);
+  auto in = common::SharedRegion::Create("muond-grad", 2 * session.buffer_bytes, false, true);
+  if (!in.ok()) return in.status();
+  auto out = common::SharedRegion::Create("muond-update", 2 * session.buffer_bytes, true, true);
+  if (!out.ok()) return out.status();
+  auto ring = common::SharedRegion::Create("muond-ring", shm::kRingBytes, false, true);
+  if (!ring.ok()) return ring.status();
+  session.doorbell = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (session.doorbell < 0) return Errno("eventfd (doorbell)");
+  const int completion = eventfd(0, EFD_CLOEXEC);
+  if (completion < 0) return Errno("eventfd (completion)");
+  auto* r = reinterpret_cast<shm::Ring*>(ring->data());
+  r->header.magic = shm::kRingMagic;
+  r->header.version = shm::kRingVersion;
+  r->header.generation = session.session_id;
+  for (const common::SharedRegion* region : {&*in, &*out, &*ring}) {
+    if (region->locked()) session.pinned_bytes += region->size();
+  }
+  reply.set_pinned(in->locked() && out->locked() && ring->locked());
+  session.regions = std::make_shared<ShmRegions>();
+  session.regions->in = *std::move(in);
+  session.regions->out = *std::move(out);
+  session.completions = std::make_shared<CompletionChannel>(*std::move(ring), completion);
+  reply.set_session_id(session.session_id);
+  reply.set_generation(session.session_id);
+  reply.set_buffer_bytes(session.buffer_bytes);
+  reply.set_next_step(session.job->Report().next_step);
+  *reply.mutable_spec() = common::JobSpecToProto(spec);
+  return absl::OkStatus();
+}
+
+// Why an attach could not get its resources, with the descriptor limit when that was the cause.
+absl::Status SetupError(const std::string& who, const absl::Status& s) {
+  const bool no_fds = absl::StrContains(s.message(), std::strerror(EMFILE)) ||
+                      absl::StrContains(s.message(), std::strerror(ENFILE));
+  return absl::Status(s.code(), absl::StrCat(who, ": cannot set up the shared-memory session: ",
+                                             s.message(),
+                                             no_fds ? absl::StrCat(" (", NoFileLimit(), ")") : ""));
+}
+
+// The refusal of a connection that accept4 could not take (`err`: EMFILE, ENFILE, ...).
+absl::Status OutOfDescriptors(int err) {
+  const bool fds = err == EMFILE || err == ENFILE;
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "muond is out of ", fds ? "file descriptors" : "kernel memory", " (", NoFileLimit(),
+      "; accept: ", std::strerror(err), "): shared-memory connection refused, try again later"));
+}
+
+}  // namespace muond::server::shm_attach

@@ -1,0 +1,146 @@
+// The node-local shared-memory data plane (DESIGN.md section 5; wire format in
+// common/shm_protocol.h).
+//
+// ShmServer listens on a Unix SOCK_SEQPACKET socket next to the gRPC one. A rank attaches with its
+// job token; the daemon creates the session's memfd regions (gradient in, update out, each double
+// buffered, sized for the rank's spans; sealed; mlock()ed once) and ring, and passes them with
+// SCM_RIGHTS. Doorbells are handled by one thread (epoll over every session's socket and doorbell
+// eventfd); the step itself runs on the job's compute queue, which reads the gradient spans from
+// the region and writes the update spans into the out region directly. A session ends when its
+// socket hangs up: a step in flight is aborted and the job fenced, the regions are released once
+// no step references them.
+//
+// Thread-safe; Start() returns a running server, the destructor stops it.
+#ifndef MUOND_SERVER_API_SHM_SERVER_H_
+#define MUOND_SERVER_API_SHM_SERVER_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/jobs/job_registry.h"
+
+namespace muond::server {
+
+struct ShmSession;
+
+// What local peers may make the shared-memory server hold.
+struct ShmLimits {
+  // Connections held at once: attached sessions plus connections that have not attached yet
+  // (--max-shm-sessions). One more is answered RESOURCE_EXHAUSTED and closed.
+  size_t max_sessions = 256;
+  // A connection that has not completed its attach this long after it was accepted is answered
+  // DEADLINE_EXCEEDED and closed (--shm-attach-timeout-seconds).
+  absl::Duration attach_timeout = absl::Seconds(5);
+  // A larger attach request is answered INVALID_ARGUMENT and its connection closed.
+  size_t max_attach_request_bytes = 64 * 1024;
+};
+
+// Who is at the other end of a connection (SO_PEERCRED, taken when it was accepted).
+struct ShmPeer {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+class ShmServer {
+ public:
+  // Binds `path` (removing a stale socket file; the caller checked no daemon serves it), mode 0660.
+  // Keeps one descriptor in reserve (/dev/null) to refuse connections when the process has none
+  // left. INVALID_ARGUMENT for a zero max_sessions or a non-positive attach_timeout.
+  static absl::StatusOr<std::unique_ptr<ShmServer>> Start(const std::string& path,
+                                                          JobRegistry* registry,
+                                                          const ShmLimits& limits = {});
+  ~ShmServer();
+  ShmServer(const ShmServer&) = delete;
+  ShmServer& operator=(const ShmServer&) = delete;
+
+  const std::string& path() const { return path_; }
+  // New attaches get UNAVAILABLE; sessions keep working until the server is destroyed.
+  void BeginShutdown() { shutting_down_.store(true); }
+  // Attached sessions (not counting connections that have not attached yet).
+  size_t session_count() const;
+  const ShmLimits& limits() const { return limits_; }
+  // For the metrics (muond_shm_sessions, muond_pinned_bytes): attached sessions and the bytes of
+  // their regions that are locked in memory.
+  struct Usage {
+    size_t sessions = 0;
+    uint64_t pinned_bytes = 0;
+  };
+  Usage usage() const;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  // A connection accepted but not attached yet.
+  struct Pending {
+    Clock::time_point deadline;
+    ShmPeer peer;
+  };
+
+  ShmServer(std::string path, JobRegistry* registry, const ShmLimits& limits, int listen_fd,
+            int epoll_fd, int wake_fd, int reserve_fd);
+  void Loop();
+  void Dispatch(int fd, uint32_t events);
+  // Milliseconds until the next deadline (a pending connection's, or the end of a pause of the
+  // listening socket); -1 when there is none.
+  int WaitMillis(Clock::time_point now) const;
+  // Closes pending connections past their deadline; resumes a paused listening socket.
+  void ExpireDeadlines(Clock::time_point now);
+  void Accept();
+  void Admit(int conn);
+  // accept4 failed with `err` (EMFILE, ENFILE, ...): accepts one connection with the reserve
+  // descriptor and refuses it. False when there was no connection or no reserve.
+  bool RefuseWithoutDescriptors(int err);
+  void PauseListening(Clock::time_point now);
+  void HandleAttach(int conn);
+  void RegisterSession(const std::shared_ptr<ShmSession>& session, const std::string& who,
+                       bool pinned);
+  // Answers a pending connection with `status` (best effort) and closes it; `reason` (the label
+  // of muond_shm_connections_refused_total) counts and logs it, nullptr does neither.
+  void RefusePending(int conn, const absl::Status& status, const char* reason);
+  void AddPending(int conn, const ShmPeer& peer);
+  void RemovePending(int conn);  // the bookkeeping only
+  void ClosePending(int conn);
+  // After attaching, the peer says one thing on its socket: the detach byte.
+  void HandleSessionSocket(int conn);
+  void HandleDoorbell(const std::shared_ptr<ShmSession>& session);
+  // `clean`: the peer detached (rather than dying); see Job::EndSharedSession.
+  void EndSession(int conn, const std::string& why, bool clean = false);
+  // Logs a warning for a recurring refusal at most every few seconds, with the count held back.
+  void LogRefusal(const char* reason, const absl::Status& status, const ShmPeer& peer);
+
+  const std::string path_;
+  JobRegistry* const registry_;
+  const ShmLimits limits_;
+  const int listen_fd_;
+  const int epoll_fd_;
+  const int wake_fd_;  // eventfd that stops Loop()
+  std::atomic<bool> shutting_down_{false};
+  std::atomic<bool> stopping_{false};
+  mutable absl::Mutex mu_;
+  // Attached sessions, by connection fd and by doorbell fd.
+  std::map<int, std::shared_ptr<ShmSession>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<int, std::shared_ptr<ShmSession>> by_doorbell_ ABSL_GUARDED_BY(mu_);
+  // Used by the server thread only (and the destructor once it has stopped).
+  std::map<int, Pending> pending_;
+  std::set<std::pair<Clock::time_point, int>> deadlines_;  // of pending_, soonest first
+  int reserve_fd_;                      // /dev/null, closed to accept-and-refuse at EMFILE
+  Clock::time_point listen_paused_until_{};  // the listening socket's EPOLLIN is off until then
+  bool listen_paused_ = false;
+  std::map<std::string, std::pair<Clock::time_point, uint64_t>> refusal_log_;  // last line, held
+  std::thread thread_;
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_API_SHM_SERVER_H_

@@ -1,0 +1,72 @@
+#include "server/jobs/checkpoint_writer.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "server/ops/daemon_metrics.h"
+
+namespace muond::server {
+
+absl::StatusOr<checkpoint::GenerationInfo> CheckpointWriter::Write(const Exclusive&,
+                                                                   const std::string& job_id,
+                                                                   const common::JobSpec& spec,
+                                                                   int64_t step,
+                                                                   MomentumStore& momentum) {
+  const absl::Time start = absl::Now();
+  auto source = [&momentum](size_t m, std::vector<float>* out) -> absl::Status {
+    momentum.CopyForSnapshot(static_cast<uint32_t>(m), out);
+    return absl::OkStatus();
+  };
+  absl::StatusOr<checkpoint::GenerationInfo> info = store_.Write(spec, step, source);
+  momentum.EndSnapshot();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  RecordCheckpointSave(job_id, info.ok(), seconds, info.ok() ? info->bytes : 0);
+  if (!info.ok()) {
+    MUOND_LOG(ERROR) << info.status().message();
+    return info.status();
+  }
+  Remember(step, info->created_unix_ms);
+  MUOND_LOG(INFO) << "job '" << job_id << "': checkpoint generation " << info->generation
+                  << " at step " << step << " (" << info->bytes << " bytes, " << seconds
+                  << " s) in " << info->path;
+  return info;
+}
+
+absl::StatusOr<checkpoint::Loaded> CheckpointWriter::Read(const Exclusive&,
+                                                          const checkpoint::Selector& selector) {
+  return store_.Load(selector);
+}
+
+int64_t CheckpointWriter::NewestGeneration() const {
+  int64_t newest = 0;
+  if (auto list = store_.List(); list.ok()) {
+    for (const auto& info : *list) newest = std::max(newest, info.generation);
+  }
+  return newest;
+}
+
+void CheckpointWriter::SaveInBackground(const std::string& job_id, std::function<void()> save) {
+  if (background_.exchange(true)) {
+    MUOND_LOG(WARNING) << "job '" << job_id
+                       << "': the previous checkpoint is still being written; skipping this one";
+    return;
+  }
+  std::thread([this, save = std::move(save)] {
+    save();
+    background_ = false;
+  }).detach();
+}
+
+void CheckpointWriter::WaitForSaves() {
+  while (background_.load()) absl::SleepFor(absl::Milliseconds(5));
+  absl::MutexLock lock(&mu_);
+}
+
+void CheckpointWriter::Remember(int64_t step, int64_t unix_ms) {
+  last_step_ = step;
+  last_unix_ms_ = unix_ms;
+}
+
+}  // namespace muond::server

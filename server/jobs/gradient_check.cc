@@ -1,0 +1,68 @@
+#include "server/jobs/gradient_check.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "server/jobs/parallel_bytes.h"
+
+namespace muond::server {
+namespace {
+
+absl::Status NonFinite(const std::string& where, const common::MatrixSpec& ms, uint64_t element) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(where, ": matrix '", ms.name, "' has a non-finite gradient value at element ",
+                   element, "; the step is refused for every rank and the momentum is unchanged"));
+}
+
+}  // namespace
+
+absl::Status CheckFiniteChunk(const std::string& where, const common::MatrixSpec& ms,
+                              uint64_t first, const char* data, uint64_t count) {
+  const int64_t at = common::FindNonFiniteRaw(ms.dtype, data, count);
+  if (at < 0) return absl::OkStatus();
+  return NonFinite(where, ms, first + static_cast<uint64_t>(at));
+}
+
+absl::Status CheckFiniteSpans(const std::string& where, const common::JobSpec& spec,
+                              const std::vector<common::ShardSpan>& spans,
+                              const std::vector<const char*>& in) {
+  // Slices of 1M elements over the CPUs, then the first bad element reported.
+  struct Slice {
+    size_t span;
+    uint64_t first;
+    uint64_t count;
+  };
+  constexpr uint64_t kSlice = uint64_t{1} << 20;
+  std::vector<Slice> slices;
+  size_t total = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    for (uint64_t at = 0; at < spans[i].length; at += kSlice) {
+      slices.push_back({i, at, std::min(kSlice, spans[i].length - at)});
+    }
+    total += spans[i].length * common::DTypeSize(spec.matrices[spans[i].matrix].dtype);
+  }
+  std::vector<int64_t> found(slices.size(), -1);
+  ParallelFor(slices.size(), total, [&](size_t k) {
+    const Slice& sl = slices[k];
+    const common::DType dtype = spec.matrices[spans[sl.span].matrix].dtype;
+    found[k] = common::FindNonFiniteRaw(dtype, in[sl.span] + sl.first * common::DTypeSize(dtype),
+                                        sl.count);
+  });
+  for (size_t k = 0; k < slices.size(); ++k) {
+    if (found[k] < 0) continue;
+    const common::ShardSpan& span = spans[slices[k].span];
+    return NonFinite(where, spec.matrices[span.matrix],
+                     span.offset + slices[k].first + static_cast<uint64_t>(found[k]));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NonFiniteAtCommit(const std::string& where, const common::MatrixSpec& ms,
+                               uint64_t element) {
+  return absl::DataLossError(absl::StrCat(
+      where, ": matrix '", ms.name, "' element ", element,
+      " became non-finite after it was checked (gradient memory changed during the step)"));
+}
+
+}  // namespace muond::server

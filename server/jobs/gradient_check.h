@@ -1,0 +1,34 @@
+// The one rule for gradient values (DESIGN.md 4): a non-finite value refuses the step for every
+// rank, and the error names the job, step, rank, matrix and element. Every data path checks
+// through here: gRPC chunks (CheckFiniteChunk) and shared-memory submissions (CheckFiniteSpans,
+// over the CPUs); the commit re-checks what it applies (NonFiniteAtCommit).
+#ifndef MUOND_SERVER_JOBS_GRADIENT_CHECK_H_
+#define MUOND_SERVER_JOBS_GRADIENT_CHECK_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/job_spec.h"
+#include "common/layout.h"
+
+namespace muond::server {
+
+// `where` names the job, step and rank ("job 'x' step 3 rank 1").
+// `count` elements of `ms`'s dtype at `data`, the first being element `first` of the matrix.
+absl::Status CheckFiniteChunk(const std::string& where, const common::MatrixSpec& ms,
+                              uint64_t first, const char* data, uint64_t count);
+// A rank's whole submission: in[i] holds spans[i] (the matrix dtype). Scanned in slices over the
+// CPUs; the error names the first bad element in span order.
+absl::Status CheckFiniteSpans(const std::string& where, const common::JobSpec& spec,
+                              const std::vector<common::ShardSpan>& spans,
+                              const std::vector<const char*>& in);
+// The error of a value found non-finite when the commit re-reads it (DATA_LOSS: the gradient
+// memory changed after it was checked).
+absl::Status NonFiniteAtCommit(const std::string& where, const common::MatrixSpec& ms,
+                               uint64_t element);
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_JOBS_GRADIENT_CHECK_H_

@@ -1,0 +1,227 @@
+// The Job's lifecycle and sessions: construction, attach and detach, lost ranks, the step
+// timeout, deletion and the status report. Steps: job_step.cc; commit and failure:
+// job_commit.cc; shared memory: job_shared.cc; checkpoints: job_checkpoint.cc.
+#include "server/jobs/job.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "common/sha256.h"
+#include "common/status_macros.h"
+
+namespace muond::server {
+
+Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
+         ComputeExecutor* executor, uint64_t gather_budget_bytes, DeviceStreams* devices,
+         std::string checkpoint_dir, absl::Duration step_timeout, JobOwner owner)
+    : spec_(std::move(spec)),
+      token_sha256_(std::move(token_sha256)),
+      backend_(std::move(backend)),
+      executor_(executor),
+      step_timeout_(step_timeout),
+      owner_(std::move(owner)),
+      created_unix_ms_(absl::ToUnixMillis(absl::Now())),
+      layout_(spec_),
+      momentum_(spec_, devices->device.get()),
+      writer_(std::move(checkpoint_dir), spec_.checkpoint_keep),
+      pipeline_(spec_, layout_, momentum_, devices, gather_budget_bytes, &mu_, this) {
+  absl::MutexLock lock(&mu_);
+  sessions_.assign(spec_.world_size, 0);
+  lost_.resize(spec_.world_size);
+  last_updates_.resize(spec_.world_size);
+}
+
+Job::~Job() = default;
+
+bool Job::TokenMatches(std::string_view token) const {
+  const std::string hash = common::Sha256(token);
+  if (hash.size() != token_sha256_.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < hash.size(); ++i) diff |= hash[i] ^ token_sha256_[i];
+  return diff == 0;
+}
+
+absl::StatusOr<uint64_t> Job::Attach(int rank, bool takeover) {
+  RETURN_IF_ERROR(CheckRank(rank));
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
+  if (sessions_[rank] != 0) {
+    if (!takeover) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "job '", id(), "': rank ", rank, " is already attached (session ", sessions_[rank],
+          "); detach it, or attach with takeover to replace a session whose process is gone"));
+    }
+    if (in_flight_ != nullptr && in_flight_->ranks[rank].begun &&
+        !in_flight_->ranks[rank].finished) {
+      FailStep(*in_flight_,
+               absl::AbortedError(absl::StrCat("job '", id(), "' step ", in_flight_->step,
+                                               " aborted: rank ", rank,
+                                               " was taken over by a new session mid-step")),
+               /*fence=*/true);
+    }
+    MUOND_LOG(INFO) << "job '" << id() << "' rank " << rank << ": session " << sessions_[rank]
+                    << " taken over";
+  }
+  sessions_[rank] = next_session_++;
+  lost_[rank].clear();
+  return sessions_[rank];
+}
+
+absl::Status Job::Detach(int rank, uint64_t session) {
+  RETURN_IF_ERROR(CheckRank(rank));
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckCurrentSession(rank, session, ""));
+  if (in_flight_ != nullptr) AbortIfOwed(rank, "detached during the step");
+  sessions_[rank] = 0;
+  return absl::OkStatus();
+}
+
+absl::Status Job::CheckSession(int rank, uint64_t session) const {
+  RETURN_IF_ERROR(CheckRank(rank));
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
+  return CheckCurrentSession(rank, session, "");
+}
+
+absl::Status Job::CheckCurrentSession(int rank, uint64_t session, const char* hint) const {
+  if (sessions_[rank] == 0 || sessions_[rank] != session) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", id(), "' rank ", rank,
+                                                      ": session ", session,
+                                                      " is not the rank's current session", hint));
+  }
+  return absl::OkStatus();
+}
+
+void Job::AbortIfOwed(int rank, const std::string& why) {
+  const RankInput& in = in_flight_->ranks[rank];
+  if (in.begun && in.pushed()) return;
+  FailStep(*in_flight_,
+           absl::AbortedError(absl::StrCat("job '", id(), "' step ", in_flight_->step,
+                                           " aborted: rank ", rank, " ", why,
+                                           in.begun ? " before it finished pushing its part"
+                                                    : " before it began its part")),
+           /*fence=*/true);
+}
+
+void Job::EndLostSession(int rank, uint64_t session, const std::string& why) {
+  if (rank < 0 || rank >= spec_.world_size) return;
+  absl::MutexLock lock(&mu_);
+  if (sessions_[rank] != session) return;  // detached or taken over meanwhile
+  if (in_flight_ != nullptr) AbortIfOwed(rank, absl::StrCat("went away (", why, ")"));
+  sessions_[rank] = 0;
+  lost_[rank] = why;
+  MUOND_LOG(WARNING) << "job '" << id() << "' rank " << rank << ": session " << session
+                     << " lost: " << why;
+}
+
+void Job::CheckStepTimeout(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  if (in_flight_ == nullptr || in_flight_->done || in_flight_->committing) return;
+  if (now - in_flight_->start < step_timeout_) return;
+  std::vector<int> absent, pushing;
+  for (int r = 0; r < spec_.world_size; ++r) {
+    const RankInput& in = in_flight_->ranks[r];
+    if (!in.begun) {
+      absent.push_back(r);
+    } else if (!in.pushed()) {
+      pushing.push_back(r);
+    }
+  }
+  if (absent.empty() && pushing.empty()) return;  // all data is in: the device is working on it
+  auto list = [](const std::vector<int>& ranks) {
+    constexpr size_t kShown = 16;
+    std::vector<int> shown(ranks.begin(), ranks.begin() + std::min(ranks.size(), kShown));
+    return absl::StrCat(absl::StrJoin(shown, ", "),
+                        ranks.size() > kShown ? absl::StrCat(" and ", ranks.size() - kShown,
+                                                             " more")
+                                              : "");
+  };
+  std::string missing;
+  if (!absent.empty()) missing = absl::StrCat("ranks never arrived: ", list(absent));
+  if (!pushing.empty()) {
+    absl::StrAppend(&missing, missing.empty() ? "" : "; ",
+                    "ranks did not finish pushing: ", list(pushing));
+  }
+  FailStep(*in_flight_,
+           absl::AbortedError(absl::StrCat(
+               "job '", id(), "' step ", in_flight_->step, " aborted: the step timeout of ",
+               absl::ToInt64Seconds(step_timeout_), " s expired (", missing, ")")),
+           /*fence=*/true);
+}
+
+absl::Status Job::CheckRank(int rank) const {
+  if (rank < 0 || rank >= spec_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
+                                                   " is outside the world size [0, ",
+                                                   spec_.world_size, ")"));
+  }
+  return absl::OkStatus();
+}
+
+void Job::MarkDeleted() {
+  absl::MutexLock lock(&mu_);
+  deleted_ = true;
+  if (in_flight_ != nullptr) {
+    FailStep(*in_flight_,
+             absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted during the step")),
+             /*fence=*/false);
+  }
+}
+
+JobReport Job::Report() const {
+  JobReport r;
+  r.spec = spec_;
+  r.backend = backend_;
+  r.created_unix_ms = created_unix_ms_;
+  r.gather_budget_bytes = pipeline_.gather_budget_bytes();
+  r.gather_peak_bytes = pipeline_.gather_peak_bytes();
+  r.momentum_bytes = MomentumBytes();
+  r.transport_copy_bytes = transport_copy_bytes_.load();
+  if (writer_.last_step() >= 0) {
+    r.last_checkpoint_step = writer_.last_step();
+    r.last_checkpoint_unix_ms = writer_.last_unix_ms();
+  }
+  r.checkpoint_dir = writer_.dir();
+  if (owner_.uid >= 0) r.owner_uid = owner_.uid;
+  r.owner = owner_.description;
+  r.step_timeout_seconds = static_cast<int32_t>(absl::ToInt64Seconds(step_timeout_));
+  absl::MutexLock lock(&mu_);
+  r.next_step = next_step_;
+  r.steps_completed = steps_completed_;
+  r.steps_refused = steps_refused_;
+  r.steps_aborted = steps_aborted_;
+  r.fenced = fenced_;
+  r.fence_reason = fence_reason_;
+  r.last_step_device_seconds = last_step_device_seconds_;
+  if (in_flight_ != nullptr) r.step_in_flight = in_flight_->step;
+  for (int rank = 0; rank < spec_.world_size; ++rank) {
+    RankReport& rr = r.ranks.emplace_back();
+    rr.rank = rank;
+    rr.attached = sessions_[rank] != 0;
+    rr.session_id = sessions_[rank];
+    if (in_flight_ != nullptr) {
+      rr.in_step = in_flight_->ranks[rank].begun;
+      rr.finished_pushing = in_flight_->ranks[rank].finished;
+    }
+    rr.elements = layout_.RankElements(rank);
+  }
+  return r;
+}
+
+bool Job::StepInFlight(int64_t step) const {
+  absl::MutexLock lock(&mu_);
+  return in_flight_ != nullptr && in_flight_->step == step;
+}
+
+std::vector<float> Job::MomentumSnapshot(uint32_t m) const {
+  // A copy taken between steps is consistent; during a commit it may mix old and new values.
+  absl::MutexLock lock(&mu_);
+  if (m >= momentum_.matrices()) return {};
+  return std::vector<float>(momentum_.data(m), momentum_.data(m) + momentum_.numel(m));
+}
+
+}  // namespace muond::server

@@ -1,0 +1,331 @@
+// A job: one training run's optimizer state on this node (DESIGN.md section 4), and the state
+// machine of its steps.
+//
+// A Job composes named parts: its JobLayout (which rank owns which spans), its MomentumStore (the
+// fp32 momentum, pinned), its StepPipeline (whole matrices assembled and updated on the device)
+// and its CheckpointWriter (snapshots to disk). The Job itself keeps the sessions of the ranks,
+// the step counter, the step in flight and the rules of entry, refusal, abort, fence and commit.
+// Ranks take part in step t through RankStep objects (gRPC, one per rank and step) or SubmitShared
+// (shared memory); as soon as every span of a matrix has arrived (from all ranks) the matrix is
+// queued on the daemon's ComputeExecutor for the pipeline. Finish() blocks until the step
+// committed and returns the rank's update.
+//
+// Atomicity (DESIGN.md 4, "start early but commit after the last shard is checked"): the update of
+// a matrix is computed from a temporary new momentum; the momentum store itself is written only at
+// commit, when every matrix succeeded, by re-applying the same EMA (ApplyMomentum, bit-identical)
+// from the gradients still held in the rank input buffers. A refused or aborted step therefore
+// leaves every momentum bit-identical. Memory cost: no staged momentum copy; the input buffers
+// (gradient bytes, which the data plane needs anyway) live until commit, plus the gather budget.
+//
+// What it may call: common/, server/optim (the math), server/device (through DeviceStreams),
+// server/storage (through CheckpointWriter), server/ops daemon metrics. Never proto types or
+// sockets (server/api converts). Thread-safe: all methods may be called concurrently (one RankStep
+// per rank stream).
+#ifndef MUOND_SERVER_JOBS_JOB_H_
+#define MUOND_SERVER_JOBS_JOB_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/job_spec.h"
+#include "common/layout.h"
+#include "server/device/device_streams.h"
+#include "server/jobs/checkpoint_writer.h"
+#include "server/jobs/compute_executor.h"
+#include "server/jobs/job_layout.h"
+#include "server/jobs/job_report.h"
+#include "server/jobs/momentum_store.h"
+#include "server/jobs/rank_update.h"
+#include "server/jobs/step_pipeline.h"
+#include "server/jobs/step_state.h"
+#include "server/storage/checkpoint.h"
+
+namespace muond::server {
+
+class Job;
+
+// Who created a job (recorded in its job.json and shown by muonctl job show).
+struct JobOwner {
+  int64_t uid = -1;  // the peer's uid on the Unix socket; -1 when unknown (TCP)
+  std::string description;  // e.g. "uid 1000 gid 1000 pid 4242" or "ipv4:127.0.0.1:5555"
+};
+
+// One rank's part in one step. Not thread-safe: used by the one stream of that rank.
+// Destroying it before Finish() returned means the rank went away mid-step: the step is aborted for
+// every rank and the job is fenced.
+class RankStep {
+ public:
+  ~RankStep();
+  RankStep(const RankStep&) = delete;
+  RankStep& operator=(const RankStep&) = delete;
+
+  // Copies `data` (elements of the matrix's dtype starting at element `offset` of the matrix) into
+  // the rank's input. INVALID_ARGUMENT, and the step is refused for every rank, for a bad matrix
+  // index, a chunk outside the rank's spans, overlapping data, a CRC mismatch or a non-finite value.
+  absl::Status AddGradient(uint32_t matrix, uint64_t offset, std::string_view data, uint32_t crc32c);
+  // The rank has sent everything. Blocks until the step committed or failed; `cancelled` is polled
+  // while waiting (true: the rank went away, the step is aborted). On success returns the rank's
+  // update, valid as long as the caller holds it.
+  absl::StatusOr<std::shared_ptr<const RankUpdate>> Finish(const std::function<bool()>& cancelled);
+  // The rank's stream ended before StepEnd. The answer tells the truth about the commit: ABORTED
+  // when this aborted the step (the job is fenced); when the step's commit had already begun (all
+  // data was in), UNAVAILABLE saying the step is committed, which the rank receives by asking
+  // for the step again (a replay); a step that had already failed returns its status.
+  absl::Status Abandon(const std::string& why);
+  // True when this is a replay of the last committed step: gradients are not applied again.
+  bool replay() const { return replay_ != nullptr; }
+  int64_t step() const { return step_; }
+  uint64_t bytes_in() const { return bytes_in_; }
+
+ private:
+  friend class Job;
+  RankStep(std::shared_ptr<Job> job, int rank, int64_t step, std::shared_ptr<StepState> state,
+           std::shared_ptr<const RankUpdate> replay);
+
+  std::shared_ptr<Job> job_;
+  int rank_;
+  int64_t step_;
+  std::shared_ptr<StepState> state_;
+  std::shared_ptr<const RankUpdate> replay_;
+  bool done_ = false;
+  uint64_t bytes_in_ = 0;
+};
+
+class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink {
+ public:
+  // `executor` must outlive the job. gather_budget_bytes: bytes of whole matrices (fp32 gradient
+  // and temporary momentum) assembled at once; a larger matrix is processed alone.
+  // token_sha256: the SHA-256 of the job's token (32 bytes; the token itself is not kept).
+  // checkpoint_dir: the job's checkpoint directory (server/storage/checkpoint.h).
+  // step_timeout: see common::JobSpec::step_timeout_seconds (the daemon's default applied).
+  Job(common::JobSpec spec, std::string token_sha256, std::string backend,
+      ComputeExecutor* executor, uint64_t gather_budget_bytes, DeviceStreams* devices,
+      std::string checkpoint_dir, absl::Duration step_timeout, JobOwner owner);
+  ~Job() override;
+
+  const common::JobSpec& spec() const { return spec_; }
+  const std::string& id() const { return spec_.job_id; }
+  uint64_t gather_budget_bytes() const { return pipeline_.gather_budget_bytes(); }
+  // Constant-time comparison of the token's SHA-256 with the job's.
+  bool TokenMatches(std::string_view token) const;
+  const std::string& token_sha256() const { return token_sha256_; }
+
+  // ---- Checkpoints (DESIGN.md 7). Saving takes a consistent snapshot at a step boundary (the
+  // store changes only at commit, so the momentum between commits is one) and writes it while
+  // later steps run: copy-on-write per matrix — a commit, reset or load that would change a matrix
+  // the writer has not copied yet first copies it for the writer. Extra memory: one matrix's
+  // staging buffer, plus the copies of matrices overtaken by a commit (at most the momentum not
+  // yet written). One save at a time per job; a request while one runs waits for it, then saves.
+
+  // Blocks until the generation is durable. FAILED_PRECONDITION for a fenced job (its momentum
+  // may be inconsistent) or a transport probe; errors of the write name the path and call.
+  absl::StatusOr<checkpoint::GenerationInfo> SaveCheckpoint();
+  // Starts a save in the background unless one runs (the checkpoint_every_steps saves).
+  void SaveCheckpointInBackground();
+  // Blocks until no save of this job is running.
+  void WaitForSaves();
+  struct LoadResult {
+    checkpoint::GenerationInfo info;
+    int64_t next_step = 0;
+    std::vector<std::string> set_aside;
+  };
+  // Loads a verified generation into the (pinned) momentum store, sets the next step to its step
+  // and clears a fence. FAILED_PRECONDITION while a step is in flight or when the generation's
+  // matrices do not match the job's (named); NOT_FOUND / DATA_LOSS from the store.
+  absl::StatusOr<LoadResult> LoadCheckpoint(const checkpoint::Selector& selector);
+  // Loads from another job's checkpoint directory (re-creating a job with another world size or
+  // ZeRO stage): matrices matched by name and shape.
+  absl::StatusOr<LoadResult> LoadCheckpointFrom(const std::shared_ptr<Job>& source,
+                                                const checkpoint::Selector& selector);
+  // Fences the job (steps FAILED_PRECONDITION until a load or reset), e.g. when its checkpoints
+  // could not be read at restart.
+  void Fence(const std::string& reason);
+  absl::StatusOr<std::vector<checkpoint::GenerationInfo>> ListCheckpoints() const;
+  // The highest generation number in the job's checkpoint directory, good or not (0: none).
+  int64_t NewestGeneration() const;
+  const std::string& checkpoint_dir() const { return writer_.dir(); }
+  // The step of the newest generation written or loaded by this process (-1: none).
+  int64_t last_checkpoint_step() const { return writer_.last_step(); }
+
+  // Starts a session for `rank`. INVALID_ARGUMENT for a rank outside the world size;
+  // ALREADY_EXISTS when the rank is attached, unless `takeover` (a restarted trainer replacing a
+  // session whose process is gone; a step the old session was still pushing is aborted and the
+  // job fenced; one it had finished pushing completes, and the new session can replay it).
+  absl::StatusOr<uint64_t> Attach(int rank, bool takeover);
+  // Ends `rank`'s session. FAILED_PRECONDITION when `session` is not the rank's current one.
+  // During a step the rank has not finished pushing (or not begun), the step is aborted for every
+  // rank and the job fenced: the others would otherwise wait for a part that never comes.
+  absl::Status Detach(int rank, uint64_t session);
+  // OK while `session` is `rank`'s current session, else FAILED_PRECONDITION saying why.
+  absl::Status CheckSession(int rank, uint64_t session) const;
+  // A gRPC rank's session watch ended without a detach (its process died or its connection
+  // broke): as Detach mid-step; between steps the rank is remembered as lost, and a step that
+  // other ranks try to begin before it attaches again is refused with ABORTED naming it.
+  void EndLostSession(int rank, uint64_t session, const std::string& why);
+  // Aborts the step in flight (ABORTED for every rank, job fenced) when it has run longer than
+  // the job's step timeout since its first rank entered it without every rank having pushed its
+  // part; the message names the ranks missing. Called periodically by the registry.
+  void CheckStepTimeout(absl::Time now);
+  absl::Duration step_timeout() const { return step_timeout_; }
+  // Bytes of fp32 momentum the job holds (0 for a transport probe).
+  uint64_t MomentumBytes() const { return momentum_.bytes(); }
+  const JobOwner& owner() const { return owner_; }
+  // Starts `rank`'s part in `step`. FAILED_PRECONDITION when the job is fenced, the session is not
+  // the rank's current one, the step is out of order, or the rank already has the step in flight.
+  absl::StatusOr<std::unique_ptr<RankStep>> BeginStep(int rank, uint64_t session, int64_t step);
+  // The shared-memory path: `rank` submits all its gradients for `step` at once. `in[i]` holds span
+  // i of RankSpans (the matrix dtype), `out[i]` receives span i of the update; both stay mapped as
+  // long as `keepalive` lives (the step holds it). The gradient memory must not change until
+  // `done` ran. Validation errors (session, order, fence, non-finite values) are returned at once
+  // and `done` is not called; otherwise `done` is called exactly once.
+  absl::Status SubmitShared(int rank, uint64_t session, int64_t step,
+                            const std::vector<const char*>& in, const std::vector<char*>& out,
+                            std::shared_ptr<const void> keepalive, SharedDone done);
+  // A shared-memory session of `rank` ended (its peer hung up): a step the rank had in flight is
+  // aborted and the job fenced; replays that point into its regions are dropped; the rank is
+  // detached if `session` is still its session.
+  // `clean`: the peer detached on purpose (only the message differs: a rank that still owed its
+  // part of the step in flight aborts it either way, as a gRPC rank's Detach does).
+  void EndSharedSession(int rank, uint64_t session, const void* keepalive, bool clean = false);
+  // Bytes a transport copied on the host between its own buffers and the job's: gRPC chunks into
+  // the input buffers, updates into response messages, a replayed update into a shared-memory
+  // rank's region. (Assembly and return of whole matrices are the step's own work, not counted;
+  // a shared-memory step adds nothing.)
+  void CountTransportCopy(uint64_t bytes) { transport_copy_bytes_.fetch_add(bytes); }
+
+  // Zeroes the momentum, clears a fence and sets the next step. FAILED_PRECONDITION while a step is
+  // in flight.
+  absl::Status Reset(int64_t next_step);
+  // Reset, made durable by `persist`, which is called with the newest checkpoint generation on
+  // disk (0: none) and records the reset. No save of this job runs between the reset and the
+  // record, so every generation up to that number holds the momentum before the reset. When
+  // `persist` fails the job is fenced (memory reset, disk not) and its error returned.
+  absl::Status ResetDurably(int64_t next_step,
+                            const std::function<absl::Status(int64_t)>& persist);
+  // Marks the job deleted: steps in flight and later ones fail with NOT_FOUND.
+  void MarkDeleted();
+
+  // True while `step` is the step in flight (some rank began it, it has not ended).
+  bool StepInFlight(int64_t step) const;
+
+  JobReport Report() const;
+  // A copy of the momentum of matrix `m`.
+  std::vector<float> MomentumSnapshot(uint32_t m) const;
+
+ private:
+  friend class RankStep;
+
+  absl::Status AddGradient(const std::shared_ptr<StepState>& state, int rank, uint32_t matrix,
+                           uint64_t offset, std::string_view data, uint32_t crc32c);
+  // The checks of a gradient chunk that need no lock (the layout is immutable): on OK *span is the
+  // index of the rank's span that holds the chunk.
+  absl::Status CheckChunk(const std::string& where, int rank, uint32_t matrix, uint64_t offset,
+                          std::string_view data, uint32_t crc32c, size_t* span) const;
+  // Claims elements [offset, offset + count) of the rank's span `span` for a gRPC chunk and returns
+  // where its bytes go; an error ends the step (refused).
+  absl::StatusOr<char*> ClaimChunk(StepState& state, const std::string& where, int rank,
+                                   size_t span, uint64_t offset, uint64_t count)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `count` more elements of `matrix` arrived: queues the matrix when it is complete.
+  void MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix, uint64_t count)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::shared_ptr<const RankUpdate>> FinishRank(
+      const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled);
+  // StepPipeline::Sink.
+  void DeviceFailed(StepState& state, const absl::Status& status) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Commit(StepState& state) override;
+  // Applies the momentum EMA of the step to the store (under `lock`); DATA_LOSS when a gradient
+  // value changed to non-finite after it was checked.
+  absl::Status ApplyCommit(StepState& state, MomentumStore::Lock& lock);
+  // Ends the step with `status` (refused: not fenced; aborted: fenced).
+  // Nothing changes when the step already ended or its commit began.
+  void FailStep(StepState& state, const absl::Status& status, bool fence)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A shared-memory rank's submission for `step` was refused (`bad`) before it entered the step:
+  // the refusal is recorded so the ranks that have not learned of it do.
+  void RefuseSubmission(int rank, uint64_t session, int64_t step, const absl::Status& bad)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Aborts the step for every rank (job fenced) because `rank` left it; when the commit had
+  // already begun it waits for it and says so instead (see RankStep::Abandon).
+  absl::Status AbandonRank(const std::shared_ptr<StepState>& state, int rank,
+                           const std::string& why);
+  // Aborts the step in flight if `rank` still owes its part (not begun, or begun and not
+  // finished pushing). REQUIRES: a step in flight.
+  void AbortIfOwed(int rank, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<StepState> NewStepState(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT for a rank outside the world size.
+  absl::Status CheckRank(int rank) const;
+  // FAILED_PRECONDITION unless `session` is `rank`'s current session.
+  absl::Status CheckCurrentSession(int rank, uint64_t session, const char* hint) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The checks every rank's entry into `step` shares (gRPC and shared memory): job deleted,
+  // session, fence, replay, order, owed refusal, the rank already in the step. On OK either
+  // *replay is the committed update to hand back, or the rank is marked begun in in_flight_.
+  absl::Status EnterStep(int rank, uint64_t session, int64_t step,
+                         std::shared_ptr<const RankUpdate>* replay)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives a gRPC rank its input buffers (reused from the last step) and update storage.
+  void PrepareOwnedRank(StepState& state, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues a drain of the ready matrices of `state` unless one is queued.
+  void QueueDrain(const std::shared_ptr<StepState>& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION naming `what` while a step is in flight.
+  absl::Status CheckNoStepInFlight(const char* what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION unless the job can be saved now (not deleted, not a probe, not fenced).
+  absl::Status CheckSavable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Checks a loaded generation against the job's matrices (names and shapes): on OK index[m] is
+  // matrix m's place in `loaded`.
+  absl::Status MatchLoaded(const checkpoint::Loaded& loaded, const std::string& source,
+                           std::vector<int>* index) const;
+  // Installs a verified generation of job `from` (this job or another) and sets the next step;
+  // FAILED_PRECONDITION while a step is in flight.
+  absl::StatusOr<LoadResult> InstallLoaded(const checkpoint::Loaded& loaded, const Job& from);
+
+  const common::JobSpec spec_;
+  const std::string token_sha256_;
+  const std::string backend_;
+  ComputeExecutor* const executor_;
+  const absl::Duration step_timeout_;
+  const JobOwner owner_;
+  const int64_t created_unix_ms_;
+  const JobLayout layout_;
+  MomentumStore momentum_;
+  CheckpointWriter writer_;
+
+  mutable absl::Mutex mu_;
+  StepPipeline pipeline_;
+  std::vector<uint64_t> sessions_ ABSL_GUARDED_BY(mu_);  // per rank; 0 = not attached
+  // Per rank: why its session ended without a detach ("" while fine); cleared when it attaches.
+  std::vector<std::string> lost_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t next_step_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t steps_refused_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
+  double last_step_device_seconds_ ABSL_GUARDED_BY(mu_) = 0;  // simulated clock, last commit
+  bool fenced_ ABSL_GUARDED_BY(mu_) = false;
+  bool deleted_ ABSL_GUARDED_BY(mu_) = false;
+  std::string fence_reason_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<StepState> in_flight_ ABSL_GUARDED_BY(mu_);
+  // The last committed step's update per rank (for replays).
+  std::vector<std::shared_ptr<const RankUpdate>> last_updates_ ABSL_GUARDED_BY(mu_);
+  // Input buffers of the last finished step, reused by the next one (per rank, per span).
+  std::vector<std::vector<std::string>> input_pool_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> transport_copy_bytes_{0};
+  StepRefusal refusal_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_JOBS_JOB_H_

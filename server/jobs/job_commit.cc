@@ -1,0 +1,180 @@
+// The end of a Job's step: commit (the momentum store changes here and only here), refusal and
+// abort (the store untouched; an abort fences the job), a rank that leaves, and reset. See job.h.
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/dtype.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/jobs/gradient_check.h"
+#include "server/jobs/job.h"
+#include "server/ops/daemon_metrics.h"
+#include "server/optim/muon_math.h"
+
+namespace muond::server {
+
+void Job::Commit(StepState& state) {
+  // Every matrix succeeded and every gradient value was checked: apply the momentum EMA to the
+  // store. The store changes under its lock (a save in progress gets the old values first).
+  // Held to the end: a save cannot begin between the change and the step counter's advance.
+  MomentumStore::Lock store(momentum_);
+  absl::Status changed;
+  if (!spec_.transport_probe) changed = ApplyCommit(state, store);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - state.start);
+  if (changed.ok()) {
+    // Outside the job's lock: a scrape reads job status while holding the metrics' locks.
+    RecordStepCompleted(id(), seconds);
+    const StepPhase phases[5] = {StepPhase::kAssembly, StepPhase::kCopyIn,
+                                 StepPhase::kNewtonSchulz, StepPhase::kWriteback,
+                                 StepPhase::kReturn};
+    for (int p = 0; p < 5; ++p) RecordPhase(id(), phases[p], state.phase_seconds[p]);
+  }
+  absl::MutexLock lock(&mu_);
+  state.committing = false;
+  if (!changed.ok()) {
+    FailStep(state, changed, /*fence=*/true);
+    return;
+  }
+  for (auto& out : state.outputs) out->compute_seconds = seconds;
+  last_step_device_seconds_ = state.device_seconds;
+  last_updates_.assign(state.outputs.begin(), state.outputs.end());
+  state.done = true;
+  state.result = absl::OkStatus();
+  input_pool_.resize(spec_.world_size);
+  for (int r = 0; r < spec_.world_size; ++r) {
+    if (!state.ranks[r].owned.empty()) input_pool_[r] = std::move(state.ranks[r].owned);
+  }
+  ++next_step_;
+  ++steps_completed_;
+  if (in_flight_.get() == &state) in_flight_ = nullptr;
+  for (RankInput& in : state.ranks) {
+    if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), false, seconds);
+  }
+  state.cv.SignalAll();
+  if (spec_.checkpoint_every_steps > 0 && !spec_.transport_probe &&
+      static_cast<uint64_t>(steps_completed_) % spec_.checkpoint_every_steps == 0) {
+    SaveCheckpointInBackground();
+  }
+}
+
+absl::Status Job::ApplyCommit(StepState& state, MomentumStore::Lock& store) {
+  // From the gradients still in the input buffers, with the function MuonUpdate used. A
+  // shared-memory peer could have changed its gradients after ringing; a non-finite value found
+  // now means the store may be half-updated, so the job is fenced rather than committed.
+  std::vector<float> wide;
+  for (int r = 0; r < spec_.world_size; ++r) {
+    for (size_t i = 0; i < layout_.spans(r).size(); ++i) {
+      const common::ShardSpan& span = layout_.spans(r)[i];
+      const common::MatrixSpec& ms = spec_.matrices[span.matrix];
+      wide.resize(span.length);
+      common::ToFloat32(ms.dtype, state.ranks[r].span_in[i], span.length, wide.data());
+      if (const int64_t bad = common::FindNonFinite(wide.data(), wide.size()); bad >= 0) {
+        return NonFiniteAtCommit(absl::StrCat("job '", id(), "' step ", state.step, " rank ", r),
+                                 ms, span.offset + static_cast<uint64_t>(bad));
+      }
+      ApplyMomentum(spec_.muon, wide.data(), store.mutable_data(span.matrix) + span.offset,
+                    span.length);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Job::DeviceFailed(StepState& state, const absl::Status& status) {
+  FailStep(state, status, /*fence=*/false);
+}
+
+void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
+  // A step whose commit began is committed: nothing may report it as failed.
+  if (state.done || state.committing) return;
+  // A step whose ranks are all on shared memory is owned by in_flight_ alone (no RankStep holds
+  // it), and in_flight_ is reset below: keep `state` alive until this function returns.
+  const std::shared_ptr<StepState> keep = in_flight_.get() == &state ? in_flight_ : nullptr;
+  state.done = true;
+  state.result = status;
+  state.ready.clear();
+  for (RankInput& in : state.ranks) {
+    if (in.done) std::exchange(in.done, nullptr)(status, false, 0);
+  }
+  if (in_flight_.get() == &state) in_flight_ = nullptr;
+  if (fence) {
+    ++steps_aborted_;
+    fenced_ = true;
+    fence_reason_ = std::string(status.message());
+    MUOND_LOG(WARNING) << "job '" << id() << "' fenced: " << status.message();
+  } else {
+    ++steps_refused_;
+    MUOND_LOG(INFO) << "job '" << id() << "' step " << state.step
+                    << " refused: " << status.message();
+    if (status.code() == absl::StatusCode::kInvalidArgument) {
+      std::vector<bool> owed(spec_.world_size);
+      for (int r = 0; r < spec_.world_size; ++r) owed[r] = !state.ranks[r].begun;
+      refusal_.Record(state.step, status, std::move(owed));
+    }
+  }
+  state.cv.SignalAll();
+}
+
+void Job::RefuseSubmission(int rank, uint64_t session, int64_t step, const absl::Status& bad) {
+  if (in_flight_ != nullptr && in_flight_->step == step) {
+    FailStep(*in_flight_, bad, /*fence=*/false);
+    // This rank learns of the refusal from this very answer: it is not owed it again on its
+    // retry (it never began the step, so FailStep counted it among the ranks owed it).
+    (void)refusal_.Take(rank, step);
+  } else if (!deleted_ && !fenced_ && sessions_[rank] == session && step == next_step_) {
+    // Refused before any rank began the step: the ranks that submit it later are owed the
+    // refusal, or they would begin a step this rank has already left.
+    if (refusal_.Owes(rank, step)) {
+      (void)refusal_.Take(rank, step);  // a refusal of this same attempt; it learns of it now
+    } else {
+      ++steps_refused_;
+      std::vector<bool> owed(spec_.world_size, true);
+      owed[rank] = false;
+      refusal_.Record(step, bad, std::move(owed));
+      MUOND_LOG(INFO) << "job '" << id() << "' step " << step << " refused: " << bad.message();
+    }
+  }
+}
+
+absl::Status Job::CheckNoStepInFlight(const char* what) const {
+  if (in_flight_ == nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("job '", id(), "': step ", in_flight_->step,
+                                                    " is in flight; ", what, " after it ends"));
+}
+
+absl::Status Job::AbandonRank(const std::shared_ptr<StepState>& state, int rank,
+                              const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  // A commit in progress finishes: wait for it so the answer names the outcome.
+  while (state->committing && !state->done) state->cv.WaitWithTimeout(&mu_, kCancelPoll);
+  if (state->done) {
+    if (!state->result.ok()) return state->result;
+    return absl::UnavailableError(absl::StrCat(
+        "job '", id(), "' step ", state->step, " rank ", rank, ": ", why,
+        ", but the step was already committed (all data was in); ask for step ", state->step,
+        " again to receive its update"));
+  }
+  const absl::Status aborted = absl::AbortedError(absl::StrCat(
+      "job '", id(), "' step ", state->step, " aborted: rank ", rank, " ", why));
+  FailStep(*state, aborted, /*fence=*/true);
+  return aborted;
+}
+
+absl::Status Job::Reset(int64_t next_step) {
+  if (next_step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("next step ", next_step, " is negative"));
+  }
+  MomentumStore::Lock store(momentum_);
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckNoStepInFlight("reset"));
+  store.Zero();
+  writer_.Forget();
+  for (auto& u : last_updates_) u = nullptr;
+  next_step_ = next_step;
+  fenced_ = false;
+  fence_reason_.clear();
+  return absl::OkStatus();
+}
+
+}  // namespace muond::server

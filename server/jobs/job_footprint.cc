@@ -1,0 +1,90 @@
+#include "server/jobs/job_footprint.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace muond::server {
+namespace {
+
+// Upper bounds of the bytes each entry costs while the job exists (Job's tables, a step's
+// RankInput/RankUpdate entries, allocator overhead).
+constexpr uint64_t kBytesPerSpan = 320;
+constexpr uint64_t kBytesPerRank = 768;
+constexpr uint64_t kBytesPerTensor = 384;
+
+bool Add(uint64_t* acc, uint64_t v) { return !__builtin_add_overflow(*acc, v, acc); }
+
+bool MulAdd(uint64_t* acc, uint64_t a, uint64_t b) {
+  uint64_t p = 0;
+  return !__builtin_mul_overflow(a, b, &p) && Add(acc, p);
+}
+
+absl::Status TooLarge(const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("the job's ", what, " overflows 64 bits"));
+}
+
+}  // namespace
+
+absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec) {
+  JobFootprint f;
+  const uint64_t world = static_cast<uint64_t>(spec.world_size);
+  uint64_t total = 0;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    if (!Add(&total, static_cast<uint64_t>(m.numel()))) return TooLarge("element count");
+  }
+  if (!spec.explicit_layout.empty()) {
+    for (const auto& rank : spec.explicit_layout) f.spans += rank.size();
+  } else if (spec.zero_stage == 3) {
+    for (const common::MatrixSpec& m : spec.matrices) {
+      const uint64_t n = static_cast<uint64_t>(m.numel());
+      const uint64_t chunk = (n + world - 1) / world;
+      f.spans += (n + chunk - 1) / chunk;
+    }
+  } else if (spec.zero_stage == 1 || spec.zero_stage == 2) {
+    const uint64_t part = (total + world - 1) / world;
+    uint64_t start = 0;
+    for (const common::MatrixSpec& m : spec.matrices) {
+      const uint64_t end = start + static_cast<uint64_t>(m.numel());
+      f.spans += (end - 1) / part - start / part + 1;
+      start = end;
+    }
+  } else {
+    f.spans = spec.matrices.size();
+  }
+  if (!spec.transport_probe && !MulAdd(&f.state_bytes, total, sizeof(float))) {
+    return TooLarge("momentum byte count");
+  }
+  if (!MulAdd(&f.table_bytes, f.spans, kBytesPerSpan) ||
+      !MulAdd(&f.table_bytes, world, kBytesPerRank) ||
+      !MulAdd(&f.table_bytes, spec.matrices.size(), kBytesPerTensor)) {
+    return TooLarge("table byte count");
+  }
+  return f;
+}
+
+absl::Status CheckJobLimits(const common::JobSpec& spec, const JobFootprint& f,
+                            const DaemonLimits& limits, uint64_t daemon_gather_budget_bytes) {
+  const std::string job = absl::StrCat("job '", spec.job_id, "': ");
+  if (spec.world_size > limits.max_world_size) {
+    return absl::ResourceExhaustedError(absl::StrCat(job, "world_size ", spec.world_size,
+                                                     " is over the limit --max-world-size ",
+                                                     limits.max_world_size));
+  }
+  if (spec.matrices.size() > static_cast<size_t>(limits.max_tensors_per_job)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        job, spec.matrices.size(), " tensors are over the limit --max-tensors-per-job ",
+        limits.max_tensors_per_job));
+  }
+  if (f.spans > limits.max_spans_per_job) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        job, "the layout has ", f.spans, " shard spans over all ranks, over the limit "
+        "--max-spans-per-job ", limits.max_spans_per_job));
+  }
+  if (spec.gather_budget_bytes > daemon_gather_budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        job, "gather_budget_bytes ", spec.gather_budget_bytes,
+        " is over the daemon's --gather-budget-bytes ", daemon_gather_budget_bytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace muond::server

@@ -1,0 +1,52 @@
+// A job's state as its status reports it (muonctl job show, the metrics, the API's JobStatus):
+// plain values, taken at one moment under the job's lock. server/api converts it to the proto.
+#ifndef MUOND_SERVER_JOBS_JOB_REPORT_H_
+#define MUOND_SERVER_JOBS_JOB_REPORT_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/job_spec.h"
+
+namespace muond::server {
+
+struct RankReport {
+  int rank = 0;
+  bool attached = false;
+  uint64_t session_id = 0;
+  bool in_step = false;           // begun the step in flight
+  bool finished_pushing = false;  // sent its whole part of the step in flight
+  uint64_t elements = 0;          // elements of all its spans
+};
+
+struct JobReport {
+  common::JobSpec spec;
+  std::string backend;
+  int64_t created_unix_ms = 0;
+  uint64_t gather_budget_bytes = 0;
+  uint64_t gather_peak_bytes = 0;
+  uint64_t momentum_bytes = 0;
+  int64_t next_step = 0;
+  int64_t steps_completed = 0;
+  int64_t steps_refused = 0;
+  int64_t steps_aborted = 0;
+  bool fenced = false;
+  std::string fence_reason;
+  double last_step_device_seconds = 0;
+  // Bytes the transports copied on the host (see Job::CountTransportCopy).
+  uint64_t transport_copy_bytes = 0;
+  std::optional<int64_t> last_checkpoint_step;
+  int64_t last_checkpoint_unix_ms = 0;
+  std::string checkpoint_dir;
+  std::optional<int64_t> owner_uid;
+  std::string owner;
+  int32_t step_timeout_seconds = 0;
+  std::optional<int64_t> step_in_flight;
+  std::vector<RankReport> ranks;
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_JOBS_JOB_REPORT_H_

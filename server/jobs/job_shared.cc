@@ -1,0 +1,111 @@
+// The shared-memory side of a Job: whole-shard submissions from a rank's regions and the end of
+// a rank's shared-memory session (see job.h).
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/jobs/gradient_check.h"
+#include "server/jobs/job.h"
+
+namespace muond::server {
+
+absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
+                              const std::vector<const char*>& in, const std::vector<char*>& out,
+                              std::shared_ptr<const void> keepalive, SharedDone done) {
+  RETURN_IF_ERROR(CheckRank(rank));
+  const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
+  if (in.size() != spans.size() || out.size() != spans.size()) {
+    return absl::InternalError("shared submission with the wrong number of spans");
+  }
+  // Every value is checked in place, before the step knows about the rank.
+  const std::string where = absl::StrCat("job '", id(), "' step ", step, " rank ", rank);
+  if (absl::Status bad = CheckFiniteSpans(where, spec_, spans, in); !bad.ok()) {
+    absl::MutexLock lock(&mu_);
+    RefuseSubmission(rank, session, step, bad);
+    return bad;
+  }
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<const RankUpdate> replay;
+  RETURN_IF_ERROR(EnterStep(rank, session, step, &replay));
+  if (replay != nullptr) {
+    // The committed bytes go where the rank reads them (already there when the rank used the
+    // same buffer).
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (out[i] != replay->spans[i].data) {
+        std::memcpy(out[i], replay->spans[i].data, replay->spans[i].size);
+        CountTransportCopy(replay->spans[i].size);
+      }
+    }
+    done(absl::OkStatus(), /*replayed=*/true, replay->compute_seconds);
+    return absl::OkStatus();
+  }
+  StepState& state = *in_flight_;
+  RankInput& rin = state.ranks[rank];
+  rin.finished = true;
+  rin.span_in = in;
+  rin.keepalive = keepalive;
+  rin.done = std::move(done);
+  auto update = std::make_shared<RankUpdate>();
+  update->step = step;
+  update->keepalive = std::move(keepalive);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    update->spans.push_back({spans[i].matrix, spans[i].offset, out[i], layout_.SpanBytes(rank, i)});
+    rin.span_received[i] = spans[i].length;
+    state.matrix_received[spans[i].matrix] += spans[i].length;
+    if (state.matrix_received[spans[i].matrix] ==
+        static_cast<uint64_t>(spec_.matrices[spans[i].matrix].numel())) {
+      state.ready.push_back(spans[i].matrix);
+    }
+  }
+  state.outputs[rank] = std::move(update);
+  QueueDrain(in_flight_);
+  return absl::OkStatus();
+}
+
+void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive, bool clean) {
+  if (rank < 0 || rank >= spec_.world_size) return;
+  absl::MutexLock lock(&mu_);
+  if (in_flight_ != nullptr) {
+    const RankInput& rin = in_flight_->ranks[rank];
+    // The rank submitted through this session, or it still owed its part of the step: with its
+    // session gone it can never complete the step, and the other ranks would wait for it forever.
+    const bool submitted = keepalive != nullptr && rin.keepalive.get() == keepalive;
+    // A clean detach that still owed its part ends the step the same way: the others would wait
+    // for it until the step timeout.
+    const bool owed = sessions_[rank] == session && !rin.begun;
+    if (submitted || owed) {
+      FailStep(*in_flight_,
+               absl::AbortedError(absl::StrCat(
+                   "job '", id(), "' step ", in_flight_->step, " aborted: rank ", rank,
+                   " (shared memory) ", clean ? "detached " : "went away ",
+                   submitted ? "during the step" : "before submitting its part of the step")),
+               /*fence=*/true);
+    }
+  }
+  if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive) {
+    // The committed update lives in the regions being released: keep a private copy, so a rank
+    // that comes back (over either transport) can still replay the step.
+    const RankUpdate& last = *last_updates_[rank];
+    auto copy = std::make_shared<RankUpdate>();
+    copy->step = last.step;
+    copy->compute_seconds = last.compute_seconds;
+    copy->storage.resize(last.spans.size());
+    for (size_t i = 0; i < last.spans.size(); ++i) {
+      copy->storage[i].assign(last.spans[i].data, last.spans[i].size);
+      copy->spans.push_back({last.spans[i].matrix, last.spans[i].offset, copy->storage[i].data(),
+                             last.spans[i].size});
+    }
+    last_updates_[rank] = std::move(copy);
+  }
+  if (sessions_[rank] == session) {
+    sessions_[rank] = 0;
+    // A peer that died between steps: a step the others begin before it attaches again is
+    // refused at once instead of waiting for it.
+    if (!clean) lost_[rank] = "its shared-memory session ended without a detach";
+  }
+}
+
+}  // namespace muond::server

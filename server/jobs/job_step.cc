@@ -1,0 +1,318 @@
+// The Job's steps: a rank's entry into a step (gRPC and shared memory share the rules), its
+// gradient chunks (checked, claimed and copied), and its wait for the commit. See job.h.
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
+#include "server/jobs/gradient_check.h"
+#include "server/jobs/job.h"
+
+namespace muond::server {
+
+RankStep::RankStep(std::shared_ptr<Job> job, int rank, int64_t step,
+                   std::shared_ptr<StepState> state, std::shared_ptr<const RankUpdate> replay)
+    : job_(std::move(job)),
+      rank_(rank),
+      step_(step),
+      state_(std::move(state)),
+      replay_(std::move(replay)) {}
+
+RankStep::~RankStep() {
+  if (!done_ && state_ != nullptr) {
+    (void)job_->AbandonRank(state_, rank_, "left before the step completed");
+  }
+}
+
+absl::Status RankStep::AddGradient(uint32_t matrix, uint64_t offset, std::string_view data,
+                                   uint32_t crc32c) {
+  if (done_) return absl::FailedPreconditionError("the step already ended for this rank");
+  bytes_in_ += data.size();
+  if (replay_ != nullptr) {
+    // A replay returns the committed bytes; resent gradients are checked for transport integrity
+    // only and never applied again.
+    if (common::Crc32c(data.data(), data.size()) != crc32c) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", step_, " (replay): matrix ", matrix,
+                                                     " chunk at element ", offset,
+                                                     ": CRC32C mismatch"));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status s = job_->AddGradient(state_, rank_, matrix, offset, data, crc32c);
+  if (!s.ok()) done_ = true;  // the step ended (refused); nothing left to abort
+  return s;
+}
+
+absl::Status RankStep::Abandon(const std::string& why) {
+  if (done_) return absl::FailedPreconditionError("the step already ended for this rank");
+  done_ = true;
+  if (replay_ != nullptr) {
+    return absl::CancelledError(absl::StrCat("step ", step_, " (replay): ", why,
+                                             "; nothing changed, the step stays committed"));
+  }
+  return job_->AbandonRank(state_, rank_, why);
+}
+
+absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
+    const std::function<bool()>& cancelled) {
+  if (done_) return absl::FailedPreconditionError("the step already ended for this rank");
+  done_ = true;
+  if (replay_ != nullptr) return replay_;
+  return job_->FinishRank(state_, rank_, cancelled);
+}
+
+absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t session, int64_t step) {
+  RETURN_IF_ERROR(CheckRank(rank));
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<const RankUpdate> replay;
+  RETURN_IF_ERROR(EnterStep(rank, session, step, &replay));
+  if (replay != nullptr) {
+    return std::unique_ptr<RankStep>(new RankStep(shared_from_this(), rank, step, nullptr, replay));
+  }
+  PrepareOwnedRank(*in_flight_, rank);
+  return std::unique_ptr<RankStep>(
+      new RankStep(shared_from_this(), rank, step, in_flight_, nullptr));
+}
+
+absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step,
+                            std::shared_ptr<const RankUpdate>* replay) {
+  if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
+  RETURN_IF_ERROR(CheckCurrentSession(rank, session, "; attach the rank first"));
+  if (fenced_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", id(), "' is fenced (", fence_reason_, "); reset it or load a checkpoint"));
+  }
+  if (in_flight_ == nullptr) {
+    for (int r = 0; r < spec_.world_size; ++r) {
+      if (lost_[r].empty()) continue;
+      return absl::AbortedError(absl::StrCat(
+          "job '", id(), "' step ", step, " cannot run: rank ", r, " is gone (", lost_[r],
+          ") and has not attached again; nothing changed"));
+    }
+  }
+  if (step == next_step_ - 1 && last_updates_[rank] != nullptr &&
+      last_updates_[rank]->step == step) {
+    if (in_flight_ != nullptr && in_flight_->ranks[rank].begun) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job '", id(), "' rank ", rank, ": cannot replay step ", step,
+                       " while the rank has step ", in_flight_->step, " in flight"));
+    }
+    *replay = last_updates_[rank];
+    return absl::OkStatus();
+  }
+  if (step != next_step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", id(), "': step ", step, " out of order: expected step ", next_step_,
+                     next_step_ > 0 ? absl::StrCat(" (or a replay of ", next_step_ - 1, ")") : ""));
+  }
+  // A rank that had not begun a refused step learns of the refusal on its first try, even when
+  // other ranks already began the retry.
+  if (absl::Status refused = refusal_.Take(rank, step); !refused.ok()) return refused;
+  if (in_flight_ == nullptr) in_flight_ = NewStepState(step);
+  if (in_flight_->ranks[rank].begun) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", id(), "' rank ", rank, " already has step ", step, " in flight"));
+  }
+  in_flight_->ranks[rank].begun = true;
+  return absl::OkStatus();
+}
+
+std::shared_ptr<StepState> Job::NewStepState(int64_t step) {
+  auto state = std::make_shared<StepState>();
+  state->step = step;
+  state->start = absl::Now();
+  state->ranks.resize(spec_.world_size);
+  state->outputs.resize(spec_.world_size);
+  state->matrix_received.assign(spec_.matrices.size(), 0);
+  for (int r = 0; r < spec_.world_size; ++r) {
+    state->ranks[r].span_received.assign(layout_.spans(r).size(), 0);
+  }
+  return state;
+}
+
+void Job::PrepareOwnedRank(StepState& state, int rank) {
+  RankInput& in = state.ranks[rank];
+  const size_t n = layout_.spans(rank).size();
+  if (static_cast<size_t>(rank) < input_pool_.size()) in.owned = std::move(input_pool_[rank]);
+  in.owned.resize(n);
+  in.span_in.resize(n);
+  in.claimed.resize(n);
+  auto out = std::make_shared<RankUpdate>();
+  out->step = state.step;
+  out->storage.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const common::ShardSpan& span = layout_.spans(rank)[i];
+    const size_t bytes = layout_.SpanBytes(rank, i);
+    in.owned[i].resize(bytes);
+    in.span_in[i] = in.owned[i].data();
+    out->storage[i].assign(bytes, '\0');
+    out->spans.push_back({span.matrix, span.offset, out->storage[i].data(), bytes});
+  }
+  state.outputs[rank] = std::move(out);
+}
+
+absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int rank,
+                              uint32_t matrix, uint64_t offset, std::string_view data,
+                              uint32_t crc32c) {
+  StepState& state = *state_ptr;
+  const std::string where = absl::StrCat("job '", id(), "' step ", state.step, " rank ", rank);
+  size_t span = 0;
+  const absl::Status bad = CheckChunk(where, rank, matrix, offset, data, crc32c, &span);
+  const uint64_t count = bad.ok() ? data.size() / common::DTypeSize(spec_.matrices[matrix].dtype)
+                                  : 0;
+  char* dst = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state.committing || (state.done && state.result.ok())) {
+      // Every element was in: nothing more can be applied, and re-sent data is never taken.
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": the step is ", state.done ? "committed" : "committing",
+          " (all data was in); this chunk (matrix ", matrix, " at element ", offset,
+          ") was not applied; ask for step ", state.step, " again to receive its update"));
+    }
+    if (state.done) return state.result;
+    if (!bad.ok()) {
+      FailStep(state, bad, /*fence=*/false);
+      return bad;
+    }
+    ASSIGN_OR_RETURN(dst, ClaimChunk(state, where, rank, span, offset, count));
+  }
+  // The claimed range is this rank's alone: copy outside the lock.
+  std::memcpy(dst, data.data(), data.size());
+  CountTransportCopy(data.size());
+  absl::MutexLock lock(&mu_);
+  if (state.done) return state.result;
+  state.ranks[rank].span_received[span] += count;
+  MarkReceived(state_ptr, matrix, count);
+  return absl::OkStatus();
+}
+
+absl::Status Job::CheckChunk(const std::string& where, int rank, uint32_t matrix,
+                             uint64_t offset, std::string_view data, uint32_t crc32c,
+                             size_t* span) const {
+  if (matrix >= spec_.matrices.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": matrix index ", matrix,
+                                                   " out of range (the job has ",
+                                                   spec_.matrices.size(), " matrices)"));
+  }
+  const common::MatrixSpec& ms = spec_.matrices[matrix];
+  const size_t esize = common::DTypeSize(ms.dtype);
+  const uint64_t count = data.size() / esize;
+  if (data.empty() || data.size() > kMaxChunkBytes || data.size() % esize != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": matrix '", ms.name, "' chunk at element ", offset, " has ", data.size(),
+        " bytes; expected a non-empty multiple of ", esize, " (",
+        std::string(common::DTypeName(ms.dtype)), ") of at most ", kMaxChunkBytes,
+        " (truncated chunk?)"));
+  }
+  if (common::Crc32c(data.data(), data.size()) != crc32c) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": matrix '", ms.name,
+                                                   "' chunk at element ", offset,
+                                                   ": CRC32C mismatch (corrupt or truncated chunk)"));
+  }
+  const std::optional<size_t> found = layout_.FindSpan(rank, matrix, offset, count);
+  if (!found) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": matrix '", ms.name, "' elements [", offset, ", ", offset + count,
+        ") are outside the rank's shard of the matrix (", ms.numel(), " elements)"));
+  }
+  *span = *found;
+  return CheckFiniteChunk(where, ms, offset, data.data(), count);
+}
+
+absl::StatusOr<char*> Job::ClaimChunk(StepState& state, const std::string& where, int rank,
+                                      size_t span_index, uint64_t offset, uint64_t count) {
+  const common::ShardSpan& span = layout_.spans(rank)[span_index];
+  const common::MatrixSpec& ms = spec_.matrices[span.matrix];
+  RankInput& in = state.ranks[rank];
+  auto& claimed = in.claimed[span_index];
+  auto next = claimed.lower_bound(offset);
+  const bool overlaps = (next != claimed.end() && next->first < offset + count) ||
+                        (next != claimed.begin() && std::prev(next)->second > offset);
+  absl::Status refused;
+  // Adjacent ranges merge, so a span pushed in order is one entry; a client that scatters tiny
+  // chunks is bounded (the bookkeeping is memory the client makes the daemon hold).
+  auto prev = next == claimed.begin() ? claimed.end() : std::prev(next);
+  if (overlaps) {
+    refused = absl::InvalidArgumentError(
+        absl::StrCat(where, ": matrix '", ms.name, "' elements [", offset, ", ", offset + count,
+                     ") overlap data already received for this step"));
+  } else if (prev != claimed.end() && prev->second == offset) {
+    prev->second = offset + count;
+    if (next != claimed.end() && next->first == prev->second) {
+      prev->second = next->second;
+      claimed.erase(next);
+    }
+  } else if (next != claimed.end() && next->first == offset + count) {
+    const uint64_t end = next->second;
+    claimed.erase(next);
+    claimed.emplace(offset, end);
+  } else if (claimed.size() >= kMaxClaimedRanges) {
+    refused = absl::ResourceExhaustedError(absl::StrCat(
+        where, ": matrix '", ms.name, "' span at element ", span.offset, " has ", claimed.size(),
+        " separate pieces received (limit ", kMaxClaimedRanges, "); send chunks in order"));
+  } else {
+    claimed.emplace(offset, offset + count);
+  }
+  if (!refused.ok()) {
+    FailStep(state, refused, /*fence=*/false);
+    return refused;
+  }
+  return in.owned[span_index].data() +
+         (offset - span.offset) * common::DTypeSize(ms.dtype);
+}
+
+void Job::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix, uint64_t count) {
+  state->matrix_received[matrix] += count;
+  if (state->matrix_received[matrix] == static_cast<uint64_t>(spec_.matrices[matrix].numel())) {
+    state->ready.push_back(matrix);
+    QueueDrain(state);
+  }
+}
+
+void Job::QueueDrain(const std::shared_ptr<StepState>& state) {
+  if (state->ready.empty() || state->drain_queued) return;
+  state->drain_queued = true;
+  executor_->Submit([self = shared_from_this(), state] { self->pipeline_.Drain(*state); });
+}
+
+absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
+    const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled) {
+  absl::MutexLock lock(&mu_);
+  if (state->done) {
+    if (!state->result.ok()) return state->result;
+    return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
+  }
+  RankInput& in = state->ranks[rank];
+  for (size_t i = 0; i < layout_.spans(rank).size(); ++i) {
+    const common::ShardSpan& span = layout_.spans(rank)[i];
+    if (in.span_received[i] != span.length) {
+      absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+          "job '", id(), "' step ", state->step, " rank ", rank, ": matrix '",
+          spec_.matrices[span.matrix].name, "' is incomplete: received ", in.span_received[i],
+          " of ", span.length, " elements of the rank's span at element ", span.offset,
+          in.span_received[i] == 0 ? " (missing from the step)" : ""));
+      FailStep(*state, s, /*fence=*/false);
+      return s;
+    }
+  }
+  in.finished = true;
+  while (!state->done) {
+    state->cv.WaitWithTimeout(&mu_, kCancelPoll);
+    if (!state->done && cancelled && cancelled()) {
+      FailStep(*state,
+               absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step,
+                                               " aborted: rank ", rank,
+                                               " went away while waiting for the step")),
+               /*fence=*/true);
+    }
+  }
+  if (!state->result.ok()) return state->result;
+  return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
+}
+
+}  // namespace muond::server

@@ -1,0 +1,81 @@
+#include "server/jobs/momentum_store.h"
+
+#include <algorithm>
+
+namespace muond::server {
+
+uint64_t MomentumStore::BytesFor(const common::JobSpec& spec) {
+  if (spec.transport_probe) return 0;
+  uint64_t bytes = 0;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    bytes += static_cast<uint64_t>(m.numel()) * sizeof(float);
+  }
+  return bytes;
+}
+
+MomentumStore::MomentumStore(const common::JobSpec& spec, device::Device* device)
+    : device_(device), bytes_(BytesFor(spec)) {
+  const size_t n = spec.matrices.size();
+  momentum_.resize(n);
+  pinned_.assign(n, false);
+  for (size_t m = 0; m < n && !spec.transport_probe; ++m) {
+    momentum_[m].assign(static_cast<size_t>(spec.matrices[m].numel()), 0.0f);
+    pinned_[m] = device_->RegisterHost(momentum_[m].data(), momentum_[m].size() * sizeof(float));
+  }
+}
+
+MomentumStore::~MomentumStore() {
+  for (size_t m = 0; m < momentum_.size(); ++m) {
+    if (pinned_[m]) device_->UnregisterHost(momentum_[m].data(), momentum_[m].size() * sizeof(float));
+  }
+}
+
+MomentumStore::Lock::Lock(MomentumStore& store) : store_(store) { store_.mu_.Lock(); }
+
+MomentumStore::Lock::~Lock() { store_.mu_.Unlock(); }
+
+float* MomentumStore::Lock::mutable_data(uint32_t m) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (!preserved_) {
+    store_.PreserveForSnapshot();
+    preserved_ = true;
+  }
+  return store_.momentum_[m].data();
+}
+
+void MomentumStore::Lock::Zero() {
+  for (uint32_t m = 0; m < store_.momentum_.size(); ++m) {
+    float* d = mutable_data(m);
+    std::fill(d, d + store_.momentum_[m].size(), 0.0f);
+  }
+}
+
+void MomentumStore::Lock::BeginSnapshot() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  store_.snapshot_ = std::make_unique<Snapshot>();
+  store_.snapshot_->copied.assign(store_.momentum_.size(), false);
+  store_.snapshot_->saved.resize(store_.momentum_.size());
+}
+
+void MomentumStore::PreserveForSnapshot() {
+  if (snapshot_ == nullptr) return;
+  for (size_t m = 0; m < momentum_.size(); ++m) {
+    if (!snapshot_->copied[m] && snapshot_->saved[m].empty()) snapshot_->saved[m] = momentum_[m];
+  }
+}
+
+void MomentumStore::CopyForSnapshot(uint32_t m, std::vector<float>* out) {
+  absl::MutexLock lock(&mu_);
+  if (!snapshot_->saved[m].empty()) {
+    *out = std::move(snapshot_->saved[m]);
+    snapshot_->saved[m] = std::vector<float>();
+  } else {
+    out->assign(momentum_[m].begin(), momentum_[m].end());
+  }
+  snapshot_->copied[m] = true;
+}
+
+void MomentumStore::EndSnapshot() {
+  absl::MutexLock lock(&mu_);
+  snapshot_.reset();
+}
+
+}  // namespace muond::server

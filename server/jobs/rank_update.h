@@ -1,0 +1,39 @@
+// What a rank gets back from a step: its spans of the update, in the order of common::RankSpans.
+#ifndef MUOND_SERVER_JOBS_RANK_UPDATE_H_
+#define MUOND_SERVER_JOBS_RANK_UPDATE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace muond::server {
+
+// One span of a rank's update, in the matrix's dtype: `size` bytes at `data`, which points into
+// the update's own storage (gRPC) or into the rank's shared update region.
+struct UpdateSpan {
+  uint32_t matrix = 0;
+  uint64_t offset = 0;  // elements
+  char* data = nullptr;
+  size_t size = 0;
+};
+
+struct RankUpdate {
+  int64_t step = -1;
+  std::vector<UpdateSpan> spans;  // in the order of common::RankSpans
+  double compute_seconds = 0;
+  std::vector<std::string> storage;       // owned span bytes (gRPC ranks)
+  std::shared_ptr<const void> keepalive;  // the shared region the spans point into (shm ranks)
+};
+
+// Called once when a shared-memory submission ends: OK (the update is in the rank's update
+// region), or why not. Runs with the job's lock held: it must not call back into the Job.
+using SharedDone = std::function<void(const absl::Status& status, bool replayed, double seconds)>;
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_JOBS_RANK_UPDATE_H_

@@ -1,0 +1,267 @@
+#include "server/jobs/step_pipeline.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
+#include "server/jobs/parallel_bytes.h"
+
+namespace muond::server {
+
+struct StepPipeline::Batch {
+  std::vector<uint32_t> matrices;
+  std::vector<std::vector<float>> staging;  // per matrix: the gradient, then the update
+  std::vector<device::DeviceBuffer> grad;   // per matrix, device
+  std::vector<device::DeviceBuffer> mom;    // per matrix, device
+  std::shared_ptr<device::Event> written;   // the writeback is complete
+};
+
+// One call of Drain: the batches it has in flight and the first device error.
+class StepPipeline::Run {
+ public:
+  Run(StepPipeline& p, StepState& state)
+      : p_(p),
+        state_(state),
+        dev_(*p.devices_),
+        clock_start_(dev_.device->SimulatedSeconds()),
+        busy_start_(dev_.device->Busy()) {}
+
+  void Go() {
+    while (true) {
+      Batch batch;
+      bool commit = false;
+      if (!Take(&batch, &commit)) return;
+      if (batch.matrices.empty()) {
+        if (!flight_.empty()) {
+          Retire();
+          continue;
+        }
+        p_.sink_->Commit(state_);
+        absl::MutexLock lock(p_.job_mu_);
+        state_.drain_queued = false;
+        return;
+      }
+      if (p_.spec_.transport_probe) {
+        Echo(batch);
+        continue;
+      }
+      if (status_.ok()) status_ = Assemble(batch);
+      if (status_.ok()) status_ = Enqueue(batch);
+      if (!status_.ok()) {
+        Abandon();
+        continue;
+      }
+      flight_.push_back(std::move(batch));
+      if (dev_.serial || flight_.size() >= static_cast<size_t>(DeviceStreams::kDepth)) Retire();
+    }
+  }
+
+ private:
+  // Under the job's lock: takes the next batch from the ready matrices. With nothing taken and
+  // nothing in flight the call ends: false (the drain is over; a device error refused the step),
+  // or true with an empty batch and *commit when the step's last matrix is done.
+  bool Take(Batch* batch, bool* commit) {
+    absl::MutexLock lock(p_.job_mu_);
+    // The gather budget bounds everything assembled at once (all batches in flight); batches aim
+    // at a third of it so that kDepth of them overlap. A matrix larger than the budget goes
+    // alone, when nothing else is in flight.
+    uint64_t in_flight = 0;
+    for (const Batch& b : flight_) {
+      for (uint32_t m : b.matrices) in_flight += p_.AssembledBytes(m);
+    }
+    const uint64_t budget = p_.gather_budget_bytes_;
+    const uint64_t per_batch = std::max<uint64_t>(1, budget / DeviceStreams::kDepth);
+    uint64_t batch_bytes = 0;
+    size_t taken = 0;
+    for (uint32_t m : state_.ready) {
+      if (state_.done || !status_.ok()) break;
+      const uint64_t bytes = p_.AssembledBytes(m);
+      const bool alone = batch->matrices.empty() && in_flight == 0;
+      if (!alone && (batch_bytes + bytes > per_batch && !batch->matrices.empty())) break;
+      if (!alone && in_flight + batch_bytes + bytes > budget) break;
+      batch->matrices.push_back(m);
+      batch_bytes += bytes;
+      ++taken;
+    }
+    state_.ready.erase(state_.ready.begin(), state_.ready.begin() + taken);
+    if (!p_.spec_.transport_probe) {
+      uint64_t peak = p_.gather_peak_bytes_.load();
+      while (peak < in_flight + batch_bytes &&
+             !p_.gather_peak_bytes_.compare_exchange_weak(peak, in_flight + batch_bytes)) {
+      }
+    }
+    if (!batch->matrices.empty() || !flight_.empty()) return true;
+    return Finish(commit);
+  }
+
+  // Under the job's lock, nothing left to do: refuses the step on a device error, decides the
+  // commit and accounts the device time. False ends the drain.
+  bool Finish(bool* commit) {
+    if (!status_.ok() && !state_.done) {
+      // A device error fails this step only (the momentum store is untouched until commit).
+      p_.sink_->DeviceFailed(
+          state_, absl::Status(status_.code(),
+                               absl::StrCat("job '", p_.spec_.job_id, "' step ", state_.step,
+                                            " failed on the compute device: ", status_.message())));
+    }
+    *commit = status_.ok() && !state_.done && state_.matrices_done == p_.spec_.matrices.size();
+    if (*commit) state_.committing = true;
+    state_.device_seconds += dev_.device->SimulatedSeconds() - clock_start_;
+    const device::Device::BusySeconds busy = dev_.device->Busy();
+    state_.phase_seconds[1] += busy.copy_in - busy_start_.copy_in;
+    state_.phase_seconds[2] += busy.compute - busy_start_.compute;
+    state_.phase_seconds[3] += busy.writeback - busy_start_.writeback;
+    if (!*commit) state_.drain_queued = false;
+    return *commit;
+  }
+
+  // Waits for the oldest batch's writeback, then scatters its updates to the ranks' outputs.
+  void Retire() {
+    Batch b = std::move(flight_.front());
+    flight_.pop_front();
+    absl::Status s = b.written->Wait();
+    if (!s.ok() && status_.ok()) status_ = s;
+    if (!status_.ok()) return;
+    const absl::Time scatter_start = absl::Now();
+    for (size_t i = 0; i < b.matrices.size(); ++i) {
+      const uint32_t m = b.matrices[i];
+      for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
+        const common::ShardSpan& span = p_.layout_.spans(ref.rank)[ref.span];
+        common::FromFloat32(b.staging[i].data() + span.offset, span.length,
+                            p_.spec_.matrices[m].dtype,
+                            state_.outputs[ref.rank]->spans[ref.span].data);
+      }
+    }
+    state_.phase_seconds[4] += absl::ToDoubleSeconds(absl::Now() - scatter_start);
+    absl::MutexLock lock(p_.job_mu_);
+    state_.matrices_done += b.matrices.size();
+  }
+
+  // The data-path probe: each owner's span goes back as it came, one copy, no device, in slices
+  // spread over the CPUs.
+  void Echo(const Batch& batch) {
+    constexpr size_t kSlice = size_t{4} << 20;
+    struct Slice {
+      char* dst;
+      const char* src;
+      size_t bytes;
+    };
+    std::vector<Slice> slices;
+    size_t total = 0;
+    for (uint32_t m : batch.matrices) {
+      for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
+        char* dst = state_.outputs[ref.rank]->spans[ref.span].data;
+        const char* src = state_.ranks[ref.rank].span_in[ref.span];
+        const size_t bytes = p_.layout_.SpanBytes(ref.rank, ref.span);
+        for (size_t at = 0; at < bytes; at += kSlice) {
+          slices.push_back({dst + at, src + at, std::min(kSlice, bytes - at)});
+        }
+        total += bytes;
+      }
+    }
+    ParallelFor(slices.size(), total, [&](size_t i) {
+      std::memcpy(slices[i].dst, slices[i].src, slices[i].bytes);
+    });
+    absl::MutexLock lock(p_.job_mu_);
+    state_.matrices_done += batch.matrices.size();
+  }
+
+  // Assembly of each whole matrix on the host (fp32) and its device buffers.
+  absl::Status Assemble(Batch& batch) {
+    batch.staging.resize(batch.matrices.size());
+    for (size_t i = 0; i < batch.matrices.size(); ++i) {
+      const uint32_t m = batch.matrices[i];
+      const common::MatrixSpec& ms = p_.spec_.matrices[m];
+      const size_t n = static_cast<size_t>(ms.numel());
+      const absl::Time gather_start = absl::Now();
+      batch.staging[i].resize(n);
+      for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
+        const common::ShardSpan& span = p_.layout_.spans(ref.rank)[ref.span];
+        common::ToFloat32(ms.dtype, state_.ranks[ref.rank].span_in[ref.span], span.length,
+                          batch.staging[i].data() + span.offset);
+      }
+      state_.phase_seconds[0] += absl::ToDoubleSeconds(absl::Now() - gather_start);
+      auto g = dev_.device->Allocate(n * sizeof(float));
+      if (!g.ok()) return g.status();
+      auto mo = dev_.device->Allocate(n * sizeof(float));
+      if (!mo.ok()) return mo.status();
+      batch.grad.push_back(*std::move(g));
+      batch.mom.push_back(*std::move(mo));
+    }
+    return absl::OkStatus();
+  }
+
+  // Copy-in, compute and writeback of the batch, enqueued on the three streams.
+  absl::Status Enqueue(Batch& batch) {
+    std::vector<device::MuonKernelItem> items;
+    for (size_t i = 0; i < batch.grad.size(); ++i) {
+      const uint32_t m = batch.matrices[i];
+      const size_t bytes = batch.staging[i].size() * sizeof(float);
+      RETURN_IF_ERROR(dev_.copy_in->CopyToDevice(batch.grad[i], 0, batch.staging[i].data(), bytes));
+      // The committed momentum, read in place from the (registered) store: it does not change
+      // before commit, which waits for this step's device work.
+      RETURN_IF_ERROR(dev_.copy_in->CopyToDevice(batch.mom[i], 0, p_.momentum_.data(m), bytes));
+      items.push_back({&p_.spec_.matrices[m], &batch.grad[i], &batch.mom[i]});
+    }
+    auto copied = dev_.copy_in->Record();
+    if (!copied.ok()) return copied.status();
+    RETURN_IF_ERROR(dev_.compute->WaitFor(*copied));
+    RETURN_IF_ERROR(dev_.compute->Muon(p_.spec_.muon, std::move(items)));
+    auto computed = dev_.compute->Record();
+    if (!computed.ok()) return computed.status();
+    RETURN_IF_ERROR(dev_.writeback->WaitFor(*computed));
+    for (size_t i = 0; i < batch.grad.size(); ++i) {
+      RETURN_IF_ERROR(dev_.writeback->CopyToHost(batch.staging[i].data(), batch.grad[i], 0,
+                                                  batch.staging[i].size() * sizeof(float)));
+    }
+    auto written = dev_.writeback->Record();
+    if (!written.ok()) return written.status();
+    batch.written = *written;
+    return absl::OkStatus();
+  }
+
+  // After a device error: nothing may stay in flight without an event to wait for.
+  void Abandon() {
+    (void)dev_.copy_in->Synchronize();
+    (void)dev_.compute->Synchronize();
+    (void)dev_.writeback->Synchronize();
+    while (!flight_.empty()) {
+      Batch b = std::move(flight_.front());
+      flight_.pop_front();
+      if (b.written) (void)b.written->Wait();
+    }
+  }
+
+  StepPipeline& p_;
+  StepState& state_;
+  DeviceStreams& dev_;
+  std::deque<Batch> flight_;
+  absl::Status status_;
+  // The simulated clock this call spends (every call drains what it enqueued before returning).
+  const double clock_start_;
+  const device::Device::BusySeconds busy_start_;
+};
+
+StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
+                           const MomentumStore& momentum, DeviceStreams* devices,
+                           uint64_t gather_budget_bytes, absl::Mutex* job_mu, Sink* sink)
+    : spec_(spec),
+      layout_(layout),
+      momentum_(momentum),
+      devices_(devices),
+      gather_budget_bytes_(gather_budget_bytes),
+      job_mu_(job_mu),
+      sink_(sink) {}
+
+uint64_t StepPipeline::AssembledBytes(uint32_t m) const {
+  return spec_.transport_probe ? 0
+                               : 2 * sizeof(float) * static_cast<uint64_t>(spec_.matrices[m].numel());
+}
+
+void StepPipeline::Drain(StepState& state) { Run(*this, state).Go(); }
+
+}  // namespace muond::server

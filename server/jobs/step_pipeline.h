@@ -1,0 +1,77 @@
+// The step engine of a job (DESIGN.md section 6): as matrices become complete, takes them in
+// batches under the gather budget, assembles each whole matrix in fp32 on the host, copies it to
+// the device with its committed momentum, runs the Muon update there and writes the update back;
+// up to DeviceStreams::kDepth batches are in flight on the three streams (copy-in, compute,
+// writeback), ordered by events. Each update is then scattered into the ranks' output spans.
+//
+// The device computes the new momentum next to the update but it is not written back: the store
+// changes only at commit (Job::Commit re-applies the same EMA on the host), which keeps a refused
+// step's momentum bit-identical without a staged copy.
+//
+// Runs on the ComputeExecutor's thread (the device streams are used from there only). It reads the
+// job's layout and momentum (unchanged while a step computes) and the StepState under the job's
+// lock; it calls back into the job only through Sink.
+#ifndef MUOND_SERVER_JOBS_STEP_PIPELINE_H_
+#define MUOND_SERVER_JOBS_STEP_PIPELINE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "common/job_spec.h"
+#include "server/device/device_streams.h"
+#include "server/jobs/job_layout.h"
+#include "server/jobs/momentum_store.h"
+#include "server/jobs/step_state.h"
+
+namespace muond::server {
+
+class StepPipeline {
+ public:
+  // What the pipeline needs of the job that runs it.
+  class Sink {
+   public:
+    virtual ~Sink() = default;
+    // The device failed the step (it is refused; the store is untouched). Called with the job's
+    // lock held, unless the step already ended.
+    virtual void DeviceFailed(StepState& state, const absl::Status& status) = 0;
+    // Every matrix succeeded: commit the step (without the job's lock held).
+    virtual void Commit(StepState& state) = 0;
+  };
+
+  // `job_mu` is the lock that guards the job's StepState; the others must outlive the pipeline.
+  StepPipeline(const common::JobSpec& spec, const JobLayout& layout, const MomentumStore& momentum,
+               DeviceStreams* devices, uint64_t gather_budget_bytes, absl::Mutex* job_mu,
+               Sink* sink);
+
+  // Processes the ready matrices of `state` until none is left, then returns; commits the step
+  // when its last matrix is done. Clears state.drain_queued when it returns.
+  void Drain(StepState& state);
+
+  uint64_t gather_budget_bytes() const { return gather_budget_bytes_; }
+  // The most bytes assembled at once so far.
+  uint64_t gather_peak_bytes() const { return gather_peak_bytes_.load(); }
+
+ private:
+  struct Batch;
+  class Run;
+
+  // Whole-matrix bytes a matrix holds while assembled (fp32 gradient and momentum).
+  uint64_t AssembledBytes(uint32_t m) const;
+
+  const common::JobSpec& spec_;
+  const JobLayout& layout_;
+  const MomentumStore& momentum_;
+  DeviceStreams* const devices_;
+  const uint64_t gather_budget_bytes_;
+  absl::Mutex* const job_mu_;
+  Sink* const sink_;
+  std::atomic<uint64_t> gather_peak_bytes_{0};
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_JOBS_STEP_PIPELINE_H_

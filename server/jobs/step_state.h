@@ -1,0 +1,96 @@
+// The state of a job's step in flight, shared by the Job (ranks, commit) and its StepPipeline
+// (the device work), and the bookkeeping of a refused step. Internal to server/jobs.
+#ifndef MUOND_SERVER_JOBS_STEP_STATE_H_
+#define MUOND_SERVER_JOBS_STEP_STATE_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/jobs/rank_update.h"
+
+namespace muond::server {
+
+// Largest data chunk accepted on any data path.
+inline constexpr size_t kMaxChunkBytes = size_t{4} << 20;
+// Separate pieces (not adjacent to one another) of one span a gRPC rank may have sent at once.
+inline constexpr size_t kMaxClaimedRanges = 4096;
+// How often a rank waiting for the step's commit checks whether it went away.
+inline constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
+
+// One rank's input for the step: where the gradient bytes of each of its spans are. A gRPC rank's
+// chunks are copied into `owned`; a shared-memory rank's spans point into its gradient region.
+struct RankInput {
+  std::vector<const char*> span_in;                   // per span, the matrix dtype
+  std::vector<std::string> owned;                     // gRPC: the storage span_in points into
+  std::vector<std::map<uint64_t, uint64_t>> claimed;  // gRPC, per span: element ranges received
+  std::vector<uint64_t> span_received;                // per span: elements in
+  SharedDone done;                                    // shared memory: the completion
+  std::shared_ptr<const void> keepalive;              // shared memory: the regions
+  bool begun = false;
+  bool finished = false;
+  // The rank has sent its whole part: a gRPC rank's StepEnd, a shared-memory rank's submission
+  // (its done callback is set).
+  bool pushed() const { return finished || done != nullptr; }
+};
+
+// The step in flight. Guarded by the owning Job's mu_, except the bytes of the input buffers
+// (written outside the lock into ranges claimed under it, read by compute once a matrix is
+// complete) and of the output buffers (written by compute, read after commit).
+struct StepState {
+  int64_t step = 0;
+  absl::Time start;
+  std::vector<RankInput> ranks;
+  std::vector<std::shared_ptr<RankUpdate>> outputs;  // per rank, set when the rank begins
+  std::vector<uint64_t> matrix_received;             // elements, all ranks
+  std::vector<uint32_t> ready;                       // complete matrices not yet taken
+  bool drain_queued = false;                         // a DrainReady task is queued or running
+  size_t matrices_done = 0;
+  double device_seconds = 0;  // the simulated device's clock spent on this step (DrainReady)
+  bool done = false;
+  // Set (under the job's lock) when every matrix succeeded and Commit starts changing the store:
+  // from then on the step can no longer be aborted or refused; it ends committed (or, if Commit
+  // itself finds a changed gradient, fenced). Whoever races with it learns the commit.
+  bool committing = false;
+  absl::Status result;
+  absl::CondVar cv;
+  // Seconds per phase of the step, for the metrics: assembly, copy-in, Newton-Schulz, writeback,
+  // return (scatter into the ranks' outputs). Written by the executor thread only.
+  double phase_seconds[5] = {0, 0, 0, 0, 0};
+};
+
+// The last refused step: ranks that had not begun it when it was refused get the refusal once
+// when they begin it, so every rank learns of it and none mixes old gradients into a retry.
+class StepRefusal {
+ public:
+  // Step `step` was refused with `status`; `owed[r]`: rank r has not been told.
+  void Record(int64_t step, absl::Status status, std::vector<bool> owed) {
+    step_ = step;
+    status_ = std::move(status);
+    owed_ = std::move(owed);
+  }
+  // The refusal `rank` is owed for `step`, if any (and marks it told).
+  absl::Status Take(int rank, int64_t step) {
+    if (!Owes(rank, step)) return absl::OkStatus();
+    owed_[rank] = false;
+    return status_;
+  }
+  bool Owes(int rank, int64_t step) const {
+    return step_ == step && static_cast<size_t>(rank) < owed_.size() && owed_[rank];
+  }
+  bool Refused(int64_t step) const { return step_ == step; }
+  void Clear() { *this = StepRefusal(); }
+
+ private:
+  int64_t step_ = -1;
+  absl::Status status_;
+  std::vector<bool> owed_;  // per rank: has not been told yet
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_JOBS_STEP_STATE_H_

@@ -1,0 +1,269 @@
+#include "server/ops/daemon_config.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
+#include "common/paths.h"
+#include "common/status_macros.h"
+
+namespace muond::server {
+namespace {
+
+// Applies one option (flag or config key) to the config.
+absl::Status Apply(DaemonConfig& c, const std::string& key, const std::string& value,
+                   const std::string& where) {
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", key, "=\"", value, "\": ", why));
+  };
+  if (IsLimitKey(key)) return ApplyLimit(c.limits, key, value, where);
+  if (key == "listen") {
+    std::string unused;
+    absl::Status s = ParseListenAddress(value, &unused);
+    if (!s.ok()) return bad(std::string(s.message()));
+    c.listen = value;
+  } else if (key == "state-dir") {
+    if (value.empty() || value[0] != '/') return bad("must be an absolute path");
+    c.state_dir = value;
+  } else if (key == "shm-socket") {
+    if (value != "off" && (value.empty() || value[0] != '/')) {
+      return bad("expected an absolute path or off");
+    }
+    c.shm_socket = value;
+  } else if (key == "backend") {
+    c.backend = value;
+  } else if (key == "log-level") {
+    if (value != "debug" && value != "info" && value != "warning" && value != "error") {
+      return bad("expected debug, info, warning or error");
+    }
+    c.log_level = value;
+  } else if (key == "threads") {
+    if (!absl::SimpleAtoi(value, &c.threads) || c.threads < 0 || c.threads > 1024) {
+      return bad("expected an integer in [0, 1024]");
+    }
+  } else if (key == "sim-copy-gbps" || key == "sim-compute-gflops" ||
+             key == "sim-copy-latency-us") {
+    double v = 0;
+    if (!absl::SimpleAtod(value, &v) || !(v >= 0) || v > 1e9 ||
+        (key != "sim-copy-latency-us" && v == 0)) {
+      return bad("expected a positive number");
+    }
+    (key == "sim-copy-gbps"        ? c.simulated.copy_gbps
+     : key == "sim-compute-gflops" ? c.simulated.compute_gflops
+                                   : c.simulated.copy_latency_us) = v;
+  } else if (key == "sim-sleep" || key == "serial-schedule") {
+    if (value != "true" && value != "false") return bad("expected true or false");
+    (key == "sim-sleep" ? c.simulated.sleep : c.serial_schedule) = value == "true";
+  } else if (key == "sim-fail-kernel") {
+    if (!absl::SimpleAtoi(value, &c.simulated.fail_kernel) || c.simulated.fail_kernel < 0) {
+      return bad("expected an integer >= 0");
+    }
+  } else if (key == "gather-budget-bytes") {
+    if (!absl::SimpleAtoi(value, &c.gather_budget_bytes) || c.gather_budget_bytes == 0) {
+      return bad("expected a byte count > 0");
+    }
+  } else if (key == "metrics-address") {
+    if (value != "off") {
+      std::string unix_path;
+      absl::Status s = ParseListenAddress(value, &unix_path);
+      if (!s.ok() || !unix_path.empty()) return bad("expected HOST:PORT or off");
+    }
+    c.metrics_address = value;
+  } else if (key == "allow-uids" || key == "allow-groups" || key == "tls-cert" ||
+             key == "tls-key" || key == "tls-client-ca") {
+    (key == "allow-uids"     ? c.allow_uids
+     : key == "allow-groups" ? c.allow_groups
+     : key == "tls-cert"     ? c.tls_cert
+     : key == "tls-key"      ? c.tls_key
+                             : c.tls_client_ca) = value;
+  } else if (key == "insecure-tcp") {
+    if (value != "true" && value != "false") return bad("expected true or false");
+    c.insecure_tcp = value == "true";
+  } else if (key == "max-connections") {
+    if (!absl::SimpleAtoi(value, &c.max_connections) || c.max_connections > 1000000) {
+      return bad("expected a count in [0, 1000000]");
+    }
+  } else if (key == "shutdown-grace-seconds") {
+    if (!absl::SimpleAtod(value, &c.shutdown_grace_seconds) || !(c.shutdown_grace_seconds >= 0) ||
+        c.shutdown_grace_seconds > 3600) {
+      return bad("expected seconds in [0, 3600]");
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": unknown option '", key, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyFile(DaemonConfig& c, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config file ", path, ": cannot open: ", std::strerror(errno)));
+  }
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    const std::string where = absl::StrCat(path, ":", n);
+    const size_t hash = line.find('#');
+    if (hash != std::string::npos) line.resize(hash);
+    absl::string_view text = absl::StripAsciiWhitespace(line);
+    if (text.empty()) continue;
+    const size_t eq = text.find('=');
+    if (eq == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": expected 'key = value'"));
+    }
+    std::string key(absl::StripAsciiWhitespace(text.substr(0, eq)));
+    std::string value(absl::StripAsciiWhitespace(text.substr(eq + 1)));
+    if (key == "config") return absl::InvalidArgumentError(absl::StrCat(where, ": nested config"));
+    RETURN_IF_ERROR(Apply(c, key, value, where));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string DaemonUsage() {
+  return absl::StrCat(
+      "Usage: muond [options]\n"
+      "\n"
+      "muond keeps the Muon optimizer state of training jobs on this node and computes their\n"
+      "updates. Options (a config file may set the same keys, without the leading --):\n"
+      "  --listen ADDR           unix:///abs/path/to/socket or HOST:PORT (TCP: TLS with --tls-cert,\n"
+      "                          plaintext only on loopback or with --insecure-tcp). Default: ",
+      common::DefaultListenAddress(),
+      "\n"
+      "                          (the directory is created 0750, the socket 0660).\n"
+      "  --state-dir DIR         where job state and checkpoints live (created 0750). Default: ",
+      common::DefaultStateDir(),
+      "\n"
+      "  --shm-socket PATH|off   the node-local shared-memory data plane's socket (memfd regions\n"
+      "                          passed with SCM_RIGHTS). Default: the --listen socket path +\n"
+      "                          \".shm\" for unix addresses, off for TCP.\n"
+      "  --backend NAME          compute backend: auto, cpu, simulated, cuda or level_zero (GPU\n"
+      "                          memory is limited to 3 x --gather-budget-bytes, >= 1 GiB). Default:\n"
+      "                          auto (the first working GPU backend compiled in, else cpu; the\n"
+      "                          log and muonctl job show say which and why).\n"
+      "  --sim-copy-gbps X       simulated backend: host<->device bandwidth in GB/s. Default: 16\n"
+      "  --sim-copy-latency-us X simulated backend: latency per copy. Default: 10\n"
+      "  --sim-compute-gflops X  simulated backend: Newton-Schulz rate. Default: 200\n"
+      "  --sim-sleep true|false  simulated backend: also spend the modelled time. Default: false\n"
+      "  --sim-fail-kernel N     simulated backend, for fault tests: the N-th kernel fails.\n"
+      "  --serial-schedule true|false  run each batch's copy-in, compute and writeback to the\n"
+      "                          end before the next (no overlap; for comparison). Default: false\n"
+      "  --config FILE           read options from FILE ('key = value' lines, '#' comments);\n"
+      "                          flags given on the command line override it.\n"
+      "  --threads N             CPU compute threads; 0 = one per CPU. Default: 0\n"
+      "  --gather-budget-bytes N  bytes of whole matrices a job assembles at once (fp32 gradient\n"
+      "                          and temporary momentum, 8 bytes per element); a larger matrix is\n"
+      "                          processed alone. A job may set its own. Default: 1073741824\n"
+      "  --shutdown-grace-seconds S  on SIGTERM/SIGINT, how long steps in flight may run before\n"
+      "                          they are cancelled. Default: 30\n"
+      "  --metrics-address HOST:PORT|off  Prometheus text format on http://HOST:PORT/metrics\n"
+      "                          (no TLS, no auth: keep it on loopback or a trusted network).\n"
+      "                          Default: 127.0.0.1:9464 (if that port is taken the daemon logs\n"
+      "                          an error and serves without metrics; an address given\n"
+      "                          explicitly must bind). off: no endpoint.\n"
+      "  --log-level LEVEL       debug, info, warning or error. Default: info\n"
+      "  --allow-uids LIST       comma-separated uids or user names that may create jobs over the\n"
+      "                          Unix socket (peer credentials, SO_PEERCRED). Default: empty =\n"
+      "                          everyone who can open the socket. Root and the daemon's own uid\n"
+      "                          always may. With an allow-list, TCP peers may create jobs only\n"
+      "                          with a client certificate verified by mutual TLS.\n"
+      "  --allow-groups LIST     comma-separated gids or group names; a peer whose gid or whose\n"
+      "                          user's groups include one of them may create jobs.\n"
+      "  --max-connections N     Unix-socket connections held at once; more are closed at accept.\n"
+      "                          0 = the open-file limit less a quarter (at least 64 kept back).\n"
+      "                          Default: 0\n"
+      "  --tls-cert FILE         TCP only: PEM server certificate (chain); with --tls-key the API\n"
+      "                          is served over TLS.\n"
+      "  --tls-key FILE          TCP only: PEM private key of --tls-cert.\n"
+      "  --tls-client-ca FILE    TCP only: PEM CA; clients must present a certificate it signed\n"
+      "                          (mutual TLS).\n"
+      "  --insecure-tcp          allow plaintext TCP on an address that is not loopback (logged as\n"
+      "                          a WARNING). Without it such a --listen is refused (exit 2);\n"
+      "                          127.0.0.0/8, ::1 and localhost need no TLS.\n"
+      "  --help                  print this help and exit\n"
+      "  --version               print the version and exit\n"
+      "\n", LimitsUsage(),
+      "\n"
+      "Signals: SIGTERM or SIGINT stop accepting new steps, let steps in flight finish (or cancel\n"
+      "them after the grace period, which aborts them with a clear status) and exit 0.\n"
+      "Exit codes: 0 clean stop, 1 runtime failure (e.g. cannot listen), 2 bad configuration.\n");
+}
+
+absl::Status ParseListenAddress(const std::string& address, std::string* unix_path) {
+  unix_path->clear();
+  if (absl::StartsWith(address, "unix:")) {
+    if (!absl::StartsWith(address, "unix:///")) {
+      return absl::InvalidArgumentError("a unix address must be unix:///absolute/path");
+    }
+    *unix_path = address.substr(7);
+    if (unix_path->size() > 100) {
+      return absl::InvalidArgumentError("unix socket path longer than 100 bytes");
+    }
+    return absl::OkStatus();
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError("expected unix:///path or HOST:PORT");
+  }
+  int port = 0;
+  if (!absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError("the port must be a number in [0, 65535]");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DaemonConfig> ParseDaemonConfig(int argc, char** argv) {
+  // Pass 1 collects the flags; the config file (if any) is applied first, then the flags.
+  std::vector<std::pair<std::string, std::string>> flags;
+  std::string config_file;
+  DaemonConfig c;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      c.help = true;
+      continue;
+    }
+    if (arg == "--insecure-tcp") {  // a switch: no value
+      flags.emplace_back("insecure-tcp", "true");
+      continue;
+    }
+    if (arg == "--version") {
+      c.version = true;
+      continue;
+    }
+    if (!absl::StartsWith(arg, "--")) {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
+    }
+    std::string key = arg.substr(2), value;
+    const size_t eq = key.find('=');
+    if (eq != std::string::npos) {
+      value = key.substr(eq + 1);
+      key.resize(eq);
+    } else {
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(arg, ": missing value"));
+      value = argv[++i];
+    }
+    if (key == "config") {
+      config_file = value;
+    } else {
+      flags.emplace_back(key, value);
+    }
+  }
+  if (c.help || c.version) return c;
+  if (!config_file.empty()) RETURN_IF_ERROR(ApplyFile(c, config_file));
+  for (const auto& [key, value] : flags) RETURN_IF_ERROR(Apply(c, key, value, "--" + key));
+  if (c.listen.empty()) c.listen = common::DefaultListenAddress();
+  if (c.state_dir.empty()) c.state_dir = common::DefaultStateDir();
+  return c;
+}
+
+}  // namespace muond::server

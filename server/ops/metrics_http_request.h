@@ -1,0 +1,30 @@
+// HTTP/1.1 request heads and responses of the metrics endpoint (server/ops/metrics_http.h): finding
+// the end of a request head, parsing it, and the answer each request gets. Pure functions;
+// thread-safe.
+#ifndef MUOND_SERVER_OPS_METRICS_HTTP_REQUEST_H_
+#define MUOND_SERVER_OPS_METRICS_HTTP_REQUEST_H_
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include "common/metrics.h"
+
+namespace muond::server::http {
+
+inline constexpr char kMetricsPath[] = "/metrics";
+
+// A whole response: status line, headers (Connection: close) and, unless `head`, the body.
+std::string Response(const char* status, const std::string& body, bool head = false,
+                     const char* extra_headers = "",
+                     const char* content_type = "text/plain; charset=utf-8");
+// The length of the request head in `in` (request line and headers up to and including the line
+// break before the blank line), or npos while it is incomplete. Scans from `from`.
+size_t HeadLength(std::string_view in, size_t from);
+// The response to a complete request head: the registry's text for GET/HEAD /metrics; 400 for a
+// malformed head, 404 for another path, 405 for another method, 413 for a request with a body.
+std::string Answer(std::string_view head, const common::Registry& registry);
+
+}  // namespace muond::server::http
+
+#endif  // MUOND_SERVER_OPS_METRICS_HTTP_REQUEST_H_

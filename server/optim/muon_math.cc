@@ -1,0 +1,172 @@
+// Geometry, scale and the momentum part of the Muon step (DESIGN.md 3 steps 1, 2 and 4). The
+// Newton-Schulz part (step 3) and everything that needs LibTorch live in newton_schulz.cc.
+#include "server/optim/muon_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#include <cstddef>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/dtype.h"
+#include "server/optim/newton_schulz.h"
+
+namespace muond::server {
+namespace {
+
+// This file is compiled with -ffp-contract=off: ApplyMomentum and MuonUpdate must round the EMA
+// identically, which a fused multiply-add in one of them would break.
+// torch.lerp's formula: start + weight * (end - start), evaluated from the nearer end so that the
+// result is exact at weight 0 and 1 (for weight < 0.5 exactly M + (1-beta)(G - M) of DESIGN 3).
+inline float Lerp(float start, float end, float weight) {
+  return std::abs(weight) < 0.5f ? start + weight * (end - start)
+                                 : end - (end - start) * (1.0f - weight);
+}
+
+}  // namespace
+
+MatrixGeometry GeometryOf(const common::MatrixSpec& spec) {
+  const std::vector<int64_t>& s = spec.shape;
+  const int64_t heads = std::max<int64_t>(1, spec.num_heads);
+  MatrixGeometry g;
+  switch (s.size()) {
+    case 2:  // [r, c]: H head blocks of r/H contiguous rows
+      g = {heads, s[0] / heads, s[1]};
+      break;
+    case 3:  // [E, r, c]: E experts, each split into H heads
+      g = {s[0] * heads, s[1] / heads, s[2]};
+      break;
+    case 4:  // conv [out, in, kh, kw] viewed as [out, in*kh*kw]
+      g = {heads, s[0] / heads, s[1] * s[2] * s[3]};
+      break;
+    default:  // not a valid spec; rows 0 makes MuonUpdate refuse it
+      g = {1, 0, 0};
+      break;
+  }
+  return g;
+}
+
+// Both modes use the shape of the block that Newton-Schulz orthogonalizes (one head of one
+// expert), not of the whole tensor: the block is the matrix Muon treats as a unit, so its aspect
+// ratio is what the scale corrects for, and the reference vectors (tests/data/muon_v1, case
+// per_head) are generated that way.
+double MuonScale(common::ScaleMode mode, int64_t rows, int64_t cols) {
+  switch (mode) {
+    case common::ScaleMode::kOriginal:
+      return std::sqrt(std::max(1.0, static_cast<double>(rows) / static_cast<double>(cols)));
+    case common::ScaleMode::kMatchRmsAdamw:
+      return 0.2 * std::sqrt(static_cast<double>(std::max(rows, cols)));
+    case common::ScaleMode::kNone:
+      return 1.0;
+  }
+  return 1.0;
+}
+
+void ApplyMomentum(const common::MuonConfig& config, const float* grad, float* momentum,
+                   size_t n) {
+  const float one_minus_beta = static_cast<float>(1.0 - config.momentum);
+  for (size_t i = 0; i < n; ++i) momentum[i] = Lerp(momentum[i], grad[i], one_minus_beta);
+}
+
+namespace {
+
+// Steps 1 and 2 in fp32, one pass (memory-bound: a second thread would not help much next to the
+// O(r^2 c) Newton-Schulz). `update` may alias `grad`: grad[i] is read before update[i].
+void MomentumAndUpdate(const common::MuonConfig& config, const float* grad, float* momentum,
+                       float* update, int64_t n) {
+  const float one_minus_beta = static_cast<float>(1.0 - config.momentum);
+  const float beta = static_cast<float>(config.momentum);
+  if (config.nesterov) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float gi = grad[i];
+      const float m = Lerp(momentum[i], gi, one_minus_beta);
+      momentum[i] = m;
+      update[i] = Lerp(gi, m, beta);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const float m = Lerp(momentum[i], grad[i], one_minus_beta);
+      momentum[i] = m;
+      update[i] = m;
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status MuonUpdate(const common::MuonConfig& config, const common::MatrixSpec& spec,
+                        const float* grad, float* momentum, float* update) {
+  const common::MatrixSpec* specs = &spec;
+  return MuonUpdateSameShape(config, 1, &specs, &grad, &momentum, &update);
+}
+
+absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
+                                 const common::MatrixSpec* const* specs, const float* const* grads,
+                                 float* const* momenta, float* const* updates) {
+  if (count == 0) return absl::OkStatus();
+  const common::MatrixSpec& spec = *specs[0];
+  const MatrixGeometry g = GeometryOf(spec);
+  const int64_t n = spec.numel();
+  if (g.batch < 1 || g.rows < 1 || g.cols < 1 || g.batch * g.rows * g.cols != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("matrix '", spec.name, "': shape [", absl::StrJoin(spec.shape, ", "),
+                     "] with num_heads ", spec.num_heads, " is not a Muon matrix"));
+  }
+  for (size_t k = 1; k < count; ++k) {
+    if (specs[k]->shape != spec.shape || specs[k]->num_heads != spec.num_heads) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "matrices '", spec.name, "' and '", specs[k]->name,
+          "' differ in shape or heads and cannot share one batched Newton-Schulz"));
+    }
+  }
+  // Checked before any momentum is touched, so a refused gradient leaves every momentum
+  // bit-identical.
+  for (size_t k = 0; k < count; ++k) {
+    if (const int64_t bad = common::FindNonFinite(grads[k], static_cast<size_t>(n)); bad >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrix '", specs[k]->name, "': gradient element ", bad,
+                       " is not finite (", grads[k][bad], ")"));
+    }
+  }
+  const double scale = MuonScale(config.scale_mode, g.rows, g.cols);
+  if (count == 1) {
+    MomentumAndUpdate(config, grads[0], momenta[0], updates[0], n);
+    const absl::Status status = internal::ScaledNewtonSchulz(config, g, scale, updates[0]);
+    if (!status.ok()) {
+      return absl::Status(status.code(),
+                          absl::StrCat("matrix '", spec.name, "': ", status.message()));
+    }
+    return absl::OkStatus();
+  }
+  // Same-shape batching: the blocks of all `count` matrices side by side, one batched
+  // Newton-Schulz (newton_schulz.cc computes every block independently of the batch size, so the
+  // bits equal those of one matrix at a time).
+  std::vector<float> x(count * static_cast<size_t>(n));
+  for (size_t k = 0; k < count; ++k) {
+    MomentumAndUpdate(config, grads[k], momenta[k], x.data() + k * n, n);
+  }
+  const MatrixGeometry all{g.batch * static_cast<int64_t>(count), g.rows, g.cols};
+  const absl::Status status = internal::ScaledNewtonSchulz(config, all, scale, x.data());
+  if (!status.ok()) {
+    // Name the matrix: the first whose result is not finite (or the whole batch).
+    for (size_t k = 0; k < count; ++k) {
+      const float* r = x.data() + k * n;
+      if (const int64_t bad = common::FindNonFinite(r, static_cast<size_t>(n)); bad >= 0) {
+        return absl::Status(status.code(),
+                            absl::StrCat("matrix '", specs[k]->name,
+                                         "': Newton-Schulz: result is not finite (element ", bad,
+                                         " of ", n, " is ", r[bad], ")"));
+      }
+    }
+    return absl::Status(status.code(), absl::StrCat("matrices '", spec.name, "' and ", count - 1,
+                                                    " more of its shape: ", status.message()));
+  }
+  for (size_t k = 0; k < count; ++k) {
+    std::memcpy(updates[k], x.data() + k * n, n * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace muond::server

@@ -1,0 +1,93 @@
+// Checkpoints of a job's momentum (DESIGN.md section 7): one directory of generations per job.
+//
+// A generation is a directory `gen-<G>` (G zero-padded to 12 digits) holding
+//   momentum.safetensors  the fp32 momentum of every matrix, whole (independent of world size and
+//                         ZeRO stage), tensors named like the matrices, in spec order;
+//   manifest.json         {"format": "muond-checkpoint", "format_version": 1, "generation": G,
+//                          "step": S (the job's next step at the snapshot), "created_unix_ms",
+//                          "job": the job spec (job.json form, Muon config included),
+//                          "payload": "momentum.safetensors", "payload_bytes",
+//                          "payload_header_crc32c": CRC32C of the safetensors header JSON,
+//                          "tensors": [{"name", "shape", "dtype": "float32",
+//                                       "data_offsets": [begin, end], "crc32c"}],
+//                          "checksum": CRC32C of this JSON without "checksum" (compact dump)}.
+// Written into `gen-<G>.tmp`, each file fsynced, the directory fsynced, renamed to `gen-<G>`, and
+// the job directory fsynced: a generation directory either is complete and durable or does not
+// exist under its final name. The newest `keep` generations are kept.
+//
+// Load verifies the manifest checksum, the payload's header against the manifest, its size and
+// every tensor's CRC32C. A generation that fails is set aside (renamed `gen-<G>.broken`) and, when
+// the newest good one was asked for, the previous one is tried; none good -> DATA_LOSS naming the
+// paths.
+//
+// Thread-compatible: one writer or loader at a time per directory (the Job serializes them).
+#ifndef MUOND_SERVER_STORAGE_CHECKPOINT_H_
+#define MUOND_SERVER_STORAGE_CHECKPOINT_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+
+namespace muond::server::checkpoint {
+
+struct GenerationInfo {
+  int64_t generation = -1;
+  int64_t step = -1;
+  int64_t created_unix_ms = 0;
+  uint64_t bytes = 0;   // payload bytes
+  std::string path;     // the generation's directory
+  std::string problem;  // empty when the manifest reads fine (List does not verify the payload)
+};
+
+// What to load: a generation, the newest generation saved at a step, or (both < 0) the newest
+// good one.
+struct Selector {
+  int64_t generation = -1;
+  int64_t step = -1;
+};
+
+struct Loaded {
+  GenerationInfo info;
+  common::JobSpec spec;                   // the spec the generation was written with
+  std::vector<std::string> names;         // matrix names, in payload order
+  std::vector<std::vector<float>> data;   // per name, the momentum
+  std::vector<std::string> set_aside;     // paths renamed .broken on the way
+};
+
+// The momentum of matrix `m` (spec order), copied into `out` (resized to numel). Called once per
+// matrix, in order, from the writing thread.
+using MatrixSource = std::function<absl::Status(size_t m, std::vector<float>* out)>;
+
+class Store {
+ public:
+  // `dir`: the job's checkpoint directory (created on first write). keep >= 1.
+  Store(std::string dir, int keep);
+
+  const std::string& dir() const { return dir_; }
+
+  // Writes generation (newest + 1) of `spec` at `step`, taking each matrix from `source`. On any
+  // failure (source, write, fsync, rename, disk full) returns the error naming the path and call,
+  // removes the partial temporary directory, and leaves every earlier generation untouched.
+  absl::StatusOr<GenerationInfo> Write(const common::JobSpec& spec, int64_t step,
+                                       const MatrixSource& source);
+  // Generations by name, newest first, with their manifests' step (payloads not verified).
+  // Temporary directories of interrupted writes are removed on the way.
+  absl::StatusOr<std::vector<GenerationInfo>> List() const;
+  // Loads and verifies. NOT_FOUND when no generation matches; DATA_LOSS when the chosen one (or,
+  // for the newest, every one) is corrupt, naming the paths, each set aside as `.broken`.
+  absl::StatusOr<Loaded> Load(const Selector& selector);
+
+ private:
+  const std::string dir_;
+  const int keep_;
+};
+
+}  // namespace muond::server::checkpoint
+
+#endif  // MUOND_SERVER_STORAGE_CHECKPOINT_H_
