@@ -114,9 +114,15 @@ class RankSession {
 
  private:
   friend class Client;
-  RankSession() = default;
+  // A session of `rank` that the daemon numbered `session_id`; `next_step`: the step the job
+  // expected then. The caller adds the transport (shm_, or attached_ and watch_).
+  RankSession(std::shared_ptr<v1::Muond::Stub> stub, std::string token, common::JobSpec spec,
+              int rank, uint64_t session_id, int64_t next_step);
+  // Step() over each transport, after its checks of the spans' matrix indices.
   absl::StatusOr<StepResult> StepShared(int64_t step, const std::vector<GradientSpan>& grads,
                                         const std::vector<UpdateSpan>& updates);
+  absl::StatusOr<StepResult> StepOverGrpc(int64_t step, const std::vector<GradientSpan>& grads,
+                                          const std::vector<UpdateSpan>& updates);
   std::shared_ptr<v1::Muond::Stub> stub_;
   std::string token_;
   common::JobSpec spec_;
@@ -187,6 +193,10 @@ class Client {
 
  private:
   Client() = default;
+  // Attach() over gRPC: AttachRank, then a WatchSession stream for the session's life.
+  absl::StatusOr<std::unique_ptr<RankSession>> AttachOverGrpc(const std::string& job_id, int rank,
+                                                              const std::string& token,
+                                                              bool takeover);
   std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::Muond::Stub> stub_;

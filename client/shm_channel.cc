@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -31,45 +32,43 @@ std::string ShmSocketFor(const std::string& address) {
   return address.substr(7) + ".shm";
 }
 
-absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(const std::string& socket_path,
-                                                               const std::string& job_id, int rank,
-                                                               const std::string& token,
-                                                               bool takeover) {
-  std::unique_ptr<ShmChannel> ch(new ShmChannel());
-  ch->conn_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (ch->conn_ >= 0) {
-    const timeval timeout{kAttachTimeoutSeconds, 0};
-    setsockopt(ch->conn_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-    setsockopt(ch->conn_, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+namespace {
+
+// The daemon's answer to an attach request and the descriptors that came with it.
+struct AttachReply {
+  std::string bytes;  // the serialized v1::ShmAttachResponse
+  int fds[shm::kNumFds];
+  int nfds = 0;            // as many as the daemon sent; only the first kNumFds are kept
+  bool truncated = false;  // the kernel dropped descriptors (MSG_CTRUNC)
+  void CloseFds() {
+    for (int i = 0; i < nfds && i < shm::kNumFds; ++i) close(fds[i]);
   }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (socket_path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("socket path too long: ", socket_path));
-  }
-  std::strncpy(addr.sun_path, socket_path.c_str(), sizeof(addr.sun_path) - 1);
-  if (ch->conn_ < 0 || connect(ch->conn_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return absl::UnavailableError(absl::StrCat("shared-memory socket ", socket_path, ": ",
-                                               std::strerror(errno)));
-  }
-  v1::ShmAttachRequest req;
-  req.set_job_id(job_id);
-  req.set_rank(rank);
-  req.set_token(token);
-  req.set_takeover(takeover);
+};
+
+// Sends the attach request. Returns the errno of a send that found the connection already closed
+// (0 when it went out): a daemon that refuses the connection (too many connections, out of
+// descriptors) answers and closes it at once, possibly before this send, and then its answer is
+// still there to be read.
+absl::StatusOr<int> SendAttachRequest(int conn, const v1::ShmAttachRequest& req) {
   const std::string bytes = req.SerializeAsString();
-  // A daemon that refuses the connection (too many connections, out of descriptors) answers and
-  // closes it at once, possibly before this send: then its answer is still there to be read.
-  int send_errno = 0;
-  if (send(ch->conn_, bytes.data(), bytes.size(), MSG_NOSIGNAL) < 0) {
-    send_errno = errno;
+  if (send(conn, bytes.data(), bytes.size(), MSG_NOSIGNAL) < 0) {
+    const int send_errno = errno;
     if (send_errno != EPIPE && send_errno != ECONNRESET) {
       return absl::UnavailableError(
           absl::StrCat("shared-memory attach: send: ", std::strerror(send_errno)));
     }
+    return send_errno;
   }
-  std::string buf(1 << 20, '\0');
-  iovec iov{buf.data(), buf.size()};
+  return 0;
+}
+
+// Receives the daemon's reply with its descriptors; `send_errno` (from SendAttachRequest) explains
+// a connection closed without a reply.
+absl::StatusOr<AttachReply> ReceiveAttachReply(int conn, const std::string& socket_path,
+                                               int send_errno) {
+  AttachReply reply;
+  reply.bytes.assign(1 << 20, '\0');
+  iovec iov{reply.bytes.data(), reply.bytes.size()};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * shm::kNumFds)];
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -78,7 +77,7 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(const std::string
   msg.msg_controllen = sizeof(control);
   ssize_t n = -1;
   for (int resets = 0;;) {
-    n = recvmsg(ch->conn_, &msg, MSG_CMSG_CLOEXEC);
+    n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
     if (n >= 0) break;
     if (errno == EINTR) continue;
     // The daemon closed the connection with our request unread: the reset is reported first, its
@@ -100,47 +99,100 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(const std::string
         "shared-memory attach: the daemon closed the connection without replying",
         send_errno != 0 ? absl::StrCat(" (send: ", std::strerror(send_errno), ")") : ""));
   }
-  int fds[shm::kNumFds];
-  int nfds = 0;
+  reply.bytes.resize(static_cast<size_t>(n));
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-      nfds = static_cast<int>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-      std::memcpy(fds, CMSG_DATA(c), sizeof(int) * std::min(nfds, shm::kNumFds));
+      reply.nfds = static_cast<int>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+      std::memcpy(reply.fds, CMSG_DATA(c), sizeof(int) * std::min(reply.nfds, shm::kNumFds));
     }
   }
-  v1::ShmAttachResponse reply;
-  if (!reply.ParseFromArray(buf.data(), static_cast<int>(n))) {
-    for (int i = 0; i < nfds && i < shm::kNumFds; ++i) close(fds[i]);
+  reply.truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
+  return reply;
+}
+
+// The daemon's answer to an attach with all its descriptors; otherwise closes the descriptors and
+// returns the daemon's refusal, or INTERNAL for a malformed reply or missing descriptors.
+absl::StatusOr<v1::ShmAttachResponse> AcceptedAttach(AttachReply& reply) {
+  v1::ShmAttachResponse response;
+  if (!response.ParseFromArray(reply.bytes.data(), static_cast<int>(reply.bytes.size()))) {
+    reply.CloseFds();
     return absl::InternalError("shared-memory attach: malformed reply");
   }
-  if (reply.code() != 0) {
-    for (int i = 0; i < nfds && i < shm::kNumFds; ++i) close(fds[i]);
-    return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
+  if (response.code() != 0) {
+    reply.CloseFds();
+    return absl::Status(static_cast<absl::StatusCode>(response.code()), response.message());
   }
-  if (nfds != shm::kNumFds || (msg.msg_flags & MSG_CTRUNC)) {
-    for (int i = 0; i < nfds && i < shm::kNumFds; ++i) close(fds[i]);
-    return absl::InternalError(absl::StrCat("shared-memory attach: got ", nfds, " descriptors"));
+  if (reply.nfds != shm::kNumFds || reply.truncated) {
+    reply.CloseFds();
+    return absl::InternalError(
+        absl::StrCat("shared-memory attach: got ", reply.nfds, " descriptors"));
   }
-  ch->session_id_ = reply.session_id();
-  ch->generation_ = reply.generation();
-  ch->buffer_bytes_ = reply.buffer_bytes();
-  ch->next_step_ = reply.next_step();
-  ch->pinned_ = reply.pinned();
-  ch->doorbell_ = fds[3];
-  ch->completion_ = fds[4];
-  auto in = common::SharedRegion::Map(fds[0], 2 * ch->buffer_bytes_, /*writable=*/true);
-  auto out = common::SharedRegion::Map(fds[1], 2 * ch->buffer_bytes_, /*writable=*/false);
+  return response;
+}
+
+}  // namespace
+
+absl::Status ShmChannel::Connect(const std::string& socket_path) {
+  conn_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (conn_ >= 0) {
+    const timeval timeout{kAttachTimeoutSeconds, 0};
+    setsockopt(conn_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    setsockopt(conn_, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (socket_path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("socket path too long: ", socket_path));
+  }
+  std::strncpy(addr.sun_path, socket_path.c_str(), sizeof(addr.sun_path) - 1);
+  if (conn_ < 0 || connect(conn_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return absl::UnavailableError(absl::StrCat("shared-memory socket ", socket_path, ": ",
+                                               std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmChannel::MapRegions(const v1::ShmAttachResponse& reply,
+                                    const int (&fds)[shm::kNumFds]) {
+  session_id_ = reply.session_id();
+  generation_ = reply.generation();
+  buffer_bytes_ = reply.buffer_bytes();
+  next_step_ = reply.next_step();
+  pinned_ = reply.pinned();
+  doorbell_ = fds[3];
+  completion_ = fds[4];
+  // Each Map owns its descriptor even when it fails: map all three before looking at the results.
+  auto in = common::SharedRegion::Map(fds[0], 2 * buffer_bytes_, /*writable=*/true);
+  auto out = common::SharedRegion::Map(fds[1], 2 * buffer_bytes_, /*writable=*/false);
   auto ring = common::SharedRegion::Map(fds[2], shm::kRingBytes, /*writable=*/true);
   if (!in.ok()) return in.status();
   if (!out.ok()) return out.status();
   if (!ring.ok()) return ring.status();
-  ch->in_ = *std::move(in);
-  ch->out_ = *std::move(out);
-  ch->ring_ = *std::move(ring);
-  ASSIGN_OR_RETURN(ch->spec_, common::JobSpecFromProto(reply.spec()));
+  in_ = *std::move(in);
+  out_ = *std::move(out);
+  ring_ = *std::move(ring);
+  ASSIGN_OR_RETURN(spec_, common::JobSpecFromProto(reply.spec()));
   for (const v1::ShmSpan& s : reply.spans()) {
-    ch->spans_.push_back({s.matrix_index(), s.offset(), s.length(), s.byte_offset()});
+    spans_.push_back({s.matrix_index(), s.offset(), s.length(), s.byte_offset()});
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(const std::string& socket_path,
+                                                               const std::string& job_id, int rank,
+                                                               const std::string& token,
+                                                               bool takeover) {
+  std::unique_ptr<ShmChannel> ch(new ShmChannel());
+  RETURN_IF_ERROR(ch->Connect(socket_path));
+  v1::ShmAttachRequest req;
+  req.set_job_id(job_id);
+  req.set_rank(rank);
+  req.set_token(token);
+  req.set_takeover(takeover);
+  ASSIGN_OR_RETURN(const int send_errno, SendAttachRequest(ch->conn_, req));
+  ASSIGN_OR_RETURN(AttachReply reply, ReceiveAttachReply(ch->conn_, socket_path, send_errno));
+  ASSIGN_OR_RETURN(const v1::ShmAttachResponse response, AcceptedAttach(reply));
+  RETURN_IF_ERROR(ch->MapRegions(response, reply.fds));
   return ch;
 }
 

@@ -14,7 +14,12 @@
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
+#include "common/shm_protocol.h"
 #include "common/shm_region.h"
+
+namespace muond::v1 {
+class ShmAttachResponse;
+}
 
 namespace muond::client {
 
@@ -61,6 +66,12 @@ class ShmChannel {
 
  private:
   ShmChannel() = default;
+  // Connects conn_ to the daemon's socket, with kAttachTimeoutSeconds for sends and receives.
+  absl::Status Connect(const std::string& socket_path);
+  // Takes the accepted attach's fields and descriptors (doorbell, completion) and maps its
+  // regions; owns `fds` from then on, also on failure.
+  absl::Status MapRegions(const v1::ShmAttachResponse& reply,
+                          const int (&fds)[common::shm::kNumFds]);
   int conn_ = -1;
   int doorbell_ = -1;
   int completion_ = -1;
