@@ -133,7 +133,8 @@ void PrintStatus(const v1::JobStatus& st) {
               static_cast<unsigned long long>(st.gather_budget_bytes()),
               static_cast<unsigned long long>(st.gather_peak_bytes()));
   std::printf("transport_copy_bytes: %llu\nlast_step_device_seconds: %.6f\n",
-              static_cast<unsigned long long>(st.transport_copy_bytes()), st.last_step_device_seconds());
+              static_cast<unsigned long long>(st.transport_copy_bytes()),
+              st.last_step_device_seconds());
   std::printf("checkpoints: %s every=%llu keep=%d last_step=%s\n", st.checkpoint_dir().c_str(),
               static_cast<unsigned long long>(st.spec().checkpoint_every_steps()),
               st.spec().checkpoint_keep(),
@@ -163,110 +164,107 @@ void PrintStatus(const v1::JobStatus& st) {
   }
 }
 
+// The --restore-* flags of `job create`: the checkpoint of another job to start from, if any.
+absl::StatusOr<std::optional<v1::RestoreFrom>> RestoreFromFlags(const Args& a) {
+  if (a.flags.count("restore-from") == 0) {
+    for (const char* flag : {"restore-token-file", "restore-generation", "restore-step"}) {
+      if (a.flags.count(flag) != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("--", flag, " needs --restore-from"));
+      }
+    }
+    return std::nullopt;
+  }
+  v1::RestoreFrom restore;
+  restore.set_job_id(a.flags.at("restore-from"));
+  // The source job's token: --restore-token-file, else $MUOND_JOB_TOKEN (never --token-file,
+  // which is where the new job's token goes).
+  Args source = a;
+  source.flags.erase("token-file");
+  if (a.flags.count("restore-token-file") != 0) {
+    source.flags["token-file"] = a.flags.at("restore-token-file");
+  }
+  ASSIGN_OR_RETURN(std::string source_token, Token(source));
+  restore.set_token(source_token);
+  ASSIGN_OR_RETURN(const GenerationChoice choice, ChosenGeneration(a, "job create", "restore-"));
+  if (choice.generation) restore.set_generation(*choice.generation);
+  if (choice.step) restore.set_step(*choice.step);
+  return restore;
+}
+
+absl::Status CmdJobCreate(Client& client, const Args& a) {
+  if (a.flags.count("spec") == 0) return absl::InvalidArgumentError("job create needs --spec");
+  ASSIGN_OR_RETURN(std::string json, ReadFile(a.flags.at("spec"), "job spec"));
+  auto spec = common::ParseJobSpecJson(json);
+  if (!spec.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(a.flags.at("spec"), ": ", spec.status().message()));
+  }
+  ASSIGN_OR_RETURN(const std::optional<v1::RestoreFrom> restore, RestoreFromFlags(a));
+  ASSIGN_OR_RETURN(std::string token, client.CreateJob(*spec, restore ? &*restore : nullptr));
+  auto file = a.flags.find("token-file");
+  if (file == a.flags.end()) {
+    std::printf("%s\n", token.c_str());
+    return absl::OkStatus();
+  }
+  absl::Status s = WriteTokenFile(file->second, token);
+  if (!s.ok()) {
+    // Without its token the job is unusable: remove it again.
+    (void)client.DeleteJob(spec->job_id, token);
+    return s;
+  }
+  std::printf("created job %s (token in %s)\n", spec->job_id.c_str(), file->second.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status CmdJobList(Client& client) {
+  ASSIGN_OR_RETURN(const v1::ListJobsResponse listed, client.ListJobsWithBroken());
+  std::printf("%-24s %5s %5s %8s %10s %8s %6s %s\n", "JOB", "WORLD", "STAGE", "MATRICES",
+              "NEXT_STEP", "STEPS", "FENCED", "BACKEND");
+  for (const v1::JobStatus& j : listed.jobs()) {
+    std::printf("%-24s %5d %5d %8d %10lld %8lld %6s %s\n", j.spec().job_id().c_str(),
+                j.spec().world_size(), j.spec().zero_stage(), j.spec().matrices_size(),
+                static_cast<long long>(j.next_step()),
+                static_cast<long long>(j.steps_completed()), j.fenced() ? "yes" : "no",
+                j.backend().c_str());
+  }
+  for (const v1::BrokenJob& b : listed.broken()) {
+    std::printf("BROKEN %s: %s\n", b.directory().c_str(), b.reason().c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CmdJobReset(Client& client, const Args& a, const JobAccess& job) {
+  int64_t next = 0;
+  // `--step N` (`--next-step N` is accepted too): the step the job expects next.
+  for (const char* flag : {"step", "next-step"}) {
+    if (a.flags.count(flag) != 0) {
+      ASSIGN_OR_RETURN(next, IntFlag(a, flag));
+    }
+  }
+  RETURN_IF_ERROR(client.ResetJob(job.job_id, job.token, next));
+  std::printf("reset job %s; next step %lld\n", job.job_id.c_str(), static_cast<long long>(next));
+  return absl::OkStatus();
+}
+
 absl::Status CmdJob(Client& client, const Args& a) {
   const std::string sub = a.words.size() > 1 ? a.words[1] : "";
-  if (sub == "create") {
-    if (a.flags.count("spec") == 0) return absl::InvalidArgumentError("job create needs --spec");
-    ASSIGN_OR_RETURN(std::string json, ReadFile(a.flags.at("spec"), "job spec"));
-    auto spec = common::ParseJobSpecJson(json);
-    if (!spec.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(a.flags.at("spec"), ": ", spec.status().message()));
-    }
-    std::optional<v1::RestoreFrom> restore;
-    if (a.flags.count("restore-from") != 0) {
-      restore.emplace();
-      restore->set_job_id(a.flags.at("restore-from"));
-      Args source = a;
-      source.flags.erase("token-file");
-      if (a.flags.count("restore-token-file") != 0) {
-        source.flags["token-file"] = a.flags.at("restore-token-file");
-      }
-      ASSIGN_OR_RETURN(std::string source_token, Token(source));
-      restore->set_token(source_token);
-      if (a.flags.count("restore-generation") != 0 && a.flags.count("restore-step") != 0) {
-        return absl::InvalidArgumentError(
-            "job create takes --restore-generation or --restore-step, not both");
-      }
-      if (a.flags.count("restore-generation") != 0) {
-        ASSIGN_OR_RETURN(int64_t g, IntFlag(a, "restore-generation"));
-        if (g < 1) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("--restore-generation ", g, ": generations are numbered from 1"));
-        }
-        restore->set_generation(g);
-      }
-      if (a.flags.count("restore-step") != 0) {
-        ASSIGN_OR_RETURN(int64_t s, IntFlag(a, "restore-step"));
-        if (s < 0) return absl::InvalidArgumentError(absl::StrCat("--restore-step ", s, " is negative"));
-        restore->set_step(s);
-      }
-    } else {
-      for (const char* flag : {"restore-token-file", "restore-generation", "restore-step"}) {
-        if (a.flags.count(flag) != 0) {
-          return absl::InvalidArgumentError(absl::StrCat("--", flag, " needs --restore-from"));
-        }
-      }
-    }
-    ASSIGN_OR_RETURN(std::string token,
-                     client.CreateJob(*spec, restore ? &*restore : nullptr));
-    auto file = a.flags.find("token-file");
-    if (file == a.flags.end()) {
-      std::printf("%s\n", token.c_str());
-      return absl::OkStatus();
-    }
-    absl::Status s = WriteTokenFile(file->second, token);
-    if (!s.ok()) {
-      // Without its token the job is unusable: remove it again.
-      (void)client.DeleteJob(spec->job_id, token);
-      return s;
-    }
-    std::printf("created job %s (token in %s)\n", spec->job_id.c_str(), file->second.c_str());
+  if (sub == "create") return CmdJobCreate(client, a);
+  if (sub == "list") return CmdJobList(client);
+  if (sub != "show" && sub != "delete" && sub != "reset") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown job command '", sub, "'"));
+  }
+  ASSIGN_OR_RETURN(const JobAccess job, JobAndToken(a, absl::StrCat("job ", sub)));
+  if (sub == "show") {
+    ASSIGN_OR_RETURN(v1::JobStatus st, client.GetJob(job.job_id, job.token));
+    PrintStatus(st);
     return absl::OkStatus();
   }
-  if (sub == "list") {
-    ASSIGN_OR_RETURN(const v1::ListJobsResponse listed, client.ListJobsWithBroken());
-    const auto& jobs = listed.jobs();
-    std::printf("%-24s %5s %5s %8s %10s %8s %6s %s\n", "JOB", "WORLD", "STAGE", "MATRICES",
-                "NEXT_STEP", "STEPS", "FENCED", "BACKEND");
-    for (const v1::JobStatus& j : jobs) {
-      std::printf("%-24s %5d %5d %8d %10lld %8lld %6s %s\n", j.spec().job_id().c_str(),
-                  j.spec().world_size(), j.spec().zero_stage(), j.spec().matrices_size(),
-                  static_cast<long long>(j.next_step()),
-                  static_cast<long long>(j.steps_completed()), j.fenced() ? "yes" : "no",
-                  j.backend().c_str());
-    }
-    for (const v1::BrokenJob& b : listed.broken()) {
-      std::printf("BROKEN %s: %s\n", b.directory().c_str(), b.reason().c_str());
-    }
+  if (sub == "delete") {
+    RETURN_IF_ERROR(client.DeleteJob(job.job_id, job.token));
+    std::printf("deleted job %s\n", job.job_id.c_str());
     return absl::OkStatus();
   }
-  if (sub == "show" || sub == "delete" || sub == "reset") {
-    if (a.flags.count("job") == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("job ", sub, " needs --job"));
-    }
-    const std::string id = a.flags.at("job");
-    ASSIGN_OR_RETURN(std::string token, Token(a));
-    if (sub == "show") {
-      ASSIGN_OR_RETURN(v1::JobStatus st, client.GetJob(id, token));
-      PrintStatus(st);
-    } else if (sub == "delete") {
-      RETURN_IF_ERROR(client.DeleteJob(id, token));
-      std::printf("deleted job %s\n", id.c_str());
-    } else {
-      int64_t next = 0;
-      // `--step N` (`--next-step N` is accepted too): the step the job expects next.
-      for (const char* flag : {"step", "next-step"}) {
-        if (a.flags.count(flag) != 0) {
-          ASSIGN_OR_RETURN(next, IntFlag(a, flag));
-        }
-      }
-      RETURN_IF_ERROR(client.ResetJob(id, token, next));
-      std::printf("reset job %s; next step %lld\n", id.c_str(), static_cast<long long>(next));
-    }
-    return absl::OkStatus();
-  }
-  return absl::InvalidArgumentError(absl::StrCat("unknown job command '", sub, "'"));
+  return CmdJobReset(client, a, job);
 }
 
 int Run(int argc, char** argv) {

@@ -26,11 +26,9 @@ absl::Status CmdCheckpoint(Client& client, const Args& a) {
   if (sub != "save" && sub != "load" && sub != "list") {
     return absl::InvalidArgumentError(absl::StrCat("unknown checkpoint command '", sub, "'"));
   }
-  if (a.flags.count("job") == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint ", sub, " needs --job"));
-  }
-  const std::string id = a.flags.at("job");
-  ASSIGN_OR_RETURN(std::string token, Token(a));
+  ASSIGN_OR_RETURN(const JobAccess job, JobAndToken(a, absl::StrCat("checkpoint ", sub)));
+  const std::string& id = job.job_id;
+  const std::string& token = job.token;
   if (sub == "save") {
     ASSIGN_OR_RETURN(v1::CheckpointInfo info, client.SaveCheckpoint(id, token));
     std::printf("saved job %s generation %lld at step %lld (%llu bytes) in %s\n", id.c_str(),
@@ -50,21 +48,10 @@ absl::Status CmdCheckpoint(Client& client, const Args& a) {
     }
     return absl::OkStatus();
   }
-  if (a.flags.count("generation") != 0 && a.flags.count("step") != 0) {
-    return absl::InvalidArgumentError("checkpoint load takes --generation or --step, not both");
-  }
-  int64_t generation = 0, step = -1;
-  if (a.flags.count("generation") != 0) {
-    ASSIGN_OR_RETURN(generation, IntFlag(a, "generation"));
-    if (generation < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--generation ", generation, ": generations are numbered from 1"));
-    }
-  }
-  if (a.flags.count("step") != 0) {
-    ASSIGN_OR_RETURN(step, IntFlag(a, "step"));
-    if (step < 0) return absl::InvalidArgumentError(absl::StrCat("--step ", step, " is negative"));
-  }
+  ASSIGN_OR_RETURN(const GenerationChoice choice, ChosenGeneration(a, "checkpoint load", ""));
+  // Neither flag: (0, -1), the newest good generation.
+  const int64_t generation = choice.generation.value_or(0);
+  const int64_t step = choice.step.value_or(-1);
   ASSIGN_OR_RETURN(v1::LoadCheckpointResponse r,
                    client.LoadCheckpoint(id, token, generation, step));
   for (const std::string& p : r.set_aside()) {

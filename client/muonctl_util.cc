@@ -134,4 +134,40 @@ absl::StatusOr<int64_t> IntFlag(const Args& a, const std::string& name) {
   return v;
 }
 
+absl::StatusOr<JobAccess> JobAndToken(const Args& a, const std::string& command) {
+  if (a.flags.count("job") == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(command, " needs --job"));
+  }
+  JobAccess access{a.flags.at("job"), ""};
+  ASSIGN_OR_RETURN(access.token, Token(a));
+  return access;
+}
+
+absl::StatusOr<GenerationChoice> ChosenGeneration(const Args& a, const std::string& command,
+                                                  const std::string& prefix) {
+  const std::string generation_flag = prefix + "generation";
+  const std::string step_flag = prefix + "step";
+  if (a.flags.count(generation_flag) != 0 && a.flags.count(step_flag) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(command, " takes --", generation_flag, " or --", step_flag, ", not both"));
+  }
+  GenerationChoice choice;
+  if (a.flags.count(generation_flag) != 0) {
+    ASSIGN_OR_RETURN(choice.generation, IntFlag(a, generation_flag));
+    if (*choice.generation < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("--", generation_flag, " ",
+                                                     *choice.generation,
+                                                     ": generations are numbered from 1"));
+    }
+  }
+  if (a.flags.count(step_flag) != 0) {
+    ASSIGN_OR_RETURN(choice.step, IntFlag(a, step_flag));
+    if (*choice.step < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", step_flag, " ", *choice.step, " is negative"));
+    }
+  }
+  return choice;
+}
+
 }  // namespace muond::client

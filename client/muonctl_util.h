@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,24 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 absl::StatusOr<std::string> Token(const Args& a);
 // INVALID_ARGUMENT when the flag is missing or not an integer.
 absl::StatusOr<int64_t> IntFlag(const Args& a, const std::string& name);
+
+// The job a command acts on (--job) and its token (see Token).
+struct JobAccess {
+  std::string job_id;
+  std::string token;
+};
+// INVALID_ARGUMENT "<command> needs --job" when --job is missing; Token()'s errors otherwise.
+absl::StatusOr<JobAccess> JobAndToken(const Args& a, const std::string& command);
+
+// A checkpoint generation chosen by --<prefix>generation G (G >= 1) or by the step it was saved
+// at, --<prefix>step S (S >= 0); neither: the caller's default (the newest good generation).
+struct GenerationChoice {
+  std::optional<int64_t> generation;
+  std::optional<int64_t> step;
+};
+// INVALID_ARGUMENT naming `command` for both flags, and naming the flag for a value out of range.
+absl::StatusOr<GenerationChoice> ChosenGeneration(const Args& a, const std::string& command,
+                                                  const std::string& prefix);
 
 // `muonctl step`: pushes one step of one rank from a safetensors file and writes the update.
 absl::Status CmdStep(Client& client, const Args& a);
