@@ -187,6 +187,7 @@ def run_rank(rank, world, args, store_path, result_path):
             print(f"{step:>5} {losses[-1]:>14.6f} {ref_losses[-1]:>18.6f} "
                   f"{abs(losses[-1] - ref_losses[-1]):>10.2e}", flush=True)
         if args.save_at is not None and step + 1 == args.save_at:
+            opt.save_checkpoint()  # a durable muond generation, which opt.state_dict() refers to
             state = {"model": model.state_dict(), "reference": reference.state_dict(),
                      "optimizer": opt.state_dict(), "reference_optimizer": opt_ref.state_dict(),
                      "losses": losses, "ref_losses": ref_losses, "step": step + 1,

@@ -242,7 +242,7 @@ class EndToEndTest(unittest.TestCase):
 
 
 class CheckpointTest(unittest.TestCase):
-    """The muond part of state_dict()/load_state_dict() through the daemon's checkpoints."""
+    """save_checkpoint(), state_dict()/load_state_dict() through the daemon's checkpoints."""
 
     @classmethod
     def setUpClass(cls):
@@ -261,8 +261,16 @@ class CheckpointTest(unittest.TestCase):
             set_grads(params, t)
             opt.step()
         saved_params = snapshot(params)
+        # state_dict() only reads: before a save there is no generation for it to refer to.
+        with self.assertRaises(MuondError) as e:
+            opt.state_dict()
+        self.assertEqual(e.exception.code_name, "FAILED_PRECONDITION")
+        self.assertIn("save_checkpoint()", e.exception.message)
+        saved = opt.save_checkpoint()
         # As torch.save would keep it: state_dict() holds references to the live AdamW state.
         sd = copy.deepcopy(opt.state_dict())
+        self.assertEqual(sd["muond"], saved)  # the saved generation; state_dict() saved none
+        self.assertEqual(opt.state_dict()["muond"], saved)
         self.assertEqual(sd["muond"]["job_id"], "ckpt-single")
         self.assertEqual(sd["muond"]["next_step"], 3)
         self.assertGreaterEqual(sd["muond"]["generation"], 1)
@@ -271,12 +279,16 @@ class CheckpointTest(unittest.TestCase):
             set_grads(params, t)
             opt.step()
             first.append(snapshot(params))
+        with self.assertRaises(MuondError) as e:  # the saved generation resumes at 3, not 5
+            opt.state_dict()
+        self.assertEqual(e.exception.code_name, "FAILED_PRECONDITION")
         # Back to step 3: weights from the trainer, momentum and AdamW state from the state_dict.
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(saved_params[n])
         opt.load_state_dict(sd)
         self.assertEqual(opt.step_id, 3)
+        self.assertEqual(opt.state_dict()["muond"], saved)  # the loaded generation, at step 3
         for i, t in enumerate(range(3, 5)):
             set_grads(params, t)
             opt.step()

@@ -16,8 +16,12 @@ Distributed use: with a torch.distributed process group of N ranks, one job of w
 created (by the group's rank 0) with a ZeRO stage 1/2 (default) or 3 layout. step() averages the
 gradients over the group (reduce_gradients), copies this rank's partition into the session's
 shared-memory gradient buffer, lets muond compute, applies the update to its partition and
-all-gathers the new weights. Construction, step(), state_dict() and load_state_dict() are then
-collectives: every rank of the group calls them in the same order.
+all-gathers the new weights. Construction, step(), save_checkpoint(), load_checkpoint() and
+load_state_dict() are then collectives: every rank of the group calls them in the same order.
+
+Checkpoints: the momentum lives in muond. save_checkpoint() has the daemon write a durable
+checkpoint generation; state_dict() (a cheap getter, as in torch.optim) returns the AdamW state with
+a reference to that generation, for torch.save; load_state_dict() restores both.
 
 backend="local" computes the same Muon math in this process (fp32, muon_offload.reference) with the
 momentum in the optimizer state: the side-by-side reference for muond.
@@ -25,7 +29,6 @@ momentum in the optimizer state: the side-by-side reference for muond.
 Errors: MuondError (code, code_name, message). A step that fails changes nothing: no weight, AdamW
 state or momentum is updated, the step id stays, and the gradients are left as they were.
 """
-import math
 import uuid
 
 import torch
@@ -109,6 +112,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         self.transport = transport
         self.address = address
         self.step_id = 0  # the muond step id of the next step (the local backend counts too)
+        self._checkpoint = None  # the generation state_dict() refers to (save_checkpoint())
         if backend == "local" or not self._muon:
             return
         if self.zero_stage is None:
@@ -333,43 +337,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         dtype = self.dtype
         buffer = s.gradient_view(step, dtype) if s.is_shm else self._grad_buffers
         copy_into_buffer(buffer, self.partition, grads)
-        if self.world_size > 1:
-            self._check_finite_across_ranks(buffer)
         if s.is_shm:
             s.step_in_place(step)
             return s.update_view(step, dtype)
         s.step_buffer(step, buffer, self._update_buffers)
         return self._update_buffers
-
-    def _first_non_finite(self, buffer):
-        """(matrix name, element) of the first non-finite value of this rank's spans, or None."""
-        for matrix, offset, length, rank_offset in self.partition.spans:
-            finite = torch.isfinite(buffer[rank_offset:rank_offset + length])
-            if not bool(finite.all()):
-                at = int((~finite).nonzero()[0])
-                return self._names[self._muon[matrix][1]], offset + at
-        return None
-
-    def _check_finite_across_ranks(self, buffer):
-        """Collective: refuses the step on every rank when any rank's partition holds a non-finite
-        value, before any rank submits it. Why: the daemon refuses such a step for the whole job
-        when the step is already in flight, but a shared-memory submission that arrives first is
-        refused alone, and the ranks that submit after it then wait for it forever (while it, told
-        of the refusal, waits for them in the next collective). The daemon's own check still
-        applies (and is the only one with a single rank)."""
-        bad = self._first_non_finite(buffer)
-        flag = torch.tensor([0 if bad is None else 1], dtype=torch.int32)
-        self._dist.all_reduce(flag, group=self.process_group)
-        if flag.item() == 0:
-            return
-        reports = [None] * self.world_size
-        self._dist.all_gather_object(reports, bad, group=self.process_group)
-        rank, (name, element) = next((r, b) for r, b in enumerate(reports) if b is not None)
-        raise MuondError(CODES["INVALID_ARGUMENT"],
-                         f"job '{self.job_id}' step {self.step_id} rank {rank}: matrix '{name}' "
-                         f"has a non-finite gradient value at element {element}; the step is "
-                         "refused for every rank (before submitting it) and nothing is updated",
-                         "step")
 
     @staticmethod
     def _apply(weight, update, lr, weight_decay):
@@ -427,7 +399,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def step(self, closure=None):
         """One optimizer step (a collective with a process group). Raises MuondError, with nothing
         updated, when a Muon gradient is missing or muond refuses the step (e.g. INVALID_ARGUMENT
-        for a non-finite gradient, naming the matrix and rank)."""
+        for a non-finite gradient on any rank, naming the matrix and rank, on every rank)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -444,14 +416,16 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     def save_checkpoint(self):
         """Collective: asks muond for a durable checkpoint generation of the job (rank 0) and
-        returns {"job_id", "generation", "step", "next_step"} on every rank."""
+        returns {"job_id", "generation", "step", "next_step"} on every rank; state_dict() refers to
+        it until the next step."""
         if self.session is None:
             raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
         self._barrier()  # every rank has its update of the last step: the job is between steps
         generation, step = self._on_rank0(lambda: self.client.checkpoint_save(self.job_id,
                                                                                self.token))
-        return {"job_id": self.job_id, "generation": generation, "step": step,
-                "next_step": self.step_id}
+        self._checkpoint = {"job_id": self.job_id, "generation": generation, "step": step,
+                            "next_step": self.step_id}
+        return dict(self._checkpoint)
 
     def load_checkpoint(self, generation=-1, step=-1):
         """Collective: detaches, loads the job's checkpoint generation (`generation` >= 0, the one
@@ -462,6 +436,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if self.session is not None:
             self.session.close()
             self.session = None
+        self._checkpoint = None
         self._barrier()
         loaded, next_step = self._on_rank0(
             lambda: self.client.checkpoint_load(self.job_id, self.token, generation, step))
@@ -476,12 +451,21 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     def state_dict(self):
         """AdamW state (and the local backend's momentum) as torch.optim keeps it, plus, for muond,
-        {"muond": {"job_id", "generation", "step", "next_step"}}: a checkpoint generation saved
-        by this call (a collective)."""
+        {"muond": {"job_id", "generation", "step", "next_step"}}: the generation save_checkpoint()
+        saved (or load_state_dict() loaded) since the last step. Only reads: not a collective,
+        saves nothing. Raises MuondError FAILED_PRECONDITION when there is none (call
+        save_checkpoint() first): momentum and AdamW state from different steps restore neither."""
         sd = super().state_dict()
         sd["step_id"] = self.step_id
         if self.backend == "muond" and self._muon:
-            sd["muond"] = self.save_checkpoint()
+            saved = self._checkpoint
+            if saved is None or saved["next_step"] != self.step_id:
+                raise MuondError(CODES["FAILED_PRECONDITION"],
+                                 f"job '{self.job_id}': no checkpoint generation saved since "
+                                 f"the last step (next step {self.step_id}); call "
+                                 "save_checkpoint() (a collective) before state_dict()",
+                                 "state_dict")
+            sd["muond"] = dict(saved)
         return sd
 
     def load_state_dict(self, state_dict):
@@ -504,5 +488,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                                  f"job '{self.job_id}' generation {muond['generation']} resumes "
                                  f"at step {next_step}, the state_dict at step "
                                  f"{muond['next_step']}", "load_state_dict")
+            self._checkpoint = dict(muond)
         else:
             self.step_id = step_id
