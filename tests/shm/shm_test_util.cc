@@ -65,6 +65,15 @@ std::string NanBytes(common::DType dtype) {
   return out;
 }
 
+::testing::AssertionResult IsError(const absl::Status& s, absl::StatusCode code,
+                                   const std::string& text) {
+  if (s.code() == code && absl::StrContains(s.message(), text)) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "got " << s << "; want " << absl::StatusCodeToString(code)
+                                       << " containing '" << text << "'";
+}
+
 absl::Status FillGradientView(client::RankSession& session, int64_t step,
                               const std::vector<std::string>& grads) {
   const common::JobSpec& spec = session.spec();

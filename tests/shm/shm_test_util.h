@@ -7,6 +7,7 @@
 //   of common/shm_protocol.h itself, so a test can ring with any ring contents it likes and hold
 //   every descriptor the daemon passed.
 // - ProcCounts: a process's descriptors, memfd mappings and locked memory (/proc/<pid>/...).
+// - IsError: a status's code and message, as a gtest assertion.
 //
 // Thread-compatible: each object is used by one thread at a time.
 #ifndef MUOND_TESTS_SHM_SHM_TEST_UTIL_H_
@@ -24,6 +25,7 @@
 #include "client/client.h"
 #include "common/job_spec.h"
 #include "common/shm_protocol.h"
+#include "gtest/gtest.h"
 #include "muond/v1/muond.pb.h"
 #include "tests/integration/multirank_util.h"
 
@@ -161,6 +163,10 @@ class RawShmPeer {
 
 // Bytes of a float32 / bfloat16 quiet NaN.
 std::string NanBytes(common::DType dtype);
+
+// Success when `s` has `code` and its message contains `text`.
+::testing::AssertionResult IsError(const absl::Status& s, absl::StatusCode code,
+                                   const std::string& text);
 
 }  // namespace muond::shmtest
 
