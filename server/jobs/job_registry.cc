@@ -364,4 +364,24 @@ uint64_t JobRegistry::momentum_bytes() const {
   return n;
 }
 
+void JobRegistry::SaveChangedJobs() const {
+  WaitForSaves();
+  for (const auto& job : List()) {
+    const JobReport st = job->Report();
+    if (job->spec().transport_probe || st.fenced) {
+      if (st.fenced) {
+        MUOND_LOG(WARNING) << "job '" << job->id() << "' is fenced; no checkpoint at shutdown";
+      }
+      continue;
+    }
+    if (job->last_checkpoint_step() == st.next_step) continue;  // unchanged since
+    if (job->last_checkpoint_step() < 0 && st.steps_completed == 0) continue;  // never stepped
+    auto saved = job->SaveCheckpoint();
+    if (!saved.ok()) {
+      MUOND_LOG(ERROR) << "shutdown checkpoint of job '" << job->id()
+                       << "' failed: " << saved.status().message();
+    }
+  }
+}
+
 }  // namespace muond::server

@@ -111,6 +111,10 @@ class JobRegistry {
   const DaemonLimits& limits() const { return limits_; }
   // Waits for every job's checkpoint saves in progress.
   void WaitForSaves() const;
+  // At shutdown, after the steps drained: waits for background saves, then saves every job whose
+  // momentum changed since its newest generation (not probes, fenced or never-stepped jobs).
+  // Failures are logged.
+  void SaveChangedJobs() const;
   // True while any job has a step in flight.
   bool AnyStepInFlight() const;
   // Compute tasks waiting on the daemon's executor (muond_compute_queue_depth).

@@ -4,23 +4,15 @@
 
 namespace muond::server {
 
-uint64_t MomentumStore::BytesFor(const common::JobSpec& spec) {
-  if (spec.transport_probe) return 0;
-  uint64_t bytes = 0;
-  for (const common::MatrixSpec& m : spec.matrices) {
-    bytes += static_cast<uint64_t>(m.numel()) * sizeof(float);
-  }
-  return bytes;
-}
-
 MomentumStore::MomentumStore(const common::JobSpec& spec, device::Device* device)
-    : device_(device), bytes_(BytesFor(spec)) {
+    : device_(device) {
   const size_t n = spec.matrices.size();
   momentum_.resize(n);
   pinned_.assign(n, false);
   for (size_t m = 0; m < n && !spec.transport_probe; ++m) {
     momentum_[m].assign(static_cast<size_t>(spec.matrices[m].numel()), 0.0f);
     pinned_[m] = device_->RegisterHost(momentum_[m].data(), momentum_[m].size() * sizeof(float));
+    bytes_ += momentum_[m].size() * sizeof(float);
   }
 }
 

@@ -30,9 +30,8 @@ class MomentumStore {
   MomentumStore(const MomentumStore&) = delete;
   MomentumStore& operator=(const MomentumStore&) = delete;
 
-  // Bytes of fp32 momentum a job of `spec` holds (0 for a transport probe): the one count the
-  // limits, the job status and the metrics use.
-  static uint64_t BytesFor(const common::JobSpec& spec);
+  // Bytes of momentum held (0 for a transport probe). What a spec will hold before anything is
+  // allocated is JobFootprint::state_bytes (server/jobs/job_footprint.h).
   uint64_t bytes() const { return bytes_; }
   size_t matrices() const { return momentum_.size(); }
   // Matrix m's momentum (numel(m) floats). Read without a lock only between changes (see above).
