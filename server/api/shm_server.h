@@ -96,6 +96,8 @@ class ShmServer {
   int WaitMillis(Clock::time_point now) const;
   // Closes pending connections past their deadline; resumes a paused listening socket.
   void ExpireDeadlines(Clock::time_point now);
+  // Declares the server's metric families (shm_admission.cc).
+  static void DeclareMetrics();
   void Accept();
   void Admit(int conn);
   // accept4 failed with `err` (EMFILE, ENFILE, ...): accepts one connection with the reserve

@@ -1,5 +1,10 @@
 // The device layer (DESIGN.md section 6): Backend -> Device -> Stream (in order) and Event.
 //
+// The room server/device owns the compute backends: cpu and simulated (host_device.cc), cuda/ and
+// level_zero/ (each its own library, linked when its toolchain is found), the choice of backend
+// (backend.cc) and DeviceStreams (a device with the step pipeline's three streams). It calls
+// server/optim for the math it runs and nothing above it; server/jobs drives it.
+//
 // Shaped for CUDA streams/events and Level Zero immediate command lists as well as the CPU:
 // memory is either host memory (registered = pinned once) or device memory (DeviceBuffer, owned,
 // move-only); a Stream runs copies and kernels in the order they were enqueued; an Event marks a

@@ -1,5 +1,11 @@
 // The Muon update of DESIGN.md section 3 on host (CPU) memory, computed with LibTorch.
 //
+// The room server/optim owns the optimizer math: matrix geometry and scales, the momentum EMA
+// (ApplyMomentum, the one rounding every backend must match), the Newton-Schulz schedules
+// (ns_schedule.h) and their host implementation (newton_schulz.h). Pure functions over memory the
+// caller owns; it calls only common/ and LibTorch (inside newton_schulz.cc alone). The devices
+// (server/device) run the same schedules; jobs (server/jobs) call ApplyMomentum at commit.
+//
 // This header is free of LibTorch types so that the daemon's other files do not pay for its
 // headers. All functions are thread-safe (they share no state beyond LibTorch's thread pool);
 // they block until the result is written.
