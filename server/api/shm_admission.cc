@@ -35,7 +35,6 @@ namespace muond::server {
 
 namespace shm = common::shm;
 using shm_attach::Errno;
-using shm_attach::NoFileLimit;
 using shm_attach::PeerString;
 using shm_attach::PeerOf;
 using shm_attach::PeerHungUp;

@@ -32,18 +32,7 @@ namespace muond::server {
 
 namespace shm = common::shm;
 using shm_attach::Errno;
-using shm_attach::NoFileLimit;
 using shm_attach::PeerString;
-using shm_attach::PeerOf;
-using shm_attach::PeerHungUp;
-using shm_attach::SendReply;
-using shm_attach::DrainAndClose;
-using shm_attach::ErrorReply;
-using shm_attach::ParseAttachRequest;
-using shm_attach::Authorize;
-using shm_attach::CreateSessionResources;
-using shm_attach::SetupError;
-using shm_attach::OutOfDescriptors;
 
 
 absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const std::string& path,
