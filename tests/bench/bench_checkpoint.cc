@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -59,6 +60,122 @@ double PlainRead(const std::string& path, std::vector<char>* buf) {
   return Since(t0);
 }
 
+constexpr int64_t kRows = 32, kCols = 131072;
+
+// The benchmark's job, attached as rank 0, with its gradients: steps are numbered from 0.
+struct BenchJob {
+  common::JobSpec spec;
+  std::string token;
+  std::unique_ptr<client::RankSession> session;
+  std::vector<float> grads, updates;
+  int64_t step = 0;
+
+  // The next step; its seconds, or -1 (the error printed).
+  double Step() {
+    const auto t0 = Clock::now();
+    auto r = session->StepBuffer(step++, grads.data(), updates.data());
+    if (!r.ok()) {
+      std::fprintf(stderr, "muond-bench checkpoint: step: %s\n", r.status().ToString().c_str());
+      return -1;
+    }
+    return Since(t0);
+  }
+};
+
+// Creates and attaches "ckpt-bench", `matrices` fp32 matrices of kRows x kCols, with random
+// gradients; prints the error and returns nullptr on failure.
+std::unique_ptr<BenchJob> StartJob(client::Client& client, int matrices) {
+  auto job = std::make_unique<BenchJob>();
+  job->spec.job_id = "ckpt-bench";
+  for (int i = 0; i < matrices; ++i) {
+    job->spec.matrices.push_back({absl::StrCat("layers.", i, ".w"), {kRows, kCols}, 1,
+                                  common::DType::kFloat32});
+  }
+  auto token = client.CreateJob(job->spec);
+  auto session = token.ok() ? client.Attach(job->spec.job_id, 0, *token) : token.status();
+  if (!session.ok()) {
+    std::fprintf(stderr, "muond-bench checkpoint: %s\n", session.status().ToString().c_str());
+    return nullptr;
+  }
+  job->token = *token;
+  job->session = *std::move(session);
+  const size_t elements = static_cast<size_t>(matrices) * kRows * kCols;
+  job->grads.resize(elements);
+  job->updates.resize(elements);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (float& g : job->grads) g = nd(rng);
+  return job;
+}
+
+// Best-of-reps seconds of a save and a load of the job, and of plain I/O of as many bytes in the
+// same directory.
+struct IoTimes {
+  double save_s = 1e30, load_s = 1e30, write_s = 1e30, read_s = 1e30;
+  uint64_t bytes = 0;
+};
+
+// Saves and loads the job `reps` times, each followed by a plain write + fsync and read of the
+// checkpoint's size under `dir`/state. False (the error printed) on failure.
+bool MeasureSaveAndLoad(client::Client& client, const BenchJob& job, const std::string& dir,
+                        int reps, IoTimes* times) {
+  IoTimes& t = *times;
+  std::string path;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = Clock::now();
+    auto saved = client.SaveCheckpoint(job.spec.job_id, job.token);
+    if (!saved.ok()) {
+      std::fprintf(stderr, "muond-bench checkpoint: save: %s\n",
+                   saved.status().ToString().c_str());
+      return false;
+    }
+    t.save_s = std::min(t.save_s, Since(t0));
+    t.bytes = saved->bytes();
+    path = saved->path() + "/momentum.safetensors";
+    t0 = Clock::now();
+    auto loaded = client.LoadCheckpoint(job.spec.job_id, job.token, saved->generation(), -1);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "muond-bench checkpoint: load: %s\n",
+                   loaded.status().ToString().c_str());
+      return false;
+    }
+    t.load_s = std::min(t.load_s, Since(t0));
+    std::vector<char> data(t.bytes, 1);
+    const std::string plain = dir + "/state/plain.bin";
+    t.write_s = std::min(t.write_s, PlainWrite(plain, data));
+    t.read_s = std::min(t.read_s, PlainRead(plain, &data));
+    ::unlink(plain.c_str());
+  }
+  return true;
+}
+
+// Mean seconds per step over `steps` steps alone (*quiet), and with a save (on its own connection
+// to `address`) started at the same moment as each step (*busy; the saves' mean: *save_during),
+// as with checkpoint_every_steps = 1.
+void MeasureStepsDuringSaves(BenchJob& job, const std::string& address, int steps, double* quiet,
+                             double* busy, double* save_during) {
+  *quiet = 0;
+  for (int i = 0; i < steps; ++i) *quiet += job.Step();
+  *quiet /= steps;
+  auto saver_client = client::Client::Connect(address);
+  *busy = 0;
+  *save_during = 0;
+  for (int i = 0; i < steps; ++i) {
+    double save_seconds = 0;
+    std::thread saver([&] {
+      const auto t0 = Clock::now();
+      if ((*saver_client)->SaveCheckpoint(job.spec.job_id, job.token).ok()) {
+        save_seconds = Since(t0);
+      }
+    });
+    *busy += job.Step();
+    saver.join();
+    *save_during += save_seconds;
+  }
+  *busy /= steps;
+  *save_during /= steps;
+}
+
 }  // namespace
 
 int RunCheckpointBench(int argc, char** argv) {
@@ -80,7 +197,6 @@ int RunCheckpointBench(int argc, char** argv) {
   }
   const int steps = static_cast<int>((*steps_l)[0]);
   const int reps = static_cast<int>((*reps_l)[0]);
-  constexpr int64_t kRows = 32, kCols = 131072;
   const int matrices = std::max<int64_t>(1, (*mib)[0] / 16);
 
   std::string address;
@@ -92,98 +208,34 @@ int RunCheckpointBench(int argc, char** argv) {
     StopDaemon(daemon, dir);
     return 1;
   }
-  common::JobSpec spec;
-  spec.job_id = "ckpt-bench";
-  for (int i = 0; i < matrices; ++i) {
-    spec.matrices.push_back({absl::StrCat("layers.", i, ".w"), {kRows, kCols}, 1,
-                             common::DType::kFloat32});
-  }
-  auto token = (*client)->CreateJob(spec);
-  auto session = token.ok() ? (*client)->Attach(spec.job_id, 0, *token) : token.status();
-  if (!session.ok()) {
-    std::fprintf(stderr, "muond-bench checkpoint: %s\n", session.status().ToString().c_str());
+  const std::unique_ptr<BenchJob> job = StartJob(**client, matrices);
+  if (job == nullptr) {
     StopDaemon(daemon, dir);
     return 1;
   }
-  const size_t elements = static_cast<size_t>(matrices) * kRows * kCols;
-  std::vector<float> grads(elements), updates(elements);
-  std::mt19937 rng(1);
-  std::normal_distribution<float> nd;
-  for (float& g : grads) g = nd(rng);
-  int64_t step = 0;
-  auto run_step = [&]() -> double {
-    const auto t0 = Clock::now();
-    auto r = (*session)->StepBuffer(step++, grads.data(), updates.data());
-    if (!r.ok()) {
-      std::fprintf(stderr, "muond-bench checkpoint: step: %s\n", r.status().ToString().c_str());
-      return -1;
-    }
-    return Since(t0);
-  };
-  (void)run_step();  // warm-up; the momentum is now non-zero
+  (void)job->Step();  // warm-up; the momentum is now non-zero
 
   // Save and load against plain I/O of the same bytes in the same directory.
-  double save_s = 1e30, load_s = 1e30, write_s = 1e30, read_s = 1e30;
-  uint64_t bytes = 0;
-  std::string path;
-  for (int r = 0; r < reps; ++r) {
-    auto t0 = Clock::now();
-    auto saved = (*client)->SaveCheckpoint(spec.job_id, *token);
-    if (!saved.ok()) {
-      std::fprintf(stderr, "muond-bench checkpoint: save: %s\n",
-                   saved.status().ToString().c_str());
-      StopDaemon(daemon, dir);
-      return 1;
-    }
-    save_s = std::min(save_s, Since(t0));
-    bytes = saved->bytes();
-    path = saved->path() + "/momentum.safetensors";
-    t0 = Clock::now();
-    auto loaded = (*client)->LoadCheckpoint(spec.job_id, *token, saved->generation(), -1);
-    if (!loaded.ok()) {
-      std::fprintf(stderr, "muond-bench checkpoint: load: %s\n",
-                   loaded.status().ToString().c_str());
-      StopDaemon(daemon, dir);
-      return 1;
-    }
-    load_s = std::min(load_s, Since(t0));
-    std::vector<char> data(bytes, 1);
-    const std::string plain = dir + "/state/plain.bin";
-    write_s = std::min(write_s, PlainWrite(plain, data));
-    read_s = std::min(read_s, PlainRead(plain, &data));
-    ::unlink(plain.c_str());
+  IoTimes t;
+  if (!MeasureSaveAndLoad(**client, *job, dir, reps, &t)) {
+    StopDaemon(daemon, dir);
+    return 1;
   }
-  const double gb = static_cast<double>(bytes) / 1e9;
+  const double gb = static_cast<double>(t.bytes) / 1e9;
   std::printf("checkpoint of %.1f MiB (%d matrices), best of %d:\n",
-              static_cast<double>(bytes) / (1 << 20), matrices, reps);
-  std::printf("  save  %7.3f s  %6.2f GB/s   plain write+fsync %7.3f s  %6.2f GB/s\n", save_s,
-              gb / save_s, write_s, gb / write_s);
-  std::printf("  load  %7.3f s  %6.2f GB/s   plain read        %7.3f s  %6.2f GB/s\n", load_s,
-              gb / load_s, read_s, gb / read_s);
+              static_cast<double>(t.bytes) / (1 << 20), matrices, reps);
+  std::printf("  save  %7.3f s  %6.2f GB/s   plain write+fsync %7.3f s  %6.2f GB/s\n", t.save_s,
+              gb / t.save_s, t.write_s, gb / t.write_s);
+  std::printf("  load  %7.3f s  %6.2f GB/s   plain read        %7.3f s  %6.2f GB/s\n", t.load_s,
+              gb / t.load_s, t.read_s, gb / t.read_s);
 
-  // Step time without and with a save started at the same moment (one save per step, as with
-  // checkpoint_every_steps = 1).
-  double quiet = 0;
-  for (int i = 0; i < steps; ++i) quiet += run_step();
-  quiet /= steps;
-  auto saver_client = client::Client::Connect(address);
-  double busy = 0, save_during = 0;
-  for (int i = 0; i < steps; ++i) {
-    double save_seconds = 0;
-    std::thread saver([&] {
-      const auto t0 = Clock::now();
-      if ((*saver_client)->SaveCheckpoint(spec.job_id, *token).ok()) save_seconds = Since(t0);
-    });
-    busy += run_step();
-    saver.join();
-    save_during += save_seconds;
-  }
-  busy /= steps;
-  save_during /= steps;
+  double quiet = 0, busy = 0, save_during = 0;
+  MeasureStepsDuringSaves(*job, address, steps, &quiet, &busy, &save_during);
   std::printf("  step  %7.3f s alone, %7.3f s with a save started with it (the save: %.3f s)\n",
               quiet, busy, save_during);
   std::printf("result: checkpoint save_ratio=%.3f load_ratio=%.3f step_ratio=%.3f\n",
-              (gb / save_s) / (gb / write_s), (gb / load_s) / (gb / read_s), busy / quiet);
+              (gb / t.save_s) / (gb / t.write_s), (gb / t.load_s) / (gb / t.read_s),
+              busy / quiet);
   StopDaemon(daemon, dir);
   return 0;
 }

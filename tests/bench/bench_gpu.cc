@@ -207,9 +207,17 @@ double ApplySeconds(Device& dev, Stream& in, Stream& compute, Stream& out,
   return Since(t0);
 }
 
-}  // namespace
+// The flags of `muond-bench gpu`.
+struct GpuOptions {
+  std::vector<int64_t> sizes = {2048, 4096};
+  int copy_mib = 256;
+  int max_layers = 36;
+  double seconds = 60;
+};
 
-int RunGpuBench(int argc, char** argv) {
+// Parses the flags into *options; returns -1 to go on, or the exit code after printing the usage
+// (--help: 0) or an error (2).
+int ParseGpuOptions(int argc, char** argv, GpuOptions* options) {
   auto flags = ParseFlags(argc, argv, {"sizes", "copy-mib", "layers", "seconds"});
   if (!flags.ok()) {
     std::fprintf(stderr, "muond-bench gpu: %s\n%s", std::string(flags.status().message()).c_str(),
@@ -220,25 +228,155 @@ int RunGpuBench(int argc, char** argv) {
     std::fputs(kUsage, stdout);
     return 0;
   }
-  std::vector<int64_t> sizes = {2048, 4096};
-  int copy_mib = 256, max_layers = 36;
-  double seconds = 60;
+  GpuOptions& o = *options;
   if (flags->count("sizes")) {
     auto parsed = ParsePositiveList("sizes", flags->at("sizes"));
     if (!parsed.ok()) {
       std::fprintf(stderr, "muond-bench gpu: %s\n", std::string(parsed.status().message()).c_str());
       return 2;
     }
-    sizes = *parsed;
+    o.sizes = *parsed;
   }
-  if ((flags->count("copy-mib") && (!absl::SimpleAtoi(flags->at("copy-mib"), &copy_mib) ||
-                                    copy_mib < 1)) ||
-      (flags->count("layers") && (!absl::SimpleAtoi(flags->at("layers"), &max_layers) ||
-                                  max_layers < 1)) ||
-      (flags->count("seconds") && (!absl::SimpleAtod(flags->at("seconds"), &seconds) ||
-                                   !(seconds > 0)))) {
+  if ((flags->count("copy-mib") && (!absl::SimpleAtoi(flags->at("copy-mib"), &o.copy_mib) ||
+                                    o.copy_mib < 1)) ||
+      (flags->count("layers") && (!absl::SimpleAtoi(flags->at("layers"), &o.max_layers) ||
+                                  o.max_layers < 1)) ||
+      (flags->count("seconds") && (!absl::SimpleAtod(flags->at("seconds"), &o.seconds) ||
+                                   !(o.seconds > 0)))) {
     std::fprintf(stderr, "muond-bench gpu: --copy-mib, --layers and --seconds must be positive\n");
     return 2;
+  }
+  return -1;
+}
+
+// 1. Newton-Schulz against cuBLAS GEMM peak: prints the table; adds log(NS / GEMM mix) of each
+// row to *log_sum and counts the rows in *rows. False on error.
+bool MeasureNewtonSchulz(Device& dev, Stream& s, const std::vector<int64_t>& sizes,
+                         double* log_sum, int* rows) {
+  std::printf("%6s  %-9s  %9s  %11s  %8s  %11s  %8s\n", "size", "dtype", "NS TF/s", "GEMM TF/s",
+              "NS/GEMM", "mix TF/s", "NS/mix");
+  for (const int64_t n : sizes) {
+    const double gemm32 = GemmTflops(static_cast<int>(n), common::DType::kFloat32);
+    const double gemm16 = GemmTflops(static_cast<int>(n), common::DType::kBFloat16);
+    for (const common::DType dtype : {common::DType::kFloat32, common::DType::kBFloat16}) {
+      const double ns = NsTflops(dev, s, n, dtype);
+      if (ns <= 0 || gemm32 <= 0 || gemm16 <= 0) return false;
+      const bool bf16 = dtype == common::DType::kBFloat16;
+      const double gemm = bf16 ? gemm16 : gemm32;
+      // bf16 NS: 2 of 5 iterations' GEMMs run in fp32.
+      const double f32_share = bf16 ? 2.0 / kNsSteps : 1.0;
+      const double mix = 1.0 / (f32_share / gemm32 + (1 - f32_share) / gemm16);
+      std::printf("%6lld  %-9s  %9.1f  %11.1f  %8.3f  %11.1f  %8.3f\n",
+                  static_cast<long long>(n), std::string(common::DTypeName(dtype)).c_str(), ns,
+                  gemm, ns / gemm, mix, ns / mix);
+      std::fflush(stdout);
+      *log_sum += std::log(ns / mix);
+      ++*rows;
+    }
+  }
+  return true;
+}
+
+// Copy rates through pinned (registered) host memory, in GB/s.
+struct PinnedRates {
+  double h2d = 0, d2h = 0;
+};
+
+// 2. Copies of `copy_mib` MiB: registered against pageable host memory; prints the line. False
+// on error.
+bool MeasureCopies(Device& dev, Stream& s, int copy_mib, PinnedRates* rates) {
+  const size_t copy_bytes = static_cast<size_t>(copy_mib) << 20;
+  auto dbuf = dev.Allocate(copy_bytes);
+  if (!Check(dbuf.status(), "Allocate")) return false;
+  std::vector<char> pinned(copy_bytes, 1), pageable(copy_bytes, 2);
+  const bool registered = dev.RegisterHost(pinned.data(), copy_bytes);
+  const double h2d_pinned = CopyGbps(s, *dbuf, pinned.data(), copy_bytes, true);
+  const double d2h_pinned = CopyGbps(s, *dbuf, pinned.data(), copy_bytes, false);
+  const double h2d_pageable = CopyGbps(s, *dbuf, pageable.data(), copy_bytes, true);
+  const double d2h_pageable = CopyGbps(s, *dbuf, pageable.data(), copy_bytes, false);
+  dev.UnregisterHost(pinned.data(), copy_bytes);
+  std::printf("copies of %d MiB (GB/s): H2D pinned %.1f pageable %.1f (x%.2f); D2H pinned %.1f "
+              "pageable %.1f (x%.2f)%s\n",
+              copy_mib, h2d_pinned, h2d_pageable, h2d_pinned / h2d_pageable, d2h_pinned,
+              d2h_pageable, d2h_pinned / d2h_pageable,
+              registered ? "" : " [cudaHostRegister refused: 'pinned' is pageable]");
+  std::fflush(stdout);
+  rates->h2d = h2d_pinned;
+  rates->d2h = d2h_pinned;
+  return true;
+}
+
+// The kDepth pipeline slots of Qwen3-4B-like layers: random gradients, zero momentum, host
+// buffers registered, device buffers allocated. *layer_elems: the elements of one layer. False on
+// error.
+bool MakeSlots(Device& dev, std::vector<Slot>* slots, int64_t* layer_elems) {
+  slots->resize(kDepth);
+  *layer_elems = 0;
+  for (const LayerMatrix& lm : kQwen3_4B) *layer_elems += lm.rows * lm.cols;
+  uint32_t seed = 10;
+  for (Slot& slot : *slots) {
+    for (const LayerMatrix& lm : kQwen3_4B) {
+      common::MatrixSpec spec;
+      spec.name = lm.name;
+      spec.shape = {lm.rows, lm.cols};
+      const size_t n = static_cast<size_t>(lm.rows * lm.cols);
+      slot.specs.push_back(spec);
+      slot.grad.push_back(Gaussian(n, seed++));
+      slot.mom.push_back(std::vector<float>(n, 0.0f));
+      slot.update.push_back(std::vector<float>(n, 0.0f));
+      auto g = dev.Allocate(n * sizeof(float));
+      auto m = dev.Allocate(n * sizeof(float));
+      if (!Check(g.status(), "Allocate") || !Check(m.status(), "Allocate")) return false;
+      slot.g.push_back(*std::move(g));
+      slot.m.push_back(*std::move(m));
+      for (auto* v : {&slot.grad.back(), &slot.mom.back(), &slot.update.back()}) {
+        dev.RegisterHost(v->data(), n * sizeof(float));
+      }
+    }
+  }
+  return true;
+}
+
+// 3. The Muon apply of as many Qwen3-4B-like layers as fit in about `seconds` (at most
+// `max_layers`) on streams in, compute and out, in bf16 and fp32, against the copy floor at the
+// pinned rates; prints a line per dtype. False on error.
+bool MeasureApply(Device& dev, Stream& in, Stream& compute, Stream& out, std::vector<Slot>& slots,
+                  int64_t layer_elems, double seconds, int max_layers, const PinnedRates& pinned) {
+  const double layer_bytes_in = 8.0 * layer_elems, layer_bytes_out = 4.0 * layer_elems;
+  for (const common::DType dtype : {common::DType::kBFloat16, common::DType::kFloat32}) {
+    const double one = ApplySeconds(dev, in, compute, out, slots, 1, dtype);  // warm-up
+    if (one <= 0) return false;
+    const int layers = std::clamp(static_cast<int>(seconds / 2 / one), 1, max_layers);
+    const double t = ApplySeconds(dev, in, compute, out, slots, layers, dtype);
+    if (t <= 0) return false;
+    const double floor = std::max(layers * layer_bytes_in / (pinned.h2d * 1e9),
+                                  layers * layer_bytes_out / (pinned.d2h * 1e9));
+    std::printf("Muon apply, Qwen3-4B-like, %s: %d layers (%.2f GB in, %.2f GB out) in %.3f s "
+                "(%.1f ms/layer); copy floor %.3f s; floor/time %.3f\n",
+                std::string(common::DTypeName(dtype)).c_str(), layers,
+                layers * layer_bytes_in / 1e9, layers * layer_bytes_out / 1e9, t,
+                1e3 * t / layers, floor, floor / t);
+    std::fflush(stdout);
+  }
+  return true;
+}
+
+void UnregisterSlots(Device& dev, std::vector<Slot>& slots) {
+  for (Slot& slot : slots) {
+    for (size_t i = 0; i < slot.specs.size(); ++i) {
+      for (auto* v : {&slot.grad[i], &slot.mom[i], &slot.update[i]}) {
+        dev.UnregisterHost(v->data(), v->size() * sizeof(float));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int RunGpuBench(int argc, char** argv) {
+  GpuOptions options;
+  if (const int exit_code = ParseGpuOptions(argc, argv, &options); exit_code >= 0) {
+    return exit_code;
   }
   auto opened = server::device::OpenCudaDevice(0);
   if (!opened.ok()) {
@@ -256,99 +394,19 @@ int RunGpuBench(int argc, char** argv) {
     std::printf("muond-bench gpu: %s (compute capability %d.%d), ns_steps=%d\n", prop.name,
                 prop.major, prop.minor, kNsSteps);
   }
-
-  // 1. Newton-Schulz against cuBLAS GEMM peak.
-  std::printf("%6s  %-9s  %9s  %11s  %8s  %11s  %8s\n", "size", "dtype", "NS TF/s", "GEMM TF/s",
-              "NS/GEMM", "mix TF/s", "NS/mix");
   double log_sum = 0;
   int rows = 0;
-  for (const int64_t n : sizes) {
-    const double gemm32 = GemmTflops(static_cast<int>(n), common::DType::kFloat32);
-    const double gemm16 = GemmTflops(static_cast<int>(n), common::DType::kBFloat16);
-    for (const common::DType dtype : {common::DType::kFloat32, common::DType::kBFloat16}) {
-      const double ns = NsTflops(dev, **s1, n, dtype);
-      if (ns <= 0 || gemm32 <= 0 || gemm16 <= 0) return 1;
-      const bool bf16 = dtype == common::DType::kBFloat16;
-      const double gemm = bf16 ? gemm16 : gemm32;
-      // bf16 NS: 2 of 5 iterations' GEMMs run in fp32.
-      const double f32_share = bf16 ? 2.0 / kNsSteps : 1.0;
-      const double mix = 1.0 / (f32_share / gemm32 + (1 - f32_share) / gemm16);
-      std::printf("%6lld  %-9s  %9.1f  %11.1f  %8.3f  %11.1f  %8.3f\n",
-                  static_cast<long long>(n), std::string(common::DTypeName(dtype)).c_str(), ns,
-                  gemm, ns / gemm, mix, ns / mix);
-      std::fflush(stdout);
-      log_sum += std::log(ns / mix);
-      ++rows;
-    }
-  }
-
-  // 2. Copies: registered against pageable host memory.
-  const size_t copy_bytes = static_cast<size_t>(copy_mib) << 20;
-  auto dbuf = dev.Allocate(copy_bytes);
-  if (!Check(dbuf.status(), "Allocate")) return 1;
-  std::vector<char> pinned(copy_bytes, 1), pageable(copy_bytes, 2);
-  const bool registered = dev.RegisterHost(pinned.data(), copy_bytes);
-  const double h2d_pinned = CopyGbps(**s1, *dbuf, pinned.data(), copy_bytes, true);
-  const double d2h_pinned = CopyGbps(**s1, *dbuf, pinned.data(), copy_bytes, false);
-  const double h2d_pageable = CopyGbps(**s1, *dbuf, pageable.data(), copy_bytes, true);
-  const double d2h_pageable = CopyGbps(**s1, *dbuf, pageable.data(), copy_bytes, false);
-  dev.UnregisterHost(pinned.data(), copy_bytes);
-  std::printf("copies of %d MiB (GB/s): H2D pinned %.1f pageable %.1f (x%.2f); D2H pinned %.1f "
-              "pageable %.1f (x%.2f)%s\n",
-              copy_mib, h2d_pinned, h2d_pageable, h2d_pinned / h2d_pageable, d2h_pinned,
-              d2h_pageable, d2h_pinned / d2h_pageable,
-              registered ? "" : " [cudaHostRegister refused: 'pinned' is pageable]");
-  std::fflush(stdout);
-  dbuf = DeviceBuffer();
-
-  // 3. The Muon apply of Qwen3-4B-like layers.
-  std::vector<Slot> slots(kDepth);
+  if (!MeasureNewtonSchulz(dev, **s1, options.sizes, &log_sum, &rows)) return 1;
+  PinnedRates pinned;
+  if (!MeasureCopies(dev, **s1, options.copy_mib, &pinned)) return 1;
+  std::vector<Slot> slots;
   int64_t layer_elems = 0;
-  for (const LayerMatrix& lm : kQwen3_4B) layer_elems += lm.rows * lm.cols;
-  uint32_t seed = 10;
-  for (Slot& slot : slots) {
-    for (const LayerMatrix& lm : kQwen3_4B) {
-      common::MatrixSpec spec;
-      spec.name = lm.name;
-      spec.shape = {lm.rows, lm.cols};
-      const size_t n = static_cast<size_t>(lm.rows * lm.cols);
-      slot.specs.push_back(spec);
-      slot.grad.push_back(Gaussian(n, seed++));
-      slot.mom.push_back(std::vector<float>(n, 0.0f));
-      slot.update.push_back(std::vector<float>(n, 0.0f));
-      auto g = dev.Allocate(n * sizeof(float));
-      auto m = dev.Allocate(n * sizeof(float));
-      if (!Check(g.status(), "Allocate") || !Check(m.status(), "Allocate")) return 1;
-      slot.g.push_back(*std::move(g));
-      slot.m.push_back(*std::move(m));
-      for (auto* v : {&slot.grad.back(), &slot.mom.back(), &slot.update.back()}) {
-        dev.RegisterHost(v->data(), n * sizeof(float));
-      }
-    }
+  if (!MakeSlots(dev, &slots, &layer_elems)) return 1;
+  if (!MeasureApply(dev, **s1, **s2, **s3, slots, layer_elems, options.seconds,
+                    options.max_layers, pinned)) {
+    return 1;
   }
-  const double layer_bytes_in = 8.0 * layer_elems, layer_bytes_out = 4.0 * layer_elems;
-  for (const common::DType dtype : {common::DType::kBFloat16, common::DType::kFloat32}) {
-    const double one = ApplySeconds(dev, **s1, **s2, **s3, slots, 1, dtype);  // warm-up
-    if (one <= 0) return 1;
-    const int layers = std::clamp(static_cast<int>(seconds / 2 / one), 1, max_layers);
-    const double t = ApplySeconds(dev, **s1, **s2, **s3, slots, layers, dtype);
-    if (t <= 0) return 1;
-    const double floor = std::max(layers * layer_bytes_in / (h2d_pinned * 1e9),
-                                  layers * layer_bytes_out / (d2h_pinned * 1e9));
-    std::printf("Muon apply, Qwen3-4B-like, %s: %d layers (%.2f GB in, %.2f GB out) in %.3f s "
-                "(%.1f ms/layer); copy floor %.3f s; floor/time %.3f\n",
-                std::string(common::DTypeName(dtype)).c_str(), layers,
-                layers * layer_bytes_in / 1e9, layers * layer_bytes_out / 1e9, t,
-                1e3 * t / layers, floor, floor / t);
-    std::fflush(stdout);
-  }
-  for (Slot& slot : slots) {
-    for (size_t i = 0; i < slot.specs.size(); ++i) {
-      for (auto* v : {&slot.grad[i], &slot.mom[i], &slot.update[i]}) {
-        dev.UnregisterHost(v->data(), v->size() * sizeof(float));
-      }
-    }
-  }
+  UnregisterSlots(dev, slots);
   std::printf("result: gpu ratio=%.3f target=%.3f\n", std::exp(log_sum / rows), kTarget);
   return 0;
 }

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -73,9 +74,17 @@ double TimePerCall(const std::function<void()>& fn, int iters) {
   return Seconds(start) / done;
 }
 
-}  // namespace
+// The flags of `muond-bench ns`.
+struct NsOptions {
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int iters = 0;  // 0: auto
+  std::vector<int64_t> sizes = {512, 1024};
+  std::vector<common::DType> dtypes = {common::DType::kFloat32, common::DType::kBFloat16};
+};
 
-int RunNsBench(int argc, char** argv) {
+// Parses the flags into *options; returns -1 to go on, or the exit code after printing the usage
+// (--help: 0) or an error (2).
+int ParseNsOptions(int argc, char** argv, NsOptions* options) {
   auto flags = ParseFlags(argc, argv, {"threads", "sizes", "dtypes", "iters"});
   if (!flags.ok()) {
     std::fprintf(stderr, "muond-bench ns: %s\n%s", std::string(flags.status().message()).c_str(),
@@ -86,16 +95,13 @@ int RunNsBench(int argc, char** argv) {
     std::fputs(kUsage, stdout);
     return 0;
   }
-  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  int iters = 0;
-  std::vector<int64_t> sizes = {512, 1024};
-  std::vector<common::DType> dtypes = {common::DType::kFloat32, common::DType::kBFloat16};
   if (flags->count("threads") &&
-      (!absl::SimpleAtoi(flags->at("threads"), &threads) || threads < 1)) {
+      (!absl::SimpleAtoi(flags->at("threads"), &options->threads) || options->threads < 1)) {
     std::fprintf(stderr, "muond-bench ns: --threads must be a positive integer\n");
     return 2;
   }
-  if (flags->count("iters") && (!absl::SimpleAtoi(flags->at("iters"), &iters) || iters < 1)) {
+  if (flags->count("iters") &&
+      (!absl::SimpleAtoi(flags->at("iters"), &options->iters) || options->iters < 1)) {
     std::fprintf(stderr, "muond-bench ns: --iters must be a positive integer\n");
     return 2;
   }
@@ -105,10 +111,10 @@ int RunNsBench(int argc, char** argv) {
       std::fprintf(stderr, "muond-bench ns: %s\n", std::string(parsed.status().message()).c_str());
       return 2;
     }
-    sizes = *parsed;
+    options->sizes = *parsed;
   }
   if (flags->count("dtypes")) {
-    dtypes.clear();
+    options->dtypes.clear();
     for (const std::string& name : SplitList(flags->at("dtypes"))) {
       auto dtype = common::ParseDType(name);
       if (!dtype.ok()) {
@@ -116,11 +122,65 @@ int RunNsBench(int argc, char** argv) {
                      std::string(dtype.status().message()).c_str());
         return 2;
       }
-      dtypes.push_back(*dtype);
+      options->dtypes.push_back(*dtype);
     }
   }
+  return -1;
+}
 
-  server::SetMathThreads(threads);
+// One row of the table: GFLOP/s of Newton-Schulz on the n x n matrix `x` (in place) in `dtype`,
+// and of the baseline matmul; prints the row. Returns NS/matmul, or nullopt (the error printed)
+// when NS fails.
+std::optional<double> MeasureRow(int64_t n, common::DType dtype, std::vector<float>& x,
+                                 int iters) {
+  common::MuonConfig config;
+  config.ns_method = common::NsMethod::kStandard;
+  config.ns_steps = kNsSteps;
+  config.compute_dtype = dtype;
+  // NS runs in place on x: its output is as good an input as the first (same FLOPs).
+  bool ns_ok = true;
+  const double ns_seconds = TimePerCall(
+      [&] {
+        const absl::Status status = server::NewtonSchulz(config, {1, n, n}, x.data());
+        if (!status.ok()) {
+          std::fprintf(stderr, "muond-bench ns: %s\n", status.ToString().c_str());
+          ns_ok = false;
+        }
+      },
+      iters);
+  if (!ns_ok) return std::nullopt;
+  // Per iteration (r = c = n): A = X X^T and B X are 2 r^2 c each, A A is 2 r^3.
+  const double ns_flops = kNsSteps * (4.0 * n * n * n + 2.0 * n * n * n);
+
+  // The baseline: a matmul in the same dtype, except float16 (no CPU Half GEMM): fp32.
+  const bool half = dtype == common::DType::kFloat16;
+  const at::ScalarType st = dtype == common::DType::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  const at::Tensor a = at::randn({n, n}, at::kFloat).to(st);
+  const at::Tensor b = at::randn({n, n}, at::kFloat).to(st);
+  at::Tensor c = at::empty({n, n}, a.options());
+  const double mm_seconds = TimePerCall([&] { at::mm_out(c, a, b); }, iters);
+  const double mm_flops = 2.0 * n * n * n;
+
+  const double ns_gflops = ns_flops / ns_seconds / 1e9;
+  const double mm_gflops = mm_flops / mm_seconds / 1e9;
+  const double ratio = ns_gflops / mm_gflops;
+  std::printf("%8lld  %-9s  %12.1f  %-9s  %16.1f  %7.3f\n", static_cast<long long>(n),
+              std::string(common::DTypeName(dtype)).c_str(), ns_gflops,
+              half ? "float32*" : std::string(common::DTypeName(dtype)).c_str(), mm_gflops,
+              ratio);
+  std::fflush(stdout);
+  return ratio;
+}
+
+}  // namespace
+
+int RunNsBench(int argc, char** argv) {
+  NsOptions options;
+  if (const int exit_code = ParseNsOptions(argc, argv, &options); exit_code >= 0) {
+    return exit_code;
+  }
+  const int iters = options.iters;
+  server::SetMathThreads(options.threads);
   c10::InferenceMode no_autograd;
   std::printf("muond-bench ns: threads=%d ns_steps=%d iters=%s\n", server::MathThreads(), kNsSteps,
               iters > 0 ? std::to_string(iters).c_str() : "auto");
@@ -131,49 +191,15 @@ int RunNsBench(int argc, char** argv) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   double log_ratio_sum = 0.0;
   int rows_done = 0;
-  for (const int64_t n : sizes) {
+  for (const int64_t n : options.sizes) {
     std::vector<float> x(static_cast<size_t>(n * n));
     for (float& v : x) v = normal(rng);
-    for (const common::DType dtype : dtypes) {
-      common::MuonConfig config;
-      config.ns_method = common::NsMethod::kStandard;
-      config.ns_steps = kNsSteps;
-      config.compute_dtype = dtype;
-      // NS runs in place on x: its output is as good an input as the first (same FLOPs).
-      bool ns_ok = true;
-      const double ns_seconds = TimePerCall(
-          [&] {
-            const absl::Status status = server::NewtonSchulz(config, {1, n, n}, x.data());
-            if (!status.ok()) {
-              std::fprintf(stderr, "muond-bench ns: %s\n", status.ToString().c_str());
-              ns_ok = false;
-            }
-          },
-          iters);
-      if (!ns_ok) return 1;
-      // Per iteration (r = c = n): A = X X^T and B X are 2 r^2 c each, A A is 2 r^3.
-      const double ns_flops = kNsSteps * (4.0 * n * n * n + 2.0 * n * n * n);
-
-      // The baseline: a matmul in the same dtype, except float16 (no CPU Half GEMM): fp32.
-      const bool half = dtype == common::DType::kFloat16;
-      fp32_baseline_for_half |= half;
-      const at::ScalarType st = dtype == common::DType::kBFloat16 ? at::kBFloat16 : at::kFloat;
-      const at::Tensor a = at::randn({n, n}, at::kFloat).to(st);
-      const at::Tensor b = at::randn({n, n}, at::kFloat).to(st);
-      at::Tensor c = at::empty({n, n}, a.options());
-      const double mm_seconds = TimePerCall([&] { at::mm_out(c, a, b); }, iters);
-      const double mm_flops = 2.0 * n * n * n;
-
-      const double ns_gflops = ns_flops / ns_seconds / 1e9;
-      const double mm_gflops = mm_flops / mm_seconds / 1e9;
-      const double ratio = ns_gflops / mm_gflops;
-      log_ratio_sum += std::log(ratio);
+    for (const common::DType dtype : options.dtypes) {
+      const std::optional<double> ratio = MeasureRow(n, dtype, x, iters);
+      if (!ratio) return 1;
+      fp32_baseline_for_half |= dtype == common::DType::kFloat16;
+      log_ratio_sum += std::log(*ratio);
       ++rows_done;
-      std::printf("%8lld  %-9s  %12.1f  %-9s  %16.1f  %7.3f\n", static_cast<long long>(n),
-                  std::string(common::DTypeName(dtype)).c_str(), ns_gflops,
-                  half ? "float32*" : std::string(common::DTypeName(dtype)).c_str(), mm_gflops,
-                  ratio);
-      std::fflush(stdout);
     }
   }
   if (fp32_baseline_for_half) {

@@ -129,9 +129,9 @@ bool RunSchedule(const Params& p, bool serial, const std::string& grads, Run* ou
   return ok;
 }
 
-}  // namespace
-
-int RunOverlapBench(int argc, char** argv) {
+// Parses the flags into *params; returns -1 to go on, or the exit code after printing the usage
+// (--help: 0) or an error (2).
+int ParseParams(int argc, char** argv, Params* params) {
   const std::set<std::string> known = {"matrices", "rows",      "cols",       "per-batch",
                                        "steps",    "copy-gbps", "latency-us", "gflops"};
   auto flags = ParseFlags(argc, argv, known);
@@ -145,7 +145,7 @@ int RunOverlapBench(int argc, char** argv) {
     if (!flags.ok()) std::fprintf(stderr, "%s\n", std::string(flags.status().message()).c_str());
     return flags.ok() ? 0 : 2;
   }
-  Params p;
+  Params& p = *params;
   for (const auto& [name, value] : *flags) {
     bool good = true;
     if (name == "copy-gbps" || name == "latency-us" || name == "gflops") {
@@ -169,6 +169,14 @@ int RunOverlapBench(int argc, char** argv) {
       return 2;
     }
   }
+  return -1;
+}
+
+}  // namespace
+
+int RunOverlapBench(int argc, char** argv) {
+  Params p;
+  if (const int exit_code = ParseParams(argc, argv, &p); exit_code >= 0) return exit_code;
   const Stages model = Model(p);
   std::printf(
       "overlap: %lld fp32 matrices [%lld, %lld], %lld per batch (%lld batches, 3 in flight), "

@@ -14,6 +14,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -50,6 +52,129 @@ double Parallel(int ranks, Fn fn) {
   go.Notify();
   for (auto& t : ts) t.join();
   return Since(t0);
+}
+
+// A transport-probe job (updates echo the gradients, no Muon math) of one flat float32 matrix of
+// `elems` elements over `world` ranks.
+common::JobSpec ProbeSpec(const std::string& job_id, int world, uint64_t elems) {
+  common::JobSpec spec;
+  spec.job_id = job_id;
+  spec.world_size = world;
+  spec.zero_stage = world == 1 ? 0 : 2;
+  spec.transport_probe = true;
+  common::MatrixSpec m;
+  m.name = "flat";
+  m.shape = {static_cast<int64_t>(elems / 1024), 1024};
+  spec.matrices.push_back(m);
+  return spec;
+}
+
+// One step's data moved by memcpy on every rank (in, then out): the best of `reps`, in seconds.
+double BestMemcpySeconds(int world, int reps, uint64_t per_rank, std::vector<std::string>& src,
+                         std::vector<std::string>& dst) {
+  double best_memcpy = 1e30;
+  for (int k = 0; k < reps; ++k) {
+    best_memcpy = std::min(best_memcpy, Parallel(world, [&](int r) {
+      std::memcpy(dst[r].data(), src[r].data(), per_rank);  // in
+      std::memcpy(src[r].data(), dst[r].data(), per_rank);  // out
+    }));
+  }
+  return best_memcpy;
+}
+
+// One step of every rank over `kind` (gradient src[r] in, the update into dst[r]), checked byte for
+// byte against the gradient: the best of `reps`, in seconds. The job `spec` is created, attached by
+// every rank and deleted. Prints the errors and returns nullopt on failure.
+std::optional<double> BestStepSeconds(client::Client& client, const std::string& address,
+                                      const common::JobSpec& spec, client::Transport kind,
+                                      int reps, uint64_t per_rank, std::vector<std::string>& src,
+                                      std::vector<std::string>& dst) {
+  const int world = spec.world_size;
+  auto token = client.CreateJob(spec);
+  if (!token.ok()) {
+    std::fprintf(stderr, "muond-bench transport: %s\n",
+                 std::string(token.status().message()).c_str());
+    return std::nullopt;
+  }
+  bool failed = false;
+  std::vector<std::unique_ptr<client::Client>> clients;
+  std::vector<std::unique_ptr<client::RankSession>> sessions;
+  for (int r = 0; r < world && !failed; ++r) {
+    clients.push_back(*client::Client::Connect(address));
+    auto s = clients.back()->Attach(spec.job_id, r, *token, false, kind);
+    if (!s.ok()) {
+      std::fprintf(stderr, "muond-bench transport: %s\n",
+                   std::string(s.status().message()).c_str());
+      failed = true;
+    } else {
+      sessions.push_back(*std::move(s));
+    }
+  }
+  double best = 1e30;
+  std::vector<absl::Status> status(world);
+  for (int k = 0; k < reps && !failed; ++k) {
+    if (kind == client::Transport::kShm) {
+      for (int r = 0; r < world; ++r) {
+        std::memcpy(sessions[r]->GradientView(k)->data, src[r].data(), per_rank);
+      }
+    }
+    const double secs = Parallel(world, [&](int r) {
+      if (kind == client::Transport::kShm) {
+        status[r] = sessions[r]->StepInPlace(k).status();
+      } else {
+        status[r] = sessions[r]->StepBuffer(k, src[r].data(), dst[r].data()).status();
+      }
+    });
+    if (kind == client::Transport::kShm) {
+      for (int r = 0; r < world; ++r) {
+        if (status[r].ok()) std::memcpy(dst[r].data(), sessions[r]->UpdateView(k)->data, per_rank);
+      }
+    }
+    for (int r = 0; r < world; ++r) {
+      if (!status[r].ok() || dst[r] != src[r]) {
+        std::fprintf(stderr, "muond-bench transport: rank %d: %s\n", r,
+                     status[r].ok() ? "update differs from the gradient"
+                                    : std::string(status[r].message()).c_str());
+        failed = true;
+      }
+    }
+    best = std::min(best, secs);
+  }
+  sessions.clear();
+  (void)client.DeleteJob(spec.job_id, *token);
+  if (failed) return std::nullopt;
+  return best;
+}
+
+// One row of the table: `mib` MiB per rank over `world` ranks, memcpy against shared memory and
+// gRPC (jobs "transport-<*job_no>", counting up). *shm_ratio: shared memory's GB/s over memcpy's.
+// False (the error printed) on failure.
+bool MeasureRow(client::Client& client, const std::string& address, int64_t mib, int world,
+                int reps, int* job_no, double* shm_ratio) {
+  const uint64_t per_rank = static_cast<uint64_t>(mib) << 20;
+  const uint64_t elems = per_rank / 4 * world;
+  const double bytes_moved = 2.0 * per_rank * world;  // in and out
+  std::vector<std::string> src(world, std::string(per_rank, '\0')), dst = src;
+  for (int r = 0; r < world; ++r) {
+    for (size_t i = 0; i < per_rank; i += 4096) src[r][i] = static_cast<char>(i / 4096 + r);
+  }
+  const double best_memcpy = BestMemcpySeconds(world, reps, per_rank, src, dst);
+  double best[2] = {1e30, 1e30};
+  const client::Transport kinds[2] = {client::Transport::kShm, client::Transport::kGrpc};
+  for (int t = 0; t < 2; ++t) {
+    const common::JobSpec spec = ProbeSpec(absl::StrCat("transport-", (*job_no)++), world, elems);
+    const std::optional<double> secs =
+        BestStepSeconds(client, address, spec, kinds[t], reps, per_rank, src, dst);
+    if (!secs) return false;
+    best[t] = *secs;
+  }
+  const double gbs_memcpy = bytes_moved / best_memcpy / 1e9;
+  const double gbs_shm = bytes_moved / best[0] / 1e9;
+  const double gbs_grpc = bytes_moved / best[1] / 1e9;
+  std::printf("%9lld %6d %12.2f %12.2f %12.2f %10.3f\n", static_cast<long long>(mib), world,
+              gbs_memcpy, gbs_shm, gbs_grpc, gbs_shm / gbs_memcpy);
+  *shm_ratio = gbs_shm / gbs_memcpy;
+  return true;
 }
 
 }  // namespace
@@ -90,91 +215,12 @@ int RunTransportBench(int argc, char** argv) {
   for (int64_t mib : *sizes) {
     for (int64_t nranks : *ranks_list) {
       const int world = static_cast<int>(nranks);
-      const uint64_t per_rank = static_cast<uint64_t>(mib) << 20;
-      const uint64_t elems = per_rank / 4 * world;
-      const double bytes_moved = 2.0 * per_rank * world;  // in and out
-      std::vector<std::string> src(world, std::string(per_rank, '\0')), dst = src;
-      for (int r = 0; r < world; ++r) {
-        for (size_t i = 0; i < per_rank; i += 4096) src[r][i] = static_cast<char>(i / 4096 + r);
+      double shm_ratio = 0;
+      if (!MeasureRow(**client, address, mib, world, reps, &job_no, &shm_ratio)) {
+        code = 1;
+        break;
       }
-      double best_memcpy = 1e30;
-      for (int k = 0; k < reps; ++k) {
-        best_memcpy = std::min(best_memcpy, Parallel(world, [&](int r) {
-          std::memcpy(dst[r].data(), src[r].data(), per_rank);  // in
-          std::memcpy(src[r].data(), dst[r].data(), per_rank);  // out
-        }));
-      }
-      double best[2] = {1e30, 1e30};
-      const client::Transport kinds[2] = {client::Transport::kShm, client::Transport::kGrpc};
-      for (int t = 0; t < 2 && code == 0; ++t) {
-        common::JobSpec spec;
-        spec.job_id = absl::StrCat("transport-", job_no++);
-        spec.world_size = world;
-        spec.zero_stage = world == 1 ? 0 : 2;
-        spec.transport_probe = true;
-        common::MatrixSpec m;
-        m.name = "flat";
-        m.shape = {static_cast<int64_t>(elems / 1024), 1024};
-        spec.matrices.push_back(m);
-        auto token = (*client)->CreateJob(spec);
-        if (!token.ok()) {
-          std::fprintf(stderr, "muond-bench transport: %s\n",
-                       std::string(token.status().message()).c_str());
-          code = 1;
-          break;
-        }
-        std::vector<std::unique_ptr<client::Client>> clients;
-        std::vector<std::unique_ptr<client::RankSession>> sessions;
-        for (int r = 0; r < world && code == 0; ++r) {
-          clients.push_back(*client::Client::Connect(address));
-          auto s = clients.back()->Attach(spec.job_id, r, *token, false, kinds[t]);
-          if (!s.ok()) {
-            std::fprintf(stderr, "muond-bench transport: %s\n",
-                         std::string(s.status().message()).c_str());
-            code = 1;
-          } else {
-            sessions.push_back(*std::move(s));
-          }
-        }
-        std::vector<absl::Status> status(world);
-        for (int k = 0; k < reps && code == 0; ++k) {
-          if (kinds[t] == client::Transport::kShm) {
-            for (int r = 0; r < world; ++r) {
-              std::memcpy(sessions[r]->GradientView(k)->data, src[r].data(), per_rank);
-            }
-          }
-          const double secs = Parallel(world, [&](int r) {
-            if (kinds[t] == client::Transport::kShm) {
-              status[r] = sessions[r]->StepInPlace(k).status();
-            } else {
-              status[r] = sessions[r]->StepBuffer(k, src[r].data(), dst[r].data()).status();
-            }
-          });
-          if (kinds[t] == client::Transport::kShm) {
-            for (int r = 0; r < world; ++r) {
-              if (status[r].ok()) std::memcpy(dst[r].data(), sessions[r]->UpdateView(k)->data, per_rank);
-            }
-          }
-          for (int r = 0; r < world; ++r) {
-            if (!status[r].ok() || dst[r] != src[r]) {
-              std::fprintf(stderr, "muond-bench transport: rank %d: %s\n", r,
-                           status[r].ok() ? "update differs from the gradient"
-                                          : std::string(status[r].message()).c_str());
-              code = 1;
-            }
-          }
-          best[t] = std::min(best[t], secs);
-        }
-        sessions.clear();
-        (void)(*client)->DeleteJob(spec.job_id, *token);
-      }
-      if (code != 0) break;
-      const double gbs_memcpy = bytes_moved / best_memcpy / 1e9;
-      const double gbs_shm = bytes_moved / best[0] / 1e9;
-      const double gbs_grpc = bytes_moved / best[1] / 1e9;
-      std::printf("%9lld %6d %12.2f %12.2f %12.2f %10.3f\n", static_cast<long long>(mib), world,
-                  gbs_memcpy, gbs_shm, gbs_grpc, gbs_shm / gbs_memcpy);
-      if (mib == 64 && world == 4) result = gbs_shm / gbs_memcpy;
+      if (mib == 64 && world == 4) result = shm_ratio;
     }
     if (code != 0) break;
   }
