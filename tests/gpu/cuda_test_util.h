@@ -25,6 +25,8 @@ inline absl::StatusOr<Device*> SharedCudaDevice() {
   return opened->value().get();
 }
 
+// Declares `Device* dev`: the shared CUDA device, or skips the test with the reason. ctest reports
+// a suite skipped by its message, "CUDA backend unavailable: " (tests/gpu/CMakeLists.txt).
 #define MUOND_REQUIRE_CUDA_DEVICE(dev)                                                   \
   Device* dev = nullptr;                                                                \
   do {                                                                                  \

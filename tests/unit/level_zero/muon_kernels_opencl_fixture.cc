@@ -53,6 +53,7 @@ void MuonKernelsOpenClTest::TearDownTestSuite() {
 
 void MuonKernelsOpenClTest::SetUp() {
   ASSERT_TRUE(setup_error_.empty()) << setup_error_;
+  // ctest reports the suite skipped by this message (tests/unit/level_zero/CMakeLists.txt).
   if (!skip_reason_.empty()) GTEST_SKIP() << "no OpenCL device: " << skip_reason_;
 }
 
