@@ -18,88 +18,168 @@
 namespace muond::server {
 namespace {
 
+// One option being applied: a flag or config-file key, its value, and where it was given ("--key"
+// or "FILE:LINE"), for the error messages.
+struct Option {
+  const std::string& key;
+  const std::string& value;
+  const std::string& where;
+
+  // INVALID_ARGUMENT: <where>: <key>="<value>": <why>
+  absl::Status Invalid(const std::string& why) const {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", key, "=\"", value, "\": ", why));
+  }
+};
+
+// Value forms shared by several options.
+absl::Status SetBool(const Option& o, bool* out) {
+  if (o.value != "true" && o.value != "false") return o.Invalid("expected true or false");
+  *out = o.value == "true";
+  return absl::OkStatus();
+}
+
+absl::Status SetString(const Option& o, std::string* out) {
+  *out = o.value;
+  return absl::OkStatus();
+}
+
+// A simulated-backend rate or latency: a number in [0, 1e9], 0 only where `zero_ok`.
+absl::Status SetSimulatedNumber(const Option& o, bool zero_ok, double* out) {
+  double v = 0;
+  if (!absl::SimpleAtod(o.value, &v) || !(v >= 0) || v > 1e9 || (!zero_ok && v == 0)) {
+    return o.Invalid("expected a positive number");
+  }
+  *out = v;
+  return absl::OkStatus();
+}
+
+// Serving: where the API and the metrics listen, how many peers, how a stop ends, what is logged.
+absl::Status SetListen(const Option& o, DaemonConfig& c) {
+  std::string unused;
+  absl::Status s = ParseListenAddress(o.value, &unused);
+  if (!s.ok()) return o.Invalid(std::string(s.message()));
+  c.listen = o.value;
+  return absl::OkStatus();
+}
+
+absl::Status SetStateDir(const Option& o, DaemonConfig& c) {
+  if (o.value.empty() || o.value[0] != '/') return o.Invalid("must be an absolute path");
+  c.state_dir = o.value;
+  return absl::OkStatus();
+}
+
+absl::Status SetShmSocket(const Option& o, DaemonConfig& c) {
+  if (o.value != "off" && (o.value.empty() || o.value[0] != '/')) {
+    return o.Invalid("expected an absolute path or off");
+  }
+  c.shm_socket = o.value;
+  return absl::OkStatus();
+}
+
+absl::Status SetMetricsAddress(const Option& o, DaemonConfig& c) {
+  if (o.value != "off") {
+    std::string unix_path;
+    absl::Status s = ParseListenAddress(o.value, &unix_path);
+    if (!s.ok() || !unix_path.empty()) return o.Invalid("expected HOST:PORT or off");
+  }
+  c.metrics_address = o.value;
+  return absl::OkStatus();
+}
+
+absl::Status SetMaxConnections(const Option& o, DaemonConfig& c) {
+  if (!absl::SimpleAtoi(o.value, &c.max_connections) || c.max_connections > 1000000) {
+    return o.Invalid("expected a count in [0, 1000000]");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetShutdownGrace(const Option& o, DaemonConfig& c) {
+  if (!absl::SimpleAtod(o.value, &c.shutdown_grace_seconds) || !(c.shutdown_grace_seconds >= 0) ||
+      c.shutdown_grace_seconds > 3600) {
+    return o.Invalid("expected seconds in [0, 3600]");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetLogLevel(const Option& o, DaemonConfig& c) {
+  const std::string& v = o.value;
+  if (v != "debug" && v != "info" && v != "warning" && v != "error") {
+    return o.Invalid("expected debug, info, warning or error");
+  }
+  c.log_level = v;
+  return absl::OkStatus();
+}
+
+// Compute: the threads, how much a job gathers at once, the simulated backend's faults.
+absl::Status SetThreads(const Option& o, DaemonConfig& c) {
+  if (!absl::SimpleAtoi(o.value, &c.threads) || c.threads < 0 || c.threads > 1024) {
+    return o.Invalid("expected an integer in [0, 1024]");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetGatherBudget(const Option& o, DaemonConfig& c) {
+  if (!absl::SimpleAtoi(o.value, &c.gather_budget_bytes) || c.gather_budget_bytes == 0) {
+    return o.Invalid("expected a byte count > 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetSimFailKernel(const Option& o, DaemonConfig& c) {
+  if (!absl::SimpleAtoi(o.value, &c.simulated.fail_kernel) || c.simulated.fail_kernel < 0) {
+    return o.Invalid("expected an integer >= 0");
+  }
+  return absl::OkStatus();
+}
+
+using OptionSetter = absl::Status (*)(const Option& o, DaemonConfig& c);
+
+// Every option but the limits (daemon_limits.h), by its flag name; `muond --help` documents them.
+const std::map<std::string, OptionSetter>& OptionSetters() {
+  using O = const Option&;
+  using C = DaemonConfig&;
+  static const auto* const setters = new std::map<std::string, OptionSetter>{
+      // Serving.
+      {"listen", SetListen},
+      {"state-dir", SetStateDir},
+      {"shm-socket", SetShmSocket},
+      {"metrics-address", SetMetricsAddress},
+      {"max-connections", SetMaxConnections},
+      {"shutdown-grace-seconds", SetShutdownGrace},
+      {"log-level", SetLogLevel},
+      // Compute, and the simulated backend's model.
+      {"backend", [](O o, C c) { return SetString(o, &c.backend); }},
+      {"threads", SetThreads},
+      {"gather-budget-bytes", SetGatherBudget},
+      {"serial-schedule", [](O o, C c) { return SetBool(o, &c.serial_schedule); }},
+      {"sim-copy-gbps",
+       [](O o, C c) { return SetSimulatedNumber(o, false, &c.simulated.copy_gbps); }},
+      {"sim-compute-gflops",
+       [](O o, C c) { return SetSimulatedNumber(o, false, &c.simulated.compute_gflops); }},
+      {"sim-copy-latency-us",
+       [](O o, C c) { return SetSimulatedNumber(o, true, &c.simulated.copy_latency_us); }},
+      {"sim-sleep", [](O o, C c) { return SetBool(o, &c.simulated.sleep); }},
+      {"sim-fail-kernel", SetSimFailKernel},
+      // Access: who may create jobs, TLS.
+      {"allow-uids", [](O o, C c) { return SetString(o, &c.allow_uids); }},
+      {"allow-groups", [](O o, C c) { return SetString(o, &c.allow_groups); }},
+      {"tls-cert", [](O o, C c) { return SetString(o, &c.tls_cert); }},
+      {"tls-key", [](O o, C c) { return SetString(o, &c.tls_key); }},
+      {"tls-client-ca", [](O o, C c) { return SetString(o, &c.tls_client_ca); }},
+      {"insecure-tcp", [](O o, C c) { return SetBool(o, &c.insecure_tcp); }},
+  };
+  return *setters;
+}
+
 // Applies one option (flag or config key) to the config.
 absl::Status Apply(DaemonConfig& c, const std::string& key, const std::string& value,
                    const std::string& where) {
-  auto bad = [&](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", key, "=\"", value, "\": ", why));
-  };
   if (IsLimitKey(key)) return ApplyLimit(c.limits, key, value, where);
-  if (key == "listen") {
-    std::string unused;
-    absl::Status s = ParseListenAddress(value, &unused);
-    if (!s.ok()) return bad(std::string(s.message()));
-    c.listen = value;
-  } else if (key == "state-dir") {
-    if (value.empty() || value[0] != '/') return bad("must be an absolute path");
-    c.state_dir = value;
-  } else if (key == "shm-socket") {
-    if (value != "off" && (value.empty() || value[0] != '/')) {
-      return bad("expected an absolute path or off");
-    }
-    c.shm_socket = value;
-  } else if (key == "backend") {
-    c.backend = value;
-  } else if (key == "log-level") {
-    if (value != "debug" && value != "info" && value != "warning" && value != "error") {
-      return bad("expected debug, info, warning or error");
-    }
-    c.log_level = value;
-  } else if (key == "threads") {
-    if (!absl::SimpleAtoi(value, &c.threads) || c.threads < 0 || c.threads > 1024) {
-      return bad("expected an integer in [0, 1024]");
-    }
-  } else if (key == "sim-copy-gbps" || key == "sim-compute-gflops" ||
-             key == "sim-copy-latency-us") {
-    double v = 0;
-    if (!absl::SimpleAtod(value, &v) || !(v >= 0) || v > 1e9 ||
-        (key != "sim-copy-latency-us" && v == 0)) {
-      return bad("expected a positive number");
-    }
-    (key == "sim-copy-gbps"        ? c.simulated.copy_gbps
-     : key == "sim-compute-gflops" ? c.simulated.compute_gflops
-                                   : c.simulated.copy_latency_us) = v;
-  } else if (key == "sim-sleep" || key == "serial-schedule") {
-    if (value != "true" && value != "false") return bad("expected true or false");
-    (key == "sim-sleep" ? c.simulated.sleep : c.serial_schedule) = value == "true";
-  } else if (key == "sim-fail-kernel") {
-    if (!absl::SimpleAtoi(value, &c.simulated.fail_kernel) || c.simulated.fail_kernel < 0) {
-      return bad("expected an integer >= 0");
-    }
-  } else if (key == "gather-budget-bytes") {
-    if (!absl::SimpleAtoi(value, &c.gather_budget_bytes) || c.gather_budget_bytes == 0) {
-      return bad("expected a byte count > 0");
-    }
-  } else if (key == "metrics-address") {
-    if (value != "off") {
-      std::string unix_path;
-      absl::Status s = ParseListenAddress(value, &unix_path);
-      if (!s.ok() || !unix_path.empty()) return bad("expected HOST:PORT or off");
-    }
-    c.metrics_address = value;
-  } else if (key == "allow-uids" || key == "allow-groups" || key == "tls-cert" ||
-             key == "tls-key" || key == "tls-client-ca") {
-    (key == "allow-uids"     ? c.allow_uids
-     : key == "allow-groups" ? c.allow_groups
-     : key == "tls-cert"     ? c.tls_cert
-     : key == "tls-key"      ? c.tls_key
-                             : c.tls_client_ca) = value;
-  } else if (key == "insecure-tcp") {
-    if (value != "true" && value != "false") return bad("expected true or false");
-    c.insecure_tcp = value == "true";
-  } else if (key == "max-connections") {
-    if (!absl::SimpleAtoi(value, &c.max_connections) || c.max_connections > 1000000) {
-      return bad("expected a count in [0, 1000000]");
-    }
-  } else if (key == "shutdown-grace-seconds") {
-    if (!absl::SimpleAtod(value, &c.shutdown_grace_seconds) || !(c.shutdown_grace_seconds >= 0) ||
-        c.shutdown_grace_seconds > 3600) {
-      return bad("expected seconds in [0, 3600]");
-    }
-  } else {
+  const auto it = OptionSetters().find(key);
+  if (it == OptionSetters().end()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": unknown option '", key, "'"));
   }
-  return absl::OkStatus();
+  return it->second(Option{key, value, where}, c);
 }
 
 absl::Status ApplyFile(DaemonConfig& c, const std::string& path) {

@@ -80,6 +80,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 #include "server/optim/ns_schedule.h"
 
 namespace muond::server {
@@ -309,12 +310,8 @@ at::ScalarType StorageType(DType compute) {
   return at::kFloat;
 }
 
-}  // namespace
-
-namespace internal {
-
-absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometry, double scale,
-                                float* x) {
+// INVALID_ARGUMENT for a geometry or a step count that ScaledNewtonSchulz cannot run.
+absl::Status CheckArguments(const MuonConfig& config, MatrixGeometry geometry) {
   if (geometry.batch < 1 || geometry.rows < 1 || geometry.cols < 1) {
     return absl::InvalidArgumentError(absl::StrCat("Newton-Schulz: bad geometry [", geometry.batch,
                                                    ", ", geometry.rows, ", ", geometry.cols, "]"));
@@ -323,78 +320,85 @@ absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometr
     return absl::InvalidArgumentError(
         absl::StrCat("Newton-Schulz: ns_steps must be >= 1, got ", config.ns_steps));
   }
-  const char* op = "from_blob";
-  const at::ScalarType storage = StorageType(config.compute_dtype);
-  const bool bf16 = config.compute_dtype == DType::kBFloat16;
-  BatchedMath math(storage, /*emulate_half=*/config.compute_dtype == DType::kFloat16, &op);
-  BatchedMath fp32_math(at::kFloat, /*emulate_half=*/false, &op);
-  try {
-    c10::InferenceMode no_autograd;
-    // Not owned: the tensor must not outlive this call.
-    at::Tensor blocks = at::from_blob(x, {geometry.batch, geometry.rows, geometry.cols},
-                                      at::TensorOptions().dtype(at::kFloat));
-    const bool transposed = geometry.rows > geometry.cols;
-    at::Tensor view = transposed ? blocks.transpose(1, 2) : blocks;  // [b, m, n], m <= n
+  return absl::OkStatus();
+}
 
-    const double k = ns::NormFactor(config.ns_method);
-    op = "frobenius norm";
-    // One reduction per block: a reduction over several blocks at once may split a block's sum
-    // differently (across threads) than over that block alone, and a matrix's bits must not
-    // depend on the batch it is computed in (same-shape batching).
-    at::Tensor denom = at::empty({geometry.batch, 1, 1}, view.options());
-    for (int64_t b = 0; b < geometry.batch; ++b) {
-      denom[b].copy_(at::linalg_vector_norm(view[b], 2, c10::nullopt, /*keepdim=*/true,
-                                            c10::nullopt));
-    }
-    denom.mul_(k).add_(kNormEpsilon);
-    op = "normalize";
-    // fp32 for every compute dtype: bf16 starts with fp32 iterations, fp16 is emulated in fp32.
-    at::Tensor xs = at::empty(view.sizes(), view.options());
-    at::div_out(xs, view, denom);  // contiguous [b, m, n]
-    math.RoundToCompute(xs);
-
-    const int steps = config.ns_steps;
-    const NsMethod method = config.ns_method;
-    const int64_t m = view.size(1);
-    const int64_t n = view.size(2);
-    const bool gram = method == NsMethod::kGram && m != n;
-    at::Tensor result;
-    if (gram) {
-      ScopedSingleAtenThread fp32_gemms(!bf16);
-      result = GramIterations(bf16 ? fp32_math : math, math, fp32_math, &op, xs, method, steps);
-    } else if (!bf16) {
-      ScopedSingleAtenThread fp32_gemms(true);
-      result = DirectIterations(math, xs, method, 0, steps, steps);
-    } else {
-      const int fp32_steps = std::min(kBf16Fp32Steps, steps);
-      {
-        ScopedSingleAtenThread fp32_gemms(true);
-        result = DirectIterations(fp32_math, xs, method, 0, fp32_steps, steps);
-      }
-      if (fp32_steps < steps) {
-        result = math.ToCompute("cast X to bfloat16", result);
-        result =
-            Bf16PolynomialInFp32(m, n)
-                ? Fp32PolynomialIterations(math, fp32_math, &op, result, method, fp32_steps, steps)
-                : DirectIterations(math, result, method, fp32_steps, steps, steps);
-      }
-    }
-
-    op = "write back";
-    if (result.scalar_type() == at::kFloat) {
-      at::mul_out(view, result, scale);  // fp32: scale and store at once
-    } else {
-      // mul_out would multiply in bf16 (an extra rounding): widen first, then scale in fp32.
-      view.copy_(result);
-      if (scale != 1.0) blocks.mul_(scale);
-    }
-  } catch (const c10::Error& e) {
-    return absl::InternalError(
-        absl::StrCat("Newton-Schulz: LibTorch op ", op, " failed: ", e.what_without_backtrace()));
-  } catch (const std::exception& e) {
-    return absl::InternalError(
-        absl::StrCat("Newton-Schulz: LibTorch op ", op, " failed: ", e.what()));
+// X / (||X||_F * k + eps) per block of view [b, m, n], into a new contiguous fp32 tensor for every
+// compute dtype (bf16 starts with fp32 iterations, fp16 is emulated in fp32), then rounded to the
+// compute dtype under fp16 emulation (see the file comment).
+at::Tensor NormalizeBlocks(BatchedMath& math, NsMethod method, const at::Tensor& view,
+                           const char** op) {
+  const int64_t batch = view.size(0);
+  const double k = ns::NormFactor(method);
+  *op = "frobenius norm";
+  // One reduction per block: a reduction over several blocks at once may split a block's sum
+  // differently (across threads) than over that block alone, and a matrix's bits must not
+  // depend on the batch it is computed in (same-shape batching).
+  at::Tensor denom = at::empty({batch, 1, 1}, view.options());
+  for (int64_t b = 0; b < batch; ++b) {
+    denom[b].copy_(
+        at::linalg_vector_norm(view[b], 2, c10::nullopt, /*keepdim=*/true, c10::nullopt));
   }
+  denom.mul_(k).add_(kNormEpsilon);
+  *op = "normalize";
+  at::Tensor xs = at::empty(view.sizes(), view.options());
+  at::div_out(xs, view, denom);  // contiguous [b, m, n]
+  math.RoundToCompute(xs);
+  return xs;
+}
+
+// bf16: iterations 0 and 1 (kBf16Fp32Steps) in fp32, the rest in bf16 with the m x m polynomial
+// in fp32 where Bf16PolynomialInFp32 says so (the file comment's precision plan).
+at::Tensor Bf16Iterations(BatchedMath& math, BatchedMath& fp32_math, const char** op, at::Tensor xs,
+                          NsMethod method, int steps) {
+  const int fp32_steps = std::min(kBf16Fp32Steps, steps);
+  at::Tensor result;
+  {
+    ScopedSingleAtenThread fp32_gemms(true);
+    result = DirectIterations(fp32_math, xs, method, 0, fp32_steps, steps);
+  }
+  if (fp32_steps < steps) {
+    result = math.ToCompute("cast X to bfloat16", result);
+    result = Bf16PolynomialInFp32(xs.size(1), xs.size(2))
+                 ? Fp32PolynomialIterations(math, fp32_math, op, result, method, fp32_steps, steps)
+                 : DirectIterations(math, result, method, fp32_steps, steps, steps);
+  }
+  return result;
+}
+
+// All config.ns_steps iterations on the normalized xs [b, m, n] (m <= n), by method and compute
+// dtype; math computes in the compute dtype, fp32_math in fp32.
+at::Tensor Iterations(const MuonConfig& config, BatchedMath& math, BatchedMath& fp32_math,
+                      const char** op, at::Tensor xs) {
+  const int steps = config.ns_steps;
+  const NsMethod method = config.ns_method;
+  const bool bf16 = config.compute_dtype == DType::kBFloat16;
+  if (method == NsMethod::kGram && xs.size(1) != xs.size(2)) {
+    ScopedSingleAtenThread fp32_gemms(!bf16);
+    return GramIterations(bf16 ? fp32_math : math, math, fp32_math, op, xs, method, steps);
+  }
+  if (!bf16) {
+    ScopedSingleAtenThread fp32_gemms(true);
+    return DirectIterations(math, xs, method, 0, steps, steps);
+  }
+  return Bf16Iterations(math, fp32_math, op, xs, method, steps);
+}
+
+// Stores result * scale into the caller's buffer: blocks, seen through view ([b, m, n]).
+void WriteBack(const at::Tensor& result, double scale, at::Tensor& view, const at::Tensor& blocks,
+               const char** op) {
+  *op = "write back";
+  if (result.scalar_type() == at::kFloat) {
+    at::mul_out(view, result, scale);  // fp32: scale and store at once
+  } else {
+    // mul_out would multiply in bf16 (an extra rounding): widen first, then scale in fp32.
+    view.copy_(result);
+    if (scale != 1.0) blocks.mul_(scale);
+  }
+}
+
+// INVALID_ARGUMENT naming the first non-finite element of the result, if any.
+absl::Status CheckFinite(const MuonConfig& config, MatrixGeometry geometry, const float* x) {
   const int64_t n = geometry.batch * geometry.rows * geometry.cols;
   if (const int64_t bad = common::FindNonFinite(x, static_cast<size_t>(n)); bad >= 0) {
     return absl::InvalidArgumentError(
@@ -403,6 +407,37 @@ absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometr
                      std::string(common::DTypeName(config.compute_dtype))));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+namespace internal {
+
+absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometry, double scale,
+                                float* x) {
+  RETURN_IF_ERROR(CheckArguments(config, geometry));
+  const char* op = "from_blob";
+  BatchedMath math(StorageType(config.compute_dtype),
+                   /*emulate_half=*/config.compute_dtype == DType::kFloat16, &op);
+  BatchedMath fp32_math(at::kFloat, /*emulate_half=*/false, &op);
+  try {
+    c10::InferenceMode no_autograd;
+    // Not owned: the tensor must not outlive this call.
+    at::Tensor blocks = at::from_blob(x, {geometry.batch, geometry.rows, geometry.cols},
+                                      at::TensorOptions().dtype(at::kFloat));
+    const bool transposed = geometry.rows > geometry.cols;
+    at::Tensor view = transposed ? blocks.transpose(1, 2) : blocks;  // [b, m, n], m <= n
+    const at::Tensor xs = NormalizeBlocks(math, config.ns_method, view, &op);
+    const at::Tensor result = Iterations(config, math, fp32_math, &op, xs);
+    WriteBack(result, scale, view, blocks, &op);
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("Newton-Schulz: LibTorch op ", op, " failed: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(
+        absl::StrCat("Newton-Schulz: LibTorch op ", op, " failed: ", e.what()));
+  }
+  return CheckFinite(config, geometry, x);
 }
 
 }  // namespace internal

@@ -21,8 +21,8 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "server/storage/checkpoint_payload.h"
 #include "server/storage/durable_file.h"
-#include "server/jobs/parallel_bytes.h"
 
 namespace muond::server::checkpoint {
 namespace {
@@ -34,12 +34,10 @@ using durable::IoPoint;
 using durable::RemoveTree;
 using Json = nlohmann::json;
 
-constexpr char kFormat[] = "muond-checkpoint";
 constexpr int kFormatVersion = 1;
 constexpr char kPayload[] = "momentum.safetensors";
 constexpr char kManifest[] = "manifest.json";
 constexpr char kPrefix[] = "gen-";
-constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 
 
 std::string GenerationName(int64_t g) { return absl::StrFormat("%s%012d", kPrefix, g); }
@@ -76,15 +74,6 @@ absl::StatusOr<std::vector<Entry>> ScanDir(const std::string& dir) {
   return out;
 }
 
-// Reading a file of a complete generation: a missing file or an I/O error is damage to the
-// generation (DATA_LOSS), not a passing condition.
-absl::Status ReadError(int err, const char* call, const std::string& path) {
-  if (err == ENOENT || err == EIO) {
-    return absl::DataLossError(absl::StrCat(call, " ", path, ": ", std::strerror(err)));
-  }
-  return ErrnoStatus(err, call, path);
-}
-
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, uint64_t limit) {
   const int f = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (f < 0) return ReadError(errno, "open", path);
@@ -104,23 +93,6 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, uint64_t limi
     }
   }
   return out;
-}
-
-absl::Status PreadAll(int fd, void* data, size_t n, uint64_t offset, const std::string& path) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    const ssize_t r = ::pread(fd, p, std::min<size_t>(n, size_t{64} << 20),
-                              static_cast<off_t>(offset));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return ReadError(errno, "read", path);
-    }
-    if (r == 0) return absl::DataLossError(absl::StrCat(path, ": truncated at byte ", offset));
-    p += r;
-    n -= static_cast<size_t>(r);
-    offset += static_cast<uint64_t>(r);
-  }
-  return absl::OkStatus();
 }
 
 uint32_t JsonChecksum(const Json& manifest_without_checksum) {
@@ -163,99 +135,21 @@ absl::Status ReadManifest(const std::string& gen_dir, Json* manifest, Generation
   return absl::OkStatus();
 }
 
-// Reads and verifies a complete generation directory.
+// Reads and verifies a complete generation directory: its manifest, the job spec in it, and the
+// payload against the manifest (checkpoint_payload.h).
 absl::StatusOr<Loaded> Verify(const std::string& gen_dir) {
   Loaded out;
   out.info.path = gen_dir;
   Json manifest;
   RETURN_IF_ERROR(ReadManifest(gen_dir, &manifest, &out.info));
+  const std::string manifest_path = absl::StrCat(gen_dir, "/", kManifest);
   auto spec = common::ParseJobSpecJson(manifest["job"].dump());
   if (!spec.ok()) {
     return absl::DataLossError(
-        absl::StrCat(gen_dir, "/", kManifest, ": job spec: ", spec.status().message()));
+        absl::StrCat(manifest_path, ": job spec: ", spec.status().message()));
   }
   out.spec = *std::move(spec);
-
-  const std::string path = absl::StrCat(gen_dir, "/", kPayload);
-  const int f = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f < 0) return ReadError(errno, "open", path);
-  Fd fd(f);
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", path);
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size != out.info.bytes) {
-    return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes, the manifest says ",
-                                            out.info.bytes, " (truncated or replaced)"));
-  }
-  uint64_t header_len = 0;
-  if (size < 8) return absl::DataLossError(absl::StrCat(path, ": truncated header"));
-  RETURN_IF_ERROR(PreadAll(fd.get(), &header_len, 8, 0, path));
-  if (header_len > kMaxHeaderBytes || 8 + header_len > size) {
-    return absl::DataLossError(absl::StrCat(path, ": bad header length ", header_len));
-  }
-  std::string header(header_len, '\0');
-  RETURN_IF_ERROR(PreadAll(fd.get(), header.data(), header_len, 8, path));
-  if (!manifest["payload_header_crc32c"].is_number_unsigned() ||
-      common::Crc32c(header.data(), header.size()) !=
-          manifest["payload_header_crc32c"].get<uint32_t>()) {
-    return absl::DataLossError(absl::StrCat(path, ": header checksum mismatch"));
-  }
-  Json h = Json::parse(header, nullptr, /*allow_exceptions=*/false);
-  if (h.is_discarded() || !h.is_object()) {
-    return absl::DataLossError(absl::StrCat(path, ": header is not valid JSON"));
-  }
-  const uint64_t data_start = 8 + header_len;
-  struct Read {
-    uint64_t offset;
-    uint32_t crc;
-  };
-  std::vector<Read> reads;
-  try {
-    const Json& tensors = manifest.at("tensors");
-    for (const Json& t : tensors) {
-      const std::string name = t.at("name").get<std::string>();
-      const std::vector<int64_t> shape = t.at("shape").get<std::vector<int64_t>>();
-      const std::vector<uint64_t> off = t.at("data_offsets").get<std::vector<uint64_t>>();
-      const uint32_t crc = t.at("crc32c").get<uint32_t>();
-      const auto it = h.find(name);
-      if (it == h.end() || it->value("dtype", "") != "F32" ||
-          it->at("shape").get<std::vector<int64_t>>() != shape ||
-          it->at("data_offsets").get<std::vector<uint64_t>>() != off || off.size() != 2 ||
-          off[1] < off[0]) {
-        return absl::DataLossError(
-            absl::StrCat(path, ": tensor '", name, "' differs between header and manifest"));
-      }
-      uint64_t numel = 1;
-      for (int64_t d : shape) {
-        if (d <= 0) return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "' shape"));
-        numel *= static_cast<uint64_t>(d);
-      }
-      if (off[1] - off[0] != numel * sizeof(float) || data_start + off[1] > size) {
-        return absl::DataLossError(
-            absl::StrCat(path, ": tensor '", name, "' has a bad size or offsets"));
-      }
-      out.names.push_back(name);
-      out.data.emplace_back(numel);
-      reads.push_back({data_start + off[0], crc});
-    }
-  } catch (const Json::exception& e) {
-    return absl::DataLossError(absl::StrCat(gen_dir, "/", kManifest, ": ", e.what()));
-  }
-  // Every tensor read and checked, spread over the CPUs (page-cache copies and CRC32C).
-  std::vector<absl::Status> read_status(reads.size());
-  ParallelFor(reads.size(), size, [&](size_t i) {
-    std::vector<float>& v = out.data[i];
-    const size_t bytes = v.size() * sizeof(float);
-    read_status[i] = PreadAll(fd.get(), v.data(), bytes, reads[i].offset, path);
-    if (!read_status[i].ok()) return;
-    const uint32_t got = common::Crc32c(v.data(), bytes);
-    if (got != reads[i].crc) {
-      read_status[i] = absl::DataLossError(
-          absl::StrFormat("%s: tensor '%s' checksum mismatch (crc32c %08x, manifest %08x)", path,
-                          out.names[i], got, reads[i].crc));
-    }
-  });
-  for (const absl::Status& st : read_status) RETURN_IF_ERROR(st);
+  RETURN_IF_ERROR(ReadPayload(absl::StrCat(gen_dir, "/", kPayload), manifest, manifest_path, &out));
   return out;
 }
 
@@ -277,8 +171,92 @@ std::string SetAside(const std::string& dir, const std::string& name) {
   return from;
 }
 
-}  // namespace
+// Removes the temporary directories of interrupted writes (the process died): never a
+// generation.
+void RemoveInterruptedWrites(const std::string& dir, const std::vector<Entry>& entries) {
+  for (const Entry& e : entries) {
+    if (e.suffix != ".tmp") continue;
+    if (absl::Status s = RemoveTree(absl::StrCat(dir, "/", e.name)); !s.ok()) {
+      MUOND_LOG(WARNING) << "checkpoint: " << s.message();
+    }
+  }
+}
 
+// One past the newest generation number in the directory, whatever its state (>= 1).
+int64_t NextGeneration(const std::vector<Entry>& entries) {
+  int64_t generation = 1;
+  for (const Entry& e : entries) generation = std::max(generation, e.generation + 1);
+  return generation;
+}
+
+// The manifest.json text of a generation whose payload was written with `layout` (checksummed,
+// see checkpoint.h).
+std::string ManifestText(const common::JobSpec& spec, const GenerationInfo& info,
+                         PayloadLayout layout) {
+  const uint32_t header_crc = common::Crc32c(layout.header_text.data(), layout.header_text.size());
+  Json manifest = {{"format", kFormat},
+                   {"format_version", kFormatVersion},
+                   {"generation", info.generation},
+                   {"step", info.step},
+                   {"created_unix_ms", info.created_unix_ms},
+                   {"job", Json::parse(common::JobSpecToJson(spec))},
+                   {"payload", kPayload},
+                   {"payload_bytes", info.bytes},
+                   {"payload_header_crc32c", header_crc},
+                   {"tensors", std::move(layout.tensors)}};
+  manifest["checksum"] = JsonChecksum(manifest);
+  return manifest.dump(1) + "\n";
+}
+
+// Creates `path` with `text` and fsyncs it.
+absl::Status WriteSyncedFile(const std::string& path, const std::string& text) {
+  Fd fd;
+  RETURN_IF_ERROR(durable::OpenForWrite(path, &fd));
+  RETURN_IF_ERROR(durable::WriteAll(fd.get(), text.data(), text.size(), path));
+  return durable::Fsync(fd.get(), IoPoint::kFsyncFile, path);
+}
+
+// Writes generation info->generation into tmp_dir and publishes it as info->path (checkpoint.h:
+// each file fsynced, tmp_dir fsynced, renamed, `dir` fsynced). Sets info->bytes.
+absl::Status WriteGeneration(const std::string& dir, const std::string& tmp_dir,
+                             const common::JobSpec& spec, const MatrixSource& source,
+                             GenerationInfo* info) {
+  RETURN_IF_ERROR(durable::Mkdir(tmp_dir));
+  PayloadLayout layout = LayOutPayload(spec, *info);
+  info->bytes = layout.payload_bytes();
+  RETURN_IF_ERROR(WritePayload(absl::StrCat(tmp_dir, "/", kPayload), spec, source, &layout));
+  RETURN_IF_ERROR(WriteSyncedFile(absl::StrCat(tmp_dir, "/", kManifest),
+                                  ManifestText(spec, *info, std::move(layout))));
+  RETURN_IF_ERROR(FsyncDir(tmp_dir));
+  RETURN_IF_ERROR(durable::Rename(tmp_dir, info->path));
+  return FsyncDir(dir);
+}
+
+// After a failed WriteGeneration: removes what it left.
+void DiscardFailedWrite(const std::string& final_dir, const std::string& tmp_dir) {
+  struct stat st;
+  if (::stat(final_dir.c_str(), &st) == 0) {
+    // Renamed, but the directory fsync failed: the generation may not survive a crash, so it
+    // is not reported as saved; remove it rather than leave an undurable "success" behind.
+    (void)RemoveTree(final_dir);
+  }
+  (void)RemoveTree(tmp_dir);
+}
+
+// Keeps the newest `keep` complete generations, counting the one just written (not in `entries`,
+// the listing from before the write).
+void PruneGenerations(const std::string& dir, const std::vector<Entry>& entries, int keep) {
+  int kept = 0;
+  for (const Entry& e : entries) {
+    if (!e.suffix.empty()) continue;
+    if (++kept < keep) continue;  // this write is one of the keep
+    if (absl::Status s = RemoveTree(absl::StrCat(dir, "/", e.name)); !s.ok()) {
+      MUOND_LOG(WARNING) << "checkpoint: pruning: " << s.message();
+    }
+  }
+}
+
+}  // namespace
 
 Store::Store(std::string dir, int keep) : dir_(std::move(dir)), keep_(std::max(1, keep)) {}
 
@@ -287,112 +265,19 @@ absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t
   RETURN_IF_ERROR(durable::MakeDirs(dir_));
   auto entries = ScanDir(dir_);
   if (!entries.ok()) return entries.status();
-  int64_t generation = 1;
-  for (const Entry& e : *entries) {
-    generation = std::max(generation, e.generation + 1);
-    if (e.suffix == ".tmp") {
-      // An interrupted write (the process died): never a generation.
-      if (absl::Status s = RemoveTree(absl::StrCat(dir_, "/", e.name)); !s.ok()) {
-        MUOND_LOG(WARNING) << "checkpoint: " << s.message();
-      }
-    }
-  }
-  const std::string final_dir = absl::StrCat(dir_, "/", GenerationName(generation));
-  const std::string tmp_dir = absl::StrCat(final_dir, ".tmp");
-
+  RemoveInterruptedWrites(dir_, *entries);
   GenerationInfo info;
-  info.generation = generation;
+  info.generation = NextGeneration(*entries);
   info.step = step;
   info.created_unix_ms = absl::ToUnixMillis(absl::Now());
-  info.path = final_dir;
-
-  auto write = [&]() -> absl::Status {
-    RETURN_IF_ERROR(durable::Mkdir(tmp_dir));
-    // The safetensors header: offsets follow from the shapes.
-    Json header = Json::object();
-    Json tensors = Json::array();
-    uint64_t offset = 0;
-    for (const common::MatrixSpec& m : spec.matrices) {
-      const uint64_t bytes = static_cast<uint64_t>(m.numel()) * sizeof(float);
-      header[m.name] = {{"dtype", "F32"}, {"shape", m.shape}, {"data_offsets", {offset, offset + bytes}}};
-      tensors.push_back({{"name", m.name}, {"shape", m.shape}, {"dtype", "float32"},
-                         {"data_offsets", {offset, offset + bytes}}});
-      offset += bytes;
-    }
-    header["__metadata__"] = {{"format", kFormat},
-                              {"job_id", spec.job_id},
-                              {"generation", std::to_string(generation)},
-                              {"step", std::to_string(step)}};
-    std::string header_text = header.dump();
-    header_text.append((8 - header_text.size() % 8) % 8, ' ');
-    const uint64_t header_len = header_text.size();
-    const uint32_t header_crc = common::Crc32c(header_text.data(), header_text.size());
-    info.bytes = 8 + header_len + offset;
-
-    const std::string payload = absl::StrCat(tmp_dir, "/", kPayload);
-    {
-      Fd fd;
-      RETURN_IF_ERROR(durable::OpenForWrite(payload, &fd));
-      RETURN_IF_ERROR(durable::WriteAll(fd.get(), &header_len, 8, payload));
-      RETURN_IF_ERROR(durable::WriteAll(fd.get(), header_text.data(), header_text.size(), payload));
-      std::vector<float> buf;
-      for (size_t i = 0; i < spec.matrices.size(); ++i) {
-        RETURN_IF_ERROR(source(i, &buf));
-        if (buf.size() != static_cast<size_t>(spec.matrices[i].numel())) {
-          return absl::InternalError(absl::StrCat("checkpoint: matrix '", spec.matrices[i].name,
-                                                  "' has ", buf.size(), " elements, expected ",
-                                                  spec.matrices[i].numel()));
-        }
-        const size_t bytes = buf.size() * sizeof(float);
-        tensors[i]["crc32c"] = common::Crc32c(buf.data(), bytes);
-        RETURN_IF_ERROR(durable::WriteAll(fd.get(), buf.data(), bytes, payload));
-      }
-      RETURN_IF_ERROR(durable::Fsync(fd.get(), IoPoint::kFsyncFile, payload));
-    }
-    Json manifest = {{"format", kFormat},
-                     {"format_version", kFormatVersion},
-                     {"generation", generation},
-                     {"step", step},
-                     {"created_unix_ms", info.created_unix_ms},
-                     {"job", Json::parse(common::JobSpecToJson(spec))},
-                     {"payload", kPayload},
-                     {"payload_bytes", info.bytes},
-                     {"payload_header_crc32c", header_crc},
-                     {"tensors", std::move(tensors)}};
-    manifest["checksum"] = JsonChecksum(manifest);
-    const std::string manifest_text = manifest.dump(1) + "\n";
-    const std::string manifest_path = absl::StrCat(tmp_dir, "/", kManifest);
-    {
-      Fd fd;
-      RETURN_IF_ERROR(durable::OpenForWrite(manifest_path, &fd));
-      RETURN_IF_ERROR(
-          durable::WriteAll(fd.get(), manifest_text.data(), manifest_text.size(), manifest_path));
-      RETURN_IF_ERROR(durable::Fsync(fd.get(), IoPoint::kFsyncFile, manifest_path));
-    }
-    RETURN_IF_ERROR(FsyncDir(tmp_dir));
-    RETURN_IF_ERROR(durable::Rename(tmp_dir, final_dir));
-    return FsyncDir(dir_);
-  };
-  if (absl::Status s = write(); !s.ok()) {
-    struct stat st;
-    if (::stat(final_dir.c_str(), &st) == 0) {
-      // Renamed, but the directory fsync failed: the generation may not survive a crash, so it
-      // is not reported as saved; remove it rather than leave an undurable "success" behind.
-      (void)RemoveTree(final_dir);
-    }
-    (void)RemoveTree(tmp_dir);
-    return absl::Status(s.code(), absl::StrCat("checkpoint of job '", spec.job_id,
-                                               "' generation ", generation, ": ", s.message()));
+  info.path = absl::StrCat(dir_, "/", GenerationName(info.generation));
+  const std::string tmp_dir = absl::StrCat(info.path, ".tmp");
+  if (absl::Status s = WriteGeneration(dir_, tmp_dir, spec, source, &info); !s.ok()) {
+    DiscardFailedWrite(info.path, tmp_dir);
+    return absl::Status(s.code(), absl::StrCat("checkpoint of job '", spec.job_id, "' generation ",
+                                               info.generation, ": ", s.message()));
   }
-  // Keep the newest keep_ complete generations.
-  int kept = 0;
-  for (const Entry& e : *entries) {
-    if (!e.suffix.empty()) continue;
-    if (++kept < keep_) continue;  // this write is one of the keep_
-    if (absl::Status s = RemoveTree(absl::StrCat(dir_, "/", e.name)); !s.ok()) {
-      MUOND_LOG(WARNING) << "checkpoint: pruning: " << s.message();
-    }
-  }
+  PruneGenerations(dir_, *entries, keep_);
   return info;
 }
 

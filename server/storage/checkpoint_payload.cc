@@ -1,0 +1,228 @@
+#include "server/storage/checkpoint_payload.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/crc32c.h"
+#include "common/status_macros.h"
+#include "server/jobs/parallel_bytes.h"
+#include "server/storage/durable_file.h"
+
+namespace muond::server::checkpoint {
+namespace {
+
+using durable::ErrnoStatus;
+using durable::Fd;
+using durable::IoPoint;
+using Json = nlohmann::json;
+
+// Reads exactly n bytes at `offset`; DATA_LOSS when the file ends first.
+absl::Status PreadAll(int fd, void* data, size_t n, uint64_t offset, const std::string& path) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, std::min<size_t>(n, size_t{64} << 20),
+                              static_cast<off_t>(offset));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return ReadError(errno, "read", path);
+    }
+    if (r == 0) return absl::DataLossError(absl::StrCat(path, ": truncated at byte ", offset));
+    p += r;
+    n -= static_cast<size_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+// The payload's size from fstat, DATA_LOSS unless it is the manifest's payload_bytes.
+absl::StatusOr<uint64_t> PayloadSize(int fd, const std::string& path, uint64_t manifest_bytes) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat", path);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size != manifest_bytes) {
+    return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes, the manifest says ",
+                                            manifest_bytes, " (truncated or replaced)"));
+  }
+  return size;
+}
+
+// The safetensors header of a payload: its JSON object and where the tensor data starts.
+struct PayloadHeader {
+  Json json;  // tensor name -> {"dtype", "shape", "data_offsets"}, and "__metadata__"
+  uint64_t data_start = 0;
+};
+
+// Reads the header (an 8-byte length, then JSON) of a payload of `size` bytes and checks it
+// against the manifest's payload_header_crc32c. DATA_LOSS when it does not fit, does not match or
+// is not a JSON object.
+absl::StatusOr<PayloadHeader> ReadPayloadHeader(int fd, const std::string& path, uint64_t size,
+                                                const Json& manifest) {
+  uint64_t header_len = 0;
+  if (size < 8) return absl::DataLossError(absl::StrCat(path, ": truncated header"));
+  RETURN_IF_ERROR(PreadAll(fd, &header_len, 8, 0, path));
+  if (header_len > kMaxHeaderBytes || 8 + header_len > size) {
+    return absl::DataLossError(absl::StrCat(path, ": bad header length ", header_len));
+  }
+  std::string header(header_len, '\0');
+  RETURN_IF_ERROR(PreadAll(fd, header.data(), header_len, 8, path));
+  const auto want_crc = manifest.find("payload_header_crc32c");
+  if (want_crc == manifest.end() || !want_crc->is_number_unsigned() ||
+      common::Crc32c(header.data(), header.size()) != want_crc->get<uint32_t>()) {
+    return absl::DataLossError(absl::StrCat(path, ": header checksum mismatch"));
+  }
+  PayloadHeader out;
+  out.json = Json::parse(header, nullptr, /*allow_exceptions=*/false);
+  if (out.json.is_discarded() || !out.json.is_object()) {
+    return absl::DataLossError(absl::StrCat(path, ": header is not valid JSON"));
+  }
+  out.data_start = 8 + header_len;
+  return out;
+}
+
+// Where one tensor's data lies in the payload, and the CRC32C the manifest gives for it.
+struct TensorRead {
+  uint64_t offset;
+  uint32_t crc;
+};
+
+// Checks the manifest's tensor list against the payload header (name, dtype, shape, offsets, all
+// within `size` bytes) and sizes out->names and out->data for them. DATA_LOSS naming the tensor
+// that differs, or the manifest when its list is malformed.
+absl::StatusOr<std::vector<TensorRead>> PlanTensorReads(const std::string& manifest_path,
+                                                        const std::string& path,
+                                                        const Json& manifest,
+                                                        const PayloadHeader& header, uint64_t size,
+                                                        Loaded* out) {
+  const Json& h = header.json;
+  std::vector<TensorRead> reads;
+  try {
+    const Json& tensors = manifest.at("tensors");
+    for (const Json& t : tensors) {
+      const std::string name = t.at("name").get<std::string>();
+      const std::vector<int64_t> shape = t.at("shape").get<std::vector<int64_t>>();
+      const std::vector<uint64_t> off = t.at("data_offsets").get<std::vector<uint64_t>>();
+      const uint32_t crc = t.at("crc32c").get<uint32_t>();
+      const auto it = h.find(name);
+      if (it == h.end() || it->value("dtype", "") != "F32" ||
+          it->at("shape").get<std::vector<int64_t>>() != shape ||
+          it->at("data_offsets").get<std::vector<uint64_t>>() != off || off.size() != 2 ||
+          off[1] < off[0]) {
+        return absl::DataLossError(
+            absl::StrCat(path, ": tensor '", name, "' differs between header and manifest"));
+      }
+      uint64_t numel = 1;
+      for (int64_t d : shape) {
+        if (d <= 0) return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "' shape"));
+        numel *= static_cast<uint64_t>(d);
+      }
+      if (off[1] - off[0] != numel * sizeof(float) || header.data_start + off[1] > size) {
+        return absl::DataLossError(
+            absl::StrCat(path, ": tensor '", name, "' has a bad size or offsets"));
+      }
+      out->names.push_back(name);
+      out->data.emplace_back(numel);
+      reads.push_back({header.data_start + off[0], crc});
+    }
+  } catch (const Json::exception& e) {
+    return absl::DataLossError(absl::StrCat(manifest_path, ": ", e.what()));
+  }
+  return reads;
+}
+
+// Reads every tensor into out->data (sized by PlanTensorReads) and checks its CRC32C, spread over
+// the CPUs (page-cache copies and CRC32C). The first failure in payload order is returned.
+absl::Status ReadTensors(int fd, const std::string& path, uint64_t size,
+                         const std::vector<TensorRead>& reads, Loaded* out) {
+  std::vector<absl::Status> read_status(reads.size());
+  ParallelFor(reads.size(), size, [&](size_t i) {
+    std::vector<float>& v = out->data[i];
+    const size_t bytes = v.size() * sizeof(float);
+    read_status[i] = PreadAll(fd, v.data(), bytes, reads[i].offset, path);
+    if (!read_status[i].ok()) return;
+    const uint32_t got = common::Crc32c(v.data(), bytes);
+    if (got != reads[i].crc) {
+      read_status[i] = absl::DataLossError(
+          absl::StrFormat("%s: tensor '%s' checksum mismatch (crc32c %08x, manifest %08x)", path,
+                          out->names[i], got, reads[i].crc));
+    }
+  });
+  for (const absl::Status& st : read_status) RETURN_IF_ERROR(st);
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status ReadError(int err, const char* call, const std::string& path) {
+  if (err == ENOENT || err == EIO) {
+    return absl::DataLossError(absl::StrCat(call, " ", path, ": ", std::strerror(err)));
+  }
+  return ErrnoStatus(err, call, path);
+}
+
+PayloadLayout LayOutPayload(const common::JobSpec& spec, const GenerationInfo& info) {
+  PayloadLayout layout;
+  Json header = Json::object();
+  uint64_t offset = 0;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    const uint64_t bytes = static_cast<uint64_t>(m.numel()) * sizeof(float);
+    header[m.name] = {
+        {"dtype", "F32"}, {"shape", m.shape}, {"data_offsets", {offset, offset + bytes}}};
+    layout.tensors.push_back({{"name", m.name},
+                              {"shape", m.shape},
+                              {"dtype", "float32"},
+                              {"data_offsets", {offset, offset + bytes}}});
+    offset += bytes;
+  }
+  header["__metadata__"] = {{"format", kFormat},
+                            {"job_id", spec.job_id},
+                            {"generation", std::to_string(info.generation)},
+                            {"step", std::to_string(info.step)}};
+  layout.header_text = header.dump();
+  layout.header_text.append((8 - layout.header_text.size() % 8) % 8, ' ');
+  layout.data_bytes = offset;
+  return layout;
+}
+
+absl::Status WritePayload(const std::string& path, const common::JobSpec& spec,
+                          const MatrixSource& source, PayloadLayout* layout) {
+  Fd fd;
+  RETURN_IF_ERROR(durable::OpenForWrite(path, &fd));
+  const uint64_t header_len = layout->header_text.size();
+  RETURN_IF_ERROR(durable::WriteAll(fd.get(), &header_len, 8, path));
+  RETURN_IF_ERROR(
+      durable::WriteAll(fd.get(), layout->header_text.data(), layout->header_text.size(), path));
+  std::vector<float> buf;
+  for (size_t i = 0; i < spec.matrices.size(); ++i) {
+    RETURN_IF_ERROR(source(i, &buf));
+    if (buf.size() != static_cast<size_t>(spec.matrices[i].numel())) {
+      return absl::InternalError(absl::StrCat("checkpoint: matrix '", spec.matrices[i].name,
+                                              "' has ", buf.size(), " elements, expected ",
+                                              spec.matrices[i].numel()));
+    }
+    const size_t bytes = buf.size() * sizeof(float);
+    layout->tensors[i]["crc32c"] = common::Crc32c(buf.data(), bytes);
+    RETURN_IF_ERROR(durable::WriteAll(fd.get(), buf.data(), bytes, path));
+  }
+  return durable::Fsync(fd.get(), IoPoint::kFsyncFile, path);
+}
+
+absl::Status ReadPayload(const std::string& path, const Json& manifest,
+                         const std::string& manifest_path, Loaded* out) {
+  const int f = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f < 0) return ReadError(errno, "open", path);
+  Fd fd(f);
+  ASSIGN_OR_RETURN(const uint64_t size, PayloadSize(fd.get(), path, out->info.bytes));
+  ASSIGN_OR_RETURN(const PayloadHeader header, ReadPayloadHeader(fd.get(), path, size, manifest));
+  ASSIGN_OR_RETURN(const std::vector<TensorRead> reads,
+                   PlanTensorReads(manifest_path, path, manifest, header, size, out));
+  return ReadTensors(fd.get(), path, size, reads, out);
+}
+
+}  // namespace muond::server::checkpoint
