@@ -1,5 +1,11 @@
 // muond's configuration: defaults, an optional config file, and command-line flags (flags win).
 //
+// The room server/ops owns what an operator sets and sees: this configuration and the limits
+// (daemon_limits.h), the Prometheus families and their collector (daemon_metrics.h), the /metrics
+// HTTP endpoint (metrics_http.h), systemd notification (sd_notify.h) and the stop signals
+// (stop_signal.h). It calls common/ and reads server/jobs (the registry) and server/api (the
+// shared-memory server's usage) at scrape time only; the other rooms call its Record* functions.
+//
 // Config file: one `key = value` per line, keys named as the long flags without "--"
 // (e.g. `listen = unix:///run/muond/muond.sock`); '#' starts a comment; unknown keys are errors.
 #ifndef MUOND_SERVER_OPS_DAEMON_CONFIG_H_

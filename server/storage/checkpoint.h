@@ -1,5 +1,10 @@
 // Checkpoints of a job's momentum (DESIGN.md section 7): one directory of generations per job.
 //
+// The room server/storage owns what is on disk: this format and its verification (the payload in
+// checkpoint_payload.h), and the durable file operations with their fault hooks
+// (durable_file.h) that job records and checkpoints are written with. It calls only common/;
+// server/jobs calls it (CheckpointWriter, the registry's job records).
+//
 // A generation is a directory `gen-<G>` (G zero-padded to 12 digits) holding
 //   momentum.safetensors  the fp32 momentum of every matrix, whole (independent of world size and
 //                         ZeRO stage), tensors named like the matrices, in spec order;
