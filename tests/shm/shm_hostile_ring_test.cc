@@ -3,14 +3,17 @@
 // session only.
 #include <sys/socket.h>
 
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/client.h"
 #include "client/shm_channel.h"
 #include "gtest/gtest.h"
 #include "tests/integration/multirank_util.h"
@@ -24,6 +27,53 @@ namespace shm = common::shm;
 using client::ShmChannel;
 using client::Transport;
 using integration::WaitForJob;
+
+// A malformed doorbell rung on a channel, and the error it must get.
+struct BadDoorbell {
+  std::string what;
+  absl::StatusOr<ShmChannel::Ringing> got;
+  absl::StatusCode code;
+  std::string text;
+};
+
+// Rings every malformed variant of the doorbell of `step` (the session's generation `gen`, an
+// earlier session's `old_generation`), in order; returns what each got and should have got.
+std::vector<BadDoorbell> RingMalformedDoorbells(ShmChannel& c, int64_t step, uint64_t gen,
+                                                uint64_t old_generation) {
+  const uint64_t bb = c.buffer_bytes();
+  const uint32_t buf = static_cast<uint32_t>(step % 2);
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  const auto kPrecondition = absl::StatusCode::kFailedPrecondition;
+  return {
+      {"short size", c.RingRaw(step, buf, 0, bb - 4, gen), kInvalid,
+       absl::StrCat("region [0, +", bb - 4, ") is not the rank's ", bb, "-byte buffer")},
+      {"long size", c.RingRaw(step, buf, 0, 2 * bb, gen), kInvalid, "-byte buffer at offset 0"},
+      {"zero size", c.RingRaw(step, buf, 0, 0, gen), kInvalid, "-byte buffer at offset 0"},
+      {"offset", c.RingRaw(step, buf, 64, bb, gen), kInvalid,
+       absl::StrCat("region [64, +", bb, ")")},
+      {"offset past the region", c.RingRaw(step, buf, uint64_t{1} << 62, bb, gen), kInvalid,
+       "is not the rank's"},
+      {"other buffer", c.RingRaw(step, 1 - buf, 0, bb, gen), kInvalid,
+       absl::StrCat("buffer ", 1 - buf, " is not step % 2")},
+      {"buffer out of range", c.RingRaw(step, 7, 0, bb, gen), kInvalid, "buffer 7 is not step % 2"},
+      {"negative step", c.RingRaw(-1, 1, 0, bb, gen), kInvalid, "is not step % 2"},
+      {"stale generation", c.RingRaw(step, buf, 0, bb, old_generation), kPrecondition,
+       absl::StrCat("stale generation ", old_generation, " (the session's is ", gen, ")")},
+      {"future generation", c.RingRaw(step, buf, 0, bb, gen + 1000), kPrecondition,
+       "stale generation"},
+      {"step ahead", c.RingRaw(step + 5, static_cast<uint32_t>((step + 5) % 2), 0, bb, gen),
+       kPrecondition, absl::StrCat("step ", step + 5, " out of order: expected step ", step)},
+  };
+}
+
+// Each bad doorbell got its own error, and every error names the job.
+void ExpectClearErrors(const std::vector<BadDoorbell>& bad, const std::string& job_id) {
+  for (const BadDoorbell& b : bad) {
+    EXPECT_TRUE(IsError(b.got.status(), b.code, b.text)) << b.what;
+    EXPECT_TRUE(absl::StrContains(b.got.status().message(), absl::StrCat("job '", job_id, "'")))
+        << b.what << ": the error names the job: " << b.got.status();
+  }
+}
 
 // Every malformed doorbell field gets its own clear error, the session is not ended, the step is
 // not refused or fenced, and a correct doorbell afterwards computes the reference update.
@@ -48,43 +98,7 @@ TEST_F(ShmHostileTest, MalformedDoorbellsGetClearErrorsAndTheSessionKeepsWorking
     const std::string flat = FlatRankBuffer(j.spec, 0, j.grads[step]);
     ASSERT_EQ(flat.size(), bb);
     std::memcpy(c.GradientBuffer(step), flat.data(), bb);
-    const uint32_t buf = static_cast<uint32_t>(step % 2);
-    const auto kInvalid = absl::StatusCode::kInvalidArgument;
-    const auto kPrecondition = absl::StatusCode::kFailedPrecondition;
-    struct Bad {
-      std::string what;
-      absl::StatusOr<ShmChannel::Ringing> got;
-      absl::StatusCode code;
-      std::string text;
-    };
-    const std::vector<Bad> bad = {
-        {"short size", c.RingRaw(step, buf, 0, bb - 4, gen), kInvalid,
-         absl::StrCat("region [0, +", bb - 4, ") is not the rank's ", bb, "-byte buffer")},
-        {"long size", c.RingRaw(step, buf, 0, 2 * bb, gen), kInvalid, "-byte buffer at offset 0"},
-        {"zero size", c.RingRaw(step, buf, 0, 0, gen), kInvalid, "-byte buffer at offset 0"},
-        {"offset", c.RingRaw(step, buf, 64, bb, gen), kInvalid,
-         absl::StrCat("region [64, +", bb, ")")},
-        {"offset past the region", c.RingRaw(step, buf, uint64_t{1} << 62, bb, gen), kInvalid,
-         "is not the rank's"},
-        {"other buffer", c.RingRaw(step, 1 - buf, 0, bb, gen), kInvalid,
-         absl::StrCat("buffer ", 1 - buf, " is not step % 2")},
-        {"buffer out of range", c.RingRaw(step, 7, 0, bb, gen), kInvalid,
-         "buffer 7 is not step % 2"},
-        {"negative step", c.RingRaw(-1, 1, 0, bb, gen), kInvalid, "is not step % 2"},
-        {"stale generation", c.RingRaw(step, buf, 0, bb, old_generation), kPrecondition,
-         absl::StrCat("stale generation ", old_generation, " (the session's is ", gen, ")")},
-        {"future generation", c.RingRaw(step, buf, 0, bb, gen + 1000), kPrecondition,
-         "stale generation"},
-        {"step ahead", c.RingRaw(step + 5, static_cast<uint32_t>((step + 5) % 2), 0, bb, gen),
-         kPrecondition,
-         absl::StrCat("step ", step + 5, " out of order: expected step ", step)},
-    };
-    for (const Bad& b : bad) {
-      EXPECT_TRUE(IsError(b.got.status(), b.code, b.text)) << b.what;
-      EXPECT_TRUE(absl::StrContains(b.got.status().message(),
-                                    absl::StrCat("job '", j.spec.job_id, "'")))
-          << b.what << ": the error names the job: " << b.got.status();
-    }
+    ExpectClearErrors(RingMalformedDoorbells(c, step, gen, old_generation), j.spec.job_id);
     if (step == 1) {
       // Going back one step is a replay: the committed bytes, not a second momentum update.
       auto replay = c.Ring(0);
@@ -113,6 +127,112 @@ TEST_F(ShmHostileTest, MalformedDoorbellsGetClearErrorsAndTheSessionKeepsWorking
   ExpectStillServing();
 }
 
+// One step of the job that is not attacked, over its shared-memory session: the reference update.
+// A failure here does not end the test.
+void StepOtherJob(client::RankSession& session, const Ws1& b, int64_t step) {
+  auto u = StepWith(Api::kZeroCopy, session, step, b.grads[step]);
+  ASSERT_TRUE(u.ok()) << "the other job, step " << step << ": " << u.status();
+  EXPECT_EQ(*u, b.want[step]) << "the other job, step " << step;
+}
+
+// Whether rank 0 of job `a` becomes attached (`want` true) or detached within 10 s.
+bool WaitRankAttached(client::Client& client, const Ws1& a, bool want) {
+  return WaitForJob(
+      client, a.spec.job_id, a.token,
+      [&](const v1::JobStatus& st) { return st.ranks(0).attached() == want; }, 10);
+}
+
+// A raw peer of job `a` whose submission head jumps far ahead of the tail. First a slot with a
+// wrong sequence number, which is only an error, and a valid step 0 that computes the reference;
+// then the jump ends the session: hang-up, rank detached, the next ring UNAVAILABLE.
+void EndSessionWithHeadAhead(client::Client& client, const std::string& path, const Ws1& a) {
+  auto peer = RawShmPeer::Attach(path, a.spec.job_id, 0, a.token);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::string flat = FlatRankBuffer(a.spec, 0, a.grads[0]);
+  std::memcpy((*peer)->grad(), flat.data(), flat.size());
+  // A wrong sequence number in the slot: an error, nothing more.
+  shm::Submission wrong = (*peer)->Valid(0);
+  wrong.seq = 42;
+  (*peer)->ring()->subs[0] = wrong;
+  (*peer)->Publish(wrong, 1);  // slot 42 % 8 = 2 gets it too; slot 0 is what the daemon reads
+  auto c = (*peer)->NextCompletion(10);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->code, static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_TRUE(absl::StrContains(c->message, "sequence 42 does not match its slot 0")) << c->message;
+  // The session is still good: a valid step (sequence 1) computes the reference.
+  shm::Submission sub = (*peer)->Valid(0);
+  ASSERT_EQ(sub.seq, 1u);
+  ASSERT_TRUE((*peer)->Ring(sub).ok());
+  EXPECT_EQ(Ws1Update(a.spec, (*peer)->update()), a.want[0]);
+  // Now the head jumps far ahead.
+  shm::Submission junk = (*peer)->Valid(1);
+  (*peer)->Publish(junk, 1000);
+  EXPECT_TRUE((*peer)->WaitHangUp(10)) << "the daemon kept a session with a corrupt ring";
+  EXPECT_TRUE(WaitRankAttached(client, a, false));
+  EXPECT_EQ((*peer)->Ring((*peer)->Valid(1), 5).code(), absl::StatusCode::kUnavailable);
+}
+
+// A raw peer of job `a` that steps 1 correctly and then sets its submission head back to 0: the
+// daemon hangs up and the rank is detached.
+void EndSessionWithHeadBehind(client::Client& client, const std::string& path, const Ws1& a) {
+  auto peer = RawShmPeer::Attach(path, a.spec.job_id, 0, a.token);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::string flat = FlatRankBuffer(a.spec, 0, a.grads[1]);
+  std::memcpy((*peer)->grad() + (*peer)->buffer_bytes(), flat.data(), flat.size());
+  ASSERT_TRUE((*peer)->Ring((*peer)->Valid(1)).ok());
+  EXPECT_EQ(Ws1Update(a.spec, (*peer)->update() + (*peer)->buffer_bytes()), a.want[1]);
+  (*peer)->Publish((*peer)->Valid(2), 0);
+  EXPECT_TRUE((*peer)->WaitHangUp(10)) << "the daemon kept a session whose head went back";
+  EXPECT_TRUE(WaitRankAttached(client, a, false));
+}
+
+// This process's sockets: "socket:[inode]" -> descriptor.
+std::map<std::string, int> OpenSockets() {
+  std::map<std::string, int> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::string target = std::filesystem::read_symlink(e.path(), ec).string();
+    if (!ec && absl::StartsWith(target, "socket:")) {
+      out[target] = std::stoi(e.path().filename().string());
+    }
+  }
+  return out;
+}
+
+// A SOCK_SEQPACKET socket (by inode) that is open now and was not in `before`; -1 if none.
+int NewSeqpacketSocket(const std::map<std::string, int>& before) {
+  int conn = -1;
+  for (const auto& [target, fd] : OpenSockets()) {
+    int type = 0;
+    socklen_t len = sizeof(type);
+    if (before.count(target) == 0 && getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 &&
+        type == SOCK_SEQPACKET) {
+      conn = fd;
+    }
+  }
+  return conn;
+}
+
+// A library peer of job `a` that sends a datagram on its socket after attaching: the daemon ends
+// the session, and the channel's next Ring (step 2) is UNAVAILABLE.
+void EndSessionOfChattyPeer(client::Client& client, const std::string& path, const Ws1& a) {
+  // The channel's socket: the SOCK_SEQPACKET socket that was not there before.
+  const std::map<std::string, int> before = OpenSockets();
+  auto ch = ShmChannel::Attach(path, a.spec.job_id, 0, a.token, false);
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  const int conn = NewSeqpacketSocket(before);
+  ASSERT_GE(conn, 0) << "the channel's SOCK_SEQPACKET socket";
+  ASSERT_EQ(send(conn, "hi", 2, MSG_NOSIGNAL), 2);
+  EXPECT_TRUE(WaitRankAttached(client, a, false))
+      << "the daemon kept a session that talked after attach";
+  const std::string flat = FlatRankBuffer(a.spec, 0, a.grads[2]);
+  std::memcpy((*ch)->GradientBuffer(2), flat.data(), flat.size());
+  auto r = (*ch)->Ring(2);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "ended the shared-memory session"))
+      << r.status();
+}
+
 // A peer whose ring is corrupt (submission head far ahead of, or behind, what the daemon read)
 // gets its session ended: the daemon hangs up, the rank is detached, its next Ring is
 // UNAVAILABLE. A slot whose sequence number is wrong is only an error. A ShmChannel peer that
@@ -125,96 +245,16 @@ TEST_F(ShmHostileTest, CorruptRingOrChattyPeerEndsOnlyThatSession) {
   ASSERT_FALSE(b.want.empty());
   auto other = client().Attach(b.spec.job_id, 0, b.token, false, Transport::kShm);
   ASSERT_TRUE(other.ok()) << other.status();
-  auto other_step = [&](int64_t step) {
-    auto u = StepWith(Api::kZeroCopy, **other, step, b.grads[step]);
-    ASSERT_TRUE(u.ok()) << "the other job, step " << step << ": " << u.status();
-    EXPECT_EQ(*u, b.want[step]) << "the other job, step " << step;
-  };
-  auto rank_attached = [&](bool want) {
-    return WaitForJob(client(), a.spec.job_id, a.token,
-                      [&](const v1::JobStatus& st) { return st.ranks(0).attached() == want; }, 10);
-  };
-  other_step(0);
+  StepOtherJob(**other, b, 0);
 
   // 1. The head far ahead of the tail.
-  {
-    auto peer = RawShmPeer::Attach(ShmPath(), a.spec.job_id, 0, a.token);
-    ASSERT_TRUE(peer.ok()) << peer.status();
-    const std::string flat = FlatRankBuffer(a.spec, 0, a.grads[0]);
-    std::memcpy((*peer)->grad(), flat.data(), flat.size());
-    // A wrong sequence number in the slot: an error, nothing more.
-    shm::Submission wrong = (*peer)->Valid(0);
-    wrong.seq = 42;
-    (*peer)->ring()->subs[0] = wrong;
-    (*peer)->Publish(wrong, 1);  // slot 42 % 8 = 2 gets it too; slot 0 is what the daemon reads
-    auto c = (*peer)->NextCompletion(10);
-    ASSERT_TRUE(c.ok()) << c.status();
-    EXPECT_EQ(c->code, static_cast<int>(absl::StatusCode::kInvalidArgument));
-    EXPECT_TRUE(absl::StrContains(c->message, "sequence 42 does not match its slot 0")) << c->message;
-    // The session is still good: a valid step (sequence 1) computes the reference.
-    shm::Submission sub = (*peer)->Valid(0);
-    ASSERT_EQ(sub.seq, 1u);
-    ASSERT_TRUE((*peer)->Ring(sub).ok());
-    EXPECT_EQ(Ws1Update(a.spec, (*peer)->update()), a.want[0]);
-    // Now the head jumps far ahead.
-    shm::Submission junk = (*peer)->Valid(1);
-    (*peer)->Publish(junk, 1000);
-    EXPECT_TRUE((*peer)->WaitHangUp(10)) << "the daemon kept a session with a corrupt ring";
-    EXPECT_TRUE(rank_attached(false));
-    EXPECT_EQ((*peer)->Ring((*peer)->Valid(1), 5).code(), absl::StatusCode::kUnavailable);
-  }
-  other_step(1);
-
+  ASSERT_NO_FATAL_FAILURE(EndSessionWithHeadAhead(client(), ShmPath(), a));
+  StepOtherJob(**other, b, 1);
   // 2. The head behind the tail (after one good step, the head goes back to 0).
-  {
-    auto peer = RawShmPeer::Attach(ShmPath(), a.spec.job_id, 0, a.token);
-    ASSERT_TRUE(peer.ok()) << peer.status();
-    const std::string flat = FlatRankBuffer(a.spec, 0, a.grads[1]);
-    std::memcpy((*peer)->grad() + (*peer)->buffer_bytes(), flat.data(), flat.size());
-    ASSERT_TRUE((*peer)->Ring((*peer)->Valid(1)).ok());
-    EXPECT_EQ(Ws1Update(a.spec, (*peer)->update() + (*peer)->buffer_bytes()), a.want[1]);
-    (*peer)->Publish((*peer)->Valid(2), 0);
-    EXPECT_TRUE((*peer)->WaitHangUp(10)) << "the daemon kept a session whose head went back";
-    EXPECT_TRUE(rank_attached(false));
-  }
-
+  ASSERT_NO_FATAL_FAILURE(EndSessionWithHeadBehind(client(), ShmPath(), a));
   // 3. A library peer that sends a datagram on its socket after attaching.
-  {
-    // The channel's socket: the SOCK_SEQPACKET socket (by inode) that was not there before.
-    auto sockets = [] {
-      std::map<std::string, int> out;  // "socket:[inode]" -> fd
-      for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
-        std::error_code ec;
-        const std::string target = std::filesystem::read_symlink(e.path(), ec).string();
-        if (!ec && absl::StartsWith(target, "socket:")) {
-          out[target] = std::stoi(e.path().filename().string());
-        }
-      }
-      return out;
-    };
-    const std::map<std::string, int> before = sockets();
-    auto ch = ShmChannel::Attach(ShmPath(), a.spec.job_id, 0, a.token, false);
-    ASSERT_TRUE(ch.ok()) << ch.status();
-    int conn = -1;
-    for (const auto& [target, fd] : sockets()) {
-      int type = 0;
-      socklen_t len = sizeof(type);
-      if (before.count(target) == 0 && getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 &&
-          type == SOCK_SEQPACKET) {
-        conn = fd;
-      }
-    }
-    ASSERT_GE(conn, 0) << "the channel's SOCK_SEQPACKET socket";
-    ASSERT_EQ(send(conn, "hi", 2, MSG_NOSIGNAL), 2);
-    EXPECT_TRUE(rank_attached(false)) << "the daemon kept a session that talked after attach";
-    const std::string flat = FlatRankBuffer(a.spec, 0, a.grads[2]);
-    std::memcpy((*ch)->GradientBuffer(2), flat.data(), flat.size());
-    auto r = (*ch)->Ring(2);
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
-    EXPECT_TRUE(absl::StrContains(r.status().message(), "ended the shared-memory session"))
-        << r.status();
-  }
-  other_step(2);
+  ASSERT_NO_FATAL_FAILURE(EndSessionOfChattyPeer(client(), ShmPath(), a));
+  StepOtherJob(**other, b, 2);
 
   // The job itself is fine: the rank attaches again and steps 2 (steps 0 and 1 committed).
   const v1::JobStatus st = Status(a.spec.job_id, a.token);
