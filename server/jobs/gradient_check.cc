@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
-#include "server/jobs/parallel_bytes.h"
+#include "common/parallel_for.h"
 
 namespace muond::server {
 namespace {
@@ -43,7 +43,7 @@ absl::Status CheckFiniteSpans(const std::string& where, const common::JobSpec& s
     total += spans[i].length * common::DTypeSize(spec.matrices[spans[i].matrix].dtype);
   }
   std::vector<int64_t> found(slices.size(), -1);
-  ParallelFor(slices.size(), total, [&](size_t k) {
+  common::ParallelFor(slices.size(), total, [&](size_t k) {
     const Slice& sl = slices[k];
     const common::DType dtype = spec.matrices[spans[sl.span].matrix].dtype;
     found[k] = common::FindNonFiniteRaw(dtype, in[sl.span] + sl.first * common::DTypeSize(dtype),

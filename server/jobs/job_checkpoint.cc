@@ -10,7 +10,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/jobs/job.h"
-#include "server/jobs/parallel_bytes.h"
+#include "common/parallel_for.h"
 
 namespace muond::server {
 
@@ -121,7 +121,7 @@ absl::StatusOr<Job::LoadResult> Job::InstallLoaded(const checkpoint::Loaded& loa
   // Back into the registered (pinned) store, in place.
   std::vector<float*> dst(spec_.matrices.size());
   for (uint32_t m = 0; m < dst.size(); ++m) dst[m] = store.mutable_data(m);
-  ParallelFor(spec_.matrices.size(), MomentumBytes(), [&](size_t m) {
+  common::ParallelFor(spec_.matrices.size(), MomentumBytes(), [&](size_t m) {
     const std::vector<float>& data = loaded.data[index[m]];
     std::memcpy(dst[m], data.data(), data.size() * sizeof(float));
   });

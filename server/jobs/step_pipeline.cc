@@ -8,7 +8,7 @@
 #include "absl/time/clock.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
-#include "server/jobs/parallel_bytes.h"
+#include "common/parallel_for.h"
 
 namespace muond::server {
 
@@ -163,7 +163,7 @@ class StepPipeline::Run {
         total += bytes;
       }
     }
-    ParallelFor(slices.size(), total, [&](size_t i) {
+    common::ParallelFor(slices.size(), total, [&](size_t i) {
       std::memcpy(slices[i].dst, slices[i].src, slices[i].bytes);
     });
     absl::MutexLock lock(p_.job_mu_);

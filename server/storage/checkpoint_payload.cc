@@ -13,7 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "common/crc32c.h"
 #include "common/status_macros.h"
-#include "server/jobs/parallel_bytes.h"
+#include "common/parallel_for.h"
 #include "server/storage/durable_file.h"
 
 namespace muond::server::checkpoint {
@@ -142,7 +142,7 @@ absl::StatusOr<std::vector<TensorRead>> PlanTensorReads(const std::string& manif
 absl::Status ReadTensors(int fd, const std::string& path, uint64_t size,
                          const std::vector<TensorRead>& reads, Loaded* out) {
   std::vector<absl::Status> read_status(reads.size());
-  ParallelFor(reads.size(), size, [&](size_t i) {
+  common::ParallelFor(reads.size(), size, [&](size_t i) {
     std::vector<float>& v = out->data[i];
     const size_t bytes = v.size() * sizeof(float);
     read_status[i] = PreadAll(fd, v.data(), bytes, reads[i].offset, path);

@@ -29,6 +29,8 @@ int RunTransportBench(int argc, char** argv);
 int RunOverlapBench(int argc, char** argv);
 // `muond-bench checkpoint`: save/load throughput vs plain sequential I/O; step time during saves.
 int RunCheckpointBench(int argc, char** argv);
+// `muond-bench adamw`: the fused AdamW against torch::optim::AdamW and memcpy.
+int RunAdamWBench(int argc, char** argv);
 // `muond-bench gpu` (built with the CUDA backend): the CUDA device against cuBLAS and copy peaks.
 int RunGpuBench(int argc, char** argv);
 

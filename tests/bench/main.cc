@@ -29,6 +29,8 @@ constexpr Subcommand kSubcommands[] = {
      RunOverlapBench},
     {"checkpoint", "checkpoint save/load GB/s vs plain write/read; step time during saves",
      RunCheckpointBench},
+    {"adamw", "fused AdamW vs torch::optim::AdamW on the same tensors; GB/s vs memcpy",
+     RunAdamWBench},
 #ifdef MUOND_HAVE_CUDA
     {"gpu", "CUDA: Newton-Schulz vs cuBLAS GEMM peak, pinned vs pageable copies, Muon apply",
      RunGpuBench},

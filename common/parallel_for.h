@@ -1,7 +1,7 @@
 // Splits large byte-wise work (copies, scans) over the CPUs. Small work runs inline: a thread
 // costs tens of microseconds, worth it only for megabytes.
-#ifndef MUOND_SERVER_JOBS_PARALLEL_BYTES_H_
-#define MUOND_SERVER_JOBS_PARALLEL_BYTES_H_
+#ifndef MUOND_COMMON_PARALLEL_FOR_H_
+#define MUOND_COMMON_PARALLEL_FOR_H_
 
 #include <algorithm>
 #include <atomic>
@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-namespace muond::server {
+namespace muond::common {
 
 // Runs fn(i) for i in [0, n), on up to hardware_concurrency threads when `total_bytes` is large.
 // fn must be safe to run concurrently for different i.
@@ -32,6 +32,6 @@ inline void ParallelFor(size_t n, size_t total_bytes, const std::function<void(s
   for (auto& t : helpers) t.join();
 }
 
-}  // namespace muond::server
+}  // namespace muond::common
 
-#endif  // MUOND_SERVER_JOBS_PARALLEL_BYTES_H_
+#endif  // MUOND_COMMON_PARALLEL_FOR_H_
