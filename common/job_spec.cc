@@ -15,78 +15,19 @@
 #include "common/status_macros.h"
 #include "common/names.h"
 #include "common/utf8.h"
+#include "common/job_spec_json.h"
 #include "nlohmann/json.hpp"
 
 namespace muond::common {
 namespace {
 
-using Json = nlohmann::ordered_json;
-
-absl::Status FieldError(absl::string_view path, absl::string_view problem) {
-  return absl::InvalidArgumentError(absl::StrCat("job.json: ", path, ": ", problem));
-}
-
-absl::Status CheckKnownFields(const Json& object, absl::string_view prefix,
-                              std::initializer_list<std::string_view> known) {
-  for (const auto& [key, value] : object.items()) {
-    bool found = false;
-    for (std::string_view k : known) found = found || key == k;
-    if (!found) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("job.json: unknown field '", prefix, key, "'"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// Each Read* leaves *out unchanged when the field is absent (the default applies).
-absl::Status ReadString(const Json& object, const char* key, absl::string_view path,
-                        std::string* out) {
-  const auto it = object.find(key);
-  if (it == object.end()) return absl::OkStatus();
-  if (!it->is_string()) return FieldError(path, "expected a string");
-  *out = it->get<std::string>();
-  return absl::OkStatus();
-}
-
-absl::Status ReadInt64(const Json& object, const char* key, absl::string_view path, int64_t* out) {
-  const auto it = object.find(key);
-  if (it == object.end()) return absl::OkStatus();
-  if (it->is_number_unsigned()) {
-    const uint64_t v = it->get<uint64_t>();
-    if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return FieldError(path, absl::StrCat(v, " is out of range"));
-    }
-    *out = static_cast<int64_t>(v);
-    return absl::OkStatus();
-  }
-  if (!it->is_number_integer()) return FieldError(path, "expected an integer");
-  *out = it->get<int64_t>();
-  return absl::OkStatus();
-}
-
-absl::Status ReadInt(const Json& object, const char* key, absl::string_view path, int* out) {
-  int64_t v = *out;
-  RETURN_IF_ERROR(ReadInt64(object, key, path, &v));
-  if (v < std::numeric_limits<int>::min() || v > std::numeric_limits<int>::max()) {
-    return FieldError(path, absl::StrCat(v, " is out of range"));
-  }
-  *out = static_cast<int>(v);
-  return absl::OkStatus();
-}
-
-// Reads an enum-valued string field through its parser, e.g. ParseNsMethod.
-template <typename T, typename ParseFn>
-absl::Status ReadEnum(const Json& object, const char* key, absl::string_view path, ParseFn parse,
-                      T* out) {
-  if (object.find(key) == object.end()) return absl::OkStatus();
-  std::string name;
-  RETURN_IF_ERROR(ReadString(object, key, path, &name));
-  auto value = parse(name);
-  if (!value.ok()) return FieldError(path, value.status().message());
-  *out = *value;
-  return absl::OkStatus();
-}
+using json_fields::CheckKnownFields;
+using json_fields::FieldError;
+using json_fields::Json;
+using json_fields::ReadEnum;
+using json_fields::ReadInt;
+using json_fields::ReadInt64;
+using json_fields::ReadString;
 
 absl::Status ParseMuon(const Json& muon, MuonConfig* config) {
   if (!muon.is_object()) return FieldError("muon", "expected an object");
@@ -110,7 +51,8 @@ absl::Status ParseMuon(const Json& muon, MuonConfig* config) {
 
 absl::Status ParseMatrix(const Json& matrix, const std::string& path, MatrixSpec* spec) {
   if (!matrix.is_object()) return FieldError(path, "expected an object");
-  RETURN_IF_ERROR(CheckKnownFields(matrix, path + ".", {"name", "shape", "num_heads", "dtype"}));
+  RETURN_IF_ERROR(CheckKnownFields(matrix, path + ".", {"name", "shape", "num_heads", "dtype",
+                                                       "optimizer", "group", "param_dtype"}));
   if (matrix.find("name") == matrix.end()) return FieldError(path + ".name", "missing");
   RETURN_IF_ERROR(ReadString(matrix, "name", path + ".name", &spec->name));
   const auto shape = matrix.find("shape");
@@ -129,7 +71,8 @@ absl::Status ParseMatrix(const Json& matrix, const std::string& path, MatrixSpec
   }
   if (!shape_ok) return FieldError(path + ".shape", "expected an array of positive integers");
   RETURN_IF_ERROR(ReadInt64(matrix, "num_heads", path + ".num_heads", &spec->num_heads));
-  return ReadEnum(matrix, "dtype", path + ".dtype", ParseDType, &spec->dtype);
+  RETURN_IF_ERROR(ReadEnum(matrix, "dtype", path + ".dtype", ParseDType, &spec->dtype));
+  return json_fields::ParseTensorApplyFields(matrix, path, spec);
 }
 
 // "layout": [[{"matrix": name, "offset": n, "length": n}, ...] per rank]
@@ -175,9 +118,11 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 absl::Status ValidateMatrix(const MatrixSpec& m, size_t index) {
   RETURN_IF_ERROR(ValidateTensorName(m.name, absl::StrCat("matrices[", index, "].name")));
   const std::string where = absl::StrCat("matrix ", Quoted(m.name), ": ");
-  if (m.shape.size() < 2 || m.shape.size() > 4) {
-    return absl::InvalidArgumentError(absl::StrCat(where, "shape ", ShapeString(m.shape), " has ",
-                                                   m.shape.size(), " dimensions; expected 2 to 4"));
+  const bool adamw = m.optimizer == Optimizer::kAdamW;
+  if (adamw ? m.shape.size() > 8 : (m.shape.size() < 2 || m.shape.size() > 4)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "shape ", ShapeString(m.shape), " has ", m.shape.size(), " dimensions; expected ",
+        adamw ? "0 to 8 (adamw)" : "2 to 4"));
   }
   int64_t numel = 1;
   for (int64_t d : m.shape) {
@@ -192,7 +137,12 @@ absl::Status ValidateMatrix(const MatrixSpec& m, size_t index) {
     }
   }
   // Rows of the matrix Muon sees: [E, r, c] is a batch of r x c; [out, in, kh, kw] is out x rest.
-  const int64_t rows = m.shape.size() == 3 ? m.shape[1] : m.shape[0];
+  // (AdamW tensors have no rows: num_heads must be 1.)
+  const int64_t rows = adamw ? 1 : m.shape.size() == 3 ? m.shape[1] : m.shape[0];
+  if (adamw && m.num_heads != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "num_heads ", m.num_heads, " applies to muon tensors only"));
+  }
   if (m.num_heads < 1) {
     return absl::InvalidArgumentError(absl::StrCat(where, "num_heads ", m.num_heads, " is < 1"));
   }
@@ -265,7 +215,8 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   RETURN_IF_ERROR(
       CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",
                                    "gather_budget_bytes", "transport_probe", "checkpoint_every_steps",
-                                   "checkpoint_keep", "step_timeout_seconds"}));
+                                   "checkpoint_keep", "step_timeout_seconds", "mode", "tensors",
+                                   "groups", "adamw", "max_grad_norm", "init_from"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -275,14 +226,21 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   if (const auto it = root.find("muon"); it != root.end()) {
     RETURN_IF_ERROR(ParseMuon(*it, &spec.muon));
   }
-  const auto matrices = root.find("matrices");
+  RETURN_IF_ERROR(json_fields::ParseApplyFields(root, &spec));
+  // "tensors" (apply mode's name) or "matrices": one of the two.
+  const char* key = root.find("tensors") != root.end() ? "tensors" : "matrices";
+  if (root.find("tensors") != root.end() && root.find("matrices") != root.end()) {
+    return FieldError("tensors", "give \"tensors\" or \"matrices\", not both");
+  }
+  const auto matrices = root.find(key);
   if (matrices == root.end()) return FieldError("matrices", "missing");
-  if (!matrices->is_array()) return FieldError("matrices", "expected an array");
+  if (!matrices->is_array()) return FieldError(key, "expected an array");
   for (size_t i = 0; i < matrices->size(); ++i) {
     MatrixSpec m;
-    RETURN_IF_ERROR(ParseMatrix((*matrices)[i], absl::StrCat("matrices[", i, "]"), &m));
+    RETURN_IF_ERROR(ParseMatrix((*matrices)[i], absl::StrCat(key, "[", i, "]"), &m));
     spec.matrices.push_back(std::move(m));
   }
+  FillApplyDefaults(&spec);
   int64_t budget = 0;
   RETURN_IF_ERROR(ReadInt64(root, "gather_budget_bytes", "gather_budget_bytes", &budget));
   if (budget < 0) return FieldError("gather_budget_bytes", "expected an integer >= 0");
@@ -349,6 +307,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
     }
     root["layout"] = std::move(layout);
   }
+  json_fields::WriteApplyFields(spec, &root);
   // `replace` keeps this total for unvalidated specs (invalid UTF-8 in a name becomes U+FFFD);
   // a validated spec has none.
   return root.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
@@ -426,6 +385,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
       }
     }
   }
+  RETURN_IF_ERROR(ValidateApplyMode(spec));
   if (!spec.explicit_layout.empty()) RETURN_IF_ERROR(ValidateExplicitLayout(spec));
   return absl::OkStatus();
 }

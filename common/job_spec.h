@@ -12,6 +12,12 @@
 //    "checkpoint_keep": 3,                   (generations kept, 1..1000)
 //    "step_timeout_seconds": 0,             (0: the daemon's default)
 //    "transport_probe": false}                  (true: updates echo gradients; no Muon math)
+// Apply mode (DESIGN.md 4b) adds, and only then writes:
+//   "mode": "apply" ("update", the default, is section 4), "tensors" (the name "matrices" stays
+//   accepted; one of the two), each entry also {"optimizer": "muon"|"adamw" (default muon),
+//   "group": str (default: the optimizer's name), "param_dtype": dtype (default: "dtype")},
+//   "groups": [{"name": str, "lr": x, "weight_decay": 0}], "adamw": {"betas": [0.9, 0.999],
+//   "eps": 1e-8}, "max_grad_norm": x (0 or absent: no clipping), "init_from": "path.safetensors".
 // Plain value types; thread-compatible.
 #ifndef MUOND_COMMON_JOB_SPEC_H_
 #define MUOND_COMMON_JOB_SPEC_H_
@@ -29,6 +35,13 @@
 namespace muond::common {
 
 enum class NsMethod { kStandard, kGram, kPolarExpress };
+enum class JobMode { kUpdate, kApply };
+enum class Optimizer { kMuon, kAdamW };
+
+std::string_view JobModeName(JobMode m);      // "update", "apply"
+absl::StatusOr<JobMode> ParseJobMode(std::string_view name);
+std::string_view OptimizerName(Optimizer o);  // "muon", "adamw"
+absl::StatusOr<Optimizer> ParseOptimizer(std::string_view name);
 enum class ScaleMode { kOriginal, kMatchRmsAdamw, kNone };
 
 std::string_view NsMethodName(NsMethod m);        // "standard", "gram", "polar_express"
@@ -52,8 +65,29 @@ struct MatrixSpec {
   std::vector<int64_t> shape;
   int64_t num_heads = 1;  // must divide the rows r (out for conv)
   DType dtype = DType::kFloat32;  // the gradient's (and the update's) dtype
+  // Apply mode only: how the tensor is updated, its parameter group, and the dtype the trainer
+  // holds its parameters in (what the new parameters come back as). AdamW tensors may have any
+  // shape of 0 to 8 dimensions.
+  Optimizer optimizer = Optimizer::kMuon;
+  std::string group = {};
+  DType param_dtype = DType::kFloat32;
 
   int64_t numel() const;
+};
+
+// Apply mode: a parameter group. Its lr and weight decay are the defaults of a step; each step
+// may carry its own (schedules).
+struct ParamGroup {
+  std::string name;
+  double lr = 0;
+  double weight_decay = 0;
+};
+
+// Apply mode: AdamW's constants for every AdamW tensor of the job.
+struct AdamWConfig {
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
 };
 
 // One run of consecutive elements of one matrix owned by a rank (explicit layouts).
@@ -89,6 +123,14 @@ struct JobSpec {
   // Seconds from a step's first rank entry until every rank pushed its part (0: the daemon's
   // default; else 1..kMaxStepTimeoutSeconds).
   int step_timeout_seconds = 0;
+  // DESIGN.md 4b. The fields below are used (and accepted) in apply mode only.
+  JobMode mode = JobMode::kUpdate;
+  std::vector<ParamGroup> groups;
+  AdamWConfig adamw;
+  // Global gradient clipping: 0 for none.
+  double max_grad_norm = 0;
+  // Initial parameters from this safetensors file on the daemon's host ("": uploaded by ranks).
+  std::string init_from;
 };
 
 inline constexpr int kMaxNsSteps = 100;
@@ -98,6 +140,8 @@ inline constexpr size_t kMaxJobIdLength = kMaxJobIdBytes;  // common/names.h
 inline constexpr int kMaxStepTimeoutSeconds = 7 * 24 * 3600;
 // Largest matrix muond accepts, in elements (2^34: 64 GiB of fp32 momentum).
 inline constexpr int64_t kMaxMatrixElements = int64_t{1} << 34;
+inline constexpr size_t kMaxParamGroups = 1024;
+inline constexpr size_t kMaxInitFromBytes = 4096;
 
 // Parses job.json. INVALID_ARGUMENT naming the field (e.g. "matrices[2].shape") for malformed JSON,
 // wrong types, unknown enum values and unknown fields. Runs ValidateJobSpec on the result.
@@ -108,8 +152,16 @@ std::string JobSpecToJson(const JobSpec& spec);
 // 0..3 (0 requires world_size 1); at least one matrix; names non-empty, unique; shapes of rank 2-4
 // with positive dims and at most kMaxMatrixElements elements; num_heads >= 1 dividing the rows;
 // momentum in [0, 1); ns_steps 1..kMaxNsSteps; an explicit layout tiles every matrix exactly once
-// (ValidateExplicitLayout). INVALID_ARGUMENT naming the field and value.
+// (ValidateExplicitLayout); the apply-mode rules (ValidateApplyMode). INVALID_ARGUMENT naming the
+// field and value.
 absl::Status ValidateJobSpec(const JobSpec& spec);
+// Update mode: every tensor is a Muon tensor and no apply-mode field is set. Apply mode: groups
+// 1..kMaxParamGroups with unique names, finite lr and weight_decay >= 0; every tensor's group
+// exists; betas in [0, 1), eps > 0, max_grad_norm finite and >= 0; init_from at most
+// kMaxInitFromBytes; ZeRO 1/2 partitions of one parameter dtype as well.
+absl::Status ValidateApplyMode(const JobSpec& spec);
+// Fills what apply mode defaults: a tensor's group (its optimizer's name). Both parsers call it.
+void FillApplyDefaults(JobSpec* spec);
 
 }  // namespace muond::common
 

@@ -88,6 +88,77 @@ v1::ScaleMode ScaleModeToProto(ScaleMode m) {
   return v1::SCALE_MODE_UNSPECIFIED;
 }
 
+
+absl::Status TensorApplyFieldsFromProto(const v1::MatrixSpec& pm, int i, MatrixSpec* ms) {
+  switch (pm.optimizer()) {
+    case v1::OPTIMIZER_UNSPECIFIED:
+    case v1::OPTIMIZER_MUON:
+      ms->optimizer = Optimizer::kMuon;
+      break;
+    case v1::OPTIMIZER_ADAMW:
+      ms->optimizer = Optimizer::kAdamW;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrices[", i, "].optimizer: unknown enum value ", pm.optimizer()));
+  }
+  ms->group = pm.group();
+  ms->param_dtype = ms->dtype;
+  if (pm.has_param_dtype()) {
+    auto dtype = DTypeFromProto(pm.param_dtype());
+    if (!dtype.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrices[", i, "].param_dtype: ", dtype.status().message()));
+    }
+    ms->param_dtype = *dtype;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyFieldsFromProto(const v1::JobSpec& proto, JobSpec* spec) {
+  switch (proto.mode()) {
+    case v1::JOB_MODE_UNSPECIFIED:
+    case v1::JOB_MODE_UPDATE:
+      spec->mode = JobMode::kUpdate;
+      break;
+    case v1::JOB_MODE_APPLY:
+      spec->mode = JobMode::kApply;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("mode: unknown enum value ", proto.mode()));
+  }
+  if (proto.groups_size() > static_cast<int>(kMaxParamGroups)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("groups: ", proto.groups_size(), " groups; at most ", kMaxParamGroups));
+  }
+  for (const v1::ParamGroup& g : proto.groups()) {
+    spec->groups.push_back({g.name(), g.lr(), g.weight_decay()});
+  }
+  const v1::AdamWConfig& a = proto.adamw();
+  if (a.has_beta1()) spec->adamw.beta1 = a.beta1();
+  if (a.has_beta2()) spec->adamw.beta2 = a.beta2();
+  if (a.has_eps()) spec->adamw.eps = a.eps();
+  spec->max_grad_norm = proto.max_grad_norm();
+  spec->init_from = proto.init_from();
+  FillApplyDefaults(spec);
+  return absl::OkStatus();
+}
+
+void ApplyFieldsToProto(const JobSpec& spec, v1::JobSpec* proto) {
+  proto->set_mode(v1::JOB_MODE_APPLY);
+  for (const ParamGroup& g : spec.groups) {
+    v1::ParamGroup* pg = proto->add_groups();
+    pg->set_name(g.name);
+    pg->set_lr(g.lr);
+    pg->set_weight_decay(g.weight_decay);
+  }
+  proto->mutable_adamw()->set_beta1(spec.adamw.beta1);
+  proto->mutable_adamw()->set_beta2(spec.adamw.beta2);
+  proto->mutable_adamw()->set_eps(spec.adamw.eps);
+  proto->set_max_grad_norm(spec.max_grad_norm);
+  proto->set_init_from(spec.init_from);
+}
+
 }  // namespace
 
 absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
@@ -119,8 +190,10 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
           absl::StrCat("matrices[", i, "].dtype: ", dtype.status().message()));
     }
     ms.dtype = *dtype;
+    RETURN_IF_ERROR(TensorApplyFieldsFromProto(pm, i, &ms));
     spec.matrices.push_back(std::move(ms));
   }
+  RETURN_IF_ERROR(ApplyFieldsFromProto(proto, &spec));
   spec.gather_budget_bytes = proto.gather_budget_bytes();
   spec.transport_probe = proto.transport_probe();
   spec.checkpoint_every_steps = proto.checkpoint_every_steps();
@@ -153,7 +226,14 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
     for (int64_t d : ms.shape) pm->add_shape(d);
     pm->set_num_heads(ms.num_heads);
     pm->set_dtype(DTypeToProto(ms.dtype));
+    if (spec.mode == JobMode::kApply) {
+      pm->set_optimizer(ms.optimizer == Optimizer::kAdamW ? v1::OPTIMIZER_ADAMW
+                                                          : v1::OPTIMIZER_MUON);
+      pm->set_group(ms.group);
+      pm->set_param_dtype(DTypeToProto(ms.param_dtype));
+    }
   }
+  if (spec.mode == JobMode::kApply) ApplyFieldsToProto(spec, &proto);
   proto.set_gather_budget_bytes(spec.gather_budget_bytes);
   proto.set_transport_probe(spec.transport_probe);
   proto.set_checkpoint_every_steps(spec.checkpoint_every_steps);

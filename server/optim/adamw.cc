@@ -12,7 +12,7 @@ namespace {
 
 // The per-step factors, each computed in double and rounded to float once.
 struct Factors {
-  float decay;     // 1 - lr*wd
+  float decay;  // 1 - lr*wd
   float beta1;
   float one_minus_beta1;
   float beta2;
@@ -56,8 +56,8 @@ void Portable(const Factors& f, const AdamWArrays& a, size_t begin, size_t end) 
 // GCC 12 warns about the undefined source operand inside its own AVX-512 intrinsics.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-__attribute__((target("avx512f"))) void Avx512(const Factors& f, const AdamWArrays& a,
-                                               size_t begin, size_t end) {
+__attribute__((target("avx512f"))) void Avx512(const Factors& f, const AdamWArrays& a, size_t begin,
+                                               size_t end) {
   const __m512 scale = _mm512_set1_ps(f.grad_scale), decay = _mm512_set1_ps(f.decay);
   const __m512 b1 = _mm512_set1_ps(f.beta1), omb1 = _mm512_set1_ps(f.one_minus_beta1);
   const __m512 b2 = _mm512_set1_ps(f.beta2), omb2 = _mm512_set1_ps(f.one_minus_beta2);
@@ -67,12 +67,13 @@ __attribute__((target("avx512f"))) void Avx512(const Factors& f, const AdamWArra
   for (; i + 16 <= end; i += 16) {
     const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(a.grad + i), scale);
     const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(a.param + i), decay);
-    const __m512 m = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a.exp_avg + i), b1),
-                                   _mm512_mul_ps(omb1, g));
+    const __m512 m =
+        _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a.exp_avg + i), b1), _mm512_mul_ps(omb1, g));
     const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a.exp_avg_sq + i), b2),
                                    _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
-    _mm512_storeu_ps(a.param + i, _mm512_add_ps(p, _mm512_mul_ps(neg_step, _mm512_div_ps(m, denom))));
+    _mm512_storeu_ps(a.param + i,
+                     _mm512_add_ps(p, _mm512_mul_ps(neg_step, _mm512_div_ps(m, denom))));
     _mm512_storeu_ps(a.exp_avg + i, m);
     _mm512_storeu_ps(a.exp_avg_sq + i, v);
   }
@@ -113,9 +114,8 @@ void AdamWUpdate(const AdamWHyper& hyper, int64_t step, float grad_scale, const 
   const bool vector = path != AdamWPath::kPortable && HaveAvx512();
   // A thread pays for itself from about a million elements (16 MiB touched).
   constexpr size_t kPerThread = size_t{1} << 20;
-  const size_t workers =
-      std::max<size_t>(1, std::min<size_t>(static_cast<size_t>(std::max(threads, 1)),
-                                           n / kPerThread));
+  const size_t workers = std::max<size_t>(
+      1, std::min<size_t>(static_cast<size_t>(std::max(threads, 1)), n / kPerThread));
   if (workers == 1) {
     Range(f, a, 0, n, vector);
     return;

@@ -49,8 +49,8 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
     auto it = flags->find(name);
     if (it == flags->end()) return absl::OkStatus();
     if (!absl::SimpleAtoi(it->second, v) || *v <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, " '", it->second,
-                                                     "': expected a positive integer"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, " '", it->second, "': expected a positive integer"));
     }
     return absl::OkStatus();
   };
@@ -69,7 +69,8 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
       o.out = false;
     } else {
       auto d = common::ParseDType(it->second);
-      if (!d.ok()) return absl::InvalidArgumentError(absl::StrCat("--out-dtype: ", d.status().message()));
+      if (!d.ok())
+        return absl::InvalidArgumentError(absl::StrCat("--out-dtype: ", d.status().message()));
       o.out_dtype = *d;
     }
   }
@@ -121,11 +122,11 @@ int RunAdamWBench(int argc, char** argv) {
   const size_t n = static_cast<size_t>(o.params);
   const size_t out_bytes = o.out ? common::DTypeSize(o.out_dtype) : 0;
   const double touched = static_cast<double>(n) * (28 + out_bytes);
-  std::printf("muond-bench adamw: %lld parameters (fp32 p, m, v, g; new p also as %s), %d threads,"
-              " best of %d\n",
-              static_cast<long long>(n),
-              o.out ? std::string(common::DTypeName(o.out_dtype)).c_str() : "nothing", o.threads,
-              o.reps);
+  std::printf(
+      "muond-bench adamw: %lld parameters (fp32 p, m, v, g; new p also as %s), %d threads,"
+      " best of %d\n",
+      static_cast<long long>(n),
+      o.out ? std::string(common::DTypeName(o.out_dtype)).c_str() : "nothing", o.threads, o.reps);
   at::set_num_threads(o.threads);
   torch::manual_seed(5);
   torch::Tensor p0 = torch::randn({o.params});
@@ -133,7 +134,7 @@ int RunAdamWBench(int argc, char** argv) {
   // muond: its own arrays, starting where torch starts (zero moments).
   std::vector<float> p(p0.data_ptr<float>(), p0.data_ptr<float>() + n), m(n, 0.0f), v(n, 0.0f);
   std::vector<char> out(n * std::max<size_t>(out_bytes, 1));
-  server::AdamWArrays arrays{g.data_ptr<float>(), p.data(), m.data(), v.data(),
+  server::AdamWArrays arrays{g.data_ptr<float>(),          p.data(),   m.data(), v.data(),
                              o.out ? out.data() : nullptr, o.out_dtype};
   const server::AdamWHyper hyper{1e-3, 0.1, 0.9, 0.95, 1e-8};
   double ours = 1e30;

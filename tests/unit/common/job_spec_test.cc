@@ -5,20 +5,13 @@
 #include <string>
 
 #include "gtest/gtest.h"
+#include "tests/unit/common/job_spec_test_util.h"
 
 namespace muond::common {
 namespace {
 
 constexpr char kMinimal[] = R"({"job_id": "j1", "matrices": [{"name": "w", "shape": [4, 8]}]})";
 
-// Parses `json` and expects INVALID_ARGUMENT with `substring` in the message.
-void ExpectInvalid(const std::string& json, const std::string& substring) {
-  const auto spec = ParseJobSpecJson(json);
-  ASSERT_FALSE(spec.ok()) << "expected an error containing: " << substring;
-  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(spec.status().message().find(substring), std::string_view::npos)
-      << "message: " << spec.status().message() << "\nwanted: " << substring;
-}
 
 // kMinimal with `muon` as the muon object.
 std::string WithMuon(const std::string& muon) {

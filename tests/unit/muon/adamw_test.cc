@@ -49,8 +49,8 @@ double RelativeError(const std::vector<float>& got, const torch::Tensor& want) {
 }
 
 AdamWArrays Arrays(const std::vector<float>& g, State& s) {
-  return AdamWArrays{g.data(), s.p.data(), s.m.data(), s.v.data(), nullptr,
-                     common::DType::kFloat32};
+  return AdamWArrays{g.data(),   s.p.data(), s.m.data(),
+                     s.v.data(), nullptr,    common::DType::kFloat32};
 }
 
 // Tensors of assorted sizes (tails that are not a multiple of the vector width included), an lr
@@ -64,7 +64,8 @@ TEST(AdamWTest, MatchesTorchAdamWOver100Steps) {
   std::vector<State> ours;
   for (int64_t n : sizes) {
     ours.push_back(RandomState(static_cast<size_t>(n), rng));
-    params.push_back(torch::from_blob(ours.back().p.data(), {n}, torch::kFloat32).clone()
+    params.push_back(torch::from_blob(ours.back().p.data(), {n}, torch::kFloat32)
+                         .clone()
                          .set_requires_grad(true));
     // torch starts from zero moments: so do we.
     std::fill(ours.back().m.begin(), ours.back().m.end(), 0.0f);
@@ -139,8 +140,8 @@ TEST(AdamWTest, VectorAndPortablePathsAgreeBitForBit) {
 
 TEST(AdamWTest, ThreadsDoNotChangeTheResult) {
   const size_t n = (size_t{3} << 20) + 7;  // enough for three workers
-  EXPECT_TRUE(SameBits(FiveSteps(n, AdamWPath::kAuto, 1, 1.0f),
-                       FiveSteps(n, AdamWPath::kAuto, 3, 1.0f)));
+  EXPECT_TRUE(
+      SameBits(FiveSteps(n, AdamWPath::kAuto, 1, 1.0f), FiveSteps(n, AdamWPath::kAuto, 3, 1.0f)));
 }
 
 TEST(AdamWTest, GradScaleIsOneMultiplication) {
@@ -160,8 +161,8 @@ TEST(AdamWTest, GradScaleIsOneMultiplication) {
 TEST(AdamWTest, OutputIsTheNewParamRoundedLikeTorch) {
   std::mt19937 rng(11);
   const size_t n = 5000;
-  for (common::DType dtype : {common::DType::kBFloat16, common::DType::kFloat16,
-                              common::DType::kFloat32}) {
+  for (common::DType dtype :
+       {common::DType::kBFloat16, common::DType::kFloat16, common::DType::kFloat32}) {
     State s = RandomState(n, rng);
     const std::vector<float> g = RandomGrad(n, rng, 1.0f);
     std::vector<char> out(n * common::DTypeSize(dtype));
@@ -169,13 +170,12 @@ TEST(AdamWTest, OutputIsTheNewParamRoundedLikeTorch) {
     a.out = out.data();
     a.out_dtype = dtype;
     AdamWUpdate(AdamWHyper{}, 3, 1.0f, a, n);
-    const auto torch_dtype = dtype == common::DType::kBFloat16 ? torch::kBFloat16
+    const auto torch_dtype = dtype == common::DType::kBFloat16  ? torch::kBFloat16
                              : dtype == common::DType::kFloat16 ? torch::kFloat16
                                                                 : torch::kFloat32;
     const torch::Tensor want =
         torch::from_blob(s.p.data(), {static_cast<int64_t>(n)}, torch::kFloat32).to(torch_dtype);
-    EXPECT_EQ(std::memcmp(out.data(), want.data_ptr(), out.size()), 0)
-        << common::DTypeName(dtype);
+    EXPECT_EQ(std::memcmp(out.data(), want.data_ptr(), out.size()), 0) << common::DTypeName(dtype);
   }
 }
 

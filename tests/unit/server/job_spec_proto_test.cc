@@ -1,0 +1,59 @@
+// The API form of job specs (common/job_spec_proto.h): apply-mode fields survive a round trip;
+// update-mode specs carry none of them; unknown enum values are INVALID_ARGUMENT naming the field.
+#include "common/job_spec_proto.h"
+
+#include "common/job_spec.h"
+#include "gtest/gtest.h"
+
+namespace muond::common {
+namespace {
+
+TEST(JobSpecProtoTest, ApplyModeRoundTrip) {
+  auto spec = ParseJobSpecJson(R"({
+    "job_id": "a1", "mode": "apply",
+    "tensors": [{"name": "w", "shape": [8, 4], "dtype": "bfloat16"},
+                {"name": "b", "shape": [8], "optimizer": "adamw", "param_dtype": "float16"}],
+    "groups": [{"name": "muon", "lr": 0.02, "weight_decay": 0.1}, {"name": "adamw", "lr": 3e-4}],
+    "adamw": {"betas": [0.8, 0.9], "eps": 1e-6}, "max_grad_norm": 0.5, "init_from": "/m.st"})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const v1::JobSpec proto = JobSpecToProto(*spec);
+  EXPECT_EQ(proto.mode(), v1::JOB_MODE_APPLY);
+  EXPECT_EQ(proto.matrices(1).optimizer(), v1::OPTIMIZER_ADAMW);
+  auto back = JobSpecFromProto(proto);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(JobSpecToJson(*back), JobSpecToJson(*spec));
+  EXPECT_EQ(back->matrices[0].param_dtype, DType::kBFloat16);  // absent in JSON: its dtype
+  EXPECT_EQ(back->matrices[1].group, "adamw");                 // absent in JSON: the optimizer
+}
+
+TEST(JobSpecProtoTest, UpdateModeCarriesNoApplyFields) {
+  auto spec = ParseJobSpecJson(R"({"job_id": "u1", "matrices": [{"name": "w", "shape": [4, 8]}]})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const v1::JobSpec proto = JobSpecToProto(*spec);
+  EXPECT_EQ(proto.mode(), v1::JOB_MODE_UNSPECIFIED);
+  EXPECT_EQ(proto.groups_size(), 0);
+  EXPECT_FALSE(proto.has_adamw());
+  EXPECT_FALSE(proto.matrices(0).has_param_dtype());
+}
+
+TEST(JobSpecProtoTest, UnknownEnumValuesAreNamed) {
+  auto spec = ParseJobSpecJson(R"({"job_id": "u1", "matrices": [{"name": "w", "shape": [4, 8]}]})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  v1::JobSpec proto = JobSpecToProto(*spec);
+  proto.set_mode(static_cast<v1::JobMode>(9));
+  EXPECT_EQ(JobSpecFromProto(proto).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(JobSpecFromProto(proto).status().message().find("mode"), std::string_view::npos);
+  proto.set_mode(v1::JOB_MODE_APPLY);
+  proto.add_groups()->set_name("muon");
+  proto.mutable_matrices(0)->set_optimizer(static_cast<v1::Optimizer>(7));
+  EXPECT_NE(JobSpecFromProto(proto).status().message().find("matrices[0].optimizer"),
+            std::string_view::npos);
+  // Apply fields on an update-mode spec are refused, not ignored.
+  proto = JobSpecToProto(*spec);
+  proto.set_max_grad_norm(1.0);
+  EXPECT_NE(JobSpecFromProto(proto).status().message().find("mode 'apply' only"),
+            std::string_view::npos);
+}
+
+}  // namespace
+}  // namespace muond::common
