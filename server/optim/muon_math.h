@@ -2,7 +2,8 @@
 //
 // The room server/optim owns the optimizer math: matrix geometry and scales, the momentum EMA
 // (ApplyMomentum, the one rounding every backend must match), the Newton-Schulz schedules
-// (ns_schedule.h) and their host implementation (newton_schulz.h). Pure functions over memory the
+// (ns_schedule.h) and their host implementation (newton_schulz.h), and for apply mode the fused
+// AdamW (adamw.h) and the global clipping norm (grad_norm.h). Pure functions over memory the
 // caller owns; it calls only common/ and LibTorch (inside newton_schulz.cc alone). The devices
 // (server/device) run the same schedules; jobs (server/jobs) call ApplyMomentum at commit.
 //
