@@ -217,11 +217,4 @@ bool Job::StepInFlight(int64_t step) const {
   return in_flight_ != nullptr && in_flight_->step == step;
 }
 
-std::vector<float> Job::MomentumSnapshot(uint32_t m) const {
-  // A copy taken between steps is consistent; during a commit it may mix old and new values.
-  absl::MutexLock lock(&mu_);
-  if (m >= momentum_.matrices()) return {};
-  return std::vector<float>(momentum_.data(m), momentum_.data(m) + momentum_.numel(m));
-}
-
 }  // namespace muond::server

@@ -219,8 +219,6 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   bool StepInFlight(int64_t step) const;
 
   JobReport Report() const;
-  // A copy of the momentum of matrix `m`.
-  std::vector<float> MomentumSnapshot(uint32_t m) const;
 
  private:
   friend class RankStep;
@@ -228,15 +226,17 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   absl::Status AddGradient(const std::shared_ptr<StepState>& state, int rank, uint32_t matrix,
                            uint64_t offset, std::string_view data, uint32_t crc32c);
   // The checks of a gradient chunk that need no lock (the layout is immutable): on OK *span is the
-  // index of the rank's span that holds the chunk.
+  // index of the rank's span that holds the chunk and *count its elements.
   absl::Status CheckChunk(const std::string& where, int rank, uint32_t matrix, uint64_t offset,
-                          std::string_view data, uint32_t crc32c, size_t* span) const;
+                          std::string_view data, uint32_t crc32c, size_t* span,
+                          uint64_t* count) const;
   // Claims elements [offset, offset + count) of the rank's span `span` for a gRPC chunk and returns
   // where its bytes go; an error ends the step (refused).
   absl::StatusOr<char*> ClaimChunk(StepState& state, const std::string& where, int rank,
                                    size_t span, uint64_t offset, uint64_t count)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `count` more elements of `matrix` arrived: queues the matrix when it is complete.
+  // `count` more elements of `matrix` arrived: queues the matrix when it is complete, and a drain
+  // of the pipeline unless one is queued.
   void MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix, uint64_t count)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const RankUpdate>> FinishRank(
@@ -277,8 +277,6 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives a gRPC rank its input buffers (reused from the last step) and update storage.
   void PrepareOwnedRank(StepState& state, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Queues a drain of the ready matrices of `state` unless one is queued.
-  void QueueDrain(const std::shared_ptr<StepState>& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION naming `what` while a step is in flight.
   absl::Status CheckNoStepInFlight(const char* what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION unless the job can be saved now (not deleted, not a probe, not fenced).

@@ -54,14 +54,10 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
   for (size_t i = 0; i < spans.size(); ++i) {
     update->spans.push_back({spans[i].matrix, spans[i].offset, out[i], layout_.SpanBytes(rank, i)});
     rin.span_received[i] = spans[i].length;
-    state.matrix_received[spans[i].matrix] += spans[i].length;
-    if (state.matrix_received[spans[i].matrix] ==
-        static_cast<uint64_t>(spec_.matrices[spans[i].matrix].numel())) {
-      state.ready.push_back(spans[i].matrix);
-    }
+    // A drain queued here waits for the job's lock, held until the outputs below are in place.
+    MarkReceived(in_flight_, spans[i].matrix, spans[i].length);
   }
   state.outputs[rank] = std::move(update);
-  QueueDrain(in_flight_);
   return absl::OkStatus();
 }
 

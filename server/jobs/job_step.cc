@@ -161,9 +161,8 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
   StepState& state = *state_ptr;
   const std::string where = absl::StrCat("job '", id(), "' step ", state.step, " rank ", rank);
   size_t span = 0;
-  const absl::Status bad = CheckChunk(where, rank, matrix, offset, data, crc32c, &span);
-  const uint64_t count = bad.ok() ? data.size() / common::DTypeSize(spec_.matrices[matrix].dtype)
-                                  : 0;
+  uint64_t count = 0;
+  const absl::Status bad = CheckChunk(where, rank, matrix, offset, data, crc32c, &span, &count);
   char* dst = nullptr;
   {
     absl::MutexLock lock(&mu_);
@@ -193,7 +192,7 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
 
 absl::Status Job::CheckChunk(const std::string& where, int rank, uint32_t matrix,
                              uint64_t offset, std::string_view data, uint32_t crc32c,
-                             size_t* span) const {
+                             size_t* span, uint64_t* count_out) const {
   if (matrix >= spec_.matrices.size()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": matrix index ", matrix,
                                                    " out of range (the job has ",
@@ -221,6 +220,7 @@ absl::Status Job::CheckChunk(const std::string& where, int rank, uint32_t matrix
         ") are outside the rank's shard of the matrix (", ms.numel(), " elements)"));
   }
   *span = *found;
+  *count_out = count;
   return CheckFiniteChunk(where, ms, offset, data.data(), count);
 }
 
@@ -270,14 +270,11 @@ void Job::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix,
   state->matrix_received[matrix] += count;
   if (state->matrix_received[matrix] == static_cast<uint64_t>(spec_.matrices[matrix].numel())) {
     state->ready.push_back(matrix);
-    QueueDrain(state);
+    if (!state->drain_queued) {
+      state->drain_queued = true;
+      executor_->Submit([self = shared_from_this(), state] { self->pipeline_.Drain(*state); });
+    }
   }
-}
-
-void Job::QueueDrain(const std::shared_ptr<StepState>& state) {
-  if (state->ready.empty() || state->drain_queued) return;
-  state->drain_queued = true;
-  executor_->Submit([self = shared_from_this(), state] { self->pipeline_.Drain(*state); });
 }
 
 absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(

@@ -37,8 +37,6 @@ class MomentumStore {
   // Matrix m's momentum (numel(m) floats). Read without a lock only between changes (see above).
   const float* data(uint32_t m) const { return momentum_[m].data(); }
   size_t numel(uint32_t m) const { return momentum_[m].size(); }
-  // Whether matrix m's memory is registered with the device (DMA without staging).
-  bool pinned(uint32_t m) const { return pinned_[m]; }
 
   // Exclusive access for a change of the store, or for starting a snapshot.
   class ABSL_SCOPED_LOCKABLE Lock {

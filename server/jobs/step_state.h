@@ -82,7 +82,6 @@ class StepRefusal {
   bool Owes(int rank, int64_t step) const {
     return step_ == step && static_cast<size_t>(rank) < owed_.size() && owed_[rank];
   }
-  bool Refused(int64_t step) const { return step_ == step; }
   void Clear() { *this = StepRefusal(); }
 
  private:
