@@ -7,19 +7,26 @@
                            dict(params=other, use_muon=False, lr=3e-4, betas=(0.9, 0.95))])
 
 Modules: client (Client, Session, layout_spans over the C ABI of libmuond_client.so), optim
-(MuonWithAuxAdam), zero (ZeRO partitions for torch.distributed ranks), reference (the Muon update
-of DESIGN.md section 3 in PyTorch). Errors: MuondError with the gRPC code and message.
+(MuonWithAuxAdam; mode="apply" offloads the whole optimizer, DESIGN.md 4b), apply_mode (the
+trainer side of apply mode), zero (ZeRO partitions and their collectives for torch.distributed
+ranks), reference (the Muon update of DESIGN.md section 3 in PyTorch, and ApplyReference).
+Errors: MuondError with the gRPC code and message.
 """
 from ._native import CODE_NAMES, CODES, MuondError, library_path
 from .client import Client, Session, layout_spans
 from .optim import MuonWithAuxAdam
-from .reference import muon_update, newton_schulz
-from .zero import (Partition, all_gather_partitions, copy_from_buffer, copy_into_buffer,
-                   group_partition, group_rank_and_size, job_partitions, stage12_spec)
+from .apply_mode import ParameterOffload, apply_job_spec
+from .reference import ApplyReference, muon_update, newton_schulz
+from .zero import (Partition, all_gather_partition_buffers, all_gather_partitions,
+                   copy_from_buffer, copy_into_buffer, fill_world_buffer, group_partition,
+                   group_rank_and_size, job_partitions, reduce_scatter_partitions,
+                   scatter_world_buffer, stage12_spec)
 
 __all__ = [
     "CODE_NAMES", "CODES", "MuondError", "library_path", "Client", "Session", "layout_spans",
-    "MuonWithAuxAdam", "muon_update", "newton_schulz", "Partition", "all_gather_partitions",
-    "copy_from_buffer", "copy_into_buffer", "group_partition", "group_rank_and_size",
-    "job_partitions", "stage12_spec",
+    "MuonWithAuxAdam", "ParameterOffload", "apply_job_spec", "ApplyReference", "muon_update",
+    "newton_schulz", "Partition", "all_gather_partition_buffers", "all_gather_partitions",
+    "copy_from_buffer", "copy_into_buffer", "fill_world_buffer", "group_partition",
+    "group_rank_and_size", "job_partitions", "reduce_scatter_partitions",
+    "scatter_world_buffer", "stage12_spec",
 ]

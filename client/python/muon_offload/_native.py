@@ -87,6 +87,21 @@ _SIGNATURES = {
     "muond_checkpoint_save": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _PI64, _PI64]),
     "muond_checkpoint_load": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64, _I64,
                                              _PI64, _PI64]),
+    # Apply mode (DESIGN.md section 4b): a step's hyperparameters, the initial weights, the
+    # layout of the parameters in the update buffer, and the master weights as a model file.
+    "muond_session_set_hyper": (ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_char_p),
+                                               ctypes.POINTER(ctypes.c_double),
+                                               ctypes.POINTER(ctypes.c_double), ctypes.c_size_t,
+                                               ctypes.c_double]),
+    "muond_init_params": (ctypes.c_int, [_P, ctypes.POINTER(Span), ctypes.c_size_t, ctypes.c_int]),
+    "muond_init_params_buffer": (ctypes.c_int, [_P, _P, ctypes.c_int]),
+    "muond_session_init_view": (ctypes.c_int, [_P, ctypes.POINTER(_P),
+                                               ctypes.POINTER(ctypes.c_size_t)]),
+    "muond_init_params_in_place": (ctypes.c_int, [_P]),
+    "muond_session_param_byte_offset": (ctypes.c_int, [_P, ctypes.c_size_t,
+                                                       ctypes.POINTER(ctypes.c_uint64)]),
+    "muond_export": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                    ctypes.c_char_p]),
 }
 
 _lock = threading.Lock()

@@ -106,6 +106,13 @@ class Client:
     def reset_job(self, job_id, token, next_step=0):
         _native.call("muond_job_reset", self.handle, job_id.encode(), token.encode(), next_step)
 
+    def export(self, job_id, token, out_path, dtype="float32"):
+        """Apply mode: writes the job's master weights, every tensor in full shape under its name,
+        to `out_path` as a safetensors model file in `dtype` ("float32", "bfloat16" or
+        "float16")."""
+        _native.call("muond_export", self.handle, job_id.encode(), token.encode(),
+                     dtype.encode(), str(out_path).encode())
+
     def attach(self, job_id, rank, token, takeover=False, transport="auto"):
         """Attaches `rank` of the job and returns its Session. transport: "auto" (shared memory when
         the daemon is on this host), "shm" or "grpc"."""
@@ -149,6 +156,7 @@ class Session:
         self.spans = _spans_tuple(array, n)
         self.buffer_elements = int(lib.muond_session_buffer_elements(handle))
         self._views = {}
+        self._param_offsets = None
 
     @property
     def handle(self):
@@ -182,6 +190,16 @@ class Session:
             elements = self.buffer_elements
             view = torch.frombuffer(raw, dtype=dtype, count=elements) if elements else \
                 torch.empty(0, dtype=dtype)
+            self._views[key] = view
+        return view
+
+    def raw_view(self, kind, step):
+        """Step `step`'s "gradient" or "update" buffer as bytes (uint8), its whole size: for
+        buffers that hold several dtypes (apply mode's parameters at param_offsets())."""
+        key = (kind, step % 2, "raw")
+        view = self._views.get(key)
+        if view is None:
+            view = _bytes_tensor(*_native_view(f"muond_session_{kind}_view", self.handle, step))
             self._views[key] = view
         return view
 
@@ -221,3 +239,88 @@ class Session:
                     raise ValueError("span tensors must be contiguous CPU tensors")
                 array[i] = Span(matrix, offset, t.data_ptr(), t.numel())
         _native.call("muond_step", self.handle, int(step), ins, len(grads), outs, len(updates))
+
+    # ----- apply mode (DESIGN.md section 4b) -----
+
+    def param_offsets(self):
+        """Apply mode: for each span (in spans order), the byte offset of its parameters (in the
+        tensor's param_dtype) in the update buffer, in the init view and in the flat parameter
+        buffers of init_params_buffer()/step_buffer(). Stage 1/2 jobs of one param dtype: the
+        partition from byte 0."""
+        if self._param_offsets is None:
+            fn = _native.function("muond_session_param_byte_offset")
+            out = []
+            for i in range(len(self.spans)):
+                offset = ctypes.c_uint64()
+                _native.check(fn(self.handle, i, ctypes.byref(offset)),
+                              "muond_session_param_byte_offset")
+                out.append(offset.value)
+            self._param_offsets = tuple(out)
+        return self._param_offsets
+
+    def set_hyper(self, groups, lr, weight_decay=None, grad_divisor=1.0):
+        """Apply mode: the hyperparameters of the next step, per job group: `groups` (names),
+        `lr` (one per group), `weight_decay` (one per group; None: the groups' job values) and
+        the gradient divisor (the gradients are divided by it before anything else)."""
+        n = len(groups)
+        if len(lr) != n or (weight_decay is not None and len(weight_decay) != n):
+            raise ValueError(f"{n} groups, {len(lr)} lr and "
+                             f"{'no' if weight_decay is None else len(weight_decay)} weight_decay")
+        names = (ctypes.c_char_p * max(n, 1))(*[g.encode() for g in groups])
+        lrs = (ctypes.c_double * max(n, 1))(*[float(x) for x in lr])
+        wds = None if weight_decay is None else \
+            (ctypes.c_double * max(n, 1))(*[float(x) for x in weight_decay])
+        _native.call("muond_session_set_hyper", self.handle, names, lrs, wds, n,
+                     float(grad_divisor))
+
+    def init_view(self, dtype=torch.uint8):
+        """Apply mode, shared memory: where this rank's initial parameters go (gradient buffer 0),
+        each span's in its param_dtype at param_offsets(); then init_params_in_place(). A 1-D
+        tensor of `dtype` over the whole buffer."""
+        key = ("init", dtype)
+        view = self._views.get(key)
+        if view is None:
+            raw = _bytes_tensor(*_native_view("muond_session_init_view", self.handle))
+            view = raw if dtype == torch.uint8 else \
+                raw[:raw.numel() // _itemsize(dtype) * _itemsize(dtype)].view(dtype)
+            self._views[key] = view
+        return view
+
+    def init_params_in_place(self):
+        """Apply mode, shared memory: submits the initial parameters written to init_view()."""
+        _native.call("muond_init_params_in_place", self.handle)
+
+    def init_params_buffer(self, params, float32=False):
+        """Apply mode: this rank's initial parameters as one contiguous CPU buffer laid out as the
+        step buffers (float32 when `float32`, else the job's one param dtype)."""
+        if params.device.type != "cpu" or not params.is_contiguous():
+            raise ValueError("params must be a contiguous CPU tensor")
+        _native.call("muond_init_params_buffer", self.handle, params.data_ptr(),
+                     1 if float32 else 0)
+
+    def init_params_spans(self, params, float32=False):
+        """Apply mode: initial parameters as (matrix, offset, tensor) runs (contiguous CPU
+        tensors, float32 when `float32`, else each tensor's param dtype) covering the rank's
+        spans."""
+        array = (Span * max(len(params), 1))()
+        for i, (matrix, offset, t) in enumerate(params):
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("span tensors must be contiguous CPU tensors")
+            array[i] = Span(matrix, offset, t.data_ptr(), t.numel())
+        _native.call("muond_init_params", self.handle, array, len(params), 1 if float32 else 0)
+
+
+def _itemsize(dtype):
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _native_view(name, *args):
+    data, size = ctypes.c_void_p(), ctypes.c_size_t()
+    _native.call(name, *args, ctypes.byref(data), ctypes.byref(size))
+    return data.value, size.value
+
+
+def _bytes_tensor(address, size):
+    if not size:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer((ctypes.c_char * size).from_address(address), dtype=torch.uint8)

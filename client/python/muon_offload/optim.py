@@ -26,6 +26,16 @@ a reference to that generation, for torch.save; load_state_dict() restores both.
 backend="local" computes the same Muon math in this process (fp32, muon_offload.reference) with the
 momentum in the optimizer state: the side-by-side reference for muond.
 
+mode="apply" (DESIGN.md section 4b) offloads the whole optimizer: every parameter is a tensor of
+the muond job (Muon groups with optimizer "muon", the others "adamw"), muond keeps the fp32 master
+weights, the momentum and the AdamW moments, and returns new parameters in their dtype (float32,
+bfloat16 or float16; on the CPU or a CUDA device). The trainer holds no optimizer state. Each rank
+uploads its partition of the parameters before the first step; step() reduce-scatters the
+gradients into muond (muon_offload.apply_mode), sends each group's lr and weight_decay as the
+param_groups hold them then (so LR schedulers work) and a gradient divisor (the loss scale of
+fp16 training: step(grad_divisor=...) or the grad_divisor attribute), and all-gathers the new
+parameters. max_grad_norm clips globally in muond. mode="update" (the default) is the above.
+
 Errors: MuondError (code, code_name, message). A step that fails changes nothing: no weight, AdamW
 state or momentum is updated, the step id stays, and the gradients are left as they were.
 """
@@ -36,6 +46,7 @@ import torch
 from . import reference
 from ._native import CODES, MuondError
 from .client import Client, dtype_name
+from .apply_mode import ParameterOffload, apply_job_spec, group_name
 from .zero import all_gather_partitions, copy_into_buffer, job_partitions
 
 MUON_KEYS = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True, "ns_steps": 5,
@@ -72,16 +83,30 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     reduce_gradients: average gradients over the group in step() (default: True for more than one
       rank); False when the caller has reduced them already (e.g. DistributedDataParallel).
     takeover: attach even when the rank is attached elsewhere (a restarted trainer).
+    mode: "update" (default) or "apply" (see the module comment); apply mode only:
+      max_grad_norm: global gradient clipping in muond (None: off);
+      init_from: a safetensors file muond reads the initial weights from (None: the ranks upload
+        their parameters before the first step);
+      grad_divisor: the gradients are divided by it in muond (default 1; per step: step(...)).
     """
 
     def __init__(self, param_groups, *, backend="muond", address=None, job_id=None, token=None,
                  process_group=None, zero_stage=None, transport="auto", compute_dtype="float32",
-                 reduce_gradients=None, takeover=False):
+                 reduce_gradients=None, takeover=False, mode="update", max_grad_norm=None,
+                 init_from=None, grad_divisor=1.0):
         if backend not in ("muond", "local"):
             raise ValueError(f"backend must be 'muond' or 'local', not '{backend}'")
+        if mode not in ("update", "apply"):
+            raise ValueError(f"mode must be 'update' or 'apply', not '{mode}'")
+        if mode == "apply" and backend != "muond":
+            raise ValueError("mode='apply' runs the optimizer in muond; the in-process reference "
+                             "of apply mode is muon_offload.reference.ApplyReference")
+        if mode == "update" and (max_grad_norm is not None or init_from is not None):
+            raise ValueError("max_grad_norm and init_from apply to mode='apply' only")
         if token is not None and not job_id:
             raise ValueError("a token was given without the job_id it belongs to")
         self.backend = backend
+        self.mode = mode
         self._sealed = False
         super().__init__(list(param_groups), {})
         self._sealed = True
@@ -98,6 +123,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
         self._muon = [(g, p) for g in self.param_groups if g["use_muon"] for p in g["params"]]
         self._adam = [(g, p) for g in self.param_groups if not g["use_muon"] for p in g["params"]]
+        # The muond job's tensors, in job order: the Muon matrices, or in apply mode everything.
+        self._job_tensors = self._muon if mode == "update" else \
+            [(g, p) for g in self.param_groups for p in g["params"]]
         self._names = {}
         for g in self.param_groups:
             for name, p in zip(g["param_names"], g["params"]):
@@ -113,19 +141,30 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         self.address = address
         self.step_id = 0  # the muond step id of the next step (the local backend counts too)
         self._checkpoint = None  # the generation state_dict() refers to (save_checkpoint())
-        if backend == "local" or not self._muon:
+        self.grad_divisor = float(grad_divisor)
+        self.offload = None  # apply mode: the ParameterOffload of the attached session
+        self._upload_pending = False  # apply mode: the ranks upload the weights at the next step
+        if backend == "local" or not self._job_tensors:
             return
         if self.zero_stage is None:
             self.zero_stage = 2 if self.world_size > 1 else 0
         # The id is rank 0's choice; every rank needs it for the layout.
         self.job_id = self._on_rank0(lambda: job_id or f"muon-{uuid.uuid4().hex[:16]}")
-        self.spec = self._job_spec()
+        if mode == "apply":
+            self.spec = apply_job_spec(self.job_id, self.world_size, self.zero_stage,
+                                       self.muon_config, self.param_groups, self._names,
+                                       max_grad_norm, init_from)
+        else:
+            self.spec = self._job_spec()
         self.partitions = job_partitions(self.spec)
         self.partition = self.partitions[self.rank]
-        self.dtype = self._muon[0][1].dtype
+        self.dtype = self._job_tensors[0][1].dtype
         self.client = Client(address)
         self.token = self._on_rank0(self._create_job)
         self._all_ranks(lambda: self._attach(takeover))
+        # A job that starts at step 0 takes the weights of the trainer (unless muond reads them
+        # from init_from); a later step means muond holds them already (a restarted trainer).
+        self._upload_pending = mode == "apply" and init_from is None and self.step_id == 0
 
     # ----- parameter groups -----
 
@@ -156,6 +195,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                              f"hyperparameters {sorted(unknown)}; accepted: {sorted(keys)}")
         for k, v in keys.items():
             group.setdefault(k, v)
+        apply = getattr(self, "mode", "update") == "apply"
         if group["use_muon"]:
             group["scale_mode"] = _scale_mode(group)
             for name, p in zip(names, params):
@@ -163,9 +203,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     raise ValueError(f"parameter '{name}' has shape {list(p.shape)}: Muon takes "
                                      "2-D weights (3-D expert stacks, 4-D conv weights); put it in "
                                      "a use_muon=False group")
-                if p.device.type != "cpu":
+                if p.device.type != "cpu" and not apply:
                     raise ValueError(f"parameter '{name}' is on {p.device}: this optimizer "
-                                     "updates CPU parameters")
+                                     "updates CPU parameters (mode='apply' takes CUDA ones)")
+        if group["use_muon"] or apply:
+            for name, p in zip(names, params):
                 if not p.is_contiguous():
                     raise ValueError(f"parameter '{name}' is not contiguous")
         super().add_param_group(group)
@@ -265,7 +307,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                              "from this optimizer's parameters (another model or world size?)",
                              "attach")
         self.step_id = self.session.next_step
-        if self.session.is_shm:
+        if self.mode == "apply":
+            if self.offload is not None:
+                self.offload.close()
+            self.offload = ParameterOffload(self.session, self.partitions, self.rank,
+                                            [p for _, p in self._job_tensors], self.process_group,
+                                            self._dist, self.reduce_gradients)
+        elif self.session.is_shm:
             self._grad_buffers = self._update_buffers = None
         else:
             self._grad_buffers = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
@@ -273,6 +321,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     def close(self, delete_job=False):
         """Detaches this rank; with delete_job, rank 0 deletes the job (after all ranks detached)."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
         if self.session is not None:
             self.session.close()
             self.session = None
@@ -286,25 +337,48 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     # ----- the step -----
 
-    def _gradients(self):
-        """Averaged gradients of (muon, adam) parameters, without changing p.grad."""
-        missing = [self._names[p] for _, p in self._muon if p.grad is None]
-        ranks_missing = len(missing) > 0
-        if self.world_size > 1:
-            # Every rank must stop here, or the others would wait in all_reduce for it.
-            flag = torch.tensor([1 if missing else 0], dtype=torch.int32)
-            self._dist.all_reduce(flag, group=self.process_group)
-            ranks_missing = flag.item()
+    def _count_ranks(self, flag):
+        """Collective: on how many ranks of the group `flag` is true."""
+        if self.world_size == 1:
+            return int(bool(flag))
+        nccl = self._dist.get_backend(self.process_group) == "nccl"
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32,
+                         device="cuda" if nccl else "cpu")
+        self._dist.all_reduce(t, group=self.process_group)
+        return int(t.item())
+
+    def _require_gradients(self, pairs, kind):
+        """Raises on every rank (a collective) when a parameter of `pairs` has no gradient on any
+        rank: every rank must stop here, or the others would wait for it in a collective."""
+        missing = [self._names[p] for _, p in pairs if p.grad is None]
+        ranks_missing = self._count_ranks(missing)
         if missing:
             raise MuondError(CODES["INVALID_ARGUMENT"],
-                             f"Muon parameter(s) {', '.join(repr(n) for n in missing)} have no "
-                             "gradient (p.grad is None): every Muon matrix of the muond job needs "
-                             "one each step; was the parameter used in the forward pass?",
+                             f"{kind} parameter(s) {', '.join(repr(n) for n in missing)} have no "
+                             f"gradient (p.grad is None): every {kind} tensor of the muond job "
+                             "needs one each step; was the parameter used in the forward pass?",
                              "step")
         if ranks_missing:
             raise MuondError(CODES["INVALID_ARGUMENT"],
-                             f"{ranks_missing} other rank(s) of the group have Muon parameters "
+                             f"{ranks_missing} other rank(s) of the group have {kind} parameters "
                              "without a gradient (see their errors); the step is skipped", "step")
+
+    def _raise_if_any_rank_failed(self, error):
+        """Collective: raises `error`, or the first failure of another rank, on every rank."""
+        if self.world_size > 1 and self._count_ranks(error is not None):
+            mine = None if error is None else (error.code, error.message, error.operation)
+            errors = [None] * self.world_size
+            self._dist.all_gather_object(errors, mine, group=self.process_group)
+            if error is None:
+                rank, (code, message, operation) = next(
+                    (r, e) for r, e in enumerate(errors) if e is not None)
+                raise MuondError(code, f"rank {rank}: {message}", operation)
+        if error is not None:
+            raise error
+
+    def _gradients(self):
+        """Averaged gradients of (muon, adam) parameters, without changing p.grad."""
+        self._require_gradients(self._muon, "Muon")
         muon = [p.grad for _, p in self._muon]
         adam = [p.grad for _, p in self._adam]  # None: skipped, as torch.optim.AdamW does
         if not (self.reduce_gradients and self.world_size > 1):
@@ -396,19 +470,67 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             v = state["exp_avg_sq"] / (1 - beta2 ** state["step"])
             self._apply(p, m / (v.sqrt() + g["eps"]), g["lr"], g["weight_decay"])
 
-    def step(self, closure=None):
+    def _apply_mode_step(self, grad_divisor):
+        if self.offload is None:
+            raise MuondError(CODES["FAILED_PRECONDITION"], f"job '{self.job_id}' rank "
+                             f"{self.rank}: not attached (closed, or a checkpoint load failed)",
+                             "step")
+        self._require_gradients(self._job_tensors, "apply-mode")
+        if self._upload_pending:
+            self.upload_params()
+        divisor = self.grad_divisor if grad_divisor is None else float(grad_divisor)
+        if self.reduce_gradients and self.world_size > 1:
+            divisor *= self.world_size  # the ranks' gradients are summed: muond takes the mean
+        groups = self.param_groups
+        hyper = ([group_name(i) for i in range(len(groups))], [g["lr"] for g in groups],
+                 [g["weight_decay"] for g in groups], divisor)
+        error = new_params = None
+        try:
+            new_params = self.offload.push_step(self.step_id, [p.grad for _, p in
+                                                               self._job_tensors], hyper)
+        except MuondError as e:
+            error = e
+        self._raise_if_any_rank_failed(error)
+        self.offload.pull_params(new_params)
+
+    def upload_params(self):
+        """Apply mode, a collective: every rank uploads its partition of the parameters as its
+        part of muond's master weights. step() does it before the first step of a new job; call
+        it to replace the masters between steps."""
+        if self.offload is None:
+            raise MuondError(CODES["FAILED_PRECONDITION"], "no apply-mode muond job attached",
+                             "upload_params")
+        self._all_ranks(self.offload.upload_params)
+        self._upload_pending = False
+
+    def export(self, path, dtype="float32"):
+        """Apply mode, a collective: muond writes the master weights, every tensor in full shape
+        under its parameter name, to `path` (a safetensors file on the daemon's host) in
+        `dtype`."""
+        self._barrier()
+        self._on_rank0(lambda: self.client.export(self.job_id, self.token, path, dtype))
+
+    def step(self, closure=None, grad_divisor=None):
         """One optimizer step (a collective with a process group). Raises MuondError, with nothing
-        updated, when a Muon gradient is missing or muond refuses the step (e.g. INVALID_ARGUMENT
-        for a non-finite gradient on any rank, naming the matrix and rank, on every rank)."""
+        updated, when a gradient muond needs is missing or muond refuses the step (e.g.
+        INVALID_ARGUMENT for a non-finite gradient on any rank, naming the tensor and rank, on
+        every rank). grad_divisor (apply mode): divides this step's gradients (default: the
+        grad_divisor attribute)."""
+        if grad_divisor is not None and self.mode != "apply":
+            raise ValueError("grad_divisor applies to mode='apply' only")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            muon_grads, adam_grads = self._gradients()
-            if self._muon:
-                self._muon_step(muon_grads)
-            self._adam_step(adam_grads)
+            if self.mode == "apply":
+                if self._job_tensors:
+                    self._apply_mode_step(grad_divisor)
+            else:
+                muon_grads, adam_grads = self._gradients()
+                if self._muon:
+                    self._muon_step(muon_grads)
+                self._adam_step(adam_grads)
         self.step_id += 1
         return loss
 
@@ -433,10 +555,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         (loaded_generation, next_step)."""
         if self.client is None:
             raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
         if self.session is not None:
             self.session.close()
             self.session = None
         self._checkpoint = None
+        self._upload_pending = False  # apply mode: the generation holds the master weights
         self._barrier()
         loaded, next_step = self._on_rank0(
             lambda: self.client.checkpoint_load(self.job_id, self.token, generation, step))
@@ -457,7 +583,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         save_checkpoint() first): momentum and AdamW state from different steps restore neither."""
         sd = super().state_dict()
         sd["step_id"] = self.step_id
-        if self.backend == "muond" and self._muon:
+        if self._offloaded():
             saved = self._checkpoint
             if saved is None or saved["next_step"] != self.step_id:
                 raise MuondError(CODES["FAILED_PRECONDITION"],
@@ -468,20 +594,23 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             sd["muond"] = dict(saved)
         return sd
 
+    def _offloaded(self):
+        return self.backend == "muond" and bool(self._job_tensors)
+
     def load_state_dict(self, state_dict):
         """Restores the AdamW part in-process and, for muond, loads the referenced generation of the
         job into the daemon (a collective)."""
         state_dict = dict(state_dict)
         muond = state_dict.pop("muond", None)
         step_id = state_dict.pop("step_id", 0)
-        if self.backend == "muond" and self._muon:
+        if self._offloaded():
             if muond is None:
                 raise ValueError("this state_dict has no muond part (saved by backend='local'?)")
             if muond["job_id"] != self.job_id:
                 raise ValueError(f"the state_dict is of muond job '{muond['job_id']}', this "
                                  f"optimizer drives job '{self.job_id}'")
         super().load_state_dict(state_dict)
-        if self.backend == "muond" and self._muon:
+        if self._offloaded():
             _, next_step = self.load_checkpoint(generation=muond["generation"])
             if next_step != muond["next_step"]:
                 raise MuondError(CODES["DATA_LOSS"],

@@ -3,7 +3,8 @@ trainer runs side by side with muond, and the math of MuonWithAuxAdam(backend="l
 
 The operations follow the daemon's CPU path (server/muon): the EMA as a lerp, the norm over
 each block, X / (||X||_F * k + 1e-7), then per iteration A = X X^T, B = b A + c A A, X = a X + B X
-as batched products, so that with fp32 compute the two agree to rounding. Pure functions on tensors.
+as batched products, so that with fp32 compute the two agree to rounding. Pure functions on tensors,
+and ApplyReference: apply mode (DESIGN.md 4b) with fp32 masters, for tests and examples.
 """
 import math
 
@@ -129,3 +130,73 @@ def muon_update(grad, momentum, beta=0.95, nesterov=True, ns_method="standard", 
     u = newton_schulz(u.reshape(batch, rows, cols), ns_method, ns_steps)
     u = torch.mul(u, scale(scale_mode, rows, cols))
     return u.reshape(grad.shape).to(grad.dtype)
+
+
+class ApplyReference:
+    """Apply mode (DESIGN.md 4b) in this process, written apart from MuonWithAuxAdam and muond so
+    that a bug shared by the two cannot hide: fp32 master weights kept here, Muon tensors through
+    muon_update (M <- lerp(M, G, 1-beta), U as DESIGN.md 3) and W <- W*(1 - lr*wd) - lr*U,
+    AdamW tensors through torch.optim.AdamW(foreach=False), one param group per tensor so each
+    step's lr and weight_decay come from the tensor's job group. Gradients: divided by the
+    gradient divisor, then clipped as torch.nn.utils.clip_grad_norm_ over all tensors when
+    max_grad_norm is set.
+
+    tensors: dicts {"name", "param" (initial value, any dtype), "optimizer" ("muon" | "adamw"),
+    "group", optional "num_heads"}, in job order. The Muon config as muon_update takes it.
+    """
+
+    def __init__(self, tensors, momentum=0.95, nesterov=True, ns_method="standard", ns_steps=5,
+                 scale_mode="original", betas=(0.9, 0.95), eps=1e-10, max_grad_norm=None):
+        self.tensors = [dict(t) for t in tensors]
+        self.masters = [t["param"].detach().to(torch.float32).clone() for t in tensors]
+        self.muon = dict(beta=momentum, nesterov=nesterov, ns_method=ns_method,
+                         ns_steps=ns_steps, scale_mode=scale_mode)
+        self.max_grad_norm = max_grad_norm
+        self.momentum = {i: torch.zeros_like(m) for i, (t, m) in
+                         enumerate(zip(tensors, self.masters)) if t["optimizer"] == "muon"}
+        self._adam_index = [i for i, t in enumerate(tensors) if t["optimizer"] == "adamw"]
+        self.adamw = None
+        if self._adam_index:
+            self.adamw = torch.optim.AdamW(
+                [{"params": [self.masters[i]]} for i in self._adam_index], lr=0.0,
+                betas=tuple(betas), eps=eps, weight_decay=0.0, foreach=False)
+        self.last_grad_norm = None
+
+    @torch.no_grad()
+    def step(self, grads, lr, weight_decay, grad_divisor=1.0):
+        """One step: `grads` one per tensor (any dtype), `lr` and `weight_decay` dicts by group
+        name."""
+        g = [torch.div(x.detach().to(torch.float32), float(grad_divisor)) for x in grads]
+        if self.max_grad_norm:
+            for master, gi in zip(self.masters, g):
+                master.grad = gi
+            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters,
+                                                                       self.max_grad_norm))
+            g = [master.grad for master in self.masters]
+        for i, m in self.momentum.items():
+            t = self.tensors[i]
+            u = muon_update(g[i], m, num_heads=t.get("num_heads", 1), **self.muon)
+            rate, decay = lr[t["group"]], weight_decay[t["group"]]
+            w = self.masters[i]
+            w.mul_(1.0 - rate * decay)
+            w.sub_(torch.mul(u, rate))
+        if self.adamw is not None:
+            for group, i in zip(self.adamw.param_groups, self._adam_index):
+                name = self.tensors[i]["group"]
+                group["lr"], group["weight_decay"] = lr[name], weight_decay[name]
+                self.masters[i].grad = g[i]
+            self.adamw.step()
+        for master in self.masters:
+            master.grad = None
+
+    def params(self, dtype):
+        """The masters in `dtype` (rounded to nearest even, as the trainer's parameters)."""
+        return [m.to(dtype) for m in self.masters]
+
+    def state_bytes(self):
+        """Bytes of optimizer state this reference holds: masters, momentum, AdamW moments."""
+        tensors = list(self.masters) + list(self.momentum.values())
+        if self.adamw is not None:
+            for state in self.adamw.state.values():
+                tensors += [v for v in state.values() if torch.is_tensor(v)]
+        return sum(t.numel() * t.element_size() for t in tensors)

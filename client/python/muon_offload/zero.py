@@ -65,24 +65,84 @@ def stage12_spec(job_id, tensors, world_size, zero_stage=2, **muon):
                          for n, t in tensors.items()]}
 
 
-def copy_into_buffer(buffer, partition, tensors, scale=None):
+def copy_into_buffer(buffer, partition, tensors, scale=None, non_blocking=False):
     """Writes the partition's elements of `tensors` (one per job matrix, contiguous) into the flat
     `buffer` (e.g. a session's shared-memory gradient view), multiplied by `scale` when given (a
-    gradient average fused into the copy). One pass over the data, no intermediate buffer."""
+    gradient average fused into the copy). One pass over the data, no intermediate buffer.
+    non_blocking: device-to-host copies into pinned memory are asynchronous (the caller
+    synchronizes before reading `buffer`)."""
     for matrix, offset, length, rank_offset in partition.spans:
         src = tensors[matrix].reshape(-1)[offset:offset + length]
         dst = buffer[rank_offset:rank_offset + length]
         if scale is None:
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=non_blocking)
         else:
             torch.mul(src, scale, out=dst)
 
 
-def copy_from_buffer(buffer, partition, tensors):
+def copy_from_buffer(buffer, partition, tensors, non_blocking=False):
     """The inverse of copy_into_buffer: the partition's elements of `tensors` from `buffer`."""
     for matrix, offset, length, rank_offset in partition.spans:
         tensors[matrix].view(-1)[offset:offset + length].copy_(
-            buffer[rank_offset:rank_offset + length])
+            buffer[rank_offset:rank_offset + length], non_blocking=non_blocking)
+
+
+def _rank_slot(world_buffer, partition):
+    """Rank `partition.rank`'s buffer inside a world buffer (every rank's flat buffer back to
+    back, rank order)."""
+    size = partition.buffer_elements
+    return world_buffer[partition.rank * size:(partition.rank + 1) * size]
+
+
+def fill_world_buffer(world_buffer, partitions, tensors):
+    """Lays `tensors` out as every rank's flat buffer back to back (rank r's at r * P), the input
+    of reduce_scatter_partitions. For stage 1/2 this is the concatenation of the tensors; padding
+    is never written (allocate the buffer zeroed)."""
+    for part in partitions:
+        copy_into_buffer(_rank_slot(world_buffer, part), part, tensors)
+
+
+def scatter_world_buffer(world_buffer, partitions, tensors, non_blocking=False):
+    """The inverse of fill_world_buffer: every rank's elements of `tensors` from a world buffer
+    (the output of all_gather_partition_buffers)."""
+    for part in partitions:
+        copy_from_buffer(_rank_slot(world_buffer, part), part, tensors, non_blocking)
+
+
+def _wire(t):
+    # gloo (torch 1.13) moves no bfloat16: 2-byte dtypes travel as their bit patterns. Only
+    # data movement uses this; sums are done on the real dtype.
+    return t.view(torch.int16) if t.element_size() == 2 and t.is_floating_point() else t
+
+
+def reduce_scatter_partitions(world_buffer, out, group=None):
+    """Collective: `out` (this rank's P elements) <- the sum over the group's ranks of their
+    world buffers' slot of this rank (a reduce-scatter: each rank receives only its partition).
+    NCCL: reduce_scatter_tensor. Other backends (gloo has no reduce-scatter): an all-to-all of the
+    slots, then the sum in rank order, one rounding per addition in the buffer's dtype, so the
+    result is a deterministic function of the ranks' gradients."""
+    import torch.distributed as dist
+    world = dist.get_world_size(group)
+    if dist.get_backend(group) == "nccl":
+        dist.reduce_scatter_tensor(out, world_buffer, group=group)
+        return
+    received = torch.empty_like(world_buffer)
+    dist.all_to_all_single(_wire(received), _wire(world_buffer), group=group)
+    slots = received.view(world, -1)
+    out.copy_(slots[0])
+    for r in range(1, world):
+        out.add_(slots[r])
+
+
+def all_gather_partition_buffers(world_buffer, mine, group=None):
+    """Collective: every rank's `mine` (its flat buffer, P elements) into `world_buffer` at
+    rank * P. REQUIRES: every rank's buffer has the same size and dtype."""
+    import torch.distributed as dist
+    if dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(world_buffer, mine, group=group)
+        return
+    slots = list(_wire(world_buffer).chunk(dist.get_world_size(group)))
+    dist.all_gather(slots, _wire(mine), group=group)
 
 
 def all_gather_partitions(buffer, partitions, rank, tensors, group=None):

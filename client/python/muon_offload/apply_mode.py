@@ -1,0 +1,244 @@
+"""The trainer side of apply mode (DESIGN.md section 4b): muond holds the fp32 master weights, the
+Muon momentum and the AdamW state of every parameter and returns new parameters; the trainer holds
+only its model parameters (float32, bfloat16 or float16) and their gradients.
+
+ParameterOffload moves one rank's data through one attached session:
+  - upload_params(): the rank's partition of the parameters becomes its part of the masters;
+  - step(): the gradients, reduce-scattered over the process group (each rank receives only the
+    sum of its partition, written straight into the session's shared-memory gradient buffer or a
+    flat buffer for gRPC), go to muond with the step's hyperparameters; the new parameters of the
+    partition come back in the param dtype and are all-gathered into every rank's parameters.
+Every rank's flat buffer has the same size P, so a "world buffer" of world * P elements (rank r's
+buffer at r * P) is what the collectives exchange; for ZeRO stage 1/2 it is the concatenated
+parameters, for stage 3 each rank's chunks.
+
+Parameters on a CUDA device: the session's shared-memory buffers are registered with CUDA
+(cudaHostRegister) so the copies between the device and them are asynchronous DMA; the staging
+buffers of the collectives live on the device (NCCL). REQUIRES: one dtype for every parameter
+(a stage 1/2 flat buffer holds one dtype), contiguous parameters.
+
+Thread-safety: none; one step at a time, as the session. Collectives: upload_params() and step()
+are called by every rank of the group in the same order.
+"""
+import warnings
+
+import torch
+
+from ._native import CODES, MuondError
+from .zero import (all_gather_partition_buffers, copy_from_buffer, copy_into_buffer,
+                   fill_world_buffer, reduce_scatter_partitions, scatter_world_buffer)
+
+# cudaHostRegisterReadOnly: the update buffers are mapped read-only.
+_CUDA_HOST_REGISTER_READ_ONLY = 8
+DEFAULT_ADAMW = {"betas": (0.9, 0.95), "eps": 1e-10}
+
+
+def group_name(index):
+    """The job's name of parameter group `index` (its lr and weight_decay travel under it)."""
+    return f"group{index}"
+
+
+def _adamw_config(adam_groups):
+    if not adam_groups:
+        return dict(DEFAULT_ADAMW)
+
+    def config(g):
+        return {"betas": tuple(float(b) for b in g["betas"]), "eps": float(g["eps"])}
+
+    first = config(adam_groups[0])
+    for g in adam_groups[1:]:
+        if config(g) != first:
+            raise ValueError(f"AdamW groups disagree on betas/eps ({first} vs {config(g)}); in "
+                             "apply mode they configure the one muond job, only lr and "
+                             "weight_decay may differ per group")
+    return first
+
+
+def apply_job_spec(job_id, world_size, zero_stage, muon_config, param_groups, names,
+                   max_grad_norm=None, init_from=None):
+    """The job.json (dict) of an apply-mode job for MuonWithAuxAdam's param_groups: every
+    parameter a tensor in group order (optimizer "muon" for use_muon groups, else "adamw"), one
+    job group per param group (group_name(i)) with its lr and weight_decay, the AdamW betas/eps
+    (one per job). `names` maps each parameter to its name. ValueError for parameters of several
+    dtypes (one flat buffer of one dtype moves them)."""
+    from .client import dtype_name
+    tensors = []
+    dtypes = set()
+    for i, g in enumerate(param_groups):
+        for p in g["params"]:
+            t = {"name": names[p], "shape": list(p.shape), "dtype": dtype_name(p.dtype),
+                 "param_dtype": dtype_name(p.dtype),
+                 "optimizer": "muon" if g["use_muon"] else "adamw", "group": group_name(i)}
+            if g["use_muon"] and g["num_heads"] != 1:
+                t["num_heads"] = int(g["num_heads"])
+            tensors.append(t)
+            dtypes.add(p.dtype)
+    if len(dtypes) != 1:
+        raise ValueError(f"the parameters have dtypes {sorted(map(str, dtypes))}; apply mode moves "
+                         "them as one flat buffer of one dtype: cast the model to one dtype")
+    adamw = _adamw_config([g for g in param_groups if not g["use_muon"]])
+    spec = {"job_id": job_id, "mode": "apply", "world_size": int(world_size),
+            "zero_stage": int(zero_stage), "tensors": tensors,
+            "groups": [{"name": group_name(i), "lr": float(g["lr"]),
+                        "weight_decay": float(g["weight_decay"])}
+                       for i, g in enumerate(param_groups)],
+            "adamw": {"betas": list(adamw["betas"]), "eps": adamw["eps"]}}
+    if muon_config is not None:
+        spec["muon"] = dict(muon_config)
+    if max_grad_norm is not None:
+        spec["max_grad_norm"] = float(max_grad_norm)
+    if init_from is not None:
+        spec["init_from"] = str(init_from)
+    return spec
+
+
+class ParameterOffload:
+    """One rank's parameters whose optimizer lives in muond (see the module comment).
+
+    session: the rank's attached client.Session of an apply-mode job; partitions: every rank's
+    zero.Partition (rank order); params: the job's tensors in job order (the model's parameters,
+    updated in place); process_group, distributed: the torch.distributed group of the ranks and
+    the torch.distributed module (None: one rank without torch.distributed); reduce_gradients:
+    sum the ranks' gradients (False: every rank holds the reduced gradients already, e.g. from
+    DistributedDataParallel, and sends its partition of them).
+    """
+
+    def __init__(self, session, partitions, rank, params, process_group=None, distributed=None,
+                 reduce_gradients=True):
+        self.session = session
+        self.partitions = partitions
+        self.partition = partitions[rank]
+        self.rank = rank
+        self.params = list(params)
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self.group = process_group
+        self._dist = distributed if len(partitions) > 1 else None
+        self._reduce = reduce_gradients and self._dist is not None
+        self._cuda = self.device.type == "cuda"
+        self._registered = set()
+        size = self.partition.buffer_elements
+        self._check_param_layout()
+        kw = dict(dtype=self.dtype, device=self.device)
+        # Staging (no optimizer state): the world buffers of the collectives, and on a device the
+        # partition that crosses to and from host memory.
+        self._world_grads = torch.zeros(len(partitions) * size, **kw) if self._reduce else None
+        self._world_params = torch.zeros(len(partitions) * size, **kw) if self._dist else None
+        self._device_part = torch.zeros(size, **kw) if self._cuda and self._dist else None
+        if session.is_shm:
+            self._host_grads = self._host_params = None
+        else:
+            pin = self._cuda
+            self._host_grads = torch.zeros(size, dtype=self.dtype, pin_memory=pin)
+            self._host_params = torch.zeros(size, dtype=self.dtype, pin_memory=pin)
+
+    def workspace_bytes(self):
+        """Bytes of the staging buffers this object allocated (not optimizer state: nothing here
+        outlives a step's meaning)."""
+        bufs = (self._world_grads, self._world_params, self._device_part, self._host_grads,
+                self._host_params)
+        return sum(b.numel() * b.element_size() for b in bufs if b is not None)
+
+    def _check_param_layout(self):
+        # The collectives exchange element-for-element flat buffers: the daemon must place each
+        # span's parameters where its gradients are (true when every tensor has one dtype).
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        want = tuple(rank_offset * itemsize for _, _, _, rank_offset in self.session.spans)
+        got = tuple(self.session.param_offsets())
+        if got != want:
+            raise MuondError(CODES["FAILED_PRECONDITION"],
+                             f"job '{self.session.job_id}' rank {self.rank}: the daemon places the "
+                             f"parameters at byte offsets {got[:4]}..., not the gradients' layout "
+                             f"{want[:4]}... (tensors of several param dtypes?)", "attach")
+
+    # ----- CUDA registration -----
+
+    def _pinned(self, view, read_only=False):
+        """`view` (a shared-memory buffer) registered with CUDA once, so that device copies to and
+        from it are asynchronous; unregistered views still work, with synchronous copies."""
+        if not self._cuda or view.numel() == 0:
+            return view
+        ptr = view.data_ptr()
+        if ptr in self._registered:
+            return view
+        cudart = torch.cuda.cudart()
+        size = view.numel() * view.element_size()
+        flags = _CUDA_HOST_REGISTER_READ_ONLY if read_only else 0
+        try:
+            torch.cuda.check_error(cudart.cudaHostRegister(ptr, size, flags))
+            self._registered.add(ptr)
+        except Exception as e:  # e.g. RLIMIT_MEMLOCK: slower copies, same results
+            warnings.warn(f"muon_offload: cudaHostRegister of {size} bytes of shared memory "
+                          f"failed ({e}); device copies to it are synchronous")
+            self._registered.add(ptr)
+        return view
+
+    def close(self):
+        """Unregisters the shared-memory buffers from CUDA (before the session unmaps them)."""
+        if self._cuda:
+            cudart = torch.cuda.cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+        self._registered.clear()
+
+    def _sync(self):
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ----- initial weights -----
+
+    def upload_params(self):
+        """This rank's partition of the parameters, in their dtype, becomes its part of muond's
+        master weights (before step 0; replaces what the rank uploaded before)."""
+        s = self.session
+        if s.is_shm:
+            view = self._pinned(s.init_view(self.dtype))
+            copy_into_buffer(view, self.partition, self.params, non_blocking=self._cuda)
+            self._sync()
+            s.init_params_in_place()
+        else:
+            copy_into_buffer(self._host_grads, self.partition, self.params, non_blocking=self._cuda)
+            self._sync()
+            s.init_params_buffer(self._host_grads, float32=self.dtype == torch.float32)
+
+    # ----- one step -----
+
+    def push_step(self, step, grads, hyper):
+        """Reduce-scatters `grads` (one per job tensor, the parameters' dtype) into this rank's
+        gradient buffer, sends the step with `hyper` = (groups, lr, weight_decay, grad_divisor)
+        and returns the flat buffer holding the rank's new parameters. A collective over the
+        group up to the muond call; raises MuondError when muond refuses the step (nothing in the
+        trainer changed)."""
+        s = self.session
+        s.set_hyper(*hyper)
+        host = self._pinned(s.gradient_view(step, self.dtype)) if s.is_shm else self._host_grads
+        self._reduce_gradients(grads, host)
+        if s.is_shm:
+            s.step_in_place(step)
+            return self._pinned(s.update_view(step, self.dtype), read_only=True)
+        s.step_buffer(step, host, self._host_params)
+        return self._host_params
+
+    def _reduce_gradients(self, grads, host):
+        if not self._reduce:
+            copy_into_buffer(host, self.partition, grads, non_blocking=self._cuda)
+        else:
+            fill_world_buffer(self._world_grads, self.partitions, grads)
+            target = self._device_part if self._cuda else host
+            reduce_scatter_partitions(self._world_grads, target, self.group)
+            if self._cuda:
+                host.copy_(target, non_blocking=True)
+        self._sync()
+
+    def pull_params(self, new_params):
+        """Every rank's new parameters into the model: this rank's from `new_params` (what
+        push_step returned), the others' by an all-gather (a collective)."""
+        if self._dist is None:
+            copy_from_buffer(new_params, self.partition, self.params, non_blocking=self._cuda)
+        else:
+            mine = new_params
+            if self._cuda:
+                mine = self._device_part.copy_(new_params, non_blocking=True)
+            all_gather_partition_buffers(self._world_params, mine, self.group)
+            scatter_world_buffer(self._world_params, self.partitions, self.params)
+        self._sync()
