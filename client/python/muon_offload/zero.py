@@ -110,9 +110,9 @@ def scatter_world_buffer(world_buffer, partitions, tensors, non_blocking=False):
 
 
 def _wire(t):
-    # gloo (torch 1.13) moves no bfloat16: 2-byte dtypes travel as their bit patterns. Only
+    # gloo (torch 1.13) moves neither bfloat16 nor int16: bfloat16 travels as its bytes. Only
     # data movement uses this; sums are done on the real dtype.
-    return t.view(torch.int16) if t.element_size() == 2 and t.is_floating_point() else t
+    return t.view(torch.uint8) if t.dtype == torch.bfloat16 else t
 
 
 def reduce_scatter_partitions(world_buffer, out, group=None):

@@ -1,0 +1,478 @@
+#!/usr/bin/python3
+"""Apply mode (DESIGN.md 4b) against a real daemon: muond owns the fp32 masters, the Muon momentum
+and the AdamW state and returns new parameters; everything is compared with
+muon_offload.reference.ApplyReference (torch.optim.AdamW(foreach=False) and the reference Muon
+math on masters of its own).
+
+Usage: apply_mode_test.py MUOND_BIN LIBMUOND_CLIENT [unittest names...]
+Each test class starts its own muond and stops it with SIGTERM, expecting exit 0.
+  - SessionTrajectoryTest: 20 steps through the C ABI, one thread per rank: worlds 1..4, ZeRO
+    stages 0/1/2/3 and an explicit layout, gRPC and shared memory, float32 and bfloat16
+    parameters (and mixed param dtypes through the span calls); masters (export) within 1e-6
+    relative per tensor, bf16 parameters the reference's rounding where the masters agree.
+  - RefusalTest: steps before the initial weights, ranks disagreeing on lr, non-finite
+    gradients (nothing changes), global clipping whether or not it triggers.
+  - OptimizerTest: MuonWithAuxAdam(mode="apply") with one rank: trajectories with an LR
+    scheduler and a gradient divisor, no optimizer state in the trainer, refusals, the
+    checkpoint round trip and export.
+  - DistributedTest: MuonWithAuxAdam(mode="apply") over torch.distributed (gloo, 4 spawned
+    processes): worlds 2, 3 and 4, stages 1, 2 and 3, both transports, bf16 and fp32.
+"""
+import os
+import sys
+import tempfile
+import unittest
+
+MUOND, LIB = sys.argv[1], sys.argv[2]
+os.environ["MUOND_CLIENT_LIB"] = LIB
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import apply_harness as h  # noqa: E402
+from apply_harness import (GROUPS, MASTER_TOLERANCE, SessionJob, apply_optimizer,  # noqa: E402
+                           optimizer_model)
+from muon_offload import MuondError  # noqa: E402
+
+torch.set_num_threads(1)
+STEPS = 20
+
+
+class ApplyReferenceTest(unittest.TestCase):
+    """The reference itself against the formulas of DESIGN.md 4b written out in float64."""
+
+    def test_adamw_and_muon_tensors_follow_the_formulas(self):
+        tensors = h.model_tensors()
+        ref = h.reference_for(tensors)
+        w = [t["param"].double() for t in tensors]
+        m = [torch.zeros_like(x) for x in w]
+        v = [torch.zeros_like(x) for x in w]
+        momentum = [torch.zeros(t["param"].shape) for t in tensors]
+        b1, b2 = h.ADAMW["betas"]
+        for step in range(5):
+            lr, wd = h.lr_at(step)
+            grads = h.gradients(tensors, step)
+            ref.step(grads, lr, wd, grad_divisor=2.0)
+            for i, t in enumerate(tensors):
+                g = grads[i].double() / 2
+                rate, decay = lr[t["group"]], wd[t["group"]]
+                if t["optimizer"] == "muon":
+                    u = h.mo.muon_update(g.float(), momentum[i], num_heads=t["num_heads"] if
+                                         "num_heads" in t else 1).double()
+                    w[i] = w[i] * (1 - rate * decay) - rate * u
+                else:
+                    w[i] = w[i] * (1 - rate * decay)
+                    m[i] = b1 * m[i] + (1 - b1) * g
+                    v[i] = b2 * v[i] + (1 - b2) * g * g
+                    mh, vh = m[i] / (1 - b1 ** (step + 1)), v[i] / (1 - b2 ** (step + 1))
+                    w[i] = w[i] - rate * mh / (vh.sqrt() + h.ADAMW["eps"])
+                err = h.relative_error(ref.masters[i], w[i])
+                self.assertLess(err, 1e-6, f"step {step} {t['name']}")
+        # fp32: master + momentum per Muon tensor, master + m + v (+ step) per AdamW tensor.
+        floor = sum(t["param"].numel() * 4 * (2 if t["optimizer"] == "muon" else 3)
+                    for t in tensors)
+        self.assertGreaterEqual(ref.state_bytes(), floor)
+        self.assertLess(ref.state_bytes(), floor + 64)
+
+    def test_clipping_is_clip_grad_norm(self):
+        tensors = h.model_tensors()
+        for max_norm, triggers in ((1.0, True), (1e9, False)):
+            ref = h.reference_for(tensors, max_grad_norm=max_norm)
+            plain = h.reference_for(tensors)
+            grads = h.gradients(tensors, 0)
+            norm = torch.cat([g.double().reshape(-1) for g in grads]).norm().item()
+            ref.step(grads, *h.lr_at(0))
+            plain.step([g * min(1.0, max_norm / (norm + 1e-6)) for g in grads], *h.lr_at(0))
+            self.assertAlmostEqual(ref.last_grad_norm, norm, delta=norm * 1e-6)
+            self.assertEqual(norm > max_norm, triggers)
+            for a, b in zip(ref.masters, plain.masters):
+                self.assertLess(h.relative_error(a, b), 1e-6)
+
+
+class CollectivesTest(unittest.TestCase):
+    """The reduce-scatter and all-gather of the package on gloo, 3 spawned ranks, no daemon."""
+
+    def test_reduce_scatter_and_all_gather(self):
+        import json
+
+        import torch.multiprocessing as mp
+
+        import apply_dist_worker
+        with tempfile.TemporaryDirectory(prefix="apply-collectives-") as tmp:
+            mp.spawn(apply_dist_worker.run_collectives, args=(3, tmp, LIB), nprocs=3, join=True)
+            with open(os.path.join(tmp, "collectives.json")) as f:
+                results = json.load(f)
+        self.assertEqual(len(results), 3)
+        for rank, checks in enumerate(results):
+            self.assertEqual(len(checks), 4)
+            for name, ok in checks.items():
+                self.assertTrue(ok, f"rank {rank} {name}")
+
+
+class DaemonTest(unittest.TestCase):
+    """A daemon per test class."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = h.Daemon(MUOND)
+
+    @classmethod
+    def tearDownClass(cls):
+        code = cls.daemon.stop()
+        assert code == 0, f"muond exited {code} on SIGTERM, not 0"
+
+    def assertRanksOk(self, errors, what):
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise AssertionError(f"{what}: rank {r} failed: {e}") from e
+
+    def assertRefused(self, errors, code_name, *phrases):
+        """Every rank got MuondError `code_name`; the messages together hold each phrase."""
+        for r, e in enumerate(errors):
+            self.assertIsInstance(e, MuondError, f"rank {r}: {e!r}")
+            self.assertEqual(e.code_name, code_name, f"rank {r}: {e}")
+        text = " ".join(e.message for e in errors)
+        for p in phrases:
+            self.assertIn(p, text)
+
+    def assertMastersMatch(self, masters, ref, what):
+        for name, err in h.master_errors(masters, ref).items():
+            self.assertLessEqual(err, MASTER_TOLERANCE, f"{what}: master '{name}' relative error")
+
+    def assertParamsMatch(self, job, ref, what):
+        """fp32 parameters are the masters; bf16 ones within half an ulp of the reference's."""
+        for t, p, m in zip(ref.tensors, job.params, ref.masters):
+            if p.dtype == torch.float32:
+                err = h.relative_error(p, m)
+                self.assertLessEqual(err, MASTER_TOLERANCE, f"{what}: '{t['name']}' {err}")
+            else:
+                self.assertLessEqual(h.relative_error(p, m), 2.0 ** -8, f"{what}: {t['name']}")
+
+
+class SessionTrajectoryTest(DaemonTest):
+    """Apply-mode trajectories through the C ABI against the reference."""
+
+    def trajectory(self, name, dtype, world, stage, transports, layout=None, float32_init=False,
+                   grad_divisor=1.0, param_dtypes=None, spans_api=False):
+        # float32_init: the masters start from float32 values the parameters only round.
+        tensors = h.model_tensors(torch.float32 if float32_init else dtype)
+        job = SessionJob(self.daemon.address, name, tensors, dtype, world, stage, transports,
+                         layout=layout, param_dtypes=param_dtypes, spans_api=spans_api)
+        init = [t["param"] if float32_init else p for t, p in zip(tensors, job.params)]
+        ref = h.reference_for(tensors, init=[p.float() for p in init])
+        self.assertRanksOk(job.upload(float32=float32_init), f"{name} upload")
+        exported = os.path.join(self.daemon.tmp.name, f"{name}.safetensors")
+        for step in range(STEPS):
+            lr, wd = h.lr_at(step)
+            grads = h.gradients(tensors, step, dtype=dtype)
+            scaled = [g.float().mul(grad_divisor) for g in grads] if grad_divisor != 1 else grads
+            sent = [g.to(d) for g, d in zip(scaled, job.dtypes)]
+            self.assertRanksOk(job.step(lambda r: sent, lr, wd, grad_divisor), f"{name} {step}")
+            ref.step([g.to(d) for g, d in zip(grads, job.dtypes)], lr, wd)
+            self.assertParamsMatch(job, ref, f"{name} step {step}")
+            masters = job.export(exported)
+            self.assertMastersMatch(masters, ref, f"{name} step {step}")
+            bad, agree = h.bf16_rounding_mismatches(job.params, masters, ref)
+            self.assertEqual(bad, 0, f"{name} step {step}: bf16 parameters that are not the "
+                             "reference's rounding of bitwise-equal masters")
+        for t, p in zip(tensors, job.params):  # what the ranks got is muond's masters, rounded
+            self.assertTrue(torch.equal(p, masters[t["name"]].to(p.dtype)), t["name"])
+        as_bf16 = job.export(exported, "bfloat16")
+        for t in tensors:
+            self.assertEqual(as_bf16[t["name"]].dtype, torch.bfloat16)
+            self.assertTrue(torch.equal(as_bf16[t["name"]], masters[t["name"]].to(torch.bfloat16)))
+            self.assertEqual(list(masters[t["name"]].shape), list(t["param"].shape))
+        job.close()
+        return agree
+
+    def test_world1_stage0_shm_float32(self):
+        self.trajectory("w1-s0-shm-f32", torch.float32, 1, 0, ("shm",))
+
+    def test_world1_stage0_grpc_bfloat16(self):
+        agree = self.trajectory("w1-s0-grpc-bf16", torch.bfloat16, 1, 0, ("grpc",))
+        self.assertGreater(agree, 0)
+
+    def test_world2_stage1_shm_bfloat16_float32_init(self):
+        self.trajectory("w2-s1-shm-bf16", torch.bfloat16, 2, 1, ("shm",), float32_init=True)
+
+    def test_world2_stage2_grpc_float32_divisor(self):
+        self.trajectory("w2-s2-grpc-f32", torch.float32, 2, 2, ("grpc",), grad_divisor=4.0)
+
+    def test_world3_stage2_shm_float32(self):
+        self.trajectory("w3-s2-shm-f32", torch.float32, 3, 2, ("shm",))
+
+    def test_world3_stage3_grpc_bfloat16(self):
+        self.trajectory("w3-s3-grpc-bf16", torch.bfloat16, 3, 3, ("grpc",))
+
+    def test_world4_stage3_shm_float32(self):
+        self.trajectory("w4-s3-shm-f32", torch.float32, 4, 3, ("shm",))
+
+    def test_world4_stage2_both_transports_bfloat16(self):
+        self.trajectory("w4-s2-mixed-bf16", torch.bfloat16, 4, 2, ("shm", "grpc"))
+
+    def test_world2_explicit_layout(self):
+        # Uneven: rank 0 owns the first half of every tensor, rank 1 the rest (0-d: rank 0).
+        layout = [[], []]
+        for t in h.model_tensors():
+            n = t["param"].numel()
+            first = max(1, n // 2) if n > 1 else 1
+            layout[0].append({"matrix": t["name"], "offset": 0, "length": first})
+            if n > first:
+                layout[1].append({"matrix": t["name"], "offset": first, "length": n - first})
+        self.trajectory("w2-explicit-f32", torch.float32, 2, None, ("grpc", "shm"), layout=layout)
+
+    def test_world2_stage3_mixed_param_dtypes_through_spans(self):
+        tensors = h.model_tensors()
+        dtypes = [torch.bfloat16 if t["optimizer"] == "muon" else torch.float32 for t in tensors]
+        self.trajectory("w2-s3-spans-mixed", torch.bfloat16, 2, 3, ("shm", "grpc"),
+                        param_dtypes=dtypes, spans_api=True)
+
+
+class RefusalTest(DaemonTest):
+    """Refused steps change nothing; global clipping equals the reference whether or not it
+    triggers."""
+
+    def job(self, name, world=2, stage=2, max_grad_norm=None, transports=("shm", "grpc")):
+        tensors = h.model_tensors()
+        job = SessionJob(self.daemon.address, name, tensors, torch.float32, world, stage,
+                         transports, max_grad_norm=max_grad_norm)
+        return job, h.reference_for(tensors, max_grad_norm=max_grad_norm)
+
+    def good_step(self, job, ref, step, what):
+        lr, wd = h.lr_at(step)
+        grads = h.gradients(job.tensors, step)
+        self.assertRanksOk(job.step(lambda r: grads, lr, wd), what)
+        ref.step(grads, lr, wd)
+        self.assertParamsMatch(job, ref, what)
+
+    def test_steps_before_the_initial_weights(self):
+        job, ref = self.job("refuse-no-weights")
+        lr, wd = h.lr_at(0)
+        grads = h.gradients(job.tensors, 0)
+        self.assertRefused(job.step(lambda r: grads, lr, wd), "FAILED_PRECONDITION",
+                           "initial weights of ranks 0, 1")
+        self.assertRanksOk(job.upload(ranks=[0]), "rank 0 upload")
+        self.assertRefused(job.step(lambda r: grads, lr, wd), "FAILED_PRECONDITION",
+                           "initial weights of rank 1 ")
+        self.assertRanksOk(job.upload(ranks=[1]), "rank 1 upload")
+        for step in range(3):  # step 0 as if nothing had been refused
+            self.good_step(job, ref, step, f"step {step} after the refusals")
+        job.close()
+
+    def test_ranks_disagreeing_on_lr(self):
+        job, ref = self.job("refuse-lr")
+        self.assertRanksOk(job.upload(), "upload")
+        self.good_step(job, ref, 0, "step 0")
+        before = job.export(self.daemon.path("lr-before.safetensors"))
+        lr, wd = h.lr_at(1)
+        other = dict(lr, muon=lr["muon"] * 2)
+        grads = h.gradients(job.tensors, 1)
+        errors = job.step(lambda r: grads, lambda r: other if r == 1 else lr, wd)
+        self.assertRefused(errors, "INVALID_ARGUMENT", "disagree", "lr of group 'muon'")
+        self.assertEqual(job.step_id, 1)
+        after = job.export(self.daemon.path("lr-after.safetensors"))
+        for name in before:
+            self.assertTrue(torch.equal(before[name], after[name]), name)
+        for step in range(1, 4):
+            self.good_step(job, ref, step, f"step {step} after the refusal")
+        job.close()
+
+    def test_non_finite_gradient_changes_nothing(self):
+        job, ref = self.job("refuse-nan", world=3, stage=3)
+        self.assertRanksOk(job.upload(), "upload")
+        for step in range(2):
+            self.good_step(job, ref, step, f"step {step}")
+        before = job.export(self.daemon.path("nan-before.safetensors"))
+        lr, wd = h.lr_at(2)
+        for bad_tensor, value in ((4, float("nan")), (1, float("inf"))):
+            grads = h.gradients(job.tensors, 2)
+            poisoned = [g.clone() for g in grads]
+            poisoned[bad_tensor].view(-1)[-1] = value  # the last element: the last rank's chunk
+            errors = job.step(lambda r: poisoned, lr, wd)
+            self.assertRefused(errors, "INVALID_ARGUMENT", "non-finite",
+                               f"'{job.tensors[bad_tensor]['name']}'")
+            after = job.export(self.daemon.path("nan-after.safetensors"))
+            for name in before:
+                self.assertTrue(torch.equal(before[name], after[name]), name)
+        for step in range(2, 5):
+            self.good_step(job, ref, step, f"step {step} after the refusals")
+        job.close()
+
+    def clipped_trajectory(self, name, max_grad_norm, scales):
+        job, ref = self.job(name, max_grad_norm=max_grad_norm)
+        plain, plain_ref = self.job(name + "-plain")
+        self.assertRanksOk(job.upload(), "upload")
+        self.assertRanksOk(plain.upload(), "upload")
+        norms = []
+        for step, scale in enumerate(scales):
+            lr, wd = h.lr_at(step)
+            grads = h.gradients(job.tensors, step, scale=scale)
+            for j, r in ((job, ref), (plain, plain_ref)):
+                self.assertRanksOk(j.step(lambda _: grads, lr, wd), f"{name} step {step}")
+                r.step(grads, lr, wd)
+                self.assertParamsMatch(j, r, f"{name} step {step}")
+            norms.append(ref.last_grad_norm)
+        masters = job.export(self.daemon.path(f"{name}.safetensors"))
+        self.assertMastersMatch(masters, ref, name)
+        result = [p.clone() for p in job.params], [p.clone() for p in plain.params], norms
+        job.close()
+        plain.close()
+        return result
+
+    def test_clipping_that_triggers_on_some_steps(self):
+        scales = [1.0, 0.01, 3.0, 0.01, 1.0, 0.02]
+        clipped, plain, norms = self.clipped_trajectory("clip-some", 2.0, scales)
+        triggered = [n > 2.0 for n in norms]
+        self.assertIn(True, triggered, norms)
+        self.assertIn(False, triggered, norms)
+        self.assertFalse(all(torch.equal(a, b) for a, b in zip(clipped, plain)))
+
+    def test_clipping_that_never_triggers_changes_no_bit(self):
+        clipped, plain, norms = self.clipped_trajectory("clip-never", 1e6, [1.0, 2.0, 0.5, 1.0])
+        self.assertTrue(all(n < 1e6 for n in norms), norms)
+        for a, b in zip(clipped, plain):
+            self.assertTrue(torch.equal(a, b))
+
+
+class OptimizerTest(DaemonTest):
+    """MuonWithAuxAdam(mode="apply"), one rank without torch.distributed."""
+
+    def trajectory(self, name, dtype, transport, steps=STEPS, divisor=1.0):
+        params, kinds, tensors = optimizer_model(dtype)
+        opt = apply_optimizer(params, kinds, address=self.daemon.address, job_id=name,
+                              transport=transport, grad_divisor=divisor)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 40.0)
+        ref = h.reference_for(tensors, init=[t["param"].float() for t in tensors])
+        for step in range(steps):
+            lrs = {"group0": opt.param_groups[0]["lr"], "group1": opt.param_groups[1]["lr"]}
+            wds = {"group0": GROUPS["muon"]["weight_decay"],
+                   "group1": GROUPS["adamw"]["weight_decay"]}
+            grads = h.gradients(tensors, step, dtype=dtype, scale=divisor)
+            for p, g in zip(params.values(), grads):
+                p.grad = g
+            opt.step()
+            sched.step()
+            ref.step(grads, lrs, wds, grad_divisor=divisor)
+            for t, m in zip(tensors, ref.masters):
+                p = params[t["name"]].detach()
+                tol = MASTER_TOLERANCE if dtype == torch.float32 else 2.0 ** -8
+                self.assertLessEqual(h.relative_error(p, m), tol, f"{name} {step} {t['name']}")
+        self.assertEqual(opt.step_id, steps)
+        self.assertEqual(len(opt.state), 0, "apply mode keeps no optimizer state in the trainer")
+        path = self.daemon.path(f"{name}.safetensors")
+        opt.export(path)
+        masters = h.read_safetensors(path)
+        self.assertEqual(set(masters), set(params))
+        self.assertMastersMatch(masters, ref, name)
+        for n, p in params.items():
+            self.assertTrue(torch.equal(p.detach(), masters[n].to(dtype)), n)
+        return opt, params, tensors
+
+    def test_float32_shm_with_scheduler(self):
+        opt, _, _ = self.trajectory("opt-f32-shm", torch.float32, "shm")
+        self.assertTrue(opt.session.is_shm)
+        opt.close(delete_job=True)
+
+    def test_bfloat16_grpc_with_divisor(self):
+        opt, params, _ = self.trajectory("opt-bf16-grpc", torch.bfloat16, "grpc", divisor=64.0)
+        self.assertFalse(opt.session.is_shm)
+        self.assertTrue(all(p.dtype == torch.bfloat16 for p in params.values()))
+        opt.close(delete_job=True)
+
+    def test_refused_step_changes_nothing(self):
+        params, kinds, tensors = optimizer_model(torch.bfloat16)
+        opt = apply_optimizer(params, kinds, address=self.daemon.address, job_id="opt-refuse")
+        for step in range(2):
+            for p, g in zip(params.values(), h.gradients(tensors, step, dtype=torch.bfloat16)):
+                p.grad = g
+            opt.step()
+        before = {n: p.detach().clone() for n, p in params.items()}
+        params["embed.w"].grad[3, 3] = float("nan")
+        with self.assertRaises(MuondError) as e:
+            opt.step()
+        self.assertEqual(e.exception.code_name, "INVALID_ARGUMENT")
+        self.assertIn("'embed.w'", e.exception.message)
+        self.assertEqual(opt.step_id, 2)
+        for n, p in params.items():
+            self.assertTrue(torch.equal(p.detach(), before[n]), n)
+        params["embed.w"].grad = None
+        with self.assertRaises(MuondError) as e:
+            opt.step()
+        self.assertIn("no gradient", e.exception.message)
+        opt.close(delete_job=True)
+
+    def test_checkpoint_round_trip(self):
+        params, kinds, tensors = optimizer_model(torch.bfloat16)
+        opt = apply_optimizer(params, kinds, address=self.daemon.address, job_id="opt-ckpt",
+                              max_grad_norm=5.0)
+
+        def step(t):
+            for p, g in zip(params.values(), h.gradients(tensors, t, dtype=torch.bfloat16)):
+                p.grad = g
+            opt.step()
+
+        for t in range(3):
+            step(t)
+        saved_params = {n: p.detach().clone() for n, p in params.items()}
+        opt.save_checkpoint()
+        sd = opt.state_dict()
+        self.assertEqual(sd["muond"]["next_step"], 3)
+        self.assertEqual(sd["state"], {})
+        first = []
+        for t in range(3, 6):
+            step(t)
+            first.append({n: p.detach().clone() for n, p in params.items()})
+        first_masters = self.daemon.path("ckpt-first.safetensors")
+        opt.export(first_masters)
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved_params[n])
+        opt.load_state_dict(sd)
+        self.assertEqual(opt.step_id, 3)
+        for i, t in enumerate(range(3, 6)):
+            step(t)
+            for n, p in params.items():
+                self.assertTrue(torch.equal(p.detach(), first[i][n]), f"step {t}: {n}")
+        again = self.daemon.path("ckpt-again.safetensors")
+        opt.export(again)
+        a, b = h.read_safetensors(first_masters), h.read_safetensors(again)
+        for n in a:
+            self.assertTrue(torch.equal(a[n], b[n]), n)
+        opt.close(delete_job=True)
+
+
+class DistributedTest(DaemonTest):
+    """MuonWithAuxAdam(mode="apply") in 4 spawned gloo processes (apply_dist_worker.py)."""
+
+    def test_worlds_2_3_4(self):
+        import json
+
+        import torch.multiprocessing as mp
+
+        import apply_dist_worker
+        with tempfile.TemporaryDirectory(prefix="apply-dist-") as tmp:
+            mp.spawn(apply_dist_worker.run, args=(4, self.daemon.address, tmp, LIB), nprocs=4,
+                     join=True)
+            with open(os.path.join(tmp, "result.json")) as f:
+                result = json.load(f)
+        self.assertEqual(sorted(result["cases"]), sorted(apply_dist_worker.CASE_NAMES))
+        for name, case in result["cases"].items():
+            self.assertEqual(case["steps"], apply_dist_worker.STEPS, name)
+            for step, errors in enumerate(case["param_errors"]):
+                for tensor, err in errors.items():
+                    self.assertLessEqual(err, case["tolerance"], f"{name} step {step} {tensor}")
+            for tensor, err in case["master_errors"].items():
+                self.assertLessEqual(err, MASTER_TOLERANCE, f"{name}: master {tensor}")
+            self.assertEqual(case["bf16_mismatches"], 0, name)
+            self.assertTrue(case["ranks_agree"], f"{name}: the ranks' parameters differ")
+        refusals = result["refusals"]
+        self.assertEqual(refusals["lr"]["code_name"], "INVALID_ARGUMENT", refusals)
+        self.assertIn("disagree", refusals["lr"]["message"])
+        self.assertEqual(refusals["nan"]["code_name"], "INVALID_ARGUMENT", refusals)
+        self.assertIn("non-finite", refusals["nan"]["message"])
+        self.assertTrue(refusals["unchanged"], refusals)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0], "-v", *sys.argv[3:]])
