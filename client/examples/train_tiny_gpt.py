@@ -13,9 +13,19 @@ Side by side, each rank trains a copy of the same model, from the same weights a
 batches, with backend="local": the Muon math of DESIGN.md section 3 in PyTorch. The script prints
 both losses per step and the largest difference, and writes a plot of the two loss curves.
 
+--mode apply (DESIGN.md 4b) offloads the whole optimizer: muond holds the fp32 master weights, the
+Muon momentum and the AdamW state of every parameter, the ranks reduce-scatter their gradients into
+it and get new parameters back (--param-dtype float32, bfloat16 or float16 in the model); the
+trainer holds no optimizer state. The side-by-side reference is then written apart from the
+optimizer: muon_offload.reference.ApplyReference (torch.optim.AdamW plus the reference Muon math on
+fp32 masters of its own), whose masters set the reference model's parameters (.to(param dtype)).
+Both modes print, at the end, the optimizer-state bytes held in the trainer process and by muond
+(JobStatus momentum_bytes through `muonctl status --json`).
+
 Usage: train_tiny_gpt.py [--steps N] [--address ADDR] [--plot PNG] [--json OUT]
+         [--mode update|apply] [--param-dtype float32|bfloat16|float16] [--max-grad-norm X]
          [--save-at N --checkpoint DIR] [--stop-after N] [--resume DIR]
-         [--inject-nonfinite-at N]
+         [--inject-nonfinite-at N] [--muonctl PATH]
 --save-at writes a trainer checkpoint after N steps (models, AdamW state, and a muond checkpoint
 generation of the job); --resume continues from one (also after a daemon restart).
 --inject-nonfinite-at puts a NaN into rank 1's gradient at step N, shows muond refusing the step,
@@ -27,6 +37,8 @@ import copy
 import json
 import math
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -124,6 +136,171 @@ def checkpoint_path(directory, rank):
     return os.path.join(directory, f"rank{rank}.pt")
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-10
+
+
+def lr_factor(step, steps):
+    """The LR schedule of apply mode (a LambdaLR on the muond optimizer, recomputed on its own by
+    the reference): linear decay to 10%."""
+    return 1.0 - 0.9 * step / max(1, steps)
+
+
+class ApplyModeReference:
+    """The in-process reference of apply mode, independent of MuonWithAuxAdam: the ranks'
+    gradients gathered and summed in rank order (as an all-reduce in the parameters' dtype),
+    divided by the world size, then muon_offload.reference.ApplyReference (fp32 masters,
+    torch.optim.AdamW(foreach=False), the reference Muon math); the model's parameters are set
+    from masters.to(param dtype)."""
+
+    def __init__(self, model, groups, max_grad_norm):
+        self.params, tensors = [], []
+        for kind, group in zip(("muon", "adamw"), groups):
+            for name, p in group["params"]:
+                self.params.append(p)
+                tensors.append({"name": name, "param": p, "optimizer": kind, "group": kind})
+        self.lr = {"muon": groups[0]["lr"], "adamw": groups[1]["lr"]}
+        self.wd = {"muon": groups[0]["weight_decay"], "adamw": groups[1]["weight_decay"]}
+        self.ref = muon_offload.ApplyReference(tensors, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                               max_grad_norm=max_grad_norm)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, factor, world):
+        flat = torch.cat([p.grad.float().reshape(-1) for p in self.params])  # exact
+        every = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(every, flat)
+        dtype = self.params[0].dtype
+        total = every[0].to(dtype)
+        for other in every[1:]:
+            total.add_(other.to(dtype))
+        grads, at = [], 0
+        for p in self.params:
+            grads.append(total[at:at + p.numel()].view(p.shape))
+            at += p.numel()
+        self.ref.step(grads, {k: v * factor for k, v in self.lr.items()}, self.wd,
+                      grad_divisor=world)
+        for p, m in zip(self.params, self.ref.params(dtype)):
+            p.copy_(m)
+
+    def state_dict(self):
+        return self.ref.state_dict()
+
+    def load_state_dict(self, state):
+        self.ref.load_state_dict(state)
+
+
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def optimizer_state_bytes(opt):
+    """Bytes of the tensors a torch optimizer keeps in its state (AdamW moments, momentum)."""
+    return sum(tensor_bytes(state.values()) for state in opt.state.values())
+
+
+def daemon_job_bytes(args, job_id):
+    """JobStatus momentum_bytes of the job, through `muonctl status --json` (None when muonctl
+    cannot say)."""
+    muonctl = args.muonctl or os.path.join(HERE, "..", "..", "build", "bin", "muonctl")
+    if not os.path.exists(muonctl):
+        muonctl = shutil.which("muonctl")
+    if not muonctl:
+        return None
+    cmd = [muonctl] + (["--address", args.address] if args.address else []) + \
+        ["status", "--json", "--metrics-address", "off"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for job in json.loads(out).get("jobs", []):
+        if job.get("job_id") == job_id:
+            return int(job["momentum_bytes"])
+    return None
+
+
+def make_optimizers(model, reference, args, job_id=None, token=None):
+    """(muond optimizer, side-by-side reference, LR scheduler or None); job_id/token: of the job
+    a resumed trainer attaches to."""
+    groups = (args.muon_lr, args.adam_lr, args.weight_decay)
+    job = dict(address=args.address or None, job_id=job_id or args.job_id, token=token,
+               transport=args.transport, zero_stage=args.zero_stage)
+    if args.mode == "update":
+        opt = MuonWithAuxAdam(param_groups(model, *groups), **job)
+        return opt, MuonWithAuxAdam(param_groups(reference, *groups), backend="local"), None
+    job.update(mode="apply", max_grad_norm=args.max_grad_norm)
+    opt = MuonWithAuxAdam(param_groups(model, *groups), **job)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps))
+    ref = ApplyModeReference(reference, param_groups(reference, *groups), args.max_grad_norm)
+    return opt, ref, scheduler
+
+
+def train_step(step, model, reference, opt, opt_ref, scheduler, x, y, rank, world, args,
+               refusals):
+    step_losses = []
+    for m, o in ((model, opt), (reference, opt_ref)):
+        o.zero_grad()
+        loss = m(x, y)
+        loss.backward()
+        if o is opt and step == args.inject_nonfinite_at:
+            # A poisoned gradient on one rank: muond refuses the step for the whole job and
+            # nothing changes; the gradients are computed again and the step retried.
+            if rank == 1:
+                o.param_groups[0]["params"][0].grad[0, 0] = float("nan")
+            try:
+                o.step()
+                raise RuntimeError("muond accepted a non-finite gradient")
+            except MuondError as e:
+                refusals.append({"step": step, "code": e.code, "code_name": e.code_name,
+                                 "message": e.message})
+                if rank == 0:
+                    print(f"  step {step}: refused as expected: {e}", flush=True)
+            o.zero_grad()
+            m(x, y).backward()
+        if o is opt_ref and args.mode == "apply":
+            o.step(lr_factor(step, args.steps), world)
+        else:
+            o.step()
+        if o is opt and scheduler is not None:
+            scheduler.step()
+        step_losses.append(global_mean(loss.float().item(), world))
+    return step_losses
+
+
+def state_bytes_report(opt, opt_ref, args, rank):
+    """Optimizer-state bytes in this trainer process (both optimizers) and in muond."""
+    out = {"mode": args.mode, "trainer_optimizer_state_bytes": optimizer_state_bytes(opt),
+           "trainer_param_bytes": tensor_bytes([p for g in opt.param_groups
+                                                for p in g["params"]]),
+           "daemon_job_bytes": daemon_job_bytes(args, opt.job_id) if rank == 0 else None}
+    if args.mode == "apply":
+        out["trainer_workspace_bytes"] = opt.offload.workspace_bytes() if opt.offload else 0
+        out["reference_state_bytes"] = opt_ref.ref.state_bytes()
+    else:
+        out["reference_state_bytes"] = optimizer_state_bytes(opt_ref)
+    return out
+
+
+def print_state_bytes(report):
+    mode = report["mode"]
+    daemon = report["daemon_job_bytes"]
+    print(f"optimizer state, mode {mode}: trainer process {report['trainer_optimizer_state_bytes']} "
+          "bytes (" + ("AdamW moments of the non-Muon parameters; the momentum is in muond"
+                       if mode == "update" else "none: masters, momentum and AdamW are in muond")
+          + f"); parameters {report['trainer_param_bytes']} bytes", flush=True)
+    if mode == "apply":
+        print(f"  trainer staging buffers (per step, no state): "
+              f"{report['trainer_workspace_bytes']} bytes", flush=True)
+    print(f"  in-process reference (everything in the trainer): {report['reference_state_bytes']} "
+          "bytes", flush=True)
+    print("  muond JobStatus momentum_bytes: " +
+          (f"{daemon} bytes" if daemon is not None else "unknown (muonctl not found)"),
+          flush=True)
+
+
 def run_rank(rank, world, args, store_path, result_path):
     torch.set_num_threads(1)  # two ranks and the daemon share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
@@ -131,56 +308,42 @@ def run_rank(rank, world, args, store_path, result_path):
     data, vocab = load_text()
     torch.manual_seed(args.seed)
     model = TinyGPT(vocab, d=args.d, layers=args.layers, block_size=args.block_size)
+    model.to(DTYPES[args.param_dtype])
     reference = copy.deepcopy(model)
     resume = torch.load(checkpoint_path(args.resume, rank)) if args.resume else None
-    job = dict(address=args.address or None, job_id=args.job_id, transport=args.transport,
-               zero_stage=args.zero_stage)
     if resume:
         model.load_state_dict(resume["model"])
         reference.load_state_dict(resume["reference"])
-        job.update(job_id=resume["job_id"], token=resume["token"])
-    groups = (args.muon_lr, args.adam_lr, args.weight_decay)
-    opt = MuonWithAuxAdam(param_groups(model, *groups), **job)
-    opt_ref = MuonWithAuxAdam(param_groups(reference, *groups), backend="local")
+    opt, opt_ref, scheduler = make_optimizers(model, reference, args,
+                                              *((resume["job_id"], resume["token"]) if resume
+                                                else ()))
     losses, ref_losses, start = [], [], 0
     if resume:
         opt.load_state_dict(resume["optimizer"])
         opt_ref.load_state_dict(resume["reference_optimizer"])
         losses, ref_losses, start = resume["losses"], resume["ref_losses"], resume["step"]
+        if scheduler is not None:
+            scheduler.last_epoch = start - 1
+            scheduler.step()
     if rank == 0:
-        print(f"muond job '{opt.job_id}': {world} ranks, ZeRO stage {opt.zero_stage}, "
-              f"{len(opt.spec['matrices'])} Muon matrices, "
+        tensors = opt.spec.get("matrices") or opt.spec["tensors"]
+        what = (f"{len(tensors)} Muon matrices" if args.mode == "update" else
+                f"mode apply: all {len(tensors)} parameters "
+                f"({sum(t['optimizer'] == 'muon' for t in tensors)} Muon) in {args.param_dtype}, "
+                "masters and optimizer state in muond")
+        print(f"muond job '{opt.job_id}': {world} ranks, ZeRO stage {opt.zero_stage}, {what}, "
               f"{'shared memory' if opt.session.is_shm else 'gRPC'}, "
               f"rank 0 owns {opt.partition.buffer_elements} elements; starts at step {start}",
               flush=True)
-        print(f"{'step':>5} {'loss (muond)':>14} {'loss (in-process)':>18} {'|diff|':>10}",
+        ref_name = "in-process" if args.mode == "update" else "reference"
+        print(f"{'step':>5} {'loss (muond)':>14} {'loss (' + ref_name + ')':>18} {'|diff|':>10}",
               flush=True)
     refusals = []
     t0 = time.time()
     for step in range(start, args.steps):
         x, y = batch(data, step, rank, args.batch_size, args.block_size, args.seed)
-        step_losses = []
-        for m, o in ((model, opt), (reference, opt_ref)):
-            o.zero_grad()
-            loss = m(x, y)
-            loss.backward()
-            if o is opt and step == args.inject_nonfinite_at:
-                # A poisoned gradient on one rank: muond refuses the step for the whole job and
-                # nothing changes; the gradients are computed again and the step retried.
-                if rank == 1:
-                    o.param_groups[0]["params"][0].grad[0, 0] = float("nan")
-                try:
-                    o.step()
-                    raise RuntimeError("muond accepted a non-finite gradient")
-                except MuondError as e:
-                    refusals.append({"step": step, "code": e.code, "code_name": e.code_name,
-                                     "message": e.message})
-                    if rank == 0:
-                        print(f"  step {step}: refused as expected: {e}", flush=True)
-                o.zero_grad()
-                m(x, y).backward()
-            o.step()
-            step_losses.append(global_mean(loss.item(), world))
+        step_losses = train_step(step, model, reference, opt, opt_ref, scheduler, x, y, rank,
+                                 world, args, refusals)
         losses.append(step_losses[0])
         ref_losses.append(step_losses[1])
         if rank == 0:
@@ -201,26 +364,30 @@ def run_rank(rank, world, args, store_path, result_path):
         if args.stop_after is not None and step + 1 == args.stop_after:
             break
     seconds = time.time() - t0
+    report = state_bytes_report(opt, opt_ref, args, rank)
+    if rank == 0:
+        print_state_bytes(report)
     finished = args.stop_after is None or args.stop_after >= args.steps
     opt.close(delete_job=finished and not args.keep_job)
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump({"losses": losses, "ref_losses": ref_losses, "start": start,
                        "job_id": opt.job_id, "refusals": refusals, "seconds": seconds,
-                       "steps_run": len(losses) - start}, f)
+                       "steps_run": len(losses) - start, "state_bytes": report}, f)
     dist.destroy_process_group()
 
 
-def plot(losses, ref_losses, path):
+def plot(losses, ref_losses, path, mode="update"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(len(ref_losses)), ref_losses, label="in-process Muon", linewidth=3, alpha=0.5)
+    ref_label = "in-process Muon" if mode == "update" else "in-process reference (fp32 masters)"
+    ax.plot(range(len(ref_losses)), ref_losses, label=ref_label, linewidth=3, alpha=0.5)
     ax.plot(range(len(losses)), losses, label="Muon through muond", linestyle="--")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (cross-entropy, mean of 2 ranks)")
-    ax.set_title("Tiny GPT on GPL-3: muond vs in-process Muon")
+    ax.set_title(f"Tiny GPT on GPL-3: muond (mode {mode}) vs in-process")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -251,9 +418,20 @@ def parse_args(argv=None):
     ap.add_argument("--resume", default=None, help="trainer checkpoint directory to resume from")
     ap.add_argument("--inject-nonfinite-at", type=int, default=None)
     ap.add_argument("--keep-job", action="store_true", help="do not delete the muond job at the end")
+    ap.add_argument("--mode", default="update", choices=("update", "apply"),
+                    help="update: muond returns Muon updates, AdamW runs here; apply: muond holds "
+                    "masters and all optimizer state and returns new parameters")
+    ap.add_argument("--param-dtype", default="float32", choices=sorted(DTYPES),
+                    help="the model's parameter dtype (apply mode)")
+    ap.add_argument("--max-grad-norm", type=float, default=None,
+                    help="global gradient clipping in muond (apply mode)")
+    ap.add_argument("--muonctl", default=None,
+                    help="muonctl for the daemon's JobStatus (default: the build tree's, else PATH)")
     args = ap.parse_args(argv)
     if args.save_at is not None and not args.checkpoint:
         ap.error("--save-at needs --checkpoint")
+    if args.mode == "update" and (args.param_dtype != "float32" or args.max_grad_norm):
+        ap.error("--param-dtype other than float32 and --max-grad-norm need --mode apply")
     return args
 
 
@@ -278,7 +456,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(out, f)
     if args.plot:
-        plot(losses, ref, args.plot)
+        plot(losses, ref, args.plot, args.mode)
         print(f"plot of the two loss curves: {os.path.abspath(args.plot)}")
     went_down = len(losses) >= 2 and losses[-1] < losses[0]
     if not went_down:

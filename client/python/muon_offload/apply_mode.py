@@ -141,7 +141,10 @@ class ParameterOffload:
 
     def _check_param_layout(self):
         # The collectives exchange element-for-element flat buffers: the daemon must place each
-        # span's parameters where its gradients are (true when every tensor has one dtype).
+        # span's parameters where its gradients are (true when every tensor has one dtype). The
+        # gRPC flat buffers are that layout by definition; shared memory says where it put them.
+        if not self.session.is_shm:
+            return
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         want = tuple(rank_offset * itemsize for _, _, _, rank_offset in self.session.spans)
         got = tuple(self.session.param_offsets())

@@ -243,10 +243,10 @@ class Session:
     # ----- apply mode (DESIGN.md section 4b) -----
 
     def param_offsets(self):
-        """Apply mode: for each span (in spans order), the byte offset of its parameters (in the
-        tensor's param_dtype) in the update buffer, in the init view and in the flat parameter
-        buffers of init_params_buffer()/step_buffer(). Stage 1/2 jobs of one param dtype: the
-        partition from byte 0."""
+        """Apply mode, shared memory: for each span (in spans order), the byte offset of its
+        parameters (in the tensor's param_dtype) in the update buffer and in the init view.
+        Stage 1/2 jobs of one param dtype: the partition from byte 0. MuondError
+        FAILED_PRECONDITION over gRPC, whose flat buffers are laid out as the gradients'."""
         if self._param_offsets is None:
             fn = _native.function("muond_session_param_byte_offset")
             out = []

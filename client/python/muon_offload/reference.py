@@ -200,3 +200,18 @@ class ApplyReference:
             for state in self.adamw.state.values():
                 tensors += [v for v in state.values() if torch.is_tensor(v)]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state_dict(self):
+        """The reference's state (masters, momentum, AdamW), for torch.save."""
+        return {"masters": [m.clone() for m in self.masters],
+                "momentum": {i: m.clone() for i, m in self.momentum.items()},
+                "adamw": self.adamw.state_dict() if self.adamw is not None else None}
+
+    def load_state_dict(self, state):
+        with torch.no_grad():
+            for m, saved in zip(self.masters, state["masters"]):
+                m.copy_(saved)
+            for i, saved in state["momentum"].items():
+                self.momentum[int(i)].copy_(saved)
+        if self.adamw is not None:
+            self.adamw.load_state_dict(state["adamw"])
