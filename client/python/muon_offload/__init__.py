@@ -8,7 +8,8 @@
 
 Modules: client (Client, Session, layout_spans over the C ABI of libmuond_client.so), optim
 (MuonWithAuxAdam; mode="apply" offloads the whole optimizer, DESIGN.md 4b), apply_mode (the
-trainer side of apply mode), zero (ZeRO partitions and their collectives for torch.distributed
+trainer side of apply mode), checkpoints (its daemon-side checkpoints), rank_group (collectives
+that fail on every rank), zero (ZeRO partitions and their collectives for torch.distributed
 ranks), reference (the Muon update of DESIGN.md section 3 in PyTorch, and ApplyReference).
 Errors: MuondError with the gRPC code and message.
 """

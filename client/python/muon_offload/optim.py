@@ -19,9 +19,10 @@ shared-memory gradient buffer, lets muond compute, applies the update to its par
 all-gathers the new weights. Construction, step(), save_checkpoint(), load_checkpoint() and
 load_state_dict() are then collectives: every rank of the group calls them in the same order.
 
-Checkpoints: the momentum lives in muond. save_checkpoint() has the daemon write a durable
-checkpoint generation; state_dict() (a cheap getter, as in torch.optim) returns the AdamW state with
-a reference to that generation, for torch.save; load_state_dict() restores both.
+Checkpoints (checkpoints.py): the momentum lives in muond. save_checkpoint() has the daemon write a
+durable checkpoint generation; state_dict() (a cheap getter, as in torch.optim) returns the AdamW
+state with a reference to that generation, for torch.save; load_state_dict() restores both.
+Collectives with errors on every rank: rank_group.py.
 
 backend="local" computes the same Muon math in this process (fp32, muon_offload.reference) with the
 momentum in the optimizer state: the side-by-side reference for muond.
@@ -47,7 +48,9 @@ from . import reference
 from ._native import CODES, MuondError
 from .client import Client, dtype_name
 from .apply_mode import ParameterOffload, apply_job_spec, group_name
-from .zero import all_gather_partitions, copy_into_buffer, job_partitions
+from .checkpoints import DaemonCheckpoints
+from .rank_group import RankGroup
+from .zero import all_gather_partitions, all_reduce_mean, copy_into_buffer, job_partitions
 
 MUON_KEYS = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True, "ns_steps": 5,
              "ns_method": "standard", "adjust_lr_fn": None, "scale_mode": None, "num_heads": 1}
@@ -67,7 +70,7 @@ def _scale_mode(group):
     return mode
 
 
-class MuonWithAuxAdam(torch.optim.Optimizer):
+class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
     """See the module comment.
 
     param_groups: dicts with "params" (tensors, or (name, tensor) pairs), "use_muon" (required),
@@ -111,14 +114,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         super().__init__(list(param_groups), {})
         self._sealed = True
 
-        import torch.distributed as dist
-        self._dist = dist if dist.is_available() and dist.is_initialized() else None
-        self.process_group = process_group if self._dist else None
-        if self._dist:
-            self.rank = dist.get_rank(self.process_group)
-            self.world_size = dist.get_world_size(self.process_group)
-        else:
-            self.rank, self.world_size = 0, 1
+        self.ranks = RankGroup(process_group)
+        self._dist, self.process_group = self.ranks.dist, self.ranks.group
+        self.rank, self.world_size = self.ranks.rank, self.ranks.size
         self.reduce_gradients = self.world_size > 1 if reduce_gradients is None else reduce_gradients
 
         self._muon = [(g, p) for g in self.param_groups if g["use_muon"] for p in g["params"]]
@@ -149,7 +147,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if self.zero_stage is None:
             self.zero_stage = 2 if self.world_size > 1 else 0
         # The id is rank 0's choice; every rank needs it for the layout.
-        self.job_id = self._on_rank0(lambda: job_id or f"muon-{uuid.uuid4().hex[:16]}")
+        self.job_id = self.ranks.on_rank0(lambda: job_id or f"muon-{uuid.uuid4().hex[:16]}")
         if mode == "apply":
             self.spec = apply_job_spec(self.job_id, self.world_size, self.zero_stage,
                                        self.muon_config, self.param_groups, self._names,
@@ -160,8 +158,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         self.partition = self.partitions[self.rank]
         self.dtype = self._job_tensors[0][1].dtype
         self.client = Client(address)
-        self.token = self._on_rank0(self._create_job)
-        self._all_ranks(lambda: self._attach(takeover))
+        self.token = self.ranks.on_rank0(self._create_job)
+        self.ranks.all_ranks(lambda: self._attach(takeover))
         # A job that starts at step 0 takes the weights of the trainer (unless muond reads them
         # from init_from); a later step means muond holds them already (a restarted trainer).
         self._upload_pending = mode == "apply" and init_from is None and self.step_id == 0
@@ -246,52 +244,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return {"job_id": self.job_id, "world_size": self.world_size,
                 "zero_stage": self.zero_stage, "muon": self.muon_config, "matrices": matrices}
 
-    # ----- collectives over the process group -----
-
-    def _on_rank0(self, fn):
-        """Runs fn on the group's rank 0 and returns its result on every rank; an exception there is
-        raised on every rank (so no rank waits for a peer that failed)."""
-        result = [None, None]
-        if self.rank == 0:
-            try:
-                result[0] = fn()
-            except MuondError as e:
-                result[1] = (e.code, e.message, e.operation)
-            except Exception as e:  # re-raised below, after the peers know
-                result[1] = (CODES["UNKNOWN"], f"{type(e).__name__}: {e}", "rank 0")
-        if self.world_size > 1:
-            src = 0
-            if self.process_group is not None:
-                c10d = self._dist.distributed_c10d
-                global_rank = getattr(c10d, "get_global_rank", None) or c10d._get_global_rank
-                src = global_rank(self.process_group, 0)
-            self._dist.broadcast_object_list(result, src=src, group=self.process_group)
-        if result[1] is not None:
-            raise MuondError(*result[1])
-        return result[0]
-
-    def _all_ranks(self, fn):
-        """Runs fn on every rank; when it fails on any, every rank raises (the first failure), so
-        that no rank goes on to a collective that a failed peer will never join."""
-        error = None
-        try:
-            fn()
-        except MuondError as e:
-            error = (e.code, e.message, e.operation)
-        if self.world_size > 1:
-            errors = [None] * self.world_size
-            self._dist.all_gather_object(errors, error, group=self.process_group)
-            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-            if failed and error is None:
-                rank, (code, message, operation) = failed[0]
-                error = (code, f"rank {rank}: {message}", operation)
-        if error is not None:
-            raise MuondError(*error)
-
-    def _barrier(self):
-        if self.world_size > 1:
-            self._dist.barrier(group=self.process_group)
-
     def _create_job(self):
         """Rank 0: the job's token (creating the job unless a token was given)."""
         self.client.health(5.0)  # "muond at ADDRESS is not reachable" beats a failed CreateJob
@@ -328,7 +280,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             self.session.close()
             self.session = None
         if delete_job and self.client is not None:
-            self._barrier()
+            self.ranks.barrier()
             if self.rank == 0:
                 self.client.delete_job(self.job_id, self.token)
         if self.client is not None:
@@ -337,21 +289,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     # ----- the step -----
 
-    def _count_ranks(self, flag):
-        """Collective: on how many ranks of the group `flag` is true."""
-        if self.world_size == 1:
-            return int(bool(flag))
-        nccl = self._dist.get_backend(self.process_group) == "nccl"
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32,
-                         device="cuda" if nccl else "cpu")
-        self._dist.all_reduce(t, group=self.process_group)
-        return int(t.item())
-
     def _require_gradients(self, pairs, kind):
         """Raises on every rank (a collective) when a parameter of `pairs` has no gradient on any
         rank: every rank must stop here, or the others would wait for it in a collective."""
         missing = [self._names[p] for _, p in pairs if p.grad is None]
-        ranks_missing = self._count_ranks(missing)
+        ranks_missing = self.ranks.count(missing)
         if missing:
             raise MuondError(CODES["INVALID_ARGUMENT"],
                              f"{kind} parameter(s) {', '.join(repr(n) for n in missing)} have no "
@@ -363,19 +305,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                              f"{ranks_missing} other rank(s) of the group have {kind} parameters "
                              "without a gradient (see their errors); the step is skipped", "step")
 
-    def _raise_if_any_rank_failed(self, error):
-        """Collective: raises `error`, or the first failure of another rank, on every rank."""
-        if self.world_size > 1 and self._count_ranks(error is not None):
-            mine = None if error is None else (error.code, error.message, error.operation)
-            errors = [None] * self.world_size
-            self._dist.all_gather_object(errors, mine, group=self.process_group)
-            if error is None:
-                rank, (code, message, operation) = next(
-                    (r, e) for r, e in enumerate(errors) if e is not None)
-                raise MuondError(code, f"rank {rank}: {message}", operation)
-        if error is not None:
-            raise error
-
     def _gradients(self):
         """Averaged gradients of (muon, adam) parameters, without changing p.grad."""
         self._require_gradients(self._muon, "Muon")
@@ -383,21 +312,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         adam = [p.grad for _, p in self._adam]  # None: skipped, as torch.optim.AdamW does
         if not (self.reduce_gradients and self.world_size > 1):
             return muon, adam
-        # One flat buffer per dtype, all-reduced (gloo has no reduce_scatter; the sum is the same),
-        # then scaled by 1/N: p.grad stays untouched, so a failed step can be retried.
+        # p.grad stays untouched, so a failed step can be retried.
         present = [g for g in muon + adam if g is not None]
-        by_dtype = {}
-        for g in present:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        reduced = {}
-        for dtype, grads in by_dtype.items():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self._dist.all_reduce(flat, group=self.process_group)
-            flat.mul_(1.0 / self.world_size)
-            at = 0
-            for g in grads:
-                reduced[id(g)] = flat[at:at + g.numel()].view(g.shape)
-                at += g.numel()
+        reduced = {id(g): r for g, r in zip(present, all_reduce_mean(present,
+                                                                     self.process_group))}
         return ([reduced[id(g)] for g in muon],
                 [None if g is None else reduced[id(g)] for g in adam])
 
@@ -490,7 +408,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                                                                self._job_tensors], hyper)
         except MuondError as e:
             error = e
-        self._raise_if_any_rank_failed(error)
+        self.ranks.raise_if_any_failed(error)
         self.offload.pull_params(new_params)
 
     def upload_params(self):
@@ -500,15 +418,15 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if self.offload is None:
             raise MuondError(CODES["FAILED_PRECONDITION"], "no apply-mode muond job attached",
                              "upload_params")
-        self._all_ranks(self.offload.upload_params)
+        self.ranks.all_ranks(self.offload.upload_params)
         self._upload_pending = False
 
     def export(self, path, dtype="float32"):
         """Apply mode, a collective: muond writes the master weights, every tensor in full shape
         under its parameter name, to `path` (a safetensors file on the daemon's host) in
         `dtype`."""
-        self._barrier()
-        self._on_rank0(lambda: self.client.export(self.job_id, self.token, path, dtype))
+        self.ranks.barrier()
+        self.ranks.on_rank0(lambda: self.client.export(self.job_id, self.token, path, dtype))
 
     def step(self, closure=None, grad_divisor=None):
         """One optimizer step (a collective with a process group). Raises MuondError, with nothing
@@ -533,90 +451,3 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 self._adam_step(adam_grads)
         self.step_id += 1
         return loss
-
-    # ----- checkpoints -----
-
-    def save_checkpoint(self):
-        """Collective: asks muond for a durable checkpoint generation of the job (rank 0) and
-        returns {"job_id", "generation", "step", "next_step"} on every rank; state_dict() refers to
-        it until the next step."""
-        if self.session is None:
-            raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
-        self._barrier()  # every rank has its update of the last step: the job is between steps
-        generation, step = self._on_rank0(lambda: self.client.checkpoint_save(self.job_id,
-                                                                               self.token))
-        self._checkpoint = {"job_id": self.job_id, "generation": generation, "step": step,
-                            "next_step": self.step_id}
-        return dict(self._checkpoint)
-
-    def load_checkpoint(self, generation=-1, step=-1):
-        """Collective: detaches, loads the job's checkpoint generation (`generation` >= 0, the one
-        saved at `step`, or the newest good one) on rank 0 and attaches again. Returns
-        (loaded_generation, next_step)."""
-        if self.client is None:
-            raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
-        if self.offload is not None:
-            self.offload.close()
-            self.offload = None
-        if self.session is not None:
-            self.session.close()
-            self.session = None
-        self._checkpoint = None
-        self._upload_pending = False  # apply mode: the generation holds the master weights
-        self._barrier()
-        loaded, next_step = self._on_rank0(
-            lambda: self.client.checkpoint_load(self.job_id, self.token, generation, step))
-        self._barrier()
-        self._all_ranks(lambda: self._attach(takeover=False))
-        if self.step_id != next_step:
-            raise MuondError(CODES["FAILED_PRECONDITION"],
-                             f"job '{self.job_id}': generation {loaded} resumes at step "
-                             f"{next_step}, but rank {self.rank} attached at step {self.step_id}",
-                             "checkpoint")
-        return loaded, next_step
-
-    def state_dict(self):
-        """AdamW state (and the local backend's momentum) as torch.optim keeps it, plus, for muond,
-        {"muond": {"job_id", "generation", "step", "next_step"}}: the generation save_checkpoint()
-        saved (or load_state_dict() loaded) since the last step. Only reads: not a collective,
-        saves nothing. Raises MuondError FAILED_PRECONDITION when there is none (call
-        save_checkpoint() first): momentum and AdamW state from different steps restore neither."""
-        sd = super().state_dict()
-        sd["step_id"] = self.step_id
-        if self._offloaded():
-            saved = self._checkpoint
-            if saved is None or saved["next_step"] != self.step_id:
-                raise MuondError(CODES["FAILED_PRECONDITION"],
-                                 f"job '{self.job_id}': no checkpoint generation saved since "
-                                 f"the last step (next step {self.step_id}); call "
-                                 "save_checkpoint() (a collective) before state_dict()",
-                                 "state_dict")
-            sd["muond"] = dict(saved)
-        return sd
-
-    def _offloaded(self):
-        return self.backend == "muond" and bool(self._job_tensors)
-
-    def load_state_dict(self, state_dict):
-        """Restores the AdamW part in-process and, for muond, loads the referenced generation of the
-        job into the daemon (a collective)."""
-        state_dict = dict(state_dict)
-        muond = state_dict.pop("muond", None)
-        step_id = state_dict.pop("step_id", 0)
-        if self._offloaded():
-            if muond is None:
-                raise ValueError("this state_dict has no muond part (saved by backend='local'?)")
-            if muond["job_id"] != self.job_id:
-                raise ValueError(f"the state_dict is of muond job '{muond['job_id']}', this "
-                                 f"optimizer drives job '{self.job_id}'")
-        super().load_state_dict(state_dict)
-        if self._offloaded():
-            _, next_step = self.load_checkpoint(generation=muond["generation"])
-            if next_step != muond["next_step"]:
-                raise MuondError(CODES["DATA_LOSS"],
-                                 f"job '{self.job_id}' generation {muond['generation']} resumes "
-                                 f"at step {next_step}, the state_dict at step "
-                                 f"{muond['next_step']}", "load_state_dict")
-            self._checkpoint = dict(muond)
-        else:
-            self.step_id = step_id

@@ -87,6 +87,27 @@ def copy_from_buffer(buffer, partition, tensors, non_blocking=False):
             buffer[rank_offset:rank_offset + length], non_blocking=non_blocking)
 
 
+def all_reduce_mean(grads, group=None):
+    """Collective: the mean over the group's ranks of each of `grads` (new tensors; the inputs are
+    left as they were), one flat all-reduce per dtype (gloo has no reduce-scatter; the sum is the
+    same) scaled by 1/N."""
+    import torch.distributed as dist
+    world = dist.get_world_size(group)
+    by_dtype = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    reduced = {}
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        flat.mul_(1.0 / world)
+        at = 0
+        for g in same:
+            reduced[id(g)] = flat[at:at + g.numel()].view(g.shape)
+            at += g.numel()
+    return [reduced[id(g)] for g in grads]
+
+
 def _rank_slot(world_buffer, partition):
     """Rank `partition.rank`'s buffer inside a world buffer (every rank's flat buffer back to
     back, rank order)."""
