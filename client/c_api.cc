@@ -6,6 +6,7 @@
 #include "client/client.h"
 #include "absl/strings/str_cat.h"
 #include "client/muond_client.h"
+#include "common/dtype.h"
 #include "common/layout.h"
 
 struct muond_client {
@@ -242,6 +243,71 @@ int muond_step(muond_session* session, int64_t step, const muond_span* grads, si
   }
   auto r = session->impl->Step(step, in, out);
   return Report(r.status());
+}
+
+int muond_session_set_hyper(muond_session* session, const char* const* groups, const double* lr,
+                            const double* weight_decay, size_t num_groups, double grad_divisor) {
+  if (session == nullptr) return NullArgument("session");
+  if (num_groups != 0 && (groups == nullptr || lr == nullptr)) return NullArgument("groups or lr");
+  muond::client::StepHyper hyper;
+  hyper.grad_divisor = grad_divisor;
+  for (size_t i = 0; i < num_groups; ++i) {
+    if (groups[i] == nullptr) return NullArgument("a group name");
+    hyper.lr.emplace_back(groups[i], lr[i]);
+    if (weight_decay != nullptr) hyper.weight_decay.emplace_back(groups[i], weight_decay[i]);
+  }
+  return Report(session->impl->SetHyper(hyper));
+}
+
+int muond_init_params(muond_session* session, const muond_span* params, size_t num_params,
+                      int float32) {
+  if (session == nullptr) return NullArgument("session");
+  if (params == nullptr && num_params != 0) return NullArgument("params");
+  std::vector<muond::client::GradientSpan> in(num_params);
+  for (size_t i = 0; i < num_params; ++i) {
+    in[i] = {params[i].matrix, params[i].offset, params[i].data, params[i].length};
+  }
+  return Report(session->impl->InitParams(in, float32 != 0));
+}
+
+int muond_init_params_buffer(muond_session* session, const void* params, int float32) {
+  if (session == nullptr || params == nullptr) return NullArgument("session or params");
+  return Report(session->impl->InitParamsBuffer(params, float32 != 0));
+}
+
+int muond_session_init_view(muond_session* session, void** data, size_t* size) {
+  if (session == nullptr || data == nullptr || size == nullptr) {
+    return NullArgument("session, data or size");
+  }
+  auto v = session->impl->InitParamsView();
+  if (!v.ok()) return Report(v.status());
+  *data = v->data;
+  *size = v->size;
+  return Report(absl::OkStatus());
+}
+
+int muond_init_params_in_place(muond_session* session) {
+  if (session == nullptr) return NullArgument("session");
+  return Report(session->impl->InitParamsInPlace());
+}
+
+int muond_session_param_byte_offset(const muond_session* session, size_t span, uint64_t* offset) {
+  if (session == nullptr || offset == nullptr) return NullArgument("session or offset");
+  auto at = session->impl->ParamByteOffset(span);
+  if (!at.ok()) return Report(at.status());
+  *offset = *at;
+  return Report(absl::OkStatus());
+}
+
+int muond_export(muond_client* client, const char* job_id, const char* token, const char* dtype,
+                 const char* out_path) {
+  if (client == nullptr || job_id == nullptr || token == nullptr || out_path == nullptr) {
+    return NullArgument("client, job_id, token or out_path");
+  }
+  auto parsed = muond::common::ParseDType(dtype == nullptr ? "float32" : dtype);
+  if (!parsed.ok()) return Report(parsed.status());
+  return Report(
+      muond::client::ExportParamsToFile(*client->impl, job_id, token, *parsed, out_path).status());
 }
 
 }  // extern "C"

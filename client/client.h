@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -24,7 +26,8 @@ class SessionWatch;
 
 namespace muond::client {
 
-// A run of consecutive elements of one matrix in the caller's memory (the matrix's dtype).
+// A run of consecutive elements of one matrix in the caller's memory (the matrix's dtype; for
+// RankSession::InitParams float32 or the tensor's param_dtype).
 struct GradientSpan {
   uint32_t matrix = 0;
   uint64_t offset = 0;   // first element in the matrix
@@ -34,9 +37,32 @@ struct GradientSpan {
 struct UpdateSpan {
   uint32_t matrix = 0;
   uint64_t offset = 0;
-  void* data = nullptr;  // receives `length` elements of the matrix's dtype
+  // Receives `length` elements of the matrix's dtype; in apply mode of its param_dtype (the new
+  // parameters).
+  void* data = nullptr;
   uint64_t length = 0;
 };
+
+// Apply mode (DESIGN.md 4b): the hyperparameters a step carries. `lr` names every parameter group
+// of the job once; `weight_decay` any of them (the others keep the group's weight_decay from the
+// job spec); `grad_divisor` divides every gradient (the loss scale of fp16 training).
+struct StepHyper {
+  std::vector<std::pair<std::string, double>> lr;
+  std::vector<std::pair<std::string, double>> weight_decay;
+  double grad_divisor = 1;
+};
+// A StepHyper resolved against a job: one value per group of spec.groups, in that order.
+struct GroupHyperValues {
+  std::vector<double> lr;
+  std::vector<double> weight_decay;
+  double grad_divisor = 1;
+};
+// Checks `hyper` against `spec` and fills the weight decays not given from the spec's groups.
+// FAILED_PRECONDITION for an update-mode job; INVALID_ARGUMENT naming the group for a group
+// without an lr, an unknown or repeated group, a value that is not finite, lr < 0 or weight
+// decay < 0; INVALID_ARGUMENT for a divisor that is not finite and > 0.
+absl::StatusOr<GroupHyperValues> ResolveStepHyper(const common::JobSpec& spec,
+                                                  const StepHyper& hyper);
 
 // How a rank's gradients and updates travel. kAuto: shared memory when the daemon is on this host
 // (a unix:// address whose shared-memory socket is reachable), else gRPC.
@@ -78,9 +104,14 @@ class RankSession {
   int64_t next_step_at_attach() const { return next_step_; }
   // This rank's spans (common::RankSpans of the job's layout).
   const std::vector<common::ShardSpan>& spans() const { return spans_; }
+  // The job is in apply mode (DESIGN.md 4b): the daemon holds the master weights, a step needs
+  // SetHyper first and returns the rank's new parameters in each tensor's param_dtype.
+  bool apply() const { return spec_.mode == common::JobMode::kApply; }
 
   // Pushes this rank's gradients for `step` and writes the update into `updates`, which must cover
   // exactly the same elements as `grads` (the rank's spans). Blocks until the update arrived.
+  // Apply mode: the "update" is the rank's new parameters in each tensor's param_dtype, and the
+  // step carries the hyperparameters of SetHyper (FAILED_PRECONDITION without them).
   // Errors carry the daemon's code and message (e.g. INVALID_ARGUMENT for a non-finite gradient,
   // FAILED_PRECONDITION for a step out of order, ABORTED when another rank failed).
   absl::StatusOr<StepResult> Step(int64_t step, const std::vector<GradientSpan>& grads,
@@ -89,7 +120,9 @@ class RankSession {
   // Flat-buffer step: `grads` is the rank's buffer in the job's layout (RankBufferElements
   // elements: the stage 1/2 partition, the stage 3 chunks back to back, or the explicit layout's
   // spans back to back), `updates` receives the update in the same form, padding zeroed.
-  // REQUIRES every matrix to share one dtype (FAILED_PRECONDITION otherwise).
+  // REQUIRES every matrix to share one dtype (FAILED_PRECONDITION otherwise). Apply mode: `grads`
+  // in the one gradient dtype, `updates` receives the new parameters in the one param_dtype
+  // (every tensor must share that one too).
   absl::StatusOr<StepResult> StepBuffer(int64_t step, const void* grads, void* updates);
   // Elements of the rank's flat buffer (common::RankBufferElements).
   uint64_t buffer_elements() const;
@@ -97,6 +130,9 @@ class RankSession {
   // Zero-copy steps (shared-memory sessions only; FAILED_PRECONDITION otherwise): write step t's
   // gradients, in the rank's flat-buffer layout, into GradientView(t), call StepInPlace(t), read
   // the update from UpdateView(t). Views stay valid for the session's life; step t uses t % 2.
+  // Apply mode: StepInPlace also writes the SetHyper values at hyper_byte_offset() of the
+  // gradient view (leave those HyperBytes(G) bytes to it), and UpdateView(t) holds the new
+  // parameters, span i at ParamByteOffset(i) in its param_dtype.
   struct View {
     char* data = nullptr;
     size_t size = 0;
@@ -108,9 +144,44 @@ class RankSession {
   // Whole-matrix step: `grads` holds one tensor per matrix of the job, named and shaped as the job
   // says; returns the updates with the same names, shapes and dtypes. INVALID_ARGUMENT naming the
   // tensor for a missing, extra, mis-shaped or mis-typed tensor. REQUIRES: rank owns whole matrices.
+  // Apply mode: returns the new parameters, each in its tensor's param_dtype.
   absl::StatusOr<std::vector<NamedTensor>> StepTensors(int64_t step,
                                                        const std::vector<NamedTensor>& grads,
                                                        StepResult* result = nullptr);
+
+  // ---- Apply mode (DESIGN.md 4b). FAILED_PRECONDITION on an update-mode job.
+
+  // The hyperparameters every later step of this session carries (ResolveStepHyper's checks and
+  // errors). Over gRPC in StepBegin; over shared memory written into the step's gradient buffer.
+  absl::Status SetHyper(const StepHyper& hyper);
+
+  // Uploads the rank's part of the initial parameters: `params` must cover the rank's spans
+  // exactly, in float32 (`float32`) or each tensor's param_dtype. The daemon installs them only
+  // when every span arrived whole and finite (INVALID_ARGUMENT naming the tensor otherwise) and
+  // refuses them while a step is in flight. Over shared memory the parameters travel in the
+  // param_dtype: float32 values are rounded to it here (round to nearest even), so a bf16/fp16
+  // job's masters start from the rounded values; over gRPC float32 values reach the masters
+  // as they are.
+  absl::Status InitParams(const std::vector<GradientSpan>& params, bool float32);
+  // The same from the rank's flat buffer (buffer_elements() elements, the layout of StepBuffer),
+  // float32 or (float32 false) the one param_dtype of every tensor (FAILED_PRECONDITION when the
+  // tensors mix param dtypes).
+  absl::Status InitParamsBuffer(const void* flat, bool float32);
+  // Whole tensors (world size 1, zero_stage 0), named and shaped as the job says, each float32 or
+  // its param_dtype. INVALID_ARGUMENT naming the tensor for a missing, extra, mis-shaped or
+  // mis-typed tensor.
+  absl::Status InitParamsTensors(const std::vector<NamedTensor>& params);
+  // Zero-copy initial parameters (shared-memory sessions only; FAILED_PRECONDITION otherwise):
+  // write span i's parameters at ParamByteOffset(i) of InitParamsView() (gradient buffer 0) in
+  // its param_dtype, then call InitParamsInPlace().
+  absl::StatusOr<View> InitParamsView();
+  absl::Status InitParamsInPlace();
+  // Where span i of spans() keeps its parameters (param_dtype) in the update view and in the
+  // initial-parameter view. Shared memory only (FAILED_PRECONDITION over gRPC); INVALID_ARGUMENT
+  // for i >= spans().size().
+  absl::StatusOr<uint64_t> ParamByteOffset(size_t span) const;
+  // Where StepInPlace writes the hyperparameters in the gradient view (shared memory only).
+  absl::StatusOr<uint64_t> HyperByteOffset() const;
 
  private:
   friend class Client;
@@ -123,6 +194,16 @@ class RankSession {
                                         const std::vector<UpdateSpan>& updates);
   absl::StatusOr<StepResult> StepOverGrpc(int64_t step, const std::vector<GradientSpan>& grads,
                                           const std::vector<UpdateSpan>& updates);
+  // Apply mode: OK with hyperparameters set (FAILED_PRECONDITION saying to set them otherwise);
+  // OK in update mode.
+  absl::Status CheckStepHyper(int64_t step) const;
+  // Writes the hyperparameters into step t's shared-memory gradient buffer (apply mode).
+  absl::Status WriteSharedHyper(int64_t step);
+  // InitParams over each transport, after the checks of the spans' matrix indices.
+  absl::Status InitParamsShared(const std::vector<GradientSpan>& params, bool float32);
+  absl::Status InitParamsOverGrpc(const std::vector<GradientSpan>& params, bool float32);
+  // FAILED_PRECONDITION naming `what` on an update-mode job.
+  absl::Status RequireApply(const char* what) const;
   std::shared_ptr<v1::Muond::Stub> stub_;
   std::string token_;
   common::JobSpec spec_;
@@ -131,6 +212,8 @@ class RankSession {
   int64_t next_step_ = 0;
   bool attached_ = false;
   std::vector<common::ShardSpan> spans_;
+  // Apply mode: set by SetHyper, sent with every step.
+  std::optional<GroupHyperValues> hyper_;
   std::unique_ptr<ShmChannel> shm_;
   // gRPC sessions: the WatchSession stream that tells the daemon this process is alive (when
   // the process dies, the daemon ends the session and aborts a step the rank owes).
@@ -181,6 +264,16 @@ class Client {
   absl::Status ResetJob(const std::string& job_id, const std::string& token, int64_t next_step);
   absl::StatusOr<v1::JobStatus> GetJob(const std::string& job_id, const std::string& token);
   absl::StatusOr<std::vector<v1::JobStatus>> ListJobs();
+  // Apply mode: the job's master weights at a step boundary, every tensor whole (names and shapes
+  // from the job spec, in job order) in `dtype` (float32, bfloat16 or float16; rounded to nearest
+  // even). *step (may be null): the job's next step at the snapshot. FAILED_PRECONDITION on an
+  // update-mode job or while the initial weights are incomplete (the daemon's answer); DATA_LOSS
+  // for a chunk whose CRC32C does not match; INTERNAL for a stream that does not cover every
+  // tensor exactly once.
+  absl::StatusOr<std::vector<NamedTensor>> ExportParams(const std::string& job_id,
+                                                        const std::string& token,
+                                                        common::DType dtype = common::DType::kFloat32,
+                                                        int64_t* step = nullptr);
   // ListJobs with the job directories the daemon set aside at start (broken).
   absl::StatusOr<v1::ListJobsResponse> ListJobsWithBroken();
   // Attaches `rank` of the job (fetching the job's spec) and returns its session; the session
@@ -201,6 +294,13 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::Muond::Stub> stub_;
 };
+
+// ExportParams written to `path` as a safetensors model file (every tensor under its name, in
+// full shape; metadata "format": "pt", "job", "step"), through a temporary file in the same
+// directory, fsync and rename. Returns the step of the snapshot.
+absl::StatusOr<int64_t> ExportParamsToFile(Client& client, const std::string& job_id,
+                                           const std::string& token, common::DType dtype,
+                                           const std::string& path);
 
 }  // namespace muond::client
 

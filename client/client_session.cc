@@ -11,6 +11,7 @@
 #include "client/client.h"
 #include "client/daemon_call.h"
 #include "client/shm_channel.h"
+#include "client/span_placement.h"
 #include "common/crc32c.h"
 #include "common/grpc_status.h"
 #include "common/job_spec_proto.h"
@@ -21,48 +22,7 @@ namespace {
 
 using common::FromGrpcStatus;
 
-constexpr size_t kChunkBytes = size_t{4} << 20;
-
 using StepStream = grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>;
-
-// INVALID_ARGUMENT when a span names a matrix the job does not have (`what`: "gradient",
-// "update"); checked before any span is used as an index.
-template <typename Span>
-absl::Status CheckMatrixIndices(const std::vector<Span>& spans, const common::JobSpec& spec,
-                                const char* what) {
-  for (const Span& s : spans) {
-    if (s.matrix >= spec.matrices.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, " span: matrix index ", s.matrix, " out of range"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// Where a caller's span lies in the rank's shared-memory buffer.
-struct BufferPlace {
-  size_t region = 0;       // index into ShmChannel::spans()
-  size_t byte_offset = 0;  // of the span's first element
-  size_t bytes = 0;
-};
-
-// The place of elements [offset, offset + length) of `matrix` in the rank's buffer, or
-// INVALID_ARGUMENT naming the span (`what`: "gradient", "update") when no region holds it whole.
-absl::StatusOr<BufferPlace> PlaceInBuffer(const std::vector<ShmSpan>& regions,
-                                          const common::JobSpec& spec, uint32_t matrix,
-                                          uint64_t offset, uint64_t length, const char* what) {
-  for (size_t i = 0; i < regions.size(); ++i) {
-    const ShmSpan& r = regions[i];
-    if (r.matrix == matrix && offset >= r.offset && offset - r.offset <= r.length &&
-        length <= r.length - (offset - r.offset)) {
-      const size_t esize = common::DTypeSize(spec.matrices[matrix].dtype);
-      return BufferPlace{i, r.byte_offset + (offset - r.offset) * esize, length * esize};
-    }
-  }
-  return absl::InvalidArgumentError(absl::StrCat(what, " span of matrix ", matrix, " elements [",
-                                                 offset, ", ", offset + length,
-                                                 ") is outside the rank's shard"));
-}
 
 // Writes `req` (holding the StepBegin), then the gradient spans in chunks of at most kChunkBytes
 // with a CRC32C each, then the StepEnd. Stops at the first failed write: the stream's status then
@@ -142,7 +102,12 @@ class UpdateAssembler {
       return absl::DataLossError(absl::StrCat("update chunk of matrix '", ms.name, "' at element ",
                                               c.element_offset(), ": CRC32C mismatch"));
     }
-    const size_t esize = common::DTypeSize(ms.dtype);
+    const size_t esize = common::DTypeSize(OutputDType(spec_, ms));
+    if (c.data().size() % esize != 0) {
+      return absl::DataLossError(absl::StrCat("update chunk of matrix '", ms.name, "' at element ",
+                                              c.element_offset(), ": ", c.data().size(),
+                                              " bytes is not a whole number of elements"));
+    }
     const uint64_t n = c.data().size() / esize;
     for (size_t i = 0; i < updates_.size(); ++i) {
       const UpdateSpan& u = updates_[i];
@@ -332,6 +297,8 @@ absl::StatusOr<RankSession::View> RankSession::UpdateView(int64_t step) {
 
 absl::StatusOr<StepResult> RankSession::StepInPlace(int64_t step) {
   if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
+  RETURN_IF_ERROR(CheckStepHyper(step));
+  if (apply() && step >= 0) RETURN_IF_ERROR(WriteSharedHyper(step));  // Ring refuses step < 0
   auto r = shm_->Ring(step);
   if (!r.ok()) return Annotate(r.status(), absl::StrCat("step ", step));
   StepResult result;
@@ -353,7 +320,8 @@ absl::StatusOr<StepResult> RankSession::StepShared(int64_t step,
   std::vector<uint64_t> covered(regions.size(), 0);
   for (const GradientSpan& g : grads) {
     ASSIGN_OR_RETURN(const BufferPlace place,
-                     PlaceInBuffer(regions, spec_, g.matrix, g.offset, g.length, "gradient"));
+                     PlaceInBuffer(regions, spec_, g.matrix, g.offset, g.length, "gradient",
+                                   BufferLayout::kGradients));
     std::memcpy(in.data + place.byte_offset, g.data, place.bytes);
     covered[place.region] += g.length;
   }
@@ -365,11 +333,25 @@ absl::StatusOr<StepResult> RankSession::StepShared(int64_t step,
           regions[i].offset));
     }
   }
+  // Check the update spans before the step: a step that ran cannot be taken back.
+  const BufferLayout out_layout = apply() ? BufferLayout::kParameters : BufferLayout::kGradients;
+  std::vector<BufferPlace> out_places;
+  for (const UpdateSpan& u : updates) {
+    ASSIGN_OR_RETURN(const BufferPlace place, PlaceInBuffer(regions, spec_, u.matrix, u.offset,
+                                                            u.length, "update", out_layout));
+    if (place.byte_offset + place.bytes > shm_->buffer_bytes()) {
+      return absl::InternalError(absl::StrCat(
+          "the daemon's shared-memory layout puts the update of matrix '",
+          spec_.matrices[u.matrix].name, "' past the end of its ", shm_->buffer_bytes(),
+          "-byte buffer"));
+    }
+    out_places.push_back(place);
+  }
   ASSIGN_OR_RETURN(StepResult result, StepInPlace(step));
   const char* out = shm_->UpdateBuffer(step);
-  for (const UpdateSpan& u : updates) {
-    ASSIGN_OR_RETURN(const BufferPlace place,
-                     PlaceInBuffer(regions, spec_, u.matrix, u.offset, u.length, "update"));
+  for (size_t i = 0; i < updates.size(); ++i) {
+    const UpdateSpan& u = updates[i];
+    const BufferPlace& place = out_places[i];
     std::memcpy(u.data, out + place.byte_offset, place.bytes);
   }
   return result;
@@ -387,6 +369,15 @@ absl::StatusOr<StepResult> RankSession::StepOverGrpc(int64_t step,
   begin->set_rank(rank_);
   begin->set_session_id(session_id_);
   begin->set_step(step);
+  if (hyper_) {
+    for (size_t g = 0; g < spec_.groups.size(); ++g) {
+      v1::GroupHyper* h = begin->add_hyper();
+      h->set_group(spec_.groups[g].name);
+      h->set_lr(hyper_->lr[g]);
+      h->set_weight_decay(hyper_->weight_decay[g]);
+    }
+    begin->set_grad_divisor(hyper_->grad_divisor);
+  }
   WriteGradients(stream.get(), spec_, grads, &req);
   UpdateAssembler assembler(spec_, updates);
   v1::StepResponse resp;
@@ -399,6 +390,7 @@ absl::StatusOr<StepResult> RankSession::Step(int64_t step, const std::vector<Gra
                                              const std::vector<UpdateSpan>& updates) {
   RETURN_IF_ERROR(CheckMatrixIndices(grads, spec_, "gradient"));
   RETURN_IF_ERROR(CheckMatrixIndices(updates, spec_, "update"));
+  RETURN_IF_ERROR(CheckStepHyper(step));
   if (shm_ != nullptr) return StepShared(step, grads, updates);
   return StepOverGrpc(step, grads, updates);
 }
@@ -407,21 +399,28 @@ uint64_t RankSession::buffer_elements() const { return common::RankBufferElement
 
 absl::StatusOr<StepResult> RankSession::StepBuffer(int64_t step, const void* grads, void* updates) {
   const common::DType dtype = spec_.matrices[0].dtype;
+  const common::DType out_dtype = OutputDType(spec_, spec_.matrices[0]);
   for (const common::MatrixSpec& ms : spec_.matrices) {
     if (ms.dtype != dtype) {
       return absl::FailedPreconditionError(absl::StrCat(
           "job '", spec_.job_id, "' mixes dtypes (matrix '", ms.name,
           "'); a flat rank buffer needs one dtype: push spans with Step()"));
     }
+    if (OutputDType(spec_, ms) != out_dtype) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job '", spec_.job_id, "' mixes param dtypes (tensor '", ms.name,
+          "'); a flat rank buffer needs one param dtype: push spans with Step()"));
+    }
   }
   const size_t esize = common::DTypeSize(dtype);
-  std::memset(updates, 0, buffer_elements() * esize);
+  const size_t out_esize = common::DTypeSize(out_dtype);
+  std::memset(updates, 0, buffer_elements() * out_esize);
   std::vector<GradientSpan> in;
   std::vector<UpdateSpan> out;
   for (const common::ShardSpan& s : spans_) {
     in.push_back({s.matrix, s.offset, static_cast<const char*>(grads) + s.rank_offset * esize,
                   s.length});
-    out.push_back({s.matrix, s.offset, static_cast<char*>(updates) + s.rank_offset * esize,
+    out.push_back({s.matrix, s.offset, static_cast<char*>(updates) + s.rank_offset * out_esize,
                    s.length});
   }
   return Step(step, in, out);
@@ -456,9 +455,9 @@ absl::StatusOr<std::vector<NamedTensor>> RankSession::StepTensors(
     RETURN_IF_ERROR(CheckWholeMatrixGradient(g, ms));
     const uint64_t numel = static_cast<uint64_t>(ms.numel());
     updates[m].name = ms.name;
-    updates[m].dtype = ms.dtype;
+    updates[m].dtype = OutputDType(spec_, ms);
     updates[m].shape = ms.shape;
-    updates[m].data.resize(g.data.size());
+    updates[m].data.resize(numel * common::DTypeSize(updates[m].dtype));
     in.push_back({m, 0, g.data.data(), numel});
     out.push_back({m, 0, updates[m].data.data(), numel});
   }

@@ -64,8 +64,23 @@ constexpr char kUsage[] =
     "                                       the job's generations, newest first\n"
     "  step --job ID --rank R --step T --grads IN.safetensors --out OUT.safetensors\n"
     "       [--token-file F] [--transport auto|shm|grpc]\n"
+    "       [--lr GROUP=VALUE ... [--wd GROUP=VALUE ...] [--grad-divisor X]]\n"
     "                                       push one step and write the update; auto: shared\n"
-    "                                       memory when the daemon is on this host, else gRPC\n"
+    "                                       memory when the daemon is on this host, else gRPC.\n"
+    "                                       Apply-mode jobs: --lr for every parameter group,\n"
+    "                                       --wd (default: the group's weight_decay) and\n"
+    "                                       --grad-divisor (default 1) optional; OUT receives\n"
+    "                                       the rank's new parameters in the param dtype\n"
+    "  params init --job ID --rank R --params IN.safetensors [--token-file F]\n"
+    "       [--transport auto|shm|grpc]\n"
+    "                                       upload rank R's initial parameters (apply mode);\n"
+    "                                       IN is laid out as that rank's step --grads file,\n"
+    "                                       float32 or the param dtype\n"
+    "  export --job ID --out OUT.safetensors [--dtype float32|bfloat16|float16]\n"
+    "       [--token-file F]\n"
+    "                                       write the master weights of an apply-mode job,\n"
+    "                                       every tensor whole under its name (a model file;\n"
+    "                                       written to a temporary name, then renamed)\n"
     "  status [--json] [--metrics-address HOST:PORT|off]\n"
     "                                       backend and device, jobs (world size, ranks attached,\n"
     "                                       step, fenced, memory, last checkpoint); --json for\n"
@@ -268,54 +283,24 @@ absl::Status CmdJob(Client& client, const Args& a) {
 }
 
 int Run(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    if (arg == "--json") {  // the one flag without a value
-      a.flags["json"] = "true";
-      continue;
-    }
-    if (arg.rfind("--", 0) == 0) {
-      std::string key = arg.substr(2), value;
-      const size_t eq = key.find('=');
-      if (eq != std::string::npos) {
-        value = key.substr(eq + 1);
-        key.resize(eq);
-      } else if (i + 1 < argc) {
-        value = argv[++i];
-      } else {
-        return Usage(absl::StrCat(arg, " needs a value"));
-      }
-      a.flags[key] = value;
-    } else {
-      a.words.push_back(arg);
-    }
-  }
-  static const char* kKnown[] = {"address", "spec",  "token-file", "job", "rank",
-                                 "step",    "grads", "out",        "next-step", "transport",
-                                 "json",    "iterations", "interval", "metrics-address",
-                                 "generation", "restore-from", "restore-token-file",
-                                 "restore-generation", "restore-step", "tls-ca", "tls-cert",
-                                 "tls-key"};
-  for (const auto& [key, value] : a.flags) {
-    if (std::find(std::begin(kKnown), std::end(kKnown), key) == std::end(kKnown)) {
-      return Usage(absl::StrCat("unknown option --", key));
-    }
+  auto parsed = ParseArgs(std::vector<std::string>(argv + 1, argv + argc));
+  if (!parsed.ok()) return Usage(std::string(parsed.status().message()));
+  const Args& a = *parsed;
+  if (a.help) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
   if (a.words.empty()) return Usage("missing command");
   const std::string cmd = a.words[0];
   if (cmd != "health" && cmd != "job" && cmd != "step" && cmd != "status" && cmd != "top" &&
-      cmd != "checkpoint") {
+      cmd != "checkpoint" && cmd != "params" && cmd != "export") {
     return Usage(absl::StrCat("unknown command '", cmd, "'"));
   }
   if (cmd == "job" && a.words.size() < 2) return Usage("job needs a subcommand");
   if (cmd == "checkpoint" && a.words.size() < 2) {
     return Usage("checkpoint needs a subcommand (save, load, list)");
   }
+  if (cmd == "params" && a.words.size() < 2) return Usage("params needs a subcommand (init)");
   const std::string address = a.flags.count("address") ? a.flags.at("address") : "";
   // TLS files: the flags, else the environment (for tls:// addresses only).
   const std::string target = address.empty() ? common::DefaultClientAddress() : address;
@@ -339,6 +324,10 @@ int Run(int argc, char** argv) {
     s = CmdStatus(**client, a);
   } else if (cmd == "top") {
     s = CmdTop(**client, a);
+  } else if (cmd == "params") {
+    s = CmdParams(**client, a);
+  } else if (cmd == "export") {
+    s = CmdExport(**client, a);
   } else {
     s = CmdStep(**client, a);
   }

@@ -4,16 +4,21 @@
 //     (P = ceil(total / world_size) elements for 1/2, tail padded);
 //   - zero_stage 3: per matrix a 1-D tensor named by the matrix with the rank's chunk
 //     (ceil(numel / world_size) elements, padded).
-// OUT has the same names, shapes and dtypes; padding is zero.
+// OUT has the same names, shapes and dtypes; padding is zero. Apply-mode jobs (DESIGN.md 4b):
+// the step carries --lr GROUP=VALUE for every group (--wd, --grad-divisor optional), and OUT holds
+// the rank's new parameters, laid out the same but in each tensor's param dtype.
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/muonctl_util.h"
+#include "client/span_placement.h"
+#include "common/job_spec_proto.h"
 #include "common/layout.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
@@ -63,7 +68,9 @@ absl::StatusOr<StepOutput> StepPartition(RankSession& s, int64_t step,
   }
   RETURN_IF_ERROR(Expect1D(*t, n, spec.matrices[0].dtype, "the rank's partition"));
   StepOutput out;
-  NamedTensor u{"partition", t->dtype, t->shape, std::string(in.Data(*t).size(), '\0')};
+  const common::DType out_dtype = OutputDType(spec, spec.matrices[0]);
+  NamedTensor u{"partition", out_dtype, t->shape,
+                std::string(n * common::DTypeSize(out_dtype), '\0')};
   ASSIGN_OR_RETURN(out.result, s.StepBuffer(step, in.Data(*t).data(), u.data.data()));
   out.tensors.push_back(std::move(u));
   return out;
@@ -88,8 +95,9 @@ absl::StatusOr<StepOutput> StepChunks(RankSession& s, int64_t step,
     const uint64_t chunk = (static_cast<uint64_t>(ms.numel()) + world - 1) / world;
     RETURN_IF_ERROR(Expect1D(*it->second, chunk, ms.dtype, "the rank's padded chunk"));
     inputs.push_back(it->second);
-    out.tensors.push_back({ms.name, ms.dtype, it->second->shape,
-                           std::string(in.Data(*it->second).size(), '\0')});
+    const common::DType out_dtype = OutputDType(spec, ms);
+    out.tensors.push_back({ms.name, out_dtype, it->second->shape,
+                           std::string(chunk * common::DTypeSize(out_dtype), '\0')});
     by_name.erase(it);
   }
   if (!by_name.empty()) {
@@ -119,6 +127,22 @@ absl::StatusOr<StepOutput> StepWhole(RankSession& s, int64_t step,
   return out;
 }
 
+// The hyperparameters of a step of `spec` from the --lr/--wd/--grad-divisor flags: nullopt for
+// an update-mode job (INVALID_ARGUMENT when the flags are given anyway); ResolveStepHyper's
+// errors for an apply-mode job.
+absl::StatusOr<std::optional<StepHyper>> HyperForJob(const common::JobSpec& spec,
+                                                     const std::optional<StepHyper>& flags) {
+  if (spec.mode != common::JobMode::kApply) {
+    if (!flags) return std::nullopt;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job '", spec.job_id, "' is in mode 'update' (the trainer applies the update): --lr, --wd "
+        "and --grad-divisor are for mode 'apply' jobs"));
+  }
+  const StepHyper hyper = flags.value_or(StepHyper{});
+  RETURN_IF_ERROR(ResolveStepHyper(spec, hyper).status());
+  return hyper;
+}
+
 }  // namespace
 
 absl::Status CmdStep(Client& client, const Args& a) {
@@ -128,6 +152,7 @@ absl::Status CmdStep(Client& client, const Args& a) {
   ASSIGN_OR_RETURN(int64_t rank, IntFlag(a, "rank"));
   ASSIGN_OR_RETURN(int64_t step, IntFlag(a, "step"));
   ASSIGN_OR_RETURN(std::string token, Token(a));
+  ASSIGN_OR_RETURN(const std::optional<StepHyper> hyper_flags, StepHyperFlags(a));
   const std::string& in_path = a.flags.at("grads");
   ASSIGN_OR_RETURN(common::SafetensorsFile in, common::SafetensorsFile::ReadFile(in_path));
   if (rank < 0 || rank > INT32_MAX) {
@@ -137,10 +162,16 @@ absl::Status CmdStep(Client& client, const Args& a) {
   if (a.flags.count("transport") != 0) {
     ASSIGN_OR_RETURN(transport, ParseTransport(a.flags.at("transport")));
   }
+  // The job's mode decides which flags the step takes. Checked before attaching: a refused
+  // command must not touch the rank's session (its detach would abort a step other ranks are in).
+  ASSIGN_OR_RETURN(const v1::JobStatus status, client.GetJob(a.flags.at("job"), token));
+  ASSIGN_OR_RETURN(const common::JobSpec job_spec, common::JobSpecFromProto(status.spec()));
+  ASSIGN_OR_RETURN(const std::optional<StepHyper> hyper, HyperForJob(job_spec, hyper_flags));
   // Each muonctl run is a new process acting for the rank: it takes the rank over (a previous
   // muonctl for it has exited) and detaches when done.
   ASSIGN_OR_RETURN(auto session, client.Attach(a.flags.at("job"), static_cast<int>(rank), token,
                                                /*takeover=*/true, transport));
+  if (hyper) RETURN_IF_ERROR(session->SetHyper(*hyper));
   const common::JobSpec& spec = session->spec();
   absl::StatusOr<StepOutput> out;
   if (!spec.explicit_layout.empty() || spec.zero_stage == 1 || spec.zero_stage == 2) {

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +18,89 @@
 #include "common/status_macros.h"
 
 namespace muond::client {
+
+namespace {
+
+// The flags muonctl knows; the ones in kRepeatable may be given more than once.
+constexpr const char* kKnownFlags[] = {
+    "address",      "spec",          "token-file",         "job",
+    "rank",         "step",          "grads",              "out",
+    "next-step",    "transport",     "json",               "iterations",
+    "interval",     "metrics-address", "generation",       "restore-from",
+    "restore-token-file", "restore-generation", "restore-step", "tls-ca",
+    "tls-cert",     "tls-key",       "params",             "lr",
+    "wd",           "grad-divisor",  "dtype"};
+constexpr const char* kRepeatable[] = {"lr", "wd"};
+
+template <size_t N>
+bool Contains(const char* const (&names)[N], const std::string& name) {
+  return std::find(std::begin(names), std::end(names), name) != std::end(names);
+}
+
+}  // namespace
+
+absl::StatusOr<Args> ParseArgs(const std::vector<std::string>& argv) {
+  Args a;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      a.help = true;
+      return a;
+    }
+    if (arg == "--json") {  // the one flag without a value
+      a.flags["json"] = "true";
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0) {
+      a.words.push_back(arg);
+      continue;
+    }
+    std::string key = arg.substr(2), value;
+    const size_t eq = key.find('=');
+    if (eq != std::string::npos) {
+      value = key.substr(eq + 1);
+      key.resize(eq);
+    } else if (i + 1 < argv.size()) {
+      value = argv[++i];
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(arg, " needs a value"));
+    }
+    if (!Contains(kKnownFlags, key)) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown option --", key));
+    }
+    if (Contains(kRepeatable, key)) a.repeated[key].push_back(value);
+    a.flags[key] = value;
+  }
+  return a;
+}
+
+absl::StatusOr<std::optional<StepHyper>> StepHyperFlags(const Args& a) {
+  StepHyper hyper;
+  bool any = false;
+  for (auto [flag, values] : {std::pair{"lr", &hyper.lr}, std::pair{"wd", &hyper.weight_decay}}) {
+    const auto it = a.repeated.find(flag);
+    if (it == a.repeated.end()) continue;
+    for (const std::string& v : it->second) {
+      any = true;
+      const size_t eq = v.rfind('=');
+      double x = 0;
+      if (eq == std::string::npos || eq == 0 || !absl::SimpleAtod(v.substr(eq + 1), &x)) {
+        return absl::InvalidArgumentError(absl::StrCat("--", flag, " takes GROUP=VALUE (e.g. --",
+                                                       flag, " muon=0.02), not '", v, "'"));
+      }
+      values->emplace_back(v.substr(0, eq), x);
+    }
+  }
+  if (const auto it = a.flags.find("grad-divisor"); it != a.flags.end()) {
+    any = true;
+    if (!absl::SimpleAtod(it->second, &hyper.grad_divisor)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--grad-divisor takes a number, not '", it->second, "'"));
+    }
+  }
+  if (!any) return std::nullopt;
+  return hyper;
+}
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& what) {
   std::ifstream in(path, std::ios::binary);

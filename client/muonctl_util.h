@@ -16,8 +16,22 @@ namespace muond::client {
 
 struct Args {
   std::vector<std::string> words;            // command words
-  std::map<std::string, std::string> flags;  // --key value
+  std::map<std::string, std::string> flags;  // --key value (the last value of a repeated flag)
+  // Every value of the flags that may repeat (--lr, --wd), in the order given.
+  std::map<std::string, std::vector<std::string>> repeated;
+  bool help = false;  // --help or -h
 };
+
+// Parses muonctl's arguments (argv without argv[0]): "--key value" or "--key=value" flags
+// (--json takes no value), everything else command words. INVALID_ARGUMENT, a usage error, for
+// a flag without its value or a flag muonctl does not know. Stops at --help.
+absl::StatusOr<Args> ParseArgs(const std::vector<std::string>& argv);
+
+// `muonctl step`'s apply-mode flags: --lr GROUP=VALUE and --wd GROUP=VALUE (each repeatable; the
+// group name is everything before the last '=') and --grad-divisor X. nullopt when none is
+// given. INVALID_ARGUMENT naming the flag for a value that is not GROUP=NUMBER or a divisor that
+// is not a number; the values themselves are checked against the job by ResolveStepHyper.
+absl::StatusOr<std::optional<StepHyper>> StepHyperFlags(const Args& a);
 
 // The whole file; NOT_FOUND / PERMISSION_DENIED naming `what` and the path.
 absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& what);
@@ -54,6 +68,11 @@ absl::StatusOr<GenerationChoice> ChosenGeneration(const Args& a, const std::stri
 
 // `muonctl step`: pushes one step of one rank from a safetensors file and writes the update.
 absl::Status CmdStep(Client& client, const Args& a);
+// `muonctl params init`: uploads one rank's initial parameters of an apply-mode job from a
+// safetensors file laid out as that rank's `step --grads` file (muonctl_apply.cc).
+absl::Status CmdParams(Client& client, const Args& a);
+// `muonctl export`: the master weights of an apply-mode job as a safetensors model file.
+absl::Status CmdExport(Client& client, const Args& a);
 // `muonctl status [--json]`: the daemon and its jobs (muonctl_status.cc).
 absl::Status CmdStatus(Client& client, const Args& a);
 // `muonctl checkpoint save|load|list` (muonctl_checkpoint.cc).

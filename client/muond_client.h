@@ -94,11 +94,17 @@ size_t muond_session_spans(const muond_session* session, muond_shard_span* spans
 /* Elements of the rank's flat buffer. */
 uint64_t muond_session_buffer_elements(const muond_session* session);
 
-/* Pushes the rank's gradients for `step` and fills the update spans (same elements). */
+/* Pushes the rank's gradients for `step` and fills the update spans (same elements). In apply
+ * mode (DESIGN.md 4b) the "update" is the rank's new parameters, in each tensor's param_dtype, and
+ * the step carries the hyperparameters of muond_session_set_hyper (9 FAILED_PRECONDITION
+ * without them). */
 int muond_step(muond_session* session, int64_t step, const muond_span* grads, size_t num_grads,
                const muond_span* updates, size_t num_updates);
 /* Zero-copy steps (shared-memory sessions; FAILED_PRECONDITION otherwise): step t's gradient
- * buffer (writable, the rank's flat-buffer layout) and update buffer (read-only), t % 2. */
+ * buffer (writable, the rank's flat-buffer layout) and update buffer (read-only), t % 2. Apply
+ * mode: the update buffer holds the new parameters, span i at muond_session_param_byte_offset(i)
+ * in its param_dtype; muond_step_in_place writes the hyperparameters into the gradient buffer
+ * itself. */
 int muond_session_gradient_view(muond_session* session, int64_t step, void** data, size_t* size);
 int muond_session_update_view(muond_session* session, int64_t step, const void** data,
                               size_t* size);
@@ -106,8 +112,40 @@ int muond_session_update_view(muond_session* session, int64_t step, const void**
 int muond_step_in_place(muond_session* session, int64_t step);
 
 /* The same with the rank's flat buffers (muond_session_buffer_elements elements of the job's one
- * dtype): `updates` gets the update in the same layout, padding zeroed. */
+ * dtype): `updates` gets the update in the same layout, padding zeroed. Apply mode: `grads` in the
+ * one gradient dtype, `updates` the new parameters in the one param_dtype. */
 int muond_step_buffer(muond_session* session, int64_t step, const void* grads, void* updates);
+
+/* ---- Apply mode (DESIGN.md 4b): the daemon holds the fp32 master weights and the optimizer
+ * state and returns new parameters. On an update-mode job these return 9 FAILED_PRECONDITION. */
+
+/* The hyperparameters every later step of the session carries: the lr of every parameter group
+ * of the job (`groups[i]` gets `lr[i]`), their weight decay (`weight_decay` NULL: the groups'
+ * defaults from the job spec) and the gradient divisor (the loss scale; 1 for none). 3
+ * INVALID_ARGUMENT naming the group for a group without an lr, an unknown or repeated group, or a
+ * value that is not finite and >= 0; for a divisor that is not finite and > 0. */
+int muond_session_set_hyper(muond_session* session, const char* const* groups, const double* lr,
+                            const double* weight_decay, size_t num_groups, double grad_divisor);
+/* The rank's part of the initial parameters: spans that cover the rank's spans exactly, whose
+ * elements are float32 (`float32` nonzero) or each tensor's param_dtype. Over shared memory float32
+ * values are rounded to the param_dtype on the client. */
+int muond_init_params(muond_session* session, const muond_span* params, size_t num_params,
+                      int float32);
+/* The same from the rank's flat buffer (muond_session_buffer_elements elements): float32, or the
+ * one param_dtype of every tensor (`float32` zero). */
+int muond_init_params_buffer(muond_session* session, const void* params, int float32);
+/* Zero-copy initial parameters (shared memory only): gradient buffer 0, where span i's parameters
+ * go at muond_session_param_byte_offset(i) in its param_dtype; then muond_init_params_in_place. */
+int muond_session_init_view(muond_session* session, void** data, size_t* size);
+int muond_init_params_in_place(muond_session* session);
+/* Where span i (of muond_session_spans) keeps its parameters in the update and init views
+ * (shared memory; 9 FAILED_PRECONDITION over gRPC; 3 for a span out of range). */
+int muond_session_param_byte_offset(const muond_session* session, size_t span, uint64_t* offset);
+/* Writes the job's master weights to `out_path` as a safetensors model file (every tensor in full
+ * shape under its name), as `muonctl export` does: a temporary file in the same directory, fsync,
+ * rename. `dtype`: "float32" (or NULL), "bfloat16" or "float16". */
+int muond_export(muond_client* client, const char* job_id, const char* token, const char* dtype,
+                 const char* out_path);
 
 #ifdef __cplusplus
 }

@@ -157,6 +157,7 @@ absl::Status ShmChannel::MapRegions(const v1::ShmAttachResponse& reply,
   session_id_ = reply.session_id();
   generation_ = reply.generation();
   buffer_bytes_ = reply.buffer_bytes();
+  hyper_byte_offset_ = reply.hyper_byte_offset();
   next_step_ = reply.next_step();
   pinned_ = reply.pinned();
   doorbell_ = fds[3];
@@ -173,7 +174,8 @@ absl::Status ShmChannel::MapRegions(const v1::ShmAttachResponse& reply,
   ring_ = *std::move(ring);
   ASSIGN_OR_RETURN(spec_, common::JobSpecFromProto(reply.spec()));
   for (const v1::ShmSpan& s : reply.spans()) {
-    spans_.push_back({s.matrix_index(), s.offset(), s.length(), s.byte_offset()});
+    spans_.push_back(
+        {s.matrix_index(), s.offset(), s.length(), s.byte_offset(), s.param_byte_offset()});
   }
   return absl::OkStatus();
 }
@@ -228,9 +230,13 @@ absl::StatusOr<ShmChannel::Ringing> ShmChannel::Ring(int64_t step) {
   return RingRaw(step, static_cast<uint32_t>(step % 2), 0, buffer_bytes_, generation_);
 }
 
+absl::Status ShmChannel::RingInitParams() {
+  return RingRaw(-1, 0, 0, buffer_bytes_, generation_, shm::kSubmitInitParams).status();
+}
+
 absl::StatusOr<ShmChannel::Ringing> ShmChannel::RingRaw(int64_t step, uint32_t buffer,
                                                         uint64_t offset, uint64_t size,
-                                                        uint64_t generation) {
+                                                        uint64_t generation, uint32_t kind) {
   auto* ring = reinterpret_cast<shm::Ring*>(ring_.data());
   const uint64_t seq = next_seq_++;
   shm::Submission& sub = ring->subs[seq % shm::kRingSlots];
@@ -238,6 +244,7 @@ absl::StatusOr<ShmChannel::Ringing> ShmChannel::RingRaw(int64_t step, uint32_t b
   sub.step = step;
   sub.generation = generation;
   sub.buffer = buffer;
+  sub.kind = kind;
   sub.offset = offset;
   sub.size = size;
   ring->header.sub_head.store(seq + 1, std::memory_order_release);

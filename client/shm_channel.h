@@ -28,6 +28,9 @@ struct ShmSpan {
   uint64_t offset = 0;       // first element in the matrix
   uint64_t length = 0;       // elements
   uint64_t byte_offset = 0;  // in each buffer
+  // Apply mode: where the span's parameters (its tensor's param_dtype) start in each buffer of
+  // the update region, and in gradient buffer 0 for an initial-parameter submission.
+  uint64_t param_byte_offset = 0;
 };
 
 class ShmChannel {
@@ -54,15 +57,23 @@ class ShmChannel {
   bool pinned() const { return pinned_; }
   const std::vector<ShmSpan>& spans() const { return spans_; }
   uint64_t buffer_bytes() const { return buffer_bytes_; }
+  // Apply mode: where a step's hyperparameters go in each gradient buffer (float64 lr[G],
+  // weight_decay[G], grad_divisor; common/shm_protocol.h).
+  uint64_t hyper_byte_offset() const { return hyper_byte_offset_; }
   // The buffers of step t (t % 2): gradients are written by the caller, the update is read-only.
   char* GradientBuffer(int64_t step) const;
   const char* UpdateBuffer(int64_t step) const;
 
   // Publishes step t's gradients (GradientBuffer(t) must hold them) and waits for the update.
   absl::StatusOr<Ringing> Ring(int64_t step);
+  // Apply mode: publishes the initial parameters in GradientBuffer(0) (each span at its
+  // param_byte_offset, in its tensor's param_dtype; submission kind kSubmitInitParams, step -1)
+  // and waits for the daemon to install them.
+  absl::Status RingInitParams();
   // Rings with explicit fields, for tests of the daemon's checks.
   absl::StatusOr<Ringing> RingRaw(int64_t step, uint32_t buffer, uint64_t offset, uint64_t size,
-                                  uint64_t generation);
+                                  uint64_t generation,
+                                  uint32_t kind = common::shm::kSubmitStep);
 
  private:
   ShmChannel() = default;
@@ -80,6 +91,7 @@ class ShmChannel {
   uint64_t session_id_ = 0;
   uint64_t generation_ = 0;
   uint64_t buffer_bytes_ = 0;
+  uint64_t hyper_byte_offset_ = 0;
   int64_t next_step_ = 0;
   bool pinned_ = false;
   uint64_t next_seq_ = 0;
