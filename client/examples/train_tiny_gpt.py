@@ -95,7 +95,8 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        # The loss in float32 whatever the parameters' dtype (a no-op for float32 models).
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
 def param_groups(model, muon_lr, adam_lr, weight_decay):

@@ -471,6 +471,10 @@ class DistributedTest(DaemonTest):
                 self.assertLessEqual(err, MASTER_TOLERANCE, f"{name}: master {tensor}")
             self.assertEqual(case["bf16_mismatches"], 0, name)
             self.assertTrue(case["ranks_agree"], f"{name}: the ranks' parameters differ")
+            worst = max(max(e.values()) for e in case["param_errors"])
+            print(f"\n  {name}: {case['steps']} steps, largest parameter error {worst:.2e}, "
+                  f"largest master error {max(case['master_errors'].values()):.2e}",
+                  file=sys.stderr)
         refusals = result["refusals"]
         self.assertEqual(refusals["lr"]["code_name"], "INVALID_ARGUMENT", refusals)
         self.assertIn("disagree", refusals["lr"]["message"])
@@ -519,7 +523,7 @@ class ExampleTest(DaemonTest):
 
     def test_bfloat16_zero2_shm(self):
         result, out = self.run_example("--param-dtype", "bfloat16", "--steps", 8)
-        self.check(result, out, 8, 2e-2)
+        self.check(result, out, 8, 2e-3)
         self.assertIn("in bfloat16", out)
         self.assertIn("shared memory", out)
 

@@ -92,6 +92,21 @@ def apply_job_spec(job_id, world_size, zero_stage, muon_config, param_groups, na
     return spec
 
 
+def _padding(partitions):
+    """(start, end) runs of a world buffer that no span covers (each rank's padding)."""
+    size = partitions[0].buffer_elements
+    runs = []
+    for part in partitions:
+        at = part.rank * size
+        for _, _, length, rank_offset in sorted(part.spans, key=lambda s: s[3]):
+            if part.rank * size + rank_offset > at:
+                runs.append((at, part.rank * size + rank_offset))
+            at = max(at, part.rank * size + rank_offset + length)
+        if at < (part.rank + 1) * size:
+            runs.append((at, (part.rank + 1) * size))
+    return runs
+
+
 class ParameterOffload:
     """One rank's parameters whose optimizer lives in muond (see the module comment).
 
@@ -120,10 +135,11 @@ class ParameterOffload:
         size = self.partition.buffer_elements
         self._check_param_layout()
         kw = dict(dtype=self.dtype, device=self.device)
-        # Staging (no optimizer state): the world buffers of the collectives, and on a device the
-        # partition that crosses to and from host memory.
-        self._world_grads = torch.zeros(len(partitions) * size, **kw) if self._reduce else None
-        self._world_params = torch.zeros(len(partitions) * size, **kw) if self._dist else None
+        # Staging (no optimizer state): one world buffer, the reduce-scatter's input and then the
+        # all-gather's output, and on a device the partition that crosses to and from host
+        # memory. The gloo reduce-scatter adds a second world buffer while it runs.
+        self._world = torch.zeros(len(partitions) * size, **kw) if self._dist else None
+        self._world_padding = _padding(partitions) if self._dist else []
         self._device_part = torch.zeros(size, **kw) if self._cuda and self._dist else None
         if session.is_shm:
             self._host_grads = self._host_params = None
@@ -135,8 +151,7 @@ class ParameterOffload:
     def workspace_bytes(self):
         """Bytes of the staging buffers this object allocated (not optimizer state: nothing here
         outlives a step's meaning)."""
-        bufs = (self._world_grads, self._world_params, self._device_part, self._host_grads,
-                self._host_params)
+        bufs = (self._world, self._device_part, self._host_grads, self._host_params)
         return sum(b.numel() * b.element_size() for b in bufs if b is not None)
 
     def _check_param_layout(self):
@@ -226,9 +241,11 @@ class ParameterOffload:
         if not self._reduce:
             copy_into_buffer(host, self.partition, grads, non_blocking=self._cuda)
         else:
-            fill_world_buffer(self._world_grads, self.partitions, grads)
+            for start, end in self._world_padding:  # the all-gather left parameters there
+                self._world[start:end].zero_()
+            fill_world_buffer(self._world, self.partitions, grads)
             target = self._device_part if self._cuda else host
-            reduce_scatter_partitions(self._world_grads, target, self.group)
+            reduce_scatter_partitions(self._world, target, self.group)
             if self._cuda:
                 host.copy_(target, non_blocking=True)
         self._sync()
@@ -242,6 +259,6 @@ class ParameterOffload:
             mine = new_params
             if self._cuda:
                 mine = self._device_part.copy_(new_params, non_blocking=True)
-            all_gather_partition_buffers(self._world_params, mine, self.group)
-            scatter_world_buffer(self._world_params, self.partitions, self.params)
+            all_gather_partition_buffers(self._world, mine, self.group)
+            scatter_world_buffer(self._world, self.partitions, self.params)
         self._sync()
