@@ -37,6 +37,18 @@ inline constexpr int kNumFds = 5;
 // Sent by the client on the socket to end its session cleanly (a hang-up without it is a death).
 inline constexpr char kDetachByte = 'D';
 
+// What a submission asks (Submission::kind).
+inline constexpr uint32_t kSubmitStep = 0;
+// Apply mode: "buffer 0 of the gradient region holds my initial parameters", each span at its
+// ShmSpan.param_byte_offset in the tensor's param_dtype. `step` must be -1 and `buffer` 0; the
+// completion's step is -1. Refused while a step is in flight.
+inline constexpr uint32_t kSubmitInitParams = 1;
+
+// Apply mode: the hyperparameters of a step, at ShmAttachResponse.hyper_byte_offset of the step's
+// gradient buffer (8-byte aligned): float64 lr[G], then float64 weight_decay[G], then the float64
+// gradient divisor, with G the job's groups in order. HyperBytes(G) bytes.
+inline constexpr size_t HyperBytes(size_t groups) { return (2 * groups + 1) * sizeof(double); }
+
 // One doorbell: "the gradients of `step` are in buffer `buffer` at [offset, offset + size)".
 // A valid one has buffer == step % 2, offset == 0, size == buffer_bytes and the session's generation.
 struct Submission {
@@ -44,7 +56,7 @@ struct Submission {
   int64_t step;
   uint64_t generation;
   uint32_t buffer;
-  uint32_t reserved;
+  uint32_t kind;  // kSubmitStep or kSubmitInitParams
   uint64_t offset;
   uint64_t size;
 };

@@ -29,6 +29,10 @@ v1::JobStatus JobStatusToProto(const JobReport& r) {
   st.set_owner(r.owner);
   st.set_step_timeout_seconds(r.step_timeout_seconds);
   if (r.step_in_flight) st.set_step_in_flight(*r.step_in_flight);
+  st.set_weights_complete(r.weights_complete);
+  for (int rank : r.ranks_missing_weights) st.add_ranks_missing_weights(rank);
+  st.set_clip_redo_steps(static_cast<uint64_t>(r.clip_redo_steps));
+  st.set_last_grad_norm(r.last_grad_norm);
   for (const RankReport& rank : r.ranks) {
     v1::RankStatus* rs = st.add_ranks();
     rs->set_rank(rank.rank);

@@ -3,6 +3,8 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <optional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -14,6 +16,7 @@
 #include "common/logging.h"
 #include "common/names.h"
 #include "common/status_macros.h"
+#include "server/jobs/apply_step.h"
 #include "server/ops/daemon_metrics.h"
 
 namespace muond::server {
@@ -254,10 +257,30 @@ absl::Status MuondService::RunStep(
   if (shutting_down_.load() && !job->StepInFlight(begin.step())) {
     return absl::UnavailableError("muond is shutting down; retry the step");
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<RankStep> rank_step,
-                   job->BeginStep(begin.rank(), begin.session_id(), begin.step()));
   const std::string where =
       absl::StrCat("job '", begin.job_id(), "' step ", begin.step(), " rank ", begin.rank());
+  std::optional<StepHyper> hyper;
+  if (job->apply()) {
+    std::vector<GroupValue> values;
+    for (const v1::GroupHyper& g : begin.hyper()) {
+      GroupValue& v = values.emplace_back();
+      v.group = g.group();
+      v.lr = g.lr();
+      if (g.has_weight_decay()) v.weight_decay = g.weight_decay();
+    }
+    auto resolved = ResolveStepHyper(job->spec(), values, begin.grad_divisor());
+    if (!resolved.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": ", resolved.status().message()));
+    }
+    hyper = *std::move(resolved);
+  } else if (begin.hyper_size() > 0 || begin.grad_divisor() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": the job is in mode 'update'; a step takes no lr, weight decay or gradient "
+        "divisor there"));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<RankStep> rank_step,
+                   job->BeginStep(begin.rank(), begin.session_id(), begin.step(),
+                                  hyper ? &*hyper : nullptr));
   // Gradients until StepEnd. Returning early destroys rank_step: a step that was not finished is
   // aborted for every rank, unless it was already refused.
   bool ended = false;
@@ -288,7 +311,9 @@ absl::Status MuondService::RunStep(
   uint64_t bytes_out = 0;
   v1::StepResponse resp;
   for (const UpdateSpan& span : update->spans) {
-    const size_t esize = common::DTypeSize(spec.matrices[span.matrix].dtype);
+    // Apply mode returns new parameters, in the tensor's param dtype.
+    const common::MatrixSpec& ms = spec.matrices[span.matrix];
+    const size_t esize = common::DTypeSize(job->apply() ? ms.param_dtype : ms.dtype);
     const size_t per_chunk = kChunkBytes / esize * esize;
     for (size_t at = 0; at < span.size; at += per_chunk) {
       const size_t n = std::min(per_chunk, span.size - at);
@@ -316,6 +341,90 @@ absl::Status MuondService::RunStep(
   done->set_bytes_out(bytes_out);
   stream->Write(resp);
   return absl::OkStatus();
+}
+
+}  // namespace muond::server
+
+namespace muond::server {
+
+grpc::Status MuondService::InitParams(grpc::ServerContext* ctx,
+                                      grpc::ServerReader<v1::InitRequest>* reader,
+                                      v1::InitResponse* resp) {
+  return Logged("InitParams", RunInitParams(ctx, reader, resp));
+}
+
+absl::Status MuondService::RunInitParams(grpc::ServerContext* ctx,
+                                         grpc::ServerReader<v1::InitRequest>* reader,
+                                         v1::InitResponse* resp) {
+  v1::InitRequest req;
+  if (!reader->Read(&req) || req.kind_case() != v1::InitRequest::kBegin) {
+    return absl::InvalidArgumentError("the first message of InitParams must be InitBegin");
+  }
+  const v1::InitBegin begin = req.begin();
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Authorize(ctx, begin.job_id()));
+  ASSIGN_OR_RETURN(std::unique_ptr<ParamUpload> upload,
+                   job->BeginParamUpload(begin.rank(), begin.session_id(), begin.float32()));
+  while (true) {
+    if (!reader->Read(&req)) {
+      return absl::CancelledError(absl::StrCat(
+          "job '", begin.job_id(), "' rank ", begin.rank(),
+          ": the initial-parameter stream closed before InitEnd; nothing changed"));
+    }
+    if (req.kind_case() == v1::InitRequest::kEnd) break;
+    if (req.kind_case() != v1::InitRequest::kParams) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job '", begin.job_id(), "' rank ", begin.rank(),
+          ": expected a parameter chunk or InitEnd; nothing changed"));
+    }
+    const v1::DataChunk& c = req.params();
+    RETURN_IF_ERROR(upload->Add(c.matrix_index(), c.element_offset(), c.data(), c.crc32c()));
+    RecordBytes(Transport::kGrpc, Direction::kIn, c.data().size());
+  }
+  ASSIGN_OR_RETURN(const uint64_t elements, upload->Finish());
+  resp->set_elements(elements);
+  resp->set_weights_complete(job->WeightsComplete());
+  return absl::OkStatus();
+}
+
+grpc::Status MuondService::ExportParams(grpc::ServerContext* ctx, const v1::ExportRequest* req,
+                                        grpc::ServerWriter<v1::ExportChunk>* writer) {
+  return Logged("ExportParams", RunExportParams(ctx, req, writer));
+}
+
+absl::Status MuondService::RunExportParams(grpc::ServerContext* ctx, const v1::ExportRequest* req,
+                                           grpc::ServerWriter<v1::ExportChunk>* writer) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Authorize(ctx, req->job_id()));
+  auto parsed = common::DTypeFromProto(req->dtype());
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job '", req->job_id(), "': export: ", parsed.status().message()));
+  }
+  const common::DType dtype = *parsed;
+  const size_t esize = common::DTypeSize(dtype);
+  const size_t per_chunk = kChunkBytes / esize;
+  int64_t step = 0;
+  std::string bytes;
+  v1::ExportChunk out;
+  auto sink = [&](uint32_t t, const std::vector<float>& w) -> absl::Status {
+    for (size_t at = 0; at < w.size(); at += per_chunk) {
+      const size_t n = std::min(per_chunk, w.size() - at);
+      bytes.resize(n * esize);
+      common::FromFloat32(w.data() + at, n, dtype, bytes.data());
+      v1::DataChunk* c = out.mutable_data();
+      c->set_matrix_index(t);
+      c->set_element_offset(at);
+      c->set_crc32c(common::Crc32c(bytes.data(), bytes.size()));
+      c->set_data(bytes);
+      out.set_step(step);
+      if (ctx->IsCancelled() || !writer->Write(out)) {
+        return absl::CancelledError(absl::StrCat("job '", req->job_id(),
+                                                 "': the client went away during the export"));
+      }
+      RecordBytes(Transport::kGrpc, Direction::kOut, bytes.size());
+    }
+    return absl::OkStatus();
+  };
+  return job->ExportParams(sink, &step);
 }
 
 }  // namespace muond::server

@@ -57,6 +57,10 @@ class MuondService final : public v1::Muond::Service {
                             grpc::ServerWriter<v1::SessionEvent>* writer) override;
   grpc::Status Step(grpc::ServerContext* ctx,
                     grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) override;
+  grpc::Status InitParams(grpc::ServerContext* ctx, grpc::ServerReader<v1::InitRequest>* reader,
+                          v1::InitResponse* resp) override;
+  grpc::Status ExportParams(grpc::ServerContext* ctx, const v1::ExportRequest* req,
+                            grpc::ServerWriter<v1::ExportChunk>* writer) override;
 
  private:
   // The job named `job_id` if the call carries its token: NOT_FOUND, UNAUTHENTICATED (no token),
@@ -65,6 +69,10 @@ class MuondService final : public v1::Muond::Service {
                                                  const std::string& job_id) const;
   absl::Status RunStep(grpc::ServerContext* ctx,
                        grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream);
+  absl::Status RunInitParams(grpc::ServerContext* ctx, grpc::ServerReader<v1::InitRequest>* reader,
+                             v1::InitResponse* resp);
+  absl::Status RunExportParams(grpc::ServerContext* ctx, const v1::ExportRequest* req,
+                               grpc::ServerWriter<v1::ExportChunk>* writer);
 
   JobRegistry* registry_;
   const AccessPolicy* access_;

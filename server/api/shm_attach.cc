@@ -129,6 +129,31 @@ absl::StatusOr<std::shared_ptr<Job>> Authorize(JobRegistry& registry,
   return *std::move(job);
 }
 
+namespace {
+
+// Where each of the rank's spans starts in a buffer (into *offsets), in the gradient dtype or
+// (`params`) the param dtype; returns the bytes the spans take. The rank's flat buffer when every
+// tensor shares the dtype, else the spans back to back.
+uint64_t LayOut(const common::JobSpec& spec, int rank, const std::vector<common::ShardSpan>& spans,
+                bool params, std::vector<uint64_t>* offsets) {
+  auto dtype = [&](uint32_t m) {
+    return params ? spec.matrices[m].param_dtype : spec.matrices[m].dtype;
+  };
+  bool uniform = true;
+  for (uint32_t m = 0; m < spec.matrices.size(); ++m) uniform = uniform && dtype(m) == dtype(0);
+  uint64_t bytes = 0;
+  for (const common::ShardSpan& span : spans) {
+    const size_t esize = common::DTypeSize(dtype(span.matrix));
+    const uint64_t at = uniform ? span.rank_offset * esize : bytes;
+    offsets->push_back(at);
+    bytes = std::max(bytes, at + span.length * esize);
+  }
+  if (uniform) bytes = common::RankBufferElements(spec, rank) * common::DTypeSize(dtype(0));
+  return bytes;
+}
+
+}  // namespace
+
 // Lays out the rank's buffer (into `session` and the spans of `reply`), creates the session's
 // regions and eventfds (five new descriptors) and fills in the rest of the reply.
 // RESOURCE_EXHAUSTED when the process is out of descriptors or memory.
@@ -136,25 +161,27 @@ absl::StatusOr<std::shared_ptr<Job>> Authorize(JobRegistry& registry,
 absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& reply) {
   const common::JobSpec& spec = session.job->spec();
   const int rank = session.rank;
-  // Span byte offsets: the rank's flat buffer when all matrices share a dtype, else back to back.
-  bool uniform = true;
-  for (const auto& m : spec.matrices) uniform = uniform && m.dtype == spec.matrices[0].dtype;
-  uint64_t bytes = 0;
-  for (const common::ShardSpan& span : common::RankSpans(spec, rank)) {
-    const size_t esize = common::DTypeSize(spec.matrices[span.matrix].dtype);
-    const uint64_t at = uniform ? span.rank_offset * esize : bytes;
-    session.byte_offsets.push_back(at);
-    bytes = std::max(bytes, at + span.length * esize);
+  // Span byte offsets: the rank's flat buffer when all matrices share a dtype, else back to back;
+  // apply mode lays out the parameters (param dtype) the same way.
+  const std::vector<common::ShardSpan> spans = common::RankSpans(spec, rank);
+  const bool apply = spec.mode == common::JobMode::kApply;
+  const uint64_t bytes = LayOut(spec, rank, spans, false, &session.byte_offsets);
+  uint64_t buffer = bytes;
+  if (apply) {
+    const uint64_t params = LayOut(spec, rank, spans, true, &session.param_byte_offsets);
+    session.hyper_byte_offset = (std::max(bytes, params) + 63) / 64 * 64;
+    buffer = session.hyper_byte_offset + shm::HyperBytes(spec.groups.size());
+    reply.set_hyper_byte_offset(session.hyper_byte_offset);
+  }
+  for (size_t i = 0; i < spans.size(); ++i) {
     v1::ShmSpan* s = reply.add_spans();
-    s->set_matrix_index(span.matrix);
-    s->set_offset(span.offset);
-    s->set_length(span.length);
-    s->set_byte_offset(at);
+    s->set_matrix_index(spans[i].matrix);
+    s->set_offset(spans[i].offset);
+    s->set_length(spans[i].length);
+    s->set_byte_offset(session.byte_offsets[i]);
+    if (apply) s->set_param_byte_offset(session.param_byte_offsets[i]);
   }
-  if (uniform) {
-    bytes = common::RankBufferElements(spec, rank) * common::DTypeSize(spec.matrices[0].dtype);
-  }
-  session.buffer_bytes = std::max<uint64_t>(bytes, 1);
+  session.buffer_bytes = std::max<uint64_t>(buffer, 1);
   auto in = common::SharedRegion::Create("muond-grad", 2 * session.buffer_bytes, false, true);
   if (!in.ok()) return in.status();
   auto out = common::SharedRegion::Create("muond-update", 2 * session.buffer_bytes, true, true);

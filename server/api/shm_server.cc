@@ -12,6 +12,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -228,7 +230,13 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
     } else if (sub.generation != s->session_id) {
       bad = absl::FailedPreconditionError(absl::StrCat(
           where, ": stale generation ", sub.generation, " (the session's is ", s->session_id, ")"));
-    } else if (sub.step < 0 || sub.buffer != static_cast<uint32_t>(sub.step % 2)) {
+    } else if (sub.kind != shm::kSubmitStep && sub.kind != shm::kSubmitInitParams) {
+      bad = absl::InvalidArgumentError(absl::StrCat(where, ": unknown submission kind ", sub.kind));
+    } else if (sub.kind == shm::kSubmitInitParams && (sub.step != -1 || sub.buffer != 0)) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          where, ": an initial-parameter submission has step -1 and buffer 0"));
+    } else if (sub.kind == shm::kSubmitStep &&
+               (sub.step < 0 || sub.buffer != static_cast<uint32_t>(sub.step % 2))) {
       bad = absl::InvalidArgumentError(
           absl::StrCat(where, ": buffer ", sub.buffer, " is not step % 2"));
     } else if (sub.offset != 0 || sub.size != s->buffer_bytes) {
@@ -240,30 +248,76 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
       s->completions->Complete(sub.seq, sub.step, bad, false, 0);
       continue;
     }
-    const char* in_base = s->regions->in.data() + sub.buffer * s->buffer_bytes;
-    char* out_base = s->regions->out.data() + sub.buffer * s->buffer_bytes;
-    std::vector<const char*> in;
-    std::vector<char*> out;
-    for (uint64_t at : s->byte_offsets) {
-      in.push_back(in_base + at);
-      out.push_back(out_base + at);
+    if (sub.kind == shm::kSubmitInitParams) {
+      SubmitInitParams(s, sub.seq, where);
+    } else {
+      SubmitStep(s, sub, where);
     }
-    auto channel = s->completions;
-    const uint64_t seq = sub.seq;
-    const int64_t step = sub.step;
-    const uint64_t buffer_bytes = s->buffer_bytes;
-    absl::Status st = s->job->SubmitShared(
-        s->rank, s->session_id, step, in, out, s->regions,
-        [channel, seq, step, buffer_bytes](const absl::Status& status, bool replayed,
-                                           double seconds) {
-          if (status.ok()) {  // the rank's whole buffer went in, its update came out
-            RecordBytes(Transport::kShm, Direction::kIn, buffer_bytes);
-            RecordBytes(Transport::kShm, Direction::kOut, buffer_bytes);
-          }
-          channel->Complete(seq, step, status, replayed, seconds);
-        });
-    if (!st.ok()) s->completions->Complete(seq, step, st, false, 0);
   }
+}
+
+void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Submission& sub,
+                           const std::string& where) {
+  const char* in_base = s->regions->in.data() + sub.buffer * s->buffer_bytes;
+  char* out_base = s->regions->out.data() + sub.buffer * s->buffer_bytes;
+  const bool apply = s->job->apply();
+  std::vector<const char*> in;
+  std::vector<char*> out;
+  for (size_t i = 0; i < s->byte_offsets.size(); ++i) {
+    in.push_back(in_base + s->byte_offsets[i]);
+    out.push_back(out_base + (apply ? s->param_byte_offsets[i] : s->byte_offsets[i]));
+  }
+  std::optional<StepHyper> hyper;
+  if (apply) {
+    // Copied out of the peer's memory once: it may change them.
+    const size_t groups = s->job->spec().groups.size();
+    std::vector<double> values(2 * groups + 1);
+    std::memcpy(values.data(), in_base + s->hyper_byte_offset, values.size() * sizeof(double));
+    hyper.emplace();
+    hyper->lr.assign(values.begin(), values.begin() + groups);
+    hyper->weight_decay.assign(values.begin() + groups, values.begin() + 2 * groups);
+    hyper->grad_divisor = values[2 * groups];
+  }
+  auto channel = s->completions;
+  const uint64_t seq = sub.seq;
+  const int64_t step = sub.step;
+  const uint64_t buffer_bytes = s->buffer_bytes;
+  absl::Status st = s->job->SubmitShared(
+      s->rank, s->session_id, step, in, out, s->regions,
+      [channel, seq, step, buffer_bytes](const absl::Status& status, bool replayed,
+                                         double seconds) {
+        if (status.ok()) {  // the rank's whole buffer went in, its update came out
+          RecordBytes(Transport::kShm, Direction::kIn, buffer_bytes);
+          RecordBytes(Transport::kShm, Direction::kOut, buffer_bytes);
+        }
+        channel->Complete(seq, step, status, replayed, seconds);
+      },
+      hyper ? &*hyper : nullptr);
+  if (!st.ok()) s->completions->Complete(seq, step, st, false, 0);
+}
+
+void ShmServer::SubmitInitParams(const std::shared_ptr<ShmSession>& s, uint64_t seq,
+                                 const std::string& where) {
+  if (!s->job->apply()) {
+    s->completions->Complete(seq, -1, absl::FailedPreconditionError(absl::StrCat(
+        where, ": the job is in mode 'update' and holds no parameters")), false, 0);
+    return;
+  }
+  if (s->init_running->exchange(true)) {
+    s->completions->Complete(seq, -1, absl::FailedPreconditionError(absl::StrCat(
+        where, ": an upload of initial parameters is already running")), false, 0);
+    return;
+  }
+  std::vector<const char*> in;
+  for (uint64_t at : s->param_byte_offsets) in.push_back(s->regions->in.data() + at);
+  // Off this thread (it serves every session): the conversion into the masters takes as long as
+  // the rank's partition is large. The regions stay mapped while it runs.
+  std::thread([job = s->job, rank = s->rank, session = s->session_id, in = std::move(in),
+               regions = s->regions, channel = s->completions, running = s->init_running, seq] {
+    absl::StatusOr<uint64_t> done = job->InitParams(rank, session, in, /*float32=*/false);
+    running->store(false);
+    channel->Complete(seq, -1, done.status(), false, 0);
+  }).detach();
 }
 
 void ShmServer::EndSession(int conn, const std::string& why, bool clean) {

@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "common/shm_protocol.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/jobs/job_registry.h"
@@ -116,6 +117,12 @@ class ShmServer {
   // After attaching, the peer says one thing on its socket: the detach byte.
   void HandleSessionSocket(int conn);
   void HandleDoorbell(const std::shared_ptr<ShmSession>& session);
+  // A checked submission: a step (its gradients, and in apply mode its hyperparameters, in the
+  // step's buffer), or apply mode's initial parameters (buffer 0, installed off this thread).
+  void SubmitStep(const std::shared_ptr<ShmSession>& session, const common::shm::Submission& sub,
+                  const std::string& where);
+  void SubmitInitParams(const std::shared_ptr<ShmSession>& session, uint64_t seq,
+                        const std::string& where);
   // `clean`: the peer detached (rather than dying); see Job::EndSharedSession.
   void EndSession(int conn, const std::string& why, bool clean = false);
   // Logs a warning for a recurring refusal at most every few seconds, with the count held back.

@@ -99,6 +99,12 @@ struct ShmSession {
   uint64_t buffer_bytes = 0;
   uint64_t pinned_bytes = 0;  // bytes of the session's regions locked in memory (metrics)
   std::vector<uint64_t> byte_offsets;  // per span of RankSpans
+  // Apply mode: per span, where its parameters (param dtype) are in each buffer; where the step's
+  // hyperparameters are in each gradient buffer (common/shm_protocol.h).
+  std::vector<uint64_t> param_byte_offsets;
+  uint64_t hyper_byte_offset = 0;
+  // Apply mode: an initial-parameter submission is being installed (one at a time).
+  std::shared_ptr<std::atomic<bool>> init_running = std::make_shared<std::atomic<bool>>(false);
   std::shared_ptr<ShmRegions> regions;
   std::shared_ptr<CompletionChannel> completions;
   uint64_t sub_tail = 0;  // used by the server thread only

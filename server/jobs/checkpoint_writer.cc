@@ -13,14 +13,10 @@ absl::StatusOr<checkpoint::GenerationInfo> CheckpointWriter::Write(const Exclusi
                                                                    const std::string& job_id,
                                                                    const common::JobSpec& spec,
                                                                    int64_t step,
-                                                                   MomentumStore& momentum) {
+                                                                   const checkpoint::MatrixSource& source,
+                                                                   const std::vector<int64_t>& tensor_steps) {
   const absl::Time start = absl::Now();
-  auto source = [&momentum](size_t m, std::vector<float>* out) -> absl::Status {
-    momentum.CopyForSnapshot(static_cast<uint32_t>(m), out);
-    return absl::OkStatus();
-  };
-  absl::StatusOr<checkpoint::GenerationInfo> info = store_.Write(spec, step, source);
-  momentum.EndSnapshot();
+  absl::StatusOr<checkpoint::GenerationInfo> info = store_.Write(spec, step, source, tensor_steps);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   RecordCheckpointSave(job_id, info.ok(), seconds, info.ok() ? info->bytes : 0);
   if (!info.ok()) {

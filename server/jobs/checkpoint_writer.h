@@ -19,7 +19,6 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/job_spec.h"
-#include "server/jobs/momentum_store.h"
 #include "server/storage/checkpoint.h"
 
 namespace muond::server {
@@ -40,11 +39,14 @@ class CheckpointWriter {
 
   const std::string& dir() const { return store_.dir(); }
 
-  // Writes the snapshot begun on `momentum` (MomentumStore::Lock::BeginSnapshot) as the generation
-  // of `step`, ends the snapshot, counts and logs the save. Blocks until it is durable.
+  // Writes a snapshot (begun by the caller on its store, ended by the caller after this returns)
+  // as the generation of `step`: each state tensor (checkpoint::StateTensors order) from `source`,
+  // apply mode's AdamW step counts from `tensor_steps`. Counts and logs the save. Blocks until it
+  // is durable.
   absl::StatusOr<checkpoint::GenerationInfo> Write(const Exclusive& held, const std::string& job_id,
                                                    const common::JobSpec& spec, int64_t step,
-                                                   MomentumStore& momentum);
+                                                   const checkpoint::MatrixSource& source,
+                                                   const std::vector<int64_t>& tensor_steps = {});
   // Reads and verifies a generation (not installed anywhere).
   absl::StatusOr<checkpoint::Loaded> Read(const Exclusive& held,
                                           const checkpoint::Selector& selector);

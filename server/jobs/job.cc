@@ -27,10 +27,16 @@ Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
       created_unix_ms_(absl::ToUnixMillis(absl::Now())),
       layout_(spec_),
       momentum_(spec_, devices->device.get()),
+      params_(spec_.mode == common::JobMode::kApply
+                  ? std::make_unique<ParamStore>(spec_, devices->device.get())
+                  : nullptr),
       writer_(std::move(checkpoint_dir), spec_.checkpoint_keep),
-      pipeline_(spec_, layout_, momentum_, devices, gather_budget_bytes, &mu_, this) {
+      pipeline_(spec_, layout_, momentum_, params_.get(), devices, gather_budget_bytes, &mu_,
+                this) {
   absl::MutexLock lock(&mu_);
   sessions_.assign(spec_.world_size, 0);
+  weights_in_.assign(spec_.world_size, false);
+  uploading_.assign(spec_.world_size, false);
   lost_.resize(spec_.world_size);
   last_updates_.resize(spec_.world_size);
 }
@@ -208,6 +214,17 @@ JobReport Job::Report() const {
       rr.finished_pushing = in_flight_->ranks[rank].finished;
     }
     rr.elements = layout_.RankElements(rank);
+  }
+  if (apply()) {
+    r.weights_complete = true;
+    for (int rank = 0; rank < spec_.world_size; ++rank) {
+      if (!weights_in_[rank]) {
+        r.weights_complete = false;
+        r.ranks_missing_weights.push_back(rank);
+      }
+    }
+    r.clip_redo_steps = clip_redo_steps_;
+    r.last_grad_norm = last_grad_norm_;
   }
   return r;
 }

@@ -21,12 +21,19 @@
 // server/storage (through CheckpointWriter), server/ops daemon metrics. Never proto types or
 // sockets (server/api converts). Thread-safe: all methods may be called concurrently (one RankStep
 // per rank stream).
+//
+// Apply mode (DESIGN.md 4b): the job also holds a ParamStore (fp32 masters, Muon momentum, AdamW
+// moments and step counts, double-buffered: the step computes the next state into the back and
+// the commit flips it, see param_store.h), takes each step's per-group lr / weight decay and
+// gradient divisor (StepHyper), returns new parameters in each tensor's param dtype, and refuses
+// steps until every rank's initial weights are in (InitParams, or init_from at creation).
 #ifndef MUOND_SERVER_JOBS_JOB_H_
 #define MUOND_SERVER_JOBS_JOB_H_
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -45,6 +52,7 @@
 #include "server/jobs/job_layout.h"
 #include "server/jobs/job_report.h"
 #include "server/jobs/momentum_store.h"
+#include "server/jobs/param_store.h"
 #include "server/jobs/rank_update.h"
 #include "server/jobs/step_pipeline.h"
 #include "server/jobs/step_state.h"
@@ -99,6 +107,32 @@ class RankStep {
   std::shared_ptr<const RankUpdate> replay_;
   bool done_ = false;
   uint64_t bytes_in_ = 0;
+};
+
+// Apply mode: one rank's upload of its initial parameters over gRPC (the chunks of its spans, in
+// float32 or each tensor's param dtype). Nothing reaches the masters until Finish() found every
+// span whole and finite. Not thread-safe: used by the one stream of that rank.
+class ParamUpload {
+ public:
+  ~ParamUpload();
+  ParamUpload(const ParamUpload&) = delete;
+  ParamUpload& operator=(const ParamUpload&) = delete;
+  // INVALID_ARGUMENT for a bad tensor index, a chunk outside the rank's spans or overlapping
+  // data, a CRC mismatch, a size that is not whole elements, or a non-finite value.
+  absl::Status Add(uint32_t tensor, uint64_t offset, std::string_view data, uint32_t crc32c);
+  // Installs the rank's part of the masters; INVALID_ARGUMENT naming what is missing.
+  absl::StatusOr<uint64_t> Finish();
+
+ private:
+  friend class Job;
+  ParamUpload(std::shared_ptr<Job> job, int rank, uint64_t session, bool float32);
+  std::shared_ptr<Job> job_;
+  int rank_;
+  uint64_t session_;
+  bool float32_;
+  std::vector<std::string> data_;                      // per span, allocated on its first chunk
+  std::vector<std::map<uint64_t, uint64_t>> claimed_;  // per span: element ranges received
+  std::vector<uint64_t> received_;                     // per span: elements
 };
 
 class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink {
@@ -177,12 +211,20 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // part; the message names the ranks missing. Called periodically by the registry.
   void CheckStepTimeout(absl::Time now);
   absl::Duration step_timeout() const { return step_timeout_; }
-  // Bytes of fp32 momentum the job holds (0 for a transport probe).
-  uint64_t MomentumBytes() const { return momentum_.bytes(); }
+  // Bytes of fp32 state the job holds: the momentum, or in apply mode the whole ParamStore (0 for
+  // a transport probe).
+  uint64_t MomentumBytes() const {
+    return params_ != nullptr ? params_->bytes() : momentum_.bytes();
+  }
   const JobOwner& owner() const { return owner_; }
   // Starts `rank`'s part in `step`. FAILED_PRECONDITION when the job is fenced, the session is not
   // the rank's current one, the step is out of order, or the rank already has the step in flight.
-  absl::StatusOr<std::unique_ptr<RankStep>> BeginStep(int rank, uint64_t session, int64_t step);
+  // `hyper`: apply mode's lr / weight decay / divisor (required there; INVALID_ARGUMENT when
+  // given to an update-mode job). In apply mode FAILED_PRECONDITION while the initial weights are
+  // incomplete (naming the ranks), and a rank whose hyper differs from the step's refuses the
+  // step (INVALID_ARGUMENT).
+  absl::StatusOr<std::unique_ptr<RankStep>> BeginStep(int rank, uint64_t session, int64_t step,
+                                                      const StepHyper* hyper = nullptr);
   // The shared-memory path: `rank` submits all its gradients for `step` at once. `in[i]` holds span
   // i of RankSpans (the matrix dtype), `out[i]` receives span i of the update; both stay mapped as
   // long as `keepalive` lives (the step holds it). The gradient memory must not change until
@@ -190,7 +232,32 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // and `done` is not called; otherwise `done` is called exactly once.
   absl::Status SubmitShared(int rank, uint64_t session, int64_t step,
                             const std::vector<const char*>& in, const std::vector<char*>& out,
-                            std::shared_ptr<const void> keepalive, SharedDone done);
+                            std::shared_ptr<const void> keepalive, SharedDone done,
+                            const StepHyper* hyper = nullptr);
+
+  // ---- Apply mode (DESIGN.md 4b).
+  bool apply() const { return spec_.mode == common::JobMode::kApply; }
+  // `rank`'s initial parameters: in[i] holds span i of RankSpans, float32 or (float32 false) the
+  // tensor's param dtype. Checked whole (finite) before the masters change; FAILED_PRECONDITION
+  // on an update-mode job, for a session that is not the rank's or while a step is in flight.
+  // Returns the elements installed.
+  absl::StatusOr<uint64_t> InitParams(int rank, uint64_t session,
+                                      const std::vector<const char*>& in, bool float32);
+  // The gRPC form: chunks collected by a ParamUpload. One upload per rank at a time.
+  absl::StatusOr<std::unique_ptr<ParamUpload>> BeginParamUpload(int rank, uint64_t session,
+                                                                bool float32);
+  // Reads the job's init_from safetensors file (tensors matched by name and shape; F32, BF16 or
+  // F16) into the masters and marks every rank's weights in. `peer_uid` (-1: unknown) must be
+  // able to read the file: it must be a regular file owned by that uid or readable by everyone.
+  absl::Status InitFromFile(int64_t peer_uid);
+  // True when every rank's part of the initial weights is in.
+  bool WeightsComplete() const;
+  // The master weights at a step boundary, tensor by tensor in job order (`sink` gets each whole
+  // fp32 tensor); *step the next step at the snapshot. FAILED_PRECONDITION on an update-mode job
+  // or while the weights are incomplete.
+  absl::Status ExportParams(
+      const std::function<absl::Status(uint32_t tensor, const std::vector<float>& w)>& sink,
+      int64_t* step);
   // A shared-memory session of `rank` ended (its peer hung up): a step the rank had in flight is
   // aborted and the job fenced; replays that point into its regions are dropped; the rank is
   // detached if `session` is still its session.
@@ -203,8 +270,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // a shared-memory step adds nothing.)
   void CountTransportCopy(uint64_t bytes) { transport_copy_bytes_.fetch_add(bytes); }
 
-  // Zeroes the momentum, clears a fence and sets the next step. FAILED_PRECONDITION while a step is
-  // in flight.
+  // Zeroes the momentum (apply mode: the momentum, AdamW moments and step counts; the masters
+  // stay), clears a fence and sets the next step. FAILED_PRECONDITION while a step is in flight.
   absl::Status Reset(int64_t next_step);
   // Reset, made durable by `persist`, which is called with the newest checkpoint generation on
   // disk (0: none) and records the reset. No save of this job runs between the reset and the
@@ -222,6 +289,7 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
 
  private:
   friend class RankStep;
+  friend class ParamUpload;
 
   absl::Status AddGradient(const std::shared_ptr<StepState>& state, int rank, uint32_t matrix,
                            uint64_t offset, std::string_view data, uint32_t crc32c);
@@ -245,6 +313,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   void DeviceFailed(StepState& state, const absl::Status& status) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Commit(StepState& state) override;
+  // The rest of a commit once the store changed (`changed` OK) or failed to (the job is fenced).
+  void FinishCommit(StepState& state, const absl::Status& changed);
   // Applies the momentum EMA of the step to the store (under `lock`); DATA_LOSS when a gradient
   // value changed to non-finite after it was checked.
   absl::Status ApplyCommit(StepState& state, MomentumStore::Lock& lock);
@@ -272,9 +342,23 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // The checks every rank's entry into `step` shares (gRPC and shared memory): job deleted,
   // session, fence, replay, order, owed refusal, the rank already in the step. On OK either
   // *replay is the committed update to hand back, or the rank is marked begun in in_flight_.
-  absl::Status EnterStep(int rank, uint64_t session, int64_t step,
+  absl::Status EnterStep(int rank, uint64_t session, int64_t step, const StepHyper* hyper,
                          std::shared_ptr<const RankUpdate>* replay)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Apply mode's part of EnterStep before the step exists: weights complete, hyper valid.
+  absl::Status CheckApplyEntry(int64_t step, const StepHyper* hyper) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Apply mode, `rank` entering the step in flight: takes or compares its hyper. A rank that
+  // disagrees refuses the step.
+  absl::Status AgreeHyper(StepState& state, int rank, const StepHyper& hyper)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Apply mode: installs `rank`'s checked initial parameters into the masters.
+  void InstallParams(ParamStore::Lock& store, int rank, const std::vector<const char*>& in,
+                     bool float32);
+  // Apply mode's save.
+  absl::StatusOr<checkpoint::GenerationInfo> SaveApplyCheckpoint(
+      const CheckpointWriter::Exclusive& exclusive);
+
   // Gives a gRPC rank its input buffers (reused from the last step) and update storage.
   void PrepareOwnedRank(StepState& state, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION naming `what` while a step is in flight.
@@ -299,6 +383,7 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   const int64_t created_unix_ms_;
   const JobLayout layout_;
   MomentumStore momentum_;
+  std::unique_ptr<ParamStore> params_;  // apply mode only
   CheckpointWriter writer_;
 
   mutable absl::Mutex mu_;
@@ -322,6 +407,11 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   std::vector<std::vector<std::string>> input_pool_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> transport_copy_bytes_{0};
   StepRefusal refusal_ ABSL_GUARDED_BY(mu_);
+  // Apply mode: per rank, its part of the initial weights is in; an upload in progress.
+  std::vector<bool> weights_in_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> uploading_ ABSL_GUARDED_BY(mu_);
+  int64_t clip_redo_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  double last_grad_norm_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace muond::server

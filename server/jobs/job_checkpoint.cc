@@ -2,6 +2,7 @@
 // MomentumStore through its CheckpointWriter, background saves, loads of a verified generation
 // back into the store, and the durable reset. Format and durability: server/storage/checkpoint.cc.
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -30,6 +31,7 @@ absl::Status Job::CheckSavable() const {
 
 absl::StatusOr<checkpoint::GenerationInfo> Job::SaveCheckpoint() {
   CheckpointWriter::Exclusive exclusive(writer_);
+  if (apply()) return SaveApplyCheckpoint(exclusive);
   int64_t step = 0;
   {
     MomentumStore::Lock store(momentum_);
@@ -39,7 +41,44 @@ absl::StatusOr<checkpoint::GenerationInfo> Job::SaveCheckpoint() {
     step = next_step_;
     store.BeginSnapshot();
   }
-  return writer_.Write(exclusive, id(), spec_, step, momentum_);
+  auto source = [this](size_t m, std::vector<float>* out) -> absl::Status {
+    momentum_.CopyForSnapshot(static_cast<uint32_t>(m), out);
+    return absl::OkStatus();
+  };
+  auto info = writer_.Write(exclusive, id(), spec_, step, source);
+  momentum_.EndSnapshot();
+  return info;
+}
+
+absl::StatusOr<checkpoint::GenerationInfo> Job::SaveApplyCheckpoint(
+    const CheckpointWriter::Exclusive& exclusive) {
+  int64_t step = 0;
+  {
+    ParamStore::Lock store(*params_);
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckSavable());
+    for (int r = 0; r < spec_.world_size; ++r) {
+      if (!weights_in_[r]) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "job '", id(), "': the initial weights of rank ", r,
+            " are not in; there is no model to save yet"));
+      }
+    }
+    step = next_step_;
+    store.BeginSnapshot();
+  }
+  // Array a of the payload is (tensor, slot) in StateTensors order.
+  std::vector<std::pair<uint32_t, int>> arrays;
+  for (uint32_t t = 0; t < spec_.matrices.size(); ++t) {
+    for (int s = 0; s < params_->slots(t); ++s) arrays.emplace_back(t, s);
+  }
+  auto source = [this, &arrays](size_t a, std::vector<float>* out) -> absl::Status {
+    params_->CopyForSnapshot(arrays[a].first, arrays[a].second, out);
+    return absl::OkStatus();
+  };
+  auto info = writer_.Write(exclusive, id(), spec_, step, source, params_->SnapshotSteps());
+  params_->EndSnapshot();
+  return info;
 }
 
 void Job::SaveCheckpointInBackground() {
@@ -76,33 +115,44 @@ absl::Status Job::MatchLoaded(const checkpoint::Loaded& loaded, const std::strin
     return absl::FailedPreconditionError(
         absl::StrCat("job '", id(), "' is a transport probe: it has no momentum to load"));
   }
-  index->assign(spec_.matrices.size(), -1);
+  if (loaded.spec.mode != spec_.mode) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", source, " was written by a job in mode '",
+        std::string(common::JobModeName(loaded.spec.mode)), "'; job '", id(), "' is in mode '",
+        std::string(common::JobModeName(spec_.mode)), "'"));
+  }
+  // By state tensor name (a matrix's own name in update mode; "master/<name>", ... in apply
+  // mode) and shape.
+  const std::vector<checkpoint::StateTensor> want = checkpoint::StateTensors(spec_);
+  const std::vector<checkpoint::StateTensor> have = checkpoint::StateTensors(loaded.spec);
+  index->assign(want.size(), -1);
   std::vector<bool> used(loaded.names.size(), false);
-  for (size_t m = 0; m < spec_.matrices.size(); ++m) {
-    const common::MatrixSpec& ms = spec_.matrices[m];
+  for (size_t a = 0; a < want.size(); ++a) {
     for (size_t i = 0; i < loaded.names.size(); ++i) {
-      if (loaded.names[i] == ms.name) (*index)[m] = static_cast<int>(i);
+      if (loaded.names[i] == want[a].name) (*index)[a] = static_cast<int>(i);
     }
-    if ((*index)[m] < 0) {
+    if ((*index)[a] < 0) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint ", source, " has no matrix '", ms.name, "' of job '", id(), "'"));
+          "checkpoint ", source, " has no tensor '", want[a].name, "' of job '", id(), "'"));
     }
-    used[(*index)[m]] = true;
-    const common::MatrixSpec* saved = nullptr;
-    for (const common::MatrixSpec& s : loaded.spec.matrices) {
-      if (s.name == ms.name) saved = &s;
+    used[(*index)[a]] = true;
+    const checkpoint::StateTensor* saved = nullptr;
+    for (const checkpoint::StateTensor& t : have) {
+      if (t.name == want[a].name) saved = &t;
     }
-    if (saved == nullptr || saved->shape != ms.shape ||
-        loaded.data[(*index)[m]].size() != momentum_.numel(m)) {
+    uint64_t numel = 1;
+    for (int64_t d : want[a].shape) numel *= static_cast<uint64_t>(d);
+    if (saved == nullptr || saved->shape != want[a].shape ||
+        loaded.data[(*index)[a]].size() != numel) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint ", source, ": matrix '", ms.name, "' has shape [",
+          "checkpoint ", source, ": tensor '", want[a].name, "' has shape [",
           saved == nullptr ? std::string("?") : absl::StrJoin(saved->shape, ", "),
-          "], job '", id(), "' has [", absl::StrJoin(ms.shape, ", "), "]"));
+          "], job '", id(), "' has [", absl::StrJoin(want[a].shape, ", "), "]"));
     }
   }
   for (size_t i = 0; i < loaded.names.size(); ++i) {
     if (!used[i]) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", source, " has matrix '",
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", source, " has tensor '",
                                                         loaded.names[i], "' that job '", id(),
                                                         "' does not have"));
     }
@@ -113,17 +163,32 @@ absl::Status Job::MatchLoaded(const checkpoint::Loaded& loaded, const std::strin
 absl::StatusOr<Job::LoadResult> Job::InstallLoaded(const checkpoint::Loaded& loaded,
                                                    const Job& from) {
   MomentumStore::Lock store(momentum_);
+  std::optional<ParamStore::Lock> params;
+  if (apply()) params.emplace(*params_);
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckNoStepInFlight("load"));
   // Everything is checked before the store changes.
   std::vector<int> index;
   RETURN_IF_ERROR(MatchLoaded(loaded, loaded.info.path, &index));
   // Back into the registered (pinned) store, in place.
-  std::vector<float*> dst(spec_.matrices.size());
-  for (uint32_t m = 0; m < dst.size(); ++m) dst[m] = store.mutable_data(m);
-  common::ParallelFor(spec_.matrices.size(), MomentumBytes(), [&](size_t m) {
-    const std::vector<float>& data = loaded.data[index[m]];
-    std::memcpy(dst[m], data.data(), data.size() * sizeof(float));
+  std::vector<float*> dst;
+  if (params) {
+    for (uint32_t t = 0; t < spec_.matrices.size(); ++t) {
+      for (int s = 0; s < params_->slots(t); ++s) dst.push_back(params->mutable_front(t, s));
+      // The step count of the tensor of the same name in the generation's spec.
+      for (size_t i = 0; i < loaded.spec.matrices.size(); ++i) {
+        if (loaded.spec.matrices[i].name == spec_.matrices[t].name) {
+          params->set_steps(t, loaded.tensor_steps[i]);
+        }
+      }
+    }
+    weights_in_.assign(spec_.world_size, true);
+  } else {
+    for (uint32_t m = 0; m < spec_.matrices.size(); ++m) dst.push_back(store.mutable_data(m));
+  }
+  common::ParallelFor(dst.size(), MomentumBytes(), [&](size_t a) {
+    const std::vector<float>& data = loaded.data[index[a]];
+    std::memcpy(dst[a], data.data(), data.size() * sizeof(float));
   });
   for (auto& u : last_updates_) u = nullptr;
   refusal_.Clear();
@@ -131,7 +196,7 @@ absl::StatusOr<Job::LoadResult> Job::InstallLoaded(const checkpoint::Loaded& loa
   fenced_ = false;
   fence_reason_.clear();
   if (&from == this) writer_.Remember(loaded.info.step, loaded.info.created_unix_ms);
-  MUOND_LOG(INFO) << "job '" << id() << "': momentum from checkpoint generation "
+  MUOND_LOG(INFO) << "job '" << id() << "': state from checkpoint generation "
                   << loaded.info.generation << " of job '" << from.id() << "' ("
                   << loaded.info.path << "); next step " << next_step_;
   return LoadResult{loaded.info, next_step_, loaded.set_aside};

@@ -1,5 +1,6 @@
 // The end of a Job's step: commit (the momentum store changes here and only here), refusal and
 // abort (the store untouched; an abort fences the job), a rank that leaves, and reset. See job.h.
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -16,12 +17,24 @@
 namespace muond::server {
 
 void Job::Commit(StepState& state) {
+  if (apply()) {
+    // The step computed the next state into the store's back buffers: it becomes the front.
+    // Held to the end, as below.
+    ParamStore::Lock store(*params_);
+    store.Flip();
+    FinishCommit(state, absl::OkStatus());
+    return;
+  }
   // Every matrix succeeded and every gradient value was checked: apply the momentum EMA to the
   // store. The store changes under its lock (a save in progress gets the old values first).
   // Held to the end: a save cannot begin between the change and the step counter's advance.
   MomentumStore::Lock store(momentum_);
   absl::Status changed;
   if (!spec_.transport_probe) changed = ApplyCommit(state, store);
+  FinishCommit(state, changed);
+}
+
+void Job::FinishCommit(StepState& state, const absl::Status& changed) {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - state.start);
   if (changed.ok()) {
     // Outside the job's lock: a scrape reads job status while holding the metrics' locks.
@@ -30,6 +43,7 @@ void Job::Commit(StepState& state) {
                                  StepPhase::kNewtonSchulz, StepPhase::kWriteback,
                                  StepPhase::kReturn};
     for (int p = 0; p < 5; ++p) RecordPhase(id(), phases[p], state.phase_seconds[p]);
+    if (state.clip_redo) RecordClipRedo(id());
   }
   absl::MutexLock lock(&mu_);
   state.committing = false;
@@ -48,6 +62,8 @@ void Job::Commit(StepState& state) {
   }
   ++next_step_;
   ++steps_completed_;
+  if (state.clip_redo) ++clip_redo_steps_;
+  last_grad_norm_ = state.grad_norm;
   if (in_flight_.get() == &state) in_flight_ = nullptr;
   for (RankInput& in : state.ranks) {
     if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), false, seconds);
@@ -166,9 +182,12 @@ absl::Status Job::Reset(int64_t next_step) {
     return absl::InvalidArgumentError(absl::StrCat("next step ", next_step, " is negative"));
   }
   MomentumStore::Lock store(momentum_);
+  std::optional<ParamStore::Lock> params;
+  if (apply()) params.emplace(*params_);
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckNoStepInFlight("reset"));
   store.Zero();
+  if (params) params->ZeroOptimizerState();
   writer_.Forget();
   for (auto& u : last_updates_) u = nullptr;
   next_step_ = next_step;

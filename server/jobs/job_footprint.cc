@@ -50,8 +50,17 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec) {
   } else {
     f.spans = spec.matrices.size();
   }
-  if (!spec.transport_probe && !MulAdd(&f.state_bytes, total, sizeof(float))) {
-    return TooLarge("momentum byte count");
+  // Update mode: the momentum. Apply mode (server/jobs/param_store.h): per tensor the master and
+  // one (Muon) or two (AdamW) optimizer arrays, each twice (committed and next).
+  uint64_t arrays = 0;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    const uint64_t per = spec.mode != common::JobMode::kApply          ? 1
+                         : m.optimizer == common::Optimizer::kAdamW ? 6
+                                                                     : 4;
+    if (!MulAdd(&arrays, static_cast<uint64_t>(m.numel()), per)) return TooLarge("state count");
+  }
+  if (!spec.transport_probe && !MulAdd(&f.state_bytes, arrays, sizeof(float))) {
+    return TooLarge("state byte count");
   }
   if (!MulAdd(&f.table_bytes, f.spans, kBytesPerSpan) ||
       !MulAdd(&f.table_bytes, world, kBytesPerRank) ||

@@ -50,6 +50,11 @@ size_t JobLayout::SpanBytes(int rank, size_t span) const {
   return s.length * common::DTypeSize(spec_.matrices[s.matrix].dtype);
 }
 
+size_t JobLayout::ParamSpanBytes(int rank, size_t span) const {
+  const common::ShardSpan& s = rank_spans_[rank][span];
+  return s.length * common::DTypeSize(spec_.matrices[s.matrix].param_dtype);
+}
+
 uint64_t JobLayout::RankElements(int rank) const {
   uint64_t n = 0;
   for (const common::ShardSpan& span : rank_spans_[rank]) n += span.length;

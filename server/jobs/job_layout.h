@@ -32,6 +32,8 @@ class JobLayout {
   std::optional<size_t> FindSpan(int rank, uint32_t matrix, uint64_t offset, uint64_t count) const;
   // Bytes of span `span` of `rank` in its matrix's dtype.
   size_t SpanBytes(int rank, size_t span) const;
+  // Bytes of the same span in its tensor's param_dtype (apply mode's returned parameters).
+  size_t ParamSpanBytes(int rank, size_t span) const;
   // Elements the rank owns over all matrices.
   uint64_t RankElements(int rank) const;
 

@@ -176,13 +176,6 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
                                                          const std::optional<RestoreFrom>& restore,
                                                          JobOwner owner) {
   RETURN_IF_ERROR(common::ValidateJobId(spec.job_id));
-  if (spec.mode == common::JobMode::kApply) {
-    // The spec is understood and checked (common/job_spec.h); the engine that keeps masters and
-    // AdamW state is not in this daemon yet, and no job is made half-served.
-    return absl::UnimplementedError(absl::StrCat(
-        "job '", spec.job_id, "': mode 'apply' (DESIGN.md 4b: masters and AdamW in the daemon) "
-        "is not served by this muond yet; create the job in mode 'update'"));
-  }
   ASSIGN_OR_RETURN(const JobFootprint footprint, MeasureJob(spec));
   RETURN_IF_ERROR(CheckJobLimits(spec, footprint, limits_, default_gather_budget_bytes_));
   std::shared_ptr<Job> source;
@@ -214,6 +207,9 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   }
   absl::Status s;
   if (source != nullptr) s = job->LoadCheckpointFrom(source, restore->selector).status();
+  if (s.ok() && source == nullptr && !job->spec().init_from.empty()) {
+    s = job->InitFromFile(job->owner().uid);  // read before the job is visible to anyone
+  }
   const bool load_failed = !s.ok();
   bool made_dir = false;
   if (s.ok()) made_dir = (s = Persist(*job)).ok();

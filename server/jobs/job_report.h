@@ -27,7 +27,12 @@ struct JobReport {
   int64_t created_unix_ms = 0;
   uint64_t gather_budget_bytes = 0;
   uint64_t gather_peak_bytes = 0;
-  uint64_t momentum_bytes = 0;
+  uint64_t momentum_bytes = 0;  // all fp32 state (apply mode: the ParamStore, both buffers)
+  // Apply mode.
+  bool weights_complete = false;
+  std::vector<int> ranks_missing_weights;
+  int64_t clip_redo_steps = 0;
+  double last_grad_norm = 0;
   int64_t next_step = 0;
   int64_t steps_completed = 0;
   int64_t steps_refused = 0;

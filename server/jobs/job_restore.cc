@@ -164,6 +164,17 @@ void JobRegistry::RestoreOne(const std::string& name) {
       how = absl::StrCat("FENCED: ", loaded.status().message());
       job->Fence(absl::StrCat("restart: ", loaded.status().message()));
     }
+    // Apply mode without a generation to load (or after a reset newer than every generation):
+    // the masters were in memory only; init_from is read again, else the ranks upload them.
+    if (job->apply() && !job->WeightsComplete()) {
+      if (job->spec().init_from.empty()) {
+        how += "; initial weights not in (ranks upload them again)";
+      } else if (absl::Status init = job->InitFromFile(job->owner().uid); init.ok()) {
+        how += "; initial weights from init_from";
+      } else {
+        how += absl::StrCat("; initial weights not in: ", init.message());
+      }
+    }
   }
   MUOND_LOG(INFO) << "job '" << name << "' restored (" << how << ")";
   Publish(std::move(job));

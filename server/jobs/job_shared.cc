@@ -14,7 +14,8 @@ namespace muond::server {
 
 absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
                               const std::vector<const char*>& in, const std::vector<char*>& out,
-                              std::shared_ptr<const void> keepalive, SharedDone done) {
+                              std::shared_ptr<const void> keepalive, SharedDone done,
+                              const StepHyper* hyper) {
   RETURN_IF_ERROR(CheckRank(rank));
   const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
   if (in.size() != spans.size() || out.size() != spans.size()) {
@@ -29,7 +30,7 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
   }
   absl::MutexLock lock(&mu_);
   std::shared_ptr<const RankUpdate> replay;
-  RETURN_IF_ERROR(EnterStep(rank, session, step, &replay));
+  RETURN_IF_ERROR(EnterStep(rank, session, step, hyper, &replay));
   if (replay != nullptr) {
     // The committed bytes go where the rank reads them (already there when the rank used the
     // same buffer).
@@ -52,7 +53,9 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
   update->step = step;
   update->keepalive = std::move(keepalive);
   for (size_t i = 0; i < spans.size(); ++i) {
-    update->spans.push_back({spans[i].matrix, spans[i].offset, out[i], layout_.SpanBytes(rank, i)});
+    // Apply mode returns the new parameters, in the tensor's param dtype.
+    const size_t out_bytes = apply() ? layout_.ParamSpanBytes(rank, i) : layout_.SpanBytes(rank, i);
+    update->spans.push_back({spans[i].matrix, spans[i].offset, out[i], out_bytes});
     rin.span_received[i] = spans[i].length;
     // A drain queued here waits for the job's lock, held until the outputs below are in place.
     MarkReceived(in_flight_, spans[i].matrix, spans[i].length);

@@ -65,11 +65,12 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
   return job_->FinishRank(state_, rank_, cancelled);
 }
 
-absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t session, int64_t step) {
+absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t session, int64_t step,
+                                                         const StepHyper* hyper) {
   RETURN_IF_ERROR(CheckRank(rank));
   absl::MutexLock lock(&mu_);
   std::shared_ptr<const RankUpdate> replay;
-  RETURN_IF_ERROR(EnterStep(rank, session, step, &replay));
+  RETURN_IF_ERROR(EnterStep(rank, session, step, hyper, &replay));
   if (replay != nullptr) {
     return std::unique_ptr<RankStep>(new RankStep(shared_from_this(), rank, step, nullptr, replay));
   }
@@ -78,7 +79,7 @@ absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t sess
       new RankStep(shared_from_this(), rank, step, in_flight_, nullptr));
 }
 
-absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step,
+absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step, const StepHyper* hyper,
                             std::shared_ptr<const RankUpdate>* replay) {
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
   RETURN_IF_ERROR(CheckCurrentSession(rank, session, "; attach the rank first"));
@@ -112,11 +113,13 @@ absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step,
   // A rank that had not begun a refused step learns of the refusal on its first try, even when
   // other ranks already began the retry.
   if (absl::Status refused = refusal_.Take(rank, step); !refused.ok()) return refused;
+  RETURN_IF_ERROR(CheckApplyEntry(step, hyper));
   if (in_flight_ == nullptr) in_flight_ = NewStepState(step);
   if (in_flight_->ranks[rank].begun) {
     return absl::FailedPreconditionError(
         absl::StrCat("job '", id(), "' rank ", rank, " already has step ", step, " in flight"));
   }
+  if (apply()) RETURN_IF_ERROR(AgreeHyper(*in_flight_, rank, *hyper));
   in_flight_->ranks[rank].begun = true;
   return absl::OkStatus();
 }
@@ -131,6 +134,7 @@ std::shared_ptr<StepState> Job::NewStepState(int64_t step) {
   for (int r = 0; r < spec_.world_size; ++r) {
     state->ranks[r].span_received.assign(layout_.spans(r).size(), 0);
   }
+  if (apply()) state->sum_sq.assign(spec_.matrices.size(), 0.0);
   return state;
 }
 
@@ -149,8 +153,10 @@ void Job::PrepareOwnedRank(StepState& state, int rank) {
     const size_t bytes = layout_.SpanBytes(rank, i);
     in.owned[i].resize(bytes);
     in.span_in[i] = in.owned[i].data();
-    out->storage[i].assign(bytes, '\0');
-    out->spans.push_back({span.matrix, span.offset, out->storage[i].data(), bytes});
+    // Apply mode returns the new parameters, in the tensor's param dtype.
+    const size_t out_bytes = apply() ? layout_.ParamSpanBytes(rank, i) : bytes;
+    out->storage[i].assign(out_bytes, '\0');
+    out->spans.push_back({span.matrix, span.offset, out->storage[i].data(), out_bytes});
   }
   state.outputs[rank] = std::move(out);
 }

@@ -9,7 +9,9 @@ MomentumStore::MomentumStore(const common::JobSpec& spec, device::Device* device
   const size_t n = spec.matrices.size();
   momentum_.resize(n);
   pinned_.assign(n, false);
-  for (size_t m = 0; m < n && !spec.transport_probe; ++m) {
+  // Apply mode keeps its momentum in the job's ParamStore.
+  const bool none = spec.transport_probe || spec.mode == common::JobMode::kApply;
+  for (size_t m = 0; m < n && !none; ++m) {
     momentum_[m].assign(static_cast<size_t>(spec.matrices[m].numel()), 0.0f);
     pinned_[m] = device_->RegisterHost(momentum_[m].data(), momentum_[m].size() * sizeof(float));
     bytes_ += momentum_[m].size() * sizeof(float);

@@ -15,9 +15,10 @@ namespace muond::server {
 struct StepPipeline::Batch {
   std::vector<uint32_t> matrices;
   std::vector<std::vector<float>> staging;  // per matrix: the gradient, then the update
-  std::vector<device::DeviceBuffer> grad;   // per matrix, device
-  std::vector<device::DeviceBuffer> mom;    // per matrix, device
-  std::shared_ptr<device::Event> written;   // the writeback is complete
+  std::vector<device::DeviceBuffer> grad;   // per device matrix (Muon), device
+  std::vector<device::DeviceBuffer> mom;    // per device matrix, device
+  std::vector<size_t> on_device;            // the indices into `matrices` that have buffers
+  std::shared_ptr<device::Event> written;   // the writeback is complete (null: no device work)
 };
 
 // One call of Drain: the batches it has in flight and the first device error.
@@ -55,6 +56,7 @@ class StepPipeline::Run {
         Abandon();
         continue;
       }
+      HostWork(batch);  // apply mode's AdamW, while the device runs the batch's Newton-Schulz
       flight_.push_back(std::move(batch));
       if (dev_.serial || flight_.size() >= static_cast<size_t>(DeviceStreams::kDepth)) Retire();
     }
@@ -95,18 +97,43 @@ class StepPipeline::Run {
       }
     }
     if (!batch->matrices.empty() || !flight_.empty()) return true;
+    if (RedoForClipping()) return true;  // an empty batch with nothing in flight: Take again
     return Finish(commit);
+  }
+
+  // Under the job's lock, every tensor of an apply-mode step done: when global clipping
+  // triggers, queues every tensor again with the clip coefficient (the state's front is
+  // unchanged, so the recomputation is the serial computation bit for bit). True when it did.
+  bool RedoForClipping() {
+    if (p_.apply_ == nullptr || !status_.ok() || state_.done ||
+        state_.matrices_done != p_.spec_.matrices.size()) {
+      return false;
+    }
+    state_.grad_norm = ApplyStep::GradNorm(state_);
+    if (state_.clip_redo) return false;
+    const float clip = p_.apply_->ClipCoefficient(state_);
+    if (clip >= 1.0f) return false;
+    state_.clip = clip;
+    state_.clip_redo = true;
+    state_.grad_scale = ApplyStep::GradScale(clip, state_.hyper.grad_divisor);
+    state_.matrices_done = 0;
+    state_.ready.clear();
+    for (uint32_t m = 0; m < p_.spec_.matrices.size(); ++m) state_.ready.push_back(m);
+    return true;
   }
 
   // Under the job's lock, nothing left to do: refuses the step on a device error, decides the
   // commit and accounts the device time. False ends the drain.
   bool Finish(bool* commit) {
     if (!status_.ok() && !state_.done) {
-      // A device error fails this step only (the momentum store is untouched until commit).
+      // A device error fails this step only (the state store is untouched until commit); a
+      // refusal found while assembling (apply mode) says so itself.
       p_.sink_->DeviceFailed(
-          state_, absl::Status(status_.code(),
-                               absl::StrCat("job '", p_.spec_.job_id, "' step ", state_.step,
-                                            " failed on the compute device: ", status_.message())));
+          state_, refused_ ? status_
+                           : absl::Status(status_.code(),
+                                          absl::StrCat("job '", p_.spec_.job_id, "' step ",
+                                                       state_.step, " failed on the compute device: ",
+                                                       status_.message())));
     }
     *commit = status_.ok() && !state_.done && state_.matrices_done == p_.spec_.matrices.size();
     if (*commit) state_.committing = true;
@@ -123,12 +150,19 @@ class StepPipeline::Run {
   void Retire() {
     Batch b = std::move(flight_.front());
     flight_.pop_front();
-    absl::Status s = b.written->Wait();
+    absl::Status s = b.written != nullptr ? b.written->Wait() : absl::OkStatus();
     if (!s.ok() && status_.ok()) status_ = s;
     if (!status_.ok()) return;
     const absl::Time scatter_start = absl::Now();
     for (size_t i = 0; i < b.matrices.size(); ++i) {
       const uint32_t m = b.matrices[i];
+      if (p_.apply_ != nullptr) {
+        // W <- W*(1 - lr*wd) - lr*U into the store's back, new parameters to the owners.
+        if (p_.spec_.matrices[m].optimizer == common::Optimizer::kMuon) {
+          p_.apply_->ApplyMuon(state_, m, b.staging[i].data());
+        }
+        continue;
+      }
       for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
         const common::ShardSpan& span = p_.layout_.spans(ref.rank)[ref.span];
         common::FromFloat32(b.staging[i].data() + span.offset, span.length,
@@ -184,7 +218,17 @@ class StepPipeline::Run {
         common::ToFloat32(ms.dtype, state_.ranks[ref.rank].span_in[ref.span], span.length,
                           batch.staging[i].data() + span.offset);
       }
+      if (p_.apply_ != nullptr) {
+        absl::Status s = p_.apply_->PrepareGradient(state_, m, batch.staging[i].data(),
+                                                    &state_.sum_sq[m]);
+        if (!s.ok()) {
+          refused_ = true;
+          return s;
+        }
+      }
       state_.phase_seconds[0] += absl::ToDoubleSeconds(absl::Now() - gather_start);
+      if (ms.optimizer == common::Optimizer::kAdamW && p_.apply_ != nullptr) continue;
+      batch.on_device.push_back(i);
       auto g = dev_.device->Allocate(n * sizeof(float));
       if (!g.ok()) return g.status();
       auto mo = dev_.device->Allocate(n * sizeof(float));
@@ -197,15 +241,17 @@ class StepPipeline::Run {
 
   // Copy-in, compute and writeback of the batch, enqueued on the three streams.
   absl::Status Enqueue(Batch& batch) {
+    if (batch.on_device.empty()) return absl::OkStatus();  // AdamW only: host work
     std::vector<device::MuonKernelItem> items;
-    for (size_t i = 0; i < batch.grad.size(); ++i) {
+    for (size_t k = 0; k < batch.grad.size(); ++k) {
+      const size_t i = batch.on_device[k];
       const uint32_t m = batch.matrices[i];
       const size_t bytes = batch.staging[i].size() * sizeof(float);
-      RETURN_IF_ERROR(dev_.copy_in->CopyToDevice(batch.grad[i], 0, batch.staging[i].data(), bytes));
+      RETURN_IF_ERROR(dev_.copy_in->CopyToDevice(batch.grad[k], 0, batch.staging[i].data(), bytes));
       // The committed momentum, read in place from the (registered) store: it does not change
       // before commit, which waits for this step's device work.
-      RETURN_IF_ERROR(dev_.copy_in->CopyToDevice(batch.mom[i], 0, p_.momentum_.data(m), bytes));
-      items.push_back({&p_.spec_.matrices[m], &batch.grad[i], &batch.mom[i]});
+      RETURN_IF_ERROR(dev_.copy_in->CopyToDevice(batch.mom[k], 0, p_.CommittedMomentum(m), bytes));
+      items.push_back({&p_.spec_.matrices[m], &batch.grad[k], &batch.mom[k]});
     }
     auto copied = dev_.copy_in->Record();
     if (!copied.ok()) return copied.status();
@@ -214,14 +260,27 @@ class StepPipeline::Run {
     auto computed = dev_.compute->Record();
     if (!computed.ok()) return computed.status();
     RETURN_IF_ERROR(dev_.writeback->WaitFor(*computed));
-    for (size_t i = 0; i < batch.grad.size(); ++i) {
-      RETURN_IF_ERROR(dev_.writeback->CopyToHost(batch.staging[i].data(), batch.grad[i], 0,
-                                                  batch.staging[i].size() * sizeof(float)));
+    for (size_t k = 0; k < batch.grad.size(); ++k) {
+      std::vector<float>& staging = batch.staging[batch.on_device[k]];
+      RETURN_IF_ERROR(dev_.writeback->CopyToHost(staging.data(), batch.grad[k], 0,
+                                                  staging.size() * sizeof(float)));
     }
     auto written = dev_.writeback->Record();
     if (!written.ok()) return written.status();
     batch.written = *written;
     return absl::OkStatus();
+  }
+
+  // Apply mode: the batch's AdamW tensors, on the host threads (the device meanwhile runs the
+  // batch's Muon tensors).
+  void HostWork(Batch& batch) {
+    if (p_.apply_ == nullptr) return;
+    for (size_t i = 0; i < batch.matrices.size(); ++i) {
+      const uint32_t m = batch.matrices[i];
+      if (p_.spec_.matrices[m].optimizer != common::Optimizer::kAdamW) continue;
+      p_.apply_->ApplyAdamW(state_, m, batch.staging[i].data());
+      std::vector<float>().swap(batch.staging[i]);  // done with it: leave the budget
+    }
   }
 
   // After a device error: nothing may stay in flight without an event to wait for.
@@ -241,25 +300,37 @@ class StepPipeline::Run {
   DeviceStreams& dev_;
   std::deque<Batch> flight_;
   absl::Status status_;
+  bool refused_ = false;  // status_ is a refusal of the step's data, not a device error
   // The simulated clock this call spends (every call drains what it enqueued before returning).
   const double clock_start_;
   const device::Device::BusySeconds busy_start_;
 };
 
 StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
-                           const MomentumStore& momentum, DeviceStreams* devices,
-                           uint64_t gather_budget_bytes, absl::Mutex* job_mu, Sink* sink)
+                           const MomentumStore& momentum, ParamStore* params,
+                           DeviceStreams* devices, uint64_t gather_budget_bytes,
+                           absl::Mutex* job_mu, Sink* sink)
     : spec_(spec),
       layout_(layout),
       momentum_(momentum),
+      params_(params),
+      apply_(params != nullptr ? std::make_unique<ApplyStep>(spec, layout, params) : nullptr),
       devices_(devices),
       gather_budget_bytes_(gather_budget_bytes),
       job_mu_(job_mu),
       sink_(sink) {}
 
+StepPipeline::~StepPipeline() = default;
+
 uint64_t StepPipeline::AssembledBytes(uint32_t m) const {
-  return spec_.transport_probe ? 0
-                               : 2 * sizeof(float) * static_cast<uint64_t>(spec_.matrices[m].numel());
+  if (spec_.transport_probe) return 0;
+  // AdamW tensors (apply mode) need only the host's fp32 gradient.
+  const bool host_only = apply_ != nullptr && spec_.matrices[m].optimizer == common::Optimizer::kAdamW;
+  return (host_only ? 1 : 2) * sizeof(float) * static_cast<uint64_t>(spec_.matrices[m].numel());
+}
+
+const float* StepPipeline::CommittedMomentum(uint32_t m) const {
+  return params_ != nullptr ? params_->front(m, ParamStore::kMomentum) : momentum_.data(m);
 }
 
 void StepPipeline::Drain(StepState& state) { Run(*this, state).Go(); }

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -24,7 +25,9 @@
 #include "common/job_spec.h"
 #include "server/device/device_streams.h"
 #include "server/jobs/job_layout.h"
+#include "server/jobs/apply_step.h"
 #include "server/jobs/momentum_store.h"
+#include "server/jobs/param_store.h"
 #include "server/jobs/step_state.h"
 
 namespace muond::server {
@@ -43,9 +46,13 @@ class StepPipeline {
   };
 
   // `job_mu` is the lock that guards the job's StepState; the others must outlive the pipeline.
+  // `params`: apply mode's store (null in update mode): the step then also runs AdamW tensors on
+  // the host, applies the Muon updates to the masters, returns new parameters and recomputes the
+  // step when global clipping triggers (server/jobs/apply_step.h).
   StepPipeline(const common::JobSpec& spec, const JobLayout& layout, const MomentumStore& momentum,
-               DeviceStreams* devices, uint64_t gather_budget_bytes, absl::Mutex* job_mu,
-               Sink* sink);
+               ParamStore* params, DeviceStreams* devices, uint64_t gather_budget_bytes,
+               absl::Mutex* job_mu, Sink* sink);
+  ~StepPipeline();
 
   // Processes the ready matrices of `state` until none is left, then returns; commits the step
   // when its last matrix is done. Clears state.drain_queued when it returns.
@@ -61,10 +68,14 @@ class StepPipeline {
 
   // Whole-matrix bytes a matrix holds while assembled (fp32 gradient and momentum).
   uint64_t AssembledBytes(uint32_t m) const;
+  // Matrix m's committed momentum (the update mode store or apply mode's front).
+  const float* CommittedMomentum(uint32_t m) const;
 
   const common::JobSpec& spec_;
   const JobLayout& layout_;
   const MomentumStore& momentum_;
+  ParamStore* const params_;
+  const std::unique_ptr<ApplyStep> apply_;
   DeviceStreams* const devices_;
   const uint64_t gather_budget_bytes_;
   absl::Mutex* const job_mu_;

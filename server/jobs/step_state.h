@@ -3,6 +3,7 @@
 #ifndef MUOND_SERVER_JOBS_STEP_STATE_H_
 #define MUOND_SERVER_JOBS_STEP_STATE_H_
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -38,6 +39,17 @@ struct RankInput {
   bool pushed() const { return finished || done != nullptr; }
 };
 
+// Apply mode (DESIGN.md 4b): a step's hyperparameters, per group in the job's order. Every rank
+// of a step sends them; the first rank's are the step's, and a rank whose differ refuses the step.
+struct StepHyper {
+  std::vector<double> lr;
+  std::vector<double> weight_decay;
+  double grad_divisor = 1;
+  bool operator==(const StepHyper& o) const {
+    return lr == o.lr && weight_decay == o.weight_decay && grad_divisor == o.grad_divisor;
+  }
+};
+
 // The step in flight. Guarded by the owning Job's mu_, except the bytes of the input buffers
 // (written outside the lock into ranges claimed under it, read by compute once a matrix is
 // complete) and of the output buffers (written by compute, read after commit).
@@ -61,6 +73,20 @@ struct StepState {
   // Seconds per phase of the step, for the metrics: assembly, copy-in, Newton-Schulz, writeback,
   // return (scatter into the ranks' outputs). Written by the executor thread only.
   double phase_seconds[5] = {0, 0, 0, 0, 0};
+
+  // Apply mode. `hyper` is set by the first rank to enter (hyper_rank).
+  StepHyper hyper;
+  int hyper_rank = -1;
+  // Per tensor: the float64 sum of squares of its raw gradient (before the divisor), written by
+  // the executor thread when the tensor is assembled.
+  std::vector<double> sum_sq;
+  // What every gradient value is multiplied by: clip / grad_divisor, rounded to float once.
+  float grad_scale = 1;
+  // The clip coefficient (1 until the norm is known to exceed max_grad_norm) and whether the step
+  // is being recomputed with it.
+  float clip = 1;
+  bool clip_redo = false;
+  double grad_norm = 0;  // after the divisor, before clipping; known when every tensor is done
 };
 
 // The last refused step: ranks that had not begun it when it was refused get the refusal once

@@ -86,6 +86,9 @@ struct Families {
                                       "Steps refused (bad input; momentum left unchanged)."));
     steps_aborted = Must(r.AddCounter("muond_steps_aborted_total",
                                       "Steps aborted after they started (the job is fenced)."));
+    clip_redo = Must(r.AddCounter(
+        "muond_clip_redo_steps_total",
+        "Apply-mode steps recomputed because global gradient clipping triggered (max_grad_norm)."));
     transport_copy = Must(r.AddCounter(
         "muond_transport_copy_bytes_total",
         "Bytes a transport copied on the host between its buffers and the job's, per job "
@@ -127,7 +130,7 @@ struct Families {
       f->Remove(&f->Add(labels));
     }
     for (Family<Counter>* f : {steps_completed, steps_refused, steps_aborted, transport_copy,
-                               checkpoint_bytes}) {
+                               checkpoint_bytes, clip_redo}) {
       f->Remove(&f->Add(labels));
     }
     for (const char* result : {"ok", "error"}) {
@@ -147,7 +150,7 @@ struct Families {
   Family<Gauge>*job_world_size, *job_ranks_attached, *job_next_step, *job_fenced, *job_momentum,
       *job_gather_budget, *job_gather_peak, *job_checkpoint_age;
   Family<Counter>*steps_completed, *steps_refused, *steps_aborted, *transport_copy, *rpc_errors,
-      *checkpoint_saves, *checkpoint_bytes;
+      *checkpoint_saves, *checkpoint_bytes, *clip_redo;
   Family<Histogram>*step_seconds, *phase_seconds, *checkpoint_seconds;
   Counter* bytes[2][2];
   // Orders the creation of per-job series by Record* against their removal by the collector, so
@@ -195,6 +198,13 @@ void RecordStepCompleted(const std::string& job, double seconds) {
   absl::MutexLock lock(&f.job_series_mu);
   f.recorded_jobs.insert(job);
   f.step_seconds->Add({{kJobLabel, job}}).Observe(seconds);
+}
+
+void RecordClipRedo(const std::string& job) {
+  Families& f = F();
+  absl::MutexLock lock(&f.job_series_mu);
+  f.recorded_jobs.insert(job);
+  f.clip_redo->Add({{kJobLabel, job}}).Increment();
 }
 
 void RecordCheckpointSave(const std::string& job, bool ok, double seconds, uint64_t bytes) {

@@ -57,6 +57,8 @@ enum class Direction { kIn, kOut };    // "in": gradients to the daemon; "out": 
 // muond_step_duration_seconds{muond_job}. Call once per committed step (not per rank, not for
 // replays).
 void RecordStepCompleted(const std::string& job, double seconds);
+// An apply-mode step of `job` was recomputed because global gradient clipping triggered.
+void RecordClipRedo(const std::string& job);
 // A checkpoint save of `job` ended: muond_checkpoint_saves_total{muond_job,result},
 // muond_checkpoint_save_duration_seconds{muond_job} and muond_checkpoint_written_bytes_total
 // {muond_job} (successful saves).

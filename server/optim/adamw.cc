@@ -41,11 +41,14 @@ Factors FactorsFor(const AdamWHyper& h, int64_t step, float grad_scale) {
 // Elements [begin, end), one operation at a time. -ffp-contract=off keeps the compiler from
 // fusing these (see CMakeLists.txt): the vector path must round exactly the same way.
 void Portable(const Factors& f, const AdamWArrays& a, size_t begin, size_t end) {
+  const float* p_in = a.param_in != nullptr ? a.param_in : a.param;
+  const float* m_in = a.exp_avg_in != nullptr ? a.exp_avg_in : a.exp_avg;
+  const float* v_in = a.exp_avg_sq_in != nullptr ? a.exp_avg_sq_in : a.exp_avg_sq;
   for (size_t i = begin; i < end; ++i) {
     const float g = a.grad[i] * f.grad_scale;
-    const float p = a.param[i] * f.decay;
-    const float m = a.exp_avg[i] * f.beta1 + f.one_minus_beta1 * g;
-    const float v = a.exp_avg_sq[i] * f.beta2 + (f.one_minus_beta2 * g) * g;
+    const float p = p_in[i] * f.decay;
+    const float m = m_in[i] * f.beta1 + f.one_minus_beta1 * g;
+    const float v = v_in[i] * f.beta2 + (f.one_minus_beta2 * g) * g;
     const float denom = std::sqrt(v) / f.bias2_sqrt + f.eps;
     a.param[i] = p + f.neg_step * (m / denom);
     a.exp_avg[i] = m;
@@ -63,13 +66,16 @@ __attribute__((target("avx512f"))) void Avx512(const Factors& f, const AdamWArra
   const __m512 b2 = _mm512_set1_ps(f.beta2), omb2 = _mm512_set1_ps(f.one_minus_beta2);
   const __m512 bc2 = _mm512_set1_ps(f.bias2_sqrt), eps = _mm512_set1_ps(f.eps);
   const __m512 neg_step = _mm512_set1_ps(f.neg_step);
+  const float* p_in = a.param_in != nullptr ? a.param_in : a.param;
+  const float* m_in = a.exp_avg_in != nullptr ? a.exp_avg_in : a.exp_avg;
+  const float* v_in = a.exp_avg_sq_in != nullptr ? a.exp_avg_sq_in : a.exp_avg_sq;
   size_t i = begin;
   for (; i + 16 <= end; i += 16) {
     const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(a.grad + i), scale);
-    const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(a.param + i), decay);
+    const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(p_in + i), decay);
     const __m512 m =
-        _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a.exp_avg + i), b1), _mm512_mul_ps(omb1, g));
-    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a.exp_avg_sq + i), b2),
+        _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(m_in + i), b1), _mm512_mul_ps(omb1, g));
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v_in + i), b2),
                                    _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
     _mm512_storeu_ps(a.param + i,

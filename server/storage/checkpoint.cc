@@ -149,6 +149,21 @@ absl::StatusOr<Loaded> Verify(const std::string& gen_dir) {
         absl::StrCat(manifest_path, ": job spec: ", spec.status().message()));
   }
   out.spec = *std::move(spec);
+  if (out.spec.mode == common::JobMode::kApply) {
+    const auto steps = manifest.find("tensor_steps");
+    if (steps == manifest.end() || !steps->is_array() ||
+        steps->size() != out.spec.matrices.size()) {
+      return absl::DataLossError(absl::StrCat(manifest_path, ": no tensor_steps for its ",
+                                              out.spec.matrices.size(), " tensors"));
+    }
+    for (const Json& t : *steps) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0) {
+        return absl::DataLossError(absl::StrCat(manifest_path, ": a tensor_steps entry is not a "
+                                                "non-negative integer"));
+      }
+      out.tensor_steps.push_back(t.get<int64_t>());
+    }
+  }
   RETURN_IF_ERROR(ReadPayload(absl::StrCat(gen_dir, "/", kPayload), manifest, manifest_path, &out));
   return out;
 }
@@ -192,7 +207,7 @@ int64_t NextGeneration(const std::vector<Entry>& entries) {
 // The manifest.json text of a generation whose payload was written with `layout` (checksummed,
 // see checkpoint.h).
 std::string ManifestText(const common::JobSpec& spec, const GenerationInfo& info,
-                         PayloadLayout layout) {
+                         PayloadLayout layout, const std::vector<int64_t>& tensor_steps) {
   const uint32_t header_crc = common::Crc32c(layout.header_text.data(), layout.header_text.size());
   Json manifest = {{"format", kFormat},
                    {"format_version", kFormatVersion},
@@ -204,6 +219,7 @@ std::string ManifestText(const common::JobSpec& spec, const GenerationInfo& info
                    {"payload_bytes", info.bytes},
                    {"payload_header_crc32c", header_crc},
                    {"tensors", std::move(layout.tensors)}};
+  if (spec.mode == common::JobMode::kApply) manifest["tensor_steps"] = tensor_steps;
   manifest["checksum"] = JsonChecksum(manifest);
   return manifest.dump(1) + "\n";
 }
@@ -220,13 +236,13 @@ absl::Status WriteSyncedFile(const std::string& path, const std::string& text) {
 // each file fsynced, tmp_dir fsynced, renamed, `dir` fsynced). Sets info->bytes.
 absl::Status WriteGeneration(const std::string& dir, const std::string& tmp_dir,
                              const common::JobSpec& spec, const MatrixSource& source,
-                             GenerationInfo* info) {
+                             const std::vector<int64_t>& tensor_steps, GenerationInfo* info) {
   RETURN_IF_ERROR(durable::Mkdir(tmp_dir));
   PayloadLayout layout = LayOutPayload(spec, *info);
   info->bytes = layout.payload_bytes();
   RETURN_IF_ERROR(WritePayload(absl::StrCat(tmp_dir, "/", kPayload), spec, source, &layout));
   RETURN_IF_ERROR(WriteSyncedFile(absl::StrCat(tmp_dir, "/", kManifest),
-                                  ManifestText(spec, *info, std::move(layout))));
+                                  ManifestText(spec, *info, std::move(layout), tensor_steps)));
   RETURN_IF_ERROR(FsyncDir(tmp_dir));
   RETURN_IF_ERROR(durable::Rename(tmp_dir, info->path));
   return FsyncDir(dir);
@@ -261,7 +277,13 @@ void PruneGenerations(const std::string& dir, const std::vector<Entry>& entries,
 Store::Store(std::string dir, int keep) : dir_(std::move(dir)), keep_(std::max(1, keep)) {}
 
 absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t step,
-                                            const MatrixSource& source) {
+                                            const MatrixSource& source,
+                                            const std::vector<int64_t>& tensor_steps) {
+  if (spec.mode == common::JobMode::kApply && tensor_steps.size() != spec.matrices.size()) {
+    return absl::InternalError(absl::StrCat("checkpoint of job '", spec.job_id, "': ",
+                                            tensor_steps.size(), " step counts for ",
+                                            spec.matrices.size(), " tensors"));
+  }
   RETURN_IF_ERROR(durable::MakeDirs(dir_));
   auto entries = ScanDir(dir_);
   if (!entries.ok()) return entries.status();
@@ -272,7 +294,7 @@ absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t
   info.created_unix_ms = absl::ToUnixMillis(absl::Now());
   info.path = absl::StrCat(dir_, "/", GenerationName(info.generation));
   const std::string tmp_dir = absl::StrCat(info.path, ".tmp");
-  if (absl::Status s = WriteGeneration(dir_, tmp_dir, spec, source, &info); !s.ok()) {
+  if (absl::Status s = WriteGeneration(dir_, tmp_dir, spec, source, tensor_steps, &info); !s.ok()) {
     DiscardFailedWrite(info.path, tmp_dir);
     return absl::Status(s.code(), absl::StrCat("checkpoint of job '", spec.job_id, "' generation ",
                                                info.generation, ": ", s.message()));

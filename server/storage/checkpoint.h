@@ -6,8 +6,11 @@
 // server/jobs calls it (CheckpointWriter, the registry's job records).
 //
 // A generation is a directory `gen-<G>` (G zero-padded to 12 digits) holding
-//   momentum.safetensors  the fp32 momentum of every matrix, whole (independent of world size and
-//                         ZeRO stage), tensors named like the matrices, in spec order;
+//   momentum.safetensors  the fp32 state of every tensor, whole (independent of world size and
+//                         ZeRO stage), in spec order (StateTensors): update mode, each matrix's
+//                         momentum under the matrix's name; apply mode (DESIGN.md 4b), per tensor
+//                         "master/<name>", then "momentum/<name>" (Muon) or "exp_avg/<name>" and
+//                         "exp_avg_sq/<name>" (AdamW);
 //   manifest.json         {"format": "muond-checkpoint", "format_version": 1, "generation": G,
 //                          "step": S (the job's next step at the snapshot), "created_unix_ms",
 //                          "job": the job spec (job.json form, Muon config included),
@@ -15,6 +18,7 @@
 //                          "payload_header_crc32c": CRC32C of the safetensors header JSON,
 //                          "tensors": [{"name", "shape", "dtype": "float32",
 //                                       "data_offsets": [begin, end], "crc32c"}],
+//                          apply mode only: "tensor_steps": [AdamW step count per job tensor],
 //                          "checksum": CRC32C of this JSON without "checksum" (compact dump)}.
 // Written into `gen-<G>.tmp`, each file fsynced, the directory fsynced, renamed to `gen-<G>`, and
 // the job directory fsynced: a generation directory either is complete and durable or does not
@@ -60,13 +64,24 @@ struct Selector {
 struct Loaded {
   GenerationInfo info;
   common::JobSpec spec;                   // the spec the generation was written with
-  std::vector<std::string> names;         // matrix names, in payload order
-  std::vector<std::vector<float>> data;   // per name, the momentum
+  std::vector<std::string> names;         // state tensor names, in payload order
+  std::vector<std::vector<float>> data;   // per name, its values
+  std::vector<int64_t> tensor_steps;      // apply mode: per job tensor, its AdamW step count
   std::vector<std::string> set_aside;     // paths renamed .broken on the way
 };
 
-// The momentum of matrix `m` (spec order), copied into `out` (resized to numel). Called once per
-// matrix, in order, from the writing thread.
+// One fp32 array of a generation's payload.
+struct StateTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+// The arrays a generation of `spec` holds, in payload order (see above). Apply mode: slot 0 is the
+// master, slot 1 the momentum (Muon) or exp_avg (AdamW), slot 2 exp_avg_sq.
+std::vector<StateTensor> StateTensors(const common::JobSpec& spec);
+std::string StateArrayName(const common::MatrixSpec& tensor, int slot);
+
+// State tensor `m` (StateTensors order), copied into `out` (resized to its numel). Called once per
+// array, in order, from the writing thread.
 using MatrixSource = std::function<absl::Status(size_t m, std::vector<float>* out)>;
 
 class Store {
@@ -76,11 +91,13 @@ class Store {
 
   const std::string& dir() const { return dir_; }
 
-  // Writes generation (newest + 1) of `spec` at `step`, taking each matrix from `source`. On any
+  // Writes generation (newest + 1) of `spec` at `step`, taking each state tensor from `source`
+  // (and, in apply mode, the AdamW step counts from `tensor_steps`). On any
   // failure (source, write, fsync, rename, disk full) returns the error naming the path and call,
   // removes the partial temporary directory, and leaves every earlier generation untouched.
   absl::StatusOr<GenerationInfo> Write(const common::JobSpec& spec, int64_t step,
-                                       const MatrixSource& source);
+                                       const MatrixSource& source,
+                                       const std::vector<int64_t>& tensor_steps = {});
   // Generations by name, newest first, with their manifests' step (payloads not verified).
   // Temporary directories of interrupted writes are removed on the way.
   absl::StatusOr<std::vector<GenerationInfo>> List() const;

@@ -166,12 +166,34 @@ absl::Status ReadError(int err, const char* call, const std::string& path) {
   return ErrnoStatus(err, call, path);
 }
 
+std::string StateArrayName(const common::MatrixSpec& tensor, int slot) {
+  static constexpr const char* kMuon[] = {"master/", "momentum/"};
+  static constexpr const char* kAdamW[] = {"master/", "exp_avg/", "exp_avg_sq/"};
+  const bool adamw = tensor.optimizer == common::Optimizer::kAdamW;
+  return absl::StrCat(adamw ? kAdamW[slot] : kMuon[slot], tensor.name);
+}
+
+std::vector<StateTensor> StateTensors(const common::JobSpec& spec) {
+  std::vector<StateTensor> out;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    if (spec.mode != common::JobMode::kApply) {
+      out.push_back({m.name, m.shape});
+      continue;
+    }
+    const int slots = m.optimizer == common::Optimizer::kAdamW ? 3 : 2;
+    for (int s = 0; s < slots; ++s) out.push_back({StateArrayName(m, s), m.shape});
+  }
+  return out;
+}
+
 PayloadLayout LayOutPayload(const common::JobSpec& spec, const GenerationInfo& info) {
   PayloadLayout layout;
   Json header = Json::object();
   uint64_t offset = 0;
-  for (const common::MatrixSpec& m : spec.matrices) {
-    const uint64_t bytes = static_cast<uint64_t>(m.numel()) * sizeof(float);
+  for (const StateTensor& m : StateTensors(spec)) {
+    uint64_t numel = 1;
+    for (int64_t d : m.shape) numel *= static_cast<uint64_t>(d);
+    const uint64_t bytes = numel * sizeof(float);
     header[m.name] = {
         {"dtype", "F32"}, {"shape", m.shape}, {"data_offsets", {offset, offset + bytes}}};
     layout.tensors.push_back({{"name", m.name},
@@ -199,12 +221,14 @@ absl::Status WritePayload(const std::string& path, const common::JobSpec& spec,
   RETURN_IF_ERROR(
       durable::WriteAll(fd.get(), layout->header_text.data(), layout->header_text.size(), path));
   std::vector<float> buf;
-  for (size_t i = 0; i < spec.matrices.size(); ++i) {
+  const std::vector<StateTensor> tensors = StateTensors(spec);
+  for (size_t i = 0; i < tensors.size(); ++i) {
     RETURN_IF_ERROR(source(i, &buf));
-    if (buf.size() != static_cast<size_t>(spec.matrices[i].numel())) {
-      return absl::InternalError(absl::StrCat("checkpoint: matrix '", spec.matrices[i].name,
-                                              "' has ", buf.size(), " elements, expected ",
-                                              spec.matrices[i].numel()));
+    uint64_t numel = 1;
+    for (int64_t d : tensors[i].shape) numel *= static_cast<uint64_t>(d);
+    if (buf.size() != numel) {
+      return absl::InternalError(absl::StrCat("checkpoint: tensor '", tensors[i].name, "' has ",
+                                              buf.size(), " elements, expected ", numel));
     }
     const size_t bytes = buf.size() * sizeof(float);
     layout->tensors[i]["crc32c"] = common::Crc32c(buf.data(), bytes);

@@ -1,0 +1,213 @@
+#include "server/jobs/apply_step.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/parallel_for.h"
+#include "common/dtype.h"
+#include "server/optim/adamw.h"
+#include "server/optim/grad_norm.h"
+#include "server/optim/muon_apply.h"
+#include "server/optim/muon_math.h"
+
+namespace muond::server {
+namespace {
+
+// Slices of a tensor's owner spans for the host threads: a span split into pieces of at most
+// kSlice elements (whole 16-element lines, so threads never share one).
+constexpr size_t kSlice = size_t{1} << 18;
+
+struct Slice {
+  const JobLayout::SpanRef* ref;
+  uint64_t begin;  // elements from the span's start
+  uint64_t length;
+};
+
+std::vector<Slice> Slices(const JobLayout& layout, uint32_t t) {
+  std::vector<Slice> out;
+  for (const JobLayout::SpanRef& ref : layout.owners(t)) {
+    const uint64_t n = layout.spans(ref.rank)[ref.span].length;
+    for (uint64_t b = 0; b < n; b += kSlice) out.push_back({&ref, b, std::min<uint64_t>(kSlice, n - b)});
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<StepHyper> ResolveStepHyper(const common::JobSpec& spec,
+                                           const std::vector<GroupValue>& values,
+                                           double grad_divisor) {
+  StepHyper h;
+  const size_t n = spec.groups.size();
+  h.lr.assign(n, 0);
+  h.weight_decay.assign(n, 0);
+  std::vector<bool> seen(n, false);
+  for (const GroupValue& v : values) {
+    size_t g = 0;
+    while (g < n && spec.groups[g].name != v.group) ++g;
+    if (g == n) {
+      return absl::InvalidArgumentError(absl::StrCat("job '", spec.job_id, "' has no group '",
+                                                     v.group, "' (step hyperparameters)"));
+    }
+    if (seen[g]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", v.group, "' appears twice in the step's hyperparameters"));
+    }
+    seen[g] = true;
+    h.lr[g] = v.lr;
+    h.weight_decay[g] = v.weight_decay.value_or(spec.groups[g].weight_decay);
+  }
+  for (size_t g = 0; g < n; ++g) {
+    if (!seen[g]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job '", spec.job_id, "': the step gives no lr for group '", spec.groups[g].name,
+          "' (every group's lr is needed each step)"));
+    }
+  }
+  h.grad_divisor = grad_divisor == 0 ? 1 : grad_divisor;
+  return h;
+}
+
+absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
+                            const std::string& where) {
+  const size_t n = spec.groups.size();
+  if (hyper.lr.size() != n || hyper.weight_decay.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", hyper.lr.size(),
+                                                   " learning rates for the job's ", n, " groups"));
+  }
+  for (size_t g = 0; g < n; ++g) {
+    const double lr = hyper.lr[g], wd = hyper.weight_decay[g];
+    if (!std::isfinite(lr) || lr < 0 || !std::isfinite(wd) || wd < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": group '", spec.groups[g].name, "' has lr ", lr, " and weight decay ", wd,
+          "; both must be finite and >= 0"));
+    }
+  }
+  if (!std::isfinite(hyper.grad_divisor) || hyper.grad_divisor <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": gradient divisor ", hyper.grad_divisor, " must be finite and > 0"));
+  }
+  return absl::OkStatus();
+}
+
+ApplyStep::ApplyStep(const common::JobSpec& spec, const JobLayout& layout, ParamStore* params)
+    : spec_(spec),
+      layout_(layout),
+      params_(params),
+      threads_(static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))) {
+  for (const common::MatrixSpec& m : spec.matrices) {
+    size_t g = 0;
+    while (g < spec.groups.size() && spec.groups[g].name != m.group) ++g;
+    group_of_.push_back(g);  // validated: every tensor's group exists
+  }
+}
+
+absl::Status ApplyStep::PrepareGradient(const StepState& state, uint32_t t, float* grad,
+                                        double* sum_sq) {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t n = static_cast<size_t>(ms.numel());
+  const double ss = SumOfSquares(grad, n);
+  const std::string where = absl::StrCat("job '", spec_.job_id, "' step ", state.step);
+  if (!std::isfinite(ss)) {
+    const int64_t bad = common::FindNonFinite(grad, n);
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": tensor '", ms.name, "' element ", bad,
+        " is not finite when assembled (its gradient memory changed after it was checked); the "
+        "step is refused and nothing changed"));
+  }
+  // Every |g_i| * scale is at most ||g|| * scale: within float32 when that is.
+  if (!(std::sqrt(ss) * static_cast<double>(state.grad_scale) <= FLT_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": tensor '", ms.name, "': gradient divisor ", state.hyper.grad_divisor,
+        " makes its gradient overflow float32 (norm ", std::sqrt(ss), " before the divisor)"));
+  }
+  *sum_sq = ss;
+  if (state.grad_scale != 1.0f) {
+    const float scale = state.grad_scale;
+    common::ParallelFor((n + kSlice - 1) / kSlice, n * sizeof(float), [&](size_t i) {
+      const size_t e = std::min(n, (i + 1) * kSlice);
+      for (size_t k = i * kSlice; k < e; ++k) grad[k] *= scale;
+    });
+  }
+  if (ms.optimizer == common::Optimizer::kMuon) {
+    const float* committed = params_->front(t, ParamStore::kMomentum);
+    float* next = params_->back(t, ParamStore::kMomentum);
+    common::ParallelFor((n + kSlice - 1) / kSlice, n * sizeof(float), [&](size_t i) {
+      const size_t b = i * kSlice, len = std::min(n, b + kSlice) - b;
+      std::memcpy(next + b, committed + b, len * sizeof(float));
+      ApplyMomentum(spec_.muon, grad + b, next + b, len);
+    });
+  }
+  return absl::OkStatus();
+}
+
+void ApplyStep::ApplyAdamW(StepState& state, uint32_t t, const float* grad) {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t g = group_of_[t];
+  AdamWHyper h;
+  h.lr = state.hyper.lr[g];
+  h.weight_decay = state.hyper.weight_decay[g];
+  h.beta1 = spec_.adamw.beta1;
+  h.beta2 = spec_.adamw.beta2;
+  h.eps = spec_.adamw.eps;
+  const int64_t step = params_->steps(t) + 1;
+  const size_t esize = common::DTypeSize(ms.param_dtype);
+  const std::vector<Slice> slices = Slices(layout_, t);
+  common::ParallelFor(slices.size(), ms.numel() * 7 * sizeof(float), [&](size_t i) {
+    const Slice& s = slices[i];
+    const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
+    AdamWArrays a;
+    a.grad = grad + at;
+    a.param_in = params_->front(t, ParamStore::kMaster) + at;
+    a.exp_avg_in = params_->front(t, ParamStore::kExpAvg) + at;
+    a.exp_avg_sq_in = params_->front(t, ParamStore::kExpAvgSq) + at;
+    a.param = params_->back(t, ParamStore::kMaster) + at;
+    a.exp_avg = params_->back(t, ParamStore::kExpAvg) + at;
+    a.exp_avg_sq = params_->back(t, ParamStore::kExpAvgSq) + at;
+    a.out = state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize;
+    a.out_dtype = ms.param_dtype;
+    AdamWUpdate(h, step, 1.0f, a, s.length);
+  });
+}
+
+void ApplyStep::ApplyMuon(StepState& state, uint32_t t, const float* update) {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t g = group_of_[t];
+  const double lr = state.hyper.lr[g], wd = state.hyper.weight_decay[g];
+  const size_t esize = common::DTypeSize(ms.param_dtype);
+  const std::vector<Slice> slices = Slices(layout_, t);
+  common::ParallelFor(slices.size(), ms.numel() * 4 * sizeof(float), [&](size_t i) {
+    const Slice& s = slices[i];
+    const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
+    MuonApplyArrays a;
+    a.param_in = params_->front(t, ParamStore::kMaster) + at;
+    a.update = update + at;
+    a.param_out = params_->back(t, ParamStore::kMaster) + at;
+    a.out = state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize;
+    a.out_dtype = ms.param_dtype;
+    MuonApply(lr, wd, a, s.length);
+  });
+}
+
+double ApplyStep::GradNorm(const StepState& state) {
+  double total = 0;
+  for (double ss : state.sum_sq) total += ss;
+  return std::sqrt(total) / state.hyper.grad_divisor;
+}
+
+float ApplyStep::ClipCoefficient(const StepState& state) const {
+  double total = 0;
+  for (double ss : state.sum_sq) total += ss;
+  const double d = state.hyper.grad_divisor;
+  return server::ClipCoefficient(total / (d * d), spec_.max_grad_norm);
+}
+
+float ApplyStep::GradScale(float clip, double grad_divisor) {
+  return static_cast<float>(static_cast<double>(clip) / grad_divisor);
+}
+
+}  // namespace muond::server

@@ -1,0 +1,76 @@
+// The host side of an apply-mode step (DESIGN.md 4b), per tensor, called by the StepPipeline on
+// the executor thread:
+//   - PrepareGradient: the assembled fp32 gradient's sum of squares (for global clipping), the
+//     checks that it is finite and that the divisor does not overflow it, the scaling by
+//     StepState::grad_scale, and for a Muon tensor the new momentum (the EMA) into the back buffer;
+//   - ApplyAdamW: the whole AdamW update, front -> back, the new parameters into each owner's span;
+//   - ApplyMuon: W <- W*(1 - lr*wd) - lr*U once the device returned U, the same way out.
+// Everything reads the committed front of the ParamStore and writes its back (param_store.h), so
+// a refused step, or one recomputed because clipping triggered, starts from the same state.
+#ifndef MUOND_SERVER_JOBS_APPLY_STEP_H_
+#define MUOND_SERVER_JOBS_APPLY_STEP_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+#include "server/jobs/job_layout.h"
+#include "server/jobs/param_store.h"
+#include "server/jobs/step_state.h"
+
+namespace muond::server {
+
+// One group's values as a rank sent them (gRPC: GroupHyper).
+struct GroupValue {
+  std::string group;
+  double lr = 0;
+  std::optional<double> weight_decay;  // absent: the group's weight_decay
+};
+// The step's hyper from named values: every group exactly once (INVALID_ARGUMENT naming an unknown,
+// repeated or missing group); divisor 0 means 1. Values are checked by CheckStepHyper.
+absl::StatusOr<StepHyper> ResolveStepHyper(const common::JobSpec& spec,
+                                           const std::vector<GroupValue>& values,
+                                           double grad_divisor);
+// INVALID_ARGUMENT (prefixed with `where`) unless there is one lr and weight decay per group, each
+// finite and >= 0, and the divisor is finite and > 0.
+absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
+                            const std::string& where);
+
+class ApplyStep {
+ public:
+  // `group_of[t]`: tensor t's index in spec.groups. All must outlive the object.
+  ApplyStep(const common::JobSpec& spec, const JobLayout& layout, ParamStore* params);
+
+  // `grad` holds tensor t's whole fp32 gradient; on OK it holds the scaled gradient and
+  // *sum_sq its raw sum of squares. INVALID_ARGUMENT (the step is refused) when a value is not
+  // finite (a shared-memory peer changed its gradient after it was checked) or when the divisor
+  // would overflow float32.
+  absl::Status PrepareGradient(const StepState& state, uint32_t t, float* grad,
+                               double* sum_sq);
+  // AdamW of tensor t from its prepared gradient; writes the owners' output spans.
+  void ApplyAdamW(StepState& state, uint32_t t, const float* grad);
+  // The Muon apply of tensor t from its update U (scaled); writes the owners' output spans.
+  void ApplyMuon(StepState& state, uint32_t t, const float* update);
+
+  // After every tensor is done: the step's gradient norm from the tensors' sums (in tensor order)
+  // and the clip coefficient it implies (1 when the job does not clip or the norm is within).
+  static double GradNorm(const StepState& state);
+  float ClipCoefficient(const StepState& state) const;
+  // The scale gradients are multiplied by for `clip` and the step's divisor.
+  static float GradScale(float clip, double grad_divisor);
+
+ private:
+  const common::JobSpec& spec_;
+  const JobLayout& layout_;
+  ParamStore* const params_;
+  std::vector<size_t> group_of_;
+  const int threads_;
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_JOBS_APPLY_STEP_H_
