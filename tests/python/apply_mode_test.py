@@ -18,6 +18,7 @@ Each test class starts its own muond and stops it with SIGTERM, expecting exit 0
   - DistributedTest: MuonWithAuxAdam(mode="apply") over torch.distributed (gloo, 4 spawned
     processes): worlds 2, 3 and 4, stages 1, 2 and 3, both transports, bf16 and fp32.
   - ExampleTest: client/examples/train_tiny_gpt.py --mode apply (bf16 and fp32).
+  - CudaParamsTest: parameters on a CUDA device (skipped without one).
 Without a daemon: ApplyReferenceTest (the reference against the formulas) and CollectivesTest
 (the package's reduce-scatter and all-gather on gloo).
 """
@@ -445,6 +446,35 @@ class OptimizerTest(DaemonTest):
         for n in a:
             self.assertTrue(torch.equal(a[n], b[n]), n)
         opt.close(delete_job=True)
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "no CUDA device: the CUDA path of apply mode "
+                     "(shared memory registered with cudaHostRegister, asynchronous copies) "
+                     "runs where torch sees a GPU")
+class CudaParamsTest(DaemonTest):
+    """MuonWithAuxAdam(mode="apply") with bf16 parameters and gradients on a CUDA device."""
+
+    def test_cuda_bfloat16_shm_and_grpc(self):
+        for transport in ("shm", "grpc"):
+            params, kinds, tensors = optimizer_model(torch.bfloat16)
+            params = {n: torch.nn.Parameter(p.detach().cuda()) for n, p in params.items()}
+            opt = apply_optimizer(params, kinds, address=self.daemon.address,
+                                  job_id=f"cuda-{transport}", transport=transport)
+            ref = h.reference_for(tensors, init=[t["param"].float() for t in tensors])
+            wds = {"group0": GROUPS["muon"]["weight_decay"],
+                   "group1": GROUPS["adamw"]["weight_decay"]}
+            for step in range(8):
+                lrs = {"group0": opt.param_groups[0]["lr"], "group1": opt.param_groups[1]["lr"]}
+                grads = h.gradients(tensors, step, dtype=torch.bfloat16)
+                for p, g in zip(params.values(), grads):
+                    p.grad = g.cuda()
+                opt.step()
+                ref.step(grads, lrs, wds)
+                for t, m in zip(tensors, ref.masters):
+                    got = params[t["name"]].detach().cpu()
+                    self.assertLessEqual(h.relative_error(got, m), 2.0 ** -8, t["name"])
+            self.assertEqual(len(opt.state), 0)
+            opt.close(delete_job=True)
 
 
 class DistributedTest(DaemonTest):
