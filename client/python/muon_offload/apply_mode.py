@@ -4,10 +4,14 @@ only its model parameters (float32, bfloat16 or float16) and their gradients.
 
 ParameterOffload moves one rank's data through one attached session:
   - upload_params(): the rank's partition of the parameters becomes its part of the masters;
-  - step(): the gradients, reduce-scattered over the process group (each rank receives only the
-    sum of its partition, written straight into the session's shared-memory gradient buffer or a
-    flat buffer for gRPC), go to muond with the step's hyperparameters; the new parameters of the
-    partition come back in the param dtype and are all-gathered into every rank's parameters.
+  - push_step(): the gradients, reduce-scattered over the process group (each rank receives only
+    the sum of its partition, written straight into the session's shared-memory gradient buffer
+    or a flat buffer for gRPC), go to muond with the step's hyperparameters; the gradient divisor
+    turns the sum into the mean there (in fp32: the ranks' sum is rounded once in the gradient
+    dtype, and fp16 gradients must leave room for it: a loss scale that overflows the sum
+    refuses the step as non-finite, as dynamic loss scaling expects);
+  - pull_params(): the new parameters of the partition, in the param dtype, are all-gathered
+    into every rank's parameters.
 Every rank's flat buffer has the same size P, so a "world buffer" of world * P elements (rank r's
 buffer at r * P) is what the collectives exchange; for ZeRO stage 1/2 it is the concatenated
 parameters, for stage 3 each rank's chunks.

@@ -4,6 +4,9 @@ generations (DESIGN.md section 7). save_checkpoint() has the daemon write a dura
 state_dict() (a cheap getter, as in torch.optim) returns the in-process optimizer state with a
 reference to that generation, for torch.save; load_state_dict() restores both.
 
+Apply mode: a generation holds the master weights too; the model's parameters come back from the
+trainer's own checkpoint (they are the masters in the param dtype), or from export().
+
 Collectives, as the optimizer: save_checkpoint(), load_checkpoint() and load_state_dict() are
 called by every rank of the group in the same order. Errors: MuondError.
 """
