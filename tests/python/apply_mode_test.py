@@ -408,6 +408,36 @@ class OptimizerTest(DaemonTest):
         self.assertIn("no gradient", e.exception.message)
         opt.close(delete_job=True)
 
+    def test_init_from_an_exported_model(self):
+        """A second job starts from the first one's export (init_from): no upload, its masters
+        are the exported float32 values, not the trainer's bf16 rounding of them."""
+        params, kinds, tensors = optimizer_model(torch.bfloat16)
+        first = apply_optimizer(params, kinds, address=self.daemon.address, job_id="opt-export")
+        for step in range(3):
+            for p, g in zip(params.values(), h.gradients(tensors, step, dtype=torch.bfloat16)):
+                p.grad = g
+            first.step()
+        path = self.daemon.path("opt-export.safetensors")
+        first.export(path)
+        first.close(delete_job=True)
+        masters = h.read_safetensors(path)
+        second = apply_optimizer(params, kinds, address=self.daemon.address, job_id="opt-init",
+                                 init_from=path)
+        self.assertEqual(second.spec["init_from"], path)
+        ref = h.reference_for(tensors, init=[masters[t["name"]] for t in tensors])
+        wds = {"group0": GROUPS["muon"]["weight_decay"], "group1": GROUPS["adamw"]["weight_decay"]}
+        lrs = {"group0": GROUPS["muon"]["lr"], "group1": GROUPS["adamw"]["lr"]}
+        for step in range(3, 6):
+            grads = h.gradients(tensors, step, dtype=torch.bfloat16)
+            for p, g in zip(params.values(), grads):
+                p.grad = g
+            second.step()
+            ref.step(grads, lrs, wds)
+        out = self.daemon.path("opt-init.safetensors")
+        second.export(out)
+        self.assertMastersMatch(h.read_safetensors(out), ref, "init_from")
+        second.close(delete_job=True)
+
     def test_checkpoint_round_trip(self):
         params, kinds, tensors = optimizer_model(torch.bfloat16)
         opt = apply_optimizer(params, kinds, address=self.daemon.address, job_id="opt-ckpt",
