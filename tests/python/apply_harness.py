@@ -1,5 +1,5 @@
-"""What the apply-mode tests (apply_mode_test.py) share: a daemon of their own, a small model with
-tensors of every kind, deterministic gradients, a safetensors reader, the comparisons, and
+"""What the apply-mode tests (apply_mode_test.py, apply_optimizer_test.py) share: a daemon of their
+own (DaemonTest, with the comparisons), a small model with tensors of every kind, deterministic gradients, a safetensors reader, the comparisons, and
 SessionJob, which drives an apply-mode job through client.Session objects, one thread per rank,
 with muon_offload.reference.ApplyReference beside it.
 
@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import unittest
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "client", "python"))
@@ -72,6 +73,49 @@ class Daemon:
             sys.stderr.write(self.read_log())
         self.tmp.cleanup()
         return code
+
+
+class DaemonTest(unittest.TestCase):
+    """A daemon per test class (DaemonTest.muond: the muond binary, set by the test module), and
+    the comparisons the apply-mode tests assert with."""
+    muond = None
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon(cls.muond)
+
+    @classmethod
+    def tearDownClass(cls):
+        code = cls.daemon.stop()
+        assert code == 0, f"muond exited {code} on SIGTERM, not 0"
+
+    def assertRanksOk(self, errors, what):
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise AssertionError(f"{what}: rank {r} failed: {e}") from e
+
+    def assertRefused(self, errors, code_name, *phrases):
+        """Every rank got MuondError `code_name`; the messages together hold each phrase."""
+        for r, e in enumerate(errors):
+            self.assertIsInstance(e, MuondError, f"rank {r}: {e!r}")
+            self.assertEqual(e.code_name, code_name, f"rank {r}: {e}")
+        text = " ".join(e.message for e in errors)
+        for p in phrases:
+            self.assertIn(p, text)
+
+    def assertMastersMatch(self, masters, ref, what):
+        for name, err in master_errors(masters, ref).items():
+            self.assertLessEqual(err, MASTER_TOLERANCE, f"{what}: master '{name}' relative error")
+
+    def assertParamsMatch(self, job, ref, what):
+        """fp32 parameters are the masters; bf16 ones within half an ulp of the reference's."""
+        for t, p, m in zip(ref.tensors, job.params, ref.masters):
+            if p.dtype == torch.float32:
+                err = relative_error(p, m)
+                self.assertLessEqual(err, MASTER_TOLERANCE, f"{what}: '{t['name']}' {err}")
+            else:
+                self.assertLessEqual(relative_error(p, m), 2.0 ** -8, f"{what}: {t['name']}")
 
 
 # ----- model, gradients, files -----
