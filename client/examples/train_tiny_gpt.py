@@ -450,8 +450,9 @@ def main(argv=None):
     run = diffs[start:]
     worst = max(range(start, len(diffs)), key=lambda i: diffs[i]) if run else None
     out["max_abs_diff"] = max(run) if run else 0.0
+    other = "in-process" if args.mode == "update" else "reference"
     print(f"{out['steps_run']} steps in {out['seconds']:.1f} s; largest |loss(muond) - "
-          f"loss(in-process)| = {out['max_abs_diff']:.3e}"
+          f"loss({other})| = {out['max_abs_diff']:.3e}"
           + (f" (step {worst})" if worst is not None else ""))
     if args.json:
         with open(args.json, "w") as f:
