@@ -68,6 +68,10 @@ class StepPipeline::Run {
   // or true with an empty batch and *commit when the step's last matrix is done.
   bool Take(Batch* batch, bool* commit) {
     absl::MutexLock lock(p_.job_mu_);
+    return TakeLocked(batch, commit);
+  }
+
+  bool TakeLocked(Batch* batch, bool* commit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_) {
     // The gather budget bounds everything assembled at once (all batches in flight); batches aim
     // at a third of it so that kDepth of them overlap. A matrix larger than the budget goes
     // alone, when nothing else is in flight.
@@ -97,7 +101,7 @@ class StepPipeline::Run {
       }
     }
     if (!batch->matrices.empty() || !flight_.empty()) return true;
-    if (RedoForClipping()) return true;  // an empty batch with nothing in flight: Take again
+    if (RedoForClipping()) return TakeLocked(batch, commit);  // every tensor is ready again
     return Finish(commit);
   }
 

@@ -1,0 +1,571 @@
+// Apply mode's engine end to end (DESIGN.md 4b) against a real muond, through the client library:
+// atomicity of refused steps (non-finite gradient, ranks disagreeing on lr), steps before the
+// initial weights, speculative global clipping against the serial computation bit for bit,
+// transport and layout independence, checkpoints across kill -9 and another world size, init_from
+// and export. The trajectories against an independent torch reference are in
+// tests/python/apply_mode_test.py; here every comparison is between two runs of the daemon that
+// must agree bit for bit.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+#include "common/safetensors.h"
+#include "gtest/gtest.h"
+#include "server/optim/grad_norm.h"
+#include "tests/integration/daemon_fixture.h"
+
+namespace muond::integration {
+namespace {
+
+using common::DType;
+using Floats = std::vector<float>;
+// Per tensor, whole.
+using Model = std::vector<Floats>;
+
+common::JobSpec ApplySpec(const std::string& id, int world, int stage, DType param) {
+  common::JobSpec spec;
+  spec.job_id = id;
+  spec.world_size = world;
+  spec.zero_stage = stage;
+  spec.mode = common::JobMode::kApply;
+  spec.groups = {{"muon", 0.02, 0.01}, {"adamw", 0.003, 0.1}};
+  spec.adamw = {0.9, 0.95, 1e-8};
+  auto add = [&](std::string name, std::vector<int64_t> shape, common::Optimizer opt,
+                 int64_t heads = 1) {
+    common::MatrixSpec m;
+    m.name = std::move(name);
+    m.shape = std::move(shape);
+    m.optimizer = opt;
+    m.group = opt == common::Optimizer::kMuon ? "muon" : "adamw";
+    m.num_heads = heads;
+    m.dtype = DType::kFloat32;
+    m.param_dtype = param;
+    spec.matrices.push_back(m);
+  };
+  add("embed", {97, 24}, common::Optimizer::kAdamW);
+  add("attn.w", {48, 24}, common::Optimizer::kMuon, 2);
+  add("mlp.w", {24, 64}, common::Optimizer::kMuon);
+  add("norm", {24}, common::Optimizer::kAdamW);
+  add("head", {97, 24}, common::Optimizer::kAdamW);
+  return spec;
+}
+
+Floats Random(size_t n, uint32_t seed, float scale) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  Floats v(n);
+  for (float& x : v) x = d(gen);
+  return v;
+}
+
+Model RandomModel(const common::JobSpec& spec, uint32_t seed, float scale) {
+  Model m;
+  for (size_t t = 0; t < spec.matrices.size(); ++t) {
+    m.push_back(Random(static_cast<size_t>(spec.matrices[t].numel()), seed * 131 + t, scale));
+  }
+  return m;
+}
+
+client::StepHyper Hyper(double muon_lr, double adamw_lr, double divisor = 1) {
+  client::StepHyper h;
+  h.lr = {{"muon", muon_lr}, {"adamw", adamw_lr}};
+  h.grad_divisor = divisor;
+  return h;
+}
+
+// Rank r's flat fp32 buffer of a whole model (padding zero).
+Floats Flatten(const common::JobSpec& spec, int rank, const Model& m) {
+  Floats flat(common::RankBufferElements(spec, rank), 0.0f);
+  for (const common::ShardSpan& s : common::RankSpans(spec, rank)) {
+    std::memcpy(flat.data() + s.rank_offset, m[s.matrix].data() + s.offset,
+                s.length * sizeof(float));
+  }
+  return flat;
+}
+
+// The rank's new parameters (param dtype, flat) written back into a whole fp32 model.
+void Unflatten(const common::JobSpec& spec, int rank, const std::string& flat, DType dtype,
+               Model* m) {
+  const size_t esize = common::DTypeSize(dtype);
+  for (const common::ShardSpan& s : common::RankSpans(spec, rank)) {
+    common::ToFloat32(dtype, flat.data() + s.rank_offset * esize, s.length,
+                      (*m)[s.matrix].data() + s.offset);
+  }
+}
+
+struct JobRun {
+  std::vector<Model> params;  // per step: the new parameters, assembled from every rank
+  std::vector<absl::Status> status;
+};
+
+// Every rank of `spec` (threads) uploads `init` and runs the steps; all ranks must agree.
+JobRun RunJob(const std::string& address, const common::JobSpec& spec, const std::string& token,
+           const Model* init, const std::vector<Model>& grads,
+           const std::vector<client::StepHyper>& hyper, int64_t first_step,
+           client::Transport transport) {
+  JobRun run;
+  run.params.assign(grads.size(), Model());
+  run.status.assign(grads.size(), absl::OkStatus());
+  for (Model& m : run.params) {
+    for (const auto& t : spec.matrices) m.emplace_back(static_cast<size_t>(t.numel()), 0.0f);
+  }
+  const DType pdtype = spec.matrices[0].param_dtype;
+  std::vector<std::vector<absl::Status>> per_rank(spec.world_size,
+                                                  std::vector<absl::Status>(grads.size()));
+  std::vector<std::vector<std::string>> outs(spec.world_size,
+                                             std::vector<std::string>(grads.size()));
+  // Every rank's weights are in before any rank steps (a step before would be refused).
+  std::atomic<int> ready{0};
+  auto barrier = [&] {
+    ++ready;
+    while (ready.load() < spec.world_size) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  std::vector<std::thread> threads;
+  for (int r = 0; r < spec.world_size; ++r) {
+    threads.emplace_back([&, r] {
+      auto c = client::Client::Connect(address);
+      auto session = c.ok() ? (*c)->Attach(spec.job_id, r, token, false, transport)
+                            : absl::StatusOr<std::unique_ptr<client::RankSession>>(c.status());
+      absl::Status s = session.status();
+      if (s.ok() && init != nullptr) {
+        const Floats flat = Flatten(spec, r, *init);
+        s = (*session)->InitParamsBuffer(flat.data(), /*float32=*/true);
+      }
+      barrier();
+      if (!s.ok()) {
+        for (auto& st : per_rank[r]) st = s;
+        return;
+      }
+      for (size_t i = 0; i < grads.size(); ++i) {
+        absl::Status s = (*session)->SetHyper(hyper[i]);
+        const Floats flat = Flatten(spec, r, grads[i]);
+        outs[r][i].assign((*session)->buffer_elements() * common::DTypeSize(pdtype), '\0');
+        if (s.ok()) {
+          s = (*session)
+                  ->StepBuffer(first_step + static_cast<int64_t>(i), flat.data(),
+                               outs[r][i].data())
+                  .status();
+        }
+        per_rank[r][i] = s;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < grads.size(); ++i) {
+    for (int r = 0; r < spec.world_size; ++r) {
+      if (!per_rank[r][i].ok() && run.status[i].ok()) run.status[i] = per_rank[r][i];
+      if (per_rank[r][i].ok()) Unflatten(spec, r, outs[r][i], pdtype, &run.params[i]);
+    }
+  }
+  return run;
+}
+
+void ExpectBitEqual(const Model& a, const Model& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t t = 0; t < a.size(); ++t) {
+    ASSERT_EQ(a[t].size(), b[t].size()) << what << " tensor " << t;
+    EXPECT_EQ(std::memcmp(a[t].data(), b[t].data(), a[t].size() * sizeof(float)), 0)
+        << what << ": tensor " << t << " differs";
+  }
+}
+
+Model Export(client::Client& c, const common::JobSpec& spec, const std::string& token,
+             DType dtype = DType::kFloat32) {
+  auto tensors = c.ExportParams(spec.job_id, token, dtype);
+  EXPECT_TRUE(tensors.ok()) << tensors.status();
+  Model m;
+  if (!tensors.ok()) return m;
+  for (const client::NamedTensor& t : *tensors) {
+    Floats v(t.data.size() / common::DTypeSize(t.dtype));
+    common::ToFloat32(t.dtype, t.data.data(), v.size(), v.data());
+    m.push_back(std::move(v));
+  }
+  return m;
+}
+
+class ApplyEngineTest : public DaemonSuite {
+ protected:
+  std::string Create(const common::JobSpec& spec) {
+    auto token = client().CreateJob(spec);
+    EXPECT_TRUE(token.ok()) << token.status();
+    return token.ok() ? *token : "";
+  }
+};
+
+TEST_F(ApplyEngineTest, RefusedStepsLeaveEveryStateBitIdentical) {
+  const common::JobSpec a = ApplySpec(NewJobId("refuse-a"), 1, 0, DType::kFloat32);
+  common::JobSpec b = a;
+  b.job_id = NewJobId("refuse-b");
+  const std::string ta = Create(a), tb = Create(b);
+  const Model init = RandomModel(a, 1, 0.05f);
+  std::vector<Model> g = {RandomModel(a, 2, 1.0f), RandomModel(a, 3, 1.0f), RandomModel(a, 4, 1.0f)};
+  const std::vector<client::StepHyper> h = {Hyper(0.02, 0.003), Hyper(0.015, 0.002),
+                                            Hyper(0.01, 0.001)};
+  const JobRun clean = RunJob(address(), b, tb, &init, g, h, 0, client::Transport::kGrpc);
+  for (const auto& s : clean.status) ASSERT_TRUE(s.ok()) << s;
+  // Job a: step 0, then step 1 with a NaN in the last tensor (refused), an infinite divisor's
+  // overflow (refused), then the clean steps 1 and 2.
+  JobRun first = RunJob(address(), a, ta, &init, {g[0]}, {h[0]}, 0, client::Transport::kGrpc);
+  ASSERT_TRUE(first.status[0].ok()) << first.status[0];
+  Model bad = g[1];
+  bad.back()[5] = std::nanf("");
+  JobRun refused = RunJob(address(), a, ta, nullptr, {bad}, {h[1]}, 1, client::Transport::kGrpc);
+  EXPECT_EQ(refused.status[0].code(), absl::StatusCode::kInvalidArgument) << refused.status[0];
+  EXPECT_NE(refused.status[0].message().find("'head'"), std::string::npos) << refused.status[0];
+  JobRun overflow = RunJob(address(), a, ta, nullptr, {g[1]}, {Hyper(0.015, 0.002, 1e-300)}, 1,
+                        client::Transport::kGrpc);
+  EXPECT_EQ(overflow.status[0].code(), absl::StatusCode::kInvalidArgument) << overflow.status[0];
+  EXPECT_NE(overflow.status[0].message().find("overflow"), std::string::npos)
+      << overflow.status[0];
+  JobRun rest = RunJob(address(), a, ta, nullptr, {g[1], g[2]}, {h[1], h[2]}, 1,
+                    client::Transport::kGrpc);
+  ASSERT_TRUE(rest.status[0].ok() && rest.status[1].ok()) << rest.status[0] << rest.status[1];
+  ExpectBitEqual(first.params[0], clean.params[0], "step 0");
+  ExpectBitEqual(rest.params[0], clean.params[1], "step 1 after two refusals");
+  ExpectBitEqual(rest.params[1], clean.params[2], "step 2");
+  // fp32 params: what the ranks got is the masters, bit for bit.
+  ExpectBitEqual(Export(client(), a, ta), clean.params[2], "export");
+  auto st = client().GetJob(a.job_id, ta);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->steps_refused(), 2);
+  EXPECT_EQ(st->next_step(), 3);
+  EXPECT_TRUE(st->weights_complete());
+  EXPECT_GT(st->last_grad_norm(), 0);
+}
+
+TEST_F(ApplyEngineTest, StepsWaitForEveryRanksInitialWeights) {
+  const common::JobSpec spec = ApplySpec(NewJobId("init"), 2, 1, DType::kFloat32);
+  const std::string token = Create(spec);
+  auto c0 = client::Client::Connect(address());
+  ASSERT_TRUE(c0.ok());
+  auto r0 = (*c0)->Attach(spec.job_id, 0, token, false, client::Transport::kGrpc);
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  ASSERT_TRUE((*r0)->SetHyper(Hyper(0.02, 0.003)).ok());
+  const Model g = RandomModel(spec, 9, 1.0f);
+  const Floats flat = Flatten(spec, 0, g);
+  std::string out((*r0)->buffer_elements() * sizeof(float), '\0');
+  auto s = (*r0)->StepBuffer(0, flat.data(), out.data());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+  EXPECT_NE(s.status().message().find("ranks 0, 1"), std::string::npos) << s.status();
+  const Model init = RandomModel(spec, 8, 0.05f);
+  const Floats w0 = Flatten(spec, 0, init);
+  ASSERT_TRUE((*r0)->InitParamsBuffer(w0.data(), true).ok());
+  s = (*r0)->StepBuffer(0, flat.data(), out.data());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+  EXPECT_NE(s.status().message().find("rank 1 "), std::string::npos) << s.status();
+  // A non-finite initial weight is refused and changes nothing.
+  Floats w1 = Flatten(spec, 1, init);
+  w1[3] = INFINITY;
+  auto r1 = (*c0)->Attach(spec.job_id, 1, token, false, client::Transport::kGrpc);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  absl::Status bad = (*r1)->InitParamsBuffer(w1.data(), true);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  auto st = client().GetJob(spec.job_id, token);
+  ASSERT_TRUE(st.ok());
+  EXPECT_FALSE(st->weights_complete());
+  ASSERT_EQ(st->ranks_missing_weights_size(), 1);
+  EXPECT_EQ(st->ranks_missing_weights(0), 1);
+  EXPECT_EQ(st->next_step(), 0);
+  // Export and save say why there is nothing yet.
+  EXPECT_EQ(client().ExportParams(spec.job_id, token).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(client().SaveCheckpoint(spec.job_id, token).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ApplyEngineTest, RanksThatDisagreeOnLrRefuseTheStepForEveryone) {
+  const common::JobSpec spec = ApplySpec(NewJobId("disagree"), 2, 2, DType::kFloat32);
+  common::JobSpec ref = spec;
+  ref.job_id = NewJobId("disagree-ref");
+  const std::string token = Create(spec), ref_token = Create(ref);
+  const Model init = RandomModel(spec, 11, 0.05f);
+  const std::vector<Model> g = {RandomModel(spec, 12, 1.0f)};
+  const JobRun want = RunJob(address(), ref, ref_token, &init, g, {Hyper(0.02, 0.003)}, 0,
+                          client::Transport::kGrpc);
+  ASSERT_TRUE(want.status[0].ok()) << want.status[0];
+  // Rank 1 sends another lr for group 'adamw' (both ranks' weights in first).
+  std::vector<absl::Status> got(2);
+  std::atomic<int> ready{0};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      auto c = client::Client::Connect(address());
+      auto session = (*c)->Attach(spec.job_id, r, token, false, client::Transport::kGrpc);
+      if (!session.ok()) {
+        got[r] = session.status();
+        return;
+      }
+      const Floats w = Flatten(spec, r, init), flat = Flatten(spec, r, g[0]);
+      got[r] = (*session)->InitParamsBuffer(w.data(), true);
+      ++ready;
+      while (ready.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (got[r].ok()) got[r] = (*session)->SetHyper(Hyper(0.02, r == 0 ? 0.003 : 0.004));
+      std::string out((*session)->buffer_elements() * sizeof(float), '\0');
+      if (got[r].ok()) got[r] = (*session)->StepBuffer(0, flat.data(), out.data()).status();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  bool named = false;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(got[r].code(), absl::StatusCode::kInvalidArgument) << "rank " << r << ": " << got[r];
+    named = named || got[r].message().find("disagree") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << got[0] << " / " << got[1];
+  // The retry with one lr equals the reference: nothing of the refused step stayed.
+  const JobRun retry =
+      RunJob(address(), spec, token, nullptr, g, {Hyper(0.02, 0.003)}, 0, client::Transport::kGrpc);
+  ASSERT_TRUE(retry.status[0].ok()) << retry.status[0];
+  ExpectBitEqual(retry.params[0], want.params[0], "retry");
+}
+
+TEST_F(ApplyEngineTest, SpeculativeClippingEqualsTheSerialComputationBitForBit) {
+  common::JobSpec clip = ApplySpec(NewJobId("clip"), 2, 1, DType::kFloat32);
+  // Gradients of norm about 36; the step-1 gradients are scaled down to stay under the limit.
+  clip.max_grad_norm = 5.0;
+  common::JobSpec serial = clip;
+  serial.job_id = NewJobId("serial");
+  serial.max_grad_norm = 0;
+  const std::string tc = Create(clip), ts = Create(serial);
+  const Model init = RandomModel(clip, 21, 0.05f);
+  std::vector<Model> g = {RandomModel(clip, 22, 1.0f), RandomModel(clip, 23, 0.01f),
+                          RandomModel(clip, 24, 1.0f)};
+  const std::vector<client::StepHyper> h = {Hyper(0.02, 0.003), Hyper(0.02, 0.003),
+                                            Hyper(0.02, 0.003, 4.0)};
+  // The serial computation: the norm first (the daemon's fixed order: per tensor, then in tensor
+  // order; after the divisor), then the gradients multiplied by clip / divisor in float once.
+  std::vector<Model> pre = g;
+  std::vector<client::StepHyper> pre_h = h;
+  double last_norm = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    double total = 0;
+    for (const Floats& t : g[i]) total += server::SumOfSquares(t.data(), t.size());
+    const double d = h[i].grad_divisor;
+    last_norm = std::sqrt(total) / d;
+    const float coef = server::ClipCoefficient(total / (d * d), clip.max_grad_norm);
+    const float scale = static_cast<float>(static_cast<double>(coef) / d);
+    SCOPED_TRACE(absl::StrCat("step ", i, " coef ", coef));
+    EXPECT_EQ(coef < 1.0f, i != 1);  // clipping triggers on steps 0 and 2 only
+    for (Floats& t : pre[i]) {
+      for (float& x : t) x *= scale;
+    }
+    pre_h[i].grad_divisor = 1;
+  }
+  const JobRun spec_run = RunJob(address(), clip, tc, &init, g, h, 0, client::Transport::kGrpc);
+  const JobRun serial_run = RunJob(address(), serial, ts, &init, pre, pre_h, 0, client::Transport::kGrpc);
+  for (size_t i = 0; i < g.size(); ++i) {
+    ASSERT_TRUE(spec_run.status[i].ok()) << spec_run.status[i];
+    ASSERT_TRUE(serial_run.status[i].ok()) << serial_run.status[i];
+    ExpectBitEqual(spec_run.params[i], serial_run.params[i], absl::StrCat("step ", i));
+  }
+  auto st = client().GetJob(clip.job_id, tc);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->clip_redo_steps(), 2u);
+  // The norm of the last step, after the divisor and before clipping.
+  EXPECT_NEAR(st->last_grad_norm(), last_norm, 1e-9 * last_norm);
+}
+
+TEST_F(ApplyEngineTest, TransportsAndLayoutsAgreeAndBf16ParamsAreTheRoundedMasters) {
+  const Model init = RandomModel(ApplySpec("x", 1, 0, DType::kBFloat16), 31, 0.05f);
+  std::vector<Model> g;
+  std::vector<client::StepHyper> h;
+  for (int i = 0; i < 3; ++i) {
+    g.push_back(RandomModel(ApplySpec("x", 1, 0, DType::kBFloat16), 32 + i, 1.0f));
+    h.push_back(Hyper(0.02 / (i + 1), 0.003));
+  }
+  struct Case {
+    int world, stage;
+    client::Transport transport;
+  };
+  std::vector<JobRun> runs;
+  std::vector<Model> exported;
+  for (const Case& k : {Case{1, 0, client::Transport::kGrpc}, Case{2, 1, client::Transport::kShm},
+                        Case{3, 2, client::Transport::kGrpc}, Case{2, 3, client::Transport::kShm},
+                        Case{4, 3, client::Transport::kGrpc}}) {
+    const common::JobSpec spec =
+        ApplySpec(NewJobId(absl::StrCat("layout", k.world, k.stage)), k.world, k.stage,
+                  DType::kBFloat16);
+    const std::string token = Create(spec);
+    // The initial weights go up as bf16-representable values (the shm path rounds to the param
+    // dtype, gRPC keeps float32): both transports start from the same masters.
+    Model rounded = init;
+    for (Floats& t : rounded) {
+      std::vector<uint16_t> b(t.size());
+      common::FromFloat32(t.data(), t.size(), DType::kBFloat16, b.data());
+      common::ToFloat32(DType::kBFloat16, b.data(), t.size(), t.data());
+    }
+    runs.push_back(RunJob(address(), spec, token, &rounded, g, h, 0, k.transport));
+    for (const auto& s : runs.back().status) ASSERT_TRUE(s.ok()) << spec.job_id << ": " << s;
+    exported.push_back(Export(client(), spec, token));
+  }
+  for (size_t c = 1; c < runs.size(); ++c) {
+    for (size_t i = 0; i < g.size(); ++i) {
+      ExpectBitEqual(runs[c].params[i], runs[0].params[i], absl::StrCat("case ", c, " step ", i));
+    }
+    ExpectBitEqual(exported[c], exported[0], absl::StrCat("case ", c, " masters"));
+  }
+  // The bf16 parameters returned are the masters rounded to nearest even.
+  Model rounded = exported[0];
+  for (Floats& t : rounded) {
+    std::vector<uint16_t> b(t.size());
+    common::FromFloat32(t.data(), t.size(), DType::kBFloat16, b.data());
+    common::ToFloat32(DType::kBFloat16, b.data(), t.size(), t.data());
+  }
+  ExpectBitEqual(runs[0].params.back(), rounded, "bf16 params vs rounded masters");
+}
+
+TEST_F(ApplyEngineTest, InitFromReadsTheFileAndRefusesWhatItCannotUse) {
+  common::JobSpec spec = ApplySpec(NewJobId("from"), 1, 0, DType::kFloat32);
+  const Model init = RandomModel(spec, 41, 0.05f);
+  TempDir files;
+  ::chmod(files.path().c_str(), 0755);
+  std::vector<common::TensorRef> refs;
+  for (size_t t = 0; t < spec.matrices.size(); ++t) {
+    refs.push_back({spec.matrices[t].name, DType::kFloat32, spec.matrices[t].shape,
+                    std::string_view(reinterpret_cast<const char*>(init[t].data()),
+                                     init[t].size() * sizeof(float))});
+  }
+  const std::string path = files.File("model.safetensors");
+  ASSERT_TRUE(common::WriteSafetensorsFile(path, refs).ok());
+  ::chmod(path.c_str(), 0600);  // the creator's own file: fine
+  common::JobSpec from = spec;
+  from.job_id = NewJobId("from-file");
+  from.init_from = path;
+  const std::string tf = Create(from), tu = Create(spec);
+  const std::vector<Model> g = {RandomModel(spec, 42, 1.0f)};
+  const JobRun a = RunJob(address(), from, tf, nullptr, g, {Hyper(0.02, 0.003)}, 0,
+                       client::Transport::kGrpc);
+  const JobRun b = RunJob(address(), spec, tu, &init, g, {Hyper(0.02, 0.003)}, 0,
+                       client::Transport::kGrpc);
+  ASSERT_TRUE(a.status[0].ok()) << a.status[0];
+  ASSERT_TRUE(b.status[0].ok()) << b.status[0];
+  ExpectBitEqual(a.params[0], b.params[0], "init_from vs upload");
+  // Refusals at creation, and no job is made.
+  auto refused = [&](const std::string& file, absl::StatusCode code, const std::string& want) {
+    common::JobSpec bad = spec;
+    bad.job_id = NewJobId("from-bad");
+    bad.init_from = file;
+    auto t = client().CreateJob(bad);
+    EXPECT_EQ(t.status().code(), code) << file << ": " << t.status();
+    EXPECT_NE(t.status().message().find(want), std::string::npos) << t.status();
+    EXPECT_EQ(client().GetJob(bad.job_id, "x").status().code(), absl::StatusCode::kNotFound);
+  };
+  refused(files.File("absent.safetensors"), absl::StatusCode::kNotFound, "absent");
+  refused("relative.safetensors", absl::StatusCode::kInvalidArgument, "absolute");
+  std::vector<common::TensorRef> short_refs(refs.begin(), refs.end() - 1);
+  ASSERT_TRUE(common::WriteSafetensorsFile(files.File("short.safetensors"), short_refs).ok());
+  refused(files.File("short.safetensors"), absl::StatusCode::kInvalidArgument, "'head'");
+  // Someone else's private file: the daemon could read it, its creator could not.
+  if (::geteuid() == 0) {
+    const std::string other = files.File("other.safetensors");
+    ASSERT_TRUE(common::WriteSafetensorsFile(other, refs).ok());
+    ASSERT_EQ(::chown(other.c_str(), 65534, 65534), 0);
+    ::chmod(other.c_str(), 0600);
+    refused(other, absl::StatusCode::kPermissionDenied, "neither owned by the job's creator");
+  }
+  refs[1].shape = {24, 48};
+  ASSERT_TRUE(common::WriteSafetensorsFile(files.File("shape.safetensors"), refs).ok());
+  refused(files.File("shape.safetensors"), absl::StatusCode::kInvalidArgument, "'attn.w'");
+}
+
+TEST_F(ApplyEngineTest, ResetZeroesTheOptimizerStateAndKeepsTheMasters) {
+  const common::JobSpec spec = ApplySpec(NewJobId("reset"), 1, 0, DType::kFloat32);
+  common::JobSpec fresh = spec;
+  fresh.job_id = NewJobId("reset-fresh");
+  const std::string token = Create(spec), tf = Create(fresh);
+  const Model init = RandomModel(spec, 51, 0.05f);
+  const std::vector<Model> g = {RandomModel(spec, 52, 1.0f), RandomModel(spec, 53, 1.0f)};
+  const JobRun first = RunJob(address(), spec, token, &init, {g[0]}, {Hyper(0.02, 0.003)}, 0,
+                           client::Transport::kGrpc);
+  ASSERT_TRUE(first.status[0].ok()) << first.status[0];
+  ASSERT_TRUE(client().ResetJob(spec.job_id, token, 0).ok());
+  // After the reset: a fresh job started from the masters of step 0.
+  const JobRun after = RunJob(address(), spec, token, nullptr, {g[1]}, {Hyper(0.02, 0.003)}, 0,
+                           client::Transport::kGrpc);
+  const JobRun want = RunJob(address(), fresh, tf, &first.params[0], {g[1]}, {Hyper(0.02, 0.003)}, 0,
+                          client::Transport::kGrpc);
+  ASSERT_TRUE(after.status[0].ok()) << after.status[0];
+  ASSERT_TRUE(want.status[0].ok()) << want.status[0];
+  ExpectBitEqual(after.params[0], want.params[0], "after reset");
+}
+
+// Kill -9 and restart on the same state directory; resume at another world size and stage.
+TEST(ApplyCheckpointTest, KillRestartAndAnotherLayoutContinueBitForBit) {
+  TempDir dir;
+  auto daemon = DaemonProcess::StartIn(dir.path());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  auto c = client::Client::Connect((*daemon)->address());
+  ASSERT_TRUE(c.ok());
+  const common::JobSpec spec = ApplySpec("ckpt", 1, 0, DType::kBFloat16);
+  common::JobSpec ref = spec;
+  ref.job_id = "ckpt-ref";
+  auto token = (*c)->CreateJob(spec);
+  auto ref_token = (*c)->CreateJob(ref);
+  ASSERT_TRUE(token.ok() && ref_token.ok());
+  const Model init = RandomModel(spec, 61, 0.05f);
+  std::vector<Model> g;
+  std::vector<client::StepHyper> h;
+  for (int i = 0; i < 5; ++i) {
+    g.push_back(RandomModel(spec, 62 + i, 1.0f));
+    h.push_back(Hyper(0.02, 0.003));
+  }
+  const JobRun want = RunJob((*daemon)->address(), ref, *ref_token, &init, g, h, 0,
+                          client::Transport::kGrpc);
+  for (const auto& s : want.status) ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE((*c)->SaveCheckpoint(ref.job_id, *ref_token).ok());
+  const std::vector<Model> g02(g.begin(), g.begin() + 2);
+  JobRun first = RunJob((*daemon)->address(), spec, *token, &init, g02, {h[0], h[1]}, 0,
+                     client::Transport::kGrpc);
+  ASSERT_TRUE(first.status[1].ok()) << first.status[1];
+  auto saved = (*c)->SaveCheckpoint(spec.job_id, *token);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->step(), 2);
+  // Step 2 runs and is lost with the daemon.
+  JobRun lost = RunJob((*daemon)->address(), spec, *token, nullptr, {g[2]}, {h[2]}, 2,
+                    client::Transport::kGrpc);
+  ASSERT_TRUE(lost.status[0].ok()) << lost.status[0];
+  ASSERT_EQ(::kill((*daemon)->pid(), SIGKILL), 0);
+  daemon->reset();
+  daemon = DaemonProcess::StartIn(dir.path());
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  c = client::Client::Connect((*daemon)->address());
+  ASSERT_TRUE(c.ok());
+  auto st = (*c)->GetJob(spec.job_id, *token);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->next_step(), 2);
+  EXPECT_TRUE(st->weights_complete());
+  const std::vector<Model> g24(g.begin() + 2, g.end());
+  const std::vector<client::StepHyper> h24(h.begin() + 2, h.end());
+  // The same job after the restart, and a new world-3 stage-2 job restored from its checkpoint.
+  common::JobSpec wide = ApplySpec("ckpt-wide", 3, 2, DType::kBFloat16);
+  v1::RestoreFrom restore;
+  restore.set_job_id(spec.job_id);
+  restore.set_token(*token);
+  auto wide_token = (*c)->CreateJob(wide, &restore);
+  ASSERT_TRUE(wide_token.ok()) << wide_token.status();
+  const JobRun again = RunJob((*daemon)->address(), spec, *token, nullptr, g24, h24, 2,
+                           client::Transport::kGrpc);
+  const JobRun resumed = RunJob((*daemon)->address(), wide, *wide_token, nullptr, g24, h24, 2,
+                             client::Transport::kShm);
+  for (size_t i = 0; i < g24.size(); ++i) {
+    ASSERT_TRUE(again.status[i].ok()) << again.status[i];
+    ASSERT_TRUE(resumed.status[i].ok()) << resumed.status[i];
+    ExpectBitEqual(again.params[i], want.params[2 + i], absl::StrCat("restarted step ", 2 + i));
+    ExpectBitEqual(resumed.params[i], want.params[2 + i], absl::StrCat("world 3 step ", 2 + i));
+  }
+  // The export of the restarted job is the same model as the reference's.
+  ExpectBitEqual(Export(**c, spec, *token), Export(**c, ref, *ref_token), "export");
+  EXPECT_EQ((*daemon)->Stop(), 0);
+}
+
+}  // namespace
+}  // namespace muond::integration
