@@ -8,6 +8,14 @@
 // changes only at commit (Job::Commit re-applies the same EMA on the host), which keeps a refused
 // step's momentum bit-identical without a staged copy.
 //
+// Apply mode (DESIGN.md 4b, apply_step.h): AdamW tensors never go to the device; they run on the
+// host threads right after their batch's Muon tensors were enqueued (so with a GPU they overlap
+// its Newton-Schulz), and Muon tensors are applied to the masters when their batch is retired
+// (while the next batches compute). Everything reads the ParamStore's committed front and writes
+// its back; when every tensor is done and the step's gradient norm exceeds max_grad_norm, every
+// tensor is queued again with the clip coefficient (recomputed from the same front: the serial
+// result, bit for bit).
+//
 // Runs on the ComputeExecutor's thread (the device streams are used from there only). It reads the
 // job's layout and momentum (unchanged while a step computes) and the StepState under the job's
 // lock; it calls back into the job only through Sink.

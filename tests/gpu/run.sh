@@ -27,7 +27,7 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMUOND_
   -DMUOND_BUILD_TESTS=ON -DMUOND_BUILD_BENCHMARKS=ON >"$build.configure.log" 2>&1 ||
   { tail -30 "$build.configure.log"; exit 1; }
 grep -q "CUDA toolkit ON" "$build.configure.log" || { echo "CUDA toolkit not found"; exit 1; }
-ninja -C "$build" -j "$jobs" muond muond-bench cuda_device_tests || exit 1
+ninja -C "$build" -j "$jobs" muond muond-bench cuda_device_tests muond_client_shared || exit 1
 echo "built in $((SECONDS - start)) s"
 
 step "cuda_device_tests"
@@ -37,6 +37,12 @@ if [ "$have_gpu" = 1 ] && grep -q "^\[  SKIPPED \] Cuda" "$build/cuda_device_tes
   echo "a GPU is present but CUDA tests skipped"
   failed+=(cuda_device_tests-skipped)
 fi
+
+step "apply mode with parameters on a CUDA device (python, needs a CUDA build of torch)"
+# Skips (and says so) where torch sees no GPU; Debian's python3-torch is CPU-only.
+timeout 180 /usr/bin/python3 "$root/tests/python/apply_optimizer_test.py" "$build/bin/muond" \
+  "$(find "$build" -name 'libmuond_client.so' -print -quit)" CudaParamsTest ||
+  failed+=(python-apply-cuda)
 
 if [ "$have_gpu" = 1 ]; then
   step "muond-bench gpu"
