@@ -270,10 +270,9 @@ class Client {
   // update-mode job or while the initial weights are incomplete (the daemon's answer); DATA_LOSS
   // for a chunk whose CRC32C does not match; INTERNAL for a stream that does not cover every
   // tensor exactly once.
-  absl::StatusOr<std::vector<NamedTensor>> ExportParams(const std::string& job_id,
-                                                        const std::string& token,
-                                                        common::DType dtype = common::DType::kFloat32,
-                                                        int64_t* step = nullptr);
+  absl::StatusOr<std::vector<NamedTensor>> ExportParams(
+      const std::string& job_id, const std::string& token,
+      common::DType dtype = common::DType::kFloat32, int64_t* step = nullptr);
   // ListJobs with the job directories the daemon set aside at start (broken).
   absl::StatusOr<v1::ListJobsResponse> ListJobsWithBroken();
   // Attaches `rank` of the job (fetching the job's spec) and returns its session; the session

@@ -1,7 +1,7 @@
 // Apply mode (DESIGN.md 4b) on the client: a step's hyperparameters (ResolveStepHyper,
-// RankSession::SetHyper and where they travel), the rank's initial parameters over either
-// transport, and the export of the master weights (Client::ExportParams, ExportParamsToFile).
-// The steps themselves: client_session.cc.
+// RankSession::SetHyper and where they travel) and the rank's initial parameters over either
+// transport. The steps themselves: client_session.cc; the export of the master weights:
+// client_export.cc.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -19,7 +19,6 @@
 #include "common/crc32c.h"
 #include "common/grpc_status.h"
 #include "common/job_spec_proto.h"
-#include "common/safetensors.h"
 #include "common/shm_protocol.h"
 #include "common/status_macros.h"
 
@@ -50,9 +49,8 @@ absl::Status SetGroupValue(const common::JobSpec& spec, const char* what, const 
                                                    " (the job's groups: ", GroupNames(spec), ")"));
   }
   if ((*seen)[g]) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("job '", spec.job_id, "': the ", what, " of group ", Quoted(name),
-                     " is given twice"));
+    return absl::InvalidArgumentError(absl::StrCat("job '", spec.job_id, "': the ", what,
+                                                   " of group ", Quoted(name), " is given twice"));
   }
   if (!std::isfinite(value) || value < 0) {
     return absl::InvalidArgumentError(absl::StrCat("job '", spec.job_id, "': the ", what,
@@ -102,10 +100,9 @@ absl::Status CheckWholeParams(const NamedTensor& t, const common::MatrixSpec& ms
   }
   const uint64_t numel = static_cast<uint64_t>(ms.numel());
   if (t.data.size() != numel * common::DTypeSize(t.dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("parameter ", Quoted(ms.name), ": ",
-                                                   t.data.size(), " bytes for ", numel, " ",
-                                                   std::string(common::DTypeName(t.dtype)),
-                                                   " elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter ", Quoted(ms.name), ": ", t.data.size(), " bytes for ", numel, " ",
+                     std::string(common::DTypeName(t.dtype)), " elements"));
   }
   return absl::OkStatus();
 }
@@ -118,10 +115,9 @@ absl::Status CheckCoversRank(const std::vector<GradientSpan>& params,
   std::vector<uint64_t> covered(spans.size(), 0);
   for (const GradientSpan& p : params) {
     size_t i = 0;
-    while (i < spans.size() &&
-           !(spans[i].matrix == p.matrix && p.offset >= spans[i].offset &&
-             p.offset - spans[i].offset <= spans[i].length &&
-             p.length <= spans[i].length - (p.offset - spans[i].offset))) {
+    while (i < spans.size() && !(spans[i].matrix == p.matrix && p.offset >= spans[i].offset &&
+                                 p.offset - spans[i].offset <= spans[i].length &&
+                                 p.length <= spans[i].length - (p.offset - spans[i].offset))) {
       ++i;
     }
     if (i == spans.size()) {
@@ -133,10 +129,10 @@ absl::Status CheckCoversRank(const std::vector<GradientSpan>& params,
   }
   for (size_t i = 0; i < spans.size(); ++i) {
     if (covered[i] != spans[i].length) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", Quoted(spec.matrices[spans[i].matrix].name), ": the parameter spans cover ",
-          covered[i], " of the rank's ", spans[i].length, " elements at element ",
-          spans[i].offset));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", Quoted(spec.matrices[spans[i].matrix].name),
+                       ": the parameter spans cover ", covered[i], " of the rank's ",
+                       spans[i].length, " elements at element ", spans[i].offset));
     }
   }
   return absl::OkStatus();
@@ -147,9 +143,10 @@ absl::Status CheckCoversRank(const std::vector<GradientSpan>& params,
 absl::StatusOr<GroupHyperValues> ResolveStepHyper(const common::JobSpec& spec,
                                                   const StepHyper& hyper) {
   if (spec.mode != common::JobMode::kApply) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", spec.job_id, "' is in mode 'update': its steps take no lr, weight decay or "
-        "gradient divisor (those are for mode 'apply' jobs)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", spec.job_id,
+                     "' is in mode 'update': its steps take no lr, weight decay or "
+                     "gradient divisor (those are for mode 'apply' jobs)"));
   }
   const size_t groups = spec.groups.size();
   GroupHyperValues v;
@@ -167,14 +164,12 @@ absl::StatusOr<GroupHyperValues> ResolveStepHyper(const common::JobSpec& spec,
     if (!lr_seen[g]) {
       return absl::InvalidArgumentError(absl::StrCat(
           "job '", spec.job_id, "': no lr for parameter group ", Quoted(spec.groups[g].name),
-          "; a step of a mode 'apply' job carries the lr of every group (", GroupNames(spec),
-          ")"));
+          "; a step of a mode 'apply' job carries the lr of every group (", GroupNames(spec), ")"));
     }
   }
   if (!std::isfinite(hyper.grad_divisor) || hyper.grad_divisor <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("job '", spec.job_id, "': gradient divisor ",
-                                                   hyper.grad_divisor,
-                                                   " must be finite and > 0"));
+                                                   hyper.grad_divisor, " must be finite and > 0"));
   }
   v.grad_divisor = hyper.grad_divisor;
   return v;
@@ -214,9 +209,8 @@ absl::Status RankSession::WriteSharedHyper(int64_t step) {
   }
   if (!fits) {
     return absl::InternalError(absl::StrCat(
-        "the daemon's shared-memory layout has no room for the step's hyperparameters (",
-        bytes, " bytes at byte ", at, " of a ", size,
-        "-byte gradient buffer, clear of the gradients)"));
+        "the daemon's shared-memory layout has no room for the step's hyperparameters (", bytes,
+        " bytes at byte ", at, " of a ", size, "-byte gradient buffer, clear of the gradients)"));
   }
   std::vector<double> block;
   block.reserve(2 * spec_.groups.size() + 1);
@@ -235,18 +229,17 @@ absl::Status RankSession::InitParams(const std::vector<GradientSpan>& params, bo
   return InitParamsOverGrpc(params, float32);
 }
 
-absl::Status RankSession::InitParamsShared(const std::vector<GradientSpan>& params,
-                                           bool float32) {
+absl::Status RankSession::InitParamsShared(const std::vector<GradientSpan>& params, bool float32) {
   char* buffer = shm_->GradientBuffer(0);
   for (const GradientSpan& p : params) {
     ASSIGN_OR_RETURN(const BufferPlace place,
-                     PlaceInBuffer(shm_->spans(), spec_, p.matrix, p.offset, p.length,
-                                   "parameter", BufferLayout::kParameters));
+                     PlaceInBuffer(shm_->spans(), spec_, p.matrix, p.offset, p.length, "parameter",
+                                   BufferLayout::kParameters));
     if (place.byte_offset + place.bytes > shm_->buffer_bytes()) {
-      return absl::InternalError(absl::StrCat(
-          "the daemon's shared-memory layout puts the parameters of tensor '",
-          spec_.matrices[p.matrix].name, "' past the end of its ", shm_->buffer_bytes(),
-          "-byte buffer"));
+      return absl::InternalError(
+          absl::StrCat("the daemon's shared-memory layout puts the parameters of tensor '",
+                       spec_.matrices[p.matrix].name, "' past the end of its ",
+                       shm_->buffer_bytes(), "-byte buffer"));
     }
     // The region holds param_dtype only: float32 values are rounded to it here.
     if (float32) {
@@ -302,9 +295,9 @@ absl::Status RankSession::InitParamsBuffer(const void* flat, bool float32) {
   if (!float32) {
     for (const common::MatrixSpec& ms : spec_.matrices) {
       if (ms.param_dtype != dtype) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "job '", spec_.job_id, "' mixes param dtypes (tensor '", ms.name,
-            "'); a flat rank buffer of parameters needs one: pass float32 or spans"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("job '", spec_.job_id, "' mixes param dtypes (tensor '", ms.name,
+                         "'); a flat rank buffer of parameters needs one: pass float32 or spans"));
       }
     }
   }
@@ -347,8 +340,7 @@ absl::Status RankSession::InitParamsTensors(const std::vector<NamedTensor>& para
   }
   if (!by_name.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("parameter ", Quoted(by_name.begin()->first),
-                                                   " is not a tensor of job '", spec_.job_id,
-                                                   "'"));
+                                                   " is not a tensor of job '", spec_.job_id, "'"));
   }
   // One wire dtype for the upload: the param dtypes when every tensor came in its own, else
   // float32 (widening a param-dtype tensor is exact).
@@ -405,120 +397,6 @@ absl::StatusOr<uint64_t> RankSession::HyperByteOffset() const {
   RETURN_IF_ERROR(RequireApply("hyper_byte_offset"));
   if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
   return shm_->hyper_byte_offset();
-}
-
-namespace {
-
-// Collects the chunks of an ExportParams stream into whole tensors; after the first bad chunk
-// the others are read and dropped (the stream is drained to learn the daemon's status).
-class ExportAssembler {
- public:
-  ExportAssembler(const common::JobSpec& spec, common::DType dtype)
-      : spec_(spec), esize_(common::DTypeSize(dtype)), received_(spec.matrices.size(), 0) {
-    for (const common::MatrixSpec& ms : spec.matrices) {
-      tensors_.push_back({ms.name, dtype, ms.shape,
-                          std::string(static_cast<uint64_t>(ms.numel()) * esize_, '\0')});
-    }
-  }
-
-  void Add(const v1::ExportChunk& chunk) {
-    if (bad_.ok()) bad_ = Place(chunk);
-  }
-
-  // The tensors once the stream finished OK: the first bad chunk's error, INTERNAL when a tensor
-  // was not covered.
-  absl::StatusOr<std::vector<NamedTensor>> Take(int64_t* step) {
-    RETURN_IF_ERROR(bad_);
-    for (size_t m = 0; m < tensors_.size(); ++m) {
-      const uint64_t numel = static_cast<uint64_t>(spec_.matrices[m].numel());
-      if (received_[m] != numel) {
-        return absl::InternalError(absl::StrCat("ExportParams: tensor ",
-                                                Quoted(spec_.matrices[m].name), ": ",
-                                                received_[m], " of ", numel, " elements arrived"));
-      }
-    }
-    if (step != nullptr && step_) *step = *step_;
-    return std::move(tensors_);
-  }
-
- private:
-  absl::Status Place(const v1::ExportChunk& chunk) {
-    const v1::DataChunk& c = chunk.data();
-    if (c.matrix_index() >= spec_.matrices.size()) {
-      return absl::DataLossError(
-          absl::StrCat("ExportParams: chunk for unknown tensor ", c.matrix_index()));
-    }
-    const common::MatrixSpec& ms = spec_.matrices[c.matrix_index()];
-    if (common::Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
-      return absl::DataLossError(absl::StrCat("ExportParams: chunk of tensor ", Quoted(ms.name),
-                                              " at element ", c.element_offset(),
-                                              ": CRC32C mismatch"));
-    }
-    const uint64_t n = c.data().size() / esize_;
-    const uint64_t numel = static_cast<uint64_t>(ms.numel());
-    if (c.data().size() % esize_ != 0 || c.element_offset() > numel ||
-        n > numel - c.element_offset()) {
-      return absl::InternalError(absl::StrCat("ExportParams: chunk of tensor ", Quoted(ms.name),
-                                              " elements [", c.element_offset(), ", +",
-                                              c.data().size(), " bytes) outside its ", numel,
-                                              " elements"));
-    }
-    if (step_ && *step_ != chunk.step()) {
-      return absl::InternalError(absl::StrCat("ExportParams: chunks of steps ", *step_, " and ",
-                                              chunk.step(), " in one export"));
-    }
-    step_ = chunk.step();
-    std::memcpy(tensors_[c.matrix_index()].data.data() + c.element_offset() * esize_,
-                c.data().data(), c.data().size());
-    received_[c.matrix_index()] += n;
-    return absl::OkStatus();
-  }
-
-  const common::JobSpec& spec_;
-  const size_t esize_;
-  std::vector<NamedTensor> tensors_;
-  std::vector<uint64_t> received_;  // elements, per tensor
-  std::optional<int64_t> step_;
-  absl::Status bad_;
-};
-
-}  // namespace
-
-absl::StatusOr<std::vector<NamedTensor>> Client::ExportParams(const std::string& job_id,
-                                                              const std::string& token,
-                                                              common::DType dtype,
-                                                              int64_t* step) {
-  ASSIGN_OR_RETURN(const v1::JobStatus status, GetJob(job_id, token));
-  ASSIGN_OR_RETURN(const common::JobSpec spec, common::JobSpecFromProto(status.spec()));
-  if (spec.mode != common::JobMode::kApply) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "ExportParams: job '", job_id,
-        "' is in mode 'update': the trainer keeps its weights, the daemon has none to export"));
-  }
-  grpc::ClientContext ctx;
-  SetToken(&ctx, token);
-  v1::ExportRequest req;
-  req.set_job_id(job_id);
-  req.set_dtype(common::DTypeToProto(dtype));
-  std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader = stub_->ExportParams(&ctx, req);
-  ExportAssembler assembler(spec, dtype);
-  v1::ExportChunk chunk;
-  while (reader->Read(&chunk)) assembler.Add(chunk);
-  RETURN_IF_ERROR(Annotate(FromGrpcStatus(reader->Finish()), "ExportParams"));
-  return assembler.Take(step);
-}
-
-absl::StatusOr<int64_t> ExportParamsToFile(Client& client, const std::string& job_id,
-                                           const std::string& token, common::DType dtype,
-                                           const std::string& path) {
-  int64_t step = -1;
-  ASSIGN_OR_RETURN(const std::vector<NamedTensor> tensors,
-                   client.ExportParams(job_id, token, dtype, &step));
-  std::vector<common::TensorRef> refs;
-  for (const NamedTensor& t : tensors) refs.push_back({t.name, t.dtype, t.shape, t.data});
-  RETURN_IF_ERROR(common::WriteSafetensorsFile(
-      path, refs, {{"format", "pt"}, {"job", job_id}, {"step", std::to_string(step)}}));
-  return step;
 }
 
 }  // namespace muond::client

@@ -35,9 +35,9 @@ std::string DTypeText(common::DType d) { return std::string(common::DTypeName(d)
 absl::Status ExpectParamDType(const common::TensorInfo& t, common::DType param_dtype,
                               const std::string& whose) {
   if (t.dtype == common::DType::kFloat32 || t.dtype == param_dtype) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "tensor '", t.name, "' is ", DTypeText(t.dtype), "; expected float32 or ", whose,
-      " param dtype ", DTypeText(param_dtype)));
+  return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' is ", DTypeText(t.dtype),
+                                                 "; expected float32 or ", whose, " param dtype ",
+                                                 DTypeText(param_dtype)));
 }
 
 absl::Status ExpectShape(const common::TensorInfo& t, const std::vector<int64_t>& shape,
@@ -66,20 +66,20 @@ absl::StatusOr<std::vector<const common::TensorInfo*>> SourcesFor(
     const uint64_t n = common::RankBufferElements(spec, rank);
     const common::TensorInfo* t = in.Find("partition");
     if (t == nullptr || in.tensors().size() != 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a job with ",
-          spec.explicit_layout.empty() ? absl::StrCat("zero_stage ", spec.zero_stage)
-                                       : std::string("an explicit layout"),
-          " takes one 1-D tensor 'partition' with rank ", rank, "'s ", n,
-          " elements; the file holds ", Names(in)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("a job with ",
+                       spec.explicit_layout.empty() ? absl::StrCat("zero_stage ", spec.zero_stage)
+                                                    : std::string("an explicit layout"),
+                       " takes one 1-D tensor 'partition' with rank ", rank, "'s ", n,
+                       " elements; the file holds ", Names(in)));
     }
     RETURN_IF_ERROR(ExpectShape(*t, {static_cast<int64_t>(n)}, "the rank's partition"));
     std::set<common::DType> param_dtypes;
     for (const common::MatrixSpec& ms : tensors) param_dtypes.insert(ms.param_dtype);
     if (param_dtypes.size() > 1 && t->dtype != common::DType::kFloat32) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor 'partition' is ", DTypeText(t->dtype),
-          "; expected float32 (the job's tensors have different param dtypes)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor 'partition' is ", DTypeText(t->dtype),
+                       "; expected float32 (the job's tensors have different param dtypes)"));
     }
     RETURN_IF_ERROR(ExpectParamDType(*t, tensors[0].param_dtype, "the job's"));
     return std::vector<const common::TensorInfo*>(tensors.size(), t);
@@ -108,8 +108,7 @@ absl::StatusOr<std::vector<const common::TensorInfo*>> SourcesFor(
   }
   if (!by_name.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", by_name.begin()->first,
-                                                   "' is not a tensor of job '", spec.job_id,
-                                                   "'"));
+                                                   "' is not a tensor of job '", spec.job_id, "'"));
   }
   return sources;
 }
@@ -169,9 +168,8 @@ absl::StatusOr<common::JobSpec> ApplyJobSpec(Client& client, const JobAccess& jo
         "' is in mode 'update' (the trainer keeps its weights); this is for mode 'apply' jobs"));
   }
   if (rank >= spec.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("--rank ", rank, " is outside job '",
-                                                   job.job_id, "''s world size ",
-                                                   spec.world_size));
+    return absl::InvalidArgumentError(absl::StrCat("--rank ", rank, " is outside job '", job.job_id,
+                                                   "''s world size ", spec.world_size));
   }
   return spec;
 }
@@ -204,12 +202,11 @@ absl::Status CmdParamsInit(Client& client, const Args& a) {
   const char* via = session->transport() == Transport::kShm ? "shm" : "grpc";
   session.reset();
   ASSIGN_OR_RETURN(const v1::JobStatus status, client.GetJob(job.job_id, job.token));
-  const std::string state =
-      status.weights_complete()
-          ? std::string("weights complete")
-          : absl::StrCat("waiting for the weights of rank",
-                         status.ranks_missing_weights_size() > 1 ? "s " : " ",
-                         absl::StrJoin(status.ranks_missing_weights(), ", "));
+  const std::string state = status.weights_complete()
+                                ? std::string("weights complete")
+                                : absl::StrCat("waiting for the weights of rank",
+                                               status.ranks_missing_weights_size() > 1 ? "s " : " ",
+                                               absl::StrJoin(status.ranks_missing_weights(), ", "));
   std::printf("params init: job %s rank %d (%s): %llu elements (%s) from %s; %s\n",
               job.job_id.c_str(), rank, via, static_cast<unsigned long long>(up->elements),
               up->float32 ? "float32" : "param dtype", in_path.c_str(), state.c_str());
@@ -239,7 +236,8 @@ absl::Status CmdExport(Client& client, const Args& a) {
     dtype = *parsed;
   }
   const std::string& out = a.flags.at("out");
-  ASSIGN_OR_RETURN(const int64_t step, ExportParamsToFile(client, job.job_id, job.token, dtype, out));
+  ASSIGN_OR_RETURN(const int64_t step,
+                   ExportParamsToFile(client, job.job_id, job.token, dtype, out));
   std::printf("exported job %s at step %lld (%s) -> %s\n", job.job_id.c_str(),
               static_cast<long long>(step), DTypeText(dtype).c_str(), out.c_str());
   return absl::OkStatus();

@@ -22,14 +22,13 @@ namespace muond::client {
 namespace {
 
 // The flags muonctl knows; the ones in kRepeatable may be given more than once.
+// clang-format off
 constexpr const char* kKnownFlags[] = {
-    "address",      "spec",          "token-file",         "job",
-    "rank",         "step",          "grads",              "out",
-    "next-step",    "transport",     "json",               "iterations",
-    "interval",     "metrics-address", "generation",       "restore-from",
-    "restore-token-file", "restore-generation", "restore-step", "tls-ca",
-    "tls-cert",     "tls-key",       "params",             "lr",
-    "wd",           "grad-divisor",  "dtype"};
+    "address", "spec", "token-file", "job", "rank", "step", "grads", "out", "next-step",
+    "transport", "json", "iterations", "interval", "metrics-address", "generation",
+    "restore-from", "restore-token-file", "restore-generation", "restore-step",
+    "tls-ca", "tls-cert", "tls-key", "params", "lr", "wd", "grad-divisor", "dtype"};
+// clang-format on
 constexpr const char* kRepeatable[] = {"lr", "wd"};
 
 template <size_t N>

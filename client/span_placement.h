@@ -53,8 +53,8 @@ struct BufferPlace {
 // holds it whole. REQUIRES: matrix < spec.matrices.size().
 inline absl::StatusOr<BufferPlace> PlaceInBuffer(const std::vector<ShmSpan>& regions,
                                                  const common::JobSpec& spec, uint32_t matrix,
-                                                 uint64_t offset, uint64_t length,
-                                                 const char* what, BufferLayout layout) {
+                                                 uint64_t offset, uint64_t length, const char* what,
+                                                 BufferLayout layout) {
   const common::MatrixSpec& ms = spec.matrices[matrix];
   const bool params = layout == BufferLayout::kParameters;
   const size_t esize = common::DTypeSize(params ? ms.param_dtype : ms.dtype);
