@@ -111,6 +111,22 @@ int Fail(const absl::Status& s) {
   return static_cast<int>(s.code());
 }
 
+// Apply mode (DESIGN.md 4b): the groups, AdamW's constants, clipping and the initial weights.
+void PrintApplyStatus(const v1::JobStatus& st, const common::JobSpec& spec) {
+  std::printf("mode: apply\n");
+  for (const common::ParamGroup& g : spec.groups) {
+    std::printf("group: %s lr=%g weight_decay=%g\n", g.name.c_str(), g.lr, g.weight_decay);
+  }
+  std::printf("adamw: betas=[%g, %g] eps=%g\nmax_grad_norm: %g\n", spec.adamw.beta1,
+              spec.adamw.beta2, spec.adamw.eps, spec.max_grad_norm);
+  if (!spec.init_from.empty()) std::printf("init_from: %s\n", spec.init_from.c_str());
+  std::printf("weights_complete: %s%s%s\n", st.weights_complete() ? "yes" : "no",
+              st.weights_complete() ? "" : " - missing ranks ",
+              absl::StrJoin(st.ranks_missing_weights(), ", ").c_str());
+  std::printf("last_grad_norm: %g\nclip_redo_steps: %llu\n", st.last_grad_norm(),
+              static_cast<unsigned long long>(st.clip_redo_steps()));
+}
+
 void PrintStatus(const v1::JobStatus& st) {
   const v1::JobSpec& spec = st.spec();
   std::printf("job: %s\nbackend: %s\nworld_size: %d\n", spec.job_id().c_str(),
@@ -163,11 +179,18 @@ void PrintStatus(const v1::JobStatus& st) {
                 std::string(common::NsMethodName(m.ns_method)).c_str(), m.ns_steps,
                 std::string(common::DTypeName(m.compute_dtype)).c_str(),
                 std::string(common::ScaleModeName(m.scale_mode)).c_str());
+    const bool apply = spec_or->mode == common::JobMode::kApply;
     for (const common::MatrixSpec& ms : spec_or->matrices) {
-      std::printf("matrix: %s shape=[%s] num_heads=%lld dtype=%s\n", ms.name.c_str(),
+      const std::string apply_fields =
+          !apply ? ""
+                 : absl::StrCat(" param_dtype=", std::string(common::DTypeName(ms.param_dtype)),
+                                " optimizer=", std::string(common::OptimizerName(ms.optimizer)),
+                                " group=", ms.group);
+      std::printf("matrix: %s shape=[%s] num_heads=%lld dtype=%s%s\n", ms.name.c_str(),
                   absl::StrJoin(ms.shape, ", ").c_str(), static_cast<long long>(ms.num_heads),
-                  std::string(common::DTypeName(ms.dtype)).c_str());
+                  std::string(common::DTypeName(ms.dtype)).c_str(), apply_fields.c_str());
     }
+    if (apply) PrintApplyStatus(st, *spec_or);
   }
   for (const v1::RankStatus& r : st.ranks()) {
     std::printf("rank: %d attached=%s elements=%llu%s\n", r.rank(), r.attached() ? "yes" : "no",

@@ -6,6 +6,7 @@
 //
 // MuonctlApplyFlagsTest needs no daemon: the flag parsing (muonctl_util.cc, compiled in) and
 // muonctl's refusals that come before it talks to one.
+#include <algorithm>
 #include <cstdlib>
 #include <thread>
 
@@ -150,21 +151,37 @@ class MuonctlApplyTest : public DaemonSuite {
   std::vector<client::NamedTensor> RankFile(int r, const std::vector<std::vector<float>>& whole,
                                             const std::vector<DType>& dtypes) const {
     const std::vector<common::ShardSpan> spans = common::RankSpans(spec_, r);
+    std::vector<client::NamedTensor> out;
     if (spec_.zero_stage == 0) {
-      std::vector<client::NamedTensor> out;
       for (int m = 0; m < am::kTensors; ++m) {
         out.push_back(MakeTensor(am::kNames[m], am::kShapes[m], whole[m], dtypes[m]));
+      }
+      return out;
+    }
+    if (spec_.zero_stage == 3) {
+      std::vector<std::vector<float>> chunks(am::kTensors);
+      for (int m = 0; m < am::kTensors; ++m) chunks[m].assign(Chunk(m), 0.0f);
+      for (const common::ShardSpan& s : spans) {  // a rank's span starts its chunk
+        for (uint64_t k = 0; k < s.length; ++k) chunks[s.matrix][k] = whole[s.matrix][s.offset + k];
+      }
+      for (int m = 0; m < am::kTensors; ++m) {
+        out.push_back(MakeTensor(am::kNames[m], {Chunk(m)}, chunks[m], dtypes[m]));
       }
       return out;
     }
     const int64_t n = common::RankBufferElements(spec_, r);
     std::vector<float> flat(n, 0.0f);
     for (const common::ShardSpan& s : spans) {
-      for (uint64_t k = 0; k < s.length; ++k)
+      for (uint64_t k = 0; k < s.length; ++k) {
         flat[s.rank_offset + k] = whole[s.matrix][s.offset + k];
+      }
     }
-    return {MakeTensor("partition", {n}, flat, dtypes[0])};
+    out.push_back(MakeTensor("partition", {n}, flat, dtypes[0]));
+    return out;
   }
+
+  // Elements of a stage 3 chunk of tensor m.
+  int64_t Chunk(int m) const { return (am::Numel(m) + spec_.world_size - 1) / spec_.world_size; }
 
   std::string Write(const std::string& name, const std::vector<client::NamedTensor>& tensors) {
     std::vector<common::TensorRef> refs;
@@ -255,23 +272,42 @@ class MuonctlApplyTest : public DaemonSuite {
       }
       return;
     }
-    const common::TensorInfo* t = file->Find("partition");
-    ASSERT_NE(t, nullptr);
-    ASSERT_EQ(file->tensors().size(), 1u);
-    const int64_t n = common::RankBufferElements(spec_, r);
-    EXPECT_EQ(t->shape, (std::vector<int64_t>{n}));
-    EXPECT_EQ(t->dtype, spec_.matrices[0].param_dtype);
-    const std::vector<float> flat = ToFloats(t->dtype, std::string(file->Data(*t)));
-    ASSERT_EQ(flat.size(), static_cast<size_t>(n));
-    uint64_t owned = 0;
-    for (const common::ShardSpan& s : common::RankSpans(spec_, r)) {
-      const std::vector<float> part(flat.begin() + s.rank_offset,
-                                    flat.begin() + s.rank_offset + s.length);
-      EXPECT_TRUE(am::ParamsNear(part, ref_.master(s.matrix), t->dtype, s.offset))
-          << am::kNames[s.matrix] << " from element " << s.offset;
-      owned += s.length;
+    // Stage 1/2: one flat `partition`; stage 3: one chunk per tensor. Either way each file tensor
+    // holds the rank's spans from `first` on and zeros after them.
+    std::vector<std::string> names;
+    if (spec_.zero_stage == 3) {
+      names.assign(am::kNames, am::kNames + am::kTensors);
+    } else {
+      names = {"partition"};
     }
-    for (uint64_t i = owned; i < flat.size(); ++i) EXPECT_EQ(flat[i], 0.0f) << "padding " << i;
+    ASSERT_EQ(file->tensors().size(), names.size());
+    std::vector<std::vector<float>> values;
+    for (size_t i = 0; i < names.size(); ++i) {
+      const common::TensorInfo* t = file->Find(names[i]);
+      ASSERT_NE(t, nullptr) << names[i];
+      const int64_t n =
+          spec_.zero_stage == 3 ? Chunk(static_cast<int>(i)) : common::RankBufferElements(spec_, r);
+      EXPECT_EQ(t->shape, (std::vector<int64_t>{n})) << names[i];
+      EXPECT_EQ(t->dtype, spec_.matrices[i].param_dtype) << names[i];
+      values.push_back(ToFloats(t->dtype, std::string(file->Data(*t))));
+      ASSERT_EQ(values.back().size(), static_cast<size_t>(n)) << names[i];
+    }
+    std::vector<uint64_t> owned(names.size(), 0);
+    for (const common::ShardSpan& s : common::RankSpans(spec_, r)) {
+      const size_t i = spec_.zero_stage == 3 ? s.matrix : 0;
+      const uint64_t first = spec_.zero_stage == 3 ? 0 : s.rank_offset;
+      const std::vector<float> part(values[i].begin() + first,
+                                    values[i].begin() + first + s.length);
+      EXPECT_TRUE(am::ParamsNear(part, ref_.master(s.matrix), spec_.matrices[s.matrix].param_dtype,
+                                 s.offset))
+          << am::kNames[s.matrix] << " from element " << s.offset;
+      owned[i] = std::max(owned[i], first + s.length);
+    }
+    for (size_t i = 0; i < names.size(); ++i) {
+      for (uint64_t k = owned[i]; k < values[i].size(); ++k) {
+        EXPECT_EQ(values[i][k], 0.0f) << names[i] << " padding " << k;
+      }
+    }
   }
 
   // `muonctl export` in `dtype`: every tensor whole, the reference's masters.
@@ -382,7 +418,7 @@ TEST_F(MuonctlApplyTest, World1Stage0InitStepsAndExportOverGrpcAndShm) {
     EXPECT_NE(r.out.find("weights complete"), std::string::npos) << r.out;
     EXPECT_NE(r.out.find("(" + transport + ")"), std::string::npos) << r.out;
     for (int t = 0; t < 3; ++t) ASSERT_NO_FATAL_FAILURE(StepAllRanks(t, {transport}));
-    ExpectShow({"next_step: 3", "steps_completed: 3", "fenced: no"});
+    ExpectShow({"next_step: 3", "steps_completed: 3", "fenced: no", "weights_complete: yes"});
     ExpectExport(DType::kFloat32, "");
     ExpectExport(DType::kBFloat16, "bfloat16");
   }
@@ -409,6 +445,27 @@ TEST_F(MuonctlApplyTest, World2Stage1PartitionsOverGrpcAndShm) {
     for (int t = 0; t < 2; ++t) ASSERT_NO_FATAL_FAILURE(StepAllRanks(t, {transport, transport}));
     ExpectExport(DType::kFloat32, "float32");
   }
+}
+
+TEST_F(MuonctlApplyTest, World4Stage3ChunksWithMixedParamDtypes) {
+  // "b" has 6 elements in chunks of 2: rank 3 owns none of it (its chunk is all padding).
+  ASSERT_NO_FATAL_FAILURE(CreateJob("ctl-apply-s3", 4, 3, DType::kFloat32, DType::kFloat16));
+  for (int r = 0; r < 4; ++r) {
+    // Ranks 0 and 1 upload each chunk in its param dtype, ranks 2 and 3 all in float32.
+    const std::vector<DType> dtypes = r < 2 ? std::vector<DType>{DType::kFloat32, DType::kFloat16}
+                                            : std::vector<DType>{DType::kFloat32, DType::kFloat32};
+    const std::string params =
+        Write(absl::StrCat("params-s3-", r, ".safetensors"), RankFile(r, InitialWeights(), dtypes));
+    const ProcessResult p = ParamsInit(r, params, r % 2 == 0 ? "grpc" : "shm");
+    ASSERT_EQ(p.exit_code, 0) << p.err;
+  }
+  for (int t = 0; t < 2; ++t) {
+    ASSERT_NO_FATAL_FAILURE(StepAllRanks(t, {"grpc", "shm", "shm", "grpc"}));
+  }
+  ExpectShow({"mode: apply", "weights_complete: yes", "group: decay lr=0.01 weight_decay=0.05",
+              "matrix: b shape=[6] num_heads=1 dtype=float32 param_dtype=float16 "
+              "optimizer=adamw group=no_decay"});
+  ExpectExport(DType::kFloat32, "float32");
 }
 
 TEST_F(MuonctlApplyTest, RefusalsNameWhatIsWrongAndChangeNothing) {
@@ -441,7 +498,7 @@ TEST_F(MuonctlApplyTest, RefusalsNameWhatIsWrongAndChangeNothing) {
     want.push_back(path);
     ExpectFailure(ParamsInit(0, path, "auto"), 3, want);
   }
-  ExpectShow({"next_step: 0", "fenced: no"});
+  ExpectShow({"next_step: 0", "fenced: no", "weights_complete: no - missing ranks 0"});
   const std::string good = Write("params.safetensors",
                                  RankFile(0, InitialWeights(), {DType::kFloat32, DType::kFloat32}));
   ProcessResult r = ParamsInit(0, good, "auto");
