@@ -12,10 +12,10 @@
 #include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "common/job_spec_proto.h"
-#include "server/api/job_status_proto.h"
 #include "common/logging.h"
 #include "common/names.h"
 #include "common/status_macros.h"
+#include "server/api/job_status_proto.h"
 #include "server/jobs/apply_step.h"
 #include "server/ops/daemon_metrics.h"
 
@@ -69,8 +69,7 @@ absl::StatusOr<std::shared_ptr<Job>> MuondService::Authorize(grpc::ServerContext
   // and no $MUOND_JOB_TOKEN) still sends the key.
   const std::string_view token =
       it == md.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
-  return registry_->Authorize(job_id, token,
-                              absl::StrCat(" (metadata '", kTokenMetadataKey, "')"));
+  return registry_->Authorize(job_id, token, absl::StrCat(" (metadata '", kTokenMetadataKey, "')"));
 }
 
 grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,
@@ -78,7 +77,8 @@ grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJ
   const PeerIdentity peer = PeerOf(*ctx);
   absl::Status allowed = access_ ? access_->MayCreateJob(peer) : absl::OkStatus();
   if (!allowed.ok()) return Logged("CreateJob", allowed);
-  if (shutting_down_.load()) return Logged("CreateJob", absl::UnavailableError("muond is shutting down"));
+  if (shutting_down_.load())
+    return Logged("CreateJob", absl::UnavailableError("muond is shutting down"));
   auto spec = common::JobSpecFromProto(req->spec());
   if (!spec.ok()) return Logged("CreateJob", spec.status());
   std::optional<JobRegistry::RestoreFrom> restore;
@@ -175,7 +175,8 @@ grpc::Status MuondService::ListCheckpoints(grpc::ServerContext* ctx,
 
 grpc::Status MuondService::AttachRank(grpc::ServerContext* ctx, const v1::AttachRankRequest* req,
                                       v1::AttachRankResponse* resp) {
-  if (shutting_down_.load()) return Logged("AttachRank", absl::UnavailableError("muond is shutting down"));
+  if (shutting_down_.load())
+    return Logged("AttachRank", absl::UnavailableError("muond is shutting down"));
   auto job = Authorize(ctx, req->job_id());
   if (!job.ok()) return Logged("AttachRank", job.status());
   auto session = (*job)->Attach(req->rank(), req->takeover());
@@ -237,9 +238,8 @@ grpc::Status MuondService::Step(
 
 bool MuondService::WaitForStepsToDrain(absl::Time deadline) {
   absl::MutexLock lock(&steps_mu_);
-  auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(steps_mu_) {
-    return steps_in_flight_ == 0;
-  };
+  auto drained = [this]()
+                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(steps_mu_) { return steps_in_flight_ == 0; };
   return steps_mu_.AwaitWithDeadline(absl::Condition(&drained), deadline);
 }
 
@@ -274,13 +274,14 @@ absl::Status MuondService::RunStep(
     }
     hyper = *std::move(resolved);
   } else if (begin.hyper_size() > 0 || begin.grad_divisor() != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": the job is in mode 'update'; a step takes no lr, weight decay or gradient "
-        "divisor there"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where,
+                     ": the job is in mode 'update'; a step takes no lr, weight decay or gradient "
+                     "divisor there"));
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<RankStep> rank_step,
-                   job->BeginStep(begin.rank(), begin.session_id(), begin.step(),
-                                  hyper ? &*hyper : nullptr));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<RankStep> rank_step,
+      job->BeginStep(begin.rank(), begin.session_id(), begin.step(), hyper ? &*hyper : nullptr));
   // Gradients until StepEnd. Returning early destroys rank_step: a step that was not finished is
   // aborted for every rank, unless it was already refused.
   bool ended = false;
@@ -292,8 +293,8 @@ absl::Status MuondService::RunStep(
     switch (req.kind_case()) {
       case v1::StepRequest::kGradient: {
         const v1::DataChunk& c = req.gradient();
-        RETURN_IF_ERROR(rank_step->AddGradient(c.matrix_index(), c.element_offset(), c.data(),
-                                               c.crc32c()));
+        RETURN_IF_ERROR(
+            rank_step->AddGradient(c.matrix_index(), c.element_offset(), c.data(), c.crc32c()));
         RecordBytes(Transport::kGrpc, Direction::kIn, c.data().size());
         break;
       }
@@ -326,8 +327,9 @@ absl::Status MuondService::RunStep(
       if (!stream->Write(resp)) {
         // The step is committed; the rank may ask again for the same bytes (a replay).
         return absl::UnavailableError(absl::StrCat(
-            where, ": the client went away while receiving the update; the step is committed, "
-                   "retry it to receive the same update"));
+            where,
+            ": the client went away while receiving the update; the step is committed, "
+            "retry it to receive the same update"));
       }
       bytes_out += n;
       RecordBytes(Transport::kGrpc, Direction::kOut, n);
@@ -366,15 +368,15 @@ absl::Status MuondService::RunInitParams(grpc::ServerContext* ctx,
                    job->BeginParamUpload(begin.rank(), begin.session_id(), begin.float32()));
   while (true) {
     if (!reader->Read(&req)) {
-      return absl::CancelledError(absl::StrCat(
-          "job '", begin.job_id(), "' rank ", begin.rank(),
-          ": the initial-parameter stream closed before InitEnd; nothing changed"));
+      return absl::CancelledError(
+          absl::StrCat("job '", begin.job_id(), "' rank ", begin.rank(),
+                       ": the initial-parameter stream closed before InitEnd; nothing changed"));
     }
     if (req.kind_case() == v1::InitRequest::kEnd) break;
     if (req.kind_case() != v1::InitRequest::kParams) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "job '", begin.job_id(), "' rank ", begin.rank(),
-          ": expected a parameter chunk or InitEnd; nothing changed"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("job '", begin.job_id(), "' rank ", begin.rank(),
+                       ": expected a parameter chunk or InitEnd; nothing changed"));
     }
     const v1::DataChunk& c = req.params();
     RETURN_IF_ERROR(upload->Add(c.matrix_index(), c.element_offset(), c.data(), c.crc32c()));
@@ -417,8 +419,8 @@ absl::Status MuondService::RunExportParams(grpc::ServerContext* ctx, const v1::E
       c->set_data(bytes);
       out.set_step(step);
       if (ctx->IsCancelled() || !writer->Write(out)) {
-        return absl::CancelledError(absl::StrCat("job '", req->job_id(),
-                                                 "': the client went away during the export"));
+        return absl::CancelledError(
+            absl::StrCat("job '", req->job_id(), "': the client went away during the export"));
       }
       RecordBytes(Transport::kGrpc, Direction::kOut, bytes.size());
     }

@@ -103,9 +103,9 @@ v1::ShmAttachResponse ErrorReply(const absl::Status& s) {
 absl::StatusOr<v1::ShmAttachRequest> ParseAttachRequest(const char* data, size_t full,
                                                         size_t limit) {
   if (full > limit) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shared-memory attach request of ", full, " bytes is larger than the limit of ",
-                     limit, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("shared-memory attach request of ", full,
+                                                   " bytes is larger than the limit of ", limit,
+                                                   " bytes"));
   }
   if (full == 0) return absl::InvalidArgumentError("empty shared-memory attach request");
   v1::ShmAttachRequest req;
@@ -216,9 +216,9 @@ absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& 
 absl::Status SetupError(const std::string& who, const absl::Status& s) {
   const bool no_fds = absl::StrContains(s.message(), std::strerror(EMFILE)) ||
                       absl::StrContains(s.message(), std::strerror(ENFILE));
-  return absl::Status(s.code(), absl::StrCat(who, ": cannot set up the shared-memory session: ",
-                                             s.message(),
-                                             no_fds ? absl::StrCat(" (", NoFileLimit(), ")") : ""));
+  return absl::Status(s.code(),
+                      absl::StrCat(who, ": cannot set up the shared-memory session: ", s.message(),
+                                   no_fds ? absl::StrCat(" (", NoFileLimit(), ")") : ""));
 }
 
 // The refusal of a connection that accept4 could not take (`err`: EMFILE, ENFILE, ...).

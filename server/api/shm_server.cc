@@ -25,17 +25,16 @@
 #include "common/metrics.h"
 #include "common/shm_protocol.h"
 #include "common/shm_region.h"
-#include "server/ops/daemon_metrics.h"
+#include "muond/v1/muond.pb.h"
 #include "server/api/shm_attach.h"
 #include "server/api/shm_session.h"
-#include "muond/v1/muond.pb.h"
+#include "server/ops/daemon_metrics.h"
 
 namespace muond::server {
 
 namespace shm = common::shm;
 using shm_attach::Errno;
 using shm_attach::PeerString;
-
 
 absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const std::string& path,
                                                             JobRegistry* registry,
@@ -211,8 +210,8 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
   shm::Ring* ring = s->completions->ring();
   const uint64_t head = ring->header.sub_head.load(std::memory_order_acquire);
   if (head < s->sub_tail || head - s->sub_tail > shm::kRingSlots) {
-    EndSession(s->conn, absl::StrCat("corrupt submission ring (head ", head, ", tail ",
-                                     s->sub_tail, ")"));
+    EndSession(s->conn,
+               absl::StrCat("corrupt submission ring (head ", head, ", tail ", s->sub_tail, ")"));
     return;
   }
   const std::string& job_id = s->job->id();
@@ -221,28 +220,28 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
     const shm::Submission sub = ring->subs[s->sub_tail % shm::kRingSlots];
     const uint64_t index = s->sub_tail++;
     ring->header.sub_tail.store(s->sub_tail, std::memory_order_release);
-    const std::string where =
-        absl::StrCat("job '", job_id, "' rank ", s->rank, " doorbell ", index, " (step ", sub.step, ")");
+    const std::string where = absl::StrCat("job '", job_id, "' rank ", s->rank, " doorbell ", index,
+                                           " (step ", sub.step, ")");
     absl::Status bad;
     if (sub.seq != index) {
       bad = absl::InvalidArgumentError(
           absl::StrCat(where, ": sequence ", sub.seq, " does not match its slot ", index));
     } else if (sub.generation != s->session_id) {
-      bad = absl::FailedPreconditionError(absl::StrCat(
-          where, ": stale generation ", sub.generation, " (the session's is ", s->session_id, ")"));
+      bad = absl::FailedPreconditionError(absl::StrCat(where, ": stale generation ", sub.generation,
+                                                       " (the session's is ", s->session_id, ")"));
     } else if (sub.kind != shm::kSubmitStep && sub.kind != shm::kSubmitInitParams) {
       bad = absl::InvalidArgumentError(absl::StrCat(where, ": unknown submission kind ", sub.kind));
     } else if (sub.kind == shm::kSubmitInitParams && (sub.step != -1 || sub.buffer != 0)) {
-      bad = absl::InvalidArgumentError(absl::StrCat(
-          where, ": an initial-parameter submission has step -1 and buffer 0"));
+      bad = absl::InvalidArgumentError(
+          absl::StrCat(where, ": an initial-parameter submission has step -1 and buffer 0"));
     } else if (sub.kind == shm::kSubmitStep &&
                (sub.step < 0 || sub.buffer != static_cast<uint32_t>(sub.step % 2))) {
       bad = absl::InvalidArgumentError(
           absl::StrCat(where, ": buffer ", sub.buffer, " is not step % 2"));
     } else if (sub.offset != 0 || sub.size != s->buffer_bytes) {
-      bad = absl::InvalidArgumentError(
-          absl::StrCat(where, ": region [", sub.offset, ", +", sub.size, ") is not the rank's ",
-                       s->buffer_bytes, "-byte buffer at offset 0"));
+      bad = absl::InvalidArgumentError(absl::StrCat(where, ": region [", sub.offset, ", +",
+                                                    sub.size, ") is not the rank's ",
+                                                    s->buffer_bytes, "-byte buffer at offset 0"));
     }
     if (!bad.ok()) {
       s->completions->Complete(sub.seq, sub.step, bad, false, 0);
@@ -299,13 +298,17 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
 void ShmServer::SubmitInitParams(const std::shared_ptr<ShmSession>& s, uint64_t seq,
                                  const std::string& where) {
   if (!s->job->apply()) {
-    s->completions->Complete(seq, -1, absl::FailedPreconditionError(absl::StrCat(
-        where, ": the job is in mode 'update' and holds no parameters")), false, 0);
+    s->completions->Complete(seq, -1,
+                             absl::FailedPreconditionError(absl::StrCat(
+                                 where, ": the job is in mode 'update' and holds no parameters")),
+                             false, 0);
     return;
   }
   if (s->init_running->exchange(true)) {
-    s->completions->Complete(seq, -1, absl::FailedPreconditionError(absl::StrCat(
-        where, ": an upload of initial parameters is already running")), false, 0);
+    s->completions->Complete(seq, -1,
+                             absl::FailedPreconditionError(absl::StrCat(
+                                 where, ": an upload of initial parameters is already running")),
+                             false, 0);
     return;
   }
   std::vector<const char*> in;
@@ -332,8 +335,7 @@ void ShmServer::EndSession(int conn, const std::string& why, bool clean) {
   }
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn, nullptr);
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, session->doorbell, nullptr);
-  session->job->EndSharedSession(session->rank, session->session_id, session->regions.get(),
-                                 clean);
+  session->job->EndSharedSession(session->rank, session->session_id, session->regions.get(), clean);
   MUOND_LOG(INFO) << "job '" << session->job->id() << "' rank " << session->rank
                   << ": shared-memory session " << session->session_id << " (peer "
                   << PeerString(session->peer) << ") ended: " << why;

@@ -7,8 +7,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "common/parallel_for.h"
 #include "common/dtype.h"
+#include "common/parallel_for.h"
 #include "server/optim/adamw.h"
 #include "server/optim/grad_norm.h"
 #include "server/optim/muon_apply.h"
@@ -31,7 +31,8 @@ std::vector<Slice> Slices(const JobLayout& layout, uint32_t t) {
   std::vector<Slice> out;
   for (const JobLayout::SpanRef& ref : layout.owners(t)) {
     const uint64_t n = layout.spans(ref.rank)[ref.span].length;
-    for (uint64_t b = 0; b < n; b += kSlice) out.push_back({&ref, b, std::min<uint64_t>(kSlice, n - b)});
+    for (uint64_t b = 0; b < n; b += kSlice)
+      out.push_back({&ref, b, std::min<uint64_t>(kSlice, n - b)});
   }
   return out;
 }
@@ -63,9 +64,9 @@ absl::StatusOr<StepHyper> ResolveStepHyper(const common::JobSpec& spec,
   }
   for (size_t g = 0; g < n; ++g) {
     if (!seen[g]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "job '", spec.job_id, "': the step gives no lr for group '", spec.groups[g].name,
-          "' (every group's lr is needed each step)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("job '", spec.job_id, "': the step gives no lr for group '",
+                       spec.groups[g].name, "' (every group's lr is needed each step)"));
     }
   }
   h.grad_divisor = grad_divisor == 0 ? 1 : grad_divisor;
@@ -76,20 +77,20 @@ absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
                             const std::string& where) {
   const size_t n = spec.groups.size();
   if (hyper.lr.size() != n || hyper.weight_decay.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", hyper.lr.size(),
-                                                   " learning rates for the job's ", n, " groups"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": ", hyper.lr.size(), " learning rates for the job's ", n, " groups"));
   }
   for (size_t g = 0; g < n; ++g) {
     const double lr = hyper.lr[g], wd = hyper.weight_decay[g];
     if (!std::isfinite(lr) || lr < 0 || !std::isfinite(wd) || wd < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": group '", spec.groups[g].name, "' has lr ", lr, " and weight decay ", wd,
-          "; both must be finite and >= 0"));
+      return absl::InvalidArgumentError(absl::StrCat(where, ": group '", spec.groups[g].name,
+                                                     "' has lr ", lr, " and weight decay ", wd,
+                                                     "; both must be finite and >= 0"));
     }
   }
   if (!std::isfinite(hyper.grad_divisor) || hyper.grad_divisor <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": gradient divisor ", hyper.grad_divisor, " must be finite and > 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": gradient divisor ", hyper.grad_divisor, " must be finite and > 0"));
   }
   return absl::OkStatus();
 }

@@ -49,8 +49,7 @@ class ApplyStep {
   // *sum_sq its raw sum of squares. INVALID_ARGUMENT (the step is refused) when a value is not
   // finite (a shared-memory peer changed its gradient after it was checked) or when the divisor
   // would overflow float32.
-  absl::Status PrepareGradient(const StepState& state, uint32_t t, float* grad,
-                               double* sum_sq);
+  absl::Status PrepareGradient(const StepState& state, uint32_t t, float* grad, double* sum_sq);
   // AdamW of tensor t from its prepared gradient; writes the owners' output spans.
   void ApplyAdamW(StepState& state, uint32_t t, const float* grad);
   // The Muon apply of tensor t from its update U (scaled); writes the owners' output spans.

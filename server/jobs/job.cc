@@ -95,9 +95,9 @@ absl::Status Job::CheckSession(int rank, uint64_t session) const {
 
 absl::Status Job::CheckCurrentSession(int rank, uint64_t session, const char* hint) const {
   if (sessions_[rank] == 0 || sessions_[rank] != session) {
-    return absl::FailedPreconditionError(absl::StrCat("job '", id(), "' rank ", rank,
-                                                      ": session ", session,
-                                                      " is not the rank's current session", hint));
+    return absl::FailedPreconditionError(absl::StrCat("job '", id(), "' rank ", rank, ": session ",
+                                                      session, " is not the rank's current session",
+                                                      hint));
   }
   return absl::OkStatus();
 }
@@ -106,10 +106,9 @@ void Job::AbortIfOwed(int rank, const std::string& why) {
   const RankInput& in = in_flight_->ranks[rank];
   if (in.begun && in.pushed()) return;
   FailStep(*in_flight_,
-           absl::AbortedError(absl::StrCat("job '", id(), "' step ", in_flight_->step,
-                                           " aborted: rank ", rank, " ", why,
-                                           in.begun ? " before it finished pushing its part"
-                                                    : " before it began its part")),
+           absl::AbortedError(absl::StrCat(
+               "job '", id(), "' step ", in_flight_->step, " aborted: rank ", rank, " ", why,
+               in.begun ? " before it finished pushing its part" : " before it began its part")),
            /*fence=*/true);
 }
 
@@ -141,10 +140,9 @@ void Job::CheckStepTimeout(absl::Time now) {
   auto list = [](const std::vector<int>& ranks) {
     constexpr size_t kShown = 16;
     std::vector<int> shown(ranks.begin(), ranks.begin() + std::min(ranks.size(), kShown));
-    return absl::StrCat(absl::StrJoin(shown, ", "),
-                        ranks.size() > kShown ? absl::StrCat(" and ", ranks.size() - kShown,
-                                                             " more")
-                                              : "");
+    return absl::StrCat(
+        absl::StrJoin(shown, ", "),
+        ranks.size() > kShown ? absl::StrCat(" and ", ranks.size() - kShown, " more") : "");
   };
   std::string missing;
   if (!absent.empty()) missing = absl::StrCat("ranks never arrived: ", list(absent));
@@ -161,9 +159,8 @@ void Job::CheckStepTimeout(absl::Time now) {
 
 absl::Status Job::CheckRank(int rank) const {
   if (rank < 0 || rank >= spec_.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("job '", id(), "': rank ", rank,
-                                                   " is outside the world size [0, ",
-                                                   spec_.world_size, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job '", id(), "': rank ", rank, " is outside the world size [0, ", spec_.world_size, ")"));
   }
   return absl::OkStatus();
 }

@@ -64,7 +64,7 @@ class Job;
 
 // Who created a job (recorded in its job.json and shown by muonctl job show).
 struct JobOwner {
-  int64_t uid = -1;  // the peer's uid on the Unix socket; -1 when unknown (TCP)
+  int64_t uid = -1;         // the peer's uid on the Unix socket; -1 when unknown (TCP)
   std::string description;  // e.g. "uid 1000 gid 1000 pid 4242" or "ipv4:127.0.0.1:5555"
 };
 
@@ -79,8 +79,10 @@ class RankStep {
 
   // Copies `data` (elements of the matrix's dtype starting at element `offset` of the matrix) into
   // the rank's input. INVALID_ARGUMENT, and the step is refused for every rank, for a bad matrix
-  // index, a chunk outside the rank's spans, overlapping data, a CRC mismatch or a non-finite value.
-  absl::Status AddGradient(uint32_t matrix, uint64_t offset, std::string_view data, uint32_t crc32c);
+  // index, a chunk outside the rank's spans, overlapping data, a CRC mismatch or a non-finite
+  // value.
+  absl::Status AddGradient(uint32_t matrix, uint64_t offset, std::string_view data,
+                           uint32_t crc32c);
   // The rank has sent everything. Blocks until the step committed or failed; `cancelled` is polled
   // while waiting (true: the rank went away, the step is aborted). On success returns the rank's
   // update, valid as long as the caller holds it.
@@ -277,8 +279,7 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // disk (0: none) and records the reset. No save of this job runs between the reset and the
   // record, so every generation up to that number holds the momentum before the reset. When
   // `persist` fails the job is fenced (memory reset, disk not) and its error returned.
-  absl::Status ResetDurably(int64_t next_step,
-                            const std::function<absl::Status(int64_t)>& persist);
+  absl::Status ResetDurably(int64_t next_step, const std::function<absl::Status(int64_t)>& persist);
   // Marks the job deleted: steps in flight and later ones fail with NOT_FOUND.
   void MarkDeleted();
 

@@ -28,14 +28,15 @@ absl::Status Job::CheckApplyEntry(int64_t step, const StepHyper* hyper) const {
   const std::string where = absl::StrCat("job '", id(), "' step ", step);
   if (!apply()) {
     if (hyper == nullptr) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": the job is in mode 'update'; a step takes no lr, weight decay or gradient "
-        "divisor there"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where,
+                     ": the job is in mode 'update'; a step takes no lr, weight decay or gradient "
+                     "divisor there"));
   }
   if (hyper == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": mode 'apply' needs the lr of every group with each step (",
-        spec_.groups.size(), " groups)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": mode 'apply' needs the lr of every group with each step (",
+                     spec_.groups.size(), " groups)"));
   }
   RETURN_IF_ERROR(CheckStepHyper(spec_, *hyper, where));
   std::vector<int> missing;
@@ -43,10 +44,11 @@ absl::Status Job::CheckApplyEntry(int64_t step, const StepHyper* hyper) const {
     if (!weights_in_[r]) missing.push_back(r);
   }
   if (missing.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      where, " cannot run: the initial weights of rank", missing.size() > 1 ? "s " : " ",
-      absl::StrJoin(missing, ", "), " are not in; upload them (muonctl params init, InitParams) "
-      "or create the job with init_from; nothing changed"));
+  return absl::FailedPreconditionError(
+      absl::StrCat(where, " cannot run: the initial weights of rank",
+                   missing.size() > 1 ? "s " : " ", absl::StrJoin(missing, ", "),
+                   " are not in; upload them (muonctl params init, InitParams) "
+                   "or create the job with init_from; nothing changed"));
 }
 
 absl::Status Job::AgreeHyper(StepState& state, int rank, const StepHyper& hyper) {
@@ -63,17 +65,17 @@ absl::Status Job::AgreeHyper(StepState& state, int rank, const StepHyper& hyper)
       what = absl::StrCat("lr of group '", spec_.groups[g].name, "': ", hyper.lr[g], " vs ",
                           state.hyper.lr[g]);
     } else if (hyper.weight_decay[g] != state.hyper.weight_decay[g]) {
-      what = absl::StrCat("weight decay of group '", spec_.groups[g].name, "': ",
-                          hyper.weight_decay[g], " vs ", state.hyper.weight_decay[g]);
+      what = absl::StrCat("weight decay of group '", spec_.groups[g].name,
+                          "': ", hyper.weight_decay[g], " vs ", state.hyper.weight_decay[g]);
     }
   }
   if (what.empty()) {
     what = absl::StrCat("gradient divisor: ", hyper.grad_divisor, " vs ", state.hyper.grad_divisor);
   }
-  const absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
-      "job '", id(), "' step ", state.step, ": rank ", rank, " and rank ", state.hyper_rank,
-      " disagree on the step's hyperparameters (", what,
-      "); the step is refused for every rank, nothing changed"));
+  const absl::Status bad = absl::InvalidArgumentError(
+      absl::StrCat("job '", id(), "' step ", state.step, ": rank ", rank, " and rank ",
+                   state.hyper_rank, " disagree on the step's hyperparameters (", what,
+                   "); the step is refused for every rank, nothing changed"));
   FailStep(state, bad, /*fence=*/false);
   (void)refusal_.Take(rank, state.step);  // this rank learns of it from this very answer
   return bad;
@@ -104,9 +106,9 @@ absl::StatusOr<uint64_t> Job::InitParams(int rank, uint64_t session,
     const common::MatrixSpec& ms = spec_.matrices[spans[i].matrix];
     const int64_t bad = common::FindNonFiniteRaw(UploadDType(ms, float32), in[i], spans[i].length);
     if (bad >= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": tensor '", ms.name, "' element ", spans[i].offset + bad,
-          " is not finite; nothing changed"));
+      return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", ms.name, "' element ",
+                                                     spans[i].offset + bad,
+                                                     " is not finite; nothing changed"));
     }
     elements += spans[i].length;
   }
@@ -143,12 +145,12 @@ void Job::InstallParams(ParamStore::Lock& store, int rank, const std::vector<con
 }
 
 absl::StatusOr<std::unique_ptr<ParamUpload>> Job::BeginParamUpload(int rank, uint64_t session,
-                                                                  bool float32) {
+                                                                   bool float32) {
   RETURN_IF_ERROR(CheckRank(rank));
   absl::MutexLock lock(&mu_);
   if (!apply()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", id(), "' is in mode 'update' and holds no parameters to upload"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", id(), "' is in mode 'update' and holds no parameters to upload"));
   }
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
   RETURN_IF_ERROR(CheckCurrentSession(rank, session, "; attach the rank first"));
@@ -157,8 +159,7 @@ absl::StatusOr<std::unique_ptr<ParamUpload>> Job::BeginParamUpload(int rank, uin
         "job '", id(), "' rank ", rank, " already has an upload of initial parameters running"));
   }
   uploading_[rank] = true;
-  return std::unique_ptr<ParamUpload>(
-      new ParamUpload(shared_from_this(), rank, session, float32));
+  return std::unique_ptr<ParamUpload>(new ParamUpload(shared_from_this(), rank, session, float32));
 }
 
 ParamUpload::ParamUpload(std::shared_ptr<Job> job, int rank, uint64_t session, bool float32)
@@ -188,25 +189,25 @@ absl::Status ParamUpload::Add(uint32_t tensor, uint64_t offset, std::string_view
   const common::DType dtype = UploadDType(ms, float32_);
   const size_t esize = common::DTypeSize(dtype);
   if (data.empty() || data.size() > kMaxChunkBytes || data.size() % esize != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": tensor '", ms.name, "' chunk at element ", offset, " has ", data.size(),
-        " bytes; expected a non-empty multiple of ", esize, " (", std::string(DTypeName(dtype)),
-        ") of at most ", kMaxChunkBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": tensor '", ms.name, "' chunk at element ", offset, " has ",
+                     data.size(), " bytes; expected a non-empty multiple of ", esize, " (",
+                     std::string(DTypeName(dtype)), ") of at most ", kMaxChunkBytes));
   }
   if (common::Crc32c(data.data(), data.size()) != crc32c) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": tensor '", ms.name, "' chunk at element ", offset, ": CRC32C mismatch"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": tensor '", ms.name, "' chunk at element ", offset, ": CRC32C mismatch"));
   }
   const uint64_t count = data.size() / esize;
   const std::optional<size_t> span = job_->layout_.FindSpan(rank_, tensor, offset, count);
   if (!span) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": tensor '", ms.name, "' elements [", offset, ", ", offset + count,
-        ") are outside the rank's shard of the tensor"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", ms.name, "' elements [",
+                                                   offset, ", ", offset + count,
+                                                   ") are outside the rank's shard of the tensor"));
   }
   if (const int64_t bad = common::FindNonFiniteRaw(dtype, data.data(), count); bad >= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", ms.name, "' element ",
-                                                   offset + bad, " is not finite"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": tensor '", ms.name, "' element ", offset + bad, " is not finite"));
   }
   auto& claimed = claimed_[*span];
   auto next = claimed.lower_bound(offset);
@@ -235,9 +236,9 @@ absl::StatusOr<uint64_t> ParamUpload::Finish() {
     if (received_[i] != spans[i].length) {
       return absl::InvalidArgumentError(absl::StrCat(
           "job '", job_->id(), "' rank ", rank_, " initial parameters: tensor '",
-          job_->spec().matrices[spans[i].matrix].name, "' is incomplete: received ",
-          received_[i], " of ", spans[i].length, " elements of the rank's span at element ",
-          spans[i].offset, "; nothing changed"));
+          job_->spec().matrices[spans[i].matrix].name, "' is incomplete: received ", received_[i],
+          " of ", spans[i].length, " elements of the rank's span at element ", spans[i].offset,
+          "; nothing changed"));
     }
     in.push_back(data_[i].data());
   }
@@ -248,8 +249,8 @@ absl::Status Job::ExportParams(
     const std::function<absl::Status(uint32_t tensor, const std::vector<float>& w)>& sink,
     int64_t* step) {
   if (!apply()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", id(), "' is in mode 'update': it holds no parameters to export"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", id(), "' is in mode 'update': it holds no parameters to export"));
   }
   // The snapshot machinery is the checkpoint writer's: one at a time per job.
   CheckpointWriter::Exclusive exclusive(writer_);

@@ -9,9 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "server/jobs/job.h"
-#include "common/parallel_for.h"
 
 namespace muond::server {
 
@@ -22,9 +22,9 @@ absl::Status Job::CheckSavable() const {
         absl::StrCat("job '", id(), "' is a transport probe: it has no momentum to save"));
   }
   if (fenced_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", id(), "' is fenced (", fence_reason_,
-        "): its momentum may not be consistent; load a checkpoint or reset it first"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", id(), "' is fenced (", fence_reason_,
+                     "): its momentum may not be consistent; load a checkpoint or reset it first"));
   }
   return absl::OkStatus();
 }
@@ -59,9 +59,9 @@ absl::StatusOr<checkpoint::GenerationInfo> Job::SaveApplyCheckpoint(
     RETURN_IF_ERROR(CheckSavable());
     for (int r = 0; r < spec_.world_size; ++r) {
       if (!weights_in_[r]) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "job '", id(), "': the initial weights of rank ", r,
-            " are not in; there is no model to save yet"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("job '", id(), "': the initial weights of rank ", r,
+                         " are not in; there is no model to save yet"));
       }
     }
     step = next_step_;
@@ -104,9 +104,10 @@ absl::Status Job::ResetDurably(int64_t next_step,
   absl::Status s = persist(NewestGeneration());
   if (s.ok()) return s;
   Fence(absl::StrCat("reset to step ", next_step, " could not be made durable: ", s.message()));
-  return absl::Status(s.code(), absl::StrCat("job '", id(), "' was reset in memory but the reset "
-                                             "could not be recorded (", s.message(),
-                                             "); the job is fenced"));
+  return absl::Status(s.code(), absl::StrCat("job '", id(),
+                                             "' was reset in memory but the reset "
+                                             "could not be recorded (",
+                                             s.message(), "); the job is fenced"));
 }
 
 absl::Status Job::MatchLoaded(const checkpoint::Loaded& loaded, const std::string& source,
@@ -116,10 +117,10 @@ absl::Status Job::MatchLoaded(const checkpoint::Loaded& loaded, const std::strin
         absl::StrCat("job '", id(), "' is a transport probe: it has no momentum to load"));
   }
   if (loaded.spec.mode != spec_.mode) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint ", source, " was written by a job in mode '",
-        std::string(common::JobModeName(loaded.spec.mode)), "'; job '", id(), "' is in mode '",
-        std::string(common::JobModeName(spec_.mode)), "'"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint ", source, " was written by a job in mode '",
+                     std::string(common::JobModeName(loaded.spec.mode)), "'; job '", id(),
+                     "' is in mode '", std::string(common::JobModeName(spec_.mode)), "'"));
   }
   // By state tensor name (a matrix's own name in update mode; "master/<name>", ... in apply
   // mode) and shape.
@@ -132,8 +133,8 @@ absl::Status Job::MatchLoaded(const checkpoint::Loaded& loaded, const std::strin
       if (loaded.names[i] == want[a].name) (*index)[a] = static_cast<int>(i);
     }
     if ((*index)[a] < 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint ", source, " has no tensor '", want[a].name, "' of job '", id(), "'"));
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", source, " has no tensor '",
+                                                        want[a].name, "' of job '", id(), "'"));
     }
     used[(*index)[a]] = true;
     const checkpoint::StateTensor* saved = nullptr;
@@ -144,10 +145,10 @@ absl::Status Job::MatchLoaded(const checkpoint::Loaded& loaded, const std::strin
     for (int64_t d : want[a].shape) numel *= static_cast<uint64_t>(d);
     if (saved == nullptr || saved->shape != want[a].shape ||
         loaded.data[(*index)[a]].size() != numel) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint ", source, ": tensor '", want[a].name, "' has shape [",
-          saved == nullptr ? std::string("?") : absl::StrJoin(saved->shape, ", "),
-          "], job '", id(), "' has [", absl::StrJoin(want[a].shape, ", "), "]"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint ", source, ": tensor '", want[a].name, "' has shape [",
+                       saved == nullptr ? std::string("?") : absl::StrJoin(saved->shape, ", "),
+                       "], job '", id(), "' has [", absl::StrJoin(want[a].shape, ", "), "]"));
     }
   }
   for (size_t i = 0; i < loaded.names.size(); ++i) {
@@ -197,8 +198,8 @@ absl::StatusOr<Job::LoadResult> Job::InstallLoaded(const checkpoint::Loaded& loa
   fence_reason_.clear();
   if (&from == this) writer_.Remember(loaded.info.step, loaded.info.created_unix_ms);
   MUOND_LOG(INFO) << "job '" << id() << "': state from checkpoint generation "
-                  << loaded.info.generation << " of job '" << from.id() << "' ("
-                  << loaded.info.path << "); next step " << next_step_;
+                  << loaded.info.generation << " of job '" << from.id() << "' (" << loaded.info.path
+                  << "); next step " << next_step_;
   return LoadResult{loaded.info, next_step_, loaded.set_aside};
 }
 

@@ -39,9 +39,8 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
   if (changed.ok()) {
     // Outside the job's lock: a scrape reads job status while holding the metrics' locks.
     RecordStepCompleted(id(), seconds);
-    const StepPhase phases[5] = {StepPhase::kAssembly, StepPhase::kCopyIn,
-                                 StepPhase::kNewtonSchulz, StepPhase::kWriteback,
-                                 StepPhase::kReturn};
+    const StepPhase phases[5] = {StepPhase::kAssembly, StepPhase::kCopyIn, StepPhase::kNewtonSchulz,
+                                 StepPhase::kWriteback, StepPhase::kReturn};
     for (int p = 0; p < 5; ++p) RecordPhase(id(), phases[p], state.phase_seconds[p]);
     if (state.clip_redo) RecordClipRedo(id());
   }
@@ -166,13 +165,13 @@ absl::Status Job::AbandonRank(const std::shared_ptr<StepState>& state, int rank,
   while (state->committing && !state->done) state->cv.WaitWithTimeout(&mu_, kCancelPoll);
   if (state->done) {
     if (!state->result.ok()) return state->result;
-    return absl::UnavailableError(absl::StrCat(
-        "job '", id(), "' step ", state->step, " rank ", rank, ": ", why,
-        ", but the step was already committed (all data was in); ask for step ", state->step,
-        " again to receive its update"));
+    return absl::UnavailableError(
+        absl::StrCat("job '", id(), "' step ", state->step, " rank ", rank, ": ", why,
+                     ", but the step was already committed (all data was in); ask for step ",
+                     state->step, " again to receive its update"));
   }
-  const absl::Status aborted = absl::AbortedError(absl::StrCat(
-      "job '", id(), "' step ", state->step, " aborted: rank ", rank, " ", why));
+  const absl::Status aborted = absl::AbortedError(
+      absl::StrCat("job '", id(), "' step ", state->step, " aborted: rank ", rank, " ", why));
   FailStep(*state, aborted, /*fence=*/true);
   return aborted;
 }

@@ -54,9 +54,9 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec) {
   // one (Muon) or two (AdamW) optimizer arrays, each twice (committed and next).
   uint64_t arrays = 0;
   for (const common::MatrixSpec& m : spec.matrices) {
-    const uint64_t per = spec.mode != common::JobMode::kApply          ? 1
+    const uint64_t per = spec.mode != common::JobMode::kApply       ? 1
                          : m.optimizer == common::Optimizer::kAdamW ? 6
-                                                                     : 4;
+                                                                    : 4;
     if (!MulAdd(&arrays, static_cast<uint64_t>(m.numel()), per)) return TooLarge("state count");
   }
   if (!spec.transport_probe && !MulAdd(&f.state_bytes, arrays, sizeof(float))) {
@@ -84,14 +84,15 @@ absl::Status CheckJobLimits(const common::JobSpec& spec, const JobFootprint& f,
         limits.max_tensors_per_job));
   }
   if (f.spans > limits.max_spans_per_job) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        job, "the layout has ", f.spans, " shard spans over all ranks, over the limit "
-        "--max-spans-per-job ", limits.max_spans_per_job));
+    return absl::ResourceExhaustedError(absl::StrCat(job, "the layout has ", f.spans,
+                                                     " shard spans over all ranks, over the limit "
+                                                     "--max-spans-per-job ",
+                                                     limits.max_spans_per_job));
   }
   if (spec.gather_budget_bytes > daemon_gather_budget_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        job, "gather_budget_bytes ", spec.gather_budget_bytes,
-        " is over the daemon's --gather-budget-bytes ", daemon_gather_budget_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(job, "gather_budget_bytes ", spec.gather_budget_bytes,
+                     " is over the daemon's --gather-budget-bytes ", daemon_gather_budget_bytes));
   }
   return absl::OkStatus();
 }

@@ -45,9 +45,10 @@ absl::Status CheckParents(const std::string& where, const std::string& path, int
     struct stat st;
     if (::stat(dir.c_str(), &st) != 0) return Errno(where, "stat");
     if (!Readable(st, uid, S_IXOTH)) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          where, ": directory ", dir, " is neither owned by the job's creator nor open to "
-          "everyone; the daemon reads init_from only where its creator could"));
+      return absl::PermissionDeniedError(
+          absl::StrCat(where, ": directory ", dir,
+                       " is neither owned by the job's creator nor open to "
+                       "everyone; the daemon reads init_from only where its creator could"));
     }
   }
   return absl::OkStatus();
@@ -117,8 +118,8 @@ absl::Status Job::InitFromFile(int64_t peer_uid) {
       return absl::InvalidArgumentError(absl::StrCat(where, " has no tensor '", ms.name, "'"));
     }
     if (t->shape != ms.shape) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", ms.name,
-                                                     "' has another shape than the job's"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": tensor '", ms.name, "' has another shape than the job's"));
     }
     const int64_t bad = common::FindNonFiniteRaw(t->dtype, file->Data(*t).data(), ms.numel());
     if (bad >= 0) {

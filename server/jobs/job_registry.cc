@@ -22,12 +22,11 @@
 #include "common/sha256.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "server/storage/durable_file.h"
 #include "server/jobs/job_footprint.h"
+#include "server/storage/durable_file.h"
 
 namespace muond::server {
 namespace {
-
 
 bool Exists(const std::string& path) {
   struct stat st;
@@ -47,8 +46,7 @@ absl::StatusOr<std::string> NewJobToken() {
     }
     got += static_cast<size_t>(n);
   }
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(raw), sizeof(raw)));
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(raw), sizeof(raw)));
 }
 
 JobRegistry::JobRegistry(std::string backend, const DaemonLimits& limits,
@@ -106,8 +104,9 @@ absl::Status JobRegistry::Reserve(const common::JobSpec& spec, uint64_t bytes) {
   const std::string& id = spec.job_id;
   absl::MutexLock lock(&mu_);
   if (jobs_.count(id) != 0 || busy_.count(id) != 0) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "job '", id, "' already exists", busy_.count(id) != 0 ? " (being created or deleted)" : ""));
+    return absl::AlreadyExistsError(
+        absl::StrCat("job '", id, "' already exists",
+                     busy_.count(id) != 0 ? " (being created or deleted)" : ""));
   }
   if (auto it = broken_.find(id); it != broken_.end()) {
     return absl::AlreadyExistsError(absl::StrCat(
@@ -118,10 +117,11 @@ absl::Status JobRegistry::Reserve(const common::JobSpec& spec, uint64_t bytes) {
   if (jobs >= static_cast<size_t>(limits_.max_jobs)) {
     return absl::ResourceExhaustedError(absl::StrCat("job '", id, "': ", jobs,
                                                      " jobs exist or are being made; the limit "
-                                                     "is --max-jobs ", limits_.max_jobs));
+                                                     "is --max-jobs ",
+                                                     limits_.max_jobs));
   }
-  if (limits_.max_state_bytes != 0 && (bytes > limits_.max_state_bytes ||
-                                       state_bytes_ > limits_.max_state_bytes - bytes)) {
+  if (limits_.max_state_bytes != 0 &&
+      (bytes > limits_.max_state_bytes || state_bytes_ > limits_.max_state_bytes - bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "job '", id, "' needs ", bytes, " bytes of state (momentum and tables); ", state_bytes_,
         " of --max-state-bytes ", limits_.max_state_bytes, " are in use"));
@@ -155,8 +155,8 @@ absl::Status JobRegistry::Persist(const Job& job) const {
   // Made under a name only this daemon uses (a dot first), complete with its marker and record,
   // then renamed into place: a crash leaves either that temporary directory or a marked one,
   // both removed at the next start, never an unmarked half-made job directory.
-  const std::string tmp = absl::StrCat(jobs_dir, "/", kCreatingPrefix, job.id(), "-",
-                                       absl::ToUnixNanos(absl::Now()));
+  const std::string tmp =
+      absl::StrCat(jobs_dir, "/", kCreatingPrefix, job.id(), "-", absl::ToUnixNanos(absl::Now()));
   RETURN_IF_ERROR(durable::MakeDirs(tmp));
   absl::Status s = durable::WriteFileDurably(absl::StrCat(tmp, "/", kCreatingMarker),
                                              "muond: job directory being created\n");
@@ -194,8 +194,8 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   // From here on the id and bytes are ours; the lock is not held.
   if (Exists(JobDir(id))) {
     Unreserve(id, bytes);
-    return absl::AlreadyExistsError(absl::StrCat("job '", id, "': ", JobDir(id),
-                                                 " exists and was not made by this daemon"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("job '", id, "': ", JobDir(id), " exists and was not made by this daemon"));
   }
   std::shared_ptr<Job> job;
   try {
@@ -226,8 +226,8 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
     Unreserve(id, bytes);
     ::malloc_trim(0);
     if (load_failed) return s;
-    return absl::Status(s.code(), absl::StrCat("job '", id, "' could not be stored in ",
-                                               state_dir_, ": ", s.message()));
+    return absl::Status(s.code(), absl::StrCat("job '", id, "' could not be stored in ", state_dir_,
+                                               ": ", s.message()));
   }
   Publish(job);
   MUOND_LOG(INFO) << "job '" << id << "' created by " << job->owner().description << ": "
@@ -262,8 +262,8 @@ absl::Status JobRegistry::Delete(std::shared_ptr<Job> job) {
                                         absl::ToUnixNanos(absl::Now()));
   absl::Status s;
   if (::rename(dir.c_str(), gone.c_str()) != 0 && errno != ENOENT) {
-    s = absl::InternalError(absl::StrCat("job '", job_id, "': rename ", dir, " -> ", gone, ": ",
-                                         std::strerror(errno)));
+    s = absl::InternalError(
+        absl::StrCat("job '", job_id, "': rename ", dir, " -> ", gone, ": ", std::strerror(errno)));
   } else if (absl::Status removed = durable::RemoveTree(gone); !removed.ok()) {
     MUOND_LOG(WARNING) << "job '" << job_id << "' deleted; its files: " << removed.message();
   }
@@ -377,7 +377,7 @@ void JobRegistry::SaveChangedJobs() const {
       }
       continue;
     }
-    if (job->last_checkpoint_step() == st.next_step) continue;  // unchanged since
+    if (job->last_checkpoint_step() == st.next_step) continue;                 // unchanged since
     if (job->last_checkpoint_step() < 0 && st.steps_completed == 0) continue;  // never stepped
     auto saved = job->SaveCheckpoint();
     if (!saved.ok()) {

@@ -14,9 +14,9 @@
 #include "common/names.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "server/storage/durable_file.h"
 #include "server/jobs/job_footprint.h"
 #include "server/jobs/job_registry.h"
+#include "server/storage/durable_file.h"
 
 namespace muond::server {
 namespace {
@@ -47,9 +47,8 @@ absl::StatusOr<Record> ParseRecord(const std::string& path, const std::string& n
   const nlohmann::json record = nlohmann::json::parse(text, nullptr, false);
   Record r;
   const auto hash = record.is_object() ? record.find("token_sha256") : record.end();
-  if (record.is_discarded() || !record.is_object() ||
-      record.value("format", "") != "muond-job" || !record.contains("spec") ||
-      hash == record.end() || !hash->is_string() ||
+  if (record.is_discarded() || !record.is_object() || record.value("format", "") != "muond-job" ||
+      !record.contains("spec") || hash == record.end() || !hash->is_string() ||
       (r.token_sha256 = absl::HexStringToBytes(hash->get<std::string>())).size() != 32) {
     return absl::DataLossError(absl::StrCat(path, " is not a muond job record"));
   }
@@ -150,8 +149,7 @@ void JobRegistry::RestoreOne(const std::string& name) {
   std::string how;
   if (!job->spec().transport_probe) {
     // A reset newer than every generation wins, and nothing is loaded.
-    const std::optional<ResetRecord> reset =
-        ReadReset(absl::StrCat(dir, "/", kResetRecord));
+    const std::optional<ResetRecord> reset = ReadReset(absl::StrCat(dir, "/", kResetRecord));
     if (reset && job->NewestGeneration() <= reset->after_generation) {
       (void)job->Reset(reset->next_step);
       how = absl::StrCat("reset before the restart: zero momentum, next step ", reset->next_step);

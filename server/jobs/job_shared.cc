@@ -13,9 +13,9 @@
 namespace muond::server {
 
 absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
-                              const std::vector<const char*>& in, const std::vector<char*>& out,
-                              std::shared_ptr<const void> keepalive, SharedDone done,
-                              const StepHyper* hyper) {
+                               const std::vector<const char*>& in, const std::vector<char*>& out,
+                               std::shared_ptr<const void> keepalive, SharedDone done,
+                               const StepHyper* hyper) {
   RETURN_IF_ERROR(CheckRank(rank));
   const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
   if (in.size() != spans.size() || out.size() != spans.size()) {

@@ -84,15 +84,15 @@ absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step, const Step
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
   RETURN_IF_ERROR(CheckCurrentSession(rank, session, "; attach the rank first"));
   if (fenced_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", id(), "' is fenced (", fence_reason_, "); reset it or load a checkpoint"));
+    return absl::FailedPreconditionError(absl::StrCat("job '", id(), "' is fenced (", fence_reason_,
+                                                      "); reset it or load a checkpoint"));
   }
   if (in_flight_ == nullptr) {
     for (int r = 0; r < spec_.world_size; ++r) {
       if (lost_[r].empty()) continue;
-      return absl::AbortedError(absl::StrCat(
-          "job '", id(), "' step ", step, " cannot run: rank ", r, " is gone (", lost_[r],
-          ") and has not attached again; nothing changed"));
+      return absl::AbortedError(absl::StrCat("job '", id(), "' step ", step, " cannot run: rank ",
+                                             r, " is gone (", lost_[r],
+                                             ") and has not attached again; nothing changed"));
     }
   }
   if (step == next_step_ - 1 && last_updates_[rank] != nullptr &&
@@ -196,9 +196,9 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
   return absl::OkStatus();
 }
 
-absl::Status Job::CheckChunk(const std::string& where, int rank, uint32_t matrix,
-                             uint64_t offset, std::string_view data, uint32_t crc32c,
-                             size_t* span, uint64_t* count_out) const {
+absl::Status Job::CheckChunk(const std::string& where, int rank, uint32_t matrix, uint64_t offset,
+                             std::string_view data, uint32_t crc32c, size_t* span,
+                             uint64_t* count_out) const {
   if (matrix >= spec_.matrices.size()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": matrix index ", matrix,
                                                    " out of range (the job has ",
@@ -208,22 +208,22 @@ absl::Status Job::CheckChunk(const std::string& where, int rank, uint32_t matrix
   const size_t esize = common::DTypeSize(ms.dtype);
   const uint64_t count = data.size() / esize;
   if (data.empty() || data.size() > kMaxChunkBytes || data.size() % esize != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": matrix '", ms.name, "' chunk at element ", offset, " has ", data.size(),
-        " bytes; expected a non-empty multiple of ", esize, " (",
-        std::string(common::DTypeName(ms.dtype)), ") of at most ", kMaxChunkBytes,
-        " (truncated chunk?)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": matrix '", ms.name, "' chunk at element ", offset, " has ",
+                     data.size(), " bytes; expected a non-empty multiple of ", esize, " (",
+                     std::string(common::DTypeName(ms.dtype)), ") of at most ", kMaxChunkBytes,
+                     " (truncated chunk?)"));
   }
   if (common::Crc32c(data.data(), data.size()) != crc32c) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": matrix '", ms.name,
-                                                   "' chunk at element ", offset,
-                                                   ": CRC32C mismatch (corrupt or truncated chunk)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": matrix '", ms.name, "' chunk at element ", offset,
+                     ": CRC32C mismatch (corrupt or truncated chunk)"));
   }
   const std::optional<size_t> found = layout_.FindSpan(rank, matrix, offset, count);
   if (!found) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": matrix '", ms.name, "' elements [", offset, ", ", offset + count,
-        ") are outside the rank's shard of the matrix (", ms.numel(), " elements)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": matrix '", ms.name, "' elements [", offset, ", ", offset + count,
+                     ") are outside the rank's shard of the matrix (", ms.numel(), " elements)"));
   }
   *span = *found;
   *count_out = count;
@@ -268,8 +268,7 @@ absl::StatusOr<char*> Job::ClaimChunk(StepState& state, const std::string& where
     FailStep(state, refused, /*fence=*/false);
     return refused;
   }
-  return in.owned[span_index].data() +
-         (offset - span.offset) * common::DTypeSize(ms.dtype);
+  return in.owned[span_index].data() + (offset - span.offset) * common::DTypeSize(ms.dtype);
 }
 
 void Job::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix, uint64_t count) {
@@ -307,11 +306,11 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
   while (!state->done) {
     state->cv.WaitWithTimeout(&mu_, kCancelPoll);
     if (!state->done && cancelled && cancelled()) {
-      FailStep(*state,
-               absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step,
-                                               " aborted: rank ", rank,
-                                               " went away while waiting for the step")),
-               /*fence=*/true);
+      FailStep(
+          *state,
+          absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step, " aborted: rank ",
+                                          rank, " went away while waiting for the step")),
+          /*fence=*/true);
     }
   }
   if (!state->result.ok()) return state->result;

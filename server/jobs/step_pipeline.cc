@@ -7,8 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/dtype.h"
-#include "common/status_macros.h"
 #include "common/parallel_for.h"
+#include "common/status_macros.h"
 
 namespace muond::server {
 
@@ -133,11 +133,12 @@ class StepPipeline::Run {
       // A device error fails this step only (the state store is untouched until commit); a
       // refusal found while assembling (apply mode) says so itself.
       p_.sink_->DeviceFailed(
-          state_, refused_ ? status_
-                           : absl::Status(status_.code(),
-                                          absl::StrCat("job '", p_.spec_.job_id, "' step ",
-                                                       state_.step, " failed on the compute device: ",
-                                                       status_.message())));
+          state_,
+          refused_
+              ? status_
+              : absl::Status(status_.code(),
+                             absl::StrCat("job '", p_.spec_.job_id, "' step ", state_.step,
+                                          " failed on the compute device: ", status_.message())));
     }
     *commit = status_.ok() && !state_.done && state_.matrices_done == p_.spec_.matrices.size();
     if (*commit) state_.committing = true;
@@ -223,8 +224,8 @@ class StepPipeline::Run {
                           batch.staging[i].data() + span.offset);
       }
       if (p_.apply_ != nullptr) {
-        absl::Status s = p_.apply_->PrepareGradient(state_, m, batch.staging[i].data(),
-                                                    &state_.sum_sq[m]);
+        absl::Status s =
+            p_.apply_->PrepareGradient(state_, m, batch.staging[i].data(), &state_.sum_sq[m]);
         if (!s.ok()) {
           refused_ = true;
           return s;
@@ -267,7 +268,7 @@ class StepPipeline::Run {
     for (size_t k = 0; k < batch.grad.size(); ++k) {
       std::vector<float>& staging = batch.staging[batch.on_device[k]];
       RETURN_IF_ERROR(dev_.writeback->CopyToHost(staging.data(), batch.grad[k], 0,
-                                                  staging.size() * sizeof(float)));
+                                                 staging.size() * sizeof(float)));
     }
     auto written = dev_.writeback->Record();
     if (!written.ok()) return written.status();
@@ -329,7 +330,8 @@ StepPipeline::~StepPipeline() = default;
 uint64_t StepPipeline::AssembledBytes(uint32_t m) const {
   if (spec_.transport_probe) return 0;
   // AdamW tensors (apply mode) need only the host's fp32 gradient.
-  const bool host_only = apply_ != nullptr && spec_.matrices[m].optimizer == common::Optimizer::kAdamW;
+  const bool host_only =
+      apply_ != nullptr && spec_.matrices[m].optimizer == common::Optimizer::kAdamW;
   return (host_only ? 1 : 2) * sizeof(float) * static_cast<uint64_t>(spec_.matrices[m].numel());
 }
 

@@ -13,8 +13,8 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
-#include "server/jobs/job_registry.h"
 #include "server/api/shm_server.h"
+#include "server/jobs/job_registry.h"
 
 namespace muond::server {
 namespace {
@@ -115,18 +115,17 @@ struct Families {
                                          "Checkpoint saves of the job, by result (ok, error)."));
     checkpoint_bytes = Must(r.AddCounter("muond_checkpoint_written_bytes_total",
                                          "Bytes of checkpoint payload written durably."));
-    checkpoint_seconds =
-        Must(r.AddHistogram("muond_checkpoint_save_duration_seconds",
-                            "Wall time of a checkpoint save, snapshot to durable.",
-                            common::ExponentialBuckets(0.001, 2, 18)));
+    checkpoint_seconds = Must(r.AddHistogram("muond_checkpoint_save_duration_seconds",
+                                             "Wall time of a checkpoint save, snapshot to durable.",
+                                             common::ExponentialBuckets(0.001, 2, 18)));
   }
 
   // Removes every series of `job` from the per-job families.
   void RemoveJob(const std::string& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_series_mu) {
     const Labels labels{{kJobLabel, job}};
-    for (Family<Gauge>* f : {job_world_size, job_ranks_attached, job_next_step, job_fenced,
-                             job_momentum, job_gather_budget, job_gather_peak,
-                             job_checkpoint_age}) {
+    for (Family<Gauge>* f :
+         {job_world_size, job_ranks_attached, job_next_step, job_fenced, job_momentum,
+          job_gather_budget, job_gather_peak, job_checkpoint_age}) {
       f->Remove(&f->Add(labels));
     }
     for (Family<Counter>* f : {steps_completed, steps_refused, steps_aborted, transport_copy,

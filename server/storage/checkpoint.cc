@@ -39,7 +39,6 @@ constexpr char kPayload[] = "momentum.safetensors";
 constexpr char kManifest[] = "manifest.json";
 constexpr char kPrefix[] = "gen-";
 
-
 std::string GenerationName(int64_t g) { return absl::StrFormat("%s%012d", kPrefix, g); }
 
 // Directory entries named gen-<digits><suffix>; suffix "" for complete generations.
@@ -60,10 +59,9 @@ absl::StatusOr<std::vector<Entry>> ScanDir(const std::string& dir) {
     const std::string name = e->d_name;
     if (name.rfind(kPrefix, 0) != 0) continue;
     const size_t digits_end = name.find_first_not_of("0123456789", std::strlen(kPrefix));
-    const std::string digits =
-        name.substr(std::strlen(kPrefix), digits_end == std::string::npos
-                                              ? std::string::npos
-                                              : digits_end - std::strlen(kPrefix));
+    const std::string digits = name.substr(
+        std::strlen(kPrefix),
+        digits_end == std::string::npos ? std::string::npos : digits_end - std::strlen(kPrefix));
     int64_t g = 0;
     if (digits.empty() || !absl::SimpleAtoi(digits, &g)) continue;
     out.push_back({g, name, digits_end == std::string::npos ? "" : name.substr(digits_end)});
@@ -120,8 +118,8 @@ absl::Status ReadManifest(const std::string& gen_dir, Json* manifest, Generation
     return absl::DataLossError(absl::StrCat(path, ": manifest checksum mismatch"));
   }
   if (j.value("format", "") != kFormat || j.value("format_version", 0) != kFormatVersion) {
-    return absl::DataLossError(absl::StrCat(path, ": not a muond checkpoint of format version ",
-                                            kFormatVersion));
+    return absl::DataLossError(
+        absl::StrCat(path, ": not a muond checkpoint of format version ", kFormatVersion));
   }
   try {
     info->generation = j.at("generation").get<int64_t>();
@@ -158,7 +156,8 @@ absl::StatusOr<Loaded> Verify(const std::string& gen_dir) {
     }
     for (const Json& t : *steps) {
       if (!t.is_number_integer() || t.get<int64_t>() < 0) {
-        return absl::DataLossError(absl::StrCat(manifest_path, ": a tensor_steps entry is not a "
+        return absl::DataLossError(absl::StrCat(manifest_path,
+                                                ": a tensor_steps entry is not a "
                                                 "non-negative integer"));
       }
       out.tensor_steps.push_back(t.get<int64_t>());
@@ -280,8 +279,8 @@ absl::StatusOr<GenerationInfo> Store::Write(const common::JobSpec& spec, int64_t
                                             const MatrixSource& source,
                                             const std::vector<int64_t>& tensor_steps) {
   if (spec.mode == common::JobMode::kApply && tensor_steps.size() != spec.matrices.size()) {
-    return absl::InternalError(absl::StrCat("checkpoint of job '", spec.job_id, "': ",
-                                            tensor_steps.size(), " step counts for ",
+    return absl::InternalError(absl::StrCat("checkpoint of job '", spec.job_id,
+                                            "': ", tensor_steps.size(), " step counts for ",
                                             spec.matrices.size(), " tensors"));
   }
   RETURN_IF_ERROR(durable::MakeDirs(dir_));
@@ -361,16 +360,15 @@ absl::StatusOr<Loaded> Store::Load(const Selector& selector) {
                           absl::StrCat("loading ", path, ": ", loaded.status().message()));
     }
     const std::string moved = SetAside(dir_, e.name);
-    MUOND_LOG(WARNING) << "checkpoint: " << loaded.status().message() << "; set aside as "
-                       << moved;
+    MUOND_LOG(WARNING) << "checkpoint: " << loaded.status().message() << "; set aside as " << moved;
     set_aside.push_back(moved);
     problems.push_back(std::string(loaded.status().message()));
     // An explicit generation or step does not fall back to another one.
     if (selector.generation >= 0 || selector.step >= 0) break;
   }
   return absl::DataLossError(absl::StrCat("no good ", what, " in ", dir_, ": ",
-                                          absl::StrJoin(problems, "; "), " (set aside: ",
-                                          absl::StrJoin(set_aside, ", "), ")"));
+                                          absl::StrJoin(problems, "; "),
+                                          " (set aside: ", absl::StrJoin(set_aside, ", "), ")"));
 }
 
 }  // namespace muond::server::checkpoint

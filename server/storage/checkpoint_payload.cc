@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/crc32c.h"
-#include "common/status_macros.h"
 #include "common/parallel_for.h"
+#include "common/status_macros.h"
 #include "server/storage/durable_file.h"
 
 namespace muond::server::checkpoint {
@@ -28,8 +28,8 @@ using Json = nlohmann::json;
 absl::Status PreadAll(int fd, void* data, size_t n, uint64_t offset, const std::string& path) {
   char* p = static_cast<char*>(data);
   while (n > 0) {
-    const ssize_t r = ::pread(fd, p, std::min<size_t>(n, size_t{64} << 20),
-                              static_cast<off_t>(offset));
+    const ssize_t r =
+        ::pread(fd, p, std::min<size_t>(n, size_t{64} << 20), static_cast<off_t>(offset));
     if (r < 0) {
       if (errno == EINTR) continue;
       return ReadError(errno, "read", path);

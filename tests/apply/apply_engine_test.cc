@@ -110,9 +110,9 @@ struct JobRun {
 
 // Every rank of `spec` (threads) uploads `init` and runs the steps; all ranks must agree.
 JobRun RunJob(const std::string& address, const common::JobSpec& spec, const std::string& token,
-           const Model* init, const std::vector<Model>& grads,
-           const std::vector<client::StepHyper>& hyper, int64_t first_step,
-           client::Transport transport) {
+              const Model* init, const std::vector<Model>& grads,
+              const std::vector<client::StepHyper>& hyper, int64_t first_step,
+              client::Transport transport) {
   JobRun run;
   run.params.assign(grads.size(), Model());
   run.status.assign(grads.size(), absl::OkStatus());
@@ -128,7 +128,8 @@ JobRun RunJob(const std::string& address, const common::JobSpec& spec, const std
   std::atomic<int> ready{0};
   auto barrier = [&] {
     ++ready;
-    while (ready.load() < spec.world_size) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    while (ready.load() < spec.world_size)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
   };
   std::vector<std::thread> threads;
   for (int r = 0; r < spec.world_size; ++r) {
@@ -152,8 +153,7 @@ JobRun RunJob(const std::string& address, const common::JobSpec& spec, const std
         outs[r][i].assign((*session)->buffer_elements() * common::DTypeSize(pdtype), '\0');
         if (s.ok()) {
           s = (*session)
-                  ->StepBuffer(first_step + static_cast<int64_t>(i), flat.data(),
-                               outs[r][i].data())
+                  ->StepBuffer(first_step + static_cast<int64_t>(i), flat.data(), outs[r][i].data())
                   .status();
         }
         per_rank[r][i] = s;
@@ -208,7 +208,8 @@ TEST_F(ApplyEngineTest, RefusedStepsLeaveEveryStateBitIdentical) {
   b.job_id = NewJobId("refuse-b");
   const std::string ta = Create(a), tb = Create(b);
   const Model init = RandomModel(a, 1, 0.05f);
-  std::vector<Model> g = {RandomModel(a, 2, 1.0f), RandomModel(a, 3, 1.0f), RandomModel(a, 4, 1.0f)};
+  std::vector<Model> g = {RandomModel(a, 2, 1.0f), RandomModel(a, 3, 1.0f),
+                          RandomModel(a, 4, 1.0f)};
   const std::vector<client::StepHyper> h = {Hyper(0.02, 0.003), Hyper(0.015, 0.002),
                                             Hyper(0.01, 0.001)};
   const JobRun clean = RunJob(address(), b, tb, &init, g, h, 0, client::Transport::kGrpc);
@@ -223,12 +224,11 @@ TEST_F(ApplyEngineTest, RefusedStepsLeaveEveryStateBitIdentical) {
   EXPECT_EQ(refused.status[0].code(), absl::StatusCode::kInvalidArgument) << refused.status[0];
   EXPECT_NE(refused.status[0].message().find("'head'"), std::string::npos) << refused.status[0];
   JobRun overflow = RunJob(address(), a, ta, nullptr, {g[1]}, {Hyper(0.015, 0.002, 1e-300)}, 1,
-                        client::Transport::kGrpc);
+                           client::Transport::kGrpc);
   EXPECT_EQ(overflow.status[0].code(), absl::StatusCode::kInvalidArgument) << overflow.status[0];
-  EXPECT_NE(overflow.status[0].message().find("overflow"), std::string::npos)
-      << overflow.status[0];
-  JobRun rest = RunJob(address(), a, ta, nullptr, {g[1], g[2]}, {h[1], h[2]}, 1,
-                    client::Transport::kGrpc);
+  EXPECT_NE(overflow.status[0].message().find("overflow"), std::string::npos) << overflow.status[0];
+  JobRun rest =
+      RunJob(address(), a, ta, nullptr, {g[1], g[2]}, {h[1], h[2]}, 1, client::Transport::kGrpc);
   ASSERT_TRUE(rest.status[0].ok() && rest.status[1].ok()) << rest.status[0] << rest.status[1];
   ExpectBitEqual(first.params[0], clean.params[0], "step 0");
   ExpectBitEqual(rest.params[0], clean.params[1], "step 1 after two refusals");
@@ -291,7 +291,7 @@ TEST_F(ApplyEngineTest, RanksThatDisagreeOnLrRefuseTheStepForEveryone) {
   const Model init = RandomModel(spec, 11, 0.05f);
   const std::vector<Model> g = {RandomModel(spec, 12, 1.0f)};
   const JobRun want = RunJob(address(), ref, ref_token, &init, g, {Hyper(0.02, 0.003)}, 0,
-                          client::Transport::kGrpc);
+                             client::Transport::kGrpc);
   ASSERT_TRUE(want.status[0].ok()) << want.status[0];
   // Rank 1 sends another lr for group 'adamw' (both ranks' weights in first).
   std::vector<absl::Status> got(2);
@@ -361,7 +361,8 @@ TEST_F(ApplyEngineTest, SpeculativeClippingEqualsTheSerialComputationBitForBit) 
     pre_h[i].grad_divisor = 1;
   }
   const JobRun spec_run = RunJob(address(), clip, tc, &init, g, h, 0, client::Transport::kGrpc);
-  const JobRun serial_run = RunJob(address(), serial, ts, &init, pre, pre_h, 0, client::Transport::kGrpc);
+  const JobRun serial_run =
+      RunJob(address(), serial, ts, &init, pre, pre_h, 0, client::Transport::kGrpc);
   for (size_t i = 0; i < g.size(); ++i) {
     ASSERT_TRUE(spec_run.status[i].ok()) << spec_run.status[i];
     ASSERT_TRUE(serial_run.status[i].ok()) << serial_run.status[i];
@@ -391,9 +392,8 @@ TEST_F(ApplyEngineTest, TransportsAndLayoutsAgreeAndBf16ParamsAreTheRoundedMaste
   for (const Case& k : {Case{1, 0, client::Transport::kGrpc}, Case{2, 1, client::Transport::kShm},
                         Case{3, 2, client::Transport::kGrpc}, Case{2, 3, client::Transport::kShm},
                         Case{4, 3, client::Transport::kGrpc}}) {
-    const common::JobSpec spec =
-        ApplySpec(NewJobId(absl::StrCat("layout", k.world, k.stage)), k.world, k.stage,
-                  DType::kBFloat16);
+    const common::JobSpec spec = ApplySpec(NewJobId(absl::StrCat("layout", k.world, k.stage)),
+                                           k.world, k.stage, DType::kBFloat16);
     const std::string token = Create(spec);
     // The initial weights go up as bf16-representable values (the shm path rounds to the param
     // dtype, gRPC keeps float32): both transports start from the same masters.
@@ -442,10 +442,10 @@ TEST_F(ApplyEngineTest, InitFromReadsTheFileAndRefusesWhatItCannotUse) {
   from.init_from = path;
   const std::string tf = Create(from), tu = Create(spec);
   const std::vector<Model> g = {RandomModel(spec, 42, 1.0f)};
-  const JobRun a = RunJob(address(), from, tf, nullptr, g, {Hyper(0.02, 0.003)}, 0,
-                       client::Transport::kGrpc);
-  const JobRun b = RunJob(address(), spec, tu, &init, g, {Hyper(0.02, 0.003)}, 0,
-                       client::Transport::kGrpc);
+  const JobRun a =
+      RunJob(address(), from, tf, nullptr, g, {Hyper(0.02, 0.003)}, 0, client::Transport::kGrpc);
+  const JobRun b =
+      RunJob(address(), spec, tu, &init, g, {Hyper(0.02, 0.003)}, 0, client::Transport::kGrpc);
   ASSERT_TRUE(a.status[0].ok()) << a.status[0];
   ASSERT_TRUE(b.status[0].ok()) << b.status[0];
   ExpectBitEqual(a.params[0], b.params[0], "init_from vs upload");
@@ -485,14 +485,14 @@ TEST_F(ApplyEngineTest, ResetZeroesTheOptimizerStateAndKeepsTheMasters) {
   const Model init = RandomModel(spec, 51, 0.05f);
   const std::vector<Model> g = {RandomModel(spec, 52, 1.0f), RandomModel(spec, 53, 1.0f)};
   const JobRun first = RunJob(address(), spec, token, &init, {g[0]}, {Hyper(0.02, 0.003)}, 0,
-                           client::Transport::kGrpc);
+                              client::Transport::kGrpc);
   ASSERT_TRUE(first.status[0].ok()) << first.status[0];
   ASSERT_TRUE(client().ResetJob(spec.job_id, token, 0).ok());
   // After the reset: a fresh job started from the masters of step 0.
   const JobRun after = RunJob(address(), spec, token, nullptr, {g[1]}, {Hyper(0.02, 0.003)}, 0,
-                           client::Transport::kGrpc);
-  const JobRun want = RunJob(address(), fresh, tf, &first.params[0], {g[1]}, {Hyper(0.02, 0.003)}, 0,
-                          client::Transport::kGrpc);
+                              client::Transport::kGrpc);
+  const JobRun want = RunJob(address(), fresh, tf, &first.params[0], {g[1]}, {Hyper(0.02, 0.003)},
+                             0, client::Transport::kGrpc);
   ASSERT_TRUE(after.status[0].ok()) << after.status[0];
   ASSERT_TRUE(want.status[0].ok()) << want.status[0];
   ExpectBitEqual(after.params[0], want.params[0], "after reset");
@@ -518,20 +518,20 @@ TEST(ApplyCheckpointTest, KillRestartAndAnotherLayoutContinueBitForBit) {
     g.push_back(RandomModel(spec, 62 + i, 1.0f));
     h.push_back(Hyper(0.02, 0.003));
   }
-  const JobRun want = RunJob((*daemon)->address(), ref, *ref_token, &init, g, h, 0,
-                          client::Transport::kGrpc);
+  const JobRun want =
+      RunJob((*daemon)->address(), ref, *ref_token, &init, g, h, 0, client::Transport::kGrpc);
   for (const auto& s : want.status) ASSERT_TRUE(s.ok()) << s;
   ASSERT_TRUE((*c)->SaveCheckpoint(ref.job_id, *ref_token).ok());
   const std::vector<Model> g02(g.begin(), g.begin() + 2);
   JobRun first = RunJob((*daemon)->address(), spec, *token, &init, g02, {h[0], h[1]}, 0,
-                     client::Transport::kGrpc);
+                        client::Transport::kGrpc);
   ASSERT_TRUE(first.status[1].ok()) << first.status[1];
   auto saved = (*c)->SaveCheckpoint(spec.job_id, *token);
   ASSERT_TRUE(saved.ok()) << saved.status();
   EXPECT_EQ(saved->step(), 2);
   // Step 2 runs and is lost with the daemon.
   JobRun lost = RunJob((*daemon)->address(), spec, *token, nullptr, {g[2]}, {h[2]}, 2,
-                    client::Transport::kGrpc);
+                       client::Transport::kGrpc);
   ASSERT_TRUE(lost.status[0].ok()) << lost.status[0];
   ASSERT_EQ(::kill((*daemon)->pid(), SIGKILL), 0);
   daemon->reset();
@@ -552,10 +552,10 @@ TEST(ApplyCheckpointTest, KillRestartAndAnotherLayoutContinueBitForBit) {
   restore.set_token(*token);
   auto wide_token = (*c)->CreateJob(wide, &restore);
   ASSERT_TRUE(wide_token.ok()) << wide_token.status();
-  const JobRun again = RunJob((*daemon)->address(), spec, *token, nullptr, g24, h24, 2,
-                           client::Transport::kGrpc);
+  const JobRun again =
+      RunJob((*daemon)->address(), spec, *token, nullptr, g24, h24, 2, client::Transport::kGrpc);
   const JobRun resumed = RunJob((*daemon)->address(), wide, *wide_token, nullptr, g24, h24, 2,
-                             client::Transport::kShm);
+                                client::Transport::kShm);
   for (size_t i = 0; i < g24.size(); ++i) {
     ASSERT_TRUE(again.status[i].ok()) << again.status[i];
     ASSERT_TRUE(resumed.status[i].ok()) << resumed.status[i];
