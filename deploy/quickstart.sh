@@ -3,6 +3,7 @@
 # character-level GPT through it (client/examples/train_tiny_gpt.py: two torch.distributed ranks,
 # ZeRO-2 partition, shared memory) next to the same training with an in-process Muon, prints the
 # per-step losses of both and their largest difference, writes a plot of the two loss curves and
+# then the same in apply mode (bf16 parameters; masters and all optimizer state in the daemon), and
 # stops the daemon. Run as root on Debian 12 (as another user it needs the packages already
 # installed and XDG_RUNTIME_DIR set). MUOND_QUICKSTART_STEPS (default 40) and
 # MUOND_QUICKSTART_PLOT (default build/tiny_gpt_loss.png) change the run.
@@ -39,6 +40,11 @@ echo "== training a tiny GPT for $steps steps through muond (2 ranks) and with a
 MUOND_CLIENT_LIB="$root/build/lib/libmuond_client.so" /usr/bin/python3 \
   client/examples/train_tiny_gpt.py --steps "$steps" --plot "$plot"
 echo "== the loss curves (muond vs in-process Muon) are in $plot"
+echo "== the same in apply mode: full optimizer offload, bf16 parameters in the trainer, fp32 masters,"
+echo "   momentum and AdamW state in muond"
+MUOND_CLIENT_LIB="$root/build/lib/libmuond_client.so" /usr/bin/python3 \
+  client/examples/train_tiny_gpt.py --steps "$steps" --mode apply --param-dtype bfloat16 \
+  --job-id tiny-gpt-apply --muonctl "$root/build/bin/muonctl" --plot "${plot%.png}_apply.png"
 stop
 trap - EXIT
 echo "== daemon log"

@@ -232,9 +232,11 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   Publish(job);
   MUOND_LOG(INFO) << "job '" << id << "' created by " << job->owner().description << ": "
                   << job->spec().matrices.size() << " matrices, " << footprint.state_bytes
-                  << " bytes of momentum, " << footprint.table_bytes << " bytes of tables ("
-                  << footprint.spans << " spans), world size " << job->spec().world_size
-                  << ", gather budget " << job->gather_budget_bytes() << " bytes"
+                  << (job->apply() ? " bytes of masters and optimizer state (twice), "
+                                   : " bytes of momentum, ")
+                  << footprint.table_bytes << " bytes of tables (" << footprint.spans
+                  << " spans), world size " << job->spec().world_size << ", gather budget "
+                  << job->gather_budget_bytes() << " bytes"
                   << (source != nullptr ? absl::StrCat(", momentum from job '", source->id(), "'")
                                         : std::string());
   return Created{std::move(job), std::move(token)};
