@@ -31,6 +31,8 @@ int RunOverlapBench(int argc, char** argv);
 int RunCheckpointBench(int argc, char** argv);
 // `muond-bench adamw`: the fused AdamW against torch::optim::AdamW and memcpy.
 int RunAdamWBench(int argc, char** argv);
+// `muond-bench apply`: an apply-mode step through a real muond against in-process Muon + AdamW.
+int RunApplyBench(int argc, char** argv);
 // `muond-bench gpu` (built with the CUDA backend): the CUDA device against cuBLAS and copy peaks.
 int RunGpuBench(int argc, char** argv);
 

@@ -31,6 +31,8 @@ constexpr Subcommand kSubcommands[] = {
      RunCheckpointBench},
     {"adamw", "fused AdamW vs torch::optim::AdamW on the same tensors; GB/s vs memcpy",
      RunAdamWBench},
+    {"apply", "an apply-mode step (bf16, Qwen3-0.6B-like) through muond vs in-process Muon+AdamW",
+     RunApplyBench},
 #ifdef MUOND_HAVE_CUDA
     {"gpu", "CUDA: Newton-Schulz vs cuBLAS GEMM peak, pinned vs pageable copies, Muon apply",
      RunGpuBench},
