@@ -111,7 +111,13 @@ absl::Status ApplyStep::PrepareGradient(const StepState& state, uint32_t t, floa
                                         double* sum_sq) {
   const common::MatrixSpec& ms = spec_.matrices[t];
   const size_t n = static_cast<size_t>(ms.numel());
-  const double ss = SumOfSquares(grad, n);
+  // SumOfSquares's order: whole blocks, added in block order (the blocks summed over the CPUs).
+  std::vector<double> blocks((n + kNormBlock - 1) / kNormBlock);
+  common::ParallelFor(blocks.size(), n * sizeof(float), [&](size_t b) {
+    blocks[b] = SumOfSquares(grad + b * kNormBlock, std::min(kNormBlock, n - b * kNormBlock));
+  });
+  double ss = 0;
+  for (double s : blocks) ss += s;
   const std::string where = absl::StrCat("job '", spec_.job_id, "' step ", state.step);
   if (!std::isfinite(ss)) {
     const int64_t bad = common::FindNonFinite(grad, n);
