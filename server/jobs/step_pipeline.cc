@@ -176,6 +176,11 @@ class StepPipeline::Run {
       }
     }
     state_.phase_seconds[4] += absl::ToDoubleSeconds(absl::Now() - scatter_start);
+    for (std::vector<float>& v : b.staging) {
+      if (!v.empty()) p_.GiveBack(std::move(v));
+    }
+    for (device::DeviceBuffer& d : b.grad) p_.GiveBack(std::move(d));
+    for (device::DeviceBuffer& d : b.mom) p_.GiveBack(std::move(d));
     absl::MutexLock lock(p_.job_mu_);
     state_.matrices_done += b.matrices.size();
   }
@@ -217,7 +222,7 @@ class StepPipeline::Run {
       const common::MatrixSpec& ms = p_.spec_.matrices[m];
       const size_t n = static_cast<size_t>(ms.numel());
       const absl::Time gather_start = absl::Now();
-      batch.staging[i].resize(n);
+      batch.staging[i] = p_.TakeStaging(n);
       // The owners' spans, in slices over the CPUs (large tensors are hundreds of megabytes).
       constexpr uint64_t kSlice = uint64_t{1} << 20;
       std::vector<std::pair<const JobLayout::SpanRef*, uint64_t>> slices;
@@ -244,9 +249,9 @@ class StepPipeline::Run {
       state_.phase_seconds[0] += absl::ToDoubleSeconds(absl::Now() - gather_start);
       if (ms.optimizer == common::Optimizer::kAdamW && p_.apply_ != nullptr) continue;
       batch.on_device.push_back(i);
-      auto g = dev_.device->Allocate(n * sizeof(float));
+      auto g = p_.TakeDeviceBuffer(n * sizeof(float));
       if (!g.ok()) return g.status();
-      auto mo = dev_.device->Allocate(n * sizeof(float));
+      auto mo = p_.TakeDeviceBuffer(n * sizeof(float));
       if (!mo.ok()) return mo.status();
       batch.grad.push_back(*std::move(g));
       batch.mom.push_back(*std::move(mo));
@@ -294,7 +299,8 @@ class StepPipeline::Run {
       const uint32_t m = batch.matrices[i];
       if (p_.spec_.matrices[m].optimizer != common::Optimizer::kAdamW) continue;
       p_.apply_->ApplyAdamW(state_, m, batch.staging[i].data());
-      std::vector<float>().swap(batch.staging[i]);  // done with it: leave the budget
+      p_.GiveBack(std::move(batch.staging[i]));  // done with it: leave the budget
+      batch.staging[i] = std::vector<float>();
     }
   }
 
@@ -343,6 +349,48 @@ uint64_t StepPipeline::AssembledBytes(uint32_t m) const {
   const bool host_only =
       apply_ != nullptr && spec_.matrices[m].optimizer == common::Optimizer::kAdamW;
   return (host_only ? 1 : 2) * sizeof(float) * static_cast<uint64_t>(spec_.matrices[m].numel());
+}
+
+std::vector<float> StepPipeline::TakeStaging(size_t n) {
+  {
+    absl::MutexLock lock(&pool_mu_);
+    if (auto it = staging_pool_.find(n); it != staging_pool_.end()) {
+      std::vector<float> v = std::move(it->second);
+      staging_pool_.erase(it);
+      pool_bytes_ -= n * sizeof(float);
+      return v;
+    }
+  }
+  return std::vector<float>(n);
+}
+
+absl::StatusOr<device::DeviceBuffer> StepPipeline::TakeDeviceBuffer(size_t bytes) {
+  {
+    absl::MutexLock lock(&pool_mu_);
+    if (auto it = device_pool_.find(bytes); it != device_pool_.end()) {
+      device::DeviceBuffer b = std::move(it->second);
+      device_pool_.erase(it);
+      pool_bytes_ -= bytes;
+      return b;
+    }
+  }
+  return devices_->device->Allocate(bytes);
+}
+
+void StepPipeline::GiveBack(std::vector<float> staging) {
+  const size_t bytes = staging.size() * sizeof(float);
+  absl::MutexLock lock(&pool_mu_);
+  if (bytes == 0 || pool_bytes_ + bytes > gather_budget_bytes_) return;  // freed here
+  pool_bytes_ += bytes;
+  staging_pool_.emplace(staging.size(), std::move(staging));
+}
+
+void StepPipeline::GiveBack(device::DeviceBuffer buffer) {
+  const size_t bytes = buffer.size();
+  absl::MutexLock lock(&pool_mu_);
+  if (bytes == 0 || pool_bytes_ + bytes > gather_budget_bytes_) return;  // freed here
+  pool_bytes_ += bytes;
+  device_pool_.emplace(bytes, std::move(buffer));
 }
 
 const float* StepPipeline::CommittedMomentum(uint32_t m) const {

@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -32,8 +33,8 @@
 #include "absl/synchronization/mutex.h"
 #include "common/job_spec.h"
 #include "server/device/device_streams.h"
-#include "server/jobs/job_layout.h"
 #include "server/jobs/apply_step.h"
+#include "server/jobs/job_layout.h"
 #include "server/jobs/momentum_store.h"
 #include "server/jobs/param_store.h"
 #include "server/jobs/step_state.h"
@@ -79,6 +80,15 @@ class StepPipeline {
   // Matrix m's committed momentum (the update mode store or apply mode's front).
   const float* CommittedMomentum(uint32_t m) const;
 
+  // Buffers of retired batches kept for the next batches and steps: fresh memory every step costs
+  // page faults and the kernel's zeroing of everything assembled (hundreds of megabytes a step for
+  // a large model). Same-shape tensors come back every step, so buffers are matched by size. At
+  // most the gather budget is kept idle; more is freed.
+  std::vector<float> TakeStaging(size_t n);
+  absl::StatusOr<device::DeviceBuffer> TakeDeviceBuffer(size_t bytes);
+  void GiveBack(std::vector<float> staging);
+  void GiveBack(device::DeviceBuffer buffer);
+
   const common::JobSpec& spec_;
   const JobLayout& layout_;
   const MomentumStore& momentum_;
@@ -89,6 +99,10 @@ class StepPipeline {
   absl::Mutex* const job_mu_;
   Sink* const sink_;
   std::atomic<uint64_t> gather_peak_bytes_{0};
+  absl::Mutex pool_mu_;
+  std::multimap<size_t, std::vector<float>> staging_pool_ ABSL_GUARDED_BY(pool_mu_);
+  std::multimap<size_t, device::DeviceBuffer> device_pool_ ABSL_GUARDED_BY(pool_mu_);
+  uint64_t pool_bytes_ ABSL_GUARDED_BY(pool_mu_) = 0;
 };
 
 }  // namespace muond::server
