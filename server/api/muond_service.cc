@@ -243,6 +243,37 @@ bool MuondService::WaitForStepsToDrain(absl::Time deadline) {
   return steps_mu_.AwaitWithDeadline(absl::Condition(&drained), deadline);
 }
 
+namespace {
+
+// Apply mode: the hyperparameters a StepBegin carries, resolved against the job's groups
+// (INVALID_ARGUMENT naming `where`); nullopt for an update-mode job, which must carry none.
+absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepBegin& begin,
+                                                 const std::string& where) {
+  if (!job.apply()) {
+    if (begin.hyper_size() > 0 || begin.grad_divisor() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where,
+          ": the job is in mode 'update'; a step takes no lr, weight decay or gradient "
+          "divisor there"));
+    }
+    return std::optional<StepHyper>();
+  }
+  std::vector<GroupValue> values;
+  for (const v1::GroupHyper& g : begin.hyper()) {
+    GroupValue& v = values.emplace_back();
+    v.group = g.group();
+    v.lr = g.lr();
+    if (g.has_weight_decay()) v.weight_decay = g.weight_decay();
+  }
+  auto resolved = ResolveStepHyper(job.spec(), values, begin.grad_divisor());
+  if (!resolved.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", resolved.status().message()));
+  }
+  return std::optional<StepHyper>(*std::move(resolved));
+}
+
+}  // namespace
+
 absl::Status MuondService::RunStep(
     grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
   v1::StepRequest req;
@@ -259,26 +290,7 @@ absl::Status MuondService::RunStep(
   }
   const std::string where =
       absl::StrCat("job '", begin.job_id(), "' step ", begin.step(), " rank ", begin.rank());
-  std::optional<StepHyper> hyper;
-  if (job->apply()) {
-    std::vector<GroupValue> values;
-    for (const v1::GroupHyper& g : begin.hyper()) {
-      GroupValue& v = values.emplace_back();
-      v.group = g.group();
-      v.lr = g.lr();
-      if (g.has_weight_decay()) v.weight_decay = g.weight_decay();
-    }
-    auto resolved = ResolveStepHyper(job->spec(), values, begin.grad_divisor());
-    if (!resolved.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": ", resolved.status().message()));
-    }
-    hyper = *std::move(resolved);
-  } else if (begin.hyper_size() > 0 || begin.grad_divisor() != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where,
-                     ": the job is in mode 'update'; a step takes no lr, weight decay or gradient "
-                     "divisor there"));
-  }
+  ASSIGN_OR_RETURN(const std::optional<StepHyper> hyper, HyperOf(*job, begin, where));
   ASSIGN_OR_RETURN(
       std::unique_ptr<RankStep> rank_step,
       job->BeginStep(begin.rank(), begin.session_id(), begin.step(), hyper ? &*hyper : nullptr));

@@ -4,7 +4,6 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
@@ -17,24 +16,15 @@
 namespace muond::server {
 namespace {
 
-// Slices of a tensor's owner spans for the host threads: a span split into pieces of at most
-// kSlice elements (whole 16-element lines, so threads never share one).
+// Slices of a tensor's owner spans for the host threads: at most kSlice elements (whole 16-element
+// lines, so threads never share one).
 constexpr size_t kSlice = size_t{1} << 18;
 
-struct Slice {
-  const JobLayout::SpanRef* ref;
-  uint64_t begin;  // elements from the span's start
-  uint64_t length;
-};
-
-std::vector<Slice> Slices(const JobLayout& layout, uint32_t t) {
-  std::vector<Slice> out;
-  for (const JobLayout::SpanRef& ref : layout.owners(t)) {
-    const uint64_t n = layout.spans(ref.rank)[ref.span].length;
-    for (uint64_t b = 0; b < n; b += kSlice)
-      out.push_back({&ref, b, std::min<uint64_t>(kSlice, n - b)});
-  }
-  return out;
+// The sum of squares of the whole step, tensor by tensor in order.
+double TotalSumSq(const StepState& state) {
+  double total = 0;
+  for (double ss : state.sum_sq) total += ss;
+  return total;
 }
 
 }  // namespace
@@ -96,10 +86,7 @@ absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
 }
 
 ApplyStep::ApplyStep(const common::JobSpec& spec, const JobLayout& layout, ParamStore* params)
-    : spec_(spec),
-      layout_(layout),
-      params_(params),
-      threads_(static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))) {
+    : spec_(spec), layout_(layout), params_(params) {
   for (const common::MatrixSpec& m : spec.matrices) {
     size_t g = 0;
     while (g < spec.groups.size() && spec.groups[g].name != m.group) ++g;
@@ -163,9 +150,9 @@ void ApplyStep::ApplyAdamW(StepState& state, uint32_t t, const float* grad) {
   h.eps = spec_.adamw.eps;
   const int64_t step = params_->steps(t) + 1;
   const size_t esize = common::DTypeSize(ms.param_dtype);
-  const std::vector<Slice> slices = Slices(layout_, t);
+  const std::vector<JobLayout::OwnerSlice> slices = layout_.OwnerSlices(t, kSlice);
   common::ParallelFor(slices.size(), ms.numel() * 7 * sizeof(float), [&](size_t i) {
-    const Slice& s = slices[i];
+    const JobLayout::OwnerSlice& s = slices[i];
     const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
     AdamWArrays a;
     a.grad = grad + at;
@@ -186,9 +173,9 @@ void ApplyStep::ApplyMuon(StepState& state, uint32_t t, const float* update) {
   const size_t g = group_of_[t];
   const double lr = state.hyper.lr[g], wd = state.hyper.weight_decay[g];
   const size_t esize = common::DTypeSize(ms.param_dtype);
-  const std::vector<Slice> slices = Slices(layout_, t);
+  const std::vector<JobLayout::OwnerSlice> slices = layout_.OwnerSlices(t, kSlice);
   common::ParallelFor(slices.size(), ms.numel() * 4 * sizeof(float), [&](size_t i) {
-    const Slice& s = slices[i];
+    const JobLayout::OwnerSlice& s = slices[i];
     const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
     MuonApplyArrays a;
     a.param_in = params_->front(t, ParamStore::kMaster) + at;
@@ -201,16 +188,12 @@ void ApplyStep::ApplyMuon(StepState& state, uint32_t t, const float* update) {
 }
 
 double ApplyStep::GradNorm(const StepState& state) {
-  double total = 0;
-  for (double ss : state.sum_sq) total += ss;
-  return std::sqrt(total) / state.hyper.grad_divisor;
+  return std::sqrt(TotalSumSq(state)) / state.hyper.grad_divisor;
 }
 
 float ApplyStep::ClipCoefficient(const StepState& state) const {
-  double total = 0;
-  for (double ss : state.sum_sq) total += ss;
   const double d = state.hyper.grad_divisor;
-  return server::ClipCoefficient(total / (d * d), spec_.max_grad_norm);
+  return server::ClipCoefficient(TotalSumSq(state) / (d * d), spec_.max_grad_norm);
 }
 
 float ApplyStep::GradScale(float clip, double grad_divisor) {

@@ -67,7 +67,6 @@ class ApplyStep {
   const JobLayout& layout_;
   ParamStore* const params_;
   std::vector<size_t> group_of_;
-  const int threads_;
 };
 
 }  // namespace muond::server

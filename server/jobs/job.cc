@@ -213,13 +213,8 @@ JobReport Job::Report() const {
     rr.elements = layout_.RankElements(rank);
   }
   if (apply()) {
-    r.weights_complete = true;
-    for (int rank = 0; rank < spec_.world_size; ++rank) {
-      if (!weights_in_[rank]) {
-        r.weights_complete = false;
-        r.ranks_missing_weights.push_back(rank);
-      }
-    }
+    r.ranks_missing_weights = RanksMissingWeights();
+    r.weights_complete = r.ranks_missing_weights.empty();
     r.clip_redo_steps = clip_redo_steps_;
     r.last_grad_norm = last_grad_norm_;
   }

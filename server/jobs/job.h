@@ -353,6 +353,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // disagrees refuses the step.
   absl::Status AgreeHyper(StepState& state, int rank, const StepHyper& hyper)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Apply mode: the ranks whose part of the initial weights is not in, in order.
+  std::vector<int> RanksMissingWeights() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Apply mode: installs `rank`'s checked initial parameters into the masters.
   void InstallParams(ParamStore::Lock& store, int rank, const std::vector<const char*>& in,
                      bool float32);

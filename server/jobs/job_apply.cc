@@ -39,10 +39,7 @@ absl::Status Job::CheckApplyEntry(int64_t step, const StepHyper* hyper) const {
                      spec_.groups.size(), " groups)"));
   }
   RETURN_IF_ERROR(CheckStepHyper(spec_, *hyper, where));
-  std::vector<int> missing;
-  for (int r = 0; r < spec_.world_size; ++r) {
-    if (!weights_in_[r]) missing.push_back(r);
-  }
+  const std::vector<int> missing = RanksMissingWeights();
   if (missing.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat(where, " cannot run: the initial weights of rank",
@@ -81,12 +78,17 @@ absl::Status Job::AgreeHyper(StepState& state, int rank, const StepHyper& hyper)
   return bad;
 }
 
+std::vector<int> Job::RanksMissingWeights() const {
+  std::vector<int> missing;
+  for (int r = 0; r < spec_.world_size; ++r) {
+    if (!weights_in_[r]) missing.push_back(r);
+  }
+  return missing;
+}
+
 bool Job::WeightsComplete() const {
   absl::MutexLock lock(&mu_);
-  for (bool in : weights_in_) {
-    if (!in) return false;
-  }
-  return apply();
+  return apply() && RanksMissingWeights().empty();
 }
 
 absl::StatusOr<uint64_t> Job::InitParams(int rank, uint64_t session,
@@ -209,19 +211,17 @@ absl::Status ParamUpload::Add(uint32_t tensor, uint64_t offset, std::string_view
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": tensor '", ms.name, "' element ", offset + bad, " is not finite"));
   }
-  auto& claimed = claimed_[*span];
-  auto next = claimed.lower_bound(offset);
-  if ((next != claimed.end() && next->first < offset + count) ||
-      (next != claimed.begin() && std::prev(next)->second > offset)) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", ms.name, "' elements [",
-                                                   offset, ", ", offset + count,
-                                                   ") overlap data already received"));
+  switch (ClaimRange(claimed_[*span], offset, count)) {
+    case ClaimResult::kClaimed:
+      break;
+    case ClaimResult::kOverlaps:
+      return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", ms.name, "' elements [",
+                                                     offset, ", ", offset + count,
+                                                     ") overlap data already received"));
+    case ClaimResult::kTooManyPieces:
+      return absl::ResourceExhaustedError(absl::StrCat(
+          where, ": tensor '", ms.name, "': too many separate pieces; send chunks in order"));
   }
-  if (claimed.size() >= kMaxClaimedRanges) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        where, ": tensor '", ms.name, "': too many separate pieces; send chunks in order"));
-  }
-  claimed.emplace(offset, offset + count);
   const common::ShardSpan& s = job_->layout_.spans(rank_)[*span];
   if (data_[*span].empty()) data_[*span].resize(s.length * esize);  // the rank's own span
   std::memcpy(data_[*span].data() + (offset - s.offset) * esize, data.data(), data.size());
@@ -258,11 +258,10 @@ absl::Status Job::ExportParams(
     ParamStore::Lock store(*params_);
     absl::MutexLock lock(&mu_);
     if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
-    for (int r = 0; r < spec_.world_size; ++r) {
-      if (!weights_in_[r]) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "job '", id(), "': the initial weights of rank ", r, " are not in; nothing to export"));
-      }
+    if (const std::vector<int> missing = RanksMissingWeights(); !missing.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job '", id(), "': the initial weights of rank ", missing[0],
+                       " are not in; nothing to export"));
     }
     *step = next_step_;
     store.BeginSnapshot();

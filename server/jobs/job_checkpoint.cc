@@ -57,12 +57,10 @@ absl::StatusOr<checkpoint::GenerationInfo> Job::SaveApplyCheckpoint(
     ParamStore::Lock store(*params_);
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckSavable());
-    for (int r = 0; r < spec_.world_size; ++r) {
-      if (!weights_in_[r]) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("job '", id(), "': the initial weights of rank ", r,
-                         " are not in; there is no model to save yet"));
-      }
+    if (const std::vector<int> missing = RanksMissingWeights(); !missing.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job '", id(), "': the initial weights of rank ", missing[0],
+                       " are not in; there is no model to save yet"));
     }
     step = next_step_;
     store.BeginSnapshot();

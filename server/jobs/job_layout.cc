@@ -50,6 +50,18 @@ size_t JobLayout::SpanBytes(int rank, size_t span) const {
   return s.length * common::DTypeSize(spec_.matrices[s.matrix].dtype);
 }
 
+std::vector<JobLayout::OwnerSlice> JobLayout::OwnerSlices(uint32_t matrix,
+                                                          uint64_t max_elements) const {
+  std::vector<OwnerSlice> out;
+  for (const SpanRef& ref : owners(matrix)) {
+    const uint64_t n = rank_spans_[ref.rank][ref.span].length;
+    for (uint64_t b = 0; b < n; b += max_elements) {
+      out.push_back({&ref, b, std::min(max_elements, n - b)});
+    }
+  }
+  return out;
+}
+
 size_t JobLayout::ParamSpanBytes(int rank, size_t span) const {
   const common::ShardSpan& s = rank_spans_[rank][span];
   return s.length * common::DTypeSize(spec_.matrices[s.matrix].param_dtype);

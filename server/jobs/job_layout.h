@@ -34,6 +34,14 @@ class JobLayout {
   size_t SpanBytes(int rank, size_t span) const;
   // Bytes of the same span in its tensor's param_dtype (apply mode's returned parameters).
   size_t ParamSpanBytes(int rank, size_t span) const;
+  // Matrix m's pieces cut into runs of at most `max_elements` (work for several threads): each is
+  // `length` elements from element `begin` of the owner's span.
+  struct OwnerSlice {
+    const SpanRef* ref;
+    uint64_t begin;
+    uint64_t length;
+  };
+  std::vector<OwnerSlice> OwnerSlices(uint32_t matrix, uint64_t max_elements) const;
   // Elements the rank owns over all matrices.
   uint64_t RankElements(int rank) const;
 

@@ -236,33 +236,20 @@ absl::StatusOr<char*> Job::ClaimChunk(StepState& state, const std::string& where
   const common::MatrixSpec& ms = spec_.matrices[span.matrix];
   RankInput& in = state.ranks[rank];
   auto& claimed = in.claimed[span_index];
-  auto next = claimed.lower_bound(offset);
-  const bool overlaps = (next != claimed.end() && next->first < offset + count) ||
-                        (next != claimed.begin() && std::prev(next)->second > offset);
   absl::Status refused;
-  // Adjacent ranges merge, so a span pushed in order is one entry; a client that scatters tiny
-  // chunks is bounded (the bookkeeping is memory the client makes the daemon hold).
-  auto prev = next == claimed.begin() ? claimed.end() : std::prev(next);
-  if (overlaps) {
-    refused = absl::InvalidArgumentError(
-        absl::StrCat(where, ": matrix '", ms.name, "' elements [", offset, ", ", offset + count,
-                     ") overlap data already received for this step"));
-  } else if (prev != claimed.end() && prev->second == offset) {
-    prev->second = offset + count;
-    if (next != claimed.end() && next->first == prev->second) {
-      prev->second = next->second;
-      claimed.erase(next);
-    }
-  } else if (next != claimed.end() && next->first == offset + count) {
-    const uint64_t end = next->second;
-    claimed.erase(next);
-    claimed.emplace(offset, end);
-  } else if (claimed.size() >= kMaxClaimedRanges) {
-    refused = absl::ResourceExhaustedError(absl::StrCat(
-        where, ": matrix '", ms.name, "' span at element ", span.offset, " has ", claimed.size(),
-        " separate pieces received (limit ", kMaxClaimedRanges, "); send chunks in order"));
-  } else {
-    claimed.emplace(offset, offset + count);
+  switch (ClaimRange(claimed, offset, count)) {
+    case ClaimResult::kClaimed:
+      break;
+    case ClaimResult::kOverlaps:
+      refused = absl::InvalidArgumentError(
+          absl::StrCat(where, ": matrix '", ms.name, "' elements [", offset, ", ", offset + count,
+                       ") overlap data already received for this step"));
+      break;
+    case ClaimResult::kTooManyPieces:
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          where, ": matrix '", ms.name, "' span at element ", span.offset, " has ", claimed.size(),
+          " separate pieces received (limit ", kMaxClaimedRanges, "); send chunks in order"));
+      break;
   }
   if (!refused.ok()) {
     FailStep(state, refused, /*fence=*/false);

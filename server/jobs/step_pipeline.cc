@@ -224,19 +224,15 @@ class StepPipeline::Run {
       const absl::Time gather_start = absl::Now();
       batch.staging[i] = p_.TakeStaging(n);
       // The owners' spans, in slices over the CPUs (large tensors are hundreds of megabytes).
-      constexpr uint64_t kSlice = uint64_t{1} << 20;
-      std::vector<std::pair<const JobLayout::SpanRef*, uint64_t>> slices;
-      for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
-        const uint64_t len = p_.layout_.spans(ref.rank)[ref.span].length;
-        for (uint64_t b = 0; b < len; b += kSlice) slices.emplace_back(&ref, b);
-      }
+      const std::vector<JobLayout::OwnerSlice> slices =
+          p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
       const size_t esize = common::DTypeSize(ms.dtype);
       common::ParallelFor(slices.size(), n * (esize + sizeof(float)), [&](size_t k) {
-        const JobLayout::SpanRef& ref = *slices[k].first;
+        const JobLayout::SpanRef& ref = *slices[k].ref;
         const common::ShardSpan& span = p_.layout_.spans(ref.rank)[ref.span];
-        const uint64_t b = slices[k].second, len = std::min(kSlice, span.length - b);
-        common::ToFloat32(ms.dtype, state_.ranks[ref.rank].span_in[ref.span] + b * esize, len,
-                          batch.staging[i].data() + span.offset + b);
+        common::ToFloat32(
+            ms.dtype, state_.ranks[ref.rank].span_in[ref.span] + slices[k].begin * esize,
+            slices[k].length, batch.staging[i].data() + span.offset + slices[k].begin);
       });
       if (p_.apply_ != nullptr) {
         absl::Status s =

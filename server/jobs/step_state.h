@@ -4,6 +4,7 @@
 #define MUOND_SERVER_JOBS_STEP_STATE_H_
 
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -20,6 +21,37 @@ namespace muond::server {
 inline constexpr size_t kMaxChunkBytes = size_t{4} << 20;
 // Separate pieces (not adjacent to one another) of one span a gRPC rank may have sent at once.
 inline constexpr size_t kMaxClaimedRanges = 4096;
+// Claims elements [offset, offset + count) in `claimed` (one span's element ranges received so far
+// over gRPC: a step's gradient chunks, or an upload of initial parameters). Adjacent ranges merge,
+// so a span sent in order is one entry; a client that scatters tiny chunks is bounded to
+// kMaxClaimedRanges separate pieces (the bookkeeping is memory the client makes the daemon hold).
+enum class ClaimResult { kClaimed, kOverlaps, kTooManyPieces };
+inline ClaimResult ClaimRange(std::map<uint64_t, uint64_t>& claimed, uint64_t offset,
+                              uint64_t count) {
+  auto next = claimed.lower_bound(offset);
+  if ((next != claimed.end() && next->first < offset + count) ||
+      (next != claimed.begin() && std::prev(next)->second > offset)) {
+    return ClaimResult::kOverlaps;
+  }
+  auto prev = next == claimed.begin() ? claimed.end() : std::prev(next);
+  if (prev != claimed.end() && prev->second == offset) {
+    prev->second = offset + count;
+    if (next != claimed.end() && next->first == prev->second) {
+      prev->second = next->second;
+      claimed.erase(next);
+    }
+  } else if (next != claimed.end() && next->first == offset + count) {
+    const uint64_t end = next->second;
+    claimed.erase(next);
+    claimed.emplace(offset, end);
+  } else if (claimed.size() >= kMaxClaimedRanges) {
+    return ClaimResult::kTooManyPieces;
+  } else {
+    claimed.emplace(offset, offset + count);
+  }
+  return ClaimResult::kClaimed;
+}
+
 // How often a rank waiting for the step's commit checks whether it went away.
 inline constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
 
