@@ -4,7 +4,8 @@
 set -euo pipefail
 
 # libopenblas0-pthread: LibTorch's fp32 CPU GEMMs go through the system BLAS; the reference BLAS is
-# ~40x slower.
+# ~40x slower. libblas-dev: cblas.h and the link name of the system BLAS, for Newton-Schulz's
+# SYRK/SYMM symmetric products (server/optim/symmetric_products.cc).
 # openssl: the TLS tests make a CA and certificates at test time. prometheus: `promtool` and a
 # real server for the metrics tests (the package enables a prometheus.service; muond does not
 # need it running).
@@ -17,7 +18,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
-  libtorch-dev libopenblas0-pthread nlohmann-json3-dev libssl-dev
+  libtorch-dev libopenblas0-pthread libblas-dev nlohmann-json3-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   prometheus openssl
   python3 python3-numpy python3-torch
