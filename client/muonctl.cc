@@ -173,12 +173,14 @@ void PrintStatus(const v1::JobStatus& st) {
                                             : "none");
   if (spec_or.ok()) {
     const common::MuonConfig& m = spec_or->muon;
+    const std::string fp32_iterations =
+        m.fp32_iterations == 0 ? "" : absl::StrCat(" fp32_iterations=", m.fp32_iterations);
     std::printf("muon: momentum=%g nesterov=%s ns_method=%s ns_steps=%d compute_dtype=%s "
-                "scale_mode=%s\n",
+                "scale_mode=%s%s\n",
                 m.momentum, m.nesterov ? "true" : "false",
                 std::string(common::NsMethodName(m.ns_method)).c_str(), m.ns_steps,
                 std::string(common::DTypeName(m.compute_dtype)).c_str(),
-                std::string(common::ScaleModeName(m.scale_mode)).c_str());
+                std::string(common::ScaleModeName(m.scale_mode)).c_str(), fp32_iterations.c_str());
     const bool apply = spec_or->mode == common::JobMode::kApply;
     for (const common::MatrixSpec& ms : spec_or->matrices) {
       const std::string apply_fields =

@@ -33,7 +33,8 @@ absl::Status ParseMuon(const Json& muon, MuonConfig* config) {
   if (!muon.is_object()) return FieldError("muon", "expected an object");
   RETURN_IF_ERROR(CheckKnownFields(
       muon, "muon.",
-      {"momentum", "nesterov", "ns_method", "ns_steps", "compute_dtype", "scale_mode"}));
+      {"momentum", "nesterov", "ns_method", "ns_steps", "compute_dtype", "scale_mode",
+       "fp32_iterations"}));
   if (const auto it = muon.find("momentum"); it != muon.end()) {
     if (!it->is_number()) return FieldError("muon.momentum", "expected a number");
     config->momentum = it->get<double>();
@@ -44,6 +45,8 @@ absl::Status ParseMuon(const Json& muon, MuonConfig* config) {
   }
   RETURN_IF_ERROR(ReadEnum(muon, "ns_method", "muon.ns_method", ParseNsMethod, &config->ns_method));
   RETURN_IF_ERROR(ReadInt(muon, "ns_steps", "muon.ns_steps", &config->ns_steps));
+  RETURN_IF_ERROR(
+      ReadInt(muon, "fp32_iterations", "muon.fp32_iterations", &config->fp32_iterations));
   RETURN_IF_ERROR(
       ReadEnum(muon, "compute_dtype", "muon.compute_dtype", ParseDType, &config->compute_dtype));
   return ReadEnum(muon, "scale_mode", "muon.scale_mode", ParseScaleMode, &config->scale_mode);
@@ -280,6 +283,8 @@ std::string JobSpecToJson(const JobSpec& spec) {
                   {"ns_steps", spec.muon.ns_steps},
                   {"compute_dtype", DTypeName(spec.muon.compute_dtype)},
                   {"scale_mode", ScaleModeName(spec.muon.scale_mode)}};
+  // Written only when set, so the specs of jobs that do not use it read as before.
+  if (spec.muon.fp32_iterations != 0) root["muon"]["fp32_iterations"] = spec.muon.fp32_iterations;
   Json matrices = Json::array();
   for (const MatrixSpec& m : spec.matrices) {
     matrices.push_back({{"name", m.name},
@@ -356,6 +361,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (muon.ns_steps < 1 || muon.ns_steps > kMaxNsSteps) {
     return absl::InvalidArgumentError(
         absl::StrCat("muon.ns_steps ", muon.ns_steps, " is outside 1..", kMaxNsSteps));
+  }
+  if (muon.fp32_iterations < 0 || muon.fp32_iterations > muon.ns_steps) {
+    return absl::InvalidArgumentError(absl::StrCat("muon.fp32_iterations ", muon.fp32_iterations,
+                                                   " is outside 0..ns_steps (", muon.ns_steps,
+                                                   ")"));
   }
   if (NsMethodName(muon.ns_method) == "unknown" || ScaleModeName(muon.scale_mode) == "unknown" ||
       DTypeName(muon.compute_dtype) == "unknown") {

@@ -56,6 +56,10 @@ struct MuonConfig {
   int ns_steps = 5;  // 1..kMaxNsSteps
   DType compute_dtype = DType::kFloat32;
   ScaleMode scale_mode = ScaleMode::kOriginal;
+  // bf16/fp16 compute: the first fp32_iterations Newton-Schulz iterations run in fp32, the rest
+  // in the compute dtype (DESIGN.md 3: < 5e-2 with 0, < 2e-2 with >= 2). 0..ns_steps; no effect
+  // on fp32 compute.
+  int fp32_iterations = 0;
 };
 
 struct MatrixSpec {

@@ -170,6 +170,7 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
   if (m.has_momentum()) spec.muon.momentum = m.momentum();
   if (m.has_nesterov()) spec.muon.nesterov = m.nesterov();
   if (m.has_ns_steps()) spec.muon.ns_steps = m.ns_steps();
+  if (m.has_fp32_iterations()) spec.muon.fp32_iterations = m.fp32_iterations();
   ASSIGN_OR_RETURN(spec.muon.ns_method, NsMethodFromProto(m.ns_method()));
   ASSIGN_OR_RETURN(spec.muon.scale_mode, ScaleModeFromProto(m.scale_mode()));
   auto compute = DTypeFromProto(m.compute_dtype());
@@ -220,6 +221,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   m->set_ns_method(NsMethodToProto(spec.muon.ns_method));
   m->set_scale_mode(ScaleModeToProto(spec.muon.scale_mode));
   m->set_compute_dtype(DTypeToProto(spec.muon.compute_dtype));
+  if (spec.muon.fp32_iterations != 0) m->set_fp32_iterations(spec.muon.fp32_iterations);
   for (const MatrixSpec& ms : spec.matrices) {
     v1::MatrixSpec* pm = proto.add_matrices();
     pm->set_name(ms.name);

@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <vector>
-#include <cstddef>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -64,8 +64,7 @@ double MuonScale(common::ScaleMode mode, int64_t rows, int64_t cols) {
   return 1.0;
 }
 
-void ApplyMomentum(const common::MuonConfig& config, const float* grad, float* momentum,
-                   size_t n) {
+void ApplyMomentum(const common::MuonConfig& config, const float* grad, float* momentum, size_t n) {
   const float one_minus_beta = static_cast<float>(1.0 - config.momentum);
   for (size_t i = 0; i < n; ++i) momentum[i] = Lerp(momentum[i], grad[i], one_minus_beta);
 }
@@ -116,18 +115,18 @@ absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
   }
   for (size_t k = 1; k < count; ++k) {
     if (specs[k]->shape != spec.shape || specs[k]->num_heads != spec.num_heads) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "matrices '", spec.name, "' and '", specs[k]->name,
-          "' differ in shape or heads and cannot share one batched Newton-Schulz"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrices '", spec.name, "' and '", specs[k]->name,
+                       "' differ in shape or heads and cannot share one batched Newton-Schulz"));
     }
   }
   // Checked before any momentum is touched, so a refused gradient leaves every momentum
   // bit-identical.
   for (size_t k = 0; k < count; ++k) {
     if (const int64_t bad = common::FindNonFinite(grads[k], static_cast<size_t>(n)); bad >= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("matrix '", specs[k]->name, "': gradient element ", bad,
-                       " is not finite (", grads[k][bad], ")"));
+      return absl::InvalidArgumentError(absl::StrCat("matrix '", specs[k]->name,
+                                                     "': gradient element ", bad,
+                                                     " is not finite (", grads[k][bad], ")"));
     }
   }
   const double scale = MuonScale(config.scale_mode, g.rows, g.cols);

@@ -60,11 +60,10 @@ absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
                                  const common::MatrixSpec* const* specs, const float* const* grads,
                                  float* const* momenta, float* const* updates);
 
-// Step 1 alone: momentum[i] <- lerp(momentum[i], grad[i], 1 - beta) for n elements. Bit-identical to
-// the momentum MuonUpdate writes for the same inputs (same formula, same rounding), so a step can
-// compute its updates from a temporary momentum and commit the store later from the gradients.
-void ApplyMomentum(const common::MuonConfig& config, const float* grad, float* momentum,
-                   size_t n);
+// Step 1 alone: momentum[i] <- lerp(momentum[i], grad[i], 1 - beta) for n elements. Bit-identical
+// to the momentum MuonUpdate writes for the same inputs (same formula, same rounding), so a step
+// can compute its updates from a temporary momentum and commit the store later from the gradients.
+void ApplyMomentum(const common::MuonConfig& config, const float* grad, float* momentum, size_t n);
 
 // Sets LibTorch's intra-op thread count (the CPU backend's compute threads). n >= 1.
 void SetMathThreads(int n);

@@ -1,7 +1,7 @@
 // The Newton-Schulz schedule of DESIGN.md 3, shared by every backend (host LibTorch, CUDA, Level
-// Zero): the per-iteration coefficients, the Polar Express safety factor, the gram restart and the
-// bf16 precision plan (newton_schulz.cc explains the plan and its measurements). Header-only,
-// free of LibTorch and device headers.
+// Zero): the per-iteration coefficients, the Polar Express safety factor, the gram restart
+// (newton_schulz.cc explains the precision plan, muon.fp32_iterations). Header-only, free of
+// LibTorch and device headers.
 #ifndef MUOND_SERVER_OPTIM_NS_SCHEDULE_H_
 #define MUOND_SERVER_OPTIM_NS_SCHEDULE_H_
 
@@ -38,15 +38,6 @@ inline constexpr double kNormEpsilon = 1e-7;
 // (once): the first iterations see the badly conditioned R of the raw input, and restarting there
 // bounds the error that the r x r products accumulate.
 inline constexpr int kGramRestartAfter = 2;
-// bf16 precision plan: leading iterations computed in fp32, and the blocks [m, n] (m <= n) whose
-// P = a I + b A + c A A is computed in fp32.
-inline constexpr int kBf16Fp32Steps = 2;
-inline constexpr int64_t kBf16SmallSide = 256;
-inline constexpr int64_t kBf16WideRatio = 8;
-inline constexpr bool Bf16PolynomialInFp32(int64_t m, int64_t n) {
-  return m < kBf16SmallSide || n >= kBf16WideRatio * m;
-}
-
 // The norm X / (||X|| * k + eps) is taken with k = NormFactor(method).
 inline constexpr double NormFactor(common::NsMethod method) {
   return method == common::NsMethod::kPolarExpress ? kPolarExpressSafety : 1.0;

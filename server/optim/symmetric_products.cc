@@ -9,25 +9,6 @@
 #include <cstring>
 
 namespace muond::server::internal {
-namespace {
-
-// Tile edge of the mirror copy: a 64 x 64 fp32 tile of source and destination stay in L1.
-constexpr int64_t kMirrorTile = 64;
-
-}  // namespace
-
-void MirrorUpper(float* a, int64_t m) {
-  for (int64_t i0 = 0; i0 < m; i0 += kMirrorTile) {
-    const int64_t i1 = std::min(m, i0 + kMirrorTile);
-    for (int64_t j0 = 0; j0 <= i0; j0 += kMirrorTile) {
-      const int64_t j1 = std::min(m, j0 + kMirrorTile);
-      // Lower tile (rows i, columns j < i) from the upper element (j, i).
-      for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t j = j0; j < std::min(j1, i); ++j) a[i * m + j] = a[j * m + i];
-      }
-    }
-  }
-}
 
 void SymmetricGram(const float* x, int64_t m, int64_t n, float* a) {
   // beta = 0: BLAS does not read `a` (uninitialized memory is fine, NaN bits included).

@@ -28,8 +28,22 @@ void SymmetricPolynomial(const float* a, int64_t m, float b, float c, float* p);
 // next must not alias x or p.
 void SymmetricApply(const float* p, const float* x, int64_t m, int64_t n, float alpha, float* next);
 
-// Copies the upper triangle of a[m, m] onto its lower one.
-void MirrorUpper(float* a, int64_t m);
+// Copies the upper triangle of a[m, m] onto its lower one (T: float, or uint16_t for the raw
+// bits of bf16/fp16 elements).
+template <typename T>
+void MirrorUpper(T* a, int64_t m) {
+  constexpr int64_t kTile = 64;  // a 64 x 64 tile of source and destination stays in L1
+  for (int64_t i0 = 0; i0 < m; i0 += kTile) {
+    const int64_t i1 = i0 + kTile < m ? i0 + kTile : m;
+    for (int64_t j0 = 0; j0 <= i0; j0 += kTile) {
+      // Lower tile (rows i, columns j < i) from the upper elements (j, i).
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t j1 = j0 + kTile < i ? j0 + kTile : i;
+        for (int64_t j = j0; j < j1; ++j) a[i * m + j] = a[j * m + i];
+      }
+    }
+  }
+}
 
 }  // namespace muond::server::internal
 

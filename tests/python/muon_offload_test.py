@@ -340,14 +340,40 @@ class BadUseTest(unittest.TestCase):
         cls.tmp.cleanup()
 
     def pair(self, job_id):
-        """An optimizer through muond and an in-process one, on two copies of the same model."""
+        """Two muond jobs on two copies of the same model: the one that sees bad input, and a
+        clean one it must equal bit for bit afterwards (muond's Newton-Schulz is not the local
+        backend's bitwise: SYRK/SYMM products)."""
         a, b = small_model(), small_model()
         return a, optimizer(a, address=self.daemon.address, job_id=job_id), \
-            b, optimizer(b, backend="local")
+            b, optimizer(b, address=self.daemon.address, job_id=job_id + "-clean")
 
     def assert_same(self, a, b):
         for n in a:
             self.assertTrue(torch.equal(a[n], b[n]), f"{n}: max diff {(a[n] - b[n]).abs().max()}")
+
+    def test_fp32_iterations(self):
+        """Out of 0..ns_steps (or not an int): ValueError before any job exists. In range: the
+        job's spec carries it (the daemon validated and stored it) and steps run."""
+        for bad in (-1, 6, 1.5, True, "2"):
+            with self.assertRaises(ValueError) as e:
+                optimizer(small_model(), address=self.daemon.address, job_id="fp32-bad",
+                          compute_dtype="bfloat16", fp32_iterations=bad)
+            self.assertIn("fp32_iterations", str(e.exception))
+        params = small_model()
+        opt = optimizer(params, address=self.daemon.address, job_id="fp32-two",
+                        compute_dtype="bfloat16", fp32_iterations=2)
+        self.assertEqual(opt.muon_config["fp32_iterations"], 2)
+        set_grads(params, 3)
+        opt.step()
+        muonctl = os.path.join(os.path.dirname(MUOND), "muonctl")
+        token_file = os.path.join(self.tmp.name, "fp32-two.token")
+        with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(opt.token)
+        out = subprocess.run([muonctl, "--address", self.daemon.address, "job", "show",
+                              "--job", "fp32-two", "--token-file", token_file],
+                             capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("compute_dtype=bfloat16 scale_mode=original fp32_iterations=2", out.stdout)
 
     def test_no_daemon(self):
         address = f"unix://{self.tmp.name}/nobody-listens.sock"

@@ -83,6 +83,9 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
       torch.distributed is initialized, else a single rank).
     zero_stage: 1, 2 (default for more than one rank) or 3; 0 for a single rank.
     transport: "auto", "shm" or "grpc". compute_dtype: muond's Newton-Schulz dtype.
+    fp32_iterations: with compute_dtype "bfloat16" or "float16", how many leading Newton-Schulz
+      iterations muond runs in fp32 (default 0: every iteration in the compute dtype, as the usual
+      implementations do; 2 gives DESIGN.md 3's tighter bound).
     reduce_gradients: average gradients over the group in step() (default: True for more than one
       rank); False when the caller has reduced them already (e.g. DistributedDataParallel).
     takeover: attach even when the rank is attached elsewhere (a restarted trainer).
@@ -96,7 +99,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
     def __init__(self, param_groups, *, backend="muond", address=None, job_id=None, token=None,
                  process_group=None, zero_stage=None, transport="auto", compute_dtype="float32",
                  reduce_gradients=None, takeover=False, mode="update", max_grad_norm=None,
-                 init_from=None, grad_divisor=1.0):
+                 init_from=None, grad_divisor=1.0, fp32_iterations=0):
         if backend not in ("muond", "local"):
             raise ValueError(f"backend must be 'muond' or 'local', not '{backend}'")
         if mode not in ("update", "apply"):
@@ -128,7 +131,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         for g in self.param_groups:
             for name, p in zip(g["param_names"], g["params"]):
                 self._names[p] = name
-        self.muon_config = self._job_config(compute_dtype)
+        self.muon_config = self._job_config(compute_dtype, fp32_iterations)
 
         self.client = self.session = self.partition = None
         self.partitions = []
@@ -210,7 +213,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                     raise ValueError(f"parameter '{name}' is not contiguous")
         super().add_param_group(group)
 
-    def _job_config(self, compute_dtype):
+    def _job_config(self, compute_dtype, fp32_iterations=0):
         groups = [g for g in self.param_groups if g["use_muon"]]
         if not groups:
             return None
@@ -226,9 +229,16 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         if self.backend == "local" and compute_dtype != "float32":
             raise ValueError("backend='local' computes in float32; compute_dtype "
                              f"'{compute_dtype}' applies to muond only")
-        return {"momentum": float(first["momentum"]), "nesterov": bool(first["nesterov"]),
-                "ns_method": first["ns_method"], "ns_steps": int(first["ns_steps"]),
-                "compute_dtype": compute_dtype, "scale_mode": first["scale_mode"]}
+        if (isinstance(fp32_iterations, bool) or not isinstance(fp32_iterations, int)
+                or not 0 <= fp32_iterations <= int(first["ns_steps"])):
+            raise ValueError(f"fp32_iterations must be an integer in 0..ns_steps "
+                             f"({int(first['ns_steps'])}), got {fp32_iterations!r}")
+        config = {"momentum": float(first["momentum"]), "nesterov": bool(first["nesterov"]),
+                  "ns_method": first["ns_method"], "ns_steps": int(first["ns_steps"]),
+                  "compute_dtype": compute_dtype, "scale_mode": first["scale_mode"]}
+        if fp32_iterations:
+            config["fp32_iterations"] = fp32_iterations
+        return config
 
     def _job_spec(self):
         dtypes = {p.dtype for _, p in self._muon}

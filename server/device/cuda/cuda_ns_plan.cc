@@ -15,11 +15,9 @@ using common::NsMethod;
 
 using ns::Coefficients;
 using ns::IterationCoefficients;
-using ns::kBf16Fp32Steps;
 using ns::kGramRestartAfter;
 
 constexpr size_t kAlign = 256;
-
 
 size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
@@ -51,35 +49,43 @@ NsPlan::NsPlan(NsOps& ops, const MuonConfig& config, int64_t blocks, int64_t m, 
   partials_ = reinterpret_cast<double*>(p + layout.denom_bytes);
 }
 
-Elem NsPlan::FirstType() const {
-  return config_.compute_dtype == DType::kFloat16 ? Elem::kF16 : Elem::kF32;
+Elem NsPlan::Compute() const {
+  switch (config_.compute_dtype) {
+    case DType::kFloat32:
+      return Elem::kF32;
+    case DType::kBFloat16:
+      return Elem::kBf16;
+    case DType::kFloat16:
+      return Elem::kF16;
+  }
+  return Elem::kF32;
 }
+
+int NsPlan::Fp32Steps() const {
+  const int steps = config_.ns_steps;
+  return Compute() == Elem::kF32 ? steps : std::clamp(config_.fp32_iterations, 0, steps);
+}
+
+// The precision plan of newton_schulz.cc (DESIGN.md 3): bf16 and fp16 run every iteration in
+// that dtype unless the job asks for fp32_iterations, which run first, in fp32.
+Elem NsPlan::FirstType() const { return Fp32Steps() > 0 ? Elem::kF32 : Compute(); }
 
 absl::Status NsPlan::Run(Mat* out) {
   const int steps = config_.ns_steps;
-  const NsMethod method = config_.ns_method;
-  const Elem compute = config_.compute_dtype == DType::kFloat32    ? Elem::kF32
-                       : config_.compute_dtype == DType::kBFloat16 ? Elem::kBf16
-                                                                   : Elem::kF16;
-  if (method == NsMethod::kGram && m_ != n_) return GramMethod(compute, out);
+  const Elem compute = Compute();
+  if (config_.ns_method == NsMethod::kGram && m_ != n_) return GramMethod(compute, out);
   Mat x{e_[0], FirstType()};
   Mat next{e_[1], FirstType()};
-  if (compute != Elem::kBf16) {
-    RETURN_IF_ERROR(Direct(&x, &next, 0, steps));
-    *out = x;
-    return absl::OkStatus();
-  }
-  // bf16 precision plan of newton_schulz.cc: iterations 0 and 1 in fp32, then bf16.
-  const int fp32_steps = std::min(kBf16Fp32Steps, steps);
+  const int fp32_steps = Fp32Steps();
   RETURN_IF_ERROR(Direct(&x, &next, 0, fp32_steps));
   if (fp32_steps < steps) {
-    next.type = Elem::kBf16;
-    RETURN_IF_ERROR(ops_.Convert(x, next, Elems()));
-    std::swap(x, next);
-    next.type = Elem::kBf16;
-    const bool fp32_polynomial = ns::Bf16PolynomialInFp32(m_, n_);
-    RETURN_IF_ERROR(fp32_polynomial ? Fp32Polynomial(&x, &next, fp32_steps, steps)
-                                     : Direct(&x, &next, fp32_steps, steps));
+    if (x.type != compute) {
+      next.type = compute;
+      RETURN_IF_ERROR(ops_.Convert(x, next, Elems()));
+      std::swap(x, next);
+      next.type = compute;
+    }
+    RETURN_IF_ERROR(Direct(&x, &next, fp32_steps, steps));
   }
   *out = x;
   return absl::OkStatus();
@@ -115,8 +121,8 @@ absl::Status NsPlan::RowMajorGemm(bool ta, bool tb, int64_t rows, int64_t cols, 
 }
 
 absl::Status NsPlan::XXt(Mat x, Mat out) {
-  return RowMajorGemm(false, true, m_, m_, n_, 1.0f, x, n_, m_ * n_, x, n_, m_ * n_, 0.0f, out,
-                      m_, m_ * m_);
+  return RowMajorGemm(false, true, m_, m_, n_, 1.0f, x, n_, m_ * n_, x, n_, m_ * n_, 0.0f, out, m_,
+                      m_ * m_);
 }
 
 absl::Status NsPlan::Square(Mat a, Mat b, float alpha, float beta, Mat out) {
@@ -145,25 +151,6 @@ absl::Status NsPlan::Direct(Mat* x, Mat* next, int begin, int end) {
   return absl::OkStatus();
 }
 
-absl::Status NsPlan::Fp32Polynomial(Mat* x, Mat* next, int begin, int end) {
-  const Mat a{s_[0], Elem::kBf16};
-  const Mat a32{s_[1], Elem::kF32};
-  const Mat p{s_[2], Elem::kF32};
-  const Mat p16{s_[3], Elem::kBf16};
-  for (int i = begin; i < end; ++i) {
-    const Coefficients k = IterationCoefficients(config_.ns_method, i, config_.ns_steps);
-    RETURN_IF_ERROR(XXt(*x, a));
-    RETURN_IF_ERROR(ops_.Convert(a, a32, Squares()));
-    RETURN_IF_ERROR(ops_.Copy(p, a32, Squares()));
-    RETURN_IF_ERROR(Square(a32, a32, static_cast<float>(k.c), static_cast<float>(k.b), p));
-    RETURN_IF_ERROR(ops_.AddDiagonal(p, blocks_, m_, static_cast<float>(k.a)));
-    RETURN_IF_ERROR(ops_.Convert(p, p16, Squares()));
-    RETURN_IF_ERROR(Left(p16, *x, 1.0f, 0.0f, *next));
-    std::swap(*x, *next);
-  }
-  return absl::OkStatus();
-}
-
 absl::Status NsPlan::GramMethod(Elem compute, Mat* out) {
   Mat x0{e_[0], FirstType()};
   Mat spare{e_[1], FirstType()};
@@ -186,7 +173,8 @@ absl::Status NsPlan::GramMethod(Elem compute, Mat* out) {
       RETURN_IF_ERROR(q_as(x0.type, &qc));
       spare.type = x0.type;
       RETURN_IF_ERROR(Left(qc, x0, 1.0f, 0.0f, spare));
-      if (x0.type != compute) {
+      // After the restart X0 is in the compute dtype, unless the fp32 iterations cover it.
+      if (x0.type != compute && Fp32Steps() <= kGramRestartAfter) {
         x0.type = compute;
         RETURN_IF_ERROR(ops_.Convert(spare, x0, Elems()));
       } else {

@@ -83,6 +83,9 @@ class NsPlan {
   // The normalized input goes here ([B, m, n], row-major, in FirstType()), before Run.
   void* input() const { return e_[0]; }
   Elem FirstType() const;
+  // The compute dtype's element type, and how many leading iterations run in fp32.
+  Elem Compute() const;
+  int Fp32Steps() const;
   float* denom() const { return denom_; }
   double* partials() const { return partials_; }
 
@@ -97,7 +100,6 @@ class NsPlan {
   absl::Status Square(Mat a, Mat b, float alpha, float beta, Mat out);
   absl::Status Left(Mat p, Mat x, float alpha, float beta, Mat out);
   absl::Status Direct(Mat* x, Mat* next, int begin, int end);
-  absl::Status Fp32Polynomial(Mat* x, Mat* next, int begin, int end);
   absl::Status GramMethod(Elem compute, Mat* out);
   int64_t Elems() const { return blocks_ * m_ * n_; }
   int64_t Squares() const { return blocks_ * m_ * m_; }

@@ -28,7 +28,6 @@ using common::NsMethod;
 
 using ns::Coefficients;
 using ns::IterationCoefficients;
-using ns::kBf16Fp32Steps;
 using ns::kGramRestartAfter;
 using ns::kNormEpsilon;
 
@@ -79,6 +78,9 @@ class NewtonSchulzRun {
         method_(config.ns_method),
         steps_(config.ns_steps),
         compute_(config.compute_dtype),
+        fp32_steps_(config.compute_dtype == DType::kFloat32
+                        ? config.ns_steps
+                        : std::clamp(config.fp32_iterations, 0, config.ns_steps)),
         batch_(g.batch),
         m_(std::min(g.rows, g.cols)),
         n_(std::max(g.rows, g.cols)) {}
@@ -92,25 +94,21 @@ class NewtonSchulzRun {
     RETURN_IF_ERROR(FrobeniusDenominator(q_, input, static_cast<float>(k),
                                          static_cast<float>(kNormEpsilon), s_.partial->ref(),
                                          denom));
-    const bool bf16 = compute_ == DType::kBFloat16;
-    // bf16 starts with fp32 iterations; fp16 rounds the normalized input once.
-    const DType first = bf16 ? DType::kFloat32 : compute_;
+    // The precision plan of newton_schulz.cc (DESIGN.md 3): the first fp32_steps_ iterations in
+    // fp32 (all of them for fp32 compute), then the compute dtype; without fp32 iterations the
+    // normalized input is rounded to the compute dtype once.
+    const DType first = fp32_steps_ > 0 ? DType::kFloat32 : compute_;
     int xi = 0;
     RETURN_IF_ERROR(Convert(q_, input, transposed, &denom, 1.0f, X(xi, first)));
 
     DType dtype = first;
     if (method_ == NsMethod::kGram && m_ != n_) {
       RETURN_IF_ERROR(Gram(first, &xi, &dtype));
-    } else if (!bf16) {
-      RETURN_IF_ERROR(Direct(dtype, &xi, 0, steps_));
     } else {
-      const int fp32_steps = std::min(kBf16Fp32Steps, steps_);
-      RETURN_IF_ERROR(Direct(DType::kFloat32, &xi, 0, fp32_steps));
-      if (fp32_steps < steps_) {
-        RETURN_IF_ERROR(CastX(&xi, &dtype, DType::kBFloat16));
-        const bool polynomial_fp32 = ns::Bf16PolynomialInFp32(m_, n_);
-        RETURN_IF_ERROR(polynomial_fp32 ? Fp32PolynomialIterations(&xi, fp32_steps)
-                                        : Direct(dtype, &xi, fp32_steps, steps_));
+      RETURN_IF_ERROR(Direct(dtype, &xi, 0, fp32_steps_));
+      if (fp32_steps_ < steps_) {
+        if (dtype != compute_) RETURN_IF_ERROR(CastX(&xi, &dtype, compute_));
+        RETURN_IF_ERROR(Direct(dtype, &xi, fp32_steps_, steps_));
       }
     }
     return Convert(q_, X(xi, dtype), transposed, nullptr, static_cast<float>(scale), input);
@@ -157,29 +155,9 @@ class NewtonSchulzRun {
     return absl::OkStatus();
   }
 
-  // bf16 iterations [begin, steps) with the m x m polynomial in fp32:
-  // A = X X^T (bf16); P = a I + b A + c A A (fp32); X = bf16(P) X (bf16).
-  absl::Status Fp32PolynomialIterations(int* xi, int begin) {
-    const MatrixBatch a = Square(0, DType::kBFloat16);
-    const MatrixBatch p = Square(1, DType::kFloat32);
-    const MatrixBatch p16 = Square(2, DType::kBFloat16);
-    for (int i = begin; i < steps_; ++i) {
-      const Coefficients k = IterationCoefficients(method_, i, steps_);
-      const MatrixBatch x = X(*xi, DType::kBFloat16);
-      const int next_slot = OtherX(*xi);
-      RETURN_IF_ERROR(Gemm(q_, x, false, x, true, nullptr, 1.0f, 0.0f, 0.0f, a));
-      RETURN_IF_ERROR(Gemm(q_, a, false, a, false, &a, static_cast<float>(k.c),
-                           static_cast<float>(k.b), static_cast<float>(k.a), p));
-      RETURN_IF_ERROR(Convert(q_, p, false, nullptr, 1.0f, p16));
-      RETURN_IF_ERROR(Gemm(q_, p16, false, x, false, nullptr, 1.0f, 0.0f, 0.0f,
-                           X(next_slot, DType::kBFloat16)));
-      *xi = next_slot;
-    }
-    return absl::OkStatus();
-  }
-
-  // newton_schulz.cc's GramIterations: the m x m side (R, P, Q) in fp32; X0 and the products
-  // Q X0 in `x_dtype` until the restart and in the compute dtype after it.
+  // newton_schulz.cc's Gram iteration (ns_gram.cc): the m x m side (R, P, Q) in fp32; X0 and the
+  // products Q X0 in `x_dtype` until the restart and in the compute dtype after it (unless the
+  // fp32 iterations cover it).
   absl::Status Gram(DType x_dtype, int* xi, DType* dtype) {
     int r = 0, p = 1, q = 2, t = 3;
     constexpr int kCastQ = 4;
@@ -206,7 +184,8 @@ class NewtonSchulzRun {
         int x_slot = 0;
         RETURN_IF_ERROR(apply_q(&x_slot));
         *xi = x_slot;
-        if (x_dtype != compute_) {
+        // After the restart X0 is in the compute dtype, unless the fp32 iterations cover it.
+        if (x_dtype != compute_ && fp32_steps_ <= kGramRestartAfter) {
           RETURN_IF_ERROR(CastX(xi, &x_dtype, compute_));
         }
         RETURN_IF_ERROR(gram());
@@ -244,6 +223,7 @@ class NewtonSchulzRun {
   const NsMethod method_;
   const int steps_;
   const DType compute_;
+  const int fp32_steps_;
   const int64_t batch_;
   const int64_t m_;
   const int64_t n_;

@@ -12,7 +12,6 @@ namespace {
 
 constexpr char kMinimal[] = R"({"job_id": "j1", "matrices": [{"name": "w", "shape": [4, 8]}]})";
 
-
 // kMinimal with `muon` as the muon object.
 std::string WithMuon(const std::string& muon) {
   return R"({"job_id": "j1", "muon": )" + muon +
@@ -99,6 +98,20 @@ TEST(JobSpecTest, EveryFieldAndRoundTrip) {
             JobSpecToJson(ValidSpec()));
 }
 
+// muon.fp32_iterations: read, written only when set (specs without it read as before), kept
+// through JSON and the API message.
+TEST(JobSpecTest, Fp32IterationsRoundTrip) {
+  EXPECT_EQ(JobSpecToJson(ValidSpec()).find("fp32_iterations"), std::string::npos);
+  const auto spec = ParseJobSpecJson(R"({"job_id": "j",
+    "muon": {"compute_dtype": "bfloat16", "fp32_iterations": 2},
+    "matrices": [{"name": "w", "shape": [8, 16]}]})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->muon.fp32_iterations, 2);
+  const std::string json = JobSpecToJson(*spec);
+  EXPECT_NE(json.find("\"fp32_iterations\": 2"), std::string::npos) << json;
+  EXPECT_EQ(ParseJobSpecJson(json)->muon.fp32_iterations, 2);
+}
+
 TEST(JobSpecTest, EnumNames) {
   for (NsMethod m : {NsMethod::kStandard, NsMethod::kGram, NsMethod::kPolarExpress}) {
     EXPECT_EQ(*ParseNsMethod(NsMethodName(m)), m);
@@ -139,6 +152,8 @@ TEST(JobSpecTest, WrongTypes) {
                 "job.json: muon.ns_method: unknown ns_method 'fast'");
   ExpectInvalid(WithMuon(R"({"ns_method": 1})"), "job.json: muon.ns_method: expected a string");
   ExpectInvalid(WithMuon(R"({"ns_steps": 2.0})"), "job.json: muon.ns_steps: expected an integer");
+  ExpectInvalid(WithMuon(R"({"fp32_iterations": "2"})"),
+                "job.json: muon.fp32_iterations: expected an integer");
   ExpectInvalid(WithMuon(R"({"compute_dtype": "int8"})"),
                 "job.json: muon.compute_dtype: unknown dtype 'int8'");
   ExpectInvalid(WithMuon(R"({"scale_mode": "max"})"),
@@ -212,7 +227,9 @@ TEST(JobSpecTest, ValidateJobFields) {
   spec.zero_stage = -1;
   ExpectValidateError(spec, "zero_stage -1 is outside 0..3");
   spec.zero_stage = 0;
-  ExpectValidateError(spec, "zero_stage 0 (whole matrices) requires world_size 1 or an explicit layout, got world_size 2");
+  ExpectValidateError(spec,
+                      "zero_stage 0 (whole matrices) requires world_size 1 or an explicit layout, "
+                      "got world_size 2");
 
   spec = ValidSpec();
   for (double bad : {1.0, -0.1, std::nan(""), std::numeric_limits<double>::infinity()}) {
@@ -224,6 +241,11 @@ TEST(JobSpecTest, ValidateJobFields) {
   ExpectValidateError(spec, "muon.ns_steps 0 is outside 1..100");
   spec.muon.ns_steps = kMaxNsSteps + 1;
   ExpectValidateError(spec, "muon.ns_steps 101 is outside 1..100");
+  spec = ValidSpec();
+  spec.muon.fp32_iterations = -1;
+  ExpectValidateError(spec, "muon.fp32_iterations -1 is outside 0..ns_steps (5)");
+  spec.muon.fp32_iterations = 6;
+  ExpectValidateError(spec, "muon.fp32_iterations 6 is outside 0..ns_steps (5)");
   spec = ValidSpec();
   spec.muon.ns_method = static_cast<NsMethod>(9);
   ExpectValidateError(spec, "out of range");

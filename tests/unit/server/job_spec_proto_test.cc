@@ -26,6 +26,22 @@ TEST(JobSpecProtoTest, ApplyModeRoundTrip) {
   EXPECT_EQ(back->matrices[1].group, "adamw");                 // absent in JSON: the optimizer
 }
 
+TEST(JobSpecProtoTest, Fp32IterationsRoundTrip) {
+  auto spec = ParseJobSpecJson(R"({"job_id": "f", "muon": {"compute_dtype": "bfloat16",
+    "fp32_iterations": 3}, "matrices": [{"name": "w", "shape": [4, 8]}]})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const v1::JobSpec proto = JobSpecToProto(*spec);
+  EXPECT_EQ(proto.muon().fp32_iterations(), 3);
+  auto back = JobSpecFromProto(proto);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->muon.fp32_iterations, 3);
+  EXPECT_FALSE(
+      JobSpecToProto(
+          *ParseJobSpecJson(R"({"job_id": "g", "matrices": [{"name": "w", "shape": [4, 8]}]})"))
+          .muon()
+          .has_fp32_iterations());
+}
+
 TEST(JobSpecProtoTest, UpdateModeCarriesNoApplyFields) {
   auto spec = ParseJobSpecJson(R"({"job_id": "u1", "matrices": [{"name": "w", "shape": [4, 8]}]})");
   ASSERT_TRUE(spec.ok()) << spec.status();

@@ -1,0 +1,91 @@
+// Internal to server/optim: the batched LibTorch products of Newton-Schulz on the CPU, shared by
+// newton_schulz.cc (normalization, the standard iterations) and ns_gram.cc (the Gram iteration).
+// Includes ATen: only those .cc files include this header.
+//
+// Blocks are [batch, m, n] tensors with m <= n. Every product is computed block by block or as
+// one batched GEMM whose per-block result does not depend on the batch (same-shape batching must
+// give the bits of one block at a time).
+#ifndef MUOND_SERVER_OPTIM_NS_BATCHED_MATH_H_
+#define MUOND_SERVER_OPTIM_NS_BATCHED_MATH_H_
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "server/optim/ns_schedule.h"
+
+namespace muond::server::internal {
+
+// fp32 products run on the system BLAS's own threads (OpenBLAS pthreads); ATen's OpenMP workers
+// (oneDNN's bf16 GEMMs and the elementwise ops) would only spin beside them and take the cores:
+// measured at 512 x 512, fp32 Newton-Schulz ran at ~33 GFLOP/s with 2 OpenMP threads and ~55 with
+// 1. Work that is fp32 BLAS runs with one OpenMP thread; the previous count is restored on
+// leaving. OpenMP's thread count is a setting of the calling thread (others are not affected).
+// at::set_num_threads is not used: it also rebuilds LibTorch's pthreadpool on every change.
+class ScopedSingleAtenThread {
+ public:
+  explicit ScopedSingleAtenThread(bool active);
+  ~ScopedSingleAtenThread();
+  ScopedSingleAtenThread(const ScopedSingleAtenThread&) = delete;
+  ScopedSingleAtenThread& operator=(const ScopedSingleAtenThread&) = delete;
+
+ private:
+  const int saved_;
+  const bool active_;
+};
+
+// The products in one dtype: fp32, bf16 (oneDNN, AVX-512 BF16, fp32 accumulation, each op's result
+// rounded once), or fp16 emulated in fp32 storage (each op's fp32 result rounded to fp16).
+// `*op` names the op in flight for error messages; it is shared between instances.
+class BatchedMath {
+ public:
+  BatchedMath(at::ScalarType storage, bool emulate_half, const char** op)
+      : storage_(storage), emulate_half_(emulate_half), op_(op) {}
+
+  at::ScalarType storage() const { return storage_; }
+
+  // One iteration of the formula on x [b, m, n] (contiguous, m <= n, this dtype):
+  // a = X X^T, p = b A + c A A, next = a X + P X; a and p are [b, m, m] scratch, next [b, m, n].
+  // fp32 storage: the symmetric BLAS products (symmetric_products.h). bf16 with m >= 256: X X^T
+  // and A A one triangle of blocks each (oneDNN GEMMs of block rows, mirrored). Otherwise three
+  // batched GEMMs.
+  void Iteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a, at::Tensor& p,
+                 at::Tensor& next);
+
+  // out = a @ b
+  void Bmm(const char* op, const at::Tensor& a, const at::Tensor& b, at::Tensor& out);
+  // out = beta * c + alpha * (a @ b); out must not alias an input.
+  void Baddbmm(const char* op, const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
+               double beta, double alpha, at::Tensor& out);
+  // Under fp16 emulation, rounds t's fp32 values to fp16 in place; otherwise nothing.
+  void RoundToCompute(at::Tensor& t);
+  // A copy of t as an operand in this dtype (rounded to fp16 under emulation).
+  at::Tensor ToCompute(const char* op, const at::Tensor& t);
+  void SetOp(const char* op) { *op_ = op; }
+
+ private:
+  void BlasIteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a, at::Tensor& p,
+                     at::Tensor& next);
+  void Bf16TriangleIteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a,
+                             at::Tensor& p, at::Tensor& next);
+
+  const at::ScalarType storage_;
+  const bool emulate_half_;
+  const char** op_;
+};
+
+// The Gram iteration (ns_gram.cc) on the normalized fp32 blocks x0 [b, m, n], m < n: every m x m
+// product in fp32 through the symmetric BLAS products, the m x n products in long_math's dtype
+// (fp32 before the restart when first_long_fp32). Returns the result [b, m, n] in long_math's
+// storage dtype.
+at::Tensor GramIterations(BatchedMath& long_math, BatchedMath& fp32_math, bool first_long_fp32,
+                          bool rest_long_fp32, common::NsMethod method, int steps, at::Tensor x0);
+
+// Whether the Gram iteration costs less than the standard one for blocks [m, n] (m <= n) with
+// `steps` iterations; fp32 m x m work is weighted by fp32_weight (its cost per FLOP relative to
+// the long-side products' dtype). See ns_gram.cc.
+bool GramPays(int64_t m, int64_t n, int steps, double fp32_weight);
+
+}  // namespace muond::server::internal
+
+#endif  // MUOND_SERVER_OPTIM_NS_BATCHED_MATH_H_
