@@ -1,8 +1,6 @@
 // The admission side of the shared-memory server: accepting connections under the session and
 // descriptor limits, the attach handshake (token, regions, reply) and the refusals, counted and
 // logged at a bounded rate. The sessions and their doorbells: shm_server.cc.
-#include "server/api/shm_server.h"
-
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
@@ -26,26 +24,27 @@
 #include "common/metrics.h"
 #include "common/shm_protocol.h"
 #include "common/shm_region.h"
-#include "server/ops/daemon_metrics.h"
-#include "server/api/shm_attach.h"
-#include "server/api/shm_session.h"
 #include "muond/v1/muond.pb.h"
+#include "server/api/shm_attach.h"
+#include "server/api/shm_server.h"
+#include "server/api/shm_session.h"
+#include "server/ops/daemon_metrics.h"
 
 namespace muond::server {
 
 namespace shm = common::shm;
-using shm_attach::Errno;
-using shm_attach::PeerString;
-using shm_attach::PeerOf;
-using shm_attach::PeerHungUp;
-using shm_attach::SendReply;
-using shm_attach::DrainAndClose;
-using shm_attach::ErrorReply;
-using shm_attach::ParseAttachRequest;
 using shm_attach::Authorize;
 using shm_attach::CreateSessionResources;
-using shm_attach::SetupError;
+using shm_attach::DrainAndClose;
+using shm_attach::Errno;
+using shm_attach::ErrorReply;
 using shm_attach::OutOfDescriptors;
+using shm_attach::ParseAttachRequest;
+using shm_attach::PeerHungUp;
+using shm_attach::PeerOf;
+using shm_attach::PeerString;
+using shm_attach::SendReply;
+using shm_attach::SetupError;
 
 namespace {
 
@@ -60,7 +59,7 @@ constexpr auto kRefusalLogPeriod = std::chrono::seconds(10);
 // Why a connection was refused or dropped before attaching: the `reason` label of
 // muond_shm_connections_refused_total.
 constexpr const char* kReasons[] = {"session_limit", "attach_timeout", "out_of_descriptors",
-                                    "bad_request", "attach_failed", "reply_failed"};
+                                    "bad_request",   "attach_failed",  "reply_failed"};
 
 // The server's own metrics, declared next to the code that updates them.
 struct ShmMetrics {
@@ -71,15 +70,23 @@ struct ShmMetrics {
                           "a session was attached, by reason.");
     auto g = r.AddGauge("muond_shm_pending_connections",
                         "Shared-memory connections accepted and not attached yet.");
-    if (!f.ok() || !g.ok()) {
-      MUOND_LOG(ERROR) << "metrics: " << (f.ok() ? g.status() : f.status());
+    auto d = r.AddCounter("muond_shm_device_registrations_total",
+                          "Attached shared-memory sessions whose regions were registered with "
+                          "the compute device for direct copies, or failed to be (their steps "
+                          "stage on the host), by result.");
+    if (!f.ok() || !g.ok() || !d.ok()) {
+      MUOND_LOG(ERROR) << "metrics: " << (!f.ok() ? f.status() : !g.ok() ? g.status() : d.status());
       return;
     }
     for (const char* reason : kReasons) refused[reason] = &(*f)->Add({{"reason", reason}});
     pending = &(*g)->Add({});
+    registered = &(*d)->Add({{"result", "registered"}});
+    not_registered = &(*d)->Add({{"result", "failed"}});
   }
   std::map<std::string, common::Counter*> refused;
   common::Gauge* pending = nullptr;
+  common::Counter* registered = nullptr;
+  common::Counter* not_registered = nullptr;
 };
 
 ShmMetrics& Metrics() {
@@ -124,10 +131,10 @@ void ShmServer::Admit(int conn) {
     attached = sessions_.size();
   }
   if (attached + pending_.size() >= limits_.max_sessions) {
-    const absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
-        "muond holds ", attached, " shared-memory sessions and ", pending_.size(),
-        " connections not attached yet, the limit (--max-shm-sessions ", limits_.max_sessions,
-        "); connection refused, try again later"));
+    const absl::Status s = absl::ResourceExhaustedError(
+        absl::StrCat("muond holds ", attached, " shared-memory sessions and ", pending_.size(),
+                     " connections not attached yet, the limit (--max-shm-sessions ",
+                     limits_.max_sessions, "); connection refused, try again later"));
     (void)SendReply(conn, ErrorReply(s), nullptr, 0);
     CountRefusal("session_limit");
     LogRefusal("session_limit", s, PeerOf(conn));
@@ -189,8 +196,8 @@ void ShmServer::HandleAttach(int conn) {
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) ClosePending(conn);
     return;
   }
-  auto req = ParseAttachRequest(buf.data(), static_cast<size_t>(n),
-                                limits_.max_attach_request_bytes);
+  auto req =
+      ParseAttachRequest(buf.data(), static_cast<size_t>(n), limits_.max_attach_request_bytes);
   if (!req.ok()) return RefusePending(conn, req.status(), "bad_request");
   if (shutting_down_.load()) {
     return RefusePending(conn, absl::UnavailableError("muond is shutting down"), nullptr);
@@ -211,6 +218,7 @@ void ShmServer::HandleAttach(int conn) {
     (void)(*job)->Detach(req->rank(), *session_id);
     return RefusePending(conn, SetupError(who, s), "attach_failed");
   }
+  RegisterWithDevice(*session, who);
   const int fds[shm::kNumFds] = {session->regions->in.fd(), session->regions->out.fd(),
                                  session->completions->ring_fd(), session->doorbell,
                                  session->completions->event_fd()};
@@ -228,6 +236,22 @@ void ShmServer::HandleAttach(int conn) {
   RegisterSession(session, who, reply.pinned());
 }
 
+void ShmServer::RegisterWithDevice(ShmSession& session, const std::string& who) {
+  DeviceStreams* devices = registry_->devices();
+  if (!limits_.register_with_device || devices == nullptr || devices->device == nullptr ||
+      !devices->device->DirectHostCopies()) {
+    return;  // host devices: steps assemble on the host, nothing to register
+  }
+  const absl::Status s = shm_attach::RegisterWithDevice(session, *devices->device);
+  common::Counter* counter = s.ok() ? Metrics().registered : Metrics().not_registered;
+  if (counter != nullptr) counter->Increment();
+  if (!s.ok()) {
+    MUOND_LOG(WARNING) << who << ": shared-memory regions not registered with "
+                       << devices->device->name() << " (" << s.message()
+                       << "); its steps copy through host staging";
+  }
+}
+
 void ShmServer::RegisterSession(const std::shared_ptr<ShmSession>& session, const std::string& who,
                                 bool pinned) {
   {
@@ -240,12 +264,14 @@ void ShmServer::RegisterSession(const std::shared_ptr<ShmSession>& session, cons
   ev.data.fd = session->doorbell;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, session->doorbell, &ev);
   if (!pinned) {
-    MUOND_LOG(WARNING) << who << ": shared regions are not locked in memory (mlock failed; raise "
-                                 "RLIMIT_MEMLOCK, e.g. LimitMEMLOCK=infinity)";
+    MUOND_LOG(WARNING) << who
+                       << ": shared regions are not locked in memory (mlock failed; raise "
+                          "RLIMIT_MEMLOCK, e.g. LimitMEMLOCK=infinity)";
   }
   MUOND_LOG(INFO) << who << ": shared-memory session " << session->session_id << " (peer "
                   << PeerString(session->peer) << "), 2 x " << session->buffer_bytes
-                  << " bytes per direction";
+                  << " bytes per direction"
+                  << (session->device_registered ? ", registered with the device" : "");
 }
 
 void ShmServer::RefusePending(int conn, const absl::Status& status, const char* reason) {

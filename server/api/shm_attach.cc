@@ -212,6 +212,18 @@ absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& 
   return absl::OkStatus();
 }
 
+absl::Status RegisterWithDevice(ShmSession& session, device::Device& device) {
+  ShmRegions& regions = *session.regions;
+  auto in = device::HostRegistration::Register(device, regions.in.data(), regions.in.size());
+  if (!in.ok()) return in.status();
+  auto out = device::HostRegistration::Register(device, regions.out.data(), regions.out.size());
+  if (!out.ok()) return out.status();  // `in` is unregistered as it goes
+  regions.in_device = *std::move(in);
+  regions.out_device = *std::move(out);
+  session.device_registered = true;
+  return absl::OkStatus();
+}
+
 // Why an attach could not get its resources, with the descriptor limit when that was the cause.
 absl::Status SetupError(const std::string& who, const absl::Status& s) {
   const bool no_fds = absl::StrContains(s.message(), std::strerror(EMFILE)) ||

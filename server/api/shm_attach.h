@@ -1,5 +1,5 @@
-// The attach half of the shared-memory data plane (server/api/shm_server.h): reading and checking an
-// attach request, creating a session's regions and descriptors, and answering it. Internal to
+// The attach half of the shared-memory data plane (server/api/shm_server.h): reading and checking
+// an attach request, creating a session's regions and descriptors, and answering it. Internal to
 // ShmServer; stateless functions, thread-compatible.
 #ifndef MUOND_SERVER_API_SHM_ATTACH_H_
 #define MUOND_SERVER_API_SHM_ATTACH_H_
@@ -11,8 +11,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "muond/v1/muond.pb.h"
-#include "server/jobs/job_registry.h"
 #include "server/api/shm_session.h"
+#include "server/jobs/job_registry.h"
 
 namespace muond::server::shm_attach {
 
@@ -40,6 +40,11 @@ absl::StatusOr<std::shared_ptr<Job>> Authorize(JobRegistry& registry,
                                                const v1::ShmAttachRequest& req);
 // Creates the session's regions, doorbell and completion descriptors and fills the reply.
 absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& reply);
+// Registers the session's regions with `device` for direct copies (DESIGN.md 5: cudaHostRegister
+// on CUDA, an imported host pointer on Level Zero): OK with session.device_registered set, or why
+// not (nothing stays registered; the session works, its steps stage on the host). Blocks while the
+// driver pins the pages. REQUIRES: the session's regions exist; device.DirectHostCopies().
+absl::Status RegisterWithDevice(ShmSession& session, device::Device& device);
 // An error while setting a session up, named for `who`.
 absl::Status SetupError(const std::string& who, const absl::Status& s);
 // RESOURCE_EXHAUSTED naming the descriptor limit.

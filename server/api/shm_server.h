@@ -3,7 +3,8 @@
 //
 // ShmServer listens on a Unix SOCK_SEQPACKET socket next to the gRPC one. A rank attaches with its
 // job token; the daemon creates the session's memfd regions (gradient in, update out, each double
-// buffered, sized for the rank's spans; sealed; mlock()ed once) and ring, and passes them with
+// buffered, sized for the rank's spans; sealed; mlock()ed once; registered with a GPU device
+// for direct copies, server/jobs/step_pipeline.h) and ring, and passes them with
 // SCM_RIGHTS. Doorbells are handled by one thread (epoll over every session's socket and doorbell
 // eventfd); the step itself runs on the job's compute queue, which reads the gradient spans from
 // the region and writes the update spans into the out region directly. A session ends when its
@@ -26,9 +27,9 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
-#include "common/shm_protocol.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/shm_protocol.h"
 #include "server/jobs/job_registry.h"
 
 namespace muond::server {
@@ -45,6 +46,10 @@ struct ShmLimits {
   absl::Duration attach_timeout = absl::Seconds(5);
   // A larger attach request is answered INVALID_ARGUMENT and its connection closed.
   size_t max_attach_request_bytes = 64 * 1024;
+  // Register each session's regions with the compute device at attach, where the device has
+  // memory of its own (Device::DirectHostCopies), so that steps copy them in place by DMA; off:
+  // every step stages on the host (tests and comparisons of the two paths).
+  bool register_with_device = true;
 };
 
 // Who is at the other end of a connection (SO_PEERCRED, taken when it was accepted).
@@ -106,6 +111,9 @@ class ShmServer {
   bool RefuseWithoutDescriptors(int err);
   void PauseListening(Clock::time_point now);
   void HandleAttach(int conn);
+  // Registers the session's regions with the compute device (ShmLimits::register_with_device);
+  // a failure is logged and counted, the session works through host staging.
+  void RegisterWithDevice(ShmSession& session, const std::string& who);
   void RegisterSession(const std::shared_ptr<ShmSession>& session, const std::string& who,
                        bool pinned);
   // Answers a pending connection with `status` (best effort) and closes it; `reason` (the label
@@ -143,7 +151,7 @@ class ShmServer {
   // Used by the server thread only (and the destructor once it has stopped).
   std::map<int, Pending> pending_;
   std::set<std::pair<Clock::time_point, int>> deadlines_;  // of pending_, soonest first
-  int reserve_fd_;                      // /dev/null, closed to accept-and-refuse at EMFILE
+  int reserve_fd_;                           // /dev/null, closed to accept-and-refuse at EMFILE
   Clock::time_point listen_paused_until_{};  // the listening socket's EPOLLIN is off until then
   bool listen_paused_ = false;
   std::map<std::string, std::pair<Clock::time_point, uint64_t>> refusal_log_;  // last line, held

@@ -1,6 +1,6 @@
-// One attached shared-memory session of the ShmServer (server/api/shm_server.h): the regions a rank's
-// steps read and write, the completion ring with its eventfd, and what the server thread keeps
-// about the rank (job, rank, session id, span offsets, the peer's credentials).
+// One attached shared-memory session of the ShmServer (server/api/shm_server.h): the regions a
+// rank's steps read and write, the completion ring with its eventfd, and what the server thread
+// keeps about the rank (job, rank, session id, span offsets, the peer's credentials).
 //
 // Thread-safety: ShmSession is read by the server thread and the metrics; only the server thread
 // changes it (sub_tail). ShmRegions and CompletionChannel are shared with the steps in flight
@@ -23,8 +23,9 @@
 #include "common/logging.h"
 #include "common/shm_protocol.h"
 #include "common/shm_region.h"
-#include "server/jobs/job.h"
 #include "server/api/shm_server.h"
+#include "server/device/device.h"
+#include "server/jobs/job.h"
 
 namespace muond::server {
 
@@ -32,6 +33,12 @@ namespace muond::server {
 struct ShmRegions {
   common::SharedRegion in;
   common::SharedRegion out;
+  // The regions registered with the compute device for direct copies (DESIGN.md 5; empty when
+  // the device has no memory of its own or refused): declared after the regions, so unregistered
+  // before they are unmapped, when the last step, replay or session holding them lets go (a step
+  // holds them until its device work finished: no copy of them is in flight then).
+  device::HostRegistration in_device;
+  device::HostRegistration out_device;
 };
 
 // Where completions go: the ring and the completion eventfd (owned; closed on destruction).
@@ -98,6 +105,8 @@ struct ShmSession {
   uint64_t session_id = 0;
   uint64_t buffer_bytes = 0;
   uint64_t pinned_bytes = 0;  // bytes of the session's regions locked in memory (metrics)
+  // The regions are registered with the compute device: steps copy them by DMA in place.
+  bool device_registered = false;
   std::vector<uint64_t> byte_offsets;  // per span of RankSpans
   // Apply mode: per span, where its parameters (param dtype) are in each buffer; where the step's
   // hyperparameters are in each gradient buffer (common/shm_protocol.h).

@@ -6,7 +6,8 @@
 // server/optim for the math it runs and nothing above it; server/jobs drives it.
 //
 // Shaped for CUDA streams/events and Level Zero immediate command lists as well as the CPU:
-// memory is either host memory (registered = pinned once) or device memory (DeviceBuffer, owned,
+// memory is either host memory (registered = pinned once; on GPU devices registered memory is
+// copied by DMA in place, DirectHostCopies) or device memory (DeviceBuffer, owned,
 // move-only); a Stream runs copies and kernels in the order they were enqueued; an Event marks a
 // point in a stream that the host or another stream can wait for. Every method says whether it
 // "enqueues" (returns at once; the work runs later on the stream) or "blocks".
@@ -22,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,7 +38,8 @@ class Device;
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  DeviceBuffer(Device* device, void* data, size_t size) : device_(device), data_(data), size_(size) {}
+  DeviceBuffer(Device* device, void* data, size_t size)
+      : device_(device), data_(data), size_(size) {}
   DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
   DeviceBuffer(const DeviceBuffer&) = delete;
@@ -78,6 +81,14 @@ class Stream {
   // Enqueues a copy of `bytes` from `src` at `offset` to host `dst`.
   virtual absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
                                   size_t bytes) = 0;
+  // Enqueues dst[i] = src[i] converted from `from` to `to` for `elements` values, both buffers
+  // from element 0: widening to float32 is exact; narrowing rounds to nearest even as
+  // common::FromFloat32 does (NaN stays NaN, float16 overflow is +-inf); same dtypes copy.
+  // The step pipeline widens gradients and narrows updates with it where they are copied
+  // straight between the ranks' regions and the device. OUT_OF_RANGE when a buffer is too small;
+  // INVALID_ARGUMENT when neither dtype is float32 and they differ, or src and dst are one buffer.
+  virtual absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
+                               common::DType to, size_t elements) = 0;
   // Enqueues the Muon update (DESIGN.md 3) of each item with `config`.
   virtual absl::Status Muon(const common::MuonConfig& config,
                             std::vector<MuonKernelItem> items) = 0;
@@ -100,7 +111,27 @@ class Device {
   // Registers (pins) host memory once for fast copies; false when the platform refused (the memory
   // still works, unpinned). Blocks.
   virtual bool RegisterHost(void* data, size_t bytes) = 0;
+  // Undoes RegisterHost / RegisterHostRegion of exactly that range. Blocks.
+  // REQUIRES: no copy of the range is enqueued and unfinished.
   virtual void UnregisterHost(void* data, size_t bytes) = 0;
+
+  // Direct copies (DESIGN.md 5): true on devices with memory of their own (cuda, level_zero),
+  // whose DMA engines read and write registered host memory in place. The step pipeline then
+  // copies a rank's gradient spans from its shared-memory region to the device and the update
+  // spans back into the rank's update region with one asynchronous copy per span, and widens and
+  // narrows on the device (Stream::Convert): no fp32 host staging, no bounce buffer. False on the
+  // host-memory devices (cpu, simulated; unless SimulatedOptions::direct_host_copies), whose steps
+  // assemble on the host as before.
+  virtual bool DirectHostCopies() const { return false; }
+  // RegisterHost that says why not: OK once [data, data + bytes) is registered (pinned with
+  // cudaHostRegister; imported on Level Zero; mlock()ed whole pages on the host devices), else
+  // the driver's reason (FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNIMPLEMENTED where the driver
+  // cannot import host memory); the memory then still works, its copies are staged. Blocks.
+  virtual absl::Status RegisterHostRegion(void* data, size_t bytes);
+  // True when all of [data, data + bytes) is host memory registered with this device for direct
+  // copies (always false on devices whose DirectHostCopies() is false). Thread-safe; does not
+  // block on the device.
+  virtual bool IsHostRegistered(const void* data, size_t bytes) const { return false; }
   virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
   // The simulated device's clock in seconds (the modelled end of all work so far); 0 elsewhere.
   virtual double SimulatedSeconds() const { return 0; }
@@ -123,14 +154,45 @@ class Device {
   virtual void Free(void* data, size_t size) = 0;
 };
 
+// A range of host memory registered with a device (Device::RegisterHostRegion), unregistered by
+// the destructor. Move-only; the device must outlive it, and no copy of the range may be in flight
+// when it is destroyed (hold it as long as the memory it registers, e.g. beside a shared region).
+class HostRegistration {
+ public:
+  HostRegistration() = default;
+  // Registers [data, data + bytes) with `device`; the error says why not (see RegisterHostRegion).
+  static absl::StatusOr<HostRegistration> Register(Device& device, void* data, size_t bytes);
+  HostRegistration(HostRegistration&& o) noexcept { *this = std::move(o); }
+  HostRegistration& operator=(HostRegistration&& o) noexcept;
+  HostRegistration(const HostRegistration&) = delete;
+  HostRegistration& operator=(const HostRegistration&) = delete;
+  ~HostRegistration();
+  bool registered() const { return device_ != nullptr; }
+  size_t size() const { return size_; }
+
+ private:
+  HostRegistration(Device* device, void* data, size_t size)
+      : device_(device), data_(data), size_(size) {}
+  Device* device_ = nullptr;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
 // Simulated device parameters (--backend simulated).
 struct SimulatedOptions {
-  double copy_gbps = 16;            // host<->device bandwidth, GB/s
-  double copy_latency_us = 10;      // per copy
-  double compute_gflops = 200;      // Newton-Schulz rate
-  bool sleep = false;               // also spend the modelled time in wall-clock time
+  double copy_gbps = 16;        // host<->device bandwidth, GB/s
+  double copy_latency_us = 10;  // per copy
+  double compute_gflops = 200;  // Newton-Schulz rate
+  bool sleep = false;           // also spend the modelled time in wall-clock time
   // Test hook: the n-th kernel (1-based) fails with INTERNAL; 0: never.
   int fail_kernel = 0;
+  // Test hooks of the direct-copy path (no flag; tests construct the device): model a device with
+  // memory of its own, so that DirectHostCopies() is true and IsHostRegistered() answers for the
+  // ranges RegisterHostRegion registered, and the step pipeline's direct path runs on the host;
+  // `fail_register` makes every RegisterHostRegion fail (FAILED_PRECONDITION), as a driver that
+  // cannot pin a region would.
+  bool direct_host_copies = false;
+  bool fail_register = false;
 };
 
 struct BackendChoice {

@@ -4,20 +4,27 @@
 // overlap can be measured and tested without a GPU). The host has a clock too: waiting for an
 // event moves it to the event's time, and work enqueued later starts no earlier (as on a GPU,
 // where the host enqueues after it saw the event), so a serial schedule costs the sum of its
-// stages on the modelled clock.
+// stages on the modelled clock. Neither copies from registered memory directly (their "device"
+// memory is host memory: steps keep the host assembly), except the simulated device in its
+// direct-copy test mode (SimulatedOptions::direct_host_copies), which stands in for a GPU so that
+// the step pipeline's direct path runs and is checked on any machine.
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <utility>
+#include <cerrno>
 #include <cstring>
 #include <deque>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/dtype.h"
+#include "server/device/convert_check.h"
 #include "server/device/device.h"
+#include "server/device/host_ranges.h"
 #include "server/optim/muon_math.h"
 
 namespace muond::server::device {
@@ -34,6 +41,35 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 
 DeviceBuffer::~DeviceBuffer() {
   if (device_ != nullptr && data_ != nullptr) device_->Free(data_, size_);
+}
+
+absl::Status Device::RegisterHostRegion(void* data, size_t bytes) {
+  if (RegisterHost(data, bytes)) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(name(), ": cannot register ", bytes, " bytes of host memory"));
+}
+
+absl::StatusOr<HostRegistration> HostRegistration::Register(Device& device, void* data,
+                                                            size_t bytes) {
+  if (data == nullptr || bytes == 0) {
+    return absl::InvalidArgumentError("registration of an empty host range");
+  }
+  if (absl::Status s = device.RegisterHostRegion(data, bytes); !s.ok()) return s;
+  return HostRegistration(&device, data, bytes);
+}
+
+HostRegistration& HostRegistration::operator=(HostRegistration&& o) noexcept {
+  if (this != &o) {
+    if (device_ != nullptr) device_->UnregisterHost(data_, size_);
+    device_ = std::exchange(o.device_, nullptr);
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+HostRegistration::~HostRegistration() {
+  if (device_ != nullptr) device_->UnregisterHost(data_, size_);
 }
 
 namespace {
@@ -92,8 +128,9 @@ class HostStream final : public Stream {
 
   absl::Status CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
                             size_t bytes) override;
-  absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
-                          size_t bytes) override;
+  absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset, size_t bytes) override;
+  absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
+                       common::DType to, size_t elements) override;
   absl::Status Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) override;
   absl::StatusOr<std::shared_ptr<Event>> Record() override;
   absl::Status WaitFor(std::shared_ptr<Event> event) override;
@@ -111,7 +148,7 @@ class HostStream final : public Stream {
     double not_before = 0;  // the host clock when enqueued (the op cannot start earlier)
     std::shared_ptr<HostEvent> wait_for;  // a cross-stream dependency
     std::shared_ptr<HostEvent> record;    // an event to reach
-    int kind = 0;  // 0 copy in, 1 kernel, 2 writeback (for HostDevice::Busy)
+    int kind = 0;                         // 0 copy in, 1 kernel, 2 writeback (for HostDevice::Busy)
   };
   HostDevice* device_;
   absl::Mutex mu_;
@@ -136,7 +173,8 @@ class HostDevice final : public Device {
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     void* p = std::malloc(std::max<size_t>(bytes, 1));
     if (p == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat(name_, ": cannot allocate ", bytes, " bytes"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(name_, ": cannot allocate ", bytes, " bytes"));
     }
     return DeviceBuffer(this, p, bytes);
   }
@@ -148,8 +186,37 @@ class HostDevice final : public Device {
     return n == 0 || mlock(at, n) == 0;
   }
   void UnregisterHost(void* data, size_t bytes) override {
+    {
+      absl::MutexLock lock(&mu_);
+      direct_.Remove(data);
+    }
     const auto [at, n] = WholePages(data, bytes);
     if (n != 0) munlock(at, n);
+  }
+  // The direct-copy test hooks (SimulatedOptions): registered ranges are remembered so that the
+  // step pipeline's direct path can be run and checked without a GPU.
+  bool DirectHostCopies() const override { return simulated_ && sim_.direct_host_copies; }
+  absl::Status RegisterHostRegion(void* data, size_t bytes) override {
+    if (simulated_ && sim_.fail_register) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(name_, ": registration of ", bytes,
+                       " bytes refused (test hook SimulatedOptions::fail_register)"));
+    }
+    if (!RegisterHost(data, bytes)) {
+      const int err = errno;
+      return absl::ResourceExhaustedError(
+          absl::StrCat(name_, ": mlock of ", bytes, " bytes: ", std::strerror(err)));
+    }
+    if (DirectHostCopies()) {
+      absl::MutexLock lock(&mu_);
+      direct_.Add(data, bytes);
+    }
+    return absl::OkStatus();
+  }
+  bool IsHostRegistered(const void* data, size_t bytes) const override {
+    if (!DirectHostCopies()) return false;
+    absl::MutexLock lock(&mu_);
+    return direct_.Covers(data, bytes);
   }
   static std::pair<void*, size_t> WholePages(void* data, size_t bytes) {
     const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
@@ -177,8 +244,9 @@ class HostDevice final : public Device {
   bool simulated() const { return simulated_; }
   const SimulatedOptions& sim() const { return sim_; }
   double CopyCost(size_t bytes) const {
-    return simulated_ ? sim_.copy_latency_us * 1e-6 + static_cast<double>(bytes) / (sim_.copy_gbps * 1e9)
-                      : 0;
+    return simulated_
+               ? sim_.copy_latency_us * 1e-6 + static_cast<double>(bytes) / (sim_.copy_gbps * 1e9)
+               : 0;
   }
   double KernelCost(double flops) const {
     return simulated_ ? flops / (sim_.compute_gflops * 1e9) : 0;
@@ -216,6 +284,7 @@ class HostDevice final : public Device {
   double host_time_ ABSL_GUARDED_BY(mu_) = 0;
   int kernels_ ABSL_GUARDED_BY(mu_) = 0;
   BusySeconds busy_ ABSL_GUARDED_BY(mu_);
+  HostRanges direct_ ABSL_GUARDED_BY(mu_);  // test mode: ranges registered for direct copies
 };
 
 absl::Status HostEvent::Wait() {
@@ -248,11 +317,12 @@ absl::Status HostStream::CopyToDevice(DeviceBuffer& dst, size_t offset, const vo
                                               " overruns a ", dst.size(), "-byte device buffer"));
   }
   char* to = static_cast<char*>(dst.data()) + offset;
-  Enqueue([to, src, bytes] {
-            std::memcpy(to, src, bytes);
-            return absl::OkStatus();
-          },
-          device_->CopyCost(bytes), 0);
+  Enqueue(
+      [to, src, bytes] {
+        std::memcpy(to, src, bytes);
+        return absl::OkStatus();
+      },
+      device_->CopyCost(bytes), 0);
   return absl::OkStatus();
 }
 
@@ -263,11 +333,34 @@ absl::Status HostStream::CopyToHost(void* dst, const DeviceBuffer& src, size_t o
                                               " overruns a ", src.size(), "-byte device buffer"));
   }
   const char* from = static_cast<const char*>(src.data()) + offset;
-  Enqueue([dst, from, bytes] {
-            std::memcpy(dst, from, bytes);
-            return absl::OkStatus();
-          },
-          device_->CopyCost(bytes), 2);
+  Enqueue(
+      [dst, from, bytes] {
+        std::memcpy(dst, from, bytes);
+        return absl::OkStatus();
+      },
+      device_->CopyCost(bytes), 2);
+  return absl::OkStatus();
+}
+
+absl::Status HostStream::Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
+                                 common::DType to, size_t elements) {
+  if (absl::Status s = CheckConvert(src, from, dst, to, elements); !s.ok()) return s;
+  const void* in = src.data();
+  void* out = dst.data();
+  // Memory-bound work on the "device" (host memory here): not modelled on the simulated clock,
+  // as the link is two orders of magnitude slower than a GPU's memory.
+  Enqueue(
+      [in, from, out, to, elements] {
+        if (from == to) {
+          std::memcpy(out, in, elements * common::DTypeSize(from));
+        } else if (to == common::DType::kFloat32) {
+          common::ToFloat32(from, in, elements, static_cast<float*>(out));
+        } else {
+          common::FromFloat32(static_cast<const float*>(in), elements, to, out);
+        }
+        return absl::OkStatus();
+      },
+      0, 1);
   return absl::OkStatus();
 }
 
@@ -275,37 +368,38 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
   double flops = 0;
   for (const MuonKernelItem& it : items) flops += MuonFlops(config, *it.spec);
   HostDevice* device = device_;
-  Enqueue([config, items = std::move(items), device]() -> absl::Status {
-            if (device->InjectKernelFailure()) {
-              return absl::InternalError(absl::StrCat(device->name(), ": injected kernel failure"));
+  Enqueue(
+      [config, items = std::move(items), device]() -> absl::Status {
+        if (device->InjectKernelFailure()) {
+          return absl::InternalError(absl::StrCat(device->name(), ": injected kernel failure"));
+        }
+        // Same-shape matrices (equal shape and heads) go into one batched Newton-Schulz.
+        std::vector<bool> done(items.size(), false);
+        for (size_t i = 0; i < items.size(); ++i) {
+          if (done[i]) continue;
+          const common::MatrixSpec& spec = *items[i].spec;
+          std::vector<const common::MatrixSpec*> specs;
+          std::vector<const float*> grads;
+          std::vector<float*> momenta, updates;
+          for (size_t j = i; j < items.size(); ++j) {
+            const common::MatrixSpec& other = *items[j].spec;
+            if (done[j] || other.shape != spec.shape || other.num_heads != spec.num_heads) {
+              continue;
             }
-            // Same-shape matrices (equal shape and heads) go into one batched Newton-Schulz.
-            std::vector<bool> done(items.size(), false);
-            for (size_t i = 0; i < items.size(); ++i) {
-              if (done[i]) continue;
-              const common::MatrixSpec& spec = *items[i].spec;
-              std::vector<const common::MatrixSpec*> specs;
-              std::vector<const float*> grads;
-              std::vector<float*> momenta, updates;
-              for (size_t j = i; j < items.size(); ++j) {
-                const common::MatrixSpec& other = *items[j].spec;
-                if (done[j] || other.shape != spec.shape || other.num_heads != spec.num_heads) {
-                  continue;
-                }
-                done[j] = true;
-                specs.push_back(&other);
-                auto* g = static_cast<float*>(items[j].grad_update->data());
-                grads.push_back(g);
-                updates.push_back(g);
-                momenta.push_back(static_cast<float*>(items[j].momentum->data()));
-              }
-              absl::Status s = MuonUpdateSameShape(config, grads.size(), specs.data(), grads.data(),
-                                                   momenta.data(), updates.data());
-              if (!s.ok()) return s;
-            }
-            return absl::OkStatus();
-          },
-          device_->KernelCost(flops), 1);
+            done[j] = true;
+            specs.push_back(&other);
+            auto* g = static_cast<float*>(items[j].grad_update->data());
+            grads.push_back(g);
+            updates.push_back(g);
+            momenta.push_back(static_cast<float*>(items[j].momentum->data()));
+          }
+          absl::Status s = MuonUpdateSameShape(config, grads.size(), specs.data(), grads.data(),
+                                               momenta.data(), updates.data());
+          if (!s.ok()) return s;
+        }
+        return absl::OkStatus();
+      },
+      device_->KernelCost(flops), 1);
   return absl::OkStatus();
 }
 
@@ -354,8 +448,8 @@ void HostStream::Loop(int math_threads) {
     } else {
       const absl::Time start = absl::Now();
       if (error_.ok()) error_ = op.run();
-      device_->AddBusy(op.kind, device_->simulated() ? op.sim_cost
-                                                     : absl::ToDoubleSeconds(absl::Now() - start));
+      device_->AddBusy(
+          op.kind, device_->simulated() ? op.sim_cost : absl::ToDoubleSeconds(absl::Now() - start));
       sim_time_ = std::max(sim_time_, op.not_before) + op.sim_cost;
       device_->AdvanceClock(sim_time_);
       if (device_->simulated() && device_->sim().sleep && op.sim_cost > 0) {

@@ -119,6 +119,9 @@ class JobRegistry {
   bool AnyStepInFlight() const;
   // Compute tasks waiting on the daemon's executor (muond_compute_queue_depth).
   size_t compute_queue_depth() const { return executor_->queue_depth(); }
+  // The daemon's compute device and its streams (the shared-memory server registers the ranks'
+  // regions with the device); null when the registry was made without one.
+  DeviceStreams* devices() const { return devices_; }
 
  private:
   // Entries of a jobs directory only this daemon makes (job ids cannot start with a dot), and the

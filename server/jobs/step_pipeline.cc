@@ -14,11 +14,15 @@ namespace muond::server {
 
 struct StepPipeline::Batch {
   std::vector<uint32_t> matrices;
-  std::vector<std::vector<float>> staging;  // per matrix: the gradient, then the update
+  std::vector<std::vector<float>> staging;  // per matrix: the gradient, then the update (staged)
+  std::vector<bool> direct;                 // per matrix: copied straight from and to the ranks
   std::vector<device::DeviceBuffer> grad;   // per device matrix (Muon), device
   std::vector<device::DeviceBuffer> mom;    // per device matrix, device
-  std::vector<size_t> on_device;            // the indices into `matrices` that have buffers
-  std::shared_ptr<device::Event> written;   // the writeback is complete (null: no device work)
+  // Per device matrix: direct with a 16-bit gradient, the gradient as it came (then the update
+  // narrowed for the ranks); else empty.
+  std::vector<device::DeviceBuffer> raw;
+  std::vector<size_t> on_device;           // the indices into `matrices` that have buffers
+  std::shared_ptr<device::Event> written;  // the writeback is complete (null: no device work)
 };
 
 // One call of Drain: the batches it has in flight and the first device error.
@@ -168,6 +172,7 @@ class StepPipeline::Run {
         }
         continue;
       }
+      if (b.direct[i]) continue;  // already in the ranks' update regions
       for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
         const common::ShardSpan& span = p_.layout_.spans(ref.rank)[ref.span];
         common::FromFloat32(b.staging[i].data() + span.offset, span.length,
@@ -181,6 +186,7 @@ class StepPipeline::Run {
     }
     for (device::DeviceBuffer& d : b.grad) p_.GiveBack(std::move(d));
     for (device::DeviceBuffer& d : b.mom) p_.GiveBack(std::move(d));
+    for (device::DeviceBuffer& d : b.raw) p_.GiveBack(std::move(d));
     absl::MutexLock lock(p_.job_mu_);
     state_.matrices_done += b.matrices.size();
   }
@@ -214,44 +220,62 @@ class StepPipeline::Run {
     state_.matrices_done += batch.matrices.size();
   }
 
-  // Assembly of each whole matrix on the host (fp32) and its device buffers.
+  // Each matrix of the batch: assembled whole on the host (fp32), unless it goes direct; and its
+  // device buffers.
   absl::Status Assemble(Batch& batch) {
     batch.staging.resize(batch.matrices.size());
     for (size_t i = 0; i < batch.matrices.size(); ++i) {
       const uint32_t m = batch.matrices[i];
       const common::MatrixSpec& ms = p_.spec_.matrices[m];
-      const size_t n = static_cast<size_t>(ms.numel());
-      const absl::Time gather_start = absl::Now();
-      batch.staging[i] = p_.TakeStaging(n);
-      // The owners' spans, in slices over the CPUs (large tensors are hundreds of megabytes).
-      const std::vector<JobLayout::OwnerSlice> slices =
-          p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
-      const size_t esize = common::DTypeSize(ms.dtype);
-      common::ParallelFor(slices.size(), n * (esize + sizeof(float)), [&](size_t k) {
-        const JobLayout::SpanRef& ref = *slices[k].ref;
-        const common::ShardSpan& span = p_.layout_.spans(ref.rank)[ref.span];
-        common::ToFloat32(
-            ms.dtype, state_.ranks[ref.rank].span_in[ref.span] + slices[k].begin * esize,
-            slices[k].length, batch.staging[i].data() + span.offset + slices[k].begin);
-      });
-      if (p_.apply_ != nullptr) {
-        absl::Status s =
-            p_.apply_->PrepareGradient(state_, m, batch.staging[i].data(), &state_.sum_sq[m]);
-        if (!s.ok()) {
-          refused_ = true;
-          return s;
-        }
-      }
-      state_.phase_seconds[0] += absl::ToDoubleSeconds(absl::Now() - gather_start);
+      const bool direct = p_.Direct(state_, m);
+      batch.direct.push_back(direct);
+      if (!direct) RETURN_IF_ERROR(AssembleOnHost(batch, i));
       if (ms.optimizer == common::Optimizer::kAdamW && p_.apply_ != nullptr) continue;
       batch.on_device.push_back(i);
+      const size_t n = static_cast<size_t>(ms.numel());
       auto g = p_.TakeDeviceBuffer(n * sizeof(float));
       if (!g.ok()) return g.status();
       auto mo = p_.TakeDeviceBuffer(n * sizeof(float));
       if (!mo.ok()) return mo.status();
+      device::DeviceBuffer raw;
+      if (direct && ms.dtype != common::DType::kFloat32) {
+        auto r = p_.TakeDeviceBuffer(n * common::DTypeSize(ms.dtype));
+        if (!r.ok()) return r.status();
+        raw = *std::move(r);
+      }
       batch.grad.push_back(*std::move(g));
       batch.mom.push_back(*std::move(mo));
+      batch.raw.push_back(std::move(raw));
     }
+    return absl::OkStatus();
+  }
+
+  // The staged path's assembly of matrix i of the batch: the owners' spans in fp32, in slices
+  // over the CPUs (large tensors are hundreds of megabytes); apply mode scales and sums it.
+  absl::Status AssembleOnHost(Batch& batch, size_t i) {
+    const uint32_t m = batch.matrices[i];
+    const common::MatrixSpec& ms = p_.spec_.matrices[m];
+    const size_t n = static_cast<size_t>(ms.numel());
+    const absl::Time gather_start = absl::Now();
+    batch.staging[i] = p_.TakeStaging(n);
+    const std::vector<JobLayout::OwnerSlice> slices = p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
+    const size_t esize = common::DTypeSize(ms.dtype);
+    common::ParallelFor(slices.size(), n * (esize + sizeof(float)), [&](size_t k) {
+      const JobLayout::SpanRef& ref = *slices[k].ref;
+      const common::ShardSpan& span = p_.layout_.spans(ref.rank)[ref.span];
+      common::ToFloat32(ms.dtype,
+                        state_.ranks[ref.rank].span_in[ref.span] + slices[k].begin * esize,
+                        slices[k].length, batch.staging[i].data() + span.offset + slices[k].begin);
+    });
+    if (p_.apply_ != nullptr) {
+      absl::Status s =
+          p_.apply_->PrepareGradient(state_, m, batch.staging[i].data(), &state_.sum_sq[m]);
+      if (!s.ok()) {
+        refused_ = true;
+        return s;
+      }
+    }
+    state_.phase_seconds[0] += absl::ToDoubleSeconds(absl::Now() - gather_start);
     return absl::OkStatus();
   }
 
@@ -262,8 +286,14 @@ class StepPipeline::Run {
     for (size_t k = 0; k < batch.grad.size(); ++k) {
       const size_t i = batch.on_device[k];
       const uint32_t m = batch.matrices[i];
-      const size_t bytes = batch.staging[i].size() * sizeof(float);
-      RETURN_IF_ERROR(dev_.copy_in->CopyToDevice(batch.grad[k], 0, batch.staging[i].data(), bytes));
+      const size_t bytes = static_cast<size_t>(p_.spec_.matrices[m].numel()) * sizeof(float);
+      if (batch.direct[i]) {
+        RETURN_IF_ERROR(p_.CopySpansIn(state_, m, RawOrGrad(batch, k)));
+      } else {
+        RETURN_IF_ERROR(
+            dev_.copy_in->CopyToDevice(batch.grad[k], 0, batch.staging[i].data(), bytes));
+        CountStaged(true, bytes);
+      }
       // The committed momentum, read in place from the (registered) store: it does not change
       // before commit, which waits for this step's device work.
       RETURN_IF_ERROR(dev_.copy_in->CopyToDevice(batch.mom[k], 0, p_.CommittedMomentum(m), bytes));
@@ -272,18 +302,48 @@ class StepPipeline::Run {
     auto copied = dev_.copy_in->Record();
     if (!copied.ok()) return copied.status();
     RETURN_IF_ERROR(dev_.compute->WaitFor(*copied));
+    RETURN_IF_ERROR(ConvertRaw(batch, /*widen=*/true));
     RETURN_IF_ERROR(dev_.compute->Muon(p_.spec_.muon, std::move(items)));
+    RETURN_IF_ERROR(ConvertRaw(batch, /*widen=*/false));
     auto computed = dev_.compute->Record();
     if (!computed.ok()) return computed.status();
     RETURN_IF_ERROR(dev_.writeback->WaitFor(*computed));
     for (size_t k = 0; k < batch.grad.size(); ++k) {
-      std::vector<float>& staging = batch.staging[batch.on_device[k]];
+      const size_t i = batch.on_device[k];
+      if (batch.direct[i]) {
+        RETURN_IF_ERROR(p_.CopySpansOut(state_, batch.matrices[i], RawOrGrad(batch, k)));
+        continue;
+      }
+      std::vector<float>& staging = batch.staging[i];
       RETURN_IF_ERROR(dev_.writeback->CopyToHost(staging.data(), batch.grad[k], 0,
                                                  staging.size() * sizeof(float)));
+      CountStaged(false, staging.size() * sizeof(float));
     }
     auto written = dev_.writeback->Record();
     if (!written.ok()) return written.status();
     batch.written = *written;
+    return absl::OkStatus();
+  }
+
+  // Where device matrix k of a direct batch is copied from and to the ranks: its raw buffer for a
+  // 16-bit gradient, else the fp32 gradient buffer itself.
+  static device::DeviceBuffer& RawOrGrad(Batch& batch, size_t k) {
+    return batch.raw[k].size() > 0 ? batch.raw[k] : batch.grad[k];
+  }
+
+  // On the compute stream, the direct 16-bit matrices: widens the raw gradients into the fp32
+  // buffers, or narrows the updates into the raw buffers.
+  absl::Status ConvertRaw(Batch& batch, bool widen) {
+    for (size_t k = 0; k < batch.raw.size(); ++k) {
+      if (batch.raw[k].size() == 0) continue;
+      const common::MatrixSpec& ms = p_.spec_.matrices[batch.matrices[batch.on_device[k]]];
+      const common::DType dtype = ms.dtype;
+      const size_t n = static_cast<size_t>(ms.numel());
+      RETURN_IF_ERROR(widen ? dev_.compute->Convert(batch.raw[k], dtype, batch.grad[k],
+                                                    common::DType::kFloat32, n)
+                            : dev_.compute->Convert(batch.grad[k], common::DType::kFloat32,
+                                                    batch.raw[k], dtype, n));
+    }
     return absl::OkStatus();
   }
 
@@ -335,7 +395,9 @@ StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
       devices_(devices),
       gather_budget_bytes_(gather_budget_bytes),
       job_mu_(job_mu),
-      sink_(sink) {}
+      sink_(sink) {
+  CountStaged(true, 0);  // declares muond_step_copy_bytes_total before the first scrape
+}
 
 StepPipeline::~StepPipeline() = default;
 

@@ -4,6 +4,20 @@
 // up to DeviceStreams::kDepth batches are in flight on the three streams (copy-in, compute,
 // writeback), ordered by events. Each update is then scattered into the ranks' output spans.
 //
+// Direct copies (step_pipeline_direct.cc): on a device with memory of its own (CUDA, Level Zero:
+// Device::DirectHostCopies), a matrix whose every owner span lies in the ranks' shared-memory
+// regions registered with the device (at attach, server/api/shm_attach.cc) is not assembled on
+// the host at all: each owner's gradient span is copied by DMA straight from its region into the
+// matrix's device buffer at the span's offset (one asynchronous copy per span, on the copy-in
+// stream), widened to fp32 on the device when the gradient dtype is narrower, and after Muon the
+// update is narrowed on the device and each span copied straight into the owner's update region
+// (writeback stream). Such a matrix uses no host staging; on the device it holds the fp32
+// gradient and momentum as before plus, for a 16-bit gradient, its raw copy (2 bytes an element,
+// reused for the narrowed update), so the gather budget still counts 8 bytes an element.
+// Everything else takes the staged path: host devices (cpu, simulated), gRPC ranks, regions whose
+// registration failed, apply mode (its gradient norm, clipping and AdamW run on the host) and the
+// transport probe.
+//
 // The device computes the new momentum next to the update but it is not written back: the store
 // changes only at commit (Job::Commit re-applies the same EMA on the host), which keeps a refused
 // step's momentum bit-identical without a staged copy.
@@ -77,6 +91,20 @@ class StepPipeline {
 
   // Whole-matrix bytes a matrix holds while assembled (fp32 gradient and momentum).
   uint64_t AssembledBytes(uint32_t m) const;
+
+  // The direct path (step_pipeline_direct.cc). Under no lock: the spans of a complete matrix do
+  // not change until the step ends.
+  // True when matrix m goes straight between the ranks' regions and the device (see above).
+  bool Direct(const StepState& state, uint32_t m) const;
+  // Enqueues on the copy-in stream one copy per owner span of m, from the owner's gradient
+  // region into `dst` (the gradient dtype, at the span's element offset).
+  absl::Status CopySpansIn(const StepState& state, uint32_t m, device::DeviceBuffer& dst) const;
+  // Enqueues on the writeback stream one copy per owner span of m, from `src` (the gradient
+  // dtype) into the owner's update region.
+  absl::Status CopySpansOut(const StepState& state, uint32_t m,
+                            const device::DeviceBuffer& src) const;
+  // Counts bytes of the staged path (muond_step_copy_bytes_total{path="staged"}).
+  static void CountStaged(bool to_device, uint64_t bytes);
   // Matrix m's committed momentum (the update mode store or apply mode's front).
   const float* CommittedMomentum(uint32_t m) const;
 

@@ -27,7 +27,8 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMUOND_
   -DMUOND_BUILD_TESTS=ON -DMUOND_BUILD_BENCHMARKS=ON >"$build.configure.log" 2>&1 ||
   { tail -30 "$build.configure.log"; exit 1; }
 grep -q "CUDA toolkit ON" "$build.configure.log" || { echo "CUDA toolkit not found"; exit 1; }
-ninja -C "$build" -j "$jobs" muond muond-bench cuda_device_tests muond_client_shared || exit 1
+ninja -C "$build" -j "$jobs" muond muond-bench cuda_device_tests device_direct_copy_tests \
+  muond_client_shared || exit 1
 echo "built in $((SECONDS - start)) s"
 
 step "cuda_device_tests"
@@ -37,6 +38,22 @@ if [ "$have_gpu" = 1 ] && grep -q "^\[  SKIPPED \] Cuda" "$build/cuda_device_tes
   echo "a GPU is present but CUDA tests skipped"
   failed+=(cuda_device_tests-skipped)
 fi
+
+step "direct copies: registered shared-memory regions <-> device (device_direct_copy_tests)"
+# The simulated direct path, then the CUDA suite: in-place copies of a registered memfd region,
+# the widen/narrow kernels against the host, steps direct vs staged bit for bit, and the
+# measurement: pinned copy GB/s (region -> device, device -> region) and a step's time against
+# the PCIe floor (bytes moved / measured pinned GB/s).
+timeout 240 "$build/bin/device_direct_copy_tests" 2>&1 | tee "$build/device_direct_copy_tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed+=(device_direct_copy_tests)
+if [ "$have_gpu" = 1 ] && grep -q "^\[  SKIPPED \] CudaDirectCopyTest" \
+  "$build/device_direct_copy_tests.log"; then
+  echo "a GPU is present but the direct-copy CUDA tests skipped"
+  failed+=(device_direct_copy_tests-skipped)
+fi
+echo "--- measured:"
+grep -E "^(pinned copy|step \()" "$build/device_direct_copy_tests.log" ||
+  echo "(no measurement: no CUDA device)"
 
 step "apply mode with parameters on a CUDA device (python, needs a CUDA build of torch)"
 # Skips (and says so) where torch sees no GPU; Debian's python3-torch is CPU-only.

@@ -35,7 +35,8 @@ absl::Status Probe() {
   cudaStream_t stream = nullptr;
   MUOND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   int* value = nullptr;
-  absl::Status s = CudaStatus(cudaMalloc(reinterpret_cast<void**>(&value), sizeof(int)), "cudaMalloc");
+  absl::Status s =
+      CudaStatus(cudaMalloc(reinterpret_cast<void**>(&value), sizeof(int)), "cudaMalloc");
   int got = 0;
   if (s.ok()) s = CudaStatus(LaunchProbe(value, kProbeValue, stream), "probe kernel launch");
   if (s.ok()) {
@@ -72,13 +73,13 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(int ordinal) {
     return Unavailable(name, s);
   }
   cudaDeviceProp prop{};
-  if (absl::Status s = CudaStatus(cudaGetDeviceProperties(&prop, ordinal),
-                                  "cudaGetDeviceProperties");
+  if (absl::Status s =
+          CudaStatus(cudaGetDeviceProperties(&prop, ordinal), "cudaGetDeviceProperties");
       !s.ok()) {
     return Unavailable(name, s);
   }
   const std::string described = absl::StrCat(name, " (", prop.name, ", compute capability ",
-                                              prop.major, ".", prop.minor, ")");
+                                             prop.major, ".", prop.minor, ")");
   if (prop.major * 10 + prop.minor < 75) {
     return absl::UnavailableError(
         absl::StrCat(described, ": this muond's kernels need compute capability 7.5 or newer"));
@@ -164,8 +165,17 @@ size_t CudaDevice::WorkspaceCap() const {
 }
 
 bool CudaDevice::RegisterHost(void* data, size_t bytes) {
-  if (bytes == 0) return true;
-  if (data == nullptr || !Activate().ok()) return false;
+  const absl::Status s = RegisterHostRegion(data, bytes);
+  if (!s.ok()) {
+    MUOND_LOG(WARNING) << s.message() << "; copies of it go through a bounce buffer";
+  }
+  return s.ok();
+}
+
+absl::Status CudaDevice::RegisterHostRegion(void* data, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (data == nullptr) return absl::InvalidArgumentError("cudaHostRegister of a null pointer");
+  if (absl::Status s = Activate(); !s.ok()) return s;
   char* base = static_cast<char*>(data);
   absl::MutexLock lock(&mu_);
   for (size_t off = 0; off < bytes; off += kMaxRegisterChunk) {
@@ -173,15 +183,22 @@ bool CudaDevice::RegisterHost(void* data, size_t bytes) {
     const absl::Status s =
         CudaStatus(cudaHostRegister(base + off, len, cudaHostRegisterDefault), "cudaHostRegister");
     if (!s.ok()) {
-      MUOND_LOG(WARNING) << name_ << ": pinning " << bytes << " bytes of host memory: "
-                         << s.message() << "; copies of it go through a bounce buffer";
       for (size_t done = 0; done < off; done += kMaxRegisterChunk) {
         (void)CudaStatus(cudaHostUnregister(base + done), "cudaHostUnregister");
         registered_.erase(base + done);
       }
-      return false;
+      return absl::Status(s.code(), absl::StrCat(name_, ": pinning ", bytes,
+                                                 " bytes of host memory: ", s.message()));
     }
     registered_[base + off] = len;
+  }
+  return absl::OkStatus();
+}
+
+bool CudaDevice::IsHostRegistered(const void* data, size_t bytes) const {
+  if (data == nullptr || bytes == 0) return false;
+  for (const HostPiece& piece : SplitHostRange(data, bytes)) {
+    if (!piece.pinned) return false;
   }
   return true;
 }
@@ -243,9 +260,9 @@ int* CudaDevice::AcquireFlagSlot() {
   absl::MutexLock lock(&mu_);
   if (free_slots_.empty()) {
     void* page = nullptr;
-    const absl::Status s = CudaStatus(
-        cudaHostAlloc(&page, kFlagSlotsPerPage * sizeof(int), cudaHostAllocDefault),
-        "cudaHostAlloc");
+    const absl::Status s =
+        CudaStatus(cudaHostAlloc(&page, kFlagSlotsPerPage * sizeof(int), cudaHostAllocDefault),
+                   "cudaHostAlloc");
     if (!s.ok()) {
       MUOND_LOG(WARNING) << name_ << ": " << s.message();
       return nullptr;

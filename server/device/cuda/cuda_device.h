@@ -2,9 +2,11 @@
 // OpenCudaDevice). One CudaDevice per GPU ordinal:
 //  - device memory from a bounded caching pool (cuda_memory_pool.h), freed stream-ordered: a freed
 //    buffer is reused only after an event recorded on every stream of the device has completed;
-//  - host memory pinned with cudaHostRegister in chunks of at most 64 GiB; copies from or to
-//    memory that is not registered go through a pinned bounce buffer of the stream, so that every
-//    copy is asynchronous as the Stream contract says;
+//  - host memory pinned with cudaHostRegister in chunks of at most 64 GiB; copies of registered
+//    memory are one cudaMemcpyAsync per chunk, straight by DMA (the ranks' shared-memory regions
+//    are registered at attach, so a step copies gradients and updates in place: DirectHostCopies);
+//    copies from or to memory that is not registered go through a pinned bounce buffer of the
+//    stream, so that every copy is asynchronous as the Stream contract says;
 //  - streams (cuda_stream.cc) on cudaStreamNonBlocking streams, each with its own cuBLAS handle.
 //
 // Thread-safe. The device must outlive its buffers, streams and events.
@@ -42,6 +44,11 @@ class CudaDevice final : public Device {
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
   bool RegisterHost(void* data, size_t bytes) override;
   void UnregisterHost(void* data, size_t bytes) override;
+  bool DirectHostCopies() const override { return true; }
+  // cudaHostRegister (cudaHostRegisterDefault) chunk by chunk; on a failure the chunks done are
+  // unregistered again and the Status names the call and the driver's reason.
+  absl::Status RegisterHostRegion(void* data, size_t bytes) override;
+  bool IsHostRegistered(const void* data, size_t bytes) const override;
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override;
   BusySeconds Busy() const override;
   void SetMemoryLimit(size_t bytes) override;

@@ -40,7 +40,8 @@ cudaError_t LaunchTransform(Elem in, const void* src, Elem out, void* dst, int64
                             int64_t rows, int64_t cols, bool transpose, const float* divisor,
                             float scale, int* flag, int flag_code, cudaStream_t stream);
 
-// dst[i] = convert(src[i]) for n elements.
+// dst[i] = convert(src[i]) for n elements (also Stream::Convert: the direct path's widening of
+// 16-bit gradients and narrowing of updates, cuda_stream.cc).
 cudaError_t LaunchConvert(Elem in, const void* src, Elem out, void* dst, int64_t n,
                           cudaStream_t stream);
 

@@ -21,12 +21,26 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
+#include "server/device/convert_check.h"
 #include "server/device/cuda/cuda_device.h"
+#include "server/device/cuda/cuda_kernels.h"
 #include "server/device/cuda/cuda_muon.h"
 #include "server/device/cuda/cuda_status.h"
 
 namespace muond::server::device::cuda {
 namespace {
+
+Elem ElemOf(common::DType dtype) {
+  switch (dtype) {
+    case common::DType::kFloat32:
+      return Elem::kF32;
+    case common::DType::kBFloat16:
+      return Elem::kBf16;
+    case common::DType::kFloat16:
+      return Elem::kF16;
+  }
+  return Elem::kF32;
+}
 
 // Per-stream pinned buffer for copies of host memory that is not registered.
 constexpr size_t kBounceBytes = size_t{16} << 20;
@@ -85,9 +99,11 @@ class CudaEvent final : public Event {
     const size_t seq = FlagSeq(code);
     const std::string matrix = seq < names_.size() ? names_[seq].matrix : std::string("?");
     if (FlagKindOf(code) == kInputNotFinite) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "matrix '", matrix, "': the Muon input (gradient or momentum) holds a non-finite value "
-          "(found by the Frobenius norm on ", device_->name(), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrix '", matrix,
+                       "': the Muon input (gradient or momentum) holds a non-finite value "
+                       "(found by the Frobenius norm on ",
+                       device_->name(), ")"));
     }
     const std::string dtype =
         seq < names_.size() ? std::string(common::DTypeName(names_[seq].compute)) : "?";
@@ -158,6 +174,28 @@ class CudaStream final : public Stream {
     if (!error_.ok() || bytes == 0) return absl::OkStatus();
     BeginRun(2);
     Fail(EnqueueCopy(/*to_device=*/false, static_cast<char*>(src.data()) + offset, dst, bytes));
+    return absl::OkStatus();
+  }
+
+  // The widening of gradients and narrowing of updates of the direct path (device.h): the
+  // ConvertKernel of cuda_kernels.cu (round to nearest even, as the host), timed as kernels.
+  // Not run here (no GPU on the build machine): covered by tests/gpu/device_direct_copy_test.cc.
+  absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
+                       common::DType to, size_t elements) override {
+    RETURN_IF_ERROR(CheckConvert(src, from, dst, to, elements));
+    RETURN_IF_ERROR(device_->Activate());
+    absl::MutexLock lock(&mu_);
+    if (!error_.ok() || elements == 0) return absl::OkStatus();
+    BeginRun(1);
+    if (from == to) {
+      Fail(CudaStatus(cudaMemcpyAsync(dst.data(), src.data(), elements * common::DTypeSize(from),
+                                      cudaMemcpyDeviceToDevice, stream_),
+                      "cudaMemcpyAsync(device to device)"));
+    } else {
+      Fail(CudaStatus(LaunchConvert(ElemOf(from), src.data(), ElemOf(to), dst.data(),
+                                    static_cast<int64_t>(elements), stream_),
+                      "LaunchConvert"));
+    }
     return absl::OkStatus();
   }
 
@@ -293,8 +331,8 @@ absl::Status CudaStream::EnqueueCopy(bool to_device, char* device_ptr, void* hos
     char* d = device_ptr + piece.offset;
     if (piece.pinned) {
       MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          to_device ? static_cast<void*>(d) : h, to_device ? static_cast<void*>(h) : d,
-          piece.bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream_));
+          to_device ? static_cast<void*>(d) : h, to_device ? static_cast<void*>(h) : d, piece.bytes,
+          to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream_));
       continue;
     }
     if (bounce_ == nullptr) {
@@ -367,14 +405,16 @@ absl::StatusOr<std::unique_ptr<Stream>> NewCudaStream(CudaDevice* device) {
                                                  CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
                      "cublasSetMathMode");
   }
-  if (s.ok()) s = CudaStatus(cudaMalloc(reinterpret_cast<void**>(&flag), sizeof(int)), "cudaMalloc");
+  if (s.ok())
+    s = CudaStatus(cudaMalloc(reinterpret_cast<void**>(&flag), sizeof(int)), "cudaMalloc");
   if (s.ok()) s = CudaStatus(cudaMemsetAsync(flag, 0, sizeof(int), stream), "cudaMemsetAsync");
   if (s.ok()) s = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   if (!s.ok()) {
     if (flag != nullptr) (void)CudaStatus(cudaFree(flag), "cudaFree");
     if (blas != nullptr) (void)CublasStatus(cublasDestroy(blas), "cublasDestroy");
     (void)CudaStatus(cudaStreamDestroy(stream), "cudaStreamDestroy");
-    return absl::Status(s.code(), absl::StrCat(device->name(), ": creating a stream: ", s.message()));
+    return absl::Status(s.code(),
+                        absl::StrCat(device->name(), ": creating a stream: ", s.message()));
   }
   return std::unique_ptr<Stream>(new CudaStream(device, stream, blas, flag));
 }

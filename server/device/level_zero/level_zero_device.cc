@@ -121,6 +121,7 @@ absl::Status LevelZeroDevice::Init() {
   for (const auto& e : ext) {
     if (std::strcmp(e.name, ZE_MEMORY_FREE_POLICIES_EXT_NAME) == 0) blocking_free_ = true;
   }
+  LookUpPointerImport();
 
   ze_context_desc_t context_desc = {};
   context_desc.stype = ZE_STRUCTURE_TYPE_CONTEXT_DESC;
@@ -146,6 +147,12 @@ absl::Status LevelZeroDevice::Init() {
 }
 
 LevelZeroDevice::~LevelZeroDevice() {
+  std::vector<const void*> imported;
+  {
+    absl::MutexLock lock(&mu_);
+    imported = imported_.Starts();
+  }
+  for (const void* p : imported) UnregisterHost(const_cast<void*>(p), 1);
   if (module_ != nullptr) ZE_LOG_IF_ERROR(zeModuleDestroy, module_);
   events_.reset();
   if (context_ != nullptr) ZE_LOG_IF_ERROR(zeContextDestroy, context_);
@@ -194,15 +201,66 @@ void LevelZeroDevice::Free(void* data, size_t) {
   if (!s.ok()) MUOND_LOG(ERROR) << name_ << ": " << s.message();
 }
 
-bool LevelZeroDevice::RegisterHost(void*, size_t) {
+void LevelZeroDevice::LookUpPointerImport() {
+  void* import_fn = nullptr;
+  void* release_fn = nullptr;
+  // Both or neither: an imported pointer must be released before its memory goes.
+  if (zeDriverGetExtensionFunctionAddress(driver_, "zexDriverImportExternalPointer", &import_fn) ==
+          ZE_RESULT_SUCCESS &&
+      zeDriverGetExtensionFunctionAddress(driver_, "zexDriverReleaseImportedPointer",
+                                          &release_fn) == ZE_RESULT_SUCCESS &&
+      import_fn != nullptr && release_fn != nullptr) {
+    import_pointer_ = reinterpret_cast<ImportPointerFn>(import_fn);
+    release_pointer_ = reinterpret_cast<ReleasePointerFn>(release_fn);
+  }
+}
+
+bool LevelZeroDevice::RegisterHost(void* data, size_t bytes) {
+  const absl::Status s = RegisterHostRegion(data, bytes);
+  if (s.ok()) return true;
   absl::MutexLock lock(&mu_);
   if (!register_host_logged_) {
     register_host_logged_ = true;
-    MUOND_LOG(INFO) << name_
-                    << ": host memory is not pinned (Level Zero cannot register existing host "
-                       "memory); copies from it are staged by the driver";
+    MUOND_LOG(INFO) << s.message() << "; copies of such memory are staged by the driver";
   }
   return false;
+}
+
+absl::Status LevelZeroDevice::RegisterHostRegion(void* data, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (data == nullptr) return absl::InvalidArgumentError("import of a null host pointer");
+  if (import_pointer_ == nullptr) {
+    return absl::UnimplementedError(absl::StrCat(
+        name_,
+        ": host memory is not pinned (the driver has no zexDriverImportExternalPointer; "
+        "core Level Zero cannot register existing host memory)"));
+  }
+  const ze_result_t r = import_pointer_(driver_, data, bytes);
+  if (r != ZE_RESULT_SUCCESS) {
+    const absl::Status s = ZeStatus("zexDriverImportExternalPointer", r);
+    return absl::Status(s.code(), absl::StrCat(name_, ": importing ", bytes,
+                                               " bytes of host memory: ", s.message()));
+  }
+  absl::MutexLock lock(&mu_);
+  imported_.Add(data, bytes);
+  return absl::OkStatus();
+}
+
+void LevelZeroDevice::UnregisterHost(void* data, size_t bytes) {
+  if (data == nullptr || bytes == 0 || release_pointer_ == nullptr) return;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!imported_.Remove(data)) return;
+  }
+  const ze_result_t r = release_pointer_(driver_, data);
+  if (r != ZE_RESULT_SUCCESS) {
+    MUOND_LOG(WARNING) << name_ << ": " << ZeStatus("zexDriverReleaseImportedPointer", r);
+  }
+}
+
+bool LevelZeroDevice::IsHostRegistered(const void* data, size_t bytes) const {
+  absl::MutexLock lock(&mu_);
+  return bytes > 0 && imported_.Covers(data, bytes);
 }
 
 absl::StatusOr<std::unique_ptr<Stream>> LevelZeroDevice::CreateStream() {

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/device/device.h"
+#include "server/device/host_ranges.h"
 
 namespace muond::server::device::level_zero {
 
@@ -59,11 +60,17 @@ class LevelZeroDevice final : public Device {
 
   std::string name() const override { return name_; }
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
-  // Level Zero (API 1.4) cannot pin existing host memory: only memory it allocates itself
-  // (zeMemAllocHost) is USM host memory. Returns false; copies from such memory still work, the
-  // driver stages them.
+  // Core Level Zero cannot pin existing host memory: only memory it allocates itself
+  // (zeMemAllocHost) is USM host memory. Where the driver offers Intel's import extension
+  // (zexDriverImportExternalPointer, looked up with zeDriverGetExtensionFunctionAddress), a
+  // range is imported and the copy engines then read and write it in place; otherwise
+  // RegisterHostRegion is UNIMPLEMENTED (logged once by RegisterHost) and copies of the memory
+  // still work, staged by the driver. Not run here (no Level Zero driver on the build machine).
   bool RegisterHost(void* data, size_t bytes) override;
-  void UnregisterHost(void* data, size_t bytes) override {}
+  void UnregisterHost(void* data, size_t bytes) override;
+  bool DirectHostCopies() const override { return true; }
+  absl::Status RegisterHostRegion(void* data, size_t bytes) override;
+  bool IsHostRegistered(const void* data, size_t bytes) const override;
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override;
   // compute: wall time of the Muon kernel calls (each ends with a blocking read of its flags);
   // copies are asynchronous on the command lists and are not timed (0).
@@ -90,6 +97,8 @@ class LevelZeroDevice final : public Device {
   LevelZeroDevice(ze_driver_handle_t driver, ze_device_handle_t device, std::string name)
       : driver_(driver), device_(device), name_(std::move(name)) {}
   absl::Status Init();
+  // Looks up the driver's host pointer import (import_pointer_, release_pointer_).
+  void LookUpPointerImport();
 
   const ze_driver_handle_t driver_;
   const ze_device_handle_t device_;
@@ -98,10 +107,16 @@ class LevelZeroDevice final : public Device {
   ze_module_handle_t module_ = nullptr;
   uint32_t compute_ordinal_ = 0;
   bool blocking_free_ = false;  // ZE_extension_memory_free_policies
+  // Intel's host pointer import (null where the driver has none); set once by Init.
+  using ImportPointerFn = ze_result_t (*)(ze_driver_handle_t, void*, size_t);
+  using ReleasePointerFn = ze_result_t (*)(ze_driver_handle_t, void*);
+  ImportPointerFn import_pointer_ = nullptr;
+  ReleasePointerFn release_pointer_ = nullptr;
   std::unique_ptr<EventPool> events_;
   mutable absl::Mutex mu_;
   BusySeconds busy_ ABSL_GUARDED_BY(mu_);
   bool register_host_logged_ ABSL_GUARDED_BY(mu_) = false;
+  HostRanges imported_ ABSL_GUARDED_BY(mu_);
 };
 
 // A stream of `device` (level_zero_stream.cc).

@@ -19,8 +19,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/dtype.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/device/convert_check.h"
+#include "server/device/level_zero/convert_elements.h"
 #include "server/device/level_zero/kernel_queue.h"
 #include "server/device/level_zero/level_zero_device.h"
 #include "server/device/level_zero/muon_kernel_driver.h"
@@ -110,6 +113,8 @@ class LevelZeroStream final : public Stream, public KernelQueue {
   absl::Status CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
                             size_t bytes) override;
   absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset, size_t bytes) override;
+  absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
+                       common::DType to, size_t elements) override;
   absl::Status Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) override;
   absl::StatusOr<std::shared_ptr<Event>> Record() override;
   absl::Status WaitFor(std::shared_ptr<Event> event) override;
@@ -135,6 +140,9 @@ class LevelZeroStream final : public Stream, public KernelQueue {
   void Loop();
   bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !ops_.empty(); }
   absl::Status AppendInOrder(const char* what, ze_result_t appended);
+  // Worker thread: Convert's launches.
+  absl::Status AppendConvert(const void* src, common::DType from, void* dst, common::DType to,
+                             int64_t elements);
 
   LevelZeroDevice* const device_;
   ze_command_list_handle_t list_ = nullptr;
@@ -245,6 +253,34 @@ absl::Status LevelZeroStream::CopyToHost(void* dst, const DeviceBuffer& src, siz
            },
            nullptr, nullptr});
   return absl::OkStatus();
+}
+
+// The widening of gradients and narrowing of updates of the direct path (device.h), with the
+// convert kernel of muon_kernels.cl (ConvertElements; round to nearest even, as the host). Not
+// run on a Level Zero device here (no driver on the build machine); ConvertElements itself runs
+// on PoCL in tests/gpu/level_zero_convert_opencl_test.cc.
+absl::Status LevelZeroStream::Convert(const DeviceBuffer& src, common::DType from,
+                                      DeviceBuffer& dst, common::DType to, size_t elements) {
+  RETURN_IF_ERROR(CheckConvert(src, from, dst, to, elements));
+  if (elements == 0) return absl::OkStatus();
+  const void* in = src.data();
+  void* out = dst.data();
+  const auto n = static_cast<int64_t>(elements);
+  Enqueue({[this, in, from, out, to, n] { return AppendConvert(in, from, out, to, n); }, nullptr,
+           nullptr});
+  return absl::OkStatus();
+}
+
+absl::Status LevelZeroStream::AppendConvert(const void* src, common::DType from, void* dst,
+                                            common::DType to, int64_t elements) {
+  if (from == to) {
+    return AppendInOrder(
+        "zeCommandListAppendMemoryCopy (device to device)",
+        zeCommandListAppendMemoryCopy(list_, dst, src,
+                                      static_cast<size_t>(elements) * common::DTypeSize(from),
+                                      nullptr, 0, nullptr));
+  }
+  return ConvertElements(*this, {const_cast<void*>(src)}, from, {dst}, to, elements);
 }
 
 absl::Status LevelZeroStream::Muon(const common::MuonConfig& config,
