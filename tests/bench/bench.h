@@ -7,12 +7,12 @@
 #ifndef MUOND_TESTS_BENCH_BENCH_H_
 #define MUOND_TESTS_BENCH_BENCH_H_
 
+#include <sys/types.h>
+
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
-
-#include <sys/types.h>
 
 #include "absl/status/statusor.h"
 #include "client/client.h"
@@ -33,6 +33,8 @@ int RunCheckpointBench(int argc, char** argv);
 int RunAdamWBench(int argc, char** argv);
 // `muond-bench apply`: an apply-mode step through a real muond against in-process Muon + AdamW.
 int RunApplyBench(int argc, char** argv);
+// `muond-bench peer`: muond's Muon step against the usual in-process LibTorch Muon (speed, error).
+int RunPeerBench(int argc, char** argv);
 // `muond-bench gpu` (built with the CUDA backend): the CUDA device against cuBLAS and copy peaks.
 int RunGpuBench(int argc, char** argv);
 

@@ -19,7 +19,7 @@ struct Subcommand {
 
 // Add new benchmarks here (see bench.h).
 constexpr Subcommand kSubcommands[] = {
-    {"ns", "CPU Newton-Schulz GFLOP/s vs a plain LibTorch matmul of the same size and dtype",
+    {"ns", "CPU Newton-Schulz (standard-equivalent GFLOP/s) vs the best LibTorch GEMM rate",
      RunNsBench},
     {"step", "a ZeRO-2 step of a Qwen3-0.6B-like layer set through muond vs in-process Muon",
      RunStepBench},
@@ -33,6 +33,8 @@ constexpr Subcommand kSubcommands[] = {
      RunAdamWBench},
     {"apply", "an apply-mode step (bf16, Qwen3-0.6B-like) through muond vs in-process Muon+AdamW",
      RunApplyBench},
+    {"peer", "muond vs the usual in-process LibTorch Muon (DeepSpeed's NS): s/step, float64 error",
+     RunPeerBench},
 #ifdef MUOND_HAVE_CUDA
     {"gpu", "CUDA: Newton-Schulz vs cuBLAS GEMM peak, pinned vs pageable copies, Muon apply",
      RunGpuBench},
