@@ -11,8 +11,8 @@
 //    BLAS: X X^T and A A by SYRK (one triangle, half a GEMM's FLOPs, mirrored), B X by SYMM. Per
 //    iteration on [m, n]: 1.5 m^2 n + 0.5 m^3 multiply-adds instead of 2 m^2 n + m^3.
 //  - bfloat16: LibTorch 1.13 routes bf16 GEMMs to oneDNN (AVX-512 BF16 on this CPU), accumulating
-//    in fp32 and rounding each op's result to bf16 once. Blocks with m >= 256 compute X X^T and
-//    A A one triangle of block rows at a time (mirrored); smaller ones use three batched GEMMs.
+//    in fp32 and rounding each op's result to bf16 once: three batched GEMMs per iteration
+//    (ns_batched_math.cc says why not the triangle products).
 //  - float16: LibTorch 1.13's CPU GEMM has no Half kernel, so fp16 is emulated: fp32 storage and
 //    the fp32 products above, each op's result rounded to fp16 (nearest even, overflow to inf).
 //    It exists for parity with fp16 device backends, not for speed.

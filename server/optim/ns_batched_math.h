@@ -46,9 +46,8 @@ class BatchedMath {
 
   // One iteration of the formula on x [b, m, n] (contiguous, m <= n, this dtype):
   // a = X X^T, p = b A + c A A, next = a X + P X; a and p are [b, m, m] scratch, next [b, m, n].
-  // fp32 storage: the symmetric BLAS products (symmetric_products.h). bf16 with m >= 256: X X^T
-  // and A A one triangle of blocks each (oneDNN GEMMs of block rows, mirrored). Otherwise three
-  // batched GEMMs.
+  // fp32 storage (fp32, fp16 emulation): the symmetric BLAS products (symmetric_products.h).
+  // bf16: three batched oneDNN GEMMs (see ns_batched_math.cc).
   void Iteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a, at::Tensor& p,
                  at::Tensor& next);
 
@@ -66,8 +65,6 @@ class BatchedMath {
  private:
   void BlasIteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a, at::Tensor& p,
                      at::Tensor& next);
-  void Bf16TriangleIteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a,
-                             at::Tensor& p, at::Tensor& next);
 
   const at::ScalarType storage_;
   const bool emulate_half_;

@@ -28,8 +28,8 @@ void SymmetricPolynomial(const float* a, int64_t m, float b, float c, float* p);
 // next must not alias x or p.
 void SymmetricApply(const float* p, const float* x, int64_t m, int64_t n, float alpha, float* next);
 
-// Copies the upper triangle of a[m, m] onto its lower one (T: float, or uint16_t for the raw
-// bits of bf16/fp16 elements).
+// Copies the upper triangle of a[m, m] onto its lower one (T: the element type; any trivially
+// copyable type).
 template <typename T>
 void MirrorUpper(T* a, int64_t m) {
   constexpr int64_t kTile = 64;  // a 64 x 64 tile of source and destination stays in L1
