@@ -16,6 +16,8 @@
 // from the gradients still held in the rank input buffers. A refused or aborted step therefore
 // leaves every momentum bit-identical. Memory cost: no staged momentum copy; the input buffers
 // (gradient bytes, which the data plane needs anyway) live until commit, plus the gather budget.
+// The commit's pass runs over the CPUs, each piece widened into a private buffer that is checked
+// and applied from (job_commit.cc says why this and not a staged copy of the momentum).
 //
 // What it may call: common/, server/optim (the math), server/device (through DeviceStreams),
 // server/storage (through CheckpointWriter), server/ops daemon metrics. Never proto types or
@@ -316,8 +318,9 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   void Commit(StepState& state) override;
   // The rest of a commit once the store changed (`changed` OK) or failed to (the job is fenced).
   void FinishCommit(StepState& state, const absl::Status& changed);
-  // Applies the momentum EMA of the step to the store (under `lock`); DATA_LOSS when a gradient
-  // value changed to non-finite after it was checked.
+  // Applies the momentum EMA of the step to the store (under `lock`), over the CPUs; the store
+  // ends bit-identical to the serial pass over every rank's spans. DATA_LOSS when a gradient value
+  // changed to non-finite after it was checked (the store is then partly changed: fence the job).
   absl::Status ApplyCommit(StepState& state, MomentumStore::Lock& lock);
   // Ends the step with `status` (refused: not fenced; aborted: fenced).
   // Nothing changes when the step already ended or its commit began.

@@ -3,10 +3,11 @@
 // a checkpoint writer copy a consistent snapshot while later steps change the store.
 //
 // Changes (commit, reset, load) go through a MomentumStore::Lock, which first hands a snapshot in
-// progress the old values of every matrix the writer has not copied yet. The compute tasks of the
-// step in flight read the store without a lock: it changes only between steps.
+// progress the old values of every matrix the writer has not copied yet (copied over the CPUs:
+// it delays the commit that overtakes a save). The compute tasks of the step in flight read the
+// store without a lock: it changes only between steps.
 // Lock order: a job's checkpoint lock (CheckpointWriter::Exclusive), then this store's lock, then
-// the job's own lock.
+// the ParamStore's (apply mode), then the job's own lock.
 #ifndef MUOND_SERVER_JOBS_MOMENTUM_STORE_H_
 #define MUOND_SERVER_JOBS_MOMENTUM_STORE_H_
 

@@ -105,6 +105,9 @@ struct StepState {
   // Seconds per phase of the step, for the metrics: assembly, copy-in, Newton-Schulz, writeback,
   // return (scatter into the ranks' outputs). Written by the executor thread only.
   double phase_seconds[5] = {0, 0, 0, 0, 0};
+  // Seconds Job::Commit spent changing the state store (update mode: the momentum EMA over every
+  // rank's span; apply mode: the flip), for the "commit" phase. Written by the committing thread.
+  double commit_seconds = 0;
 
   // Apply mode. `hyper` is set by the first rank to enter (hyper_rank).
   StepHyper hyper;

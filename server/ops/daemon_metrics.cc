@@ -138,7 +138,7 @@ struct Families {
     step_seconds->Remove(&step_seconds->Add(labels));
     checkpoint_seconds->Remove(&checkpoint_seconds->Add(labels));
     for (StepPhase p : {StepPhase::kAssembly, StepPhase::kCopyIn, StepPhase::kNewtonSchulz,
-                        StepPhase::kWriteback, StepPhase::kReturn}) {
+                        StepPhase::kWriteback, StepPhase::kReturn, StepPhase::kCommit}) {
       phase_seconds->Remove(&phase_seconds->Add({{kJobLabel, job}, {"phase", StepPhaseName(p)}}));
     }
   }
@@ -188,6 +188,8 @@ const char* StepPhaseName(StepPhase phase) {
       return "writeback";
     case StepPhase::kReturn:
       return "return";
+    case StepPhase::kCommit:
+      return "commit";
   }
   return "unknown";
 }

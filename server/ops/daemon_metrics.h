@@ -47,6 +47,7 @@ enum class StepPhase {
   kNewtonSchulz,  // "newton_schulz": the orthogonalization
   kWriteback,     // "writeback": the update back into the ranks' output spans
   kReturn,        // "return": the update back to the ranks (gRPC messages, completions)
+  kCommit,        // "commit": the state store changed (update mode: momentum EMA; apply: flip)
 };
 const char* StepPhaseName(StepPhase phase);
 

@@ -1,0 +1,414 @@
+// Job::Commit in update mode (server/jobs/job_commit.cc), in process: a Job on the CPU device,
+// driven through SubmitShared as the shared-memory server drives it (the test holds the ranks'
+// gradient memory, as a peer holds its region).
+//  - The momentum store after each commit is bit for bit the serial EMA (ApplyMomentum over each
+//    whole matrix from the widened gradient), for a multi-rank layout whose spans the parallel
+//    pass cuts (spans of more than 1M elements) and groups (runs of small spans), in the three
+//    gradient dtypes.
+//  - A rank's gradient changed to a non-finite value after it rang (after the ring's check) is
+//    caught: after its matrix was assembled, by the commit (DATA_LOSS naming the rank, matrix and
+//    element; the job fenced; every rank told); before it was assembled, by the device's own check
+//    (the step refused, the momentum bit-identical).
+//  - A change of the store while a checkpoint snapshot is in progress hands the writer the old
+//    values first (MomentumStore's copy-on-write, over the CPUs).
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+#include "common/metrics.h"
+#include "gtest/gtest.h"
+#include "server/device/device.h"
+#include "server/device/device_streams.h"
+#include "server/jobs/compute_executor.h"
+#include "server/jobs/job.h"
+#include "server/jobs/momentum_store.h"
+#include "server/optim/muon_math.h"
+#include "server/storage/checkpoint.h"
+
+namespace muond::server {
+namespace {
+
+using common::DType;
+
+common::MatrixSpec Matrix(const std::string& name, std::vector<int64_t> shape, DType dtype) {
+  common::MatrixSpec m;
+  m.name = name;
+  m.shape = std::move(shape);
+  m.dtype = dtype;
+  return m;
+}
+
+// One step's whole-matrix gradients, each value exactly representable in its matrix's dtype (so
+// the widened bytes the job reads are these floats).
+std::vector<std::vector<float>> RandomGradients(const common::JobSpec& spec, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<float>> grads;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    std::vector<float> g(static_cast<size_t>(m.numel()));
+    for (float& v : g) v = normal(rng);
+    std::string bytes(g.size() * common::DTypeSize(m.dtype), '\0');
+    common::FromFloat32(g.data(), g.size(), m.dtype, bytes.data());
+    common::ToFloat32(m.dtype, bytes.data(), g.size(), g.data());
+    grads.push_back(std::move(g));
+  }
+  return grads;
+}
+
+// One rank's part of a step as its shared-memory regions hold it: per span, the gradient bytes
+// (the matrix dtype) and the update bytes.
+struct RankRegion {
+  std::vector<common::ShardSpan> spans;
+  std::vector<std::string> in;
+  std::vector<std::string> out;
+};
+
+RankRegion FillRegion(const common::JobSpec& spec, int rank,
+                      const std::vector<std::vector<float>>& grads) {
+  RankRegion r;
+  r.spans = common::RankSpans(spec, rank);
+  for (const common::ShardSpan& s : r.spans) {
+    const DType dtype = spec.matrices[s.matrix].dtype;
+    std::string bytes(s.length * common::DTypeSize(dtype), '\0');
+    common::FromFloat32(grads[s.matrix].data() + s.offset, s.length, dtype, bytes.data());
+    r.in.push_back(std::move(bytes));
+    r.out.emplace_back(r.in.back().size(), '\x5a');
+  }
+  return r;
+}
+
+// A submission's outcome, set by its done callback (which runs under the job's lock).
+struct Outcome {
+  absl::Notification ended;
+  absl::Status status;
+};
+
+class MomentumCommitTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/momentum-commit-test-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    auto devices = DeviceStreams::Create(device::NewHostDevice(2, nullptr), "cpu", false);
+    ASSERT_TRUE(devices.ok()) << devices.status();
+    devices_ = *std::move(devices);
+    executor_ = std::make_unique<ComputeExecutor>(2);
+  }
+  void TearDown() override {
+    job_.reset();
+    executor_.reset();
+    devices_.reset();
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  // Creates job_ for `spec` and attaches every rank.
+  void StartJob(const common::JobSpec& spec) {
+    ASSERT_TRUE(common::ValidateJobSpec(spec).ok()) << common::ValidateJobSpec(spec);
+    job_ = std::make_shared<Job>(
+        spec, std::string(32, 'k'), "cpu", executor_.get(), uint64_t{256} << 20, devices_.get(),
+        absl::StrCat(dir_, "/", spec.job_id), absl::Seconds(120), JobOwner{});
+    sessions_.clear();
+    for (int r = 0; r < spec.world_size; ++r) {
+      auto session = job_->Attach(r, /*takeover=*/false);
+      ASSERT_TRUE(session.ok()) << session.status();
+      sessions_.push_back(*session);
+    }
+  }
+
+  // Rings for `rank`: the job checks the region's values and enters the rank into the step.
+  absl::Status Submit(int rank, int64_t step, RankRegion& region, Outcome* outcome) {
+    std::vector<const char*> in;
+    std::vector<char*> out;
+    for (size_t i = 0; i < region.spans.size(); ++i) {
+      in.push_back(region.in[i].data());
+      out.push_back(region.out[i].data());
+    }
+    return job_->SubmitShared(rank, sessions_[rank], step, in, out, nullptr,
+                              [outcome](const absl::Status& s, bool, double) {
+                                outcome->status = s;
+                                outcome->ended.Notify();
+                              });
+  }
+
+  // Returns once every task submitted to the executor so far has run (it runs them in order).
+  void WaitForExecutor() {
+    absl::Notification ran;
+    executor_->Submit([&ran] { ran.Notify(); });
+    ran.WaitForNotification();
+  }
+
+  // Steps 0 .. steps-1 of every rank with fresh gradients; each must commit.
+  void StepClean(const common::JobSpec& spec, std::mt19937& rng, int steps) {
+    for (int64_t step = 0; step < steps; ++step) {
+      const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+      std::vector<RankRegion> regions;
+      for (int r = 0; r < spec.world_size; ++r) regions.push_back(FillRegion(spec, r, grads));
+      std::vector<Outcome> outcomes(spec.world_size);
+      for (int r = 0; r < spec.world_size; ++r) {
+        ASSERT_TRUE(Submit(r, step, regions[r], &outcomes[r]).ok());
+      }
+      for (Outcome& o : outcomes) {
+        o.ended.WaitForNotification();
+        ASSERT_TRUE(o.status.ok()) << o.status;
+      }
+    }
+  }
+
+  // Steps a job of `spec` with every rank and compares its store with the serial EMA (below).
+  void ExpectSerialEma(const common::JobSpec& spec);
+
+  // The momentum store, through a checkpoint (whole matrices, in job order).
+  std::vector<std::vector<float>> SavedMomentum() {
+    auto info = job_->SaveCheckpoint();
+    EXPECT_TRUE(info.ok()) << info.status();
+    checkpoint::Store store(job_->checkpoint_dir(), 3);
+    auto loaded = store.Load(checkpoint::Selector{});
+    EXPECT_TRUE(loaded.ok()) << loaded.status();
+    if (!loaded.ok()) return {};
+    const std::vector<checkpoint::StateTensor> names = checkpoint::StateTensors(job_->spec());
+    EXPECT_EQ(loaded->names.size(), names.size());
+    for (size_t m = 0; m < names.size() && m < loaded->names.size(); ++m) {
+      EXPECT_EQ(loaded->names[m], names[m].name);
+    }
+    return loaded->data;
+  }
+
+  std::string dir_;
+  std::unique_ptr<DeviceStreams> devices_;
+  std::unique_ptr<ComputeExecutor> executor_;
+  std::shared_ptr<Job> job_;
+  std::vector<uint64_t> sessions_;
+};
+
+// Elements whose bits differ.
+size_t BitDifferences(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return std::max(a.size(), b.size());
+  size_t diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+  return diff;
+}
+
+// The matrices of the bit-for-bit tests: more than 8 MiB of gradient and momentum in all (the
+// pass runs on every CPU), "wide" larger than a piece of the pass (1M elements).
+std::vector<common::MatrixSpec> MixedMatrices(bool one_dtype) {
+  const DType fp32 = one_dtype ? DType::kBFloat16 : DType::kFloat32;
+  const DType fp16 = one_dtype ? DType::kBFloat16 : DType::kFloat16;
+  return {Matrix("first", {8, 8}, DType::kBFloat16),
+          Matrix("second", {5, 7}, fp32),
+          Matrix("wide", {64, 40000}, DType::kBFloat16),
+          Matrix("fp16", {3, 1000}, fp16),
+          Matrix("mid", {32, 20000}, fp32),
+          Matrix("last", {16, 16}, DType::kBFloat16)};
+}
+
+// Steps `spec` three times with every rank and compares the store after each commit with the
+// serial EMA, whole matrix by whole matrix.
+void MomentumCommitTest::ExpectSerialEma(const common::JobSpec& spec) {
+  StartJob(spec);
+  ASSERT_NE(job_, nullptr);
+  std::vector<std::vector<float>> reference;
+  for (const common::MatrixSpec& m : spec.matrices) reference.emplace_back(m.numel(), 0.0f);
+  std::mt19937 rng(7);
+  constexpr int kSteps = 3;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+    std::vector<RankRegion> regions;
+    for (int r = 0; r < spec.world_size; ++r) regions.push_back(FillRegion(spec, r, grads));
+    std::vector<Outcome> outcomes(spec.world_size);
+    for (int r = 0; r < spec.world_size; ++r) {
+      ASSERT_TRUE(Submit(r, step, regions[r], &outcomes[r]).ok());
+    }
+    for (Outcome& o : outcomes) {
+      o.ended.WaitForNotification();
+      ASSERT_TRUE(o.status.ok()) << o.status;
+    }
+    for (size_t m = 0; m < spec.matrices.size(); ++m) {
+      ApplyMomentum(spec.muon, grads[m].data(), reference[m].data(), reference[m].size());
+    }
+    const std::vector<std::vector<float>> saved = SavedMomentum();
+    ASSERT_EQ(saved.size(), reference.size());
+    for (size_t m = 0; m < saved.size(); ++m) {
+      EXPECT_EQ(BitDifferences(saved[m], reference[m]), 0u)
+          << "matrix '" << spec.matrices[m].name << "' after step " << step;
+    }
+  }
+  // The commit's time is a phase of the step's metrics.
+  const std::string metrics = common::DefaultRegistry().Serialize();
+  EXPECT_NE(metrics.find(absl::StrCat("muond_step_phase_duration_seconds_count{muond_job=\"",
+                                      spec.job_id, "\",phase=\"commit\"} ", kSteps)),
+            std::string::npos)
+      << metrics;
+  EXPECT_EQ(job_->Report().steps_completed, kSteps);
+}
+
+TEST_F(MomentumCommitTest, ZeroStage2CommitIsTheSerialEmaBitForBit) {
+  // World 3: partitions of ~1.07M elements. Rank 0 holds two small spans (one group of the pass)
+  // and 1.07M elements of "wide" (cut into two pieces); rank 1 1.07M of "wide" (cut); rank 2 the
+  // rest of "wide" with "fp16" (one group), then "mid" and "last" (another).
+  common::JobSpec spec;
+  spec.job_id = "commit-zero2";
+  spec.world_size = 3;
+  spec.zero_stage = 2;
+  spec.muon.momentum = 0.9;
+  spec.matrices = MixedMatrices(/*one_dtype=*/true);
+  ExpectSerialEma(spec);
+}
+
+TEST_F(MomentumCommitTest, ExplicitLayoutOfMixedDtypesCommitIsTheSerialEmaBitForBit) {
+  // bf16, fp32 and fp16 gradients; spans listed out of matrix order; "wide" cut at 1.5M.
+  common::JobSpec spec;
+  spec.job_id = "commit-explicit";
+  spec.world_size = 3;
+  spec.matrices = MixedMatrices(/*one_dtype=*/false);
+  spec.explicit_layout = {{{2, 0, 1500000}, {0, 0, 64}, {1, 0, 20}},
+                          {{1, 20, 15}, {3, 0, 3000}, {4, 0, 640000}, {5, 0, 100}},
+                          {{5, 100, 156}, {2, 1500000, 1060000}}};
+  ExpectSerialEma(spec);
+}
+
+// World 2, ZeRO-2: rank 0 owns all of "a" (complete as soon as rank 0 rings) and the start of
+// "b"; rank 1 the rest of "b" and "c".
+common::JobSpec TwoRankSpec(const std::string& id) {
+  common::JobSpec spec;
+  spec.job_id = id;
+  spec.world_size = 2;
+  spec.zero_stage = 2;
+  spec.matrices = {Matrix("a", {64, 2000}, DType::kBFloat16),
+                   Matrix("b", {64, 2000}, DType::kBFloat16),
+                   Matrix("c", {16, 16}, DType::kBFloat16)};
+  return spec;
+}
+
+TEST_F(MomentumCommitTest, GradientMadeNonFiniteAfterItsMatrixWasAssembledFencesAtCommit) {
+  const common::JobSpec spec = TwoRankSpec("commit-late-nan");
+  StartJob(spec);
+  ASSERT_NE(job_, nullptr);
+  std::mt19937 rng(11);
+  StepClean(spec, rng, 1);
+
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  RankRegion rank0 = FillRegion(spec, 0, grads), rank1 = FillRegion(spec, 1, grads);
+  ASSERT_EQ(rank0.spans[0].matrix, 0u);
+  ASSERT_EQ(rank0.spans[0].length, 64u * 2000);
+  Outcome out0, out1;
+  ASSERT_TRUE(Submit(0, 1, rank0, &out0).ok());  // checked: every value finite
+  WaitForExecutor();
+  // "a" was assembled and its update written into rank 0's region before the change.
+  const std::string untouched(rank0.out[0].size(), '\x5a');
+  ASSERT_NE(rank0.out[0], untouched);
+  EXPECT_FALSE(out0.ended.HasBeenNotified());
+  // The peer writes a NaN into "a" after ringing, then rank 1 completes the step.
+  constexpr uint64_t kElement = 100001;
+  const uint16_t nan_bf16 = 0x7fc0;
+  std::memcpy(rank0.in[0].data() + kElement * 2, &nan_bf16, sizeof(nan_bf16));
+  ASSERT_TRUE(Submit(1, 1, rank1, &out1).ok());
+  for (Outcome* o : {&out0, &out1}) {
+    o->ended.WaitForNotification();
+    EXPECT_EQ(o->status.code(), absl::StatusCode::kDataLoss) << o->status;
+    EXPECT_NE(o->status.message().find(absl::StrCat("job 'commit-late-nan' step 1 rank 0: matrix "
+                                                    "'a' element ",
+                                                    kElement, " became non-finite")),
+              std::string::npos)
+        << o->status;
+  }
+  const JobReport report = job_->Report();
+  EXPECT_TRUE(report.fenced);
+  EXPECT_EQ(report.steps_aborted, 1);
+  EXPECT_EQ(report.steps_completed, 1);
+  EXPECT_EQ(report.next_step, 1);
+  Outcome again;
+  RankRegion retry = FillRegion(spec, 0, grads);
+  EXPECT_EQ(Submit(0, 1, retry, &again).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(MomentumCommitTest, GradientMadeNonFiniteBeforeAssemblyRefusesWithMomentumUnchanged) {
+  const common::JobSpec spec = TwoRankSpec("commit-early-inf");
+  StartJob(spec);
+  ASSERT_NE(job_, nullptr);
+  std::mt19937 rng(13);
+  StepClean(spec, rng, 2);
+  const std::vector<std::vector<float>> before = SavedMomentum();
+
+  // The executor is held, so nothing of step 2 is assembled until the peer has written.
+  absl::Notification release;
+  executor_->Submit([&release] { release.WaitForNotification(); });
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  RankRegion rank0 = FillRegion(spec, 0, grads), rank1 = FillRegion(spec, 1, grads);
+  Outcome out0, out1;
+  ASSERT_TRUE(Submit(0, 2, rank0, &out0).ok());
+  ASSERT_TRUE(Submit(1, 2, rank1, &out1).ok());
+  const common::ShardSpan& c = rank1.spans.back();
+  ASSERT_EQ(c.matrix, 2u);
+  const uint16_t inf_bf16 = 0x7f80;
+  std::memcpy(rank1.in.back().data() + 5 * 2, &inf_bf16, sizeof(inf_bf16));
+  release.Notify();
+  for (Outcome* o : {&out0, &out1}) {
+    o->ended.WaitForNotification();
+    EXPECT_EQ(o->status.code(), absl::StatusCode::kInvalidArgument) << o->status;
+    EXPECT_NE(o->status.message().find("'c'"), std::string::npos) << o->status;
+  }
+  const JobReport report = job_->Report();
+  EXPECT_FALSE(report.fenced);
+  EXPECT_EQ(report.steps_refused, 1);
+  EXPECT_EQ(report.next_step, 2);
+  const std::vector<std::vector<float>> after = SavedMomentum();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t m = 0; m < after.size(); ++m) {
+    EXPECT_EQ(BitDifferences(after[m], before[m]), 0u) << spec.matrices[m].name;
+  }
+}
+
+// MomentumStore's copy-on-write with more than 8 MiB to preserve (the copy runs over the CPUs): a
+// change while a snapshot is in progress hands the writer the old values of every matrix it has
+// not copied yet.
+TEST(MomentumStoreSnapshotTest, AChangeDuringASnapshotHandsTheWriterTheOldValues) {
+  common::JobSpec spec;
+  spec.job_id = "cow";
+  for (int m = 0; m < 6; ++m) {
+    spec.matrices.push_back(Matrix(absl::StrCat("m", m), {512, 1024}, DType::kFloat32));
+  }
+  std::unique_ptr<device::Device> device = device::NewHostDevice(1, nullptr);
+  MomentumStore store(spec, device.get());
+  auto fill = [&store](MomentumStore::Lock& lock, float base) {
+    for (uint32_t m = 0; m < store.matrices(); ++m) {
+      float* d = lock.mutable_data(m);
+      std::fill(d, d + store.numel(m), base + static_cast<float>(m));
+    }
+  };
+  {
+    MomentumStore::Lock lock(store);
+    fill(lock, 1);
+    lock.BeginSnapshot();
+  }
+  std::vector<float> copied;
+  store.CopyForSnapshot(0, &copied);  // the writer has matrix 0 before the change
+  {
+    MomentumStore::Lock lock(store);
+    fill(lock, 100);
+  }
+  for (uint32_t m = 0; m < store.matrices(); ++m) {
+    if (m > 0) store.CopyForSnapshot(m, &copied);
+    ASSERT_EQ(copied.size(), store.numel(m));
+    EXPECT_EQ(std::count(copied.begin(), copied.end(), 1.0f + m), static_cast<long>(copied.size()))
+        << "the snapshot of matrix " << m;
+    EXPECT_EQ(std::count(store.data(m), store.data(m) + store.numel(m), 100.0f + m),
+              static_cast<long>(store.numel(m)))
+        << "the store's matrix " << m;
+  }
+  store.EndSnapshot();
+}
+
+}  // namespace
+}  // namespace muond::server
