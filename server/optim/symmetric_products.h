@@ -21,10 +21,12 @@ namespace muond::server::internal {
 void SymmetricGram(const float* x, int64_t m, int64_t n, float* a);
 
 // The upper triangle of p[m, m] = b * a + c * a a, for a symmetric a[m, m] (both triangles set).
-// The strict lower triangle of p holds a's values on return (not part of the result).
+// The strict lower triangle of p holds a's values on return (not part of the result), except for
+// small blocks (m^3 <= 2^18), which get the full product.
 void SymmetricPolynomial(const float* a, int64_t m, float b, float c, float* p);
 
-// next[m, n] = alpha * x + p x, where p[m, m] is symmetric and only its upper triangle is read.
+// next[m, n] = alpha * x + p x, where p[m, m] is symmetric and only its upper triangle is read
+// (small blocks, m^2 n <= 2^18: all of p, as SymmetricPolynomial leaves it).
 // next must not alias x or p.
 void SymmetricApply(const float* p, const float* x, int64_t m, int64_t n, float alpha, float* next);
 
