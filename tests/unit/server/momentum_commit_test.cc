@@ -149,20 +149,25 @@ class MomentumCommitTest : public ::testing::Test {
     ran.WaitForNotification();
   }
 
+  // Step `step` of every rank with `grads` (whole matrices); it must commit.
+  void StepAll(const common::JobSpec& spec, int64_t step,
+               const std::vector<std::vector<float>>& grads) {
+    std::vector<RankRegion> regions;
+    for (int r = 0; r < spec.world_size; ++r) regions.push_back(FillRegion(spec, r, grads));
+    std::vector<Outcome> outcomes(spec.world_size);
+    for (int r = 0; r < spec.world_size; ++r) {
+      ASSERT_TRUE(Submit(r, step, regions[r], &outcomes[r]).ok());
+    }
+    for (Outcome& o : outcomes) {
+      o.ended.WaitForNotification();
+      ASSERT_TRUE(o.status.ok()) << o.status;
+    }
+  }
+
   // Steps 0 .. steps-1 of every rank with fresh gradients; each must commit.
   void StepClean(const common::JobSpec& spec, std::mt19937& rng, int steps) {
     for (int64_t step = 0; step < steps; ++step) {
-      const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
-      std::vector<RankRegion> regions;
-      for (int r = 0; r < spec.world_size; ++r) regions.push_back(FillRegion(spec, r, grads));
-      std::vector<Outcome> outcomes(spec.world_size);
-      for (int r = 0; r < spec.world_size; ++r) {
-        ASSERT_TRUE(Submit(r, step, regions[r], &outcomes[r]).ok());
-      }
-      for (Outcome& o : outcomes) {
-        o.ended.WaitForNotification();
-        ASSERT_TRUE(o.status.ok()) << o.status;
-      }
+      ASSERT_NO_FATAL_FAILURE(StepAll(spec, step, RandomGradients(spec, rng)));
     }
   }
 
@@ -224,16 +229,7 @@ void MomentumCommitTest::ExpectSerialEma(const common::JobSpec& spec) {
   constexpr int kSteps = 3;
   for (int64_t step = 0; step < kSteps; ++step) {
     const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
-    std::vector<RankRegion> regions;
-    for (int r = 0; r < spec.world_size; ++r) regions.push_back(FillRegion(spec, r, grads));
-    std::vector<Outcome> outcomes(spec.world_size);
-    for (int r = 0; r < spec.world_size; ++r) {
-      ASSERT_TRUE(Submit(r, step, regions[r], &outcomes[r]).ok());
-    }
-    for (Outcome& o : outcomes) {
-      o.ended.WaitForNotification();
-      ASSERT_TRUE(o.status.ok()) << o.status;
-    }
+    ASSERT_NO_FATAL_FAILURE(StepAll(spec, step, grads));
     for (size_t m = 0; m < spec.matrices.size(); ++m) {
       ApplyMomentum(spec.muon, grads[m].data(), reference[m].data(), reference[m].size());
     }
