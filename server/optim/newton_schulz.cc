@@ -59,7 +59,6 @@ using common::NsMethod;
 
 using internal::BatchedMath;
 using internal::ScopedSingleAtenThread;
-using ns::Coefficients;
 using ns::IterationCoefficients;
 using ns::kGramRestartAfter;
 using ns::kNormEpsilon;
