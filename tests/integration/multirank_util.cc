@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/barrier.h"
 #include "common/dtype.h"
 
 namespace muond::integration {
@@ -55,8 +56,7 @@ MatrixBytes MakeGradients(const std::vector<common::MatrixSpec>& matrices, int s
   return out;
 }
 
-std::string Slice(const std::string& whole, common::DType dtype, uint64_t offset,
-                  uint64_t length) {
+std::string Slice(const std::string& whole, common::DType dtype, uint64_t offset, uint64_t length) {
   const size_t esize = common::DTypeSize(dtype);
   if ((offset + length) * esize > whole.size()) return std::string();
   return whole.substr(offset * esize, length * esize);
@@ -104,8 +104,7 @@ absl::StatusOr<std::vector<std::string>> StepSpans(client::RankSession& session,
   return out;
 }
 
-absl::StatusOr<std::vector<std::string>> StepFlatBuffer(client::RankSession& session,
-                                                        int64_t step,
+absl::StatusOr<std::vector<std::string>> StepFlatBuffer(client::RankSession& session, int64_t step,
                                                         const std::vector<std::string>& grads,
                                                         float padding_value,
                                                         client::StepResult* result) {
@@ -134,8 +133,9 @@ absl::StatusOr<std::vector<std::string>> StepFlatBuffer(client::RankSession& ses
   }
   if (rest != std::string(rest.size(), '\0')) {
     return absl::InternalError(absl::StrCat("rank ", session.rank(), " step ", step, ": ",
-                                            n - covered, " padding elements of the update "
-                                                         "buffer are not zero"));
+                                            n - covered,
+                                            " padding elements of the update "
+                                            "buffer are not zero"));
   }
   return spans;
 }
@@ -145,15 +145,17 @@ std::vector<RankRun> RunRanks(const std::string& address, const std::string& job
                               bool use_buffer, int64_t first_step, bool takeover) {
   std::vector<RankRun> runs(world);
   std::vector<std::thread> threads;
+  // Every rank attaches before any steps, as trainers do (a barrier after attach): a rank that
+  // steps first would find a peer of a restarted job not attached yet, and the daemon refuses a
+  // step while a rank whose session was lost has not attached again.
+  absl::Barrier* attached = new absl::Barrier(world);  // deletes itself after the last Block
   for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
+    threads.emplace_back([&, r, attached] {
       RankRun& run = runs[r];
       absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(address);
-      if (!c.ok()) {
-        run.status.push_back(c.status());
-        return;
-      }
-      auto session = (*c)->Attach(job_id, r, token, takeover);
+      absl::StatusOr<std::unique_ptr<client::RankSession>> session =
+          c.ok() ? (*c)->Attach(job_id, r, token, takeover) : c.status();
+      if (attached->Block()) delete attached;
       if (!session.ok()) {
         run.status.push_back(session.status());
         return;
@@ -194,8 +196,8 @@ std::vector<RankRun> RunRanks(const std::string& address, const std::string& job
     }
     return ::testing::AssertionFailure()
            << "matrix '" << ms.name << "' elements [" << s.offset << ", " << s.offset + s.length
-           << "): first differing element " << s.offset + first / esize << " ("
-           << got[i].size() << " bytes got, " << expected.size() << " expected)";
+           << "): first differing element " << s.offset + first / esize << " (" << got[i].size()
+           << " bytes got, " << expected.size() << " expected)";
   }
   return ::testing::AssertionSuccess();
 }
