@@ -30,6 +30,8 @@
 #include "server/ops/daemon_metrics.h"
 #include "server/ops/metrics_http.h"
 #include "server/ops/sd_notify.h"
+#include "server/ops/status_json.h"
+#include "server/ops/status_page.h"
 #include "server/ops/stop_signal.h"
 #include "server/optim/muon_math.h"
 #include "server/storage/durable_file.h"
@@ -118,11 +120,13 @@ absl::StatusOr<std::unique_ptr<DeviceStreams>> OpenDevice(const DaemonConfig& co
 // /metrics: the collector of the daemon's and jobs' series and the HTTP endpoint serving them.
 struct Observability {
   std::unique_ptr<DaemonMetricsCollector> collector;
+  std::unique_ptr<StatusSource> status;  // the status page's JSON; outlives the server
   std::unique_ptr<MetricsServer> server;
 };
 
 absl::StatusOr<Observability> StartMetrics(const DaemonConfig& config, const std::string& backend,
-                                           JobRegistry* registry, const ApiServer& api) {
+                                           const std::string& backend_why, JobRegistry* registry,
+                                           const ApiServer& api) {
   Observability o;
   if (config.metrics_address == "off") return o;
   std::vector<std::pair<std::string, double>> limits =
@@ -130,19 +134,30 @@ absl::StatusOr<Observability> StartMetrics(const DaemonConfig& config, const std
   if (api.max_connections() > 0) {
     limits.emplace_back("max_connections", static_cast<double>(api.max_connections()));
   }
+  const std::string device = backend == "cpu" || backend == "simulated" ? CpuModelName() : backend;
+  StatusInfo status;
+  status.version = MUOND_VERSION;
+  status.backend = backend;
+  status.backend_why = backend_why;
+  status.device = device;
+  status.start_unix_ms = absl::ToUnixMillis(absl::Now());
+  status.limits = limits;
   o.collector = std::make_unique<DaemonMetricsCollector>(
       registry, api.shm(),
-      DaemonInfo{MUOND_VERSION, backend,
-                 backend == "cpu" || backend == "simulated" ? CpuModelName() : backend,
-                 config.limits.max_state_bytes, std::move(limits)});
+      DaemonInfo{MUOND_VERSION, backend, device, config.limits.max_state_bytes, std::move(limits)});
   const std::string address =
       config.metrics_address.empty() ? kDefaultMetricsAddress : config.metrics_address;
   MetricsServerOptions options;
   options.max_connections = static_cast<size_t>(config.limits.max_metrics_connections);
+  // The status page (/ and /api/v1/status).
+  o.status = std::make_unique<StatusSource>(registry, api.shm(), std::move(status));
+  options.pages = StatusPages([source = o.status.get()] { return source->Render(); });
   auto started = MetricsServer::Start(address, &common::DefaultRegistry(), options);
   if (started.ok()) {
     o.server = *std::move(started);
-    MUOND_LOG(INFO) << "metrics on http://" << o.server->address() << "/metrics";
+    o.status->SetMetricsAddress(o.server->address());
+    MUOND_LOG(INFO) << "metrics on http://" << o.server->address()
+                    << "/metrics; status page http://" << o.server->address() << "/";
   } else if (config.metrics_address.empty()) {
     MUOND_LOG(ERROR) << "serving without metrics: " << started.status().message()
                      << " (set --metrics-address or metrics-address = off)";
@@ -220,7 +235,7 @@ int Serve(const DaemonConfig& config) {
                   << " bytes, state " << config.state_dir
                   << ((*api)->shm() ? absl::StrCat("; shared memory on ", (*api)->shm_path())
                                     : "");
-  auto observability = StartMetrics(config, backend, &registry, **api);
+  auto observability = StartMetrics(config, backend, (*devices)->why, &registry, **api);
   if (!observability.ok()) return Fail(1, std::string(observability.status().message()));
   ServeUntilStopped(config, registry, *std::move(api), *std::move(observability));
   return 0;

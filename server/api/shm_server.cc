@@ -123,6 +123,15 @@ ShmServer::Usage ShmServer::usage() const {
   return u;
 }
 
+std::map<std::pair<std::string, int>, uint64_t> ShmServer::shared_sessions() const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::pair<std::string, int>, uint64_t> out;
+  for (const auto& [conn, session] : sessions_) {
+    if (session->job != nullptr) out[{session->job->id(), session->rank}] = session->session_id;
+  }
+  return out;
+}
+
 size_t ShmServer::session_count() const {
   absl::MutexLock lock(&mu_);
   return sessions_.size();

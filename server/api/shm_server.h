@@ -84,6 +84,9 @@ class ShmServer {
     uint64_t pinned_bytes = 0;
   };
   Usage usage() const;
+  // The attached sessions' session ids by (job id, rank), for the status page (a rank attached
+  // with another session id is on gRPC).
+  std::map<std::pair<std::string, int>, uint64_t> shared_sessions() const;
 
  private:
   using Clock = std::chrono::steady_clock;

@@ -15,6 +15,7 @@
 #include "server/jobs/gradient_check.h"
 #include "server/jobs/job.h"
 #include "server/ops/daemon_metrics.h"
+#include "server/ops/status_history.h"
 #include "server/optim/muon_math.h"
 
 namespace muond::server {
@@ -143,6 +144,11 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
                                  StepPhase::kWriteback, StepPhase::kReturn};
     for (int p = 0; p < 5; ++p) RecordPhase(id(), phases[p], state.phase_seconds[p]);
     RecordPhase(id(), StepPhase::kCommit, state.commit_seconds);
+    StepHistory::Default().Record(
+        id(), created_unix_ms_,
+        {state.step, absl::ToUnixMillis(absl::Now()), seconds,
+         {state.phase_seconds[0], state.phase_seconds[1], state.phase_seconds[2],
+          state.phase_seconds[3], state.phase_seconds[4], state.commit_seconds}});
     if (state.clip_redo) RecordClipRedo(id());
   }
   absl::MutexLock lock(&mu_);

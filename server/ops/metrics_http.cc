@@ -362,7 +362,8 @@ class MetricsServer::EventLoop {
       c.in.append(buffer, std::min(static_cast<size_t>(n), room));
       const size_t head_length = HeadLength(c.in, from);
       if (head_length != std::string_view::npos) {
-        return Respond(c, Answer(std::string_view(c.in).substr(0, head_length), *registry_));
+        return Respond(
+            c, Answer(std::string_view(c.in).substr(0, head_length), *registry_, options_.pages));
       }
       if (c.in.size() >= options_.max_request_bytes) {
         return Respond(c, Response("431 Request Header Fields Too Large",

@@ -5,6 +5,7 @@
 //
 //   /metrics, GET or HEAD -> 200, Content-Type "text/plain; version=0.0.4; charset=utf-8"
 //   /metrics, any other method -> 405 with "Allow: GET, HEAD"
+//   a path of options.pages (MetricsPage) -> the same rules, with that page's body
 //   any other path -> 404
 //   request line and headers longer than max_request_bytes -> 431
 //   a body on GET or HEAD -> 413; a request that does not parse as HTTP/1.0 or 1.1 -> 400
@@ -25,15 +26,26 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/metrics.h"
 
 namespace muond::server {
+
+// A page served beside /metrics on the same address (the status page and its JSON,
+// server/ops/status_page.h): GET and HEAD answered 200 with render()'s body, other methods 405.
+struct MetricsPage {
+  std::string path;  // the exact request path, e.g. "/" or "/api/v1/status"
+  std::string content_type;
+  std::string extra_headers;            // whole header lines, each ending "\r\n"
+  std::function<std::string()> render;  // called on the server's thread for each GET
+};
 
 // Bounds on what clients of the metrics endpoint may hold; the defaults suit a daemon scraped by a
 // few Prometheus servers.
@@ -49,6 +61,8 @@ struct MetricsServerOptions {
   size_t max_request_bytes = 8192;
   // How long accepting pauses when the process is out of descriptors. Not negative.
   absl::Duration descriptor_backoff = absl::Milliseconds(100);
+  // Pages served beside /metrics; none by default.
+  std::vector<MetricsPage> pages;
 };
 
 // Counts since Start. A snapshot: each field read atomically, not all at one instant.

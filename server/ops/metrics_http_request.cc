@@ -82,12 +82,30 @@ bool ParseHead(std::string_view head, RequestHead* out) {
 }  // namespace
 
 // The response to one request head.
-std::string Answer(std::string_view head, const common::Registry& registry) {
+std::string Answer(std::string_view head, const common::Registry& registry,
+                   const std::vector<MetricsPage>& pages) {
   RequestHead request;
   if (!ParseHead(head, &request)) {
     return Response("400 Bad Request", "Bad request: not an HTTP/1.1 request\n");
   }
   const bool head_only = request.method == "HEAD";
+  const MetricsPage* page = nullptr;
+  for (const MetricsPage& p : pages) {
+    if (request.path == p.path) page = &p;
+  }
+  if (page != nullptr) {
+    if (request.method != "GET" && !head_only) {
+      return Response("405 Method Not Allowed", "Method not allowed: use GET\n", false,
+                      "Allow: GET, HEAD\r\n");
+    }
+    if (request.has_body) {
+      return Response("413 Payload Too Large", "Payload too large: GET and HEAD take no body\n",
+                      head_only);
+    }
+    const std::string headers = absl::StrCat("Cache-Control: no-store\r\n", page->extra_headers);
+    return Response("200 OK", page->render(), head_only, headers.c_str(),
+                    page->content_type.c_str());
+  }
   if (request.path != kMetricsPath) {
     return Response("404 Not Found", "Not found: metrics are served at /metrics\n", head_only);
   }

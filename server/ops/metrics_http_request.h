@@ -7,8 +7,10 @@
 #include <cstddef>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/metrics.h"
+#include "server/ops/metrics_http.h"
 
 namespace muond::server::http {
 
@@ -23,7 +25,9 @@ std::string Response(const char* status, const std::string& body, bool head = fa
 size_t HeadLength(std::string_view in, size_t from);
 // The response to a complete request head: the registry's text for GET/HEAD /metrics; 400 for a
 // malformed head, 404 for another path, 405 for another method, 413 for a request with a body.
-std::string Answer(std::string_view head, const common::Registry& registry);
+// `pages` are answered as /metrics is (GET/HEAD 200, other methods 405), with their own bodies.
+std::string Answer(std::string_view head, const common::Registry& registry,
+                   const std::vector<MetricsPage>& pages = {});
 
 }  // namespace muond::server::http
 

@@ -1,0 +1,168 @@
+#include "server/ops/status_json.h"
+
+#include <sys/resource.h>
+
+#include <map>
+#include <set>
+
+#include "absl/time/clock.h"
+#include "nlohmann/json.hpp"
+#include "server/api/shm_server.h"
+#include "server/jobs/job_registry.h"
+#include "server/ops/status_history.h"
+#include "server/ops/status_progress.h"
+
+namespace muond::server {
+namespace {
+
+using Json = nlohmann::json;
+using SharedSessions = std::map<std::pair<std::string, int>, uint64_t>;
+
+Json DaemonJson(const StatusInfo& info, const JobRegistry& jobs, const ShmServer* shm,
+                int64_t now_ms) {
+  Json limits = Json::object();
+  for (const auto& [key, value] : info.limits) limits[key] = value;
+  Json d = {{"version", info.version},
+            {"backend", info.backend},
+            {"backend_why", info.backend_why},
+            {"device", info.device},
+            {"metrics_address", info.metrics_address},
+            {"start_unix_ms", info.start_unix_ms},
+            {"uptime_seconds", static_cast<double>(now_ms - info.start_unix_ms) / 1000.0},
+            {"limits", limits},
+            {"jobs", jobs.List().size()},
+            {"state_bytes", jobs.state_bytes()},
+            {"momentum_bytes", jobs.momentum_bytes()},
+            {"compute_queue_depth", jobs.compute_queue_depth()}};
+  const ShmServer::Usage usage = shm != nullptr ? shm->usage() : ShmServer::Usage();
+  d["shm_sessions"] = usage.sessions;
+  d["pinned_bytes"] = usage.pinned_bytes;
+  rlimit limit{};
+  d["memlock_limit_bytes"] = nullptr;
+  if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    d["memlock_limit_bytes"] = static_cast<uint64_t>(limit.rlim_cur);
+  }
+  return d;
+}
+
+Json RanksJson(const JobReport& r, const SharedSessions& shared) {
+  Json ranks = Json::array();
+  for (const RankReport& rank : r.ranks) {
+    std::string transport = "";
+    if (rank.attached) {
+      const auto it = shared.find({r.spec.job_id, rank.rank});
+      transport = it != shared.end() && it->second == rank.session_id ? "shm" : "grpc";
+    }
+    ranks.push_back({{"rank", rank.rank},
+                     {"attached", rank.attached},
+                     {"transport", transport},
+                     {"in_step", rank.in_step}});
+  }
+  return ranks;
+}
+
+Json RecentStepsJson(const std::string& job_id) {
+  Json steps = Json::array();
+  for (const StepSample& s : StepHistory::Default().Steps(job_id)) {
+    steps.push_back(
+        {{"step", s.step},
+         {"unix_ms", s.unix_ms},
+         {"seconds", s.seconds},
+         {"phases", std::vector<double>(s.phase_seconds.begin(), s.phase_seconds.end())}});
+  }
+  return steps;
+}
+
+Json JobJson(const JobReport& r, const SharedSessions& shared, int64_t now_ms) {
+  const bool apply = r.spec.mode == common::JobMode::kApply;
+  int attached = 0;
+  for (const RankReport& rank : r.ranks) attached += rank.attached ? 1 : 0;
+  Json j = {{"id", r.spec.job_id},
+            {"owner", r.owner},
+            {"mode", std::string(common::JobModeName(r.spec.mode))},
+            {"world_size", r.spec.world_size},
+            {"zero_stage", r.spec.zero_stage},
+            {"tensors", r.spec.matrices.size()},
+            {"ranks_attached", attached},
+            {"ranks", RanksJson(r, shared)},
+            {"next_step", r.next_step},
+            {"step_in_flight", nullptr},
+            {"steps_completed", r.steps_completed},
+            {"steps_refused", r.steps_refused},
+            {"steps_aborted", r.steps_aborted},
+            {"fenced", r.fenced},
+            {"fence_reason", r.fence_reason},
+            {"state_bytes", r.momentum_bytes},
+            {"state_kind", apply ? "masters + optimizer state" : "momentum"},
+            {"checkpoint", nullptr},
+            {"recent_steps", RecentStepsJson(r.spec.job_id)}};
+  if (r.step_in_flight) j["step_in_flight"] = *r.step_in_flight;
+  if (r.last_checkpoint_step) {
+    j["checkpoint"] = {
+        {"step", *r.last_checkpoint_step},
+        {"unix_ms", r.last_checkpoint_unix_ms},
+        {"age_seconds", static_cast<double>(now_ms - r.last_checkpoint_unix_ms) / 1000.0}};
+  }
+  return j;
+}
+
+Json OperationsJson() {
+  Json ops = Json::array();
+  for (const OperationReport& o : OperationProgress::Default().All()) {
+    ops.push_back({{"job", o.job_id},
+                   {"kind", o.kind},
+                   {"target", o.target},
+                   {"bytes_done", o.bytes_done},
+                   {"bytes_total", o.bytes_total},
+                   {"started_unix_ms", o.started_unix_ms},
+                   {"ended_unix_ms", o.ended_unix_ms},
+                   {"done", o.done},
+                   {"error", o.error}});
+  }
+  return ops;
+}
+
+}  // namespace
+
+StatusSource::StatusSource(const JobRegistry* jobs, const ShmServer* shm, StatusInfo info)
+    : jobs_(jobs), shm_(shm), info_(std::move(info)) {}
+
+void StatusSource::SetMetricsAddress(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  info_.metrics_address = address;
+}
+
+std::string StatusSource::Render() const {
+  StatusInfo info;
+  {
+    absl::MutexLock lock(&mu_);
+    info = info_;
+  }
+  const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  const SharedSessions shared = shm_ != nullptr ? shm_->shared_sessions() : SharedSessions();
+  Json jobs = Json::array();
+  std::set<std::string> present;
+  for (const auto& job : jobs_->List()) {
+    const JobReport r = job->Report();
+    present.insert(r.spec.job_id);
+    jobs.push_back(JobJson(r, shared, now_ms));
+  }
+  StepHistory::Default().Prune(present);
+  OperationProgress::Default().Prune(present);
+  Json broken = Json::array();
+  for (const JobRegistry::BrokenJob& b : jobs_->Broken()) {
+    broken.push_back({{"directory", b.directory}, {"reason", b.reason}});
+  }
+  Json out = {{"format", "muond-status"},
+              {"format_version", 1},
+              {"now_unix_ms", now_ms},
+              {"daemon", DaemonJson(info, *jobs_, shm_, now_ms)},
+              {"phases", std::vector<std::string>(std::begin(StepHistory::kPhaseNames),
+                                                  std::end(StepHistory::kPhaseNames))},
+              {"jobs", std::move(jobs)},
+              {"broken_jobs", std::move(broken)},
+              {"operations", OperationsJson()}};
+  return out.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+}  // namespace muond::server

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# deploy/grafana/muond.json against a real Prometheus: a muond runs a job (steps over gRPC and
+# shared memory, one refused out-of-order step, a checkpoint save) while Debian's prometheus
+# scrapes it every second; then every PromQL expression of every panel of the dashboard, with its
+# variables substituted ($node -> the daemon's instance, $__rate_interval -> 1m), is evaluated
+# through Prometheus' HTTP API and must return at least one series with a value that is not NaN (+Inf
+# counts: RLIMIT_MEMLOCK unlimited). The
+# dashboard must also be a well-formed Grafana JSON model (datasource and node variables, every
+# target on the datasource variable).
+# Usage: grafana_prometheus_test.sh MUOND MUONCTL DASHBOARD_JSON
+# Exits 77 (ctest: skipped) when prometheus or promtool is not installed (deploy/install-deps.sh).
+set -euo pipefail
+MUOND=${1:?usage: grafana_prometheus_test.sh MUOND MUONCTL DASHBOARD}
+MUONCTL=${2:?usage: grafana_prometheus_test.sh MUOND MUONCTL DASHBOARD}
+DASHBOARD=${3:?usage: grafana_prometheus_test.sh MUOND MUONCTL DASHBOARD}
+for tool in promtool prometheus /usr/bin/python3; do
+  if ! command -v "$tool" >/dev/null; then
+    echo "SKIP: $tool not installed (deploy/install-deps.sh installs it)"
+    exit 77
+  fi
+done
+# shellcheck source=tests/metrics/live_daemon.sh
+. "$(dirname "$0")/../metrics/live_daemon.sh"
+
+start_daemon
+create_job dash 64 128
+
+prom_port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+cat >"$tmp/prometheus.yml" <<PROMEOF
+global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: muond
+    static_configs:
+      - targets: ["$metrics"]
+PROMEOF
+promtool check config "$tmp/prometheus.yml" >"$tmp/check_config.out" 2>&1 ||
+  { cat "$tmp/check_config.out"; fail "promtool check config"; }
+prometheus --config.file="$tmp/prometheus.yml" --storage.tsdb.path="$tmp/data" \
+  --web.listen-address="127.0.0.1:$prom_port" --log.level=warn >"$tmp/prometheus.log" 2>&1 &
+prom_pid=$!
+
+# Waits (bounded) until prometheus has scraped the daemon, so that the steps below happen while it
+# watches (rates over them are then non-zero).
+wait_scraped() {
+  "$PY" - "$prom_port" "$metrics" "$1" <<'PYEOF'
+import json, sys, time, urllib.parse, urllib.request
+prom, target, query = sys.argv[1], sys.argv[2], sys.argv[3]
+deadline = time.time() + 60
+while time.time() < deadline:
+    try:
+        url = f"http://127.0.0.1:{prom}/api/v1/query?query=" + urllib.parse.quote(query)
+        with urllib.request.urlopen(url, timeout=2) as r:
+            if json.load(r)["data"]["result"]:
+                sys.exit(0)
+    except OSError:
+        pass  # not listening yet
+    time.sleep(0.2)
+sys.exit(f"FAIL: prometheus never saw {query} from {target} in 60 s")
+PYEOF
+}
+wait_scraped 'muond_jobs{instance="'"$metrics"'"} == 1'
+
+run_steps dash 64 128 4 --transport grpc
+for t in 4 5; do
+  write_grads "$tmp/dash.g$t.safetensors" 64 128 "$t"
+  "$MUONCTL" step --job dash --rank 0 --step "$t" --grads "$tmp/dash.g$t.safetensors" \
+    --out "$tmp/dash.u$t.safetensors" --token-file "$tmp/dash.token" --transport shm >/dev/null ||
+    fail "muonctl step dash $t --transport shm"
+done
+# One refused request (out of order: FAILED_PRECONDITION), for the RPC errors panel.
+if "$MUONCTL" step --job dash --rank 0 --step 9 --grads "$tmp/dash.g5.safetensors" \
+  --out "$tmp/dash.u9.safetensors" --token-file "$tmp/dash.token" --transport grpc \
+  >/dev/null 2>&1; then
+  fail "an out-of-order step was accepted"
+fi
+"$MUONCTL" checkpoint save --job dash --token-file "$tmp/dash.token" >/dev/null 2>&1 ||
+  fail "muonctl checkpoint save"
+wait_scraped 'muond_checkpoint_newest_age_seconds{instance="'"$metrics"'"}'
+wait_scraped 'muond_steps_completed_total{instance="'"$metrics"'",muond_job="dash"} == 6'
+
+"$PY" - "$prom_port" "$metrics" "$DASHBOARD" <<'PYEOF'
+import json, math, sys, urllib.parse, urllib.request
+prom, instance, path = sys.argv[1], sys.argv[2], sys.argv[3]
+dash = json.load(open(path))
+bad = []
+variables = {v["name"]: v for v in dash["templating"]["list"]}
+if variables.get("datasource", {}).get("type") != "datasource":
+    bad.append("no datasource variable of type datasource")
+if variables.get("node", {}).get("type") != "query":
+    bad.append("no node variable of type query")
+exprs = []
+for p in dash["panels"]:
+    if p.get("datasource", {}).get("uid") != "${datasource}":
+        bad.append(f"panel {p['title']!r} is not on ${{datasource}}")
+    if not p.get("targets"):
+        bad.append(f"panel {p['title']!r} has no query")
+    for t in p.get("targets", []):
+        if t.get("datasource", {}).get("uid") != "${datasource}":
+            bad.append(f"panel {p['title']!r} target {t['refId']} is not on ${{datasource}}")
+        if '$node' not in t["expr"]:
+            bad.append(f"panel {p['title']!r} target {t['refId']} ignores $node")
+        exprs.append((p["title"], t["refId"], t["expr"]))
+node_query = variables["node"]["query"]["query"]
+def query(expr):
+    url = f"http://127.0.0.1:{prom}/api/v1/query?query=" + urllib.parse.quote(expr)
+    with urllib.request.urlopen(url, timeout=5) as r:
+        body = json.load(r)
+    if body.get("status") != "success":
+        raise ValueError(body)
+    return body["data"]["result"]
+# The node variable's values: label_values(muond_build_info, instance) is the instance label of
+# muond_build_info.
+nodes = sorted({s["metric"].get("instance") for s in query("muond_build_info")})
+if nodes != [instance]:
+    bad.append(f"node variable values {nodes}, expected [{instance!r}]")
+for title, ref, expr in exprs:
+    promql = expr.replace("$__rate_interval", "1m").replace("$node", instance.replace(".", "\\\\."))
+    try:
+        result = query(promql)
+    except Exception as e:  # a PromQL error answers 400
+        bad.append(f"{title} {ref}: {promql}: {e}")
+        continue
+    values = [float(s["value"][1]) for s in result]
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        bad.append(f"{title} {ref}: no value but NaN ({len(result)} series): {promql}")
+    else:
+        print(f"ok  {title} [{ref}]: {len(result)} series, e.g. {finite[0]:.6g}")
+if bad:
+    sys.exit("FAIL:\n  " + "\n  ".join(bad))
+print(f"all {len(exprs)} expressions of {len(dash['panels'])} panels returned data")
+PYEOF
+stop_daemon
+echo "PASS"
