@@ -35,6 +35,10 @@ int NullArgument(const char* what) {
 
 }  // namespace
 
+// For the C ABI functions of other files (client_multinode.cc).
+int muond_c_report(const absl::Status& s) { return Report(s); }
+muond::client::Client* muond_c_client(muond_client* client) { return client->impl.get(); }
+
 extern "C" {
 
 const char* muond_last_error(void) { return g_last_error.c_str(); }

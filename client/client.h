@@ -262,6 +262,10 @@ class Client {
                                                                   const std::string& token);
   absl::Status DeleteJob(const std::string& job_id, const std::string& token);
   absl::Status ResetJob(const std::string& job_id, const std::string& token, int64_t next_step);
+  // Multi-node jobs (DESIGN.md 4c, client_multinode.cc): commit or abort a prepared step.
+  absl::Status CommitStep(const std::string& job_id, const std::string& token, int64_t step);
+  absl::Status AbortStep(const std::string& job_id, const std::string& token, int64_t step,
+                         const std::string& reason);
   absl::StatusOr<v1::JobStatus> GetJob(const std::string& job_id, const std::string& token);
   absl::StatusOr<std::vector<v1::JobStatus>> ListJobs();
   // Apply mode: the job's master weights at a step boundary, every tensor whole (names and shapes

@@ -50,6 +50,8 @@ constexpr char kUsage[] =
     "                                       of job JOB (token from F2, else $MUOND_JOB_TOKEN);\n"
     "                                       world size and ZeRO stage may differ\n"
     "  job list                             list the jobs (never their tokens)\n"
+    "  plan JOB.json NODES...               the ownership plan of the job over NODES nodes\n"
+    "                                       (tensors per node, FLOPs and bytes max/mean); local\n"
     "  job show --job ID [--token-file F]   print a job's status\n"
     "  job delete --job ID [--token-file F] delete a job and its state\n"
     "  job reset --job ID [--step N] [--token-file F]\n"
@@ -145,6 +147,14 @@ void PrintStatus(const v1::JobStatus& st) {
                                                                 " elements per rank"));
   }
   std::printf("zero_stage: %d\nlayout: %s\n", spec.zero_stage(), layout.c_str());
+  if (spec.has_multinode()) {  // DESIGN.md 4c: this node's part of a multi-node job
+    std::printf("global_job: %s\nnode: %d of %d (steps two-phase)\n",
+                spec.multinode().global_job_id().c_str(), spec.multinode().node(),
+                spec.multinode().nodes());
+    if (st.has_step_prepared()) {
+      std::printf("step_prepared: %lld\n", static_cast<long long>(st.step_prepared()));
+    }
+  }
   std::printf("owner: %s\n", st.owner().empty() ? "unknown" : st.owner().c_str());
   std::printf("step_timeout_seconds: %d\n", st.step_timeout_seconds());
   std::printf("next_step: %lld\n", static_cast<long long>(st.next_step()));
@@ -317,6 +327,10 @@ int Run(int argc, char** argv) {
   }
   if (a.words.empty()) return Usage("missing command");
   const std::string cmd = a.words[0];
+  if (cmd == "plan") {  // local: no daemon (muonctl_plan.cc)
+    const absl::Status s = CmdPlan(a);
+    return s.ok() ? 0 : Fail(s);
+  }
   if (cmd != "health" && cmd != "job" && cmd != "step" && cmd != "status" && cmd != "top" &&
       cmd != "checkpoint" && cmd != "params" && cmd != "export") {
     return Usage(absl::StrCat("unknown command '", cmd, "'"));

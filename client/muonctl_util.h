@@ -79,6 +79,8 @@ absl::Status CmdStatus(Client& client, const Args& a);
 absl::Status CmdCheckpoint(Client& client, const Args& a);
 // `muonctl top [--iterations N] [--interval S]`: refreshes per-job step rates and phase times.
 absl::Status CmdTop(Client& client, const Args& a);
+// `muonctl plan JOB.json NODES...`: the ownership plan over nodes, no daemon (muonctl_plan.cc).
+absl::Status CmdPlan(const Args& a);
 
 }  // namespace muond::client
 

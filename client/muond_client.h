@@ -147,6 +147,25 @@ int muond_session_param_byte_offset(const muond_session* session, size_t span, u
 int muond_export(muond_client* client, const char* job_id, const char* token, const char* dtype,
                  const char* out_path);
 
+/* ---- Many nodes (DESIGN.md 4c). */
+
+/* The ownership plan: which of `nodes` nodes owns each tensor of a job.json (the global job: all
+ * tensors, any world size and stage). Deterministic (every rank computes the same plan): Muon
+ * tensors are placed largest first by Newton-Schulz FLOPs on the node with the fewest so far,
+ * then AdamW tensors largest first by bytes of state on the node with the fewest bytes; ties go to
+ * the lower node. Writes up to `capacity` owners (job order), *total the tensor count, and per
+ * node (arrays of `nodes`, each may be NULL) its Newton-Schulz FLOPs per step and its bytes of
+ * fp32 state. 3 INVALID_ARGUMENT for a bad spec or nodes outside 1..65536. */
+int muond_ownership_plan(const char* spec_json, int nodes, int32_t* owner, size_t capacity,
+                         size_t* total, double* node_flops, double* node_bytes);
+/* A multi-node job's two-phase step (the job spec has "multinode"): commit the prepared step
+ * `step` (OK when it is committed already), or drop it (a prepared step, or one in flight whose
+ * ranks then get ABORTED with `reason`; the daemon's state stays bit-identical and the job expects
+ * `step` again). 9 FAILED_PRECONDITION: commit of a step not prepared, abort of a committed one. */
+int muond_step_commit(muond_client* client, const char* job_id, const char* token, int64_t step);
+int muond_step_abort(muond_client* client, const char* job_id, const char* token, int64_t step,
+                     const char* reason);
+
 #ifdef __cplusplus
 }
 #endif

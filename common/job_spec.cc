@@ -219,7 +219,8 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
       CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",
                                    "gather_budget_bytes", "transport_probe", "checkpoint_every_steps",
                                    "checkpoint_keep", "step_timeout_seconds", "mode", "tensors",
-                                   "groups", "adamw", "max_grad_norm", "init_from"}));
+                                   "groups", "adamw", "max_grad_norm", "init_from",
+                                   "multinode"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -230,6 +231,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
     RETURN_IF_ERROR(ParseMuon(*it, &spec.muon));
   }
   RETURN_IF_ERROR(json_fields::ParseApplyFields(root, &spec));
+  RETURN_IF_ERROR(json_fields::ParseMultiNodeField(root, &spec));
   // "tensors" (apply mode's name) or "matrices": one of the two.
   const char* key = root.find("tensors") != root.end() ? "tensors" : "matrices";
   if (root.find("tensors") != root.end() && root.find("matrices") != root.end()) {
@@ -313,6 +315,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
     root["layout"] = std::move(layout);
   }
   json_fields::WriteApplyFields(spec, &root);
+  json_fields::WriteMultiNodeField(spec, &root);
   // `replace` keeps this total for unvalidated specs (invalid UTF-8 in a name becomes U+FFFD);
   // a validated spec has none.
   return root.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
@@ -396,6 +399,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     }
   }
   RETURN_IF_ERROR(ValidateApplyMode(spec));
+  RETURN_IF_ERROR(ValidateMultiNode(spec));
   if (!spec.explicit_layout.empty()) RETURN_IF_ERROR(ValidateExplicitLayout(spec));
   return absl::OkStatus();
 }

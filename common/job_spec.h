@@ -18,6 +18,9 @@
 //   "group": str (default: the optimizer's name), "param_dtype": dtype (default: "dtype")},
 //   "groups": [{"name": str, "lr": x, "weight_decay": 0}], "adamw": {"betas": [0.9, 0.999],
 //   "eps": 1e-8}, "max_grad_norm": x (0 or absent: no clipping), "init_from": "path.safetensors".
+// Many nodes (DESIGN.md 4c; job_spec_multinode.cc): "multinode": {"global_job_id": str,
+//   "node": n, "nodes": N}: this job is node n's part of a job over N nodes; its steps commit in
+//   two phases (prepared, then CommitStep / AbortStep from the trainer).
 // Plain value types; thread-compatible.
 #ifndef MUOND_COMMON_JOB_SPEC_H_
 #define MUOND_COMMON_JOB_SPEC_H_
@@ -94,6 +97,17 @@ struct AdamWConfig {
   double eps = 1e-8;
 };
 
+// Many nodes (DESIGN.md 4c): the job is one node's part of a job spanning several nodes, tied to
+// the others by the global job id. Present when nodes > 0; steps then commit in two phases.
+struct MultiNode {
+  std::string global_job_id;
+  int node = 0;   // 0..nodes-1
+  int nodes = 0;  // 0: not part of a multi-node job
+  bool operator==(const MultiNode& o) const {
+    return global_job_id == o.global_job_id && node == o.node && nodes == o.nodes;
+  }
+};
+
 // One run of consecutive elements of one matrix owned by a rank (explicit layouts).
 struct LayoutSpan {
   uint32_t matrix = 0;  // index into JobSpec::matrices
@@ -135,6 +149,10 @@ struct JobSpec {
   double max_grad_norm = 0;
   // Initial parameters from this safetensors file on the daemon's host ("": uploaded by ranks).
   std::string init_from;
+  // Many nodes: which node's part of which global job this is (nodes 0: a single-node job).
+  MultiNode multinode;
+  // Steps are prepared and committed on the trainer's word (CommitStep), as multi-node jobs do.
+  bool two_phase() const { return multinode.nodes > 0; }
 };
 
 inline constexpr int kMaxNsSteps = 100;
@@ -146,6 +164,7 @@ inline constexpr int kMaxStepTimeoutSeconds = 7 * 24 * 3600;
 inline constexpr int64_t kMaxMatrixElements = int64_t{1} << 34;
 inline constexpr size_t kMaxParamGroups = 1024;
 inline constexpr size_t kMaxInitFromBytes = 4096;
+inline constexpr int kMaxNodes = 65536;
 
 // Parses job.json. INVALID_ARGUMENT naming the field (e.g. "matrices[2].shape") for malformed JSON,
 // wrong types, unknown enum values and unknown fields. Runs ValidateJobSpec on the result.
@@ -164,6 +183,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec);
 // exists; betas in [0, 1), eps > 0, max_grad_norm finite and >= 0; init_from at most
 // kMaxInitFromBytes; ZeRO 1/2 partitions of one parameter dtype as well.
 absl::Status ValidateApplyMode(const JobSpec& spec);
+// The "multinode" block: global_job_id a valid job id, 0 <= node < nodes <= kMaxNodes (when
+// present). INVALID_ARGUMENT naming the field.
+absl::Status ValidateMultiNode(const JobSpec& spec);
 // Fills what apply mode defaults: a tensor's group (its optimizer's name). Both parsers call it.
 void FillApplyDefaults(JobSpec* spec);
 

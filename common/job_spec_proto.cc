@@ -200,6 +200,10 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
   spec.checkpoint_every_steps = proto.checkpoint_every_steps();
   spec.checkpoint_keep = proto.checkpoint_keep() == 0 ? 3 : proto.checkpoint_keep();
   spec.step_timeout_seconds = proto.step_timeout_seconds();
+  if (proto.has_multinode()) {
+    spec.multinode = {proto.multinode().global_job_id(), proto.multinode().node(),
+                      proto.multinode().nodes()};
+  }
   for (const v1::RankLayout& rank : proto.layout()) {
     std::vector<LayoutSpan> spans;
     for (const v1::Span& s : rank.spans()) spans.push_back({s.matrix_index(), s.offset(), s.length()});
@@ -241,6 +245,11 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   proto.set_checkpoint_every_steps(spec.checkpoint_every_steps);
   proto.set_checkpoint_keep(spec.checkpoint_keep);
   proto.set_step_timeout_seconds(spec.step_timeout_seconds);
+  if (spec.multinode.nodes > 0) {
+    proto.mutable_multinode()->set_global_job_id(spec.multinode.global_job_id);
+    proto.mutable_multinode()->set_node(spec.multinode.node);
+    proto.mutable_multinode()->set_nodes(spec.multinode.nodes);
+  }
   for (const auto& rank : spec.explicit_layout) {
     v1::RankLayout* pr = proto.add_layout();
     for (const LayoutSpan& s : rank) {

@@ -29,6 +29,7 @@ v1::JobStatus JobStatusToProto(const JobReport& r) {
   st.set_owner(r.owner);
   st.set_step_timeout_seconds(r.step_timeout_seconds);
   if (r.step_in_flight) st.set_step_in_flight(*r.step_in_flight);
+  if (r.step_prepared) st.set_step_prepared(*r.step_prepared);
   st.set_weights_complete(r.weights_complete);
   for (int rank : r.ranks_missing_weights) st.add_ranks_missing_weights(rank);
   st.set_clip_redo_steps(static_cast<uint64_t>(r.clip_redo_steps));

@@ -136,6 +136,22 @@ grpc::Status MuondService::ResetJob(grpc::ServerContext* ctx, const v1::ResetJob
   return Logged("ResetJob", registry_->Reset(*job, req->next_step()));
 }
 
+grpc::Status MuondService::CommitStep(grpc::ServerContext* ctx, const v1::CommitStepRequest* req,
+                                      v1::CommitStepResponse*) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("CommitStep", job.status());
+  return Logged("CommitStep", (*job)->CommitStep(req->step()));
+}
+
+grpc::Status MuondService::AbortStep(grpc::ServerContext* ctx, const v1::AbortStepRequest* req,
+                                     v1::AbortStepResponse*) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("AbortStep", job.status());
+  const std::string reason =
+      req->reason().empty() ? "no reason given" : req->reason().substr(0, 1024);
+  return Logged("AbortStep", (*job)->AbortStep(req->step(), reason));
+}
+
 grpc::Status MuondService::SaveCheckpoint(grpc::ServerContext* ctx,
                                           const v1::SaveCheckpointRequest* req,
                                           v1::CheckpointInfo* resp) {

@@ -43,6 +43,10 @@ class MuondService final : public v1::Muond::Service {
                         v1::ListJobsResponse* resp) override;
   grpc::Status ResetJob(grpc::ServerContext* ctx, const v1::ResetJobRequest* req,
                         v1::ResetJobResponse* resp) override;
+  grpc::Status CommitStep(grpc::ServerContext* ctx, const v1::CommitStepRequest* req,
+                          v1::CommitStepResponse* resp) override;
+  grpc::Status AbortStep(grpc::ServerContext* ctx, const v1::AbortStepRequest* req,
+                         v1::AbortStepResponse* resp) override;
   grpc::Status AttachRank(grpc::ServerContext* ctx, const v1::AttachRankRequest* req,
                           v1::AttachRankResponse* resp) override;
   grpc::Status DetachRank(grpc::ServerContext* ctx, const v1::DetachRankRequest* req,

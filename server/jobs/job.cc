@@ -201,6 +201,7 @@ JobReport Job::Report() const {
   r.fence_reason = fence_reason_;
   r.last_step_device_seconds = last_step_device_seconds_;
   if (in_flight_ != nullptr) r.step_in_flight = in_flight_->step;
+  if (in_flight_ != nullptr && in_flight_->prepared) r.step_prepared = in_flight_->step;
   for (int rank = 0; rank < spec_.world_size; ++rank) {
     RankReport& rr = r.ranks.emplace_back();
     rr.rank = rank;

@@ -282,6 +282,19 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // record, so every generation up to that number holds the momentum before the reset. When
   // `persist` fails the job is fenced (memory reset, disk not) and its error returned.
   absl::Status ResetDurably(int64_t next_step, const std::function<absl::Status(int64_t)>& persist);
+  // ---- Two-phase steps (multi-node jobs, spec().two_phase(); DESIGN.md 4c; job_prepare.cc).
+  // When every matrix of step t succeeded, the ranks receive their results and the step stays
+  // prepared: the state store (momentum; apply mode masters, moments, counts) is unchanged and
+  // step t + 1 is refused until the trainer, having agreed across nodes, calls one of these.
+  // Makes prepared step `step` the job's state. OK when `step` is already committed (a second
+  // rank's commit); FAILED_PRECONDITION when it is neither prepared nor committed, or fenced.
+  absl::Status CommitStep(int64_t step);
+  // Drops step `step`: a prepared step, or one still in flight (its ranks get ABORTED with
+  // `reason`); the store stays bit-identical, the job is not fenced, and `step` is expected again.
+  // OK when no step `step` is in flight and it is the next step (nothing to drop);
+  // FAILED_PRECONDITION when it is already committed.
+  absl::Status AbortStep(int64_t step, const std::string& reason);
+
   // Marks the job deleted: steps in flight and later ones fail with NOT_FOUND.
   void MarkDeleted();
 
@@ -316,6 +329,12 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   void DeviceFailed(StepState& state, const absl::Status& status) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Commit(StepState& state) override;
+  // Changes the store for a step whose matrices all succeeded, then FinishCommit.
+  void CommitNow(StepState& state);
+  // Two-phase: hands the ranks their results and keeps the step prepared (job_prepare.cc).
+  void Prepare(StepState& state);
+  // Drops a prepared step in flight (not fenced), e.g. before a load or reset; `why` for the log.
+  void DropPrepared(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The rest of a commit once the store changed (`changed` OK) or failed to (the job is fenced).
   void FinishCommit(StepState& state, const absl::Status& changed);
   // Applies the momentum EMA of the step to the store (under `lock`), over the CPUs; the store

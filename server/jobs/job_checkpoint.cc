@@ -165,6 +165,7 @@ absl::StatusOr<Job::LoadResult> Job::InstallLoaded(const checkpoint::Loaded& loa
   std::optional<ParamStore::Lock> params;
   if (apply()) params.emplace(*params_);
   absl::MutexLock lock(&mu_);
+  DropPrepared("checkpoint load");
   RETURN_IF_ERROR(CheckNoStepInFlight("load"));
   // Everything is checked before the store changes.
   std::vector<int> index;

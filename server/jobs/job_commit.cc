@@ -115,6 +115,14 @@ int64_t CommitRun(const common::MuonConfig& muon, common::DType dtype, const cha
 }  // namespace
 
 void Job::Commit(StepState& state) {
+  if (spec_.two_phase()) {
+    Prepare(state);
+    return;
+  }
+  CommitNow(state);
+}
+
+void Job::CommitNow(StepState& state) {
   const absl::Time commit_start = absl::Now();
   if (apply()) {
     // The step computed the next state into the store's back buffers: it becomes the front.
@@ -221,7 +229,7 @@ void Job::DeviceFailed(StepState& state, const absl::Status& status) {
 
 void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
   // A step whose commit began is committed: nothing may report it as failed.
-  if (state.done || state.committing) return;
+  if (state.done || state.committing || state.prepared) return;
   // A step whose ranks are all on shared memory is owned by in_flight_ alone (no RankStep holds
   // it), and in_flight_ is reset below: keep `state` alive until this function returns.
   const std::shared_ptr<StepState> keep = in_flight_.get() == &state ? in_flight_ : nullptr;
@@ -282,6 +290,12 @@ absl::Status Job::AbandonRank(const std::shared_ptr<StepState>& state, int rank,
   absl::MutexLock lock(&mu_);
   // A commit in progress finishes: wait for it so the answer names the outcome.
   while (state->committing && !state->done) state->cv.WaitWithTimeout(&mu_, kCancelPoll);
+  if (state->prepared && !state->done) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", id(), "' step ", state->step, " rank ", rank, ": ", why,
+                     ", but the step is prepared (all data was in): the trainer commits or "
+                     "aborts it (CommitStep / AbortStep)"));
+  }
   if (state->done) {
     if (!state->result.ok()) return state->result;
     return absl::UnavailableError(
@@ -303,6 +317,7 @@ absl::Status Job::Reset(int64_t next_step) {
   std::optional<ParamStore::Lock> params;
   if (apply()) params.emplace(*params_);
   absl::MutexLock lock(&mu_);
+  DropPrepared("reset");
   RETURN_IF_ERROR(CheckNoStepInFlight("reset"));
   store.Zero();
   if (params) params->ZeroOptimizerState();

@@ -49,6 +49,7 @@ struct JobReport {
   std::string owner;
   int32_t step_timeout_seconds = 0;
   std::optional<int64_t> step_in_flight;
+  std::optional<int64_t> step_prepared;  // two-phase jobs: computed, awaiting commit or abort
   std::vector<RankReport> ranks;
 };
 

@@ -95,6 +95,12 @@ absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step, const Step
                                              ") and has not attached again; nothing changed"));
     }
   }
+  if (in_flight_ != nullptr && in_flight_->prepared) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", id(), "' rank ", rank, ": step ", in_flight_->step,
+        " is prepared and waits for the trainer's CommitStep or AbortStep (multi-node job '",
+        spec_.multinode.global_job_id, "'); step ", step, " cannot begin before"));
+  }
   if (step == next_step_ - 1 && last_updates_[rank] != nullptr &&
       last_updates_[rank]->step == step) {
     if (in_flight_ != nullptr && in_flight_->ranks[rank].begun) {
@@ -290,9 +296,9 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
     }
   }
   in.finished = true;
-  while (!state->done) {
+  while (!state->done && !state->prepared) {
     state->cv.WaitWithTimeout(&mu_, kCancelPoll);
-    if (!state->done && cancelled && cancelled()) {
+    if (!state->done && !state->prepared && cancelled && cancelled()) {
       FailStep(
           *state,
           absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step, " aborted: rank ",
@@ -300,6 +306,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
           /*fence=*/true);
     }
   }
+  if (state->prepared) return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
   if (!state->result.ok()) return state->result;
   return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
 }

@@ -100,6 +100,10 @@ struct StepState {
   // from then on the step can no longer be aborted or refused; it ends committed (or, if Commit
   // itself finds a changed gradient, fenced). Whoever races with it learns the commit.
   bool committing = false;
+  // Two-phase jobs (multinode, job_prepare.cc): every matrix succeeded, the ranks have their
+  // results, and the state store is unchanged until CommitStep (or AbortStep drops the step).
+  // Nothing else fails a prepared step: FailStep leaves it alone.
+  bool prepared = false;
   absl::Status result;
   absl::CondVar cv;
   // Seconds per phase of the step, for the metrics: assembly, copy-in, Newton-Schulz, writeback,

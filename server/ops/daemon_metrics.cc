@@ -77,6 +77,9 @@ struct Families {
                                         "Bytes of whole matrices the job may assemble at once."));
     job_gather_peak = Must(
         r.AddGauge("muond_job_gather_peak_bytes", "The most bytes the job has assembled at once."));
+    job_multinode = Must(r.AddGauge(
+        "muond_job_multinode_info",
+        "A multi-node job's part on this daemon (DESIGN.md 4c): its global job id and node; 1."));
     job_checkpoint_age = Must(r.AddGauge(
         "muond_checkpoint_newest_age_seconds",
         "Seconds since the newest checkpoint generation this daemon wrote or loaded for the job."));
@@ -147,7 +150,7 @@ struct Families {
   Family<Gauge>*build_info, *device_info, *start_time, *jobs, *ranks_attached, *momentum,
       *momentum_limit, *queue_depth, *shm_sessions, *pinned, *memlock_limit;
   Family<Gauge>*job_world_size, *job_ranks_attached, *job_next_step, *job_fenced, *job_momentum,
-      *job_gather_budget, *job_gather_peak, *job_checkpoint_age;
+      *job_gather_budget, *job_gather_peak, *job_checkpoint_age, *job_multinode;
   Family<Counter>*steps_completed, *steps_refused, *steps_aborted, *transport_copy, *rpc_errors,
       *checkpoint_saves, *checkpoint_bytes, *clip_redo;
   Family<Histogram>*step_seconds, *phase_seconds, *checkpoint_seconds;
@@ -310,6 +313,12 @@ void DaemonMetricsCollector::Collect() {
           1000.0);
     }
     Seen& seen = seen_[id];
+    if (st.spec.multinode.nodes > 0 && seen.multinode.empty()) {
+      seen.multinode = {{kJobLabel, id},
+                        {"global_job", st.spec.multinode.global_job_id},
+                        {"node", std::to_string(st.spec.multinode.node)}};
+      f.job_multinode->Add(seen.multinode).Set(1);
+    }
     Advance(f.steps_completed->Add(labels), st.steps_completed, &seen.completed);
     Advance(f.steps_refused->Add(labels), st.steps_refused, &seen.refused);
     Advance(f.steps_aborted->Add(labels), st.steps_aborted, &seen.aborted);
@@ -326,6 +335,9 @@ void DaemonMetricsCollector::Collect() {
     if (present.count(id) == 0) gone.insert(id);
   }
   for (const std::string& id : gone) {
+    if (auto it = seen_.find(id); it != seen_.end() && !it->second.multinode.empty()) {
+      f.job_multinode->Remove(&f.job_multinode->Add(it->second.multinode));
+    }
     f.RemoveJob(id);
     seen_.erase(id);
     f.recorded_jobs.erase(id);

@@ -1,0 +1,76 @@
+// Multi-node jobs (DESIGN.md 4c) in the client library: the two-phase step calls of Client and
+// their C ABI (muond_client.h: muond_step_commit, muond_step_abort, muond_ownership_plan).
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "client/daemon_call.h"
+#include "client/muond_client.h"
+#include "client/ownership_plan.h"
+#include "common/job_spec.h"
+
+namespace muond::client {
+
+absl::Status Client::CommitStep(const std::string& job_id, const std::string& token, int64_t step) {
+  v1::CommitStepRequest req;
+  req.set_job_id(job_id);
+  req.set_step(step);
+  return CallWithToken(*stub_, &v1::Muond::Stub::CommitStep, token, req, "CommitStep").status();
+}
+
+absl::Status Client::AbortStep(const std::string& job_id, const std::string& token, int64_t step,
+                               const std::string& reason) {
+  v1::AbortStepRequest req;
+  req.set_job_id(job_id);
+  req.set_step(step);
+  req.set_reason(reason);
+  return CallWithToken(*stub_, &v1::Muond::Stub::AbortStep, token, req, "AbortStep").status();
+}
+
+}  // namespace muond::client
+
+// c_api.cc owns the muond_client struct and the last-error slot; these reach them through
+// muond_c_report / muond_c_client.
+int muond_c_report(const absl::Status& s);
+muond::client::Client* muond_c_client(muond_client* client);
+
+extern "C" {
+
+int muond_step_commit(muond_client* client, const char* job_id, const char* token, int64_t step) {
+  if (client == nullptr || job_id == nullptr || token == nullptr) {
+    return muond_c_report(absl::InvalidArgumentError("client, job_id or token is NULL"));
+  }
+  return muond_c_report(muond_c_client(client)->CommitStep(job_id, token, step));
+}
+
+int muond_step_abort(muond_client* client, const char* job_id, const char* token, int64_t step,
+                     const char* reason) {
+  if (client == nullptr || job_id == nullptr || token == nullptr) {
+    return muond_c_report(absl::InvalidArgumentError("client, job_id or token is NULL"));
+  }
+  return muond_c_report(
+      muond_c_client(client)->AbortStep(job_id, token, step, reason == nullptr ? "" : reason));
+}
+
+int muond_ownership_plan(const char* spec_json, int nodes, int32_t* owner, size_t capacity,
+                         size_t* total, double* node_flops, double* node_bytes) {
+  if (spec_json == nullptr) {
+    return muond_c_report(absl::InvalidArgumentError("spec_json is NULL"));
+  }
+  auto spec = muond::common::ParseJobSpecJson(spec_json);
+  if (!spec.ok()) return muond_c_report(spec.status());
+  auto plan = muond::client::PlanOwnership(*spec, nodes);
+  if (!plan.ok()) return muond_c_report(plan.status());
+  if (total != nullptr) *total = plan->owner.size();
+  for (size_t i = 0; i < plan->owner.size() && i < capacity && owner != nullptr; ++i) {
+    owner[i] = plan->owner[i];
+  }
+  for (int n = 0; n < nodes; ++n) {
+    if (node_flops != nullptr) node_flops[n] = plan->node_flops[n];
+    if (node_bytes != nullptr) node_bytes[n] = plan->node_bytes[n];
+  }
+  return muond_c_report(absl::OkStatus());
+}
+
+}  // extern "C"

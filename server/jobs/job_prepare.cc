@@ -1,0 +1,123 @@
+// Two-phase steps of a Job (multi-node jobs, DESIGN.md 4c): prepare, commit on the trainer's
+// word, abort. See job.h.
+//
+// The choice: an explicit commit (CommitStep), not "the next step's begin commits the last one".
+// A trainer that spans nodes learns whether every node's daemon computed step t only after an
+// agreement among its ranks (an all-reduce); it then tells each daemon to commit, or to abort.
+// With an explicit commit the daemon's state after a step is never in doubt when the trainer
+// stops (a checkpoint taken after CommitStep holds step t; one taken while t is prepared holds
+// t - 1), and a prepared step needs nothing kept beyond the step's own buffers:
+//  - update mode: the commit applies the momentum EMA from the gradients still held by the step
+//    (the ranks' input buffers or shared-memory regions, which the client does not reuse before
+//    it commits: step t + 1 writes the other region of the pair); no staged copy of the momentum;
+//  - apply mode: the step computed the next state into the ParamStore's back buffers; the commit
+//    flips it, an abort leaves the front as it was.
+// Memory cost of keeping a step prepared: none beyond the step in flight itself (the gradients of
+// the step until the commit).
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "server/jobs/job.h"
+
+namespace muond::server {
+
+void Job::Prepare(StepState& state) {
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - state.start);
+  absl::MutexLock lock(&mu_);
+  state.committing = false;
+  if (state.done) return;  // cannot happen (FailStep leaves a committing step alone); defensive
+  state.prepared = true;
+  for (auto& out : state.outputs) out->compute_seconds = seconds;
+  for (RankInput& in : state.ranks) {
+    if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), false, seconds);
+  }
+  state.cv.SignalAll();
+}
+
+absl::Status Job::CommitStep(int64_t step) {
+  std::shared_ptr<StepState> state;
+  {
+    absl::MutexLock lock(&mu_);
+    const std::string where = absl::StrCat("job '", id(), "' commit of step ", step);
+    if (deleted_) return absl::NotFoundError(absl::StrCat(where, ": the job was deleted"));
+    if (!spec_.two_phase()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, ": not a multi-node job; its steps commit by themselves"));
+    }
+    if (in_flight_ != nullptr && in_flight_->step == step) {
+      state = in_flight_;
+      while (state->committing && !state->done) state->cv.WaitWithTimeout(&mu_, kCancelPoll);
+      if (state->done) return state->result;  // another rank's commit finished it
+      if (!state->prepared) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            where,
+            ": the step is in flight but not prepared (not every rank of this node has "
+            "its result yet)"));
+      }
+      state->prepared = false;
+      state->committing = true;
+    } else if (step < next_step_ && !fenced_) {
+      return absl::OkStatus();  // committed already (another rank's CommitStep)
+    } else if (fenced_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, ": the job is fenced (", fence_reason_, ")"));
+    } else {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, ": no such step is prepared (the job expects step ", next_step_,
+                       "; an aborted or refused step is run again, not committed)"));
+    }
+  }
+  CommitNow(*state);
+  absl::MutexLock lock(&mu_);
+  return state->result;
+}
+
+absl::Status Job::AbortStep(int64_t step, const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  const std::string where = absl::StrCat("job '", id(), "' abort of step ", step);
+  if (deleted_) return absl::NotFoundError(absl::StrCat(where, ": the job was deleted"));
+  if (!spec_.two_phase()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": not a multi-node job (its steps commit by themselves)"));
+  }
+  if (in_flight_ != nullptr && in_flight_->step == step) {
+    const std::shared_ptr<StepState> state = in_flight_;
+    while (state->committing && !state->done) state->cv.WaitWithTimeout(&mu_, kCancelPoll);
+    if (state->done && state->result.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, ": the step is already committed on this node"));
+    }
+    if (state->prepared) {
+      DropPrepared(reason);
+    } else if (!state->done) {
+      FailStep(*state,
+               absl::AbortedError(absl::StrCat("job '", id(), "' step ", step,
+                                               " aborted by the trainer: ", reason,
+                                               "; nothing changed")),
+               /*fence=*/false);
+    }
+    return absl::OkStatus();
+  }
+  if (step < next_step_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": the step is already committed (the job expects step ", next_step_, ")"));
+  }
+  return absl::OkStatus();  // nothing of it here: never begun, refused or dropped already
+}
+
+void Job::DropPrepared(const std::string& why) {
+  if (in_flight_ == nullptr || !in_flight_->prepared) return;
+  const std::shared_ptr<StepState> state = std::move(in_flight_);
+  state->prepared = false;
+  state->done = true;
+  state->result =
+      absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step,
+                                      " aborted while prepared: ", why, "; nothing changed"));
+  ++steps_aborted_;
+  MUOND_LOG(INFO) << "job '" << id() << "' prepared step " << state->step << " dropped: " << why;
+  state->cv.SignalAll();
+}
+
+}  // namespace muond::server
