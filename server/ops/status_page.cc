@@ -68,6 +68,11 @@ function fail(message) {
 }
 window.addEventListener('error', function (ev) { fail('script error: ' + ev.message); });
 window.addEventListener('unhandledrejection', function (ev) { fail('script error: ' + ev.reason); });
+var consoleError = console.error;
+console.error = function () {
+  fail('console error: ' + Array.prototype.join.call(arguments, ' '));
+  consoleError.apply(console, arguments);
+};
 document.addEventListener('securitypolicyviolation', function (ev) {
   fail('blocked by the content security policy: ' + ev.blockedURI);
 });

@@ -5,9 +5,10 @@
 // the last steps of each job as stacked bars per phase, the step-time history as a line chart,
 // and checkpoint operations in progress.
 //
-// The page counts its own failures (script errors, failed fetches) in the `data-errors`
-// attribute of <body> and its successful redraws in `data-refreshes`, so a headless browser's
-// DOM dump shows whether it worked (tests/ops/status_page_browser_test.sh).
+// The page counts its own failures (script errors, console errors, loads the content security
+// policy blocked, failed fetches) in the `data-errors` attribute of <body> and its successful
+// redraws in `data-refreshes`, so a headless browser's DOM dump shows whether it worked
+// (tests/ops/status_page_browser_test.sh).
 //
 // Thread-safety: the functions are pure.
 #ifndef MUOND_SERVER_OPS_STATUS_PAGE_H_

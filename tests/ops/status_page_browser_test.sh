@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The status page in a real browser: a muond runs a job (steps over gRPC and shared memory, a
+# checkpoint, and more steps still running in the background) while Debian's chromium, headless,
+# loads http://METRICS/ and runs its script; the DOM after the page's own refreshes must show
+#   - body data-errors="0" (no script error, console error, blocked load or failed fetch) and
+#     data-refreshes >= 1, and no console error in chromium's log;
+#   - a job row for the job, its phase bars (one rect per phase per step kept, including
+#     newton_schulz) and its step-time line;
+#   - no job token anywhere (the DOM and /api/v1/status).
+# Saves the screenshot and the DOM under OUT_DIR (status_page.png, status_page.dom.html).
+# Usage: status_page_browser_test.sh MUOND MUONCTL OUT_DIR
+# Exits 77 (ctest: skipped) when chromium is not installed (deploy/install-deps.sh).
+set -euo pipefail
+MUOND=${1:?usage: status_page_browser_test.sh MUOND MUONCTL OUT_DIR}
+MUONCTL=${2:?usage: status_page_browser_test.sh MUOND MUONCTL OUT_DIR}
+OUT=${3:?usage: status_page_browser_test.sh MUOND MUONCTL OUT_DIR}
+for tool in chromium /usr/bin/python3; do
+  if ! command -v "$tool" >/dev/null; then
+    echo "SKIP: $tool not installed (deploy/install-deps.sh installs it)"
+    exit 77
+  fi
+done
+# shellcheck source=tests/metrics/live_daemon.sh
+. "$(dirname "$0")/../metrics/live_daemon.sh"
+mkdir -p "$OUT"
+stepper_pid=""
+stop_stepper() {
+  if [ -n "$stepper_pid" ]; then
+    kill "$stepper_pid" 2>/dev/null || true
+    wait "$stepper_pid" 2>/dev/null || true
+    stepper_pid=""
+  fi
+}
+trap 'rc=$?; stop_stepper; (exit $rc); cleanup' EXIT
+
+start_daemon
+create_job browser 96 256
+run_steps browser 96 256 6 --transport grpc
+"$MUONCTL" checkpoint save --job browser --token-file "$tmp/browser.token" >/dev/null 2>&1 ||
+  fail "muonctl checkpoint save"
+# More steps while the browser looks, alternating transports.
+write_grads "$tmp/g.safetensors" 96 256 7
+(
+  t=6
+  while :; do
+    transport=grpc
+    [ $((t % 2)) -eq 0 ] && transport=shm
+    "$MUONCTL" step --job browser --rank 0 --step "$t" --grads "$tmp/g.safetensors" \
+      --out "$tmp/u.safetensors" --token-file "$tmp/browser.token" --transport "$transport" \
+      >/dev/null 2>&1 || exit 0
+    t=$((t + 1))
+  done
+) &
+stepper_pid=$!
+
+chrome() {
+  # --virtual-time-budget lets the page's fetches and at least one timer-driven refresh run
+  # before the dump or the picture.
+  timeout 120 chromium --headless --no-sandbox --disable-gpu --hide-scrollbars \
+    --enable-logging=stderr --v=0 --virtual-time-budget=5000 "$@" 2>>"$tmp/chromium.log"
+}
+chrome --dump-dom "http://$metrics/" >"$OUT/status_page.dom.html" || fail "chromium --dump-dom"
+chrome --window-size=1280,1100 --screenshot="$OUT/status_page.png" "http://$metrics/" ||
+  fail "chromium --screenshot"
+"$PY" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' \
+  "http://$metrics/api/v1/status" >"$tmp/status.json"
+stop_stepper
+
+"$PY" - "$OUT/status_page.dom.html" "$tmp/status.json" "$tmp/browser.token" "$tmp/chromium.log" \
+  "$OUT/status_page.png" <<'PYEOF'
+import json, re, sys
+dom, status, token = open(sys.argv[1]).read(), open(sys.argv[2]).read(), open(sys.argv[3]).read().strip()
+log, png = open(sys.argv[4], errors="replace").read(), open(sys.argv[5], "rb").read()
+bad = []
+body = re.search(r"<body([^>]*)>", dom)
+attrs = dict(re.findall(r'([\w-]+)="([^"]*)"', body.group(1))) if body else {}
+if attrs.get("data-errors") != "0":
+    err = re.search(r'<div id="error"[^>]*>(.*?)</div>', dom, re.S)
+    bad.append(f"data-errors={attrs.get('data-errors')!r}: {err.group(1) if err else '?'}")
+if int(attrs.get("data-refreshes", "0")) < 1:
+    bad.append(f"data-refreshes={attrs.get('data-refreshes')!r}: the page never drew the status")
+if not re.search(r'<tr class="job-row" data-job="browser">', dom):
+    bad.append("no job row for job 'browser'")
+bars = re.search(r'<svg class="phase-bars"[^>]*data-steps="(\d+)"', dom)
+rects = re.findall(r'<rect class="phase phase-([a-z_]+)"', dom)
+steps = int(bars.group(1)) if bars else 0
+if steps < 6:
+    bad.append(f"phase bars of {steps} steps, expected at least 6")
+if len(rects) != 6 * steps:
+    bad.append(f"{len(rects)} phase rects for {steps} steps of 6 phases")
+if "newton_schulz" not in rects:
+    bad.append("no newton_schulz phase rect")
+if not re.search(r'<svg class="step-time".*?<polyline points="[^"]+"', dom, re.S):
+    bad.append("no step-time line")
+console = [l for l in log.splitlines() if "CONSOLE" in l and re.search(r"error|uncaught|refused", l, re.I)]
+if console:
+    bad.append("console errors: " + " | ".join(console[:3]))
+if not token or token in dom or token in status:
+    bad.append("the job token appears in the page or the JSON (or no token was read)")
+if not png.startswith(b"\x89PNG") or len(png) < 10000:
+    bad.append(f"screenshot is not a picture ({len(png)} bytes)")
+s = json.loads(status)
+job = next((j for j in s["jobs"] if j["id"] == "browser"), None)
+if job is None or job["checkpoint"] is None or job["checkpoint"]["step"] != 6:
+    bad.append(f"JSON: job checkpoint {job and job['checkpoint']}, expected step 6")
+if bad:
+    sys.exit("FAIL:\n  " + "\n  ".join(bad))
+print(f"DOM: data-errors 0, {attrs['data-refreshes']} refreshes, job row, {steps} steps x 6 phase rects, "
+      f"step-time line; no token; screenshot {len(png)} bytes")
+PYEOF
+stop_daemon
+echo "screenshot: $OUT/status_page.png"
+echo "PASS"
