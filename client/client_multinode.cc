@@ -53,6 +53,21 @@ int muond_step_abort(muond_client* client, const char* job_id, const char* token
       muond_c_client(client)->AbortStep(job_id, token, step, reason == nullptr ? "" : reason));
 }
 
+int muond_checkpoint_list(muond_client* client, const char* job_id, const char* token,
+                          int64_t* generations, int64_t* steps, size_t capacity, size_t* total) {
+  if (client == nullptr || job_id == nullptr || token == nullptr) {
+    return muond_c_report(absl::InvalidArgumentError("client, job_id or token is NULL"));
+  }
+  auto list = muond_c_client(client)->ListCheckpoints(job_id, token);
+  if (!list.ok()) return muond_c_report(list.status());
+  if (total != nullptr) *total = list->size();
+  for (size_t i = 0; i < list->size() && i < capacity; ++i) {
+    if (generations != nullptr) generations[i] = (*list)[i].generation();
+    if (steps != nullptr) steps[i] = (*list)[i].step();
+  }
+  return muond_c_report(absl::OkStatus());
+}
+
 int muond_ownership_plan(const char* spec_json, int nodes, int32_t* owner, size_t capacity,
                          size_t* total, double* node_flops, double* node_bytes) {
   if (spec_json == nullptr) {

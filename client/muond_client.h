@@ -162,6 +162,11 @@ int muond_ownership_plan(const char* spec_json, int nodes, int32_t* owner, size_
  * `step` (OK when it is committed already), or drop it (a prepared step, or one in flight whose
  * ranks then get ABORTED with `reason`; the daemon's state stays bit-identical and the job expects
  * `step` again). 9 FAILED_PRECONDITION: commit of a step not prepared, abort of a committed one. */
+/* The job's checkpoint generations, newest first: up to `capacity` generation numbers and the steps
+ * they were taken at (either array may be NULL), *total the count. (A multi-node job loads the
+ * newest step every node has.) */
+int muond_checkpoint_list(muond_client* client, const char* job_id, const char* token,
+                          int64_t* generations, int64_t* steps, size_t capacity, size_t* total);
 int muond_step_commit(muond_client* client, const char* job_id, const char* token, int64_t step);
 int muond_step_abort(muond_client* client, const char* job_id, const char* token, int64_t step,
                      const char* reason);

@@ -10,13 +10,15 @@ Modules: client (Client, Session, layout_spans over the C ABI of libmuond_client
 (MuonWithAuxAdam; mode="apply" offloads the whole optimizer, DESIGN.md 4b), apply_mode (the
 trainer side of apply mode), checkpoints (its daemon-side checkpoints), rank_group (collectives
 that fail on every rank), zero (ZeRO partitions and their collectives for torch.distributed
-ranks), reference (the Muon update of DESIGN.md section 3 in PyTorch, and ApplyReference).
+ranks), multinode (MultiNodeMuonWithAuxAdam: one daemon per node, DESIGN.md 4c), reference (the Muon update of DESIGN.md section 3 in PyTorch, and ApplyReference).
 Errors: MuondError with the gRPC code and message.
 """
 from ._native import CODE_NAMES, CODES, MuondError, library_path
 from .client import Client, Session, layout_spans
 from .optim import MuonWithAuxAdam
 from .apply_mode import ParameterOffload, apply_job_spec
+from .multinode import MultiNodeMuonWithAuxAdam
+from .multinode_plan import ownership_plan
 from .reference import ApplyReference, muon_update, newton_schulz
 from .zero import (Partition, all_gather_partition_buffers, all_gather_partitions,
                    copy_from_buffer, copy_into_buffer, fill_world_buffer, group_partition,
@@ -25,7 +27,7 @@ from .zero import (Partition, all_gather_partition_buffers, all_gather_partition
 
 __all__ = [
     "CODE_NAMES", "CODES", "MuondError", "library_path", "Client", "Session", "layout_spans",
-    "MuonWithAuxAdam", "ParameterOffload", "apply_job_spec", "ApplyReference", "muon_update",
+    "MuonWithAuxAdam", "MultiNodeMuonWithAuxAdam", "ownership_plan", "ParameterOffload", "apply_job_spec", "ApplyReference", "muon_update",
     "newton_schulz", "Partition", "all_gather_partition_buffers", "all_gather_partitions",
     "copy_from_buffer", "copy_into_buffer", "fill_world_buffer", "group_partition",
     "group_rank_and_size", "job_partitions", "reduce_scatter_partitions",

@@ -102,6 +102,17 @@ _SIGNATURES = {
                                                        ctypes.POINTER(ctypes.c_uint64)]),
     "muond_export": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
                                     ctypes.c_char_p]),
+    # Many nodes (DESIGN.md 4c; multinode.py): the ownership plan, two-phase steps, checkpoints.
+    "muond_ownership_plan": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int,
+                                            ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
+                                            ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_double),
+                                            ctypes.POINTER(ctypes.c_double)]),
+    "muond_step_commit": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64]),
+    "muond_step_abort": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64,
+                                        ctypes.c_char_p]),
+    "muond_checkpoint_list": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _PI64, _PI64,
+                                             ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
 }
 
 _lock = threading.Lock()

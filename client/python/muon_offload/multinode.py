@@ -1,0 +1,402 @@
+"""Many nodes (DESIGN.md 4c): MuonWithAuxAdam over a torch.distributed world that spans nodes, one
+muond daemon per node. Daemons never talk to each other; the trainer's own process group moves
+the data.
+
+    opt = MultiNodeMuonWithAuxAdam(groups, zero_stage=2)   # torchrun: GROUP_RANK says the node
+
+The world's ZeRO partitions stay as in one node (stage 1/2/3 of the global job spec over all W
+ranks). From the global spec and the node count, every rank computes the same ownership plan
+(muond_ownership_plan in the client library: tensor -> node, Newton-Schulz FLOPs and state bytes
+balanced). Node n's daemon holds a job of its own ("<global job id>.node<n>", spec field
+"multinode") with only the tensors n owns, attached by n's local ranks with an explicit span
+layout: the piece of tensor t in global rank r's partition goes to local rank r mod L_n of the
+owner node (L_n: its local ranks), and local rank j's spans are the pieces it receives in the
+order (source rank, position in the source's partition). So one all-to-all over the world group
+(all_to_all_single with split sizes) writes every piece straight into the receiving rank's
+shared-memory gradient buffer, the rank pushes it to its daemon, and the inverse all-to-all
+returns the results (updates, or in apply mode the new parameters) into each rank's partition.
+
+Per step and rank r: the forward all-to-all sends e * (P_r - S_r) bytes and receives
+e * (Q_r - S_r); the inverse sends and receives the reverse. P_r: the elements of r's partition
+(without padding), Q_r: the elements r's node daemon serves r (its spans in the node job), S_r:
+the elements routed from r to itself, e: the element size. So sent = received =
+e * (P_r + Q_r - 2 S_r) per step. bytes_per_step() reports what the last step passed to
+all_to_all_single; expected_bytes() evaluates the formula from the plan.
+
+Atomic steps across nodes (two-phase, job_prepare.cc in the daemon): a node's daemon computes the
+step, returns the results and keeps the step prepared. The ranks then agree (one all-reduce of a
+failure count over the world); when every rank's node succeeded each rank commits its node's job
+(CommitStep; the first commit changes the state, later ones answer OK) before the inverse
+all-to-all; when any failed, every rank aborts its node's step (AbortStep: state bit-identical,
+not fenced) and every rank raises the same MuondError naming the first failing rank and node. A
+rank that dies, or a broken process group, shows as a failed collective: each survivor aborts
+its node's step and raises the same ABORTED error. Recovery after a dead daemon or rank:
+restart it, then load_checkpoint() (the newest step every node has).
+
+Checkpoints: save_checkpoint() has each node's local rank 0 save its node's job; state_dict()
+names the per-node generations ({"muond": {"global_job_id", "next_step", "nodes": [{"node",
+"job_id", "generation", "step"}]}}); load_checkpoint() picks the newest step every node has.
+
+Finding the local daemon: `address` is this process's node-local daemon (None: its default
+socket). The node of each rank: `node_map` (list, global rank -> node) or torchrun's GROUP_RANK
+(LOCAL_RANK, when set, must agree with the rank's place among its node's ranks in rank order).
+
+Limits: one dtype for every job tensor; apply mode without max_grad_norm (a global norm would
+need the nodes' partial sums before any node computes) and without init_from.
+"""
+import ctypes
+
+import torch
+
+from . import _native
+from ._native import CODES, MuondError
+from .apply_mode import group_name
+from .optim import MuonWithAuxAdam
+from .zero import (all_gather_partition_buffers, copy_from_buffer, copy_into_buffer,
+                   fill_world_buffer, job_partitions, reduce_scatter_partitions,
+                   scatter_world_buffer)
+from .multinode_plan import NodeRouting, node_layout, ownership_plan
+
+
+def _wire(t):
+    # gloo (torch 1.13) moves no bfloat16: bytes instead (split sizes scaled by the caller).
+    return t.view(torch.uint8) if t.dtype == torch.bfloat16 else t
+
+
+class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
+    """MuonWithAuxAdam (same arguments and behaviour) over nodes; see the module comment.
+    node_map: global rank -> node (None: from GROUP_RANK). Every rank passes its own node's
+    daemon as `address`. token: for jobs that exist already (a restarted trainer), the
+    node_tokens dict ({node: token}) of the optimizer that created them, with its job_id."""
+
+    def __init__(self, param_groups, *, node_map=None, **kw):
+        self._node_map_arg = node_map
+        self._routing = None
+        if kw.get("max_grad_norm") is not None or kw.get("init_from") is not None:
+            raise ValueError("MultiNodeMuonWithAuxAdam: max_grad_norm and init_from are not "
+                             "supported over several nodes (a global norm spans the nodes)")
+        super().__init__(param_groups, **kw)
+        if self.backend == "muond" and self._job_tensors:
+            self._setup_nodes(kw.get("takeover", False))
+
+    # ----- set-up (collectives) -----
+
+    def _create_job(self):
+        # The base class creates one job on rank 0: here each node's local rank 0 creates its
+        # node's job in _setup_nodes, after the plan.
+        self.client.health(5.0)
+        return self.token
+
+    def _attach(self, takeover):
+        if self._routing is None:
+            return  # during the base class's construction: _setup_nodes attaches
+        r = self._routing
+        self.session = self.client.attach(r.node_job_id, r.local_rank, self.node_token,
+                                          takeover, self.transport)
+        want = r.node_spans(r.local_rank)
+        if tuple(s[:3] for s in self.session.spans) != tuple(want):
+            raise MuondError(CODES["FAILED_PRECONDITION"],
+                             f"job '{r.node_job_id}' local rank {r.local_rank}: the daemon's "
+                             "layout differs from this optimizer's routing (another model, world "
+                             "or node map?)", "attach")
+        self.step_id = self.session.next_step
+        size = self.session.buffer_elements
+        if not self.session.is_shm:
+            self._recv = torch.zeros(size, dtype=self.dtype)
+            self._result = torch.zeros(size, dtype=self.dtype)
+
+    def _setup_nodes(self, takeover):
+        if len({p.dtype for _, p in self._job_tensors}) != 1:
+            raise ValueError("MultiNodeMuonWithAuxAdam: every tensor of the job must have one "
+                             "dtype (the all-to-all moves flat buffers)")
+        node_of = node_layout(self.ranks, self._node_map_arg)
+        plan = ownership_plan(self.spec, max(node_of) + 1)
+        self.global_job_id = self.job_id
+        self._routing = NodeRouting(self.spec, self.partitions, node_of, plan, self.rank)
+        r = self._routing
+        r.node_job_id = f"{self.global_job_id}.node{r.node}"
+        self.nodes = r.nodes
+        tokens = self._each_rank(lambda: self._node_job_token(r) if r.local_rank == 0 else None)
+        # Every node's token (node -> token): a restarted trainer passes them back as token=.
+        self.node_tokens = {node_of[q]: t for q, t in enumerate(tokens) if t is not None}
+        self.node_token = self.node_tokens[r.node]
+        self._each_rank(lambda: self._attach(takeover))
+        steps = self._each_rank(lambda: self.step_id)
+        if len(set(steps)) != 1:
+            raise MuondError(CODES["FAILED_PRECONDITION"],
+                             f"global job '{self.global_job_id}': the nodes' jobs expect steps "
+                             f"{steps} (by rank); load a checkpoint on every node", "attach")
+        self._upload_pending = self.mode == "apply" and self.step_id == 0
+        self._bytes = self._moved = (0, 0)
+
+    def _node_job_token(self, r):
+        if self.token is not None:  # a restarted trainer: the jobs exist
+            if isinstance(self.token, dict):
+                return self.token[r.node]
+            return self.token
+        return self.client.create_job(r.node_spec(r.node, self.global_job_id))
+
+    def _each_rank(self, fn):
+        """Runs fn on every rank and returns every rank's result (all_gather_object); when it
+        raises on any rank, every rank raises the same MuondError naming the first one."""
+        result, error = None, None
+        try:
+            result = fn()
+        except MuondError as e:
+            error = (e.code, e.message, e.operation)
+        except (ValueError, RuntimeError) as e:
+            error = (CODES["UNKNOWN"], f"{type(e).__name__}: {e}", "multinode")
+        gathered = [(result, error)]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size
+            self.ranks.dist.all_gather_object(gathered, (result, error), group=self.process_group)
+        for q, (_, err) in enumerate(gathered):
+            if err is not None:
+                code, message, operation = err
+                raise MuondError(code, f"rank {q} (node {self._node_of(q)}): {message}",
+                                 operation)
+        return [res for res, _ in gathered]
+
+    def _node_of(self, rank):
+        return self._routing.node_of[rank] if self._routing is not None else "?"
+
+    # ----- one step -----
+
+    def _muond_updates(self, grads):
+        part = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
+        copy_into_buffer(part, self.partition, grads)
+        return self._route_step(part, None)
+
+    def _apply_mode_step(self, grad_divisor):
+        self._require_gradients(self._job_tensors, "apply-mode")
+        if self._upload_pending:
+            self.upload_params()
+        divisor = self.grad_divisor if grad_divisor is None else float(grad_divisor)
+        grads = [p.grad for _, p in self._job_tensors]
+        part = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
+        if self.reduce_gradients and self.world_size > 1:
+            divisor *= self.world_size  # summed over the ranks: muond takes the mean
+            world = torch.zeros(self.world_size * part.numel(), dtype=self.dtype)
+            fill_world_buffer(world, self.partitions, grads)
+            reduce_scatter_partitions(world, part, self.process_group)
+        else:
+            copy_into_buffer(part, self.partition, grads)
+        groups = self.param_groups
+        hyper = ([group_name(i) for i in range(len(groups))], [g["lr"] for g in groups],
+                 [g["weight_decay"] for g in groups], divisor)
+        new = self._route_step(part, hyper)
+        params = [p for _, p in self._job_tensors]
+        if self.world_size > 1:
+            world = torch.zeros(self.world_size * part.numel(), dtype=self.dtype)
+            all_gather_partition_buffers(world, new, self.process_group)
+            scatter_world_buffer(world, self.partitions, params)
+        else:
+            copy_from_buffer(new, self.partition, params)
+
+    def upload_params(self):
+        """Apply mode, a collective: every rank's partition of the parameters goes to the local
+        ranks of the owner nodes (the forward all-to-all) and becomes the masters there."""
+        part = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
+        copy_into_buffer(part, self.partition, [p for _, p in self._job_tensors])
+        s = self.session
+        recv = s.init_view(self.dtype)[:s.buffer_elements] if s.is_shm else self._recv
+        self._all_to_all(recv, self._routing.gather_send(part), forward=True)
+
+        def upload():
+            if s.is_shm:
+                s.init_params_in_place()
+            else:
+                s.init_params_buffer(recv, float32=self.dtype == torch.float32)
+        self._each_rank(upload)
+        self._upload_pending = False
+
+    def _all_to_all(self, out, inp, forward):
+        r = self._routing
+        ins, outs = (r.send_splits, r.recv_splits) if forward else (r.recv_splits, r.send_splits)
+        scale = 2 if self.dtype == torch.bfloat16 else 1
+        me, element = self.rank, out.element_size()
+        sent, received = self._moved
+        self._moved = (sent + element * (sum(ins) - ins[me]),
+                       received + element * (sum(outs) - outs[me]))
+        if self.world_size == 1:
+            out.copy_(inp)
+            return
+        self.ranks.dist.all_to_all_single(_wire(out), _wire(inp), [n * scale for n in outs],
+                                          [n * scale for n in ins], group=self.process_group)
+
+    def _route_step(self, part, hyper):
+        """Routes this rank's gradient partition (`part`, flat, partition layout) to the owners,
+        runs the step on every node atomically and returns this rank's results in the same
+        layout. A collective over the world."""
+        step, s, r = self.step_id, self.session, self._routing
+        self._moved = (0, 0)
+        try:
+            recv = s.gradient_view(step, self.dtype) if s.is_shm else self._recv
+            self._all_to_all(recv, r.gather_send(part), forward=True)
+        except RuntimeError as e:
+            self._lost(step, e)
+        error = result = None
+        try:
+            if hyper is not None:
+                s.set_hyper(*hyper)
+            if s.is_shm:
+                s.step_in_place(step)
+                result = s.update_view(step, self.dtype)
+            else:
+                s.step_buffer(step, recv, self._result)
+                result = self._result
+        except MuondError as e:
+            error = e
+        self._agree(step, error)
+        self._commit(step)
+        back = torch.empty(r.send_elements, dtype=self.dtype)
+        try:
+            self._all_to_all(back, result, forward=False)
+        except RuntimeError as e:  # committed everywhere already: only this rank's copy is lost
+            raise MuondError(CODES["UNAVAILABLE"],
+                             f"global job '{self.global_job_id}' step {step} committed on every "
+                             f"node, but returning its results failed ({e}); reload the "
+                             "checkpoint", "multinode") from e
+        out = torch.zeros_like(part)
+        r.scatter_back(back, out)
+        self._bytes = self._moved
+        return out
+
+    def _agree(self, step, error):
+        """All ranks learn whether every node's step succeeded; on a failure anywhere each rank
+        aborts its node's step and every rank raises the same error."""
+        failed = error is not None
+        try:
+            if self.world_size > 1 and self.ranks.count(failed):
+                mine = None if error is None else (error.code, error.message)
+                errors = [None] * self.world_size
+                self.ranks.dist.all_gather_object(errors, mine, group=self.process_group)
+                q, (code, message) = next((q, e) for q, e in enumerate(errors) if e is not None)
+                error = MuondError(code, f"rank {q} (node {self._routing.node_of[q]}): "
+                                   f"{message}", "step")
+        except RuntimeError as e:
+            self._lost(step, e)
+        if error is None:
+            return
+        self._abort(step, error.message)
+        raise MuondError(error.code, f"global job '{self.global_job_id}' step {step} was "
+                         f"committed on no node: {error.message}", "step")
+
+    def _lost(self, step, cause):
+        """A collective failed (a rank died, or the group broke): abort this node's step and
+        raise the error every survivor raises."""
+        self._abort(step, "a collective of the trainer's process group failed")
+        raise MuondError(CODES["ABORTED"],
+                         f"global job '{self.global_job_id}' step {step} was committed on no "
+                         "node: a rank of the process group failed during the step (a collective "
+                         "broke); restart the lost ranks or daemons and load_checkpoint()",
+                         "step") from cause
+
+    def _abort(self, step, reason):
+        try:
+            _native.call("muond_step_abort", self.client.handle, self._routing.node_job_id.encode(),
+                         self.node_token.encode(), int(step), reason[:1000].encode())
+        except MuondError:
+            pass  # a dead daemon aborted the step by dying; a fenced job needs a load anyway
+
+    def _commit(self, step):
+        _native.call("muond_step_commit", self.client.handle, self._routing.node_job_id.encode(),
+                     self.node_token.encode(), int(step))
+
+    def bytes_per_step(self):
+        """(sent, received) bytes of this rank's two all-to-alls in the last step (gradients out,
+        results back), as passed to all_to_all_single, without the pieces a rank routes to
+        itself."""
+        return self._bytes
+
+    def expected_bytes(self):
+        """The formula of the module comment from the plan: sent = received =
+        e * ((P_r - S_r) + (Q_r - S_r)), P_r this rank's partition, Q_r the elements its node's
+        daemon serves it, S_r the elements routed to itself."""
+        e = torch.empty(0, dtype=self.dtype).element_size()
+        r = self._routing
+        both = e * (r.sent_elements_remote + r.recv_elements_remote)
+        return (both, both)
+
+    # ----- checkpoints -----
+
+    def save_checkpoint(self):
+        """Collective: every node's job saves a generation (its local rank 0); returns (and
+        state_dict() then names) {"global_job_id", "next_step", "nodes": [...]}."""
+        self.ranks.barrier()
+        r = self._routing
+        saved = self._each_rank(lambda: self.client.checkpoint_save(r.node_job_id, self.node_token)
+                                if r.local_rank == 0 else None)
+        nodes = [{"node": r.node_of[q], "job_id": f"{self.global_job_id}.node{r.node_of[q]}",
+                  "generation": g, "step": st} for q, x in enumerate(saved) if x is not None
+                 for g, st in [x]]
+        self._checkpoint = {"job_id": self.global_job_id, "global_job_id": self.global_job_id,
+                            "next_step": self.step_id, "nodes": nodes,
+                            "generation": [n["generation"] for n in nodes],
+                            "step": self.step_id}
+        return dict(self._checkpoint)
+
+    def load_checkpoint(self, generation=-1, step=-1):
+        """Collective: every node loads the generation of the newest step that every node has
+        (or of `step`); `generation` must be -1 (generations differ per node). Returns
+        (generations by node, next_step)."""
+        if generation != -1:
+            raise ValueError("over several nodes a checkpoint is chosen by step (generations "
+                             "differ per node); pass step= or nothing for the newest common one")
+        r = self._routing
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        self._checkpoint = None
+        self._upload_pending = False
+        self.ranks.barrier()
+        listed = self._each_rank(lambda: self._list_steps() if r.local_rank == 0 else None)
+        common = set.intersection(*[set(x) for x in listed if x is not None])
+        if step != -1:
+            common &= {int(step)}
+        if not common:
+            raise MuondError(CODES["NOT_FOUND"],
+                             f"global job '{self.global_job_id}': no checkpoint step "
+                             f"{'' if step == -1 else str(step) + ' '}is on every node (steps "
+                             f"by node: {[sorted(x) for x in listed if x is not None]})",
+                             "load_checkpoint")
+        chosen = max(common)
+        loaded = self._each_rank(lambda: self.client.checkpoint_load(
+            r.node_job_id, self.node_token, -1, chosen) if r.local_rank == 0 else None)
+        self.ranks.barrier()
+        self._each_rank(lambda: self._attach(False))
+        gens = {r.node_of[q]: x[0] for q, x in enumerate(loaded) if x is not None}
+        return gens, self.step_id
+
+    def _list_steps(self):
+        total = ctypes.c_size_t()
+        fn = _native.function("muond_checkpoint_list")
+        args = (self.client.handle, self._routing.node_job_id.encode(), self.node_token.encode())
+        _native.check(fn(*args, None, None, 0, ctypes.byref(total)), "muond_checkpoint_list")
+        n = total.value
+        steps = (ctypes.c_int64 * max(n, 1))()
+        _native.check(fn(*args, None, steps, n, ctypes.byref(total)), "muond_checkpoint_list")
+        return [steps[i] for i in range(min(n, total.value))]
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        muond = state_dict.pop("muond", None)
+        state_dict.pop("step_id", None)
+        if muond is None or muond.get("global_job_id") != self.global_job_id:
+            raise ValueError(f"this state_dict is not of multi-node job '{self.global_job_id}'")
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        _, next_step = self.load_checkpoint(step=muond["next_step"])
+        self._checkpoint = dict(muond)
+        return next_step
+
+    def close(self, delete_job=False):
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        if delete_job and self._routing is not None:
+            self.ranks.barrier()
+            if self._routing.local_rank == 0:
+                self.client.delete_job(self._routing.node_job_id, self.node_token)
+        if self.client is not None:
+            self.client.close()
+            self.client = None

@@ -1,0 +1,176 @@
+"""Many nodes emulated on one machine (DESIGN.md 4c): each emulated node has its own muond
+(socket, state dir); the ranks of a gloo world are grouped into nodes by an explicit node map.
+multinode_worker.py runs the ranks; this module starts the daemons and asserts on the ranks'
+result files.
+
+Usage: multinode_test.py MUOND_BIN [unittest args]
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+
+import muon_offload as mo  # noqa: E402
+from muon_offload import MuondError  # noqa: E402
+
+MUOND = None
+PYTHON = "/usr/bin/python3"
+
+
+class NodeDaemon:
+    """One emulated node's muond: its socket and state directory under `root`."""
+
+    def __init__(self, root, name, extra=()):
+        self.dir = os.path.join(root, name)
+        os.makedirs(self.dir)
+        self.address = f"unix://{self.dir}/muond.sock"
+        self.log = os.path.join(self.dir, "muond.log")
+        self.argv = [MUOND, "--listen", self.address, "--state-dir",
+                     os.path.join(self.dir, "state"), "--threads", "1",
+                     "--metrics-address", "off", *extra]
+        self.log_file = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.argv, stderr=self.log_file)
+        deadline = time.time() + 30
+        while True:
+            try:
+                with mo.Client(self.address) as c:
+                    c.health(0.5)
+                return
+            except MuondError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"muond {name} did not start:\n{open(self.log).read()}")
+                time.sleep(0.1)
+
+    def stop(self):
+        """SIGTERM (this process's daemon, or a restarted one found by its socket's peer)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        self.log_file.close()
+        out = subprocess.run(["pgrep", "-f", "--", f"--listen {self.address}"],
+                             capture_output=True, text=True).stdout.split()
+        for pid in out:  # a daemon a rank restarted (its own process id, found by its socket)
+            os.kill(int(pid), signal.SIGTERM)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiNodeTest(unittest.TestCase):
+    def setUp(self):
+        self.root = tempfile.mkdtemp(prefix="muond-multinode-")
+        self.daemons = []
+
+    def tearDown(self):
+        for d in self.daemons:
+            d.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def run_world(self, nodes, scenario, node_extra=None, **fields):
+        """Starts one daemon per node plus the single daemon, runs the ranks, returns their
+        results (rank order)."""
+        single = NodeDaemon(self.root, "single")
+        self.daemons.append(single)
+        node_daemons = []
+        for n in range(max(nodes) + 1):
+            extra = (node_extra or {}).get(n, ())
+            node_daemons.append(NodeDaemon(self.root, f"node{n}", extra))
+        self.daemons += node_daemons
+        out = os.path.join(self.root, "out")
+        os.makedirs(out)
+        cfg = {"world": len(nodes), "nodes": nodes, "single": single.address,
+               "addresses": [d.address for d in node_daemons], "port": free_port(), "out": out,
+               "scenario": scenario,
+               "daemons": [{"argv": d.argv, "log": d.log, "pid": d.proc.pid}
+                           for d in node_daemons], **fields}
+        path = os.path.join(self.root, "config.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([PYTHON, os.path.join(HERE, "multinode_worker.py"), path,
+                                   str(r)], env=env) for r in range(len(nodes))]
+        codes = [p.wait(timeout=900) for p in procs]
+        results = []
+        for r in range(len(nodes)):
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                results.append(json.load(f))
+        for r, res in enumerate(results):
+            self.assertNotIn("exception", res, f"rank {r}: {res.get('trace')}")
+        self.assertEqual(codes, [0] * len(nodes))
+        return results
+
+    def check_identical(self, nodes):
+        results = self.run_world(nodes, "identical")
+        for r, res in enumerate(results):
+            for case, c in res.items():
+                self.assertEqual(c["bitwise_steps"], 10, f"rank {r} {case}")
+                self.assertEqual(c["nodes"], max(nodes) + 1)
+                self.assertEqual(c["bytes"], c["expected_bytes"], f"rank {r} {case}")
+                self.assertGreater(c["bytes"][0], 0, f"rank {r} {case}")
+        print(json.dumps({case: [res[case]["bytes"][0] for res in results]
+                          for case in results[0]}), file=sys.stderr)
+
+    def test_two_nodes_of_two_ranks_bit_identical(self):
+        self.check_identical([0, 0, 1, 1])
+
+    def test_three_nodes_of_two_ranks_bit_identical(self):
+        self.check_identical([0, 0, 1, 1, 2, 2])
+
+    def check_fault(self, kind, mode="update", stage=2, code=None, phrase="", node_extra=None,
+                    **kw):
+        """2 nodes x 2 ranks; a fault in step 3 on node 1: every rank raises the same error, no
+        node commits the step, and after recovery (checkpoint of step 2) steps 2..5 are
+        bit-identical to the single daemon's."""
+        results = self.run_world([0, 0, 1, 1], "fault", node_extra=node_extra, fault=kind,
+                                 mode=mode, stage=stage, **kw)
+        for r, res in enumerate(results):
+            self.assertIsNotNone(res["error"], f"rank {r}")
+            if code:
+                self.assertEqual(res["error"]["code"], code, f"rank {r}: {res['error']}")
+            self.assertIn("committed on no node", res["error"]["message"])
+            self.assertIn(phrase, res["error"]["message"])
+            self.assertTrue(res["same_error_everywhere"], f"rank {r}")
+            self.assertTrue(res["unchanged_step"], f"rank {r}")
+            self.assertEqual(res["resumed_at"], res["saved_step"])
+            self.assertEqual(res["bitwise_after_recovery"], 4, f"rank {r}")
+            probe = res["node_commit_probe"]
+            if probe is not None:  # the node's local rank 0: its daemon did not commit the step
+                self.assertNotEqual(probe, True, f"rank {r}: node committed the failed step")
+                self.assertIn("FAILED_PRECONDITION", probe)
+        print(f"{kind}: rank 0: {results[0]['error']}; commit probe: "
+              f"{results[0]['node_commit_probe']}", file=sys.stderr)
+        return results
+
+    def test_nonfinite_gradient_on_one_node(self):
+        self.check_fault("nonfinite", code="INVALID_ARGUMENT", phrase="non-finite")
+
+    def test_nonfinite_gradient_on_one_node_apply_mode(self):
+        self.check_fault("nonfinite", mode="apply", stage=3, code="INVALID_ARGUMENT",
+                         phrase="non-finite")
+
+    def test_daemon_killed_mid_step(self):
+        self.check_fault("daemon_kill", mode="apply", stage=1, phrase="node 1")
+
+    def test_step_timeout_on_one_node(self):
+        # Node 1's daemon times the step out (2 s) while its first rank is 4 s late.
+        # The late rank's error comes first (rank order): the job fenced by the timeout.
+        self.check_fault("timeout", mode="update", stage=3, phrase="step timeout of 2 s expired",
+                         timeout_sleep=4, node_extra={1: ("--step-timeout-seconds", "2")})
+
+
+if __name__ == "__main__":
+    MUOND = sys.argv.pop(1)
+    unittest.main()

@@ -1,0 +1,215 @@
+"""One rank of multinode_test.py: a torch.distributed (gloo) world whose ranks are grouped into
+emulated nodes, each node with its own muond (socket and state dir).
+
+Usage: multinode_worker.py CONFIG.json RANK. CONFIG: world, nodes (global rank -> node), addresses
+(one per node), single (the address of the daemon that serves the whole world as one node),
+port, out (a directory), scenario, and the scenario's fields. Every rank writes
+OUT/rank<R>.json with numbers only; the test asserts on them.
+
+Scenarios:
+  identical: for each case (stage, mode), 10 steps on the single daemon (MuonWithAuxAdam), then
+    the same on the nodes (MultiNodeMuonWithAuxAdam): per step, is every parameter bit-identical;
+    the measured and the formula's all-to-all bytes.
+  fault: 6 steps uninterrupted on the single daemon (the reference), then on the nodes: a
+    checkpoint after step 1, a fault in step 3 (see FAULTS), every rank's error, the nodes' next
+    steps, then recovery (restart the daemon if killed, load_checkpoint, the trainer's own state
+    back) and steps 2..5 again: bit-identical to the reference.
+"""
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import muon_offload as mo  # noqa: E402
+from muon_offload import MuondError  # noqa: E402
+
+STEPS = 10
+SHAPES = {"attn.q": (48, 32), "attn.o": (32, 48), "mlp.up": (64, 32), "mlp.down": (32, 64),
+          "attn.k": (16, 32), "head.w": (24, 40)}
+ADAM_SHAPES = {"embed": (40, 32), "norm": (32,), "bias": (64,)}
+
+
+def model(mode):
+    g = torch.Generator().manual_seed(11)
+    params = {n: torch.nn.Parameter(torch.randn(s, generator=g) * 0.2) for n, s in SHAPES.items()}
+    adam = {n: torch.nn.Parameter(torch.randn(s, generator=g) * 0.2)
+            for n, s in ADAM_SHAPES.items()}
+    return params, adam
+
+
+def groups(params, adam):
+    return [dict(params=list(params.items()), use_muon=True, lr=0.02, weight_decay=0.01),
+            dict(params=list(adam.items()), use_muon=False, lr=0.003, weight_decay=0.01,
+                 betas=(0.9, 0.95), eps=1e-8)]
+
+
+def set_grads(params, adam, step, rank, poison=False):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    for i, p in enumerate(list(params.values()) + list(adam.values())):
+        p.grad = torch.randn(p.shape, generator=g)
+        if poison and i == 0:
+            p.grad.view(-1)[3] = float("nan")
+
+
+def snapshot(params, adam):
+    return [p.detach().clone() for p in list(params.values()) + list(adam.values())]
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def make(cfg, rank, stage, mode, multinode, job_id, **kw):
+    params, adam = model(mode)
+    args = dict(zero_stage=stage, mode=mode, transport="shm", job_id=job_id)
+    args.update(kw)
+    if multinode:
+        opt = mo.MultiNodeMuonWithAuxAdam(groups(params, adam), node_map=cfg["nodes"],
+                                          address=cfg["addresses"][cfg["nodes"][rank]], **args)
+    else:
+        opt = mo.MuonWithAuxAdam(groups(params, adam), address=cfg["single"], **args)
+    return opt, params, adam
+
+
+def run_steps(opt, params, adam, rank, steps):
+    out = []
+    for step in steps:
+        set_grads(params, adam, step, rank)
+        opt.step()
+        out.append(snapshot(params, adam))
+    return out
+
+
+def identical(cfg, rank):
+    result = {}
+    for stage in (1, 2, 3):
+        for mode in ("update", "apply"):
+            name = f"s{stage}-{mode}"
+            opt, params, adam = make(cfg, rank, stage, mode, False, f"single-{name}")
+            want = run_steps(opt, params, adam, rank, range(STEPS))
+            opt.close(delete_job=True)
+            opt, params, adam = make(cfg, rank, stage, mode, True, f"multi-{name}")
+            got = run_steps(opt, params, adam, rank, range(STEPS))
+            result[name] = {"bitwise_steps": sum(same(a, b) for a, b in zip(got, want)),
+                            "bytes": list(opt.bytes_per_step()),
+                            "expected_bytes": list(opt.expected_bytes()),
+                            "nodes": opt.nodes}
+            opt.close(delete_job=True)
+    return result
+
+
+def restart_daemon(cfg, node):
+    d = cfg["daemons"][node]
+    subprocess.Popen(d["argv"], stderr=open(d["log"], "ab"), start_new_session=True)
+    deadline = time.time() + 30
+    while True:
+        try:
+            with mo.Client(cfg["addresses"][node]) as c:
+                c.health(0.5)
+            return
+        except MuondError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def inject(cfg, opt, rank, fault):
+    """Arms `fault` for the next step: on the first rank of node 1 (global rank `victim`)."""
+    s = opt.session
+    real = s.step_in_place
+    if fault == "daemon_kill":
+        def hook(step):
+            os.kill(cfg["daemons"][1]["pid"], signal.SIGKILL)
+            time.sleep(0.5)
+            return real(step)
+    elif fault == "timeout":
+        def hook(step):
+            time.sleep(cfg["timeout_sleep"])  # past node 1's --step-timeout-seconds
+            return real(step)
+    else:
+        return
+    s.step_in_place = hook
+
+
+def fault(cfg, rank):
+    mode, stage, kind = cfg["mode"], cfg["stage"], cfg["fault"]
+    victim = cfg["nodes"].index(1)  # node 1's first rank
+    opt, params, adam = make(cfg, rank, stage, mode, False, f"ref-{kind}")
+    want = run_steps(opt, params, adam, rank, range(6))
+    opt.close(delete_job=True)
+    opt, params, adam = make(cfg, rank, stage, mode, True, f"multi-{kind}")
+    run_steps(opt, params, adam, rank, range(2))
+    saved = opt.save_checkpoint()
+    sd = copy.deepcopy(opt.state_dict())  # torch.optim's state_dict aliases the live state
+    trainer = snapshot(params, adam)
+    run_steps(opt, params, adam, rank, [2])
+    before = opt.step_id
+    if rank == victim:
+        inject(cfg, opt, rank, kind)
+    set_grads(params, adam, 3, rank, poison=(kind == "nonfinite" and rank == victim))
+    error = None
+    try:
+        opt.step()
+    except MuondError as e:
+        error = {"code": e.code_name, "message": e.message}
+    unchanged = opt.step_id == before
+    if kind == "daemon_kill" and rank == victim:
+        restart_daemon(cfg, 1)
+    dist.barrier()
+    # Did this node's daemon commit the step? A commit of it now answers OK only if it was
+    # committed, or still prepared (then the abort failed): both are wrong.
+    committed = None
+    if opt._routing.local_rank == 0:
+        try:
+            opt._commit(before)
+            committed = True
+        except MuondError as e:
+            committed = e.code_name + ": " + e.message
+    dist.barrier()
+    # Recovery: the daemons' state from the checkpoint, the trainer's from its own copy.
+    for p, t in zip(list(params.values()) + list(adam.values()), trainer):
+        p.data.copy_(t)
+    next_step = opt.load_state_dict(sd)
+    got = run_steps(opt, params, adam, rank, range(2, 6))
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, error and error["message"])
+    result = {"error": error, "same_error_everywhere": len(set(messages)) == 1,
+              "node_commit_probe": committed,
+              "unchanged_step": unchanged, "resumed_at": next_step,
+              "saved_step": saved["next_step"],
+              "bitwise_after_recovery": sum(same(a, b) for a, b in zip(got, want[2:]))}
+    opt.close(delete_job=True)
+    return result
+
+
+def main():
+    cfg = json.load(open(sys.argv[1]))
+    rank = int(sys.argv[2])
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(cfg["port"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cfg["world"],
+                            timeout=timedelta(seconds=120))
+    try:
+        result = {"identical": identical, "fault": fault}[cfg["scenario"]](cfg, rank)
+    except Exception as e:  # reported in the rank's file, then the rank fails
+        result = {"exception": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.exit(0 if "exception" not in result else 1)
+
+
+if __name__ == "__main__":
+    main()
