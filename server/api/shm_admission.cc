@@ -28,6 +28,7 @@
 #include "server/api/shm_attach.h"
 #include "server/api/shm_server.h"
 #include "server/api/shm_session.h"
+#include "server/api/shm_wire.h"
 #include "server/ops/daemon_metrics.h"
 
 namespace muond::server {
@@ -39,7 +40,7 @@ using shm_attach::DrainAndClose;
 using shm_attach::Errno;
 using shm_attach::ErrorReply;
 using shm_attach::OutOfDescriptors;
-using shm_attach::ParseAttachRequest;
+using shm_wire::ParseAttachRequest;
 using shm_attach::PeerHungUp;
 using shm_attach::PeerOf;
 using shm_attach::PeerString;

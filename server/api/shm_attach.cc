@@ -99,23 +99,6 @@ v1::ShmAttachResponse ErrorReply(const absl::Status& s) {
   return r;
 }
 
-// The attach request in the `n` bytes of one datagram whose full length was `full`.
-absl::StatusOr<v1::ShmAttachRequest> ParseAttachRequest(const char* data, size_t full,
-                                                        size_t limit) {
-  if (full > limit) {
-    return absl::InvalidArgumentError(absl::StrCat("shared-memory attach request of ", full,
-                                                   " bytes is larger than the limit of ", limit,
-                                                   " bytes"));
-  }
-  if (full == 0) return absl::InvalidArgumentError("empty shared-memory attach request");
-  v1::ShmAttachRequest req;
-  if (!req.ParseFromArray(data, static_cast<int>(full))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("malformed shared-memory attach request (", full, " bytes)"));
-  }
-  return req;
-}
-
 // The job of an attach request, once its token and rank are checked.
 absl::StatusOr<std::shared_ptr<Job>> Authorize(JobRegistry& registry,
                                                const v1::ShmAttachRequest& req) {

@@ -31,9 +31,6 @@ absl::Status SendReply(int conn, const v1::ShmAttachResponse& reply, const int* 
 // than a reset.
 void DrainAndClose(int conn);
 v1::ShmAttachResponse ErrorReply(const absl::Status& s);
-// INVALID_ARGUMENT for an empty, oversized (`full` > `limit`) or malformed request.
-absl::StatusOr<v1::ShmAttachRequest> ParseAttachRequest(const char* data, size_t full,
-                                                        size_t limit);
 // The job the request names if its token matches (NOT_FOUND, UNAUTHENTICATED, PERMISSION_DENIED,
 // INVALID_ARGUMENT for a rank outside the world size).
 absl::StatusOr<std::shared_ptr<Job>> Authorize(JobRegistry& registry,

@@ -28,6 +28,7 @@
 #include "muond/v1/muond.pb.h"
 #include "server/api/shm_attach.h"
 #include "server/api/shm_session.h"
+#include "server/api/shm_wire.h"
 #include "server/ops/daemon_metrics.h"
 
 namespace muond::server {
@@ -218,9 +219,8 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
   if (read(s->doorbell, &count, sizeof(count)) != sizeof(count)) return;
   shm::Ring* ring = s->completions->ring();
   const uint64_t head = ring->header.sub_head.load(std::memory_order_acquire);
-  if (head < s->sub_tail || head - s->sub_tail > shm::kRingSlots) {
-    EndSession(s->conn,
-               absl::StrCat("corrupt submission ring (head ", head, ", tail ", s->sub_tail, ")"));
+  if (absl::Status corrupt = shm_wire::CheckSubmissionHead(head, s->sub_tail); !corrupt.ok()) {
+    EndSession(s->conn, std::string(corrupt.message()));
     return;
   }
   const std::string& job_id = s->job->id();
@@ -231,27 +231,8 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
     ring->header.sub_tail.store(s->sub_tail, std::memory_order_release);
     const std::string where = absl::StrCat("job '", job_id, "' rank ", s->rank, " doorbell ", index,
                                            " (step ", sub.step, ")");
-    absl::Status bad;
-    if (sub.seq != index) {
-      bad = absl::InvalidArgumentError(
-          absl::StrCat(where, ": sequence ", sub.seq, " does not match its slot ", index));
-    } else if (sub.generation != s->session_id) {
-      bad = absl::FailedPreconditionError(absl::StrCat(where, ": stale generation ", sub.generation,
-                                                       " (the session's is ", s->session_id, ")"));
-    } else if (sub.kind != shm::kSubmitStep && sub.kind != shm::kSubmitInitParams) {
-      bad = absl::InvalidArgumentError(absl::StrCat(where, ": unknown submission kind ", sub.kind));
-    } else if (sub.kind == shm::kSubmitInitParams && (sub.step != -1 || sub.buffer != 0)) {
-      bad = absl::InvalidArgumentError(
-          absl::StrCat(where, ": an initial-parameter submission has step -1 and buffer 0"));
-    } else if (sub.kind == shm::kSubmitStep &&
-               (sub.step < 0 || sub.buffer != static_cast<uint32_t>(sub.step % 2))) {
-      bad = absl::InvalidArgumentError(
-          absl::StrCat(where, ": buffer ", sub.buffer, " is not step % 2"));
-    } else if (sub.offset != 0 || sub.size != s->buffer_bytes) {
-      bad = absl::InvalidArgumentError(absl::StrCat(where, ": region [", sub.offset, ", +",
-                                                    sub.size, ") is not the rank's ",
-                                                    s->buffer_bytes, "-byte buffer at offset 0"));
-    }
+    const absl::Status bad =
+        shm_wire::CheckSubmission(sub, index, s->session_id, s->buffer_bytes, where);
     if (!bad.ok()) {
       s->completions->Complete(sub.seq, sub.step, bad, false, 0);
       continue;

@@ -3,8 +3,10 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
 #include "common/dtype.h"
 #include "common/parallel_for.h"
+#include "server/jobs/step_state.h"
 
 namespace muond::server {
 namespace {
@@ -63,6 +65,41 @@ absl::Status NonFiniteAtCommit(const std::string& where, const common::MatrixSpe
   return absl::DataLossError(absl::StrCat(
       where, ": matrix '", ms.name, "' element ", element,
       " became non-finite after it was checked (gradient memory changed during the step)"));
+}
+
+absl::Status CheckGradientChunk(const std::string& where, const common::JobSpec& spec,
+                                const JobLayout& layout, int rank, uint32_t matrix, uint64_t offset,
+                                std::string_view data, uint32_t crc32c, size_t* span,
+                                uint64_t* count_out) {
+  if (matrix >= spec.matrices.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": matrix index ", matrix,
+                                                   " out of range (the job has ",
+                                                   spec.matrices.size(), " matrices)"));
+  }
+  const common::MatrixSpec& ms = spec.matrices[matrix];
+  const size_t esize = common::DTypeSize(ms.dtype);
+  const uint64_t count = data.size() / esize;
+  if (data.empty() || data.size() > kMaxChunkBytes || data.size() % esize != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": matrix '", ms.name, "' chunk at element ", offset, " has ",
+                     data.size(), " bytes; expected a non-empty multiple of ", esize, " (",
+                     std::string(common::DTypeName(ms.dtype)), ") of at most ", kMaxChunkBytes,
+                     " (truncated chunk?)"));
+  }
+  if (common::Crc32c(data.data(), data.size()) != crc32c) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": matrix '", ms.name, "' chunk at element ", offset,
+                     ": CRC32C mismatch (corrupt or truncated chunk)"));
+  }
+  const std::optional<size_t> found = layout.FindSpan(rank, matrix, offset, count);
+  if (!found) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": matrix '", ms.name, "' elements [", offset, ", ", offset + count,
+                     ") are outside the rank's shard of the matrix (", ms.numel(), " elements)"));
+  }
+  *span = *found;
+  *count_out = count;
+  return CheckFiniteChunk(where, ms, offset, data.data(), count);
 }
 
 }  // namespace muond::server

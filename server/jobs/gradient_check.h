@@ -1,17 +1,20 @@
 // The one rule for gradient values (DESIGN.md 4): a non-finite value refuses the step for every
 // rank, and the error names the job, step, rank, matrix and element. Every data path checks
-// through here: gRPC chunks (CheckFiniteChunk) and shared-memory submissions (CheckFiniteSpans,
-// over the CPUs); the commit re-checks what it applies (NonFiniteAtCommit).
+// through here: gRPC chunks (CheckGradientChunk, then CheckFiniteChunk) and shared-memory
+// submissions (CheckFiniteSpans, over the CPUs); the commit re-checks what it applies
+// (NonFiniteAtCommit).
 #ifndef MUOND_SERVER_JOBS_GRADIENT_CHECK_H_
 #define MUOND_SERVER_JOBS_GRADIENT_CHECK_H_
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "common/job_spec.h"
 #include "common/layout.h"
+#include "server/jobs/job_layout.h"
 
 namespace muond::server {
 
@@ -24,6 +27,15 @@ absl::Status CheckFiniteChunk(const std::string& where, const common::MatrixSpec
 absl::Status CheckFiniteSpans(const std::string& where, const common::JobSpec& spec,
                               const std::vector<common::ShardSpan>& spans,
                               const std::vector<const char*>& in);
+// The checks of one gRPC gradient chunk of `rank` that need no lock (the job's spec and layout
+// are immutable): the matrix index, a non-empty whole number of elements of at most
+// kMaxChunkBytes, the CRC32C, one of the rank's spans holding it whole, and finite values. On OK
+// *span is the index of that span in layout.spans(rank) and *count the chunk's elements.
+// INVALID_ARGUMENT naming the job, step, rank, matrix and element otherwise.
+absl::Status CheckGradientChunk(const std::string& where, const common::JobSpec& spec,
+                                const JobLayout& layout, int rank, uint32_t matrix, uint64_t offset,
+                                std::string_view data, uint32_t crc32c, size_t* span,
+                                uint64_t* count);
 // The error of a value found non-finite when the commit re-reads it (DATA_LOSS: the gradient
 // memory changed after it was checked).
 absl::Status NonFiniteAtCommit(const std::string& where, const common::MatrixSpec& ms,

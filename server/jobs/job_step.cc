@@ -205,35 +205,8 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
 absl::Status Job::CheckChunk(const std::string& where, int rank, uint32_t matrix, uint64_t offset,
                              std::string_view data, uint32_t crc32c, size_t* span,
                              uint64_t* count_out) const {
-  if (matrix >= spec_.matrices.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": matrix index ", matrix,
-                                                   " out of range (the job has ",
-                                                   spec_.matrices.size(), " matrices)"));
-  }
-  const common::MatrixSpec& ms = spec_.matrices[matrix];
-  const size_t esize = common::DTypeSize(ms.dtype);
-  const uint64_t count = data.size() / esize;
-  if (data.empty() || data.size() > kMaxChunkBytes || data.size() % esize != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": matrix '", ms.name, "' chunk at element ", offset, " has ",
-                     data.size(), " bytes; expected a non-empty multiple of ", esize, " (",
-                     std::string(common::DTypeName(ms.dtype)), ") of at most ", kMaxChunkBytes,
-                     " (truncated chunk?)"));
-  }
-  if (common::Crc32c(data.data(), data.size()) != crc32c) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": matrix '", ms.name, "' chunk at element ", offset,
-                     ": CRC32C mismatch (corrupt or truncated chunk)"));
-  }
-  const std::optional<size_t> found = layout_.FindSpan(rank, matrix, offset, count);
-  if (!found) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": matrix '", ms.name, "' elements [", offset, ", ", offset + count,
-                     ") are outside the rank's shard of the matrix (", ms.numel(), " elements)"));
-  }
-  *span = *found;
-  *count_out = count;
-  return CheckFiniteChunk(where, ms, offset, data.data(), count);
+  return CheckGradientChunk(where, spec_, layout_, rank, matrix, offset, data, crc32c, span,
+                            count_out);
 }
 
 absl::StatusOr<char*> Job::ClaimChunk(StepState& state, const std::string& where, int rank,
