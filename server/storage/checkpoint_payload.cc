@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/crc32c.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
@@ -118,9 +119,14 @@ absl::StatusOr<std::vector<TensorRead>> PlanTensorReads(const std::string& manif
         return absl::DataLossError(
             absl::StrCat(path, ": tensor '", name, "' differs between header and manifest"));
       }
+      // Each dimension positive and the product within the payload (so it cannot overflow).
       uint64_t numel = 1;
       for (int64_t d : shape) {
-        if (d <= 0) return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "' shape"));
+        if (d <= 0 || static_cast<uint64_t>(d) > size / sizeof(float) / numel) {
+          return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "' shape [",
+                                                  absl::StrJoin(shape, ", "),
+                                                  "] does not fit the payload's ", size, " bytes"));
+        }
         numel *= static_cast<uint64_t>(d);
       }
       if (off[1] - off[0] != numel * sizeof(float) || header.data_start + off[1] > size) {
