@@ -25,7 +25,7 @@ Both modes print, at the end, the optimizer-state bytes held in the trainer proc
 Usage: train_tiny_gpt.py [--steps N] [--address ADDR] [--plot PNG] [--json OUT]
          [--mode update|apply] [--param-dtype float32|bfloat16|float16] [--max-grad-norm X]
          [--save-at N --checkpoint DIR] [--stop-after N] [--resume DIR]
-         [--inject-nonfinite-at N] [--muonctl PATH]
+         [--inject-nonfinite-at N] [--muonctl PATH] [--node-addresses A0,A1]
 --save-at writes a trainer checkpoint after N steps (models, AdamW state, and a muond checkpoint
 generation of the job); --resume continues from one (also after a daemon restart).
 --inject-nonfinite-at puts a NaN into rank 1's gradient at step N, shows muond refusing the step,
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 import muon_offload  # noqa: E402
-from muon_offload import MuondError, MuonWithAuxAdam  # noqa: E402
+from muon_offload import MuondError, MultiNodeMuonWithAuxAdam, MuonWithAuxAdam  # noqa: E402
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 
@@ -229,11 +229,16 @@ def make_optimizers(model, reference, args, job_id=None, token=None):
     groups = (args.muon_lr, args.adam_lr, args.weight_decay)
     job = dict(address=args.address or None, job_id=job_id or args.job_id, token=token,
                transport=args.transport, zero_stage=args.zero_stage)
+    optimizer = MuonWithAuxAdam
+    if args.node_addresses:  # one daemon per (emulated) node, rank r on node r (DESIGN.md 4c)
+        addresses = args.node_addresses.split(",")
+        job.update(address=addresses[dist.get_rank()], node_map=list(range(len(addresses))))
+        optimizer = MultiNodeMuonWithAuxAdam
     if args.mode == "update":
-        opt = MuonWithAuxAdam(param_groups(model, *groups), **job)
+        opt = optimizer(param_groups(model, *groups), **job)
         return opt, MuonWithAuxAdam(param_groups(reference, *groups), backend="local"), None
     job.update(mode="apply", max_grad_norm=args.max_grad_norm)
-    opt = MuonWithAuxAdam(param_groups(model, *groups), **job)
+    opt = optimizer(param_groups(model, *groups), **job)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps))
     ref = ApplyModeReference(reference, param_groups(reference, *groups), args.max_grad_norm)
     return opt, ref, scheduler
@@ -426,6 +431,9 @@ def parse_args(argv=None):
                     help="the model's parameter dtype (apply mode)")
     ap.add_argument("--max-grad-norm", type=float, default=None,
                     help="global gradient clipping in muond (apply mode)")
+    ap.add_argument("--node-addresses", default=None,
+                    help="A0,A1: one muond per node (rank r on node r), the job's tensors split "
+                    "between them by the ownership plan (DESIGN.md 4c); --address is then unused")
     ap.add_argument("--muonctl", default=None,
                     help="muonctl for the daemon's JobStatus (default: the build tree's, else PATH)")
     args = ap.parse_args(argv)

@@ -171,6 +171,30 @@ class MultiNodeTest(unittest.TestCase):
                          timeout_sleep=4, node_extra={1: ("--step-timeout-seconds", "2")})
 
 
+    def test_tiny_gpt_two_nodes_same_losses(self):
+        """client/examples/train_tiny_gpt.py (2 ranks) on one daemon, then on 2 emulated nodes of
+        one rank each: the same losses, bit for bit (update and apply mode)."""
+        single = NodeDaemon(self.root, "single")
+        nodes = [NodeDaemon(self.root, f"node{n}") for n in range(2)]
+        self.daemons += [single, *nodes]
+        example = os.path.join(ROOT, "client", "examples", "train_tiny_gpt.py")
+        for mode in ("update", "apply"):
+            losses = []
+            for where in (["--address", single.address],
+                          ["--node-addresses", ",".join(d.address for d in nodes)]):
+                out = os.path.join(self.root, f"{mode}-{len(losses)}.json")
+                subprocess.run([PYTHON, example, "--steps", "6", "--plot", "", "--json", out,
+                                "--mode", mode, "--transport", "shm", *where], check=True,
+                               stdout=subprocess.DEVNULL, timeout=600)
+                with open(out) as f:
+                    losses.append(json.load(f)["losses"])
+            print(f"tiny GPT {mode}: one daemon {losses[0]}, two nodes {losses[1]}",
+                  file=sys.stderr)
+            self.assertEqual(len(losses[0]), 6)
+            self.assertEqual(losses[0], losses[1], mode)
+            self.assertLess(losses[0][-1], losses[0][0])
+
+
 if __name__ == "__main__":
     MUOND = sys.argv.pop(1)
     unittest.main()
