@@ -14,8 +14,10 @@ set -euo pipefail
 # libze-dev: the Level Zero loader (the backend is built against it). clang-14 + llvm-spirv-14:
 # the Level Zero kernels are compiled from OpenCL C to SPIR-V at build time. pocl-opencl-icd,
 # ocl-icd-opencl-dev, opencl-headers: the tests run the same kernel source on this CPU through
-# PoCL. python3-matplotlib: the training example plots its loss curves. chromium: the status
-# page test loads the daemon's page in a headless browser.
+# PoCL. python3-matplotlib: the training example plots its loss curves. libclang-rt-14-dev:
+# libFuzzer and clang's sanitizer runtimes for the fuzz targets (tests/fuzz/run.sh; gcc's ASan,
+# UBSan and TSan runtimes for tests/sanitize/run.sh come with build-essential). chromium: the
+# status page test loads the daemon's page in a headless browser.
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
@@ -25,7 +27,7 @@ PACKAGES=(
   python3 python3-numpy python3-torch
   python3-yaml systemd
   libze-dev clang-14 llvm-spirv-14 pocl-opencl-icd ocl-icd-opencl-dev opencl-headers
-  python3-matplotlib chromium
+  python3-matplotlib libclang-rt-14-dev chromium
 )
 
 missing=()

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Builds muond and its test suites with a sanitizer into a build directory of its own and runs
+# them; any sanitizer report, from a test or from a daemon a test started, fails the run.
+#   tests/sanitize/run.sh address   ASan + UBSan (build-asan/): the unit and integration suites
+#   tests/sanitize/run.sh thread    TSan (build-tsan/): the job engine, shared-memory and
+#                                   checkpoint suites
+# Compiled with gcc at -O1 (LibTorch, gRPC and OpenBLAS are Debian's, uninstrumented); the GPU
+# backends are off, benchmarks and the Python tests are not built or run. Suppressions, each with
+# its reason: tests/sanitize/{lsan,tsan,ubsan}.supp. Reports land in <build dir>/sanitizer-logs/.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$root"
+kind="${1:-}"
+case "$kind" in
+  address) dir=build-asan ;;
+  thread) dir=build-tsan ;;
+  *) echo "usage: tests/sanitize/run.sh address|thread" >&2; exit 2 ;;
+esac
+jobs="${MUOND_BUILD_JOBS:-$(nproc)}"
+supp="$root/tests/sanitize"
+
+# Every target of the build (no benchmarks; the GPU backends off), so that a new suite is in the
+# lane as soon as it is in ctest; ctest then runs a selection.
+if [ "$kind" = address ]; then
+  # The unit and integration suites (and the fuzz corpora replayed); not the Python, deployment,
+  # metrics-script or GPU tests.
+  select=(-E '^(python_|cuda_|device_direct_copy|device_level_zero|level_zero|metrics\.|deploy\.|DaemonNotifyTest|SdNotifyTest)')
+else
+  # The job engine (momentum commit, multi-rank steps, faults, pipeline, apply mode), the
+  # shared-memory data plane and the checkpoint store.
+  select=(-R '^(MomentumCommitTest|MomentumStoreSnapshotTest|checkpoint_unit_tests|integration\.(MultiRank|Fault|Pipeline|Checkpoint|Trajectory)|apply\.|shm\.Shm(Transport|Hostile|Fault))')
+fi
+
+cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g -DNDEBUG" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g -DNDEBUG" \
+  -DMUOND_SANITIZE="$kind" -DMUOND_BUILD_TESTS=ON -DMUOND_BUILD_BENCHMARKS=OFF \
+  -DMUOND_TEST_HOOKS=ON -DMUOND_WITH_CUDA=OFF -DMUOND_WITH_LEVEL_ZERO=OFF >/dev/null
+cmake --build "$dir" -j "$jobs"
+
+logs="$root/$dir/sanitizer-logs"
+rm -rf "$logs"
+mkdir -p "$logs"
+# log_path: every process (tests and the daemons they start) writes its reports to a file of its
+# own, so a daemon's report is not lost in its captured stderr.
+common="log_path=$logs/report:print_stacktrace=1:strip_path_prefix=$root/"
+export UBSAN_OPTIONS="$common:halt_on_error=1:suppressions=$supp/ubsan.supp"
+export ASAN_OPTIONS="$common:detect_leaks=1:check_initialization_order=1:detect_stack_use_after_return=0"
+export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+export TSAN_OPTIONS="$common:halt_on_error=0:second_deadlock_stack=1:suppressions=$supp/tsan.supp:report_signal_unsafe=0"
+status=0
+ctest --test-dir "$dir" --output-on-failure --timeout 900 -j "${MUOND_TEST_JOBS:-2}" "${select[@]}" || status=$?
+reports=$(find "$logs" -type f | sort)
+if [ -n "$reports" ]; then
+  echo "sanitize: $(echo "$reports" | wc -l) sanitizer report file(s) in $logs:" >&2
+  for f in $reports; do echo "--- $f" >&2; head -60 "$f" >&2; done
+  status=1
+fi
+if [ "$status" -eq 0 ]; then echo "sanitize: $kind lane passed, no reports"; fi
+exit "$status"
