@@ -79,18 +79,19 @@ class MultiNodeTest(unittest.TestCase):
             d.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def run_world(self, nodes, scenario, node_extra=None, **fields):
-        """Starts one daemon per node plus the single daemon, runs the ranks, returns their
-        results (rank order)."""
-        single = NodeDaemon(self.root, "single")
-        self.daemons.append(single)
-        node_daemons = []
-        for n in range(max(nodes) + 1):
-            extra = (node_extra or {}).get(n, ())
-            node_daemons.append(NodeDaemon(self.root, f"node{n}", extra))
-        self.daemons += node_daemons
+    def run_world(self, nodes, scenario, node_extra=None, killed=(), **fields):
+        """Starts one daemon per node plus the single daemon (unless running), runs the ranks,
+        returns their results (rank order; None for the ranks in `killed`, which must die of
+        SIGKILL)."""
+        if not self.daemons:
+            single = NodeDaemon(self.root, "single")
+            self.daemons.append(single)
+            for n in range(max(nodes) + 1):
+                extra = (node_extra or {}).get(n, ())
+                self.daemons.append(NodeDaemon(self.root, f"node{n}", extra))
+        single, node_daemons = self.daemons[0], self.daemons[1:]
         out = os.path.join(self.root, "out")
-        os.makedirs(out)
+        os.makedirs(out, exist_ok=True)
         cfg = {"world": len(nodes), "nodes": nodes, "single": single.address,
                "addresses": [d.address for d in node_daemons], "port": free_port(), "out": out,
                "scenario": scenario,
@@ -105,11 +106,16 @@ class MultiNodeTest(unittest.TestCase):
         codes = [p.wait(timeout=900) for p in procs]
         results = []
         for r in range(len(nodes)):
+            if r in killed:
+                results.append(None)
+                continue
             with open(os.path.join(out, f"rank{r}.json")) as f:
                 results.append(json.load(f))
         for r, res in enumerate(results):
-            self.assertNotIn("exception", res, f"rank {r}: {res.get('trace')}")
-        self.assertEqual(codes, [0] * len(nodes))
+            if res is not None:
+                self.assertNotIn("exception", res, f"rank {r}: {res.get('trace')}")
+        self.assertEqual(codes, [-signal.SIGKILL if r in killed else 0
+                                 for r in range(len(nodes))])
         return results
 
     def check_identical(self, nodes):
@@ -163,6 +169,24 @@ class MultiNodeTest(unittest.TestCase):
 
     def test_daemon_killed_mid_step(self):
         self.check_fault("daemon_kill", mode="apply", stage=1, phrase="node 1")
+
+    def test_rank_killed_mid_step(self):
+        """Node 1's first rank dies (SIGKILL) inside step 3: the survivors raise the same ABORTED
+        error, no node committed; a new world attaches to the node jobs, loads the checkpoint and
+        continues bit-identical."""
+        cfg = dict(mode="update", stage=2, pg_timeout=60)
+        results = self.run_world([0, 0, 1, 1], "rank_kill", killed=(2,), **cfg)
+        survivors = [res for res in results if res is not None]
+        for res in survivors:
+            self.assertEqual(res["error"]["code"], "ABORTED", res["error"])
+            self.assertIn("committed on no node", res["error"]["message"])
+            self.assertTrue(res["unchanged_step"])
+        self.assertEqual(len({res["error"]["message"] for res in survivors}), 1)
+        print(f"rank_kill: {survivors[0]['error']}", file=sys.stderr)
+        resumed = self.run_world([0, 0, 1, 1], "rank_kill_resume", **cfg)
+        for r, res in enumerate(resumed):
+            self.assertEqual(res["resumed_at"], 2)
+            self.assertEqual(res["bitwise_after_recovery"], 4, f"rank {r}")
 
     def test_step_timeout_on_one_node(self):
         # Node 1's daemon times the step out (2 s) while its first rank is 4 s late.

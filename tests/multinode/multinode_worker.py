@@ -194,6 +194,51 @@ def fault(cfg, rank):
     return result
 
 
+def rank_kill(cfg, rank):
+    """Phase 1 of the dead-rank case: the reference, then the nodes until node 1's first rank
+    SIGKILLs itself inside step 3 (after the forward all-to-all, before pushing to its daemon).
+    The survivors' errors and what phase 2 needs (tokens, state_dict, the trainer's state) are
+    saved."""
+    mode, stage = cfg["mode"], cfg["stage"]
+    victim = cfg["nodes"].index(1)
+    opt, params, adam = make(cfg, rank, stage, mode, False, "ref-rank-kill")
+    want = run_steps(opt, params, adam, rank, range(6))
+    opt.close(delete_job=True)
+    opt, params, adam = make(cfg, rank, stage, mode, True, "multi-rank-kill")
+    run_steps(opt, params, adam, rank, range(2))
+    opt.save_checkpoint()
+    torch.save({"want": want, "sd": copy.deepcopy(opt.state_dict()),
+                "trainer": snapshot(params, adam), "tokens": opt.node_tokens},
+               os.path.join(cfg["out"], f"state{rank}.pt"))
+    run_steps(opt, params, adam, rank, [2])
+    before = opt.step_id
+    if rank == victim:
+        opt.session.step_in_place = lambda step: os.kill(os.getpid(), signal.SIGKILL)
+    set_grads(params, adam, 3, rank)
+    error = None
+    try:
+        opt.step()
+    except MuondError as e:
+        error = {"code": e.code_name, "message": e.message}
+    return {"error": error, "unchanged_step": opt.step_id == before}
+
+
+def rank_kill_resume(cfg, rank):
+    """Phase 2: a new world attaches to the existing node jobs (their tokens), loads the
+    checkpoint and runs steps 2..5: bit-identical to the reference?"""
+    saved = torch.load(os.path.join(cfg["out"], f"state{rank}.pt"))
+    opt, params, adam = make(cfg, rank, cfg["stage"], cfg["mode"], True, "multi-rank-kill",
+                             token=saved["tokens"], takeover=True)
+    for p, t in zip(list(params.values()) + list(adam.values()), saved["trainer"]):
+        p.data.copy_(t)
+    resumed = opt.load_state_dict(saved["sd"])
+    got = run_steps(opt, params, adam, rank, range(2, 6))
+    result = {"resumed_at": resumed,
+              "bitwise_after_recovery": sum(same(a, b) for a, b in zip(got, saved["want"][2:]))}
+    opt.close(delete_job=True)
+    return result
+
+
 def main():
     cfg = json.load(open(sys.argv[1]))
     rank = int(sys.argv[2])
@@ -201,9 +246,10 @@ def main():
     os.environ["MASTER_PORT"] = str(cfg["port"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=cfg["world"],
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=cfg.get("pg_timeout", 120)))
     try:
-        result = {"identical": identical, "fault": fault}[cfg["scenario"]](cfg, rank)
+        result = {"identical": identical, "fault": fault, "rank_kill": rank_kill,
+                  "rank_kill_resume": rank_kill_resume}[cfg["scenario"]](cfg, rank)
     except Exception as e:  # reported in the rank's file, then the rank fails
         result = {"exception": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
     with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
