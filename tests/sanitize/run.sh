@@ -47,6 +47,12 @@ export UBSAN_OPTIONS="$common:halt_on_error=1:suppressions=$supp/ubsan.supp"
 export ASAN_OPTIONS="$common:detect_leaks=1:check_initialization_order=1:detect_stack_use_after_return=0"
 export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
 export TSAN_OPTIONS="$common:halt_on_error=0:second_deadlock_stack=1:suppressions=$supp/tsan.supp:report_signal_unsafe=0"
+if [ "$kind" = thread ]; then
+  # Debian's Abseil is not built with TSan: this library tells TSan what its mutexes, condition
+  # variables and notifications order (tests/sanitize/tsan_absl_sync.cc).
+  export LD_PRELOAD="$root/$dir/lib/libmuond_tsan_absl_sync.so"
+fi
+
 status=0
 ctest --test-dir "$dir" --output-on-failure --timeout 900 -j "${MUOND_TEST_JOBS:-2}" "${select[@]}" || status=$?
 reports=$(find "$logs" -type f | sort)
