@@ -175,6 +175,16 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> Client::ListCheckpoints(
   return std::vector<v1::CheckpointInfo>(resp.generations().begin(), resp.generations().end());
 }
 
+absl::StatusOr<std::vector<v1::OperationProgress>> Client::GetProgress(
+    const std::string& job_id, const std::string& token) {
+  v1::GetProgressRequest req;
+  req.set_job_id(job_id);
+  ASSIGN_OR_RETURN(
+      const v1::GetProgressResponse resp,
+      CallWithToken(*stub_, &v1::Muond::Stub::GetProgress, token, req, "GetProgress"));
+  return std::vector<v1::OperationProgress>(resp.operations().begin(), resp.operations().end());
+}
+
 absl::StatusOr<v1::JobStatus> Client::GetJob(const std::string& job_id, const std::string& token) {
   v1::GetJobRequest req;
   req.set_job_id(job_id);

@@ -7,6 +7,7 @@
 #define MUOND_CLIENT_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -260,6 +261,10 @@ class Client {
                                                             int64_t generation, int64_t step);
   absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpoints(const std::string& job_id,
                                                                   const std::string& token);
+  // The job's running and recently finished long operations (checkpoint saves and loads, restores
+  // from its checkpoints), oldest first. UNIMPLEMENTED from a daemon that predates GetProgress.
+  absl::StatusOr<std::vector<v1::OperationProgress>> GetProgress(const std::string& job_id,
+                                                                 const std::string& token);
   absl::Status DeleteJob(const std::string& job_id, const std::string& token);
   absl::Status ResetJob(const std::string& job_id, const std::string& token, int64_t next_step);
   // Multi-node jobs (DESIGN.md 4c, client_multinode.cc): commit or abort a prepared step.
@@ -274,9 +279,12 @@ class Client {
   // update-mode job or while the initial weights are incomplete (the daemon's answer); DATA_LOSS
   // for a chunk whose CRC32C does not match; INTERNAL for a stream that does not cover every
   // tensor exactly once.
+  // `progress` (may be empty) is called with the bytes received so far and the total after each
+  // chunk.
   absl::StatusOr<std::vector<NamedTensor>> ExportParams(
       const std::string& job_id, const std::string& token,
-      common::DType dtype = common::DType::kFloat32, int64_t* step = nullptr);
+      common::DType dtype = common::DType::kFloat32, int64_t* step = nullptr,
+      const std::function<void(uint64_t done, uint64_t total)>& progress = {});
   // ListJobs with the job directories the daemon set aside at start (broken).
   absl::StatusOr<v1::ListJobsResponse> ListJobsWithBroken();
   // Attaches `rank` of the job (fetching the job's spec) and returns its session; the session
@@ -301,9 +309,10 @@ class Client {
 // ExportParams written to `path` as a safetensors model file (every tensor under its name, in
 // full shape; metadata "format": "pt", "job", "step"), through a temporary file in the same
 // directory, fsync and rename. Returns the step of the snapshot.
-absl::StatusOr<int64_t> ExportParamsToFile(Client& client, const std::string& job_id,
-                                           const std::string& token, common::DType dtype,
-                                           const std::string& path);
+absl::StatusOr<int64_t> ExportParamsToFile(
+    Client& client, const std::string& job_id, const std::string& token, common::DType dtype,
+    const std::string& path,
+    const std::function<void(uint64_t done, uint64_t total)>& progress = {});
 
 }  // namespace muond::client
 

@@ -96,9 +96,9 @@ class ExportAssembler {
 
 }  // namespace
 
-absl::StatusOr<std::vector<NamedTensor>> Client::ExportParams(const std::string& job_id,
-                                                              const std::string& token,
-                                                              common::DType dtype, int64_t* step) {
+absl::StatusOr<std::vector<NamedTensor>> Client::ExportParams(
+    const std::string& job_id, const std::string& token, common::DType dtype, int64_t* step,
+    const std::function<void(uint64_t done, uint64_t total)>& progress) {
   ASSIGN_OR_RETURN(const v1::JobStatus status, GetJob(job_id, token));
   ASSIGN_OR_RETURN(const common::JobSpec spec, common::JobSpecFromProto(status.spec()));
   if (spec.mode != common::JobMode::kApply) {
@@ -113,18 +113,26 @@ absl::StatusOr<std::vector<NamedTensor>> Client::ExportParams(const std::string&
   req.set_dtype(common::DTypeToProto(dtype));
   std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader = stub_->ExportParams(&ctx, req);
   ExportAssembler assembler(spec, dtype);
+  uint64_t total = 0, done = 0;
+  for (const common::MatrixSpec& ms : spec.matrices) {
+    total += static_cast<uint64_t>(ms.numel()) * common::DTypeSize(dtype);
+  }
   v1::ExportChunk chunk;
-  while (reader->Read(&chunk)) assembler.Add(chunk);
+  while (reader->Read(&chunk)) {
+    assembler.Add(chunk);
+    done += chunk.data().data().size();
+    if (progress) progress(done, total);
+  }
   RETURN_IF_ERROR(Annotate(FromGrpcStatus(reader->Finish()), "ExportParams"));
   return assembler.Take(step);
 }
 
-absl::StatusOr<int64_t> ExportParamsToFile(Client& client, const std::string& job_id,
-                                           const std::string& token, common::DType dtype,
-                                           const std::string& path) {
+absl::StatusOr<int64_t> ExportParamsToFile(
+    Client& client, const std::string& job_id, const std::string& token, common::DType dtype,
+    const std::string& path, const std::function<void(uint64_t done, uint64_t total)>& progress) {
   int64_t step = -1;
   ASSIGN_OR_RETURN(const std::vector<NamedTensor> tensors,
-                   client.ExportParams(job_id, token, dtype, &step));
+                   client.ExportParams(job_id, token, dtype, &step, progress));
   std::vector<common::TensorRef> refs;
   for (const NamedTensor& t : tensors) refs.push_back({t.name, t.dtype, t.shape, t.data});
   RETURN_IF_ERROR(common::WriteSafetensorsFile(

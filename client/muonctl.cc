@@ -24,6 +24,7 @@
 #include "absl/strings/strip.h"
 #include "client/client.h"
 #include "client/muonctl_util.h"
+#include "client/progress_display.h"
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
 #include "common/layout.h"
@@ -250,7 +251,21 @@ absl::Status CmdJobCreate(Client& client, const Args& a) {
         absl::StrCat(a.flags.at("spec"), ": ", spec.status().message()));
   }
   ASSIGN_OR_RETURN(const std::optional<v1::RestoreFrom> restore, RestoreFromFlags(a));
-  ASSIGN_OR_RETURN(std::string token, client.CreateJob(*spec, restore ? &*restore : nullptr));
+  std::string token;
+  auto create = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(token, client.CreateJob(*spec, restore ? &*restore : nullptr));
+    return absl::OkStatus();
+  };
+  if (restore) {
+    // The restore is listed under the source job (whose token this command holds).
+    RETURN_IF_ERROR(RunWithProgress(
+        client,
+        {restore->job_id(), restore->token(), "restore", spec->job_id,
+         absl::StrCat("restore job ", spec->job_id, " from ", restore->job_id())},
+        create));
+  } else {
+    RETURN_IF_ERROR(create());
+  }
   auto file = a.flags.find("token-file");
   if (file == a.flags.end()) {
     std::printf("%s\n", token.c_str());

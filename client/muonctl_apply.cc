@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/muonctl_util.h"
+#include "client/progress_display.h"
 #include "common/job_spec_proto.h"
 #include "common/layout.h"
 #include "common/safetensors.h"
@@ -236,8 +237,16 @@ absl::Status CmdExport(Client& client, const Args& a) {
     dtype = *parsed;
   }
   const std::string& out = a.flags.at("out");
-  ASSIGN_OR_RETURN(const int64_t step,
-                   ExportParamsToFile(client, job.job_id, job.token, dtype, out));
+  ProgressDisplay display(absl::StrCat("export job ", job.job_id), "bytes", stderr,
+                          ProgressDisplay::StderrIsTerminal());
+  uint64_t done = 0, total = 0;
+  ASSIGN_OR_RETURN(const int64_t step, ExportParamsToFile(client, job.job_id, job.token, dtype, out,
+                                                          [&](uint64_t d, uint64_t t) {
+                                                            done = d;
+                                                            total = t;
+                                                            display.Update(d, t);
+                                                          }));
+  if (done > 0) display.Finish(done, total);
   std::printf("exported job %s at step %lld (%s) -> %s\n", job.job_id.c_str(),
               static_cast<long long>(step), DTypeText(dtype).c_str(), out.c_str());
   return absl::OkStatus();

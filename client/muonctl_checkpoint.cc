@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/muonctl_util.h"
+#include "client/progress_display.h"
 #include "common/status_macros.h"
 
 namespace muond::client {
@@ -30,7 +31,11 @@ absl::Status CmdCheckpoint(Client& client, const Args& a) {
   const std::string& id = job.job_id;
   const std::string& token = job.token;
   if (sub == "save") {
-    ASSIGN_OR_RETURN(v1::CheckpointInfo info, client.SaveCheckpoint(id, token));
+    v1::CheckpointInfo info;
+    RETURN_IF_ERROR(RunWithProgress(client, {id, token, "save", id, "save job " + id}, [&] {
+      ASSIGN_OR_RETURN(info, client.SaveCheckpoint(id, token));
+      return absl::OkStatus();
+    }));
     std::printf("saved job %s generation %lld at step %lld (%llu bytes) in %s\n", id.c_str(),
                 static_cast<long long>(info.generation()), static_cast<long long>(info.step()),
                 static_cast<unsigned long long>(info.bytes()), info.path().c_str());
@@ -52,8 +57,11 @@ absl::Status CmdCheckpoint(Client& client, const Args& a) {
   // Neither flag: (0, -1), the newest good generation.
   const int64_t generation = choice.generation.value_or(0);
   const int64_t step = choice.step.value_or(-1);
-  ASSIGN_OR_RETURN(v1::LoadCheckpointResponse r,
-                   client.LoadCheckpoint(id, token, generation, step));
+  v1::LoadCheckpointResponse r;
+  RETURN_IF_ERROR(RunWithProgress(client, {id, token, "load", id, "load job " + id}, [&] {
+    ASSIGN_OR_RETURN(r, client.LoadCheckpoint(id, token, generation, step));
+    return absl::OkStatus();
+  }));
   for (const std::string& p : r.set_aside()) {
     std::fprintf(stderr, "muonctl: warning: corrupt generation set aside as %s\n", p.c_str());
   }

@@ -18,6 +18,7 @@
 #include "server/api/job_status_proto.h"
 #include "server/jobs/apply_step.h"
 #include "server/ops/daemon_metrics.h"
+#include "server/ops/status_progress.h"
 
 namespace muond::server {
 namespace {
@@ -175,6 +176,25 @@ grpc::Status MuondService::LoadCheckpoint(grpc::ServerContext* ctx,
   ToProto(loaded->info, resp->mutable_loaded());
   resp->set_next_step(loaded->next_step);
   for (const std::string& p : loaded->set_aside) resp->add_set_aside(p);
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::GetProgress(grpc::ServerContext* ctx, const v1::GetProgressRequest* req,
+                                       v1::GetProgressResponse* resp) {
+  auto job = Authorize(ctx, req->job_id());
+  if (!job.ok()) return Logged("GetProgress", job.status());
+  for (const OperationReport& o : OperationProgress::Default().ForJob(req->job_id())) {
+    v1::OperationProgress* p = resp->add_operations();
+    p->set_id(o.id);
+    p->set_kind(o.kind);
+    p->set_target(o.target);
+    p->set_bytes_done(o.bytes_done);
+    p->set_bytes_total(o.bytes_total);
+    p->set_started_unix_ms(o.started_unix_ms);
+    p->set_ended_unix_ms(o.ended_unix_ms);
+    p->set_done(o.done);
+    p->set_error(o.error);
+  }
   return grpc::Status::OK;
 }
 

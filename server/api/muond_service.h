@@ -57,6 +57,8 @@ class MuondService final : public v1::Muond::Service {
                               v1::LoadCheckpointResponse* resp) override;
   grpc::Status ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest* req,
                                v1::ListCheckpointsResponse* resp) override;
+  grpc::Status GetProgress(grpc::ServerContext* ctx, const v1::GetProgressRequest* req,
+                           v1::GetProgressResponse* resp) override;
   grpc::Status WatchSession(grpc::ServerContext* ctx, const v1::WatchSessionRequest* req,
                             grpc::ServerWriter<v1::SessionEvent>* writer) override;
   grpc::Status Step(grpc::ServerContext* ctx,

@@ -1,22 +1,35 @@
 #include "server/jobs/checkpoint_writer.h"
 
 #include <algorithm>
+#include <memory>
 #include <thread>
+#include <utility>
 
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "server/ops/daemon_metrics.h"
+#include "server/ops/status_progress.h"
 
 namespace muond::server {
 
-absl::StatusOr<checkpoint::GenerationInfo> CheckpointWriter::Write(const Exclusive&,
-                                                                   const std::string& job_id,
-                                                                   const common::JobSpec& spec,
-                                                                   int64_t step,
-                                                                   const checkpoint::MatrixSource& source,
-                                                                   const std::vector<int64_t>& tensor_steps) {
+absl::StatusOr<checkpoint::GenerationInfo> CheckpointWriter::Write(
+    const Exclusive&, const std::string& job_id, const common::JobSpec& spec, int64_t step,
+    const checkpoint::MatrixSource& source, const std::vector<int64_t>& tensor_steps) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<checkpoint::GenerationInfo> info = store_.Write(spec, step, source, tensor_steps);
+  // Progress counts a tensor once it was written: when the next one is asked for, and the last
+  // when the generation is durable.
+  const std::unique_ptr<OperationProgress::Handle> progress =
+      OperationProgress::Default().Begin(job_id, "save", job_id, StateBytes(spec));
+  uint64_t pending = 0;
+  auto counted = [&](size_t i, std::vector<float>* out) {
+    progress->Advance(std::exchange(pending, 0));
+    absl::Status s = source(i, out);
+    if (s.ok()) pending = out->size() * sizeof(float);
+    return s;
+  };
+  absl::StatusOr<checkpoint::GenerationInfo> info = store_.Write(spec, step, counted, tensor_steps);
+  if (info.ok()) progress->Advance(pending);
+  progress->End(info.status());
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   RecordCheckpointSave(job_id, info.ok(), seconds, info.ok() ? info->bytes : 0);
   if (!info.ok()) {
@@ -28,6 +41,16 @@ absl::StatusOr<checkpoint::GenerationInfo> CheckpointWriter::Write(const Exclusi
                   << " at step " << step << " (" << info->bytes << " bytes, " << seconds
                   << " s) in " << info->path;
   return info;
+}
+
+uint64_t CheckpointWriter::StateBytes(const common::JobSpec& spec) {
+  uint64_t bytes = 0;
+  for (const checkpoint::StateTensor& t : checkpoint::StateTensors(spec)) {
+    uint64_t numel = 1;
+    for (int64_t d : t.shape) numel *= static_cast<uint64_t>(d);
+    bytes += numel * sizeof(float);
+  }
+  return bytes;
 }
 
 absl::StatusOr<checkpoint::Loaded> CheckpointWriter::Read(const Exclusive&,

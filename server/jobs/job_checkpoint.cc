@@ -12,6 +12,7 @@
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "server/jobs/job.h"
+#include "server/ops/status_progress.h"
 
 namespace muond::server {
 
@@ -209,28 +210,45 @@ absl::StatusOr<Job::LoadResult> Job::LoadCheckpoint(const checkpoint::Selector& 
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckNoStepInFlight("load"));  // checked before reading the generation too
   }
-  auto loaded = writer_.Read(exclusive, selector);
+  const auto progress =
+      OperationProgress::Default().Begin(id(), "load", id(), CheckpointWriter::StateBytes(spec_));
+  checkpoint::Selector counted = selector;
+  counted.on_bytes_read = [p = progress.get()](uint64_t bytes) { p->Advance(bytes); };
+  auto loaded = writer_.Read(exclusive, counted);
   if (!loaded.ok()) {
-    return absl::Status(loaded.status().code(),
-                        absl::StrCat("job '", id(), "': ", loaded.status().message()));
+    const absl::Status s(loaded.status().code(),
+                         absl::StrCat("job '", id(), "': ", loaded.status().message()));
+    progress->End(s);
+    return s;
   }
-  return InstallLoaded(*loaded, *this);
+  auto installed = InstallLoaded(*loaded, *this);
+  progress->End(installed.status());
+  return installed;
 }
 
 absl::StatusOr<Job::LoadResult> Job::LoadCheckpointFrom(const std::shared_ptr<Job>& source,
                                                         const checkpoint::Selector& selector) {
   absl::StatusOr<checkpoint::Loaded> loaded;
+  // Listed under the source job: the client restoring holds its token, not yet the new job's.
+  const auto progress = OperationProgress::Default().Begin(source->id(), "restore", id(),
+                                                           CheckpointWriter::StateBytes(spec_));
   {
     // Serialized with the source job's own saves and loads.
     CheckpointWriter::Exclusive source_exclusive(source->writer_);
-    loaded = source->writer_.Read(source_exclusive, selector);
+    checkpoint::Selector counted = selector;
+    counted.on_bytes_read = [p = progress.get()](uint64_t bytes) { p->Advance(bytes); };
+    loaded = source->writer_.Read(source_exclusive, counted);
   }
   if (!loaded.ok()) {
-    return absl::Status(loaded.status().code(),
-                        absl::StrCat("job '", source->id(), "': ", loaded.status().message()));
+    const absl::Status s(loaded.status().code(),
+                         absl::StrCat("job '", source->id(), "': ", loaded.status().message()));
+    progress->End(s);
+    return s;
   }
   CheckpointWriter::Exclusive exclusive(writer_);
-  return InstallLoaded(*loaded, *source);
+  auto installed = InstallLoaded(*loaded, *source);
+  progress->End(installed.status());
+  return installed;
 }
 
 void Job::Fence(const std::string& reason) {

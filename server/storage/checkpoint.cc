@@ -135,7 +135,8 @@ absl::Status ReadManifest(const std::string& gen_dir, Json* manifest, Generation
 
 // Reads and verifies a complete generation directory: its manifest, the job spec in it, and the
 // payload against the manifest (checkpoint_payload.h).
-absl::StatusOr<Loaded> Verify(const std::string& gen_dir) {
+absl::StatusOr<Loaded> Verify(const std::string& gen_dir,
+                              const std::function<void(uint64_t)>& on_bytes_read) {
   Loaded out;
   out.info.path = gen_dir;
   Json manifest;
@@ -163,7 +164,8 @@ absl::StatusOr<Loaded> Verify(const std::string& gen_dir) {
       out.tensor_steps.push_back(t.get<int64_t>());
     }
   }
-  RETURN_IF_ERROR(ReadPayload(absl::StrCat(gen_dir, "/", kPayload), manifest, manifest_path, &out));
+  RETURN_IF_ERROR(ReadPayload(absl::StrCat(gen_dir, "/", kPayload), manifest, manifest_path, &out,
+                              on_bytes_read));
   return out;
 }
 
@@ -349,7 +351,7 @@ absl::StatusOr<Loaded> Store::Load(const Selector& selector) {
   std::vector<std::string> set_aside, problems;
   for (const Entry& e : candidates) {
     const std::string path = absl::StrCat(dir_, "/", e.name);
-    auto loaded = Verify(path);
+    auto loaded = Verify(path, selector.on_bytes_read);
     if (loaded.ok()) {
       loaded->info.generation = e.generation;
       loaded->set_aside = set_aside;

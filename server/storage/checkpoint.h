@@ -59,6 +59,9 @@ struct GenerationInfo {
 struct Selector {
   int64_t generation = -1;
   int64_t step = -1;
+  // Called (from several threads at once) with the bytes of each tensor read and verified, for
+  // progress reports; may be empty.
+  std::function<void(uint64_t bytes)> on_bytes_read;
 };
 
 struct Loaded {

@@ -146,7 +146,8 @@ absl::StatusOr<std::vector<TensorRead>> PlanTensorReads(const std::string& manif
 // Reads every tensor into out->data (sized by PlanTensorReads) and checks its CRC32C, spread over
 // the CPUs (page-cache copies and CRC32C). The first failure in payload order is returned.
 absl::Status ReadTensors(int fd, const std::string& path, uint64_t size,
-                         const std::vector<TensorRead>& reads, Loaded* out) {
+                         const std::vector<TensorRead>& reads, Loaded* out,
+                         const std::function<void(uint64_t)>& on_bytes_read) {
   std::vector<absl::Status> read_status(reads.size());
   common::ParallelFor(reads.size(), size, [&](size_t i) {
     std::vector<float>& v = out->data[i];
@@ -158,6 +159,8 @@ absl::Status ReadTensors(int fd, const std::string& path, uint64_t size,
       read_status[i] = absl::DataLossError(
           absl::StrFormat("%s: tensor '%s' checksum mismatch (crc32c %08x, manifest %08x)", path,
                           out->names[i], got, reads[i].crc));
+    } else if (on_bytes_read) {
+      on_bytes_read(bytes);
     }
   });
   for (const absl::Status& st : read_status) RETURN_IF_ERROR(st);
@@ -244,7 +247,8 @@ absl::Status WritePayload(const std::string& path, const common::JobSpec& spec,
 }
 
 absl::Status ReadPayload(const std::string& path, const Json& manifest,
-                         const std::string& manifest_path, Loaded* out) {
+                         const std::string& manifest_path, Loaded* out,
+                         const std::function<void(uint64_t)>& on_bytes_read) {
   const int f = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (f < 0) return ReadError(errno, "open", path);
   Fd fd(f);
@@ -252,7 +256,7 @@ absl::Status ReadPayload(const std::string& path, const Json& manifest,
   ASSIGN_OR_RETURN(const PayloadHeader header, ReadPayloadHeader(fd.get(), path, size, manifest));
   ASSIGN_OR_RETURN(const std::vector<TensorRead> reads,
                    PlanTensorReads(manifest_path, path, manifest, header, size, out));
-  return ReadTensors(fd.get(), path, size, reads, out);
+  return ReadTensors(fd.get(), path, size, reads, out, on_bytes_read);
 }
 
 }  // namespace muond::server::checkpoint

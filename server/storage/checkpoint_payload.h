@@ -8,6 +8,7 @@
 #define MUOND_SERVER_STORAGE_CHECKPOINT_PAYLOAD_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -50,9 +51,11 @@ absl::Status WritePayload(const std::string& path, const common::JobSpec& spec,
 // from `manifest_path`, checksum verified): its size against out->info.bytes (the manifest's
 // payload_bytes), its header against payload_header_crc32c, every tensor's name, shape and offsets
 // against the header, and each tensor's CRC32C. DATA_LOSS naming the path and what differs;
-// other I/O errors as ErrnoStatus gives them.
+// other I/O errors as ErrnoStatus gives them. `on_bytes_read` (may be empty) is called with the
+// bytes of each tensor once read and verified, from several threads at once.
 absl::Status ReadPayload(const std::string& path, const nlohmann::json& manifest,
-                         const std::string& manifest_path, Loaded* out);
+                         const std::string& manifest_path, Loaded* out,
+                         const std::function<void(uint64_t)>& on_bytes_read = {});
 
 }  // namespace muond::server::checkpoint
 
