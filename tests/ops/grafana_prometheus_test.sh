@@ -82,7 +82,7 @@ wait_scraped 'muond_checkpoint_newest_age_seconds{instance="'"$metrics"'"}'
 wait_scraped 'muond_steps_completed_total{instance="'"$metrics"'",muond_job="dash"} == 6'
 
 "$PY" - "$prom_port" "$metrics" "$DASHBOARD" <<'PYEOF'
-import json, math, sys, urllib.parse, urllib.request
+import json, math, sys, time, urllib.parse, urllib.request
 prom, instance, path = sys.argv[1], sys.argv[2], sys.argv[3]
 dash = json.load(open(path))
 bad = []
@@ -116,15 +116,24 @@ def query(expr):
 nodes = sorted({s["metric"].get("instance") for s in query("muond_build_info")})
 if nodes != [instance]:
     bad.append(f"node variable values {nodes}, expected [{instance!r}]")
+# A series Prometheus has seen once has no rate yet: each expression is asked again, for up to
+# 30 s in all, until it answers (a bounded wait for scrapes, not a timing assertion).
+deadline = time.time() + 30
 for title, ref, expr in exprs:
     promql = expr.replace("$__rate_interval", "1m").replace("$node", instance.replace(".", "\\\\."))
-    try:
-        result = query(promql)
-    except Exception as e:  # a PromQL error answers 400
-        bad.append(f"{title} {ref}: {promql}: {e}")
+    while True:
+        try:
+            result = query(promql)
+        except Exception as e:  # a PromQL error answers 400
+            result = e
+            break
+        finite = [v for v in (float(s["value"][1]) for s in result) if not math.isnan(v)]
+        if finite or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    if isinstance(result, Exception):
+        bad.append(f"{title} {ref}: {promql}: {result}")
         continue
-    values = [float(s["value"][1]) for s in result]
-    finite = [v for v in values if not math.isnan(v)]
     if not finite:
         bad.append(f"{title} {ref}: no value but NaN ({len(result)} series): {promql}")
     else:
