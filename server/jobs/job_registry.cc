@@ -353,7 +353,11 @@ void JobRegistry::WaitForSaves() const {
 
 bool JobRegistry::AnyStepInFlight() const {
   for (const auto& job : List()) {
-    if (job->Report().step_in_flight.has_value()) return true;
+    // A prepared step (two-phase, multi-node jobs) waits for the trainer's CommitStep, which a
+    // daemon shutting down refuses: it is not drained (it stays uncommitted; its store is the
+    // committed state a shutdown checkpoint saves).
+    const JobReport r = job->Report();
+    if (r.step_in_flight.has_value() && !r.step_prepared.has_value()) return true;
   }
   return false;
 }
