@@ -118,19 +118,46 @@ class MultiNodeTest(unittest.TestCase):
                                  for r in range(len(nodes))])
         return results
 
-    def check_identical(self, nodes):
-        results = self.run_world(nodes, "identical")
+    def check_identical(self, nodes, **kw):
+        results = self.run_world(nodes, "identical", **kw)
         for r, res in enumerate(results):
             for case, c in res.items():
                 self.assertEqual(c["bitwise_steps"], 10, f"rank {r} {case}")
                 self.assertEqual(c["nodes"], max(nodes) + 1)
+                self.assertEqual(c["job_show"], [f"global_job: {c['global_job']}",
+                                                 f"node: {c['node']} of {c['nodes']} (steps "
+                                                 "two-phase)"], f"rank {r} {case}")
                 self.assertEqual(c["bytes"], c["expected_bytes"], f"rank {r} {case}")
                 self.assertGreater(c["bytes"][0], 0, f"rank {r} {case}")
         print(json.dumps({case: [res[case]["bytes"][0] for res in results]
                           for case in results[0]}), file=sys.stderr)
 
     def test_two_nodes_of_two_ranks_bit_identical(self):
-        self.check_identical([0, 0, 1, 1])
+        self.check_identical([0, 0, 1, 1], bf16=True)  # and apply mode in bfloat16
+
+    def test_spec_and_plan_checks(self):
+        """No daemon: the "multinode" block's checks and the plan's, through the client library."""
+        spec = {"job_id": "j", "matrices": [{"name": "a", "shape": [4, 8]},
+                                            {"name": "b", "shape": [8, 8]}]}
+        for block, phrase in (({"global_job_id": "g", "node": 2, "nodes": 2},
+                               "multinode.node 2 is outside 0..1"),
+                              ({"global_job_id": "g", "node": 0}, "multinode.nodes: missing"),
+                              ({"global_job_id": "g/x", "node": 0, "nodes": 1},
+                               "multinode.global_job_id"),
+                              ({"global_job_id": "g", "node": 0, "nodes": 1, "x": 1},
+                               "multinode.x")):
+            with self.assertRaises(MuondError) as e:
+                mo.layout_spans(dict(spec, multinode=block), 0)
+            self.assertEqual(e.exception.code_name, "INVALID_ARGUMENT")
+            self.assertIn(phrase, e.exception.message)
+        self.assertEqual(mo.layout_spans(dict(spec, multinode={"global_job_id": "g", "node": 1,
+                                                               "nodes": 2}), 0)[1], 96)
+        owner, flops, size = mo.ownership_plan(spec, 2)
+        self.assertEqual(owner, [1, 0])  # b (more FLOPs) first, on node 0
+        self.assertEqual(size, [256.0, 128.0])
+        with self.assertRaises(MuondError) as e:
+            mo.ownership_plan(spec, 3)
+        self.assertIn("2 tensors for 3 nodes", e.exception.message)
 
     def test_three_nodes_of_two_ranks_bit_identical(self):
         self.check_identical([0, 0, 1, 1, 2, 2])

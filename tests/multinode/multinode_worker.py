@@ -41,10 +41,11 @@ SHAPES = {"attn.q": (48, 32), "attn.o": (32, 48), "mlp.up": (64, 32), "mlp.down"
 ADAM_SHAPES = {"embed": (40, 32), "norm": (32,), "bias": (64,)}
 
 
-def model(mode):
+def model(mode, dtype=torch.float32):
     g = torch.Generator().manual_seed(11)
-    params = {n: torch.nn.Parameter(torch.randn(s, generator=g) * 0.2) for n, s in SHAPES.items()}
-    adam = {n: torch.nn.Parameter(torch.randn(s, generator=g) * 0.2)
+    params = {n: torch.nn.Parameter((torch.randn(s, generator=g) * 0.2).to(dtype))
+              for n, s in SHAPES.items()}
+    adam = {n: torch.nn.Parameter((torch.randn(s, generator=g) * 0.2).to(dtype))
             for n, s in ADAM_SHAPES.items()}
     return params, adam
 
@@ -58,7 +59,7 @@ def groups(params, adam):
 def set_grads(params, adam, step, rank, poison=False):
     g = torch.Generator().manual_seed(1000 * step + rank)
     for i, p in enumerate(list(params.values()) + list(adam.values())):
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
         if poison and i == 0:
             p.grad.view(-1)[3] = float("nan")
 
@@ -71,8 +72,8 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def make(cfg, rank, stage, mode, multinode, job_id, **kw):
-    params, adam = model(mode)
+def make(cfg, rank, stage, mode, multinode, job_id, dtype=torch.float32, **kw):
+    params, adam = model(mode, dtype)
     args = dict(zero_stage=stage, mode=mode, transport="shm", job_id=job_id)
     args.update(kw)
     if multinode:
@@ -92,21 +93,33 @@ def run_steps(opt, params, adam, rank, steps):
     return out
 
 
+def job_show(cfg, opt):
+    """muonctl job show of this rank's node job (its global job and node lines)."""
+    muonctl = os.path.join(os.path.dirname(cfg["daemons"][0]["argv"][0]), "muonctl")
+    out = subprocess.run([muonctl, "--address", cfg["addresses"][opt._routing.node], "job",
+                          "show", "--job", opt._routing.node_job_id], capture_output=True,
+                         text=True, env=dict(os.environ, MUOND_JOB_TOKEN=opt.node_token))
+    return [line for line in out.stdout.splitlines() if line.startswith(("global_job", "node:"))]
+
+
 def identical(cfg, rank):
     result = {}
-    for stage in (1, 2, 3):
-        for mode in ("update", "apply"):
-            name = f"s{stage}-{mode}"
-            opt, params, adam = make(cfg, rank, stage, mode, False, f"single-{name}")
-            want = run_steps(opt, params, adam, rank, range(STEPS))
-            opt.close(delete_job=True)
-            opt, params, adam = make(cfg, rank, stage, mode, True, f"multi-{name}")
-            got = run_steps(opt, params, adam, rank, range(STEPS))
-            result[name] = {"bitwise_steps": sum(same(a, b) for a, b in zip(got, want)),
-                            "bytes": list(opt.bytes_per_step()),
-                            "expected_bytes": list(opt.expected_bytes()),
-                            "nodes": opt.nodes}
-            opt.close(delete_job=True)
+    cases = [(stage, mode, torch.float32) for stage in (1, 2, 3) for mode in ("update", "apply")]
+    if cfg.get("bf16"):
+        cases.append((2, "apply", torch.bfloat16))
+    for stage, mode, dtype in cases:
+        name = f"s{stage}-{mode}" + ("-bf16" if dtype == torch.bfloat16 else "")
+        opt, params, adam = make(cfg, rank, stage, mode, False, f"single-{name}", dtype)
+        want = run_steps(opt, params, adam, rank, range(STEPS))
+        opt.close(delete_job=True)
+        opt, params, adam = make(cfg, rank, stage, mode, True, f"multi-{name}", dtype)
+        got = run_steps(opt, params, adam, rank, range(STEPS))
+        result[name] = {"bitwise_steps": sum(same(a, b) for a, b in zip(got, want)),
+                        "bytes": list(opt.bytes_per_step()),
+                        "expected_bytes": list(opt.expected_bytes()),
+                        "nodes": opt.nodes, "global_job": opt.global_job_id,
+                        "node": opt._routing.node, "job_show": job_show(cfg, opt)}
+        opt.close(delete_job=True)
     return result
 
 
