@@ -42,7 +42,11 @@ socket). The node of each rank: `node_map` (list, global rank -> node) or torchr
 (LOCAL_RANK, when set, must agree with the rank's place among its node's ranks in rank order).
 
 Limits: one dtype for every job tensor; apply mode without max_grad_norm (a global norm would
-need the nodes' partial sums before any node computes) and without init_from.
+need the nodes' partial sums before any node computes) and without init_from; CPU parameters in
+update mode, as MuonWithAuxAdam. The all-to-alls move host tensors (they read and write the
+shared-memory buffers directly), so the process group must be one that moves CPU tensors (gloo):
+an NCCL trainer passes a gloo group of the same ranks (dist.new_group(backend="gloo")) as
+process_group.
 """
 import ctypes
 
