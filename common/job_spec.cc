@@ -16,6 +16,7 @@
 #include "common/names.h"
 #include "common/utf8.h"
 #include "common/job_spec_json.h"
+#include "common/json_depth.h"
 #include "nlohmann/json.hpp"
 
 namespace muond::common {
@@ -211,9 +212,13 @@ int64_t MatrixSpec::numel() const {
 }
 
 absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
-  const Json root = Json::parse(json.begin(), json.end(), /*cb=*/nullptr,
-                                /*allow_exceptions=*/false);
+  bool too_deep = false;
+  const Json root = ParseJsonWithDepthLimit<Json>(json, &too_deep);
   if (root.is_discarded()) return absl::InvalidArgumentError("job.json: not valid JSON");
+  if (too_deep) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job.json: nested deeper than ", kMaxJsonDepth, " levels"));
+  }
   if (!root.is_object()) return absl::InvalidArgumentError("job.json: expected a JSON object");
   RETURN_IF_ERROR(
       CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",

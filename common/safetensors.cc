@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/json_depth.h"
 #include "common/status_macros.h"
 #include "common/utf8.h"
 #include "nlohmann/json.hpp"
@@ -187,7 +188,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
   // The parser silently keeps the last of duplicate keys; the callback sees every top-level key.
   std::set<std::string> seen;
   std::string duplicate;
-  const auto callback = [&](int depth, Json::parse_event_t event, Json& parsed) {
+  const auto keys = [&](int depth, Json::parse_event_t event, Json& parsed) {
     if (depth == 1 && event == Json::parse_event_t::key && parsed.is_string()) {
       if (!seen.insert(parsed.get<std::string>()).second && duplicate.empty()) {
         duplicate = parsed.get<std::string>();
@@ -195,11 +196,15 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
     }
     return true;
   };
-  const char* header_begin = bytes.data() + 8;
-  const Json header =
-      Json::parse(header_begin, header_begin + header_len, callback, /*allow_exceptions=*/false);
+  bool too_deep = false;
+  const Json header = ParseJsonWithDepthLimit<Json>(std::string_view(bytes.data() + 8, header_len),
+                                                    &too_deep, keys);
   if (header.is_discarded()) {
     return absl::InvalidArgumentError("safetensors: header is not valid JSON");
+  }
+  if (too_deep) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors: header nested deeper than ", kMaxJsonDepth, " levels"));
   }
   if (!header.is_object()) {
     return absl::InvalidArgumentError("safetensors: header is not a JSON object");

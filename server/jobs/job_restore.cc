@@ -10,6 +10,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/json_depth.h"
 #include "common/logging.h"
 #include "common/names.h"
 #include "common/status_macros.h"
@@ -44,11 +45,13 @@ struct Record {
 
 absl::StatusOr<Record> ParseRecord(const std::string& path, const std::string& name) {
   ASSIGN_OR_RETURN(const std::string text, ReadRecord(path));
-  const nlohmann::json record = nlohmann::json::parse(text, nullptr, false);
+  bool too_deep = false;
+  const nlohmann::json record = common::ParseJsonWithDepthLimit<nlohmann::json>(text, &too_deep);
   Record r;
   const auto hash = record.is_object() ? record.find("token_sha256") : record.end();
-  if (record.is_discarded() || !record.is_object() || record.value("format", "") != "muond-job" ||
-      !record.contains("spec") || hash == record.end() || !hash->is_string() ||
+  if (record.is_discarded() || too_deep || !record.is_object() ||
+      record.value("format", "") != "muond-job" || !record.contains("spec") ||
+      hash == record.end() || !hash->is_string() ||
       (r.token_sha256 = absl::HexStringToBytes(hash->get<std::string>())).size() != 32) {
     return absl::DataLossError(absl::StrCat(path, " is not a muond job record"));
   }
@@ -76,8 +79,9 @@ struct ResetRecord {
 std::optional<ResetRecord> ReadReset(const std::string& path) {
   auto text = ReadRecord(path);
   if (!text.ok()) return std::nullopt;
-  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || j.value("format", "") != "muond-reset" ||
+  bool too_deep = false;
+  const nlohmann::json j = common::ParseJsonWithDepthLimit<nlohmann::json>(*text, &too_deep);
+  if (j.is_discarded() || too_deep || !j.is_object() || j.value("format", "") != "muond-reset" ||
       !j.contains("next_step") || !j.contains("after_generation") ||
       !j.at("next_step").is_number_integer() || !j.at("after_generation").is_number_integer()) {
     return std::nullopt;

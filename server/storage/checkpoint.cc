@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/crc32c.h"
+#include "common/json_depth.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -103,9 +104,14 @@ absl::Status ReadManifest(const std::string& gen_dir, Json* manifest, Generation
   const std::string path = absl::StrCat(gen_dir, "/", kManifest);
   auto text = ReadSmallFile(path, kMaxHeaderBytes);
   if (!text.ok()) return text.status();
-  Json j = Json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  bool too_deep = false;
+  Json j = common::ParseJsonWithDepthLimit<Json>(*text, &too_deep);
   if (j.is_discarded() || !j.is_object()) {
     return absl::DataLossError(absl::StrCat(path, ": not valid JSON"));
+  }
+  if (too_deep) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": nested deeper than ", common::kMaxJsonDepth, " levels"));
   }
   const auto sum = j.find("checksum");
   if (sum == j.end() || !sum->is_number_unsigned()) {

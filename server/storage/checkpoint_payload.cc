@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/crc32c.h"
+#include "common/json_depth.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "server/storage/durable_file.h"
@@ -80,9 +81,11 @@ absl::StatusOr<PayloadHeader> ReadPayloadHeader(int fd, const std::string& path,
     return absl::DataLossError(absl::StrCat(path, ": header checksum mismatch"));
   }
   PayloadHeader out;
-  out.json = Json::parse(header, nullptr, /*allow_exceptions=*/false);
-  if (out.json.is_discarded() || !out.json.is_object()) {
-    return absl::DataLossError(absl::StrCat(path, ": header is not valid JSON"));
+  bool too_deep = false;
+  out.json = common::ParseJsonWithDepthLimit<Json>(header, &too_deep);
+  if (out.json.is_discarded() || !out.json.is_object() || too_deep) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": header is not valid JSON", too_deep ? " (nested too deep)" : ""));
   }
   out.data_start = 8 + header_len;
   return out;

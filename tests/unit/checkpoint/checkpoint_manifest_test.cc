@@ -25,12 +25,15 @@ using Json = nlohmann::json;
 uint32_t Crc(const std::string& s) { return common::Crc32c(s.data(), s.size()); }
 
 // Writes generation 1 into `dir`: one tensor "w" of `shape` claiming `data_bytes` bytes of data,
-// header and manifest agreeing with each other and every checksum right.
-void WriteGeneration(const std::string& dir, const Json& shape, uint64_t data_bytes) {
+// header and manifest agreeing with each other and every checksum right. `header_shape`, when
+// given, is the header's shape as JSON text instead.
+void WriteGeneration(const std::string& dir, const Json& shape, uint64_t data_bytes,
+                     const std::string& header_shape = "") {
   const std::string gen = dir + "/gen-000000000001";
   std::filesystem::create_directories(gen);
-  std::string header =
-      Json{{"w", {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", {0, data_bytes}}}}}.dump();
+  std::string header = R"({"w": {"dtype": "F32", "shape": )" +
+                       (header_shape.empty() ? shape.dump() : header_shape) +
+                       R"(, "data_offsets": [0, )" + std::to_string(data_bytes) + "]}}";
   header.resize((header.size() + 7) / 8 * 8, ' ');
   const uint64_t header_len = header.size();
   const std::string data(data_bytes, '\0');
@@ -92,6 +95,31 @@ TEST_F(CheckpointManifestTest, ShapesLargerThanThePayloadAreDataLoss) {
     Store store(dir_, 2);
     EXPECT_EQ(store.Load({}).status().code(), absl::StatusCode::kDataLoss);
   }
+}
+
+// A manifest or a payload header nested thousands of levels deep (found by fuzzing: nlohmann::json
+// copies and dumps recursively, and the stack overflowed before the checksum was checked).
+TEST_F(CheckpointManifestTest, DeeplyNestedManifestIsDataLossNotACrash) {
+  const std::string gen = dir_ + "/gen-000000000001";
+  std::filesystem::create_directories(gen);
+  std::ofstream(gen + "/manifest.json")
+      << "{\"checksum\": 1, \"a\": " << std::string(200000, '[') << std::string(200000, ']') << "}";
+  std::ofstream(gen + "/momentum.safetensors") << "x";
+  Store store(dir_, 2);
+  auto list = store.List();
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_NE((*list)[0].problem.find("nested deeper than 64 levels"), std::string::npos)
+      << (*list)[0].problem;
+  EXPECT_EQ(store.Load({}).status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST_F(CheckpointManifestTest, DeeplyNestedPayloadHeaderIsDataLoss) {
+  WriteGeneration(dir_, Json::array({1, 1}), 4,
+                  std::string(200000, '[') + std::string(200000, ']'));
+  Store store(dir_, 2);
+  auto loaded = store.Load({});
+  ASSERT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss) << loaded.status();
 }
 
 // Control: the same hand-made generation with a true shape loads.
