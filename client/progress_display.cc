@@ -120,6 +120,15 @@ void ProgressDisplay::Finish(uint64_t done, uint64_t total) {
   std::fflush(out_);
 }
 
+void ProgressDisplay::Abandon() {
+  if (finished_) return;
+  finished_ = true;
+  if (tty_ && drawn_) {
+    std::fputs("\n", out_);
+    std::fflush(out_);
+  }
+}
+
 namespace {
 
 // The watched operation among `ops`: the first of its kind and target not in `before`.
@@ -147,8 +156,10 @@ absl::Status RunWithProgress(Client& client, const OperationWatch& watch,
   bool finished = false;
   auto show = [&](const v1::OperationProgress& o, bool call_ok) {
     if (o.done()) {
-      if (o.bytes_done() > 0 || (call_ok && o.error().empty())) {
+      if (o.error().empty() && call_ok) {
         display.Finish(o.bytes_done(), o.bytes_total());
+      } else {
+        display.Abandon();
       }
       finished = true;
     } else if (o.bytes_done() > 0) {

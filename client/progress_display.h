@@ -45,6 +45,9 @@ class ProgressDisplay {
   void Update(uint64_t done, uint64_t total);
   // The last state: always drawn; ends the terminal line. Later calls do nothing.
   void Finish(uint64_t done, uint64_t total);
+  // The operation failed: ends a bar drawn on the terminal (the error follows on its own line);
+  // no further line. Later calls do nothing.
+  void Abandon();
 
  private:
   const std::string what_;
@@ -70,8 +73,8 @@ struct OperationWatch {
 // Runs `call` (a blocking RPC through `client`) on a thread and, while it runs, draws the watched
 // operation's bytes on stderr (ProgressDisplay); after it returns, the final state once more when
 // the operation succeeded. A daemon without GetProgress (UNIMPLEMENTED) or any other polling
-// error only means no progress is drawn. Nothing is drawn for an operation that failed before any
-// byte was done. Returns `call`'s status.
+// error only means no progress is drawn. A failed operation gets no final line (the caller
+// prints the error). Returns `call`'s status.
 absl::Status RunWithProgress(Client& client, const OperationWatch& watch,
                              const std::function<absl::Status()>& call);
 

@@ -79,5 +79,26 @@ TEST(ProgressDisplayTest, TerminalRedrawsInPlace) {
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 1);
 }
 
+TEST(ProgressDisplayTest, AFailedOperationGetsNoFinalLine) {
+  for (const bool tty : {false, true}) {
+    char* buffer = nullptr;
+    size_t size = 0;
+    FILE* out = open_memstream(&buffer, &size);
+    ASSERT_NE(out, nullptr);
+    {
+      ProgressDisplay d("load job j", "bytes", out, tty);
+      d.Update(1, 4);
+      d.Abandon();
+      d.Finish(4, 4);  // after Abandon: nothing
+    }
+    std::fclose(out);
+    const std::string text(buffer, size);
+    std::free(buffer);
+    EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 1) << text;
+    EXPECT_EQ(text.find("100.0%"), std::string::npos) << text;
+    EXPECT_EQ(text.find("done in"), std::string::npos) << text;
+  }
+}
+
 }  // namespace
 }  // namespace muond::client
