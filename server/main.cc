@@ -78,11 +78,12 @@ absl::Status ArmCheckpointFault() {
   } else if (parts.size() == 3 && absl::SimpleAtoi(parts[1], &a) && a > 0 &&
              absl::SimpleAtoi(parts[2], &b) && b > 0) {
     const std::map<std::string, durable::IoPoint> points = {
-        {"mkdir", durable::IoPoint::kMkdir},     {"open", durable::IoPoint::kOpen},
-        {"write", durable::IoPoint::kWrite},     {"fsync", durable::IoPoint::kFsyncFile},
+        {"mkdir", durable::IoPoint::kMkdir},       {"open", durable::IoPoint::kOpen},
+        {"write", durable::IoPoint::kWrite},       {"fsync", durable::IoPoint::kFsyncFile},
         {"fsyncdir", durable::IoPoint::kFsyncDir}, {"rename", durable::IoPoint::kRename}};
     auto it = points.find(parts[0]);
-    if (it == points.end()) return absl::InvalidArgumentError(absl::StrCat("unknown point ", parts[0]));
+    if (it == points.end())
+      return absl::InvalidArgumentError(absl::StrCat("unknown point ", parts[0]));
     f.point = it->second;
     f.nth = a;
     f.error = b;
@@ -108,8 +109,8 @@ absl::StatusOr<std::unique_ptr<DeviceStreams>> OpenDevice(const DaemonConfig& co
   opened->device->SetMemoryLimit(
       static_cast<size_t>(std::max<uint64_t>(3 * config.gather_budget_bytes, uint64_t{1} << 30)));
   MUOND_LOG(INFO) << "backend " << opened->why;
-  auto streams = DeviceStreams::Create(std::move(opened->device), opened->why,
-                                       config.serial_schedule);
+  auto streams =
+      DeviceStreams::Create(std::move(opened->device), opened->why, config.serial_schedule);
   if (!streams.ok()) {
     return absl::InternalError(
         absl::StrCat("--backend ", config.backend, ": ", streams.status().message()));
@@ -162,8 +163,7 @@ absl::StatusOr<Observability> StartMetrics(const DaemonConfig& config, const std
     MUOND_LOG(ERROR) << "serving without metrics: " << started.status().message()
                      << " (set --metrics-address or metrics-address = off)";
   } else {
-    return absl::UnavailableError(
-        absl::StrCat("--metrics-address: ", started.status().message()));
+    return absl::UnavailableError(absl::StrCat("--metrics-address: ", started.status().message()));
   }
   return o;
 }
@@ -200,8 +200,8 @@ int Serve(const DaemonConfig& config) {
   auto transport = ServerTransportFor(config);
   if (!transport.ok()) return Fail(2, std::string(transport.status().message()));
   if (!transport->warning.empty()) MUOND_LOG(WARNING) << transport->warning;
-  auto access = AccessPolicy::Create(config.allow_uids, config.allow_groups,
-                                     transport->mutual_tls, ::geteuid());
+  auto access = AccessPolicy::Create(config.allow_uids, config.allow_groups, transport->mutual_tls,
+                                     ::geteuid());
   if (!access.ok()) return Fail(2, std::string(access.status().message()));
   const int threads =
       config.threads > 0 ? config.threads : std::max(1u, std::thread::hardware_concurrency());
@@ -233,8 +233,7 @@ int Serve(const DaemonConfig& config) {
                   << (*api)->PortSuffix() << "; backend " << backend << ", " << threads
                   << " compute threads, gather budget " << config.gather_budget_bytes
                   << " bytes, state " << config.state_dir
-                  << ((*api)->shm() ? absl::StrCat("; shared memory on ", (*api)->shm_path())
-                                    : "");
+                  << ((*api)->shm() ? absl::StrCat("; shared memory on ", (*api)->shm_path()) : "");
   auto observability = StartMetrics(config, backend, (*devices)->why, &registry, **api);
   if (!observability.ok()) return Fail(1, std::string(observability.status().message()));
   ServeUntilStopped(config, registry, *std::move(api), *std::move(observability));
@@ -245,14 +244,17 @@ int Run(int argc, char** argv) {
   // Stop signals go to a handler (any thread) and are read by the main thread; threads this
   // process starts from here on block them.
   if (absl::Status s = InstallStopSignals(); !s.ok()) return Fail(1, std::string(s.message()));
-  // Resident memory must not depend on the step history. glibc raises its mmap threshold to the
-  // size of each large block freed (up to 32 MiB), after which the multi-MiB gradient, update,
-  // gather and Newton-Schulz buffers come from per-thread arenas and stay resident once freed:
-  // 40-65 MiB above the job's needs for a 4 MiB job, varying from step to step. A fixed threshold
-  // keeps blocks of 256 KiB and more on mmap, returned when freed (cost: page faults on those
-  // buffers each step).
 #ifdef M_MMAP_THRESHOLD
-  mallopt(M_MMAP_THRESHOLD, 256 * 1024);
+  // Resident memory must not depend on the step history, and a step must not pay page faults for
+  // every buffer it allocates. glibc's default raises its mmap threshold to the size of each large
+  // block freed, after which buffers stay resident in per-thread arenas in amounts that vary from
+  // step to step; a low fixed threshold (every block of 256 KiB and more mapped, unmapped when
+  // freed) kept memory flat but cost a fault and a zero fill per page of every buffer of every step
+  // (LibTorch and oneDNN allocate per op): a third of the CPU time of a bf16 step. So: the largest
+  // fixed threshold (32 MiB on 64-bit), no trimming at free, and HeapTrimmer
+  // (server/jobs/heap_trimmer.h) returning the free memory when no step is in flight.
+  mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024);
+  mallopt(M_TRIM_THRESHOLD, 256 * 1024 * 1024);
 #endif
   auto config = ParseDaemonConfig(argc, argv);
   if (!config.ok()) return Fail(2, std::string(config.status().message()));

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/jobs/heap_trimmer.h"
 #include "server/jobs/rank_update.h"
 
 namespace muond::server {
@@ -86,6 +87,7 @@ struct StepHyper {
 // (written outside the lock into ranges claimed under it, read by compute once a matrix is
 // complete) and of the output buffers (written by compute, read after commit).
 struct StepState {
+  HeapTrimmer::Activity activity;  // the heap is trimmed when no step is in flight
   int64_t step = 0;
   absl::Time start;
   std::vector<RankInput> ranks;

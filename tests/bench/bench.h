@@ -46,6 +46,16 @@ pid_t StartDaemon(const std::string& dir, int threads, std::string* address,
 bool WaitHealthy(client::Client& client);
 // SIGTERM, wait, and remove `dir`.
 void StopDaemon(pid_t pid, const std::string& dir);
+// A loopback port that was free a moment ago, for a daemon's metrics endpoint.
+int FreePort();
+// The step phases of muond_step_phase_duration_seconds, in pipeline order.
+inline constexpr const char* kPhases[] = {"assembly", "copy_in", "newton_schulz", "writeback",
+                                          "return"};
+// The sums of muond_step_duration_seconds ("step") and muond_step_phase_duration_seconds (per
+// phase) of `job` at the endpoint `metrics`; empty when it cannot be scraped.
+std::map<std::string, double> PhaseSums(const std::string& metrics, const std::string& job);
+// User + system CPU seconds used so far by process `pid` (0: this process), from /proc.
+double CpuSeconds(pid_t pid);
 
 // Flags of a subcommand: `--name value` or `--name=value`; `--help`/`-h` is returned as "help".
 // INVALID_ARGUMENT for a flag not in `known`, a missing value or a positional argument.

@@ -25,9 +25,6 @@
 // configuration: one trainer process against one in-process optimizer doing the same total work.
 // (World 2 is printed beside it; with both ranks in one process it measures the same daemon work
 // plus a second rank's rendezvous.)
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -50,7 +47,6 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "client/client.h"
-#include "client/metrics_scrape.h"
 #include "common/dtype.h"
 #include "common/job_spec.h"
 #include "common/layout.h"
@@ -65,7 +61,6 @@ namespace {
 constexpr double kTarget = 1.05;
 constexpr double kMuonLr = 0.02, kMuonWd = 0.01, kAdamLr = 3e-4, kAdamWd = 0.1;
 constexpr double kBeta1 = 0.9, kBeta2 = 0.95, kEps = 1e-8;
-constexpr const char* kPhases[] = {"assembly", "copy_in", "newton_schulz", "writeback", "return"};
 // The in-process step's parts: grads to fp32, torch AdamW, Muon momentum and nesterov,
 // Newton-Schulz, Muon scale and apply to the masters, masters to bf16.
 constexpr const char* kParts[] = {"grad_to_fp32",  "adamw",      "muon_momentum",
@@ -351,37 +346,6 @@ std::optional<double> KernelSeconds(const common::JobSpec& spec, const torch::Te
     if (s >= warmup) seconds.push_back(step);
   }
   return Median(seconds);
-}
-
-// A loopback port that was free a moment ago, for the daemon's metrics endpoint.
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  int port = 0;
-  if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  if (fd >= 0) close(fd);
-  return port;
-}
-
-// The sums of muond_step_duration_seconds ("step") and muond_step_phase_duration_seconds (per
-// phase) of `job`; empty when the endpoint cannot be scraped.
-std::map<std::string, double> PhaseSums(const std::string& metrics, const std::string& job) {
-  std::map<std::string, double> sums;
-  auto samples = client::ScrapeMetrics(metrics);
-  if (!samples.ok()) return sums;
-  sums["step"] =
-      client::FindSample(*samples, "muond_step_duration_seconds_sum", {{"muond_job", job}}, 0);
-  for (const char* p : kPhases) {
-    sums[p] = client::FindSample(*samples, "muond_step_phase_duration_seconds_sum",
-                                 {{"muond_job", job}, {"phase", p}}, 0);
-  }
-  return sums;
 }
 
 // What a daemon configuration measured besides the step times.

@@ -1,15 +1,21 @@
 // Starting and stopping a real muond for the benchmarks that measure the daemon.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "client/metrics_scrape.h"
 #include "tests/bench/bench.h"
 
 namespace muond::bench {
@@ -57,6 +63,51 @@ void StopDaemon(pid_t pid, const std::string& dir) {
   waitpid(pid, &status, 0);
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
+}
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  if (fd >= 0) close(fd);
+  return port;
+}
+
+std::map<std::string, double> PhaseSums(const std::string& metrics, const std::string& job) {
+  std::map<std::string, double> sums;
+  auto samples = client::ScrapeMetrics(metrics);
+  if (!samples.ok()) return sums;
+  sums["step"] =
+      client::FindSample(*samples, "muond_step_duration_seconds_sum", {{"muond_job", job}}, 0);
+  for (const char* p : kPhases) {
+    sums[p] = client::FindSample(*samples, "muond_step_phase_duration_seconds_sum",
+                                 {{"muond_job", job}, {"phase", p}}, 0);
+  }
+  return sums;
+}
+
+double CpuSeconds(pid_t pid) {
+  std::ifstream in(pid == 0 ? std::string("/proc/self/stat")
+                            : "/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // Fields after the command name (which may hold spaces) start at field 3; utime and stime are
+  // fields 14 and 15, in clock ticks.
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream fields(text.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  for (int f = 3; f <= 15 && (fields >> field); ++f) {
+    if (f >= 14) ticks += std::strtod(field.c_str(), nullptr);
+  }
+  return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
 }  // namespace muond::bench

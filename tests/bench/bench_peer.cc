@@ -40,6 +40,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/client.h"
 #include "common/dtype.h"
 #include "common/job_spec.h"
@@ -356,6 +357,16 @@ struct Row {
   PeerConfig config = kConfigs[0];
   std::optional<double> peer_s, peer_err;
   double muond_s = 0, muond_err = 0;
+  std::map<std::string, double> phases;  // muond's busy seconds per timed step; empty: no metrics
+  // CPU seconds (user + system, all threads) per timed step: this process for the peer, the
+  // daemon for muond. Less sensitive to a shared machine's load than wall time.
+  double peer_cpu = 0, muond_cpu = 0;
+};
+
+// The daemon of the run: its metrics endpoint and process.
+struct DaemonRef {
+  std::string metrics;
+  pid_t pid = 0;
 };
 
 std::string Cell(const std::optional<double>& v, const char* format) {
@@ -371,6 +382,13 @@ void PrintRow(const Row& r) {
   std::printf("%-14s  %8s  %8.3f  %10s  %15s  %16.3e\n", r.config.name,
               Cell(r.peer_s, "%.3f").c_str(), r.muond_s, Cell(ratio, "%.3f").c_str(),
               Cell(r.peer_err, "%.3e").c_str(), r.muond_err);
+  if (!r.phases.empty()) {
+    std::printf("  muond phases per step (s): step %.3f;", r.phases.at("step"));
+    for (const char* p : kPhases) std::printf(" %s %.3f", p, r.phases.at(p));
+    std::printf("\n");
+  }
+  std::printf("  cpu s/step: peer %s, muond %.3f\n",
+              r.peer_s ? absl::StrFormat("%.3f", r.peer_cpu).c_str() : "n/a", r.muond_cpu);
   std::fflush(stdout);
 }
 
@@ -399,7 +417,7 @@ bool CheckErrors(const std::vector<Row>& rows, int fp32_iterations) {
 std::optional<Row> MeasureConfig(client::Client& client, const PeerConfig& config,
                                  const std::vector<common::MatrixSpec>& matrices,
                                  const Gradients& grads, const std::vector<at::Tensor>& ref,
-                                 const PeerOptions& o) {
+                                 const DaemonRef& daemon, const PeerOptions& o) {
   common::JobSpec job;
   job.job_id = absl::StrCat("peer-", config.name);
   job.muon.compute_dtype = config.dtype;
@@ -416,17 +434,24 @@ std::optional<Row> MeasureConfig(client::Client& client, const PeerConfig& confi
   Row row;
   row.config = config;
   std::vector<double> peer_times, muond_times;
+  std::map<std::string, double> before;
   for (int s = 0; status.ok() && s < o.warmup + o.steps; ++s) {
+    if (s == o.warmup) before = PhaseSums(daemon.metrics, job.job_id);
+    const bool timed = s >= o.warmup;
     auto t0 = Clock::now();
+    double cpu0 = CpuSeconds(0);
     if (with_peer) {
       std::vector<at::Tensor> updates = PeerStep(grads, momenta, job.muon.momentum, config.dtype);
-      if (s >= o.warmup) peer_times.push_back(Since(t0));
+      if (timed) peer_times.push_back(Since(t0));
+      if (timed) row.peer_cpu += (CpuSeconds(0) - cpu0) / o.steps;
       if (s == 0) row.peer_err = WorstRelError(updates, ref);
     }
     t0 = Clock::now();
+    cpu0 = CpuSeconds(daemon.pid);
     status = muond.session->StepBuffer(muond.next_step + s, grads.flat.data(), muond.out.data())
                  .status();
-    if (s >= o.warmup) muond_times.push_back(Since(t0));
+    if (timed) muond_times.push_back(Since(t0));
+    if (timed) row.muond_cpu += (CpuSeconds(daemon.pid) - cpu0) / o.steps;
     if (s == 0 && status.ok()) {
       row.muond_err = WorstRelError(Unflatten(muond.out, *muond.session, grads.dtype), ref);
     }
@@ -437,6 +462,10 @@ std::optional<Row> MeasureConfig(client::Client& client, const PeerConfig& confi
   }
   if (with_peer) row.peer_s = Median(peer_times);
   row.muond_s = Median(muond_times);
+  const std::map<std::string, double> after = PhaseSums(daemon.metrics, job.job_id);
+  if (!before.empty() && !after.empty() && o.steps > 0) {
+    for (const auto& [name, sum] : after) row.phases[name] = (sum - before.at(name)) / o.steps;
+  }
   return row;
 }
 
@@ -460,8 +489,11 @@ int RunPeerBench(int argc, char** argv) {
 
   const std::string dir = MakeTempDir("muond-bench-peer");
   std::string address;
-  const pid_t daemon =
-      StartDaemon(dir, o.threads, &address, {"--backend", "cpu", "--metrics-address", "off"});
+  DaemonRef ref_daemon;
+  ref_daemon.metrics = absl::StrCat("127.0.0.1:", FreePort());
+  const pid_t daemon = StartDaemon(dir, o.threads, &address,
+                                   {"--backend", "cpu", "--metrics-address", ref_daemon.metrics});
+  ref_daemon.pid = daemon;
   auto client = client::Client::Connect(address);
   if (!client.ok() || !WaitHealthy(**client)) {
     std::fprintf(stderr, "muond-bench peer: muond did not start\n");
@@ -484,7 +516,7 @@ int RunPeerBench(int argc, char** argv) {
   std::vector<Row> rows;
   for (const PeerConfig& config : o.configs) {
     const std::optional<Row> row =
-        MeasureConfig(**client, config, matrices, grads.at(config.dtype), ref, o);
+        MeasureConfig(**client, config, matrices, grads.at(config.dtype), ref, ref_daemon, o);
     if (!row) {
       StopDaemon(daemon, dir);
       return 1;
