@@ -22,9 +22,10 @@ supp="$root/tests/sanitize"
 # Every target of the build (no benchmarks; the GPU backends off), so that a new suite is in the
 # lane as soon as it is in ctest; ctest then runs a selection.
 if [ "$kind" = address ]; then
-  # The unit and integration suites (and the fuzz corpora replayed); not the Python, deployment,
-  # metrics-script or GPU tests.
-  select=(-E '^(python_|cuda_|device_direct_copy|device_level_zero|level_zero|metrics\.|deploy\.|DaemonNotifyTest|SdNotifyTest)')
+  # The unit and integration suites (and the fuzz corpora replayed); not the tests in Python
+  # (python_, multinode_: an uninstrumented interpreter cannot load the sanitized client library),
+  # the deployment, metrics and ops scripts, or the GPU tests.
+  select=(-E '^(python_|multinode_|ops\.|cuda_|device_direct_copy|device_level_zero|level_zero|metrics\.|deploy\.|DaemonNotifyTest|SdNotifyTest)')
 else
   # The job engine (momentum commit, multi-rank steps, faults, pipeline, apply mode), the
   # shared-memory data plane and the checkpoint store.
