@@ -73,7 +73,9 @@ class CompletionChannel {
     c.replayed = replayed ? 1 : 0;
     c.seconds = seconds;
     const size_t n = std::min(status.message().size(), shm::kMessageBytes - 1);
-    std::memcpy(c.message, status.message().data(), n);
+    // An OK status's message is empty with a null data(): memcpy from null is undefined even for
+    // 0 bytes (UBSan stopped the daemon at the first shared-memory step).
+    if (n > 0) std::memcpy(c.message, status.message().data(), n);
     c.message[n] = '\0';
     ++head_;
     h.comp_head.store(head_, std::memory_order_release);
