@@ -45,7 +45,9 @@ mkdir -p "$logs"
 # own, so a daemon's report is not lost in its captured stderr.
 common="log_path=$logs/report:print_stacktrace=1:strip_path_prefix=$root/"
 export UBSAN_OPTIONS="$common:halt_on_error=1:suppressions=$supp/ubsan.supp"
-export ASAN_OPTIONS="$common:detect_leaks=1:check_initialization_order=1:detect_stack_use_after_return=0"
+# quarantine_size_mb=0: freed memory goes back at once, as the memory tests expect (a deleted
+# job's momentum must leave the daemon's RSS); use after free of older frees is still caught.
+export ASAN_OPTIONS="$common:detect_leaks=1:check_initialization_order=1:detect_stack_use_after_return=0:quarantine_size_mb=0"
 export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
 export TSAN_OPTIONS="$common:halt_on_error=0:second_deadlock_stack=1:suppressions=$supp/tsan.supp:report_signal_unsafe=0"
 if [ "$kind" = thread ]; then
