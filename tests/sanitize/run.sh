@@ -46,7 +46,8 @@ mkdir -p "$logs"
 common="log_path=$logs/report:print_stacktrace=1:strip_path_prefix=$root/"
 export UBSAN_OPTIONS="$common:halt_on_error=1:suppressions=$supp/ubsan.supp"
 # quarantine_size_mb=0: freed memory goes back at once, as the memory tests expect (a deleted
-# job's momentum must leave the daemon's RSS); use after free of older frees is still caught.
+# job's momentum must leave the daemon's RSS). The price: a use after free is caught only until
+# the memory is reused.
 export ASAN_OPTIONS="$common:detect_leaks=1:check_initialization_order=1:detect_stack_use_after_return=0:quarantine_size_mb=0"
 export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
 export TSAN_OPTIONS="$common:halt_on_error=0:second_deadlock_stack=1:suppressions=$supp/tsan.supp:report_signal_unsafe=0"
