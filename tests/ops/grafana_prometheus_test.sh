@@ -64,6 +64,9 @@ PYEOF
 wait_scraped 'muond_jobs{instance="'"$metrics"'"} == 1'
 
 run_steps dash 64 128 4 --transport grpc
+# The step histograms are born with the first step: Prometheus must have scraped them once before
+# the next steps, or their rates (and the quantiles over them) stay 0/0 however long it is asked.
+wait_scraped 'muond_step_duration_seconds_count{instance="'"$metrics"'",muond_job="dash"} >= 4'
 for t in 4 5; do
   write_grads "$tmp/dash.g$t.safetensors" 64 128 "$t"
   "$MUONCTL" step --job dash --rank 0 --step "$t" --grads "$tmp/dash.g$t.safetensors" \
