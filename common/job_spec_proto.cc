@@ -1,5 +1,9 @@
 #include "common/job_spec_proto.h"
 
+#include <cstdint>
+#include <limits>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -87,7 +91,6 @@ v1::ScaleMode ScaleModeToProto(ScaleMode m) {
   }
   return v1::SCALE_MODE_UNSPECIFIED;
 }
-
 
 absl::Status TensorApplyFieldsFromProto(const v1::MatrixSpec& pm, int i, MatrixSpec* ms) {
   switch (pm.optimizer()) {
@@ -195,6 +198,17 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
     spec.matrices.push_back(std::move(ms));
   }
   RETURN_IF_ERROR(ApplyFieldsFromProto(proto, &spec));
+  // uint64 on the wire, but job.json (what the daemon stores and reads back at restart) holds
+  // them as JSON integers up to INT64_MAX: a larger value is refused here as it is there, rather
+  // than accepted now and unreadable after a restart.
+  for (const auto& [name, value] :
+       {std::pair<const char*, uint64_t>{"gather_budget_bytes", proto.gather_budget_bytes()},
+        {"checkpoint_every_steps", proto.checkpoint_every_steps()}}) {
+    if (value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": ", value, " is out of range (at most 2^63 - 1)"));
+    }
+  }
   spec.gather_budget_bytes = proto.gather_budget_bytes();
   spec.transport_probe = proto.transport_probe();
   spec.checkpoint_every_steps = proto.checkpoint_every_steps();
@@ -206,7 +220,8 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
   }
   for (const v1::RankLayout& rank : proto.layout()) {
     std::vector<LayoutSpan> spans;
-    for (const v1::Span& s : rank.spans()) spans.push_back({s.matrix_index(), s.offset(), s.length()});
+    for (const v1::Span& s : rank.spans())
+      spans.push_back({s.matrix_index(), s.offset(), s.length()});
     spec.explicit_layout.push_back(std::move(spans));
   }
   RETURN_IF_ERROR(ValidateJobSpec(spec));

@@ -71,5 +71,28 @@ TEST(JobSpecProtoTest, UnknownEnumValuesAreNamed) {
             std::string_view::npos);
 }
 
+// uint64 fields that job.json holds as integers up to INT64_MAX: a larger value is refused when
+// the job is created (it would be stored, then refused when the daemon reads job.json at restart).
+TEST(JobSpecProtoTest, Uint64FieldsBeyondJobJsonRangeAreRefused) {
+  auto spec = ParseJobSpecJson(R"({"job_id": "u2", "matrices": [{"name": "w", "shape": [4, 8]}]})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const uint64_t too_large = uint64_t{1} << 63;
+  v1::JobSpec proto = JobSpecToProto(*spec);
+  proto.set_gather_budget_bytes(too_large);
+  auto refused = JobSpecFromProto(proto);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("gather_budget_bytes: 9223372036854775808"),
+            std::string_view::npos)
+      << refused.status();
+  proto.set_gather_budget_bytes(too_large - 1);  // the largest job.json holds: accepted
+  auto largest = JobSpecFromProto(proto);
+  ASSERT_TRUE(largest.ok()) << largest.status();
+  EXPECT_TRUE(ParseJobSpecJson(JobSpecToJson(*largest)).ok());
+  proto = JobSpecToProto(*spec);
+  proto.set_checkpoint_every_steps(~uint64_t{0});
+  EXPECT_NE(JobSpecFromProto(proto).status().message().find("checkpoint_every_steps"),
+            std::string_view::npos);
+}
+
 }  // namespace
 }  // namespace muond::common
