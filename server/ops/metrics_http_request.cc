@@ -93,22 +93,10 @@ std::string Answer(std::string_view head, const common::Registry& registry,
   for (const MetricsPage& p : pages) {
     if (request.path == p.path) page = &p;
   }
-  if (page != nullptr) {
-    if (request.method != "GET" && !head_only) {
-      return Response("405 Method Not Allowed", "Method not allowed: use GET\n", false,
-                      "Allow: GET, HEAD\r\n");
-    }
-    if (request.has_body) {
-      return Response("413 Payload Too Large", "Payload too large: GET and HEAD take no body\n",
-                      head_only);
-    }
-    const std::string headers = absl::StrCat("Cache-Control: no-store\r\n", page->extra_headers);
-    return Response("200 OK", page->render(), head_only, headers.c_str(),
-                    page->content_type.c_str());
-  }
-  if (request.path != kMetricsPath) {
+  if (page == nullptr && request.path != kMetricsPath) {
     return Response("404 Not Found", "Not found: metrics are served at /metrics\n", head_only);
   }
+  // Every page (and /metrics) is read-only: GET or HEAD, without a body.
   if (request.method != "GET" && !head_only) {
     return Response("405 Method Not Allowed", "Method not allowed: use GET\n", false,
                     "Allow: GET, HEAD\r\n");
@@ -116,6 +104,11 @@ std::string Answer(std::string_view head, const common::Registry& registry,
   if (request.has_body) {
     return Response("413 Payload Too Large", "Payload too large: GET and HEAD take no body\n",
                     head_only);
+  }
+  if (page != nullptr) {
+    const std::string headers = absl::StrCat("Cache-Control: no-store\r\n", page->extra_headers);
+    return Response("200 OK", page->render(), head_only, headers.c_str(),
+                    page->content_type.c_str());
   }
   return Response("200 OK", registry.Serialize(), head_only, "Cache-Control: no-store\r\n",
                   MetricsServer::kContentType);
