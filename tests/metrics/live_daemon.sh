@@ -102,3 +102,24 @@ with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as r:
     open(out, "wb").write(r.read())
 PYEOF
 }
+
+# Starts Debian's prometheus on a free loopback port (prom_port) scraping $1 every second, its
+# config checked by promtool first; prom_pid is stopped on exit with the daemon.
+start_prometheus() {
+  prom_port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  cat >"$tmp/prometheus.yml" <<PROMEOF
+global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: muond
+    static_configs:
+      - targets: ["$1"]
+PROMEOF
+  promtool check config "$tmp/prometheus.yml" >"$tmp/check_config.out" 2>&1 ||
+    { cat "$tmp/check_config.out"; fail "promtool check config"; }
+  prometheus --config.file="$tmp/prometheus.yml" --storage.tsdb.path="$tmp/data" \
+    --web.listen-address="127.0.0.1:$prom_port" --log.level=warn >"$tmp/prometheus.log" 2>&1 &
+  prom_pid=$!
+}

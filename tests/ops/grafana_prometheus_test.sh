@@ -25,22 +25,7 @@ done
 start_daemon
 create_job dash 64 128
 
-prom_port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-cat >"$tmp/prometheus.yml" <<PROMEOF
-global:
-  scrape_interval: 1s
-  scrape_timeout: 1s
-  evaluation_interval: 1s
-scrape_configs:
-  - job_name: muond
-    static_configs:
-      - targets: ["$metrics"]
-PROMEOF
-promtool check config "$tmp/prometheus.yml" >"$tmp/check_config.out" 2>&1 ||
-  { cat "$tmp/check_config.out"; fail "promtool check config"; }
-prometheus --config.file="$tmp/prometheus.yml" --storage.tsdb.path="$tmp/data" \
-  --web.listen-address="127.0.0.1:$prom_port" --log.level=warn >"$tmp/prometheus.log" 2>&1 &
-prom_pid=$!
+start_prometheus "$metrics"
 
 # Waits (bounded) until prometheus has scraped the daemon, so that the steps below happen while it
 # watches (rates over them are then non-zero).
