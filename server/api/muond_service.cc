@@ -92,7 +92,8 @@ grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJ
   JobOwner owner;
   if (peer.unix_credentials) owner.uid = peer.unix_credentials->uid;
   owner.description = peer.Describe();
-  auto created = registry_->Create(*std::move(spec), restore, std::move(owner));
+  auto created =
+      registry_->Create(*std::move(spec), restore, std::move(owner), req->import_dir());
   if (!created.ok()) {
     // A refused spec can be megabytes of parsed request: give it back to the system.
     ::malloc_trim(0);

@@ -67,6 +67,9 @@ class MuondService final : public v1::Muond::Service {
                           v1::InitResponse* resp) override;
   grpc::Status ExportParams(grpc::ServerContext* ctx, const v1::ExportRequest* req,
                             grpc::ServerWriter<v1::ExportChunk>* writer) override;
+  // The full state by tensor name (export_state_service.cc).
+  grpc::Status ExportState(grpc::ServerContext* ctx, const v1::ExportStateRequest* req,
+                           grpc::ServerWriter<v1::ExportStateChunk>* writer) override;
 
  private:
   // The job named `job_id` if the call carries its token: NOT_FOUND, UNAUTHENTICATED (no token),

@@ -37,6 +37,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -282,6 +283,30 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // record, so every generation up to that number holds the momentum before the reset. When
   // `persist` fails the job is fenced (memory reset, disk not) and its error returned.
   absl::Status ResetDurably(int64_t next_step, const std::function<absl::Status(int64_t)>& persist);
+  // ---- Full-state export and import (re-sharding a job across nodes; DESIGN.md 4c;
+  // job_export_state.cc, common/state_export.h for the files).
+  struct ExportedState {
+    int64_t step = 0;                             // the next step of the state
+    int64_t generation = 0;                       // 0: the live state
+    std::vector<checkpoint::StateTensor> arrays;  // checkpoint::StateTensors order
+    std::vector<uint32_t> tensor_of;              // per array, its job tensor
+    std::vector<int64_t> tensor_steps;            // apply mode: per job tensor, AdamW step count
+  };
+  // The job's full state: live (`generation` empty: a snapshot at a step boundary, as a save
+  // takes; a prepared step is not in it) or of a checkpoint generation. `header` is called once,
+  // then `sink` with each array in order; their errors end the export. FAILED_PRECONDITION for a
+  // fenced job, a transport probe or apply-mode weights not yet in; NOT_FOUND / DATA_LOSS from the
+  // checkpoint store. Nothing of the job changes.
+  absl::Status ExportState(
+      const std::optional<checkpoint::Selector>& generation,
+      const std::function<absl::Status(const ExportedState&)>& header,
+      const std::function<absl::Status(size_t array, const std::vector<float>& data)>& sink);
+  // Takes, for every tensor of the job, its state from export directory `dir` (by tensor name;
+  // every manifest there of one step and the job's mode; shapes as the job's), sets the next step
+  // and, in apply mode, marks the weights in. Read where `peer_uid` could read (as init_from).
+  // INVALID_ARGUMENT / NOT_FOUND / PERMISSION_DENIED / DATA_LOSS naming the file and tensor; the
+  // job is unchanged on error. REQUIRES: no step has run (called at creation).
+  absl::Status ImportState(const std::string& dir, int64_t peer_uid);
   // ---- Two-phase steps (multi-node jobs, spec().two_phase(); DESIGN.md 4c; job_prepare.cc).
   // When every matrix of step t succeeded, the ranks receive their results and the step stays
   // prepared: the state store (momentum; apply mode masters, moments, counts) is unchanged and

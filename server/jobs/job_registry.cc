@@ -174,8 +174,14 @@ absl::Status JobRegistry::Persist(const Job& job) const {
 
 absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
                                                          const std::optional<RestoreFrom>& restore,
-                                                         JobOwner owner) {
+                                                         JobOwner owner,
+                                                         const std::string& import_dir) {
   RETURN_IF_ERROR(common::ValidateJobId(spec.job_id));
+  if (!import_dir.empty() && (restore || !spec.init_from.empty())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job '", spec.job_id,
+                     "': import_dir takes the whole state; not with restore or init_from"));
+  }
   ASSIGN_OR_RETURN(const JobFootprint footprint, MeasureJob(spec));
   RETURN_IF_ERROR(CheckJobLimits(spec, footprint, limits_, default_gather_budget_bytes_));
   std::shared_ptr<Job> source;
@@ -207,16 +213,17 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   }
   absl::Status s;
   if (source != nullptr) s = job->LoadCheckpointFrom(source, restore->selector).status();
+  if (s.ok() && !import_dir.empty()) s = job->ImportState(import_dir, job->owner().uid);
   if (s.ok() && source == nullptr && !job->spec().init_from.empty()) {
     s = job->InitFromFile(job->owner().uid);  // read before the job is visible to anyone
   }
   const bool load_failed = !s.ok();
   bool made_dir = false;
   if (s.ok()) made_dir = (s = Persist(*job)).ok();
-  if (s.ok() && source != nullptr) {
-    // The restored momentum exists only in memory until the job has a generation of its own: a
-    // restart before its first save would bring it back empty (the marker makes a restart
-    // remove this half-made job instead).
+  if (s.ok() && (source != nullptr || !import_dir.empty())) {
+    // The restored (or imported) momentum exists only in memory until the job has a generation of
+    // its own: a restart before its first save would bring it back empty (the marker makes a
+    // restart remove this half-made job instead).
     s = job->SaveCheckpoint().status();
   }
   if (s.ok()) s = durable::RemoveTree(absl::StrCat(JobDir(id), "/", kCreatingMarker));

@@ -75,10 +75,13 @@ class JobRegistry {
   // bytes); with `restore`: NOT_FOUND / UNAUTHENTICATED / PERMISSION_DENIED for the source job,
   // the load's errors; the restored job's first generation is written before it is returned.
   // Nothing is created (and nothing stays allocated) on error.
+  // `import_dir` (not with `restore` or init_from): the state from a full-state export directory
+  // (Job::ImportState, read as owner.uid could), its first generation written before it is
+  // returned.
   // REQUIRES: spec passed ValidateJobSpec.
   absl::StatusOr<Created> Create(common::JobSpec spec,
                                  const std::optional<RestoreFrom>& restore = std::nullopt,
-                                 JobOwner owner = {});
+                                 JobOwner owner = {}, const std::string& import_dir = "");
   // Deletes `job` (taken from the caller, who keeps no reference: the job's memory is returned to
   // the system before this returns). NOT_FOUND when it is no longer registered (deleted
   // meanwhile). Steps in flight on the job fail with NOT_FOUND.

@@ -1,0 +1,85 @@
+// MuondService::ExportState: a job's full state by tensor name (Job::ExportState), streamed as a
+// header and float32 chunks (muond.proto ExportStateChunk). The client writes the files
+// (client/client_export_state.cc, common/state_export.h).
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/grpc_status.h"
+#include "common/job_spec_proto.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/api/muond_service.h"
+#include "server/ops/daemon_metrics.h"
+
+namespace muond::server {
+namespace {
+
+constexpr size_t kChunkFloats = (size_t{4} << 20) / sizeof(float);
+
+absl::Status RunExportState(const std::shared_ptr<Job>& job, grpc::ServerContext* ctx,
+                            const v1::ExportStateRequest* req,
+                            grpc::ServerWriter<v1::ExportStateChunk>* writer) {
+  std::optional<checkpoint::Selector> from;
+  if (req->generation() < 0 || (req->has_step() && req->step() < 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", job->id(), "': export: generation ",
+                                                   req->generation(), " / step ", req->step(),
+                                                   " must not be negative"));
+  }
+  if (req->generation() > 0 || req->has_step()) {
+    from.emplace();
+    from->generation = req->generation() > 0 ? req->generation() : -1;
+    from->step = req->has_step() ? req->step() : -1;
+  }
+  const auto gone = [&] {
+    return absl::CancelledError(
+        absl::StrCat("job '", job->id(), "': the client went away during the export"));
+  };
+  auto header = [&](const Job::ExportedState& state) -> absl::Status {
+    v1::ExportStateChunk out;
+    v1::ExportStateHeader* h = out.mutable_header();
+    *h->mutable_spec() = common::JobSpecToProto(job->spec());
+    h->set_step(state.step);
+    h->set_generation(state.generation);
+    for (size_t a = 0; a < state.arrays.size(); ++a) {
+      v1::StateArray* sa = h->add_arrays();
+      sa->set_name(state.arrays[a].name);
+      sa->set_tensor(state.tensor_of[a]);
+      for (int64_t d : state.arrays[a].shape) sa->add_shape(d);
+    }
+    for (int64_t t : state.tensor_steps) h->add_tensor_steps(t);
+    if (ctx->IsCancelled() || !writer->Write(out)) return gone();
+    return absl::OkStatus();
+  };
+  v1::ExportStateChunk out;
+  auto sink = [&](size_t a, const std::vector<float>& w) -> absl::Status {
+    for (size_t at = 0; at < w.size(); at += kChunkFloats) {
+      const size_t n = std::min(kChunkFloats, w.size() - at);
+      v1::DataChunk* c = out.mutable_data();
+      c->set_matrix_index(static_cast<uint32_t>(a));
+      c->set_element_offset(at);
+      c->set_data(reinterpret_cast<const char*>(w.data() + at), n * sizeof(float));
+      c->set_crc32c(common::Crc32c(c->data().data(), c->data().size()));
+      if (ctx->IsCancelled() || !writer->Write(out)) return gone();
+      RecordBytes(Transport::kGrpc, Direction::kOut, n * sizeof(float));
+    }
+    return absl::OkStatus();
+  };
+  return job->ExportState(from, header, sink);
+}
+
+}  // namespace
+
+grpc::Status MuondService::ExportState(grpc::ServerContext* ctx, const v1::ExportStateRequest* req,
+                                       grpc::ServerWriter<v1::ExportStateChunk>* writer) {
+  absl::StatusOr<std::shared_ptr<Job>> job = Authorize(ctx, req->job_id());
+  absl::Status s = job.status();
+  if (s.ok()) s = RunExportState(*job, ctx, req, writer);
+  if (!s.ok()) {
+    MUOND_LOG(DEBUG) << "ExportState: " << s;
+    RecordRpcError("ExportState", s.code());
+  }
+  return common::ToGrpcStatus(s);
+}
+
+}  // namespace muond::server

@@ -1,0 +1,106 @@
+// The full-state export of a Job (re-sharding across nodes, DESIGN.md 4c): its whole fp32 state by
+// tensor name, live or from a checkpoint generation. The files are written by the client
+// (common/state_export.h); the import side is job_import_state.cc.
+//
+// The live export takes the same snapshot a checkpoint save takes (copy-on-write per array under
+// the CheckpointWriter's exclusivity, steps keep running), so what it hands out is the state at
+// one step boundary: update mode the momentum, apply mode the masters, momenta, AdamW moments and
+// step counts, and the next step. Everything a continuation needs to be bit-identical is there:
+// the state of a step is a function of these arrays, the step's gradients and its hyperparameters.
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/jobs/job.h"
+
+namespace muond::server {
+namespace {
+
+// The arrays of `spec` (StateTensors order) and, per array, its job tensor.
+Job::ExportedState LayOut(const common::JobSpec& spec, int64_t step, int64_t generation) {
+  Job::ExportedState out;
+  out.step = step;
+  out.generation = generation;
+  out.arrays = checkpoint::StateTensors(spec);
+  for (uint32_t t = 0; t < spec.matrices.size(); ++t) {
+    const int slots = spec.mode != common::JobMode::kApply                      ? 1
+                      : spec.matrices[t].optimizer == common::Optimizer::kAdamW ? 3
+                                                                                : 2;
+    for (int s = 0; s < slots; ++s) out.tensor_of.push_back(t);
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status Job::ExportState(
+    const std::optional<checkpoint::Selector>& generation,
+    const std::function<absl::Status(const ExportedState&)>& header,
+    const std::function<absl::Status(size_t array, const std::vector<float>& data)>& sink) {
+  CheckpointWriter::Exclusive exclusive(writer_);
+  if (generation) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
+    }
+    auto loaded = writer_.Read(exclusive, *generation);
+    if (!loaded.ok()) {
+      return absl::Status(loaded.status().code(),
+                          absl::StrCat("job '", id(), "': export: ", loaded.status().message()));
+    }
+    // Written by this job: its spec, names in StateTensors order.
+    ExportedState state = LayOut(loaded->spec, loaded->info.step, loaded->info.generation);
+    if (state.arrays.size() != loaded->data.size()) {
+      return absl::InternalError(
+          absl::StrCat("job '", id(), "': generation ", loaded->info.generation, " holds ",
+                       loaded->data.size(), " arrays, its spec ", state.arrays.size()));
+    }
+    state.tensor_steps = loaded->tensor_steps;
+    RETURN_IF_ERROR(header(state));
+    for (size_t a = 0; a < loaded->data.size(); ++a) RETURN_IF_ERROR(sink(a, loaded->data[a]));
+    return absl::OkStatus();
+  }
+  ExportedState state;
+  {
+    MomentumStore::Lock momentum(momentum_);
+    std::optional<ParamStore::Lock> params;
+    if (apply()) params.emplace(*params_);
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckSavable());
+    if (const std::vector<int> missing = apply() ? RanksMissingWeights() : std::vector<int>();
+        !missing.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job '", id(), "': the initial weights of rank ", missing[0],
+                       " are not in; there is no state to export yet"));
+    }
+    state = LayOut(spec_, next_step_, 0);
+    if (params) {
+      params->BeginSnapshot();
+    } else {
+      momentum.BeginSnapshot();
+    }
+  }
+  absl::Status s;
+  if (apply()) state.tensor_steps = params_->SnapshotSteps();
+  s = header(state);
+  std::vector<float> data;
+  int slot = 0;  // the slots of a tensor are consecutive arrays
+  for (size_t a = 0; a < state.arrays.size() && s.ok(); ++a) {
+    const uint32_t t = state.tensor_of[a];
+    slot = a > 0 && state.tensor_of[a - 1] == t ? slot + 1 : 0;
+    if (apply()) {
+      params_->CopyForSnapshot(t, slot, &data);
+    } else {
+      momentum_.CopyForSnapshot(t, &data);
+    }
+    s = sink(a, data);
+  }
+  if (apply()) {
+    params_->EndSnapshot();
+  } else {
+    momentum_.EndSnapshot();
+  }
+  return s;
+}
+
+}  // namespace muond::server
