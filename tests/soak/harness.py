@@ -31,6 +31,24 @@ def log(msg):
     print(msg, flush=True)
 
 
+def stage_binaries(muond, workdir):
+    """Copies muond and the client library into `workdir` and returns the daemon's copy: a build
+    in the same tree relinking them during a run (a restart, a respawned rank) cannot break it.
+    The rank processes and this one load the copy of the library ($MUOND_CLIENT_LIB)."""
+    import shutil
+    lib = os.environ.get("MUOND_CLIENT_LIB") or os.path.join(ROOT, "build", "lib",
+                                                             "libmuond_client.so")
+    for path in (muond, lib):
+        if not os.access(path, os.R_OK):
+            raise HarnessError(f"{path}: not found (build the muond and muond_client_shared "
+                               "targets)")
+    daemon = os.path.join(workdir, "muond")
+    shutil.copy2(muond, daemon)
+    os.environ["MUOND_CLIENT_LIB"] = os.path.join(workdir, "libmuond_client.so")
+    shutil.copy2(lib, os.environ["MUOND_CLIENT_LIB"])
+    return daemon
+
+
 # ----- the daemon -----
 
 class Daemon:
@@ -74,13 +92,16 @@ class Daemon:
                 if time.time() > deadline:
                     raise HarnessError(f"muond not healthy after 60 s:\n{self.log_tail(offset)}")
                 time.sleep(0.05)
-        if self.metrics:
+        while self.metrics:  # logged once the endpoint is up, after the API serves
             with open(self.log_path, errors="replace") as f:
                 f.seek(offset)
                 m = re.findall(r"metrics on http://(127\.0\.0\.1:\d+)/metrics", f.read())
-            if not m:
-                raise HarnessError("muond logged no metrics address")
-            self.metrics_address = m[-1]
+            if m:
+                self.metrics_address = m[-1]
+                break
+            if time.time() > deadline or self.proc.poll() is not None:
+                raise HarnessError(f"muond logged no metrics address:\n{self.log_tail(offset)}")
+            time.sleep(0.05)
 
     @property
     def pid(self):
@@ -309,10 +330,13 @@ class Job:
             if w.proc.poll() is None:
                 w.recv()
 
-    def send_step(self, t, stall=None):
-        """stall: {rank: seconds}."""
+    def send_step(self, t, stall=None, die=None):
+        """stall: {rank: seconds}; die: {rank: point} (rank_worker.py)."""
         for w in self.workers:
-            w.send({"op": "step", "step": t, "stall": (stall or {}).get(w.rank, 0)})
+            cmd = {"op": "step", "step": t, "stall": (stall or {}).get(w.rank, 0)}
+            if w.rank in (die or {}):
+                cmd["die"] = die[w.rank]
+            w.send(cmd)
 
     def collect(self, t, skip=()):
         """The answers of step t (None for ranks in `skip`)."""

@@ -3,7 +3,7 @@ commands on stdin, one a line, and reads one JSON answer a line on stdout.
 
   {"op": "attach", "address": A, "token": T}  -> {"ok": true, "next_step": n}
   {"op": "detach"}                            -> {"ok": true}
-  {"op": "step", "step": t, "stall": s}       -> {"ok": true, "step": t, "hash": sha256 hex}
+  {"op": "step", "step": t, "stall": s, "die": P} -> {"ok": true, "step": t, "hash": sha256 hex}
   {"op": "quit"}                              -> exits 0
 
 A failed call answers {"ok": false, "code": "ABORTED", "message": ...}. A step's gradients are a
@@ -11,13 +11,16 @@ function of (job seed, step) only (the same full tensors on every rank, as after
 reduction): each rank sends its spans of them, so a replayed step sends the same bytes. The hash
 covers this rank's elements of the result (update mode: its update slices; apply mode: its new
 parameters), in span order. `stall` sleeps that many seconds after the gradients are written and
-before they are submitted (a rank that stalls past the step timeout).
+before they are submitted (a rank that stalls past the step timeout). `die` makes the rank SIGKILL
+itself at that point of the step: "mid_write" (half of its spans written), "before_push" (all
+written, not submitted) or "after_push" (the step returned, no answer sent).
 """
 import argparse
 import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -41,7 +44,7 @@ def gradients(spec, seed, step):
 
 
 def hyper(spec, step):
-    """Apply mode: (groups, lr, weight_decay) of step `step`: a cosine schedule of each group's lr."""
+    """Apply mode: (groups, lr, weight_decay) of step `step` (a cosine schedule of the lr)."""
     groups = spec["groups"]
     f = 0.5 + 0.5 * math.cos(step * 0.05)
     return ([g["name"] for g in groups], [g["lr"] * f for g in groups],
@@ -81,7 +84,7 @@ class Rank:
         return {"ok": True, "next_step": self.session.next_step,
                 "shm": self.session.is_shm}
 
-    def step(self, t, stall):
+    def step(self, t, stall, die=None):
         s = self.session
         if s is None:
             return {"ok": False, "code": "FAILED_PRECONDITION", "message": "not attached"}
@@ -91,7 +94,13 @@ class Rank:
         if s.is_shm:
             buf = s.gradient_view(t)
             buf.zero_()
+            if die == "mid_write":
+                half = self.part.spans[:max(1, len(self.part.spans) // 2)]
+                mo.copy_into_buffer(buf, mo.Partition(self.rank, half, len(buf)), grads)
+                _die()
             mo.copy_into_buffer(buf, self.part, grads)
+            if die == "before_push":
+                _die()
             if stall:
                 time.sleep(stall)
             s.step_in_place(t)
@@ -100,13 +109,22 @@ class Rank:
             buf = torch.zeros(s.buffer_elements, dtype=torch.float32)
             mo.copy_into_buffer(buf, self.part, grads)
             out = torch.full((s.buffer_elements,), float("nan"), dtype=torch.float32)
+            if die in ("mid_write", "before_push"):
+                _die()
             if stall:
                 time.sleep(stall)
             s.step_buffer(t, buf, out)
+        if die == "after_push":
+            _die()
         h = hashlib.sha256()
         for _, _, length, rank_offset in self.part.spans:
             h.update(out[rank_offset:rank_offset + length].numpy().tobytes())
         return {"ok": True, "step": t, "hash": h.hexdigest()}
+
+
+def _die():
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main():
@@ -128,7 +146,7 @@ def main():
             elif op == "detach":
                 out = r.detach()
             elif op == "step":
-                out = r.step(int(cmd["step"]), float(cmd.get("stall", 0)))
+                out = r.step(int(cmd["step"]), float(cmd.get("stall", 0)), cmd.get("die"))
             elif op == "quit":
                 r.detach()
                 return 0

@@ -173,6 +173,7 @@ def main():
     ok = False
     jobs = []
     try:
+        args.muond = h.stage_binaries(args.muond, workdir)
         specs = h.random_specs(rng, workdir, "soak")
         jobs = [h.Job(spec, tr, s, workdir) for spec, tr, s in specs]
         for j in jobs:
