@@ -32,7 +32,7 @@ from harness import HarnessError, log  # noqa: E402
 
 KINDS = ["rank_kill", "daemon_kill_step", "daemon_kill_save", "save_enospc", "save_eio",
          "corrupt_newest", "stall"]
-STEP_TIMEOUT = 3  # seconds, the jobs' step_timeout_seconds
+STEP_TIMEOUT = 5  # seconds, the jobs' step_timeout_seconds
 SAVE_DELAY_MS = 4  # every checkpoint write call sleeps this long (a slow disk): saves last long
 SKIP = 77
 
@@ -58,6 +58,9 @@ class Chaos:
         self.save_times = collections.defaultdict(list)  # job: seconds, writes slowed
         self.slow_saves = False  # whether the daemon runs with the write delay armed
         self.done = {j.id: 0 for j in jobs}  # steps whose results are known
+        # The step of each job's newest acknowledged save (None: not known), which a restart after
+        # SIGKILL must not resume before: an OK save is durable.
+        self.acked = {j.id: 0 for j in jobs}
 
     # ----- daemon -----
 
@@ -95,6 +98,7 @@ class Chaos:
     def save(self, job):
         t0 = time.time()
         gen, step = self.admin.checkpoint_save(job.id, job.token)
+        self.acked[job.id] = step
         if self.slow_saves:
             self.save_times[job.id].append(time.time() - t0)
         return gen, step
@@ -129,6 +133,7 @@ class Chaos:
         else:
             gen, expect = self.admin.checkpoint_load(job.id, job.token)
             how, what = "load", f"loaded generation {gen} (step {expect})"
+        self.acked[job.id] = expect  # a restart now comes back to this state
         job.next = job.attach(self.d.address)
         if job.next != expect:
             raise HarnessError(f"{job.id}: {what} but the ranks attached at step {job.next}")
@@ -146,6 +151,14 @@ class Chaos:
         self.start(fault)
         self.reattach_all()
         lost = {j.id: self.done[j.id] - j.next for j in self.jobs}
+        for j in self.jobs:
+            if not kill and j.next != self.done[j.id]:
+                self.problems.append(f"{j.id}: after SIGTERM (which saves) the daemon resumed at "
+                                     f"step {j.next}, not {self.done[j.id]}")
+            elif kill and self.acked[j.id] is not None and j.next < self.acked[j.id]:
+                self.problems.append(f"{j.id}: restarted at step {j.next} although a save at step "
+                                     f"{self.acked[j.id]} was acknowledged")
+            self.acked[j.id] = j.next
         for j in self.jobs:
             self.replay(j, "restart" if kill else "graceful restart")
         return ", ".join(f"{k} resumed {v} steps back" for k, v in lost.items())
@@ -199,10 +212,16 @@ class Chaos:
 
     def daemon_kill_step(self):
         delay = self.rng.uniform(0, self.step_estimate())
+        saving = self.rng.choice([None] + self.jobs)  # a save in flight as well
+        th = threading.Thread(target=self.save_quietly, args=(saving,)) if saving else None
+        if th:
+            th.start()
         for j in self.jobs:
             j.send_step(j.next)
         time.sleep(delay)
         self.d.kill()
+        if th:
+            th.join()
         got = []
         for j in self.jobs:
             answers = j.collect(j.next)  # a hang here fails the run (Worker.recv's timeout)
@@ -212,8 +231,17 @@ class Chaos:
                 self.done[j.id] = max(self.done[j.id], j.next)
                 got.append(j.id)
         self.details["daemon killed mid-step"] += len(self.jobs) - len(got)
-        return (f"muond killed {delay * 1000:.0f} ms into a step of both jobs (completed before "
-                f"the kill: {got or 'none'}); " + self.restart())
+        also = f", a save of {saving.id} in flight" if saving else ""
+        return (f"muond killed {delay * 1000:.0f} ms into a step of both jobs{also} (completed "
+                f"before the kill: {got or 'none'}); " + self.restart())
+
+    def save_quietly(self, job):
+        """A save that a kill may interrupt; an acknowledged one counts as durable."""
+        try:
+            _, step = self.admin.checkpoint_save(job.id, job.token)
+            self.acked[job.id] = step
+        except Exception:  # noqa: BLE001 -- interrupted by the fault
+            pass
 
     def daemon_kill_save(self):
         job = self.rng.choice(self.jobs)
@@ -233,6 +261,8 @@ class Chaos:
         time.sleep(delay)
         self.d.kill()
         th.join()
+        if "ok" in result:
+            self.acked[job.id] = result["ok"][1]
         mid = "error" in result
         if mid:
             self.details["daemon killed mid-save"] += 1
@@ -295,6 +325,7 @@ class Chaos:
             f.write(bytes([b[0] ^ (1 << self.rng.randrange(8))]))
         out = f"{job.id} generation {gen} (step {step}) byte {at} flipped; "
         if self.rng.random() < 0.5:
+            self.acked[job.id] = None  # the newest generation is the corrupt one
             out += "restart: " + self.restart()
         else:
             out += self.recover_job(job, allow_reset=False)
@@ -370,7 +401,7 @@ def reference(args, workdir, jobs, done):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--seed", type=int)
     p.add_argument("--muond", default=os.path.join(h.ROOT, "build", "bin", "muond"))
     p.add_argument("--keep", action="store_true", help="keep the work directory")

@@ -62,6 +62,8 @@ class Saver:
         self.client = mo.Client(address)
         self.threads = {}
         self.saved = 0
+        self.generations = {}  # job: [(generation, step)] of the background saves
+        self.overlapped = 0  # saves during which the job committed steps
         self.errors = []
 
     def start(self, job):
@@ -70,8 +72,11 @@ class Saver:
             return
 
         def body():
+            first = job.next
             try:
-                self.client.checkpoint_save(job.id, job.token)
+                gen, step = self.client.checkpoint_save(job.id, job.token)
+                self.overlapped += job.next > first
+                self.generations.setdefault(job.id, []).append((gen, step))
                 self.saved += 1
             except Exception as e:  # noqa: BLE001 -- reported at the end
                 self.errors.append(f"{job.id}: {e}")
@@ -125,33 +130,45 @@ def soak(args, workdir, jobs):
     scraper.join()
     saver.wait()
     finals = {j.id: h.save_state(admin, d, j) for j in jobs}
+    snapshots = {j.id: [(step, h.read_tensors(h.generation_dir(d.state, j.id, gen)))
+                        for gen, step in saver.generations.get(j.id, [])] for j in jobs}
     admin.close()
     saver.client.close()
     for j in jobs:
         j.detach()
     code = d.stop()
     return {"daemon": d, "code": code, "samples": samples, "scraper": scraper, "saver": saver,
-            "finals": finals, "seconds": time.time() - t0}
+            "finals": finals, "snapshots": snapshots, "seconds": time.time() - t0}
 
 
-def reference(args, workdir, jobs):
+def reference(args, workdir, jobs, snapshots):
     """Each job alone in a fresh daemon, same steps; the ranks' results are checked against the
-    soak's as they come (Job.record). Returns {job: final state}."""
+    soak's as they come (Job.record), and a generation saved between steps at each step a
+    background save of the soak snapshotted against that save (copy-on-write while steps
+    committed). Returns ({job: final state}, bits the background generations differ in, exit
+    code, daemon)."""
     import muon_offload as mo
     d = h.Daemon(args.muond, os.path.join(workdir, "reference"), metrics=False)
     os.makedirs(d.workdir)
     d.start()
     finals = {}
+    snapshot_bits = 0
     with mo.Client(d.address) as admin:
+        if any(j.spec.get("checkpoint_keep", 3) < 1000 for j in jobs):
+            raise h.HarnessError("the soak jobs must keep every generation")
         for j in jobs:
             j.create(admin)
             j.attach(d.address)
+            for step, state in sorted(snapshots[j.id], key=lambda x: x[0]):
+                h.run_steps([j], {j.id: step})
+                _, ref_state = h.save_state(admin, d, j)
+                snapshot_bits += h.bits_differing(state, ref_state)
             h.run_steps([j], {j.id: args.steps})
             finals[j.id] = h.save_state(admin, d, j)
             j.detach()
             admin.delete_job(j.id, j.token)
     code = d.stop()
-    return finals, code, d
+    return finals, snapshot_bits, code, d
 
 
 def main():
@@ -174,13 +191,14 @@ def main():
     jobs = []
     try:
         args.muond = h.stage_binaries(args.muond, workdir)
-        specs = h.random_specs(rng, workdir, "soak")
+        specs = h.random_specs(rng, workdir, "soak", {"checkpoint_keep": 1000})
         jobs = [h.Job(spec, tr, s, workdir) for spec, tr, s in specs]
         for j in jobs:
             log(f"soak: job {j.id} ({j.transport}): {h.shapes_text(j.spec)}")
         got = soak(args, workdir, jobs)
-        ref, ref_code, ref_daemon = reference(args, workdir, jobs)
-        ok = report(args, jobs, got, ref, ref_code, ref_daemon)
+        ref, snapshot_bits, ref_code, ref_daemon = reference(args, workdir, jobs,
+                                                             got["snapshots"])
+        ok = report(args, jobs, got, ref, snapshot_bits, ref_code, ref_daemon)
     except h.HarnessError as e:
         log(f"soak: FAIL: {e}")
     finally:
@@ -193,7 +211,7 @@ def main():
     return 0 if ok else 1
 
 
-def report(args, jobs, got, ref, ref_code, ref_daemon):
+def report(args, jobs, got, ref, snapshot_bits, ref_code, ref_daemon):
     problems = []
     s = got["samples"]
     growth = s["end"][0] - s["start"][0]
@@ -219,6 +237,9 @@ def report(args, jobs, got, ref, ref_code, ref_daemon):
         lost += h.bits_differing(state, rstate)
     if lost:
         problems.append(f"final state differs from the reference in {lost} bits")
+    if snapshot_bits:
+        problems.append(f"background generations differ from the reference's saves at the same "
+                        f"steps in {snapshot_bits} bits")
     sc, sv = got["scraper"], got["saver"]
     if sc.failed:
         problems.append(f"{len(sc.failed)} scrapes failed, first: {sc.failed[0]}")
@@ -235,11 +256,13 @@ def report(args, jobs, got, ref, ref_code, ref_daemon):
         log(f"soak: FAIL: {p}")
     log(f"soak: {'PASS' if not problems else 'FAIL'}: {args.steps} steps x 2 jobs x {h.WORLD} "
         f"ranks in {got['seconds']:.0f} s; results {sum(len(j.results) for j in jobs)} steps "
-        f"checked, {mismatched} differ; final state bits differing {lost}; private memory "
+        f"checked, {mismatched} differ; final state bits differing {lost}; background "
+        f"generations {sv.saved} ({sv.overlapped} while steps committed), bits differing "
+        f"{snapshot_bits}; private memory "
         f"{h.mib(s['start'][0]):.1f} -> {h.mib(s['middle'][0]):.1f} -> {h.mib(s['end'][0]):.1f} "
         f"MiB (growth {h.mib(growth):+.1f}); fds {s['start'][1]} -> {s['middle'][1]} -> "
-        f"{s['end'][1]}; scrapes {sc.ok} ok {len(sc.failed)} failed; background saves "
-        f"{sv.saved}; log errors {len(errors)}")
+        f"{s['end'][1]}; scrapes {sc.ok} ok {len(sc.failed)} failed; log errors "
+        f"{len(errors)}")
     return not problems
 
 
