@@ -405,16 +405,21 @@ def main():
     p.add_argument("--seed", type=int)
     p.add_argument("--muond", default=os.path.join(h.ROOT, "build", "bin", "muond"))
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--wide", action="store_true",
+                   help="add a 64 x 65536 matrix to the gRPC job: its ranks' data travels in "
+                        "several 4 MiB chunks (slower: about 0.5 s a step here)")
     args = p.parse_args()
     seed = h.seed_from(args.seed)
-    log(f"chaos: seed {seed} (rerun: tests/chaos/run.sh --rounds {args.rounds} --seed {seed})")
+    wide = " --wide" if args.wide else ""
+    log(f"chaos: seed {seed} (rerun: tests/chaos/run.sh --rounds {args.rounds} --seed {seed}"
+        f"{wide})")
     rng = random.Random(seed)
     workdir = tempfile.mkdtemp(prefix="muond-chaos-")
     jobs, ok, rc = [], False, 1
     try:
         args.muond = h.stage_binaries(args.muond, workdir)
         specs = h.random_specs(rng, workdir, "chaos", {"step_timeout_seconds": STEP_TIMEOUT,
-                                                       "checkpoint_keep": 4})
+                                                       "checkpoint_keep": 4}, wide=args.wide)
         jobs = [h.Job(spec, tr, s, workdir) for spec, tr, s in specs]
         for j in jobs:
             log(f"chaos: job {j.id} ({j.transport}): {h.shapes_text(j.spec)}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/chaos/run.sh [--rounds N (default 30)] [--seed S] [--muond PATH] [--keep]
+# tests/chaos/run.sh [--rounds N (default 30)] [--seed S] [--wide] [--muond PATH] [--keep]
 # Random faults from a printed seed against two 4-rank jobs on one muond (tests/chaos/chaos.py):
 # SIGKILL of a rank or of the daemon mid-step, SIGKILL of the daemon mid-save, ENOSPC and EIO in
 # saves, a corrupted newest generation, a rank stalled past the step timeout; after each, the

@@ -228,10 +228,12 @@ MUON = {"momentum": 0.95, "nesterov": True, "ns_method": "standard", "ns_steps":
         "compute_dtype": "float32", "scale_mode": "original"}
 
 
-def random_specs(rng, workdir, tag, extra=None):
+def random_specs(rng, workdir, tag, extra=None, wide=False):
     """Two jobs of random shapes: an update-mode job (ZeRO 2, its ranks over shared memory) and an
     apply-mode job (ZeRO 1, Muon matrices and AdamW tensors, initial weights from init_from, its
-    ranks over gRPC). Returns [(spec, transport, seed)]."""
+    ranks over gRPC). wide: the apply job also has a 64 x 65536 matrix, so that each rank's
+    gradient and result travel in more than one 4 MiB gRPC chunk. Returns [(spec, transport,
+    seed)]."""
     extra = extra or {}
 
     def matrices(n):
@@ -250,6 +252,9 @@ def random_specs(rng, workdir, tag, extra=None):
               "muon": dict(MUON, ns_method=rng.choice(["standard", "polar_express"])),
               "matrices": matrices(rng.randint(4, 8)), **extra}
     tensors = [dict(m, optimizer="muon", group="muon") for m in matrices(rng.randint(3, 6))]
+    if wide:
+        tensors.append({"name": "wide.w", "shape": [64, 65536], "optimizer": "muon",
+                        "group": "muon"})
     tensors += [{"name": "embed.w", "shape": [rng.choice(SHAPE_DIMS), 32], "optimizer": "adamw",
                  "group": "adamw"},
                 {"name": "norm.w", "shape": [rng.choice(SHAPE_DIMS)], "optimizer": "adamw",
