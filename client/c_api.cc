@@ -314,4 +314,33 @@ int muond_export(muond_client* client, const char* job_id, const char* token, co
       muond::client::ExportParamsToFile(*client->impl, job_id, token, *parsed, out_path).status());
 }
 
+int muond_checkpoint_export(muond_client* client, const char* job_id, const char* token,
+                            int64_t generation, int64_t step, const char* dir,
+                            int64_t* exported_step) {
+  if (client == nullptr || job_id == nullptr || token == nullptr || dir == nullptr) {
+    return NullArgument("client, job_id, token or dir");
+  }
+  auto files =
+      muond::client::ExportStateToDir(*client->impl, job_id, token, generation, step, dir);
+  if (files.ok() && exported_step != nullptr) *exported_step = files->step;
+  return Report(files.status());
+}
+
+int muond_job_create_from_export(muond_client* client, const char* spec_json,
+                                 const char* import_dir, char* token_buf, size_t token_buf_len) {
+  if (client == nullptr || spec_json == nullptr || import_dir == nullptr || token_buf == nullptr) {
+    return NullArgument("client, spec_json, import_dir or token_buf");
+  }
+  auto spec = muond::common::ParseJobSpecJson(spec_json);
+  if (!spec.ok()) return Report(spec.status());
+  auto token = client->impl->CreateJobFromExport(*spec, import_dir);
+  if (!token.ok()) return Report(token.status());
+  if (token->size() + 1 > token_buf_len) {
+    (void)client->impl->DeleteJob(spec->job_id, *token);  // as muond_job_create
+    return Report(absl::InvalidArgumentError("token_buf is too small (needs 65 bytes)"));
+  }
+  std::memcpy(token_buf, token->c_str(), token->size() + 1);
+  return Report(absl::OkStatus());
+}
+
 }  // extern "C"

@@ -87,6 +87,23 @@ struct NamedTensor {
   std::string data;  // raw little-endian elements
 };
 
+// A job's full state as the daemon's ExportState sent it (client_export_state.cc).
+struct ExportedState {
+  common::JobSpec spec;
+  v1::ExportStateHeader header;     // step, generation, arrays (names, tensors, shapes), counts
+  std::vector<std::string> arrays;  // per header array, its float32 values (raw bytes)
+};
+
+// Where ExportStateToDir wrote a job's state, and what.
+struct StateExportFiles {
+  std::string payload;   // DIR/<job>.safetensors
+  std::string manifest;  // DIR/<job>.manifest.json
+  int64_t step = 0;
+  int64_t generation = 0;  // 0: the live state
+  uint64_t bytes = 0;      // payload bytes
+  size_t tensors = 0;
+};
+
 class RankSession {
  public:
   // Detaches the rank (best effort: a daemon that is gone cannot be told).
@@ -285,6 +302,19 @@ class Client {
       const std::string& job_id, const std::string& token,
       common::DType dtype = common::DType::kFloat32, int64_t* step = nullptr,
       const std::function<void(uint64_t done, uint64_t total)>& progress = {});
+  // The job's full optimizer state by tensor name (re-sharding, DESIGN.md 4c): live (generation 0,
+  // step -1; a snapshot at a step boundary) or of checkpoint generation `generation` > 0 or the
+  // newest generation at `step` >= 0. The daemon's errors as they are; DATA_LOSS for a stream
+  // that does not match its header (checked against the job spec before anything is allocated)
+  // or a chunk whose CRC32C does not match.
+  absl::StatusOr<ExportedState> ExportState(
+      const std::string& job_id, const std::string& token, int64_t generation = 0,
+      int64_t step = -1, const std::function<void(uint64_t done, uint64_t total)>& progress = {});
+  // Creates a job that takes its state (and next step) from a full-state export directory
+  // (absolute path, read by the daemon as this client could; common/state_export.h); returns its
+  // token. The daemon's errors name the file and tensor.
+  absl::StatusOr<std::string> CreateJobFromExport(const common::JobSpec& spec,
+                                                  const std::string& import_dir);
   // ListJobs with the job directories the daemon set aside at start (broken).
   absl::StatusOr<v1::ListJobsResponse> ListJobsWithBroken();
   // Attaches `rank` of the job (fetching the job's spec) and returns its session; the session
@@ -312,6 +342,15 @@ class Client {
 absl::StatusOr<int64_t> ExportParamsToFile(
     Client& client, const std::string& job_id, const std::string& token, common::DType dtype,
     const std::string& path,
+    const std::function<void(uint64_t done, uint64_t total)>& progress = {});
+
+// ExportState written into directory `dir` (created when missing) as <job>.safetensors and
+// <job>.manifest.json (common/state_export.h), so the node jobs of one run share a directory.
+// ALREADY_EXISTS, before anything is asked of the daemon, when either file exists; nothing of an
+// export that failed stays in `dir`.
+absl::StatusOr<StateExportFiles> ExportStateToDir(
+    Client& client, const std::string& job_id, const std::string& token, int64_t generation,
+    int64_t step, const std::string& dir,
     const std::function<void(uint64_t done, uint64_t total)>& progress = {});
 
 }  // namespace muond::client

@@ -50,6 +50,12 @@ constexpr char kUsage[] =
     "                                       its momentum and next step come from a checkpoint\n"
     "                                       of job JOB (token from F2, else $MUOND_JOB_TOKEN);\n"
     "                                       world size and ZeRO stage may differ\n"
+    "  job create --spec job.json --import-dir DIR [--token-file F]\n"
+    "                                       create a job whose whole optimizer state and next\n"
+    "                                       step come from the exports in DIR (checkpoint\n"
+    "                                       export of every node's job, one step): each tensor\n"
+    "                                       of the job by name; other nodes, world size and\n"
+    "                                       ZeRO stage than the exporting jobs' may be used\n"
     "  job list                             list the jobs (never their tokens)\n"
     "  plan JOB.json NODES...               the ownership plan of the job over NODES nodes\n"
     "                                       (tensors per node, FLOPs and bytes max/mean); local\n"
@@ -65,6 +71,11 @@ constexpr char kUsage[] =
     "                                       newest good one; clears a fence\n"
     "  checkpoint list --job ID [--token-file F]\n"
     "                                       the job's generations, newest first\n"
+    "  checkpoint export --job ID --dir DIR [--generation G | --step S] [--token-file F]\n"
+    "                                       write the job's whole optimizer state (live, or of\n"
+    "                                       generation G / the newest at step S) by tensor name\n"
+    "                                       into DIR as ID.safetensors + ID.manifest.json;\n"
+    "                                       several nodes' jobs export into one DIR\n"
     "  step --job ID --rank R --step T --grads IN.safetensors --out OUT.safetensors\n"
     "       [--token-file F] [--transport auto|shm|grpc]\n"
     "       [--lr GROUP=VALUE ... [--wd GROUP=VALUE ...] [--grad-divisor X]]\n"
@@ -242,6 +253,21 @@ absl::StatusOr<std::optional<v1::RestoreFrom>> RestoreFromFlags(const Args& a) {
   return restore;
 }
 
+// --import-dir of `job create` as an absolute path (the daemon reads it), not with --restore-from.
+absl::StatusOr<std::optional<std::string>> ImportDirFlag(
+    const Args& a, const std::optional<v1::RestoreFrom>& restore) {
+  auto it = a.flags.find("import-dir");
+  if (it == a.flags.end()) return std::nullopt;
+  if (restore) return absl::InvalidArgumentError("--import-dir and --restore-from: choose one");
+  if (it->second.empty()) return absl::InvalidArgumentError("--import-dir needs a directory");
+  if (it->second[0] == '/') return it->second;
+  char cwd[4096];
+  if (::getcwd(cwd, sizeof cwd) == nullptr) {
+    return absl::InvalidArgumentError("--import-dir: the current directory is unknown");
+  }
+  return absl::StrCat(cwd, "/", it->second);
+}
+
 absl::Status CmdJobCreate(Client& client, const Args& a) {
   if (a.flags.count("spec") == 0) return absl::InvalidArgumentError("job create needs --spec");
   ASSIGN_OR_RETURN(std::string json, ReadFile(a.flags.at("spec"), "job spec"));
@@ -251,8 +277,13 @@ absl::Status CmdJobCreate(Client& client, const Args& a) {
         absl::StrCat(a.flags.at("spec"), ": ", spec.status().message()));
   }
   ASSIGN_OR_RETURN(const std::optional<v1::RestoreFrom> restore, RestoreFromFlags(a));
+  ASSIGN_OR_RETURN(const std::optional<std::string> import_dir, ImportDirFlag(a, restore));
   std::string token;
   auto create = [&]() -> absl::Status {
+    if (import_dir) {
+      ASSIGN_OR_RETURN(token, client.CreateJobFromExport(*spec, *import_dir));
+      return absl::OkStatus();
+    }
     ASSIGN_OR_RETURN(token, client.CreateJob(*spec, restore ? &*restore : nullptr));
     return absl::OkStatus();
   };

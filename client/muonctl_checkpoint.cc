@@ -1,4 +1,5 @@
-// `muonctl checkpoint save|load|list` (DESIGN.md 7).
+// `muonctl checkpoint save|load|list|export` (DESIGN.md 7; export: the full state for
+// re-sharding across nodes, DESIGN.md 4c).
 #include <cstdio>
 #include <ctime>
 #include <string>
@@ -20,11 +21,42 @@ std::string Time(int64_t unix_ms) {
   return buf;
 }
 
+absl::Status CmdCheckpointExport(Client& client, const Args& a, const std::string& id,
+                                 const std::string& token) {
+  auto dir = a.flags.find("dir");
+  if (dir == a.flags.end() || dir->second.empty()) {
+    return absl::InvalidArgumentError("checkpoint export needs --dir DIR");
+  }
+  ASSIGN_OR_RETURN(const GenerationChoice choice, ChosenGeneration(a, "checkpoint export", ""));
+  ProgressDisplay display(absl::StrCat("export state of job ", id), "bytes", stderr,
+                          ProgressDisplay::StderrIsTerminal());
+  uint64_t done = 0, total = 0;
+  auto exported =
+      ExportStateToDir(client, id, token, choice.generation.value_or(0), choice.step.value_or(-1),
+                       dir->second, [&](uint64_t d, uint64_t t) {
+                         done = d;
+                         total = t;
+                         display.Update(d, t);
+                       });
+  if (!exported.ok()) {
+    display.Abandon();
+    return exported.status();
+  }
+  if (done > 0) display.Finish(done, total);
+  const StateExportFiles& files = *exported;
+  std::printf(
+      "exported job %s %s at step %lld: %zu tensors, %llu bytes in %s and %s\n", id.c_str(),
+      files.generation > 0 ? absl::StrCat("generation ", files.generation).c_str() : "live state",
+      static_cast<long long>(files.step), files.tensors,
+      static_cast<unsigned long long>(files.bytes), files.payload.c_str(), files.manifest.c_str());
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CmdCheckpoint(Client& client, const Args& a) {
   const std::string sub = a.words.size() > 1 ? a.words[1] : "";
-  if (sub != "save" && sub != "load" && sub != "list") {
+  if (sub != "save" && sub != "load" && sub != "list" && sub != "export") {
     return absl::InvalidArgumentError(absl::StrCat("unknown checkpoint command '", sub, "'"));
   }
   ASSIGN_OR_RETURN(const JobAccess job, JobAndToken(a, absl::StrCat("checkpoint ", sub)));
@@ -41,6 +73,7 @@ absl::Status CmdCheckpoint(Client& client, const Args& a) {
                 static_cast<unsigned long long>(info.bytes()), info.path().c_str());
     return absl::OkStatus();
   }
+  if (sub == "export") return CmdCheckpointExport(client, a, id, token);
   if (sub == "list") {
     ASSIGN_OR_RETURN(auto list, client.ListCheckpoints(id, token));
     std::printf("%-10s %10s %-20s %14s %s\n", "GENERATION", "STEP", "CREATED", "BYTES", "PATH");

@@ -149,6 +149,20 @@ int muond_export(muond_client* client, const char* job_id, const char* token, co
 
 /* ---- Many nodes (DESIGN.md 4c). */
 
+/* Re-sharding through a full-state export: writes the job's whole optimizer state by tensor name
+ * (live when generation is 0 and step -1; else checkpoint generation `generation` > 0, or the
+ * newest one at `step` >= 0) into directory `dir` as <job>.safetensors and <job>.manifest.json,
+ * as `muonctl checkpoint export` does; ALREADY_EXISTS (6) when either exists. Out (may be NULL):
+ * the step of the state exported. */
+int muond_checkpoint_export(muond_client* client, const char* job_id, const char* token,
+                            int64_t generation, int64_t step, const char* dir,
+                            int64_t* exported_step);
+/* muond_job_create whose job takes, for each of its tensors, the state found in export directory
+ * `import_dir` (absolute; the files of every node's export, all of one step) and continues from
+ * that step. */
+int muond_job_create_from_export(muond_client* client, const char* spec_json,
+                                 const char* import_dir, char* token_buf, size_t token_buf_len);
+
 /* The ownership plan: which of `nodes` nodes owns each tensor of a job.json (the global job: all
  * tensors, any world size and stage). Deterministic (every rank computes the same plan): Muon
  * tensors are placed largest first by Newton-Schulz FLOPs on the node with the fewest so far,

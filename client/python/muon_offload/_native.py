@@ -113,6 +113,11 @@ _SIGNATURES = {
                                         ctypes.c_char_p]),
     "muond_checkpoint_list": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _PI64, _PI64,
                                              ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
+    # Re-sharding through a full-state export (muonctl checkpoint export, job create --import-dir).
+    "muond_checkpoint_export": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64, _I64,
+                                               ctypes.c_char_p, _PI64]),
+    "muond_job_create_from_export": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p,
+                                                    ctypes.c_char_p, ctypes.c_size_t]),
 }
 
 _lock = threading.Lock()

@@ -6,6 +6,7 @@ time. Tensors returned by Session.gradient_view()/update_view() alias the sessio
 and are valid while the session is open.
 """
 import ctypes
+import os
 import json
 
 import torch
@@ -94,11 +95,27 @@ class Client:
         """Returns when the daemon is SERVING; MuondError UNAVAILABLE otherwise."""
         _native.call("muond_health", self.handle, float(timeout_seconds))
 
-    def create_job(self, spec):
-        """Creates a job from its spec (dict or job.json text); returns the job's token (str)."""
+    def create_job(self, spec, import_dir=None):
+        """Creates a job from its spec (dict or job.json text); returns the job's token (str).
+        import_dir: a directory of full-state exports (export_state of every node's job, one
+        step); the job takes each of its tensors' state and the next step from there."""
         token = ctypes.create_string_buffer(65)
-        _native.call("muond_job_create", self.handle, _spec_text(spec), token, len(token))
+        if import_dir is not None:
+            _native.call("muond_job_create_from_export", self.handle, _spec_text(spec),
+                         os.path.abspath(str(import_dir)).encode(), token, len(token))
+        else:
+            _native.call("muond_job_create", self.handle, _spec_text(spec), token, len(token))
         return token.value.decode()
+
+    def export_state(self, job_id, token, out_dir, generation=0, step=-1):
+        """Writes the job's whole optimizer state by tensor name (live; or checkpoint generation
+        `generation` > 0, or the newest one at `step` >= 0) into `out_dir` as
+        <job>.safetensors and <job>.manifest.json, as `muonctl checkpoint export`; returns the
+        step of the state (the next step)."""
+        exported = ctypes.c_int64(-1)
+        _native.call("muond_checkpoint_export", self.handle, job_id.encode(), token.encode(),
+                     int(generation), int(step), str(out_dir).encode(), ctypes.byref(exported))
+        return exported.value
 
     def delete_job(self, job_id, token):
         _native.call("muond_job_delete", self.handle, job_id.encode(), token.encode())

@@ -37,6 +37,15 @@ Checkpoints: save_checkpoint() has each node's local rank 0 save its node's job;
 names the per-node generations ({"muond": {"global_job_id", "next_step", "nodes": [{"node",
 "job_id", "generation", "step"}]}}); load_checkpoint() picks the newest step every node has.
 
+Changing the number of nodes (re-sharding): export_state(dir) has every node's local rank 0
+write its node job's whole optimizer state by tensor name into one directory (a shared
+filesystem, or the files gathered there); state_dict() then names the export ({"muond":
+{"global_job_id", "next_step", "export_dir", "nodes": [...]}}). A new optimizer over the new set
+of nodes, created with import_dir=dir, has each node's job take the tensors it now owns from
+there (every tensor of it present, of one step) and continues bit-identically;
+load_state_dict() of the exported state_dict restores the trainer's own (AdamW) state and checks
+the step.
+
 Finding the local daemon: `address` is this process's node-local daemon (None: its default
 socket). The node of each rank: `node_map` (list, global rank -> node) or torchrun's GROUP_RANK
 (LOCAL_RANK, when set, must agree with the rank's place among its node's ranks in rank order).
@@ -73,8 +82,9 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
     daemon as `address`. token: for jobs that exist already (a restarted trainer), the
     node_tokens dict ({node: token}) of the optimizer that created them, with its job_id."""
 
-    def __init__(self, param_groups, *, node_map=None, **kw):
+    def __init__(self, param_groups, *, node_map=None, import_dir=None, **kw):
         self._node_map_arg = node_map
+        self._import_dir = import_dir
         self._routing = None
         if kw.get("max_grad_norm") is not None or kw.get("init_from") is not None:
             raise ValueError("MultiNodeMuonWithAuxAdam: max_grad_norm and init_from are not "
@@ -130,7 +140,8 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
             raise MuondError(CODES["FAILED_PRECONDITION"],
                              f"global job '{self.global_job_id}': the nodes' jobs expect steps "
                              f"{steps} (by rank); load a checkpoint on every node", "attach")
-        self._upload_pending = self.mode == "apply" and self.step_id == 0
+        self._upload_pending = (self.mode == "apply" and self.step_id == 0
+                                and self._import_dir is None)
         self._bytes = self._moved = (0, 0)
 
     def _node_job_token(self, r):
@@ -138,7 +149,8 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
             if isinstance(self.token, dict):
                 return self.token[r.node]
             return self.token
-        return self.client.create_job(r.node_spec(r.node, self.global_job_id))
+        return self.client.create_job(r.node_spec(r.node, self.global_job_id),
+                                      import_dir=self._import_dir)
 
     def _each_rank(self, fn):
         """Runs fn on every rank and returns every rank's result (all_gather_object); when it
@@ -382,10 +394,38 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
         _native.check(fn(*args, None, steps, n, ctypes.byref(total)), "muond_checkpoint_list")
         return [steps[i] for i in range(min(n, total.value))]
 
+    def export_state(self, out_dir, step=-1):
+        """Collective: every node's job writes its whole optimizer state (live; or its checkpoint
+        generation at `step`) into `out_dir` (<node job>.safetensors + .manifest.json, written
+        by the node's local rank 0). Returns (and state_dict() then names) {"global_job_id",
+        "next_step", "export_dir", "nodes": [{"node", "job_id", "step"}]}."""
+        self.ranks.barrier()
+        r = self._routing
+        steps = self._each_rank(lambda: self.client.export_state(
+            r.node_job_id, self.node_token, out_dir, 0, step) if r.local_rank == 0 else None)
+        nodes = [{"node": r.node_of[q], "job_id": f"{self.global_job_id}.node{r.node_of[q]}",
+                  "step": st} for q, st in enumerate(steps) if st is not None]
+        if len({n["step"] for n in nodes}) != 1:
+            raise MuondError(CODES["FAILED_PRECONDITION"],
+                             f"global job '{self.global_job_id}': the nodes exported different "
+                             f"steps {nodes}", "export_state")
+        self._checkpoint = {"job_id": self.global_job_id, "global_job_id": self.global_job_id,
+                            "next_step": nodes[0]["step"], "export_dir": str(out_dir),
+                            "nodes": nodes, "step": nodes[0]["step"]}
+        return dict(self._checkpoint)
+
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         muond = state_dict.pop("muond", None)
         state_dict.pop("step_id", None)
+        if muond is not None and "export_dir" in muond:
+            # Re-sharded: the node jobs took the daemon side from the export at creation.
+            if muond["next_step"] != self.step_id:
+                raise ValueError(f"the state_dict is of the export at step {muond['next_step']}; "
+                                 f"global job '{self.global_job_id}' expects step {self.step_id}")
+            torch.optim.Optimizer.load_state_dict(self, state_dict)
+            self._checkpoint = dict(muond)
+            return self.step_id
         if muond is None or muond.get("global_job_id") != self.global_job_id:
             raise ValueError(f"this state_dict is not of multi-node job '{self.global_job_id}'")
         torch.optim.Optimizer.load_state_dict(self, state_dict)
