@@ -436,6 +436,7 @@ def main():
     except HarnessError as e:
         log(f"chaos: FAIL: {e}")
     finally:
+        h.kill_daemons()
         for j in jobs:
             j.quit()
         if ok and not args.keep:

@@ -55,6 +55,8 @@ class Daemon:
     """muond on `workdir`/muond.sock with state in `workdir`/state; its log is appended to
     `workdir`/muond.log across restarts. fault: $MUOND_TEST_CHECKPOINT_FAULT for this start."""
 
+    running = []  # every Daemon started, for kill_daemons()
+
     def __init__(self, muond, workdir, metrics=True):
         self.muond = muond
         self.workdir = workdir
@@ -77,6 +79,7 @@ class Daemon:
         args = [self.muond, "--listen", self.address, "--state-dir", self.state, "--threads", "1",
                 "--metrics-address", "127.0.0.1:0" if self.metrics else "off", *extra]
         self.proc = subprocess.Popen(args, stdout=logf, stderr=logf, env=env)
+        Daemon.running.append(self)
         logf.close()
         self.starts += 1
         deadline = time.time() + 60
@@ -155,6 +158,13 @@ class Daemon:
                 if len(parts) >= 2 and parts[1] in ("E", "F"):
                     out.append(line.rstrip())
         return out
+
+
+def kill_daemons():
+    """SIGKILL every daemon still running (a run that failed or was skipped half way)."""
+    for d in Daemon.running:
+        if d.alive():
+            d.kill()
 
 
 # ----- rank processes -----

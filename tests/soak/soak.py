@@ -6,8 +6,8 @@ every few steps while the steps go on, and /metrics scraped every second.
 Passes when: every rank's result of every step equals, bit for bit, that of the same job run alone
 in a fresh daemon (the reference), and so does each job's final state (a checkpoint of it); the
 daemon's private resident memory (Private_Clean + Private_Dirty) grows by at most 8 MiB and its
-open descriptors not at all from the end of the warm-up to the end; every scrape succeeds; the
-daemon logs no error and exits 0 on SIGTERM.
+open descriptors not at all from the end of the warm-up (a tenth of the steps, at least 20) to
+the end; every scrape succeeds; the daemon logs no error and exits 0 on SIGTERM.
 """
 import argparse
 import os
@@ -111,7 +111,7 @@ def soak(args, workdir, jobs):
     scraper = Scraper(d)
     scraper.start()
     saver = Saver(d.address)
-    warm = max(10, args.steps // 10)
+    warm = max(20, args.steps // 10)
     marks = {warm: "start", (warm + args.steps) // 2: "middle", args.steps: "end"}
     samples = {}
     t0 = time.time()
@@ -180,8 +180,8 @@ def main():
     p.add_argument("--muond", default=os.path.join(h.ROOT, "build", "bin", "muond"))
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     args = p.parse_args()
-    if args.steps < 20:
-        p.error("--steps must be at least 20 (10 of them warm-up)")
+    if args.steps < 30:
+        p.error("--steps must be at least 30 (20 of them warm-up)")
     args.checkpoint_every = args.checkpoint_every or max(5, args.steps // 6)
     seed = h.seed_from(args.seed)
     log(f"soak: seed {seed} (rerun: tests/soak/run.sh --steps {args.steps} --seed {seed})")
@@ -202,6 +202,7 @@ def main():
     except h.HarnessError as e:
         log(f"soak: FAIL: {e}")
     finally:
+        h.kill_daemons()
         for j in jobs:
             j.quit()
         if ok and not args.keep:
