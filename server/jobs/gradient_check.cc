@@ -60,13 +60,6 @@ absl::Status CheckFiniteSpans(const std::string& where, const common::JobSpec& s
   return absl::OkStatus();
 }
 
-absl::Status NonFiniteAtCommit(const std::string& where, const common::MatrixSpec& ms,
-                               uint64_t element) {
-  return absl::DataLossError(absl::StrCat(
-      where, ": matrix '", ms.name, "' element ", element,
-      " became non-finite after it was checked (gradient memory changed during the step)"));
-}
-
 absl::Status CheckGradientChunk(const std::string& where, const common::JobSpec& spec,
                                 const JobLayout& layout, int rank, uint32_t matrix, uint64_t offset,
                                 std::string_view data, uint32_t crc32c, size_t* span,

@@ -1,8 +1,8 @@
 // The one rule for gradient values (DESIGN.md 4): a non-finite value refuses the step for every
 // rank, and the error names the job, step, rank, matrix and element. Every data path checks
 // through here: gRPC chunks (CheckGradientChunk, then CheckFiniteChunk) and shared-memory
-// submissions (CheckFiniteSpans, over the CPUs); the commit re-checks what it applies
-// (NonFiniteAtCommit).
+// submissions (CheckFiniteSpans, over the CPUs). The device checks what it computes from again
+// (a value a peer changed after its check never passes); the commit reads no gradient.
 #ifndef MUOND_SERVER_JOBS_GRADIENT_CHECK_H_
 #define MUOND_SERVER_JOBS_GRADIENT_CHECK_H_
 
@@ -36,10 +36,6 @@ absl::Status CheckGradientChunk(const std::string& where, const common::JobSpec&
                                 const JobLayout& layout, int rank, uint32_t matrix, uint64_t offset,
                                 std::string_view data, uint32_t crc32c, size_t* span,
                                 uint64_t* count);
-// The error of a value found non-finite when the commit re-reads it (DATA_LOSS: the gradient
-// memory changed after it was checked).
-absl::Status NonFiniteAtCommit(const std::string& where, const common::MatrixSpec& ms,
-                               uint64_t element);
 
 }  // namespace muond::server
 

@@ -10,14 +10,12 @@
 // queued on the daemon's ComputeExecutor for the pipeline. Finish() blocks until the step
 // committed and returns the rank's update.
 //
-// Atomicity (DESIGN.md 4, "start early but commit after the last shard is checked"): the update of
-// a matrix is computed from a temporary new momentum; the momentum store itself is written only at
-// commit, when every matrix succeeded, by re-applying the same EMA (ApplyMomentum, bit-identical)
-// from the gradients still held in the rank input buffers. A refused or aborted step therefore
-// leaves every momentum bit-identical. Memory cost: no staged momentum copy; the input buffers
-// (gradient bytes, which the data plane needs anyway) live until commit, plus the gather budget.
-// The commit's pass runs over the CPUs, each piece widened into a private buffer that is checked
-// and applied from (job_commit.cc says why this and not a staged copy of the momentum).
+// Atomicity (DESIGN.md 4, "stage each matrix's new momentum and commit all of them when the step
+// is known to be clean"): the device writes each matrix's new momentum, the one its update was
+// computed from, into the momentum store's back buffers; the commit, when every matrix succeeded,
+// flips the store. A refused or aborted step therefore leaves every momentum bit-identical, and
+// the gradients are read once (a shared-memory peer that rewrites its region early changes nothing
+// committed). Memory cost: the momentum twice (momentum_store.h), plus the gather budget.
 //
 // What it may call: common/, server/optim (the math), server/device (through DeviceStreams),
 // server/storage (through CheckpointWriter), server/ops daemon metrics. Never proto types or
@@ -362,10 +360,6 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   void DropPrepared(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The rest of a commit once the store changed (`changed` OK) or failed to (the job is fenced).
   void FinishCommit(StepState& state, const absl::Status& changed);
-  // Applies the momentum EMA of the step to the store (under `lock`), over the CPUs; the store
-  // ends bit-identical to the serial pass over every rank's spans. DATA_LOSS when a gradient value
-  // changed to non-finite after it was checked (the store is then partly changed: fence the job).
-  absl::Status ApplyCommit(StepState& state, MomentumStore::Lock& lock);
   // Ends the step with `status` (refused: not fenced; aborted: fenced).
   // Nothing changes when the step already ended or its commit began.
   void FailStep(StepState& state, const absl::Status& status, bool fence)

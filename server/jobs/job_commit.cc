@@ -8,111 +8,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/dtype.h"
 #include "common/logging.h"
-#include "common/parallel_for.h"
 #include "common/status_macros.h"
-#include "server/jobs/gradient_check.h"
 #include "server/jobs/job.h"
 #include "server/ops/daemon_metrics.h"
 #include "server/ops/status_history.h"
-#include "server/optim/muon_math.h"
 
 namespace muond::server {
-
-namespace {
-
-// Job::ApplyCommit's pass, over the CPUs. The choice (DESIGN.md 4, "commit after the last shard
-// is checked"): the EMA is applied at commit from the ranks' input buffers, split over every CPU,
-// not computed during the step (per matrix as it retires, overlapping the device) into a staged
-// copy that the commit swaps in, as apply mode's ParamStore does. Why:
-//  - Overlap needs that copy. The store may change only once the step is known clean, and until
-//    its last batch retired a device error refuses the step with the store untouched; new momentum
-//    computed earlier must therefore live beside the committed one: a second pinned copy of the
-//    whole momentum for the job's life. Update mode holds the momentum, the gather budget and the
-//    gradient buffers (JobFootprint counts that; tests/integration/memory_test.cc bounds it);
-//    doubling its largest part, in pinned memory, costs more than a memory-bound pass over all
-//    CPUs that touches each gradient byte once.
-//  - A staged EMA would come from the host's fp32 staging of each matrix, which the direct-copy
-//    path (step_pipeline.h: ranks' regions to the device by DMA) does not have.
-// Each piece is widened block by block into a private buffer that stays in cache between the
-// non-finite check and the EMA: the values checked are the values applied even if a shared-memory
-// peer rewrites its region meanwhile (a check in place and a second read would not be). A bad
-// value means the store is partly changed (the serial pass was too): the job is fenced.
-// ApplyMomentum works element by element, so cutting the spans changes no bit: the store ends as
-// the serial pass over every rank's spans leaves it.
-
-// Elements of one piece of work (a thread takes pieces one at a time) and of one block (widened
-// into the private buffer: 64 KiB of float, with the momentum it meets well inside L2).
-constexpr uint64_t kCommitPiece = uint64_t{1} << 20;
-constexpr size_t kCommitBlock = size_t{1} << 14;
-
-// `spans` consecutive spans of `rank` from span `span`; with one span, elements
-// [begin, begin + length) of it (a large span is cut into several pieces), else all of each.
-// Small spans are grouped so that a layout of many tiny spans (ZeRO-3 at a large world size)
-// makes about as many pieces as its elements call for, not one per span.
-struct CommitPiece {
-  int rank;
-  size_t span;
-  size_t spans;
-  uint64_t begin;
-  uint64_t length;
-};
-
-// A piece's first non-finite value: the rank's span and the matrix element (-1: none).
-struct CommitFound {
-  size_t span = 0;
-  int64_t element = -1;
-};
-
-// Cuts every rank's spans into pieces of about kCommitPiece elements, in the order of the serial
-// pass (rank, span, element); returns the bytes the pass moves (for ParallelFor).
-uint64_t CommitPieces(const common::JobSpec& spec, const JobLayout& layout,
-                      std::vector<CommitPiece>* pieces) {
-  uint64_t bytes = 0;
-  for (int r = 0; r < spec.world_size; ++r) {
-    const std::vector<common::ShardSpan>& spans = layout.spans(r);
-    CommitPiece group{r, 0, 0, 0, 0};  // whole small spans gathered so far
-    for (size_t i = 0; i < spans.size(); ++i) {
-      const uint64_t n = spans[i].length;
-      bytes += n * (common::DTypeSize(spec.matrices[spans[i].matrix].dtype) + 2 * sizeof(float));
-      if (group.spans > 0 && group.length + n > kCommitPiece) {
-        pieces->push_back(group);
-        group = {r, 0, 0, 0, 0};
-      }
-      if (n >= kCommitPiece) {
-        for (uint64_t b = 0; b < n; b += kCommitPiece) {
-          pieces->push_back({r, i, 1, b, std::min(kCommitPiece, n - b)});
-        }
-        continue;
-      }
-      if (group.spans == 0) group.span = i;
-      ++group.spans;
-      group.length += n;
-    }
-    if (group.spans > 0) pieces->push_back(group);
-  }
-  return bytes;
-}
-
-// The EMA of `length` elements of `dtype` at `grad` into `momentum`, block by block through
-// `wide` (kCommitBlock floats, private to the thread; see above). Returns the index of the first
-// non-finite element (nothing from its block on is applied) or -1.
-int64_t CommitRun(const common::MuonConfig& muon, common::DType dtype, const char* grad,
-                  float* momentum, uint64_t length, float* wide) {
-  const size_t esize = common::DTypeSize(dtype);
-  for (uint64_t at = 0; at < length; at += kCommitBlock) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(kCommitBlock, length - at));
-    common::ToFloat32(dtype, grad + at * esize, n, wide);
-    if (const int64_t bad = common::FindNonFinite(wide, n); bad >= 0) {
-      return static_cast<int64_t>(at) + bad;
-    }
-    ApplyMomentum(muon, wide, momentum + at, n);
-  }
-  return -1;
-}
-
-}  // namespace
 
 void Job::Commit(StepState& state) {
   if (spec_.two_phase()) {
@@ -133,14 +35,16 @@ void Job::CommitNow(StepState& state) {
     FinishCommit(state, absl::OkStatus());
     return;
   }
-  // Every matrix succeeded and every gradient value was checked: apply the momentum EMA to the
-  // store. The store changes under its lock (a save in progress gets the old values first).
-  // Held to the end: a save cannot begin between the change and the step counter's advance.
+  // Every matrix succeeded: the step wrote each matrix's new momentum, the one its update was
+  // computed from, into the store's back buffers (step_pipeline.h); they become the front. The
+  // gradients are not read again: a shared-memory peer that rewrote its region after ringing
+  // changes nothing committed (DESIGN.md 4: the choice of a staged copy, momentum_store.h).
+  // Under the store's lock (a save in progress gets the old values first), held to the end: a
+  // save cannot begin between the change and the step counter's advance.
   MomentumStore::Lock store(momentum_);
-  absl::Status changed;
-  if (!spec_.transport_probe) changed = ApplyCommit(state, store);
+  if (!spec_.transport_probe) store.Flip();
   state.commit_seconds = absl::ToDoubleSeconds(absl::Now() - commit_start);
-  FinishCommit(state, changed);
+  FinishCommit(state, absl::OkStatus());
 }
 
 void Job::FinishCommit(StepState& state, const absl::Status& changed) {
@@ -154,7 +58,9 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
     RecordPhase(id(), StepPhase::kCommit, state.commit_seconds);
     StepHistory::Default().Record(
         id(), created_unix_ms_,
-        {state.step, absl::ToUnixMillis(absl::Now()), seconds,
+        {state.step,
+         absl::ToUnixMillis(absl::Now()),
+         seconds,
          {state.phase_seconds[0], state.phase_seconds[1], state.phase_seconds[2],
           state.phase_seconds[3], state.phase_seconds[4], state.commit_seconds}});
     if (state.clip_redo) RecordClipRedo(id());
@@ -187,40 +93,6 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
       static_cast<uint64_t>(steps_completed_) % spec_.checkpoint_every_steps == 0) {
     SaveCheckpointInBackground();
   }
-}
-
-absl::Status Job::ApplyCommit(StepState& state, MomentumStore::Lock& store) {
-  // Writable pointers first, on this thread: the first hands a save in progress the old values.
-  std::vector<float*> momentum(spec_.matrices.size());
-  for (uint32_t m = 0; m < momentum.size(); ++m) momentum[m] = store.mutable_data(m);
-  std::vector<CommitPiece> pieces;
-  const uint64_t bytes = CommitPieces(spec_, layout_, &pieces);
-  std::vector<CommitFound> found(pieces.size());
-  common::ParallelFor(pieces.size(), bytes, [&](size_t k) {
-    const CommitPiece& p = pieces[k];
-    const RankInput& in = state.ranks[p.rank];
-    const std::unique_ptr<float[]> wide(new float[kCommitBlock]);
-    for (size_t i = p.span; i < p.span + p.spans && found[k].element < 0; ++i) {
-      const common::ShardSpan& span = layout_.spans(p.rank)[i];
-      const uint64_t begin = p.spans == 1 ? p.begin : 0;
-      const uint64_t length = p.spans == 1 ? p.length : span.length;
-      const common::DType dtype = spec_.matrices[span.matrix].dtype;
-      const int64_t bad =
-          CommitRun(spec_.muon, dtype, in.span_in[i] + begin * common::DTypeSize(dtype),
-                    momentum[span.matrix] + span.offset + begin, length, wide.get());
-      if (bad >= 0) found[k] = {i, static_cast<int64_t>(span.offset + begin) + bad};
-    }
-  });
-  // The first bad value in the serial pass's order (rank, span, element). The store is then
-  // partly changed (pieces run concurrently), and the job is fenced.
-  for (size_t k = 0; k < pieces.size(); ++k) {
-    if (found[k].element < 0) continue;
-    const common::ShardSpan& span = layout_.spans(pieces[k].rank)[found[k].span];
-    return NonFiniteAtCommit(
-        absl::StrCat("job '", id(), "' step ", state.step, " rank ", pieces[k].rank),
-        spec_.matrices[span.matrix], static_cast<uint64_t>(found[k].element));
-  }
-  return absl::OkStatus();
 }
 
 void Job::DeviceFailed(StepState& state, const absl::Status& status) {

@@ -50,11 +50,12 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec) {
   } else {
     f.spans = spec.matrices.size();
   }
-  // Update mode: the momentum. Apply mode (server/jobs/param_store.h): per tensor the master and
-  // one (Muon) or two (AdamW) optimizer arrays, each twice (committed and next).
+  // Update mode: the momentum, twice (committed and next; server/jobs/momentum_store.h). Apply
+  // mode (server/jobs/param_store.h): per tensor the master and one (Muon) or two (AdamW)
+  // optimizer arrays, each twice.
   uint64_t arrays = 0;
   for (const common::MatrixSpec& m : spec.matrices) {
-    const uint64_t per = spec.mode != common::JobMode::kApply       ? 1
+    const uint64_t per = spec.mode != common::JobMode::kApply       ? 2
                          : m.optimizer == common::Optimizer::kAdamW ? 6
                                                                     : 4;
     if (!MulAdd(&arrays, static_cast<uint64_t>(m.numel()), per)) return TooLarge("state count");

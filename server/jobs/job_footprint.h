@@ -15,7 +15,7 @@ namespace muond::server {
 
 struct JobFootprint {
   uint64_t spans = 0;        // shard spans over all ranks
-  uint64_t state_bytes = 0;  // fp32 momentum (0 for a transport probe)
+  uint64_t state_bytes = 0;  // fp32 state, both buffers of each array (0 for a transport probe)
   // Layout tables, per-step rank and span bookkeeping (an upper bound per entry).
   uint64_t table_bytes = 0;
   uint64_t total() const { return state_bytes + table_bytes; }

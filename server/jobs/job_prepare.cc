@@ -7,13 +7,11 @@
 // With an explicit commit the daemon's state after a step is never in doubt when the trainer
 // stops (a checkpoint taken after CommitStep holds step t; one taken while t is prepared holds
 // t - 1), and a prepared step needs nothing kept beyond the step's own buffers:
-//  - update mode: the commit applies the momentum EMA from the gradients still held by the step
-//    (the ranks' input buffers or shared-memory regions, which the client does not reuse before
-//    it commits: step t + 1 writes the other region of the pair); no staged copy of the momentum;
-//  - apply mode: the step computed the next state into the ParamStore's back buffers; the commit
-//    flips it, an abort leaves the front as it was.
-// Memory cost of keeping a step prepared: none beyond the step in flight itself (the gradients of
-// the step until the commit).
+//  - update mode: the step wrote the new momentum into the MomentumStore's back buffers, and
+//  - apply mode: the next state into the ParamStore's back buffers;
+//    the commit flips the store, an abort leaves the front as it was.
+// Memory cost of keeping a step prepared: none beyond the step in flight itself (the stores hold
+// their back buffers anyway; the gradients are not read again).
 #include <utility>
 
 #include "absl/strings/str_cat.h"

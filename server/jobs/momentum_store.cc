@@ -9,21 +9,26 @@ namespace muond::server {
 MomentumStore::MomentumStore(const common::JobSpec& spec, device::Device* device)
     : device_(device) {
   const size_t n = spec.matrices.size();
-  momentum_.resize(n);
-  pinned_.assign(n, false);
   // Apply mode keeps its momentum in the job's ParamStore.
   const bool none = spec.transport_probe || spec.mode == common::JobMode::kApply;
-  for (size_t m = 0; m < n && !none; ++m) {
-    momentum_[m].assign(static_cast<size_t>(spec.matrices[m].numel()), 0.0f);
-    pinned_[m] = device_->RegisterHost(momentum_[m].data(), momentum_[m].size() * sizeof(float));
-    bytes_ += momentum_[m].size() * sizeof(float);
+  for (int b = 0; b < 2; ++b) {
+    buf_[b].resize(n);
+    pinned_[b].assign(n, false);
+    for (size_t m = 0; m < n && !none; ++m) {
+      std::vector<float>& v = buf_[b][m];
+      v.assign(static_cast<size_t>(spec.matrices[m].numel()), 0.0f);
+      pinned_[b][m] = device_->RegisterHost(v.data(), v.size() * sizeof(float));
+      if (b == 0) bytes_ += v.size() * sizeof(float);
+    }
   }
 }
 
 MomentumStore::~MomentumStore() {
-  for (size_t m = 0; m < momentum_.size(); ++m) {
-    if (pinned_[m]) {
-      device_->UnregisterHost(momentum_[m].data(), momentum_[m].size() * sizeof(float));
+  for (int b = 0; b < 2; ++b) {
+    for (size_t m = 0; m < buf_[b].size(); ++m) {
+      if (pinned_[b][m]) {
+        device_->UnregisterHost(buf_[b][m].data(), buf_[b][m].size() * sizeof(float));
+      }
     }
   }
 }
@@ -32,25 +37,34 @@ MomentumStore::Lock::Lock(MomentumStore& store) : store_(store) { store_.mu_.Loc
 
 MomentumStore::Lock::~Lock() { store_.mu_.Unlock(); }
 
-float* MomentumStore::Lock::mutable_data(uint32_t m) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  if (!preserved_) {
-    store_.PreserveForSnapshot();
-    preserved_ = true;
-  }
-  return store_.momentum_[m].data();
+void MomentumStore::Lock::Preserve() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (preserved_) return;
+  store_.PreserveForSnapshot();
+  preserved_ = true;
+}
+
+float* MomentumStore::Lock::mutable_data(uint32_t m) {
+  Preserve();
+  return store_.Front(m).data();
 }
 
 void MomentumStore::Lock::Zero() {
-  for (uint32_t m = 0; m < store_.momentum_.size(); ++m) {
+  for (uint32_t m = 0; m < store_.matrices(); ++m) {
     float* d = mutable_data(m);
-    std::fill(d, d + store_.momentum_[m].size(), 0.0f);
+    std::fill(d, d + store_.numel(m), 0.0f);
   }
+}
+
+void MomentumStore::Lock::Flip() {
+  // The old front becomes the back, which the next step overwrites.
+  Preserve();
+  store_.parity_ = 1 - store_.parity_;
 }
 
 void MomentumStore::Lock::BeginSnapshot() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   store_.snapshot_ = std::make_unique<Snapshot>();
-  store_.snapshot_->copied.assign(store_.momentum_.size(), false);
-  store_.snapshot_->saved.resize(store_.momentum_.size());
+  store_.snapshot_->copied.assign(store_.matrices(), false);
+  store_.snapshot_->saved.resize(store_.matrices());
 }
 
 void MomentumStore::PreserveForSnapshot() {
@@ -59,15 +73,14 @@ void MomentumStore::PreserveForSnapshot() {
   // CPUs, a matrix per task (each task allocates and fills its own copy).
   std::vector<size_t> todo;
   uint64_t bytes = 0;
-  for (size_t m = 0; m < momentum_.size(); ++m) {
+  for (size_t m = 0; m < matrices(); ++m) {
     if (snapshot_->copied[m] || !snapshot_->saved[m].empty()) continue;
     todo.push_back(m);
-    bytes += momentum_[m].size() * sizeof(float);
+    bytes += numel(m) * sizeof(float);
   }
   Snapshot& snapshot = *snapshot_;
-  common::ParallelFor(todo.size(), 2 * bytes, [&](size_t k) {
-    snapshot.saved[todo[k]].assign(momentum_[todo[k]].begin(), momentum_[todo[k]].end());
-  });
+  common::ParallelFor(todo.size(), 2 * bytes,
+                      [&](size_t k) { snapshot.saved[todo[k]] = Front(todo[k]); });
 }
 
 void MomentumStore::CopyForSnapshot(uint32_t m, std::vector<float>* out) {
@@ -76,7 +89,7 @@ void MomentumStore::CopyForSnapshot(uint32_t m, std::vector<float>* out) {
     *out = std::move(snapshot_->saved[m]);
     snapshot_->saved[m] = std::vector<float>();
   } else {
-    out->assign(momentum_[m].begin(), momentum_[m].end());
+    *out = Front(m);
   }
   snapshot_->copied[m] = true;
 }

@@ -319,6 +319,13 @@ class StepPipeline::Run {
                                                  staging.size() * sizeof(float)));
       CountStaged(false, staging.size() * sizeof(float));
     }
+    // Update mode: the new momentum (the one the update was computed from) into the store's back
+    // buffer, which the commit makes the front (apply mode writes its state on the host).
+    for (size_t k = 0; k < batch.mom.size() && p_.params_ == nullptr; ++k) {
+      const uint32_t m = batch.matrices[batch.on_device[k]];
+      RETURN_IF_ERROR(dev_.writeback->CopyToHost(p_.momentum_.next(m), batch.mom[k], 0,
+                                                 p_.momentum_.numel(m) * sizeof(float)));
+    }
     auto written = dev_.writeback->Record();
     if (!written.ok()) return written.status();
     batch.written = *written;
@@ -384,9 +391,8 @@ class StepPipeline::Run {
 };
 
 StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
-                           const MomentumStore& momentum, ParamStore* params,
-                           DeviceStreams* devices, uint64_t gather_budget_bytes,
-                           absl::Mutex* job_mu, Sink* sink)
+                           MomentumStore& momentum, ParamStore* params, DeviceStreams* devices,
+                           uint64_t gather_budget_bytes, absl::Mutex* job_mu, Sink* sink)
     : spec_(spec),
       layout_(layout),
       momentum_(momentum),

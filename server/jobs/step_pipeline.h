@@ -18,9 +18,11 @@
 // registration failed, apply mode (its gradient norm, clipping and AdamW run on the host) and the
 // transport probe.
 //
-// The device computes the new momentum next to the update but it is not written back: the store
-// changes only at commit (Job::Commit re-applies the same EMA on the host), which keeps a refused
-// step's momentum bit-identical without a staged copy.
+// Update mode: the device computes the new momentum next to the update, and the writeback copies
+// it into the MomentumStore's back buffer (MomentumStore::next) beside the update; the commit
+// flips the store. The momentum committed is thus the one the update was computed from, from the
+// gradient as the device read it once (a shared-memory peer that rewrites its region before the
+// commit changes nothing), and a refused step leaves the committed momentum bit-identical.
 //
 // Apply mode (DESIGN.md 4b, apply_step.h): AdamW tensors never go to the device; they run on the
 // host threads right after their batch's Muon tensors were enqueued (so with a GPU they overlap
@@ -72,7 +74,7 @@ class StepPipeline {
   // `params`: apply mode's store (null in update mode): the step then also runs AdamW tensors on
   // the host, applies the Muon updates to the masters, returns new parameters and recomputes the
   // step when global clipping triggers (server/jobs/apply_step.h).
-  StepPipeline(const common::JobSpec& spec, const JobLayout& layout, const MomentumStore& momentum,
+  StepPipeline(const common::JobSpec& spec, const JobLayout& layout, MomentumStore& momentum,
                ParamStore* params, DeviceStreams* devices, uint64_t gather_budget_bytes,
                absl::Mutex* job_mu, Sink* sink);
   ~StepPipeline();
@@ -119,7 +121,7 @@ class StepPipeline {
 
   const common::JobSpec& spec_;
   const JobLayout& layout_;
-  const MomentumStore& momentum_;
+  MomentumStore& momentum_;
   ParamStore* const params_;
   const std::unique_ptr<ApplyStep> apply_;
   DeviceStreams* const devices_;

@@ -122,7 +122,7 @@ Stages ModelStages(const common::JobSpec& spec) {
   for (const common::MatrixSpec& m : spec.matrices) {
     const double bytes = 4.0 * static_cast<double>(m.numel());  // fp32 on the device
     s.copy_in += 2 * copy(bytes);                               // gradient and momentum
-    s.writeback += copy(bytes);                                 // the update
+    s.writeback += 2 * copy(bytes);  // the update and the new momentum (update mode)
     // Blocks of rows x cols (2-D, heads: rows / H; 3-D: E blocks).
     const size_t d = m.shape.size();
     double batch = static_cast<double>(m.num_heads);
