@@ -21,7 +21,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
-  libtorch-dev libopenblas0-pthread libblas-dev nlohmann-json3-dev libssl-dev
+  libtorch-dev libdnnl-dev libopenblas0-pthread libblas-dev nlohmann-json3-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   prometheus openssl
   python3 python3-numpy python3-torch

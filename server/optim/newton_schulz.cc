@@ -10,9 +10,11 @@
 //  - float32: each iteration is the symmetric products of symmetric_products.h through the system
 //    BLAS: X X^T and A A by SYRK (one triangle, half a GEMM's FLOPs, mirrored), B X by SYMM. Per
 //    iteration on [m, n]: 1.5 m^2 n + 0.5 m^3 multiply-adds instead of 2 m^2 n + m^3.
-//  - bfloat16: LibTorch 1.13 routes bf16 GEMMs to oneDNN (AVX-512 BF16 on this CPU), accumulating
-//    in fp32 and rounding each op's result to bf16 once: three batched GEMMs per iteration
-//    (ns_batched_math.cc says why not the triangle products).
+//  - bfloat16: oneDNN's matmul (AVX-512 BF16 where the CPU has it), accumulating in fp32 and
+//    rounding each op's result to bf16 once, called directly (dnnl_gemm.h): X X^T and A A as
+//    upper-triangle strips (mirrored), B X in column chunks, every piece a single-threaded product
+//    and the pieces of all blocks spread over the threads (ns_tasks.h). Per iteration on [m, n]
+//    with S strips: (1 + 1/S)/2 of X X^T and A A, all of B X.
 //  - float16: LibTorch 1.13's CPU GEMM has no Half kernel, so fp16 is emulated: fp32 storage and
 //    the fp32 products above, each op's result rounded to fp16 (nearest even, overflow to inf).
 //    It exists for parity with fp16 device backends, not for speed.
@@ -92,9 +94,12 @@ absl::Status CheckArguments(const MuonConfig& config, MatrixGeometry geometry) {
   return absl::OkStatus();
 }
 
-// X / (||X||_F * k + eps) per block of view [b, m, n], into a new contiguous fp32 tensor for every
-// compute dtype (cast to it where the fp32 iterations end, see Iterations).
-at::Tensor NormalizeBlocks(NsMethod method, const at::Tensor& view, const char** op) {
+// X / (||X||_F * k + eps) per block of view [b, m, n], into a new contiguous tensor of `storage`:
+// fp32 wherever fp32 iterations or the Gram path come first (cast later, see Iterations), or
+// straight to bf16 (the quotient computed in fp32 and rounded once on store: the bits of the fp32
+// quotient cast afterwards, one pass over the matrix fewer).
+at::Tensor NormalizeBlocks(NsMethod method, const at::Tensor& view, at::ScalarType storage,
+                           const char** op) {
   const int64_t batch = view.size(0);
   const double k = ns::NormFactor(method);
   *op = "frobenius norm";
@@ -108,7 +113,7 @@ at::Tensor NormalizeBlocks(NsMethod method, const at::Tensor& view, const char**
   }
   denom.mul_(k).add_(kNormEpsilon);
   *op = "normalize";
-  at::Tensor xs = at::empty(view.sizes(), view.options());
+  at::Tensor xs = at::empty(view.sizes(), view.options().dtype(storage));
   at::div_out(xs, view, denom);  // contiguous [b, m, n]
   return xs;
 }
@@ -149,7 +154,7 @@ at::Tensor Iterations(const MuonConfig& config, BatchedMath& math, BatchedMath& 
   }
   at::Tensor x = DirectIterations(fp32_math, std::move(xs), method, 0, fp32_steps, steps);
   if (fp32_steps == steps) return x;
-  x = math.ToCompute("cast X to the compute dtype", x);
+  if (x.scalar_type() != math.storage()) x = math.ToCompute("cast X to the compute dtype", x);
   return DirectIterations(math, std::move(x), method, fp32_steps, steps, steps);
 }
 
@@ -196,7 +201,11 @@ absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometr
                                       at::TensorOptions().dtype(at::kFloat));
     const bool transposed = geometry.rows > geometry.cols;
     at::Tensor view = transposed ? blocks.transpose(1, 2) : blocks;  // [b, m, n], m <= n
-    at::Tensor xs = NormalizeBlocks(config.ns_method, view, &op);
+    // Normalized straight into bf16 when the first iteration is a plain bf16 one.
+    const bool plain_bf16 = config.compute_dtype == DType::kBFloat16 &&
+                            config.fp32_iterations <= 0 && config.ns_method != NsMethod::kGram;
+    at::Tensor xs =
+        NormalizeBlocks(config.ns_method, view, plain_bf16 ? at::kBFloat16 : at::kFloat, &op);
     const at::Tensor result = Iterations(config, math, fp32_math, std::move(xs));
     WriteBack(result, scale, view, blocks, &op);
   } catch (const c10::Error& e) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "server/optim/ns_tasks.h"
 #include "server/optim/symmetric_products.h"
 
 namespace muond::server::internal {
@@ -34,13 +35,18 @@ ScopedSingleAtenThread::~ScopedSingleAtenThread() {
 void BatchedMath::Iteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a,
                             at::Tensor& p, at::Tensor& next) {
   if (storage_ == at::kFloat) return BlasIteration(x, k, a, p, next);
-  // bf16: three batched oneDNN GEMMs. Computing one triangle of X X^T and A A as several smaller
-  // GEMMs (block rows or block diagonals, mirrored) was measured slower than the one full GEMM
-  // through LibTorch 1.13's oneDNN path on this CPU (1024 x 3072: 8 block-row GEMMs 2-4x the
-  // time of the full product), so bf16 keeps the full products.
-  Bmm("bmm(X, X^T)", x, x.transpose(1, 2), a);
-  Baddbmm("baddbmm(b A + c A A)", a, a, a, k.b, k.c, p);
-  Baddbmm("baddbmm(a X + B X)", x, p, x, k.a, 1.0, next);
+  // bf16: the upper-triangle strips and column chunks of ns_tasks.h, each a single-threaded
+  // oneDNN product, over the calling thread's OpenMP team.
+  TaskBlocks blocks;
+  blocks.type = GemmType::kBFloat16;
+  blocks.batch = x.size(0);
+  blocks.m = x.size(1);
+  blocks.n = x.size(2);
+  blocks.x = x.data_ptr();
+  blocks.a = a.data_ptr();
+  blocks.p = p.data_ptr();
+  blocks.next = next.data_ptr();
+  TaskIteration(blocks, k, omp_get_max_threads(), op_);
 }
 
 void BatchedMath::BlasIteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a,

@@ -47,7 +47,8 @@ class BatchedMath {
   // One iteration of the formula on x [b, m, n] (contiguous, m <= n, this dtype):
   // a = X X^T, p = b A + c A A, next = a X + P X; a and p are [b, m, m] scratch, next [b, m, n].
   // fp32 storage (fp32, fp16 emulation): the symmetric BLAS products (symmetric_products.h).
-  // bf16: three batched oneDNN GEMMs (see ns_batched_math.cc).
+  // bf16: the upper-triangle strips and column chunks of ns_tasks.h (single-threaded oneDNN
+  // products side by side on the calling thread's OpenMP team).
   void Iteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a, at::Tensor& p,
                  at::Tensor& next);
 

@@ -1,0 +1,191 @@
+// See ns_tasks.h.
+#include "server/optim/ns_tasks.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <vector>
+
+namespace muond::server::internal {
+namespace {
+
+size_t ElementSize(GemmType type) { return type == GemmType::kBFloat16 ? 2 : 4; }
+
+struct Task {
+  int64_t block;
+  int64_t offset;  // first row (strips) or column (chunks)
+  int64_t size;    // rows or columns
+};
+
+// Strips of the upper triangle, largest (lowest row) first across all blocks.
+std::vector<Task> Strips(int64_t batch, int64_t m) {
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < m; r += kStripRows) {
+    for (int64_t j = 0; j < batch; ++j) tasks.push_back({j, r, std::min(kStripRows, m - r)});
+  }
+  return tasks;
+}
+
+std::vector<Task> Chunks(int64_t batch, int64_t n) {
+  std::vector<Task> tasks;
+  for (int64_t c = 0; c < n; c += kChunkCols) {
+    for (int64_t j = 0; j < batch; ++j) tasks.push_back({j, c, std::min(kChunkCols, n - c)});
+  }
+  return tasks;
+}
+
+// Copies the strip's upper part M[r:r+h, r:m] into the lower triangle: M[c, r + i] = M[r + i, c]
+// for c > r + i. Elements are `E` bytes wide (bit copies).
+template <typename E>
+void MirrorStrip(E* mat, int64_t m, int64_t r, int64_t h) {
+  constexpr int64_t kTile = 32;  // a tile's source rows and destination rows stay in L1
+  for (int64_t c0 = r; c0 < m; c0 += kTile) {
+    const int64_t c1 = std::min(c0 + kTile, m);
+    for (int64_t i0 = 0; i0 < h && r + i0 < c1; i0 += kTile) {
+      const int64_t i1 = std::min(i0 + kTile, h);
+      for (int64_t c = c0; c < c1; ++c) {
+        E* row = mat + c * m + r;
+        const int64_t upto = std::min(i1, c - r);
+        for (int64_t i = i0; i < upto; ++i) row[i] = mat[(r + i) * m + c];
+      }
+    }
+  }
+}
+
+void Mirror(GemmType type, void* mat, int64_t m, int64_t r, int64_t h) {
+  if (type == GemmType::kBFloat16) {
+    MirrorStrip(static_cast<uint16_t*>(mat), m, r, h);
+  } else {
+    MirrorStrip(static_cast<uint32_t*>(mat), m, r, h);
+  }
+}
+
+// Copies rows x cols elements between row-major matrices with the given row strides.
+void CopyRect(const char* src, int64_t lds, char* dst, int64_t ldd, int64_t rows, int64_t cols,
+              size_t esize) {
+  for (int64_t i = 0; i < rows; ++i) {
+    std::memcpy(dst + i * ldd * esize, src + i * lds * esize, static_cast<size_t>(cols) * esize);
+  }
+}
+
+// A phase gets one thread per kMinMultiplyAddsPerThread of work (at least one, at most `threads`):
+// waking a thread for a fraction of a millisecond of work costs more than it saves, much more when
+// the cores are oversubscribed and the team's barrier waits for a descheduled thread.
+constexpr int64_t kMinMultiplyAddsPerThread = int64_t{1} << 25;
+
+int PhaseThreads(int threads, size_t tasks, int64_t multiply_adds) {
+  const int64_t by_work = std::max<int64_t>(1, multiply_adds / kMinMultiplyAddsPerThread);
+  return static_cast<int>(std::min<int64_t>({threads, static_cast<int64_t>(tasks), by_work}));
+}
+
+// Runs fn on every task over `threads` threads (dynamic schedule, in order); rethrows the first
+// failure.
+void RunPhase(const std::vector<Task>& tasks, int threads,
+              const std::function<void(const Task&)>& fn) {
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  const int64_t count = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t t = 0; t < count; ++t) {
+    if (failed.load(std::memory_order_relaxed)) continue;
+    try {
+      fn(tasks[static_cast<size_t>(t)]);
+    } catch (...) {
+#pragma omp critical(muond_ns_task_error)
+      {
+        if (!error) error = std::current_exception();
+      }
+      failed.store(true, std::memory_order_relaxed);
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace
+
+void TaskIteration(const TaskBlocks& blk, const ns::Coefficients& k, int threads, const char** op) {
+  const int64_t m = blk.m, n = blk.n;
+  const size_t es = ElementSize(blk.type);
+  const char* x = static_cast<const char*>(blk.x);
+  char* a = static_cast<char*>(blk.a);
+  char* p = static_cast<char*>(blk.p);
+  char* next = static_cast<char*>(blk.next);
+  const int64_t xsize = m * n, asize = m * m;
+  threads = std::max(threads, 1);
+  const std::vector<Task> strips = Strips(blk.batch, m);
+  const std::vector<Task> chunks = Chunks(blk.batch, n);
+  // Multiply-adds of a phase: the strips cover about half of m x m outputs.
+  const int64_t gram_work = blk.batch * (m * m / 2) * n;
+  const int64_t poly_work = blk.batch * (m * m / 2) * m;
+  const int64_t apply_work = blk.batch * m * m * n;
+
+  *op = "X X^T (upper strips)";
+  RunPhase(strips, PhaseThreads(threads, strips.size(), gram_work), [&](const Task& t) {
+    const char* xb = x + t.block * xsize * es;
+    char* ab = a + t.block * asize * es;
+    GemmArgs g{blk.type,
+               xb + t.offset * n * es,
+               xb + t.offset * n * es,
+               ab + (t.offset * m + t.offset) * es,
+               t.size,
+               m - t.offset,
+               n,
+               n,
+               n,
+               m,
+               /*b_transposed=*/true};
+    DnnlGemm(g);
+    Mirror(blk.type, ab, m, t.offset, t.size);
+  });
+
+  *op = "b A + c A A (upper strips)";
+  RunPhase(strips, PhaseThreads(threads, strips.size(), poly_work), [&](const Task& t) {
+    const char* ab = a + t.block * asize * es;
+    char* pb = p + t.block * asize * es;
+    const int64_t corner = (t.offset * m + t.offset) * static_cast<int64_t>(es);
+    CopyRect(ab + corner, m, pb + corner, m, t.size, m - t.offset, es);
+    GemmArgs g{blk.type,
+               ab + t.offset * m * es,
+               ab + t.offset * m * es,
+               pb + corner,
+               t.size,
+               m - t.offset,
+               m,
+               m,
+               m,
+               m,
+               /*b_transposed=*/true,
+               static_cast<float>(k.c),
+               static_cast<float>(k.b)};
+    DnnlGemm(g);
+    Mirror(blk.type, pb, m, t.offset, t.size);
+  });
+
+  *op = "a X + P X (column chunks)";
+  RunPhase(chunks, PhaseThreads(threads, chunks.size(), apply_work), [&](const Task& t) {
+    const char* xb = x + t.block * xsize * es;
+    const char* pb = p + t.block * asize * es;
+    char* nb = next + t.block * xsize * es;
+    CopyRect(xb + t.offset * es, n, nb + t.offset * es, n, m, t.size, es);
+    GemmArgs g{blk.type,
+               pb,
+               xb + t.offset * es,
+               nb + t.offset * es,
+               m,
+               t.size,
+               m,
+               m,
+               n,
+               n,
+               /*b_transposed=*/false,
+               1.0f,
+               static_cast<float>(k.a)};
+    DnnlGemm(g);
+  });
+}
+
+}  // namespace muond::server::internal

@@ -1,0 +1,49 @@
+// Internal to server/optim: one Newton-Schulz iteration as independent single-threaded GEMM tasks
+// (dnnl_gemm.h) spread over the calling thread's OpenMP team; the bf16 iteration of
+// ns_batched_math.cc.
+//
+// On blocks X [batch, m, n] (m <= n, contiguous) the iteration is, per block,
+//   A = X X^T,  P = b A + c A A,  next = a X + P X,
+// each product's fp32 accumulation rounded once to the storage dtype. A and P are symmetric, so
+// only their upper triangle is computed, in strips of kStripRows rows: the strip at row r is
+//   A[r:r+h, r:m] = X[r:r+h, :] X[r:m, :]^T          (then mirrored into A[r:m, r:r+h])
+//   P[r:r+h, r:m] = b A[r:r+h, r:m] + c A[r:r+h, :] A[r:m, :]^T    (A A = A A^T; mirrored)
+// which costs (1 + 1/S) / 2 of the full product for S strips (0.625 at m = 1024). next is computed
+// in column chunks of kChunkCols: next[:, j:j+w] = a X[:, j:j+w] + P X[:, j:j+w].
+//
+// Each task is one block's strip or chunk; a phase's tasks (all blocks) run on the team with a
+// dynamic schedule, largest first, and the three phases are separated by the team's barrier. A
+// block's tasks depend only on (m, n), and each task is a single-threaded primitive of fixed shape,
+// so a block's bits do not depend on the batch it is in, on the thread count or on which thread
+// ran which task (same-shape batching, DESIGN.md 3).
+#ifndef MUOND_SERVER_OPTIM_NS_TASKS_H_
+#define MUOND_SERVER_OPTIM_NS_TASKS_H_
+
+#include <cstdint>
+
+#include "server/optim/dnnl_gemm.h"
+#include "server/optim/ns_schedule.h"
+
+namespace muond::server::internal {
+
+inline constexpr int64_t kStripRows = 256;
+inline constexpr int64_t kChunkCols = 512;
+
+struct TaskBlocks {
+  GemmType type = GemmType::kBFloat16;
+  int64_t batch = 0, m = 0, n = 0;
+  const void* x = nullptr;  // [batch, m, n]
+  void* a = nullptr;        // [batch, m, m] scratch
+  void* p = nullptr;        // [batch, m, m] scratch
+  void* next = nullptr;     // [batch, m, n] result
+};
+
+// One iteration with coefficients k on `threads` threads (>= 1). `*op` names the phase in flight
+// for error messages. Throws std::runtime_error (the first task's failure) if a product fails;
+// the outputs are then unspecified.
+void TaskIteration(const TaskBlocks& blocks, const ns::Coefficients& k, int threads,
+                   const char** op);
+
+}  // namespace muond::server::internal
+
+#endif  // MUOND_SERVER_OPTIM_NS_TASKS_H_
