@@ -1,18 +1,22 @@
 """The chaos run (tests/chaos/run.sh): the soak's two jobs (tests/soak/harness.py: update mode
-over shared memory, apply mode over gRPC, 4 ranks each) on one muond, in rounds: a few clean steps,
-a checkpoint of each job, then one fault drawn from a printed seed, and the recovery a user would
+over shared memory, apply mode over gRPC, 4 ranks each) on one muond, in rounds: a checkpoint of
+each job, a few clean steps, then one fault drawn from a printed seed and the recovery a user would
 make. At the end each job's state (a checkpoint) must equal, bit for bit, a fault-free run of the
 same steps in a fresh daemon, and every step that ran more than once must have returned the same
 results each time.
 
-Faults: rank_kill (SIGKILL of one rank at a random point of a step), daemon_kill_step (SIGKILL of
-the daemon at a random point of a step of both jobs: assembly, compute or commit), daemon_kill_save
-(SIGKILL while a save is being written, writes slowed by the daemon's test hook), save_enospc and
-save_eio (the daemon restarted with $MUOND_TEST_CHECKPOINT_FAULT failing one write or fsync of a
-save), corrupt_newest (a byte of the newest generation flipped), stall (a rank that waits past the
-job's step timeout before it pushes). Recoveries: checkpoint load (newest good generation) or, for
+Faults: rank_kill (SIGKILL of one rank at a random time in a step, or by itself half way through
+writing its gradients, before submitting them or after its step returned), daemon_kill_step
+(SIGKILL of the daemon at a random time in a step of both jobs, sometimes with a save in flight),
+daemon_kill_save (SIGKILL while a save is being written, writes slowed by the daemon's test hook
+$MUOND_TEST_CHECKPOINT_FAULT), save_enospc (the daemon restarted with that hook failing a write of
+a save with ENOSPC), save_eio (EIO from a mkdir, open, write, fsync, rename or directory fsync of a
+save), corrupt_newest (a bit of the newest generation flipped), stall (a rank that waits past the
+job's step timeout before it submits). Recoveries: checkpoint load (newest good generation) or, for
 the update-mode job, a reset to step 0, then the lost steps replayed; daemon restart (each job
-restored from its newest good generation), then the lost steps replayed.
+restored from its newest good generation), then the lost steps replayed; a failed save retried.
+A restart after SIGKILL must not resume before the newest acknowledged save; one after SIGTERM
+must resume where the jobs were.
 """
 import argparse
 import collections
@@ -307,7 +311,7 @@ class Chaos:
         return self.save_fault(28, ["write"])
 
     def save_eio(self):
-        return self.save_fault(5, ["write", "fsync"])
+        return self.save_fault(5, ["mkdir", "open", "write", "fsync", "rename", "fsyncdir"])
 
     def corrupt_newest(self):
         job = self.rng.choice(self.jobs)
