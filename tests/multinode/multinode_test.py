@@ -135,6 +135,30 @@ class MultiNodeTest(unittest.TestCase):
     def test_two_nodes_of_two_ranks_bit_identical(self):
         self.check_identical([0, 0, 1, 1], bf16=True)  # and apply mode in bfloat16
 
+    def test_reshard_two_to_three_nodes_through_export(self):
+        """2 nodes x 2 ranks train 4 steps and export every node's state into one directory;
+        jobs on 3 nodes x 2 ranks are created from it and continue: every step bit-identical
+        to an uninterrupted run (update mode stage 2, apply mode stage 3)."""
+        self.daemons.append(NodeDaemon(self.root, "single"))
+        for n in range(3):  # phase 1 uses nodes 0 and 1
+            self.daemons.append(NodeDaemon(self.root, f"node{n}"))
+        export = os.path.join(self.root, "export")
+        first = self.run_world([0, 0, 1, 1], "reshard", export_root=export)
+        second = self.run_world([0, 0, 1, 1, 2, 2], "reshard_resume", export_root=export)
+        for r, res in enumerate(first):
+            for case, c in res.items():
+                self.assertEqual(c["bitwise_before"], 4, f"rank {r} {case}")
+                self.assertEqual(c["exported"]["next_step"], 4)
+                self.assertEqual([n["node"] for n in c["exported"]["nodes"]], [0, 1])
+        for r, res in enumerate(second):
+            for case, c in res.items():
+                self.assertEqual(c["resumed_at"], 4, f"rank {r} {case}")
+                self.assertEqual(c["nodes"], 3)
+                self.assertEqual(c["files"], [f"reshard2-{case}.node{n}.{kind}"
+                                              for n in (0, 1)
+                                              for kind in ("manifest.json", "safetensors")])
+                self.assertEqual(c["bitwise_after"], 4, f"rank {r} {case}")
+
     def test_spec_and_plan_checks(self):
         """No daemon: the "multinode" block's checks and the plan's, through the client library."""
         spec = {"job_id": "j", "matrices": [{"name": "a", "shape": [4, 8]},

@@ -14,6 +14,8 @@ Scenarios:
     checkpoint after step 1, a fault in step 3 (see FAULTS), every rank's error, the nodes' next
     steps, then recovery (restart the daemon if killed, load_checkpoint, the trainer's own state
     back) and steps 2..5 again: bit-identical to the reference.
+  reshard / reshard_resume: 2 nodes x 2 ranks export their state after 4 steps; 3 nodes x 2
+    ranks created from the export continue: bit-identical to one daemon's uninterrupted run.
 """
 import copy
 import json
@@ -252,6 +254,57 @@ def rank_kill_resume(cfg, rank):
     return result
 
 
+RESHARD_STEPS, RESHARD_AT = 8, 4
+RESHARD_CASES = [(2, "update"), (3, "apply")]
+
+
+def reshard(cfg, rank):
+    """Phase 1 of re-sharding (2 nodes x 2 ranks): the reference (one daemon, 8 steps
+    uninterrupted), then the nodes for 4 steps, export_state into one directory per case, the
+    trainer's own state saved for phase 2. The gradients are the same on every rank (already
+    reduced, reduce_gradients=False), so the trajectory does not depend on the world size."""
+    result = {}
+    for stage, mode in RESHARD_CASES:
+        name = f"s{stage}-{mode}"
+        opt, params, adam = make(cfg, rank, stage, mode, False, f"ref-reshard-{name}",
+                                 reduce_gradients=False)
+        want = run_steps(opt, params, adam, 0, range(RESHARD_STEPS))
+        opt.close(delete_job=True)
+        opt, params, adam = make(cfg, rank, stage, mode, True, f"reshard2-{name}",
+                                 reduce_gradients=False)
+        got = run_steps(opt, params, adam, 0, range(RESHARD_AT))
+        exported = opt.export_state(os.path.join(cfg["export_root"], name))
+        torch.save({"want": want, "sd": copy.deepcopy(opt.state_dict()),
+                    "trainer": snapshot(params, adam)},
+                   os.path.join(cfg["out"], f"reshard-{name}-{rank}.pt"))
+        result[name] = {"bitwise_before": sum(same(a, b) for a, b in zip(got, want)),
+                        "exported": exported}
+        opt.close(delete_job=True)  # the export stands on its own
+    return result
+
+
+def reshard_resume(cfg, rank):
+    """Phase 2 (3 nodes x 2 ranks): node jobs created from the export (import_dir), the
+    trainer's state loaded, steps 4..7: bit-identical to the uninterrupted reference?"""
+    result = {}
+    for stage, mode in RESHARD_CASES:
+        name = f"s{stage}-{mode}"
+        saved = torch.load(os.path.join(cfg["out"], f"reshard-{name}-{rank % 4}.pt"))
+        export_dir = os.path.join(cfg["export_root"], name)
+        opt, params, adam = make(cfg, rank, stage, mode, True, f"reshard3-{name}",
+                                 reduce_gradients=False, import_dir=export_dir)
+        for p, t in zip(list(params.values()) + list(adam.values()), saved["trainer"]):
+            p.data.copy_(t)
+        resumed = opt.load_state_dict(saved["sd"])
+        got = run_steps(opt, params, adam, 0, range(RESHARD_AT, RESHARD_STEPS))
+        result[name] = {"resumed_at": resumed, "nodes": opt.nodes,
+                        "files": sorted(os.listdir(export_dir)),
+                        "bitwise_after": sum(same(a, b) for a, b in
+                                             zip(got, saved["want"][RESHARD_AT:]))}
+        opt.close(delete_job=True)
+    return result
+
+
 def main():
     cfg = json.load(open(sys.argv[1]))
     rank = int(sys.argv[2])
@@ -262,7 +315,8 @@ def main():
                             timeout=timedelta(seconds=cfg.get("pg_timeout", 120)))
     try:
         result = {"identical": identical, "fault": fault, "rank_kill": rank_kill,
-                  "rank_kill_resume": rank_kill_resume}[cfg["scenario"]](cfg, rank)
+                  "rank_kill_resume": rank_kill_resume, "reshard": reshard,
+                  "reshard_resume": reshard_resume}[cfg["scenario"]](cfg, rank)
     except Exception as e:  # reported in the rank's file, then the rank fails
         result = {"exception": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
     with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
