@@ -27,7 +27,8 @@ constexpr const char* kKnownFlags[] = {
     "address", "spec", "token-file", "job", "rank", "step", "grads", "out", "next-step",
     "transport", "json", "iterations", "interval", "metrics-address", "generation",
     "restore-from", "restore-token-file", "restore-generation", "restore-step",
-    "tls-ca", "tls-cert", "tls-key", "params", "lr", "wd", "grad-divisor", "dtype"};
+    "tls-ca", "tls-cert", "tls-key", "params", "lr", "wd", "grad-divisor", "dtype", "dir",
+    "import-dir"};
 // clang-format on
 constexpr const char* kRepeatable[] = {"lr", "wd"};
 
