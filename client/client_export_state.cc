@@ -191,12 +191,6 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
     int64_t step, const std::string& dir,
     const std::function<void(uint64_t done, uint64_t total)>& progress) {
   if (dir.empty()) return absl::InvalidArgumentError("export: no directory given");
-  // The directory and its missing parents (mkdir -p).
-  for (size_t slash = dir.find('/', 1); true; slash = dir.find('/', slash + 1)) {
-    const std::string d = dir.substr(0, slash);
-    if (::mkdir(d.c_str(), 0755) != 0 && errno != EEXIST) return Errno(d, "mkdir");
-    if (slash == std::string::npos) break;
-  }
   StateExportFiles files;
   files.payload = absl::StrCat(dir, "/", job_id, se::kPayloadSuffix);
   files.manifest = absl::StrCat(dir, "/", job_id, se::kManifestSuffix);
@@ -209,6 +203,12 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
   }
   ASSIGN_OR_RETURN(const ExportedState state,
                    client.ExportState(job_id, token, generation, step, progress));
+  // The directory and its missing parents (mkdir -p), once there is something to write.
+  for (size_t slash = dir.find('/', 1); true; slash = dir.find('/', slash + 1)) {
+    const std::string d = dir.substr(0, slash);
+    if (::mkdir(d.c_str(), 0755) != 0 && errno != EEXIST) return Errno(d, "mkdir");
+    if (slash == std::string::npos) break;
+  }
   se::Manifest m;
   m.job_id = job_id;
   if (state.spec.two_phase()) {

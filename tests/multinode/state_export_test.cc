@@ -153,6 +153,7 @@ TEST_F(StateExportTest, BadInputIsRefusedNamingWhatAndWhereAndChangesNothing) {
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
   s = client::ExportStateToDir(*client_, "a", *token, 9, -1, Dir("x")).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_FALSE(std::filesystem::exists(Dir("x")));  // a failed export leaves nothing behind
   s = client::ExportStateToDir(*client_, "a", *token, 0, -1, Dir("good")).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists) << s;
   EXPECT_NE(std::string(s.message()).find(good->payload), std::string::npos) << s.message();
