@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include <filesystem>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
@@ -234,6 +235,46 @@ TEST_F(StateExportTest, BadInputIsRefusedNamingWhatAndWhereAndChangesNothing) {
   ASSERT_TRUE(runs[0].status[0].ok()) << runs[0].status[0];
   ASSERT_TRUE(same[0].status[0].ok()) << same[0].status[0];
   EXPECT_EQ(runs[0].spans[0], same[0].spans[0]);
+}
+
+TEST_F(StateExportTest, MuonctlExportsAndCreatesFromTheExport) {
+  const common::JobSpec spec = Spec("a", 1, 0);
+  const MatrixBytes grads = MakeGradients(spec.matrices, 2, 9);
+  auto token = client_->CreateJob(spec);
+  ASSERT_TRUE(token.ok()) << token.status();
+  const std::string& addr = daemon_->address();
+  ASSERT_TRUE(RunRanks(addr, "a", *token, 1, Steps(grads, 0, 1), false, 0)[0].status[0].ok());
+  const std::map<std::string, std::string> env = {{"MUOND_JOB_TOKEN", *token}};
+  ProcessResult r =
+      RunMuonctl(addr, {"checkpoint", "export", "--job", "a", "--dir", Dir("cli")}, env);
+  ASSERT_TRUE(r.exited && r.exit_code == 0) << r.err;
+  EXPECT_NE(r.out.find("exported job a live state at step 1: 5 tensors"), std::string::npos)
+      << r.out;
+  // Again into the same directory: ALREADY_EXISTS (exit 6), the files untouched.
+  const std::string before = ReadWholeFile(Dir("cli/a.safetensors"));
+  r = RunMuonctl(addr, {"checkpoint", "export", "--job", "a", "--dir", Dir("cli")}, env);
+  EXPECT_EQ(r.exit_code, 6) << r.err;
+  EXPECT_EQ(ReadWholeFile(Dir("cli/a.safetensors")), before);
+  r = RunMuonctl(addr, {"checkpoint", "export", "--job", "a"}, env);
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.err.find("--dir"), std::string::npos) << r.err;
+  // job create --import-dir: the new job (world 2, stage 3) expects step 1.
+  common::JobSpec other = Spec("b", 2, 3);
+  WriteWholeFile(Dir("b.json"), common::JobSpecToJson(other));
+  r = RunMuonctl(addr, {"job", "create", "--spec", Dir("b.json"), "--import-dir", Dir("cli"),
+                        "--token-file", Dir("b.token")});
+  ASSERT_TRUE(r.exited && r.exit_code == 0) << r.err;
+  std::string b_token = ReadWholeFile(Dir("b.token"));
+  ASSERT_FALSE(b_token.empty());
+  b_token.pop_back();  // the file's newline
+  auto st = client_->GetJob("b", b_token);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->next_step(), 1);
+  r = RunMuonctl(
+      addr,
+      {"job", "create", "--spec", Dir("b.json"), "--import-dir", Dir("cli"), "--restore-from", "a"},
+      env);
+  EXPECT_EQ(r.exit_code, 3) << r.err;
 }
 
 TEST(StateExportManifestTest, RoundTripAndDamage) {
