@@ -138,6 +138,13 @@ class Daemon:
     def fd_count(self):
         return len(os.listdir(f"/proc/{self.pid}/fd"))
 
+    def thread_count(self):
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+        return -1
+
     def scrape(self):
         with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=10) as r:
             if r.status != 200:

@@ -95,7 +95,7 @@ def sample(daemon, scraper, saver):
     saver.wait()
     with scraper.lock:
         time.sleep(0.5)  # the heap trimmer runs once no step is in flight
-        return daemon.private_bytes(), daemon.fd_count()
+        return daemon.private_bytes(), daemon.fd_count(), daemon.thread_count()
 
 
 def soak(args, workdir, jobs):
@@ -122,7 +122,7 @@ def soak(args, workdir, jobs):
                 saver.start(j)
         if t + 1 in marks:
             samples[marks[t + 1]] = sample(d, scraper, saver)
-            rss, fds = samples[marks[t + 1]]
+            rss, fds, _ = samples[marks[t + 1]]
             log(f"soak: step {t + 1}/{args.steps} ({time.time() - t0:.0f} s): "
                 f"private {h.mib(rss):.1f} MiB, fds {fds}, scrapes {scraper.ok}, "
                 f"saves {saver.saved}")
@@ -218,7 +218,8 @@ def report(args, jobs, got, ref, snapshot_bits, ref_code, ref_daemon):
     growth = s["end"][0] - s["start"][0]
     fd_growth = s["end"][1] - s["start"][1]
     for name in ("start", "middle", "end"):
-        log(f"soak: {name:6s} private {h.mib(s[name][0]):8.1f} MiB  fds {s[name][1]}")
+        log(f"soak: {name:6s} private {h.mib(s[name][0]):8.1f} MiB  fds {s[name][1]}  threads "
+            f"{s[name][2]}")
     curve = got["scraper"].curve
     if curve:
         log(f"soak: per-second samples {len(curve)}: private max "
