@@ -39,7 +39,7 @@ inline constexpr char kFormat[] = "muond-state-export";
 inline constexpr int kFormatVersion = 1;
 inline constexpr char kManifestSuffix[] = ".manifest.json";
 inline constexpr char kPayloadSuffix[] = ".safetensors";
-// The largest manifest read, and the most manifests one directory may hold.
+// The most bytes of manifests read from one directory (all together), and the most manifests.
 inline constexpr uint64_t kMaxManifestBytes = uint64_t{64} << 20;
 inline constexpr size_t kMaxManifests = 4096;
 

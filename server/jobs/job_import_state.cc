@@ -139,13 +139,16 @@ absl::StatusOr<std::vector<ExportFile>> ReadManifests(const std::string& where,
   }
   std::sort(names.begin(), names.end());
   std::vector<ExportFile> files;
+  uint64_t total = 0;  // bytes of every manifest read, at most kMaxManifestBytes together
   for (const std::string& n : names) {
     const std::string path = absl::StrCat(dir, "/", n);
     uint64_t size = 0;
     ASSIGN_OR_RETURN(std::unique_ptr<Fd> fd, OpenFile(dirfd, path, n, uid, &size));
-    if (size > se::kMaxManifestBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": ", size, " bytes; a manifest has ",
-                                                     se::kMaxManifestBytes, " at most"));
+    total += size;
+    if (size > se::kMaxManifestBytes || total > se::kMaxManifestBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": ", size, " bytes (", total, " with the manifests before it); ",
+                       where, " may hold ", se::kMaxManifestBytes, " bytes of manifests"));
     }
     std::string text(size, '\0');
     RETURN_IF_ERROR(ReadAt(fd->get(), path, text.data(), size, 0));
