@@ -11,7 +11,8 @@
 //    value written before its matrix was assembled is caught by the device's own check (the step
 //    refused, the momentum bit-identical).
 //  - A change of the store while a checkpoint snapshot is in progress hands the writer the old
-//    values first (MomentumStore's copy-on-write, over the CPUs).
+//    values; steps and commits that overtake a save copy nothing on their threads (StateBuffers
+//    hands the snapshot's buffers over instead).
 #include <stdlib.h>
 
 #include <algorithm>
@@ -36,6 +37,8 @@
 #include "server/jobs/compute_executor.h"
 #include "server/jobs/job.h"
 #include "server/jobs/momentum_store.h"
+#include "server/jobs/param_store.h"
+#include "server/jobs/state_buffers.h"
 #include "server/optim/muon_math.h"
 #include "server/storage/checkpoint.h"
 
@@ -450,6 +453,108 @@ TEST(MomentumStoreSnapshotTest, AChangeDuringASnapshotHandsTheWriterTheOldValues
         << "the store's matrix " << m;
   }
   store.EndSnapshot();
+}
+
+// Steps that overtake a save (the writer has copied one matrix of six when three steps commit)
+// copy nothing on their threads: the first commit flips, the next step hands the snapshot's
+// buffers over to it instead of overwriting them (StateBuffers), and the writer, copying on its
+// own thread, still gets every matrix's value at the snapshot, bit for bit. Before, the first
+// commit copied the five matrices the writer had not reached (10 MiB) while it held the store.
+TEST(MomentumStoreSnapshotTest, StepsDuringASnapshotCopyNothingOnTheirThreads) {
+  common::JobSpec spec;
+  spec.job_id = "cow-bound";
+  for (int m = 0; m < 6; ++m) {
+    spec.matrices.push_back(Matrix(absl::StrCat("m", m), {512, 1024}, DType::kFloat32));
+  }
+  std::unique_ptr<device::Device> device = device::NewHostDevice(1, nullptr);
+  MomentumStore store(spec, device.get());
+  const uint64_t matrix_bytes = 512 * 1024 * sizeof(float);
+  // A step: every matrix's new momentum `base + m` into next(), then the commit's flip.
+  auto step = [&store](float base) {
+    for (uint32_t m = 0; m < store.matrices(); ++m) {
+      float* d = store.next(m);
+      std::fill(d, d + store.numel(m), base + static_cast<float>(m));
+    }
+    MomentumStore::Lock lock(store);
+    lock.Flip();
+  };
+  auto holds = [](const float* d, size_t n, float v) {
+    return std::count(d, d + n, v) == static_cast<long>(n);
+  };
+  step(1);
+  {
+    MomentumStore::Lock lock(store);
+    lock.BeginSnapshot();
+  }
+  std::vector<float> copied;
+  store.CopyForSnapshot(0, &copied);  // the writer has matrix 0 before the steps
+  EXPECT_TRUE(holds(copied.data(), copied.size(), 1.0f));
+  for (float base : {100.0f, 200.0f, 300.0f}) step(base);
+  StateBuffers::SnapshotCost cost = store.snapshot_cost();
+  EXPECT_EQ(cost.change_copied, 0u) << "bytes copied for the snapshot by the commits";
+  EXPECT_EQ(cost.step_handed_over, 5 * matrix_bytes);
+  for (uint32_t m = 1; m < store.matrices(); ++m) {
+    store.CopyForSnapshot(m, &copied);
+    ASSERT_EQ(copied.size(), store.numel(m));
+    EXPECT_TRUE(holds(copied.data(), copied.size(), 1.0f + m)) << "the snapshot of matrix " << m;
+    EXPECT_TRUE(holds(store.data(m), store.numel(m), 300.0f + m)) << "the store's matrix " << m;
+  }
+  store.EndSnapshot();
+  cost = store.snapshot_cost();
+  EXPECT_EQ(cost.change_copied, 0u);
+  EXPECT_EQ(cost.writer_copied, 6 * matrix_bytes);
+  // Later steps (the handed-over buffers come back as spares) keep the store exact.
+  for (float base : {400.0f, 500.0f, 600.0f}) step(base);
+  for (uint32_t m = 0; m < store.matrices(); ++m) {
+    EXPECT_TRUE(holds(store.data(m), store.numel(m), 600.0f + m)) << "the store's matrix " << m;
+  }
+}
+
+// Apply mode's ParamStore keeps its snapshots the same way: a step that overtakes a save writes
+// every array's next value (masters, momentum, moments) without copying for the save, and the
+// writer still gets the values and step counts of the snapshot.
+TEST(ParamStoreSnapshotTest, StepsDuringASnapshotCopyNothingOnTheirThreads) {
+  common::JobSpec spec;
+  spec.job_id = "cow-apply";
+  spec.mode = common::JobMode::kApply;
+  spec.matrices = {Matrix("w", {256, 512}, DType::kFloat32),
+                   Matrix("bias", {1, 512}, DType::kFloat32)};
+  spec.matrices[1].optimizer = common::Optimizer::kAdamW;
+  std::unique_ptr<device::Device> device = device::NewHostDevice(1, nullptr);
+  ParamStore store(spec, device.get());
+  // A step: array (t, s) becomes base + 10 t + s, then the commit's flip.
+  auto step = [&store](float base) {
+    for (uint32_t t = 0; t < store.tensors(); ++t) {
+      for (int s = 0; s < store.slots(t); ++s) {
+        float* d = store.back(t, s);
+        std::fill(d, d + store.numel(t), base + 10.0f * t + s);
+      }
+    }
+    ParamStore::Lock lock(store);
+    lock.Flip();
+  };
+  step(1);
+  {
+    ParamStore::Lock lock(store);
+    lock.BeginSnapshot();
+  }
+  for (float base : {100.0f, 200.0f}) step(base);
+  EXPECT_EQ(store.snapshot_cost().change_copied, 0u);
+  EXPECT_EQ(store.SnapshotSteps(), (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(store.steps(1), 3);
+  std::vector<float> copied;
+  for (uint32_t t = 0; t < store.tensors(); ++t) {
+    for (int s = 0; s < store.slots(t); ++s) {
+      store.CopyForSnapshot(t, s, &copied);
+      ASSERT_EQ(copied.size(), store.numel(t));
+      const float want = 1.0f + 10.0f * t + s;
+      EXPECT_EQ(std::count(copied.begin(), copied.end(), want), static_cast<long>(copied.size()))
+          << "tensor " << t << " slot " << s;
+      EXPECT_EQ(store.front(t, s)[0], 200.0f + 10.0f * t + s);
+    }
+  }
+  store.EndSnapshot();
+  EXPECT_EQ(store.snapshot_cost().change_copied, 0u);
 }
 
 }  // namespace
