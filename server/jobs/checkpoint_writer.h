@@ -1,8 +1,8 @@
 // A job's checkpoints (DESIGN.md 7): one writer per job over its checkpoint directory
 // (server/storage/checkpoint.h holds the format and the durability). It writes a consistent
-// snapshot of the job's MomentumStore while later steps run (the store's copy-on-write keeps the
-// snapshot intact), runs the periodic saves in the background, and remembers the newest
-// generation this process wrote or loaded.
+// snapshot of the job's MomentumStore (or ParamStore) while later steps run (StateBuffers keeps
+// the snapshot's buffers intact without copies on the step's path), runs the periodic saves in the
+// background, and remembers the newest generation this process wrote or loaded.
 //
 // Every save, load and durable reset of the job holds the writer's Exclusive lock, so at most one
 // runs at a time and none interleaves with another (the lock is taken before the store's).

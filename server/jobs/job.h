@@ -159,10 +159,11 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
 
   // ---- Checkpoints (DESIGN.md 7). Saving takes a consistent snapshot at a step boundary (the
   // store changes only at commit, so the momentum between commits is one) and writes it while
-  // later steps run: copy-on-write per matrix — a commit, reset or load that would change a matrix
-  // the writer has not copied yet first copies it for the writer. Extra memory: one matrix's
-  // staging buffer, plus the copies of matrices overtaken by a commit (at most the momentum not
-  // yet written). One save at a time per job; a request while one runs waits for it, then saves.
+  // later steps run (state_buffers.h): a step that would overwrite a matrix the writer has not
+  // copied yet hands its buffer to the snapshot and writes a fresh one (nothing copied on the
+  // step's path); a reset or load copies the matrices it changes. Extra memory: one matrix's
+  // staging buffer, plus at most one buffer per matrix not yet written. One save at a time per
+  // job; a request while one runs waits for it, then saves.
 
   // Blocks until the generation is durable. FAILED_PRECONDITION for a fenced job (its momentum
   // may be inconsistent) or a transport probe; errors of the write name the path and call.
