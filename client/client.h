@@ -23,7 +23,7 @@
 namespace muond::client {
 class ShmChannel;
 class SessionWatch;
-}
+}  // namespace muond::client
 
 namespace muond::client {
 
@@ -31,9 +31,9 @@ namespace muond::client {
 // RankSession::InitParams float32 or the tensor's param_dtype).
 struct GradientSpan {
   uint32_t matrix = 0;
-  uint64_t offset = 0;   // first element in the matrix
+  uint64_t offset = 0;  // first element in the matrix
   const void* data = nullptr;
-  uint64_t length = 0;   // elements
+  uint64_t length = 0;  // elements
 };
 struct UpdateSpan {
   uint32_t matrix = 0;
@@ -87,11 +87,14 @@ struct NamedTensor {
   std::string data;  // raw little-endian elements
 };
 
-// A job's full state as the daemon's ExportState sent it (client_export_state.cc).
-struct ExportedState {
-  common::JobSpec spec;
-  v1::ExportStateHeader header;     // step, generation, arrays (names, tensors, shapes), counts
-  std::vector<std::string> arrays;  // per header array, its float32 values (raw bytes)
+// Receives a job's full state as the daemon's ExportState sends it (client_export_state.cc):
+// `header` once (the job spec and the header, checked against each other before it is called),
+// then `data` for each chunk of float32 values of array `array` (header order), in element order,
+// each chunk's CRC32C checked. An error of either ends the export with that error.
+struct ExportStateSink {
+  std::function<absl::Status(const common::JobSpec& spec, const v1::ExportStateHeader& header)>
+      header;
+  std::function<absl::Status(uint32_t array, uint64_t element_offset, std::string_view data)> data;
 };
 
 // Where ExportStateToDir wrote a job's state, and what.
@@ -161,8 +164,8 @@ class RankSession {
 
   // Whole-matrix step: `grads` holds one tensor per matrix of the job, named and shaped as the job
   // says; returns the updates with the same names, shapes and dtypes. INVALID_ARGUMENT naming the
-  // tensor for a missing, extra, mis-shaped or mis-typed tensor. REQUIRES: rank owns whole matrices.
-  // Apply mode: returns the new parameters, each in its tensor's param_dtype.
+  // tensor for a missing, extra, mis-shaped or mis-typed tensor. REQUIRES: rank owns whole
+  // matrices. Apply mode: returns the new parameters, each in its tensor's param_dtype.
   absl::StatusOr<std::vector<NamedTensor>> StepTensors(int64_t step,
                                                        const std::vector<NamedTensor>& grads,
                                                        StepResult* result = nullptr);
@@ -304,12 +307,13 @@ class Client {
       const std::function<void(uint64_t done, uint64_t total)>& progress = {});
   // The job's full optimizer state by tensor name (re-sharding, DESIGN.md 4c): live (generation 0,
   // step -1; a snapshot at a step boundary) or of checkpoint generation `generation` > 0 or the
-  // newest generation at `step` >= 0. The daemon's errors as they are; DATA_LOSS for a stream
-  // that does not match its header (checked against the job spec before anything is allocated)
-  // or a chunk whose CRC32C does not match.
-  absl::StatusOr<ExportedState> ExportState(
-      const std::string& job_id, const std::string& token, int64_t generation = 0,
-      int64_t step = -1, const std::function<void(uint64_t done, uint64_t total)>& progress = {});
+  // newest generation at `step` >= 0, handed to `sink` as it arrives (nothing of it is held
+  // here). The daemon's errors as they are; DATA_LOSS for a header that does not match its job
+  // spec, a chunk out of order or whose CRC32C does not match, or a stream that does not cover
+  // every array exactly once.
+  absl::Status ExportState(const std::string& job_id, const std::string& token, int64_t generation,
+                           int64_t step, const ExportStateSink& sink,
+                           const std::function<void(uint64_t done, uint64_t total)>& progress = {});
   // Creates a job that takes its state (and next step) from a full-state export directory
   // (absolute path, read by the daemon as this client could; common/state_export.h); returns its
   // token. The daemon's errors name the file and tensor.
@@ -347,7 +351,8 @@ absl::StatusOr<int64_t> ExportParamsToFile(
 // ExportState written into directory `dir` (created when missing) as <job>.safetensors and
 // <job>.manifest.json (common/state_export.h), so the node jobs of one run share a directory.
 // ALREADY_EXISTS, before anything is asked of the daemon, when either file exists; nothing of an
-// export that failed stays in `dir`.
+// export that failed stays in `dir`. The payload is written as the chunks arrive (memory: one
+// chunk), into a temporary file renamed into place when complete.
 absl::StatusOr<StateExportFiles> ExportStateToDir(
     Client& client, const std::string& job_id, const std::string& token, int64_t generation,
     int64_t step, const std::string& dir,

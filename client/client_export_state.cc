@@ -1,13 +1,14 @@
 // The full-state export of a job (re-sharding across nodes, DESIGN.md 4c): Client::ExportState
-// receives the daemon's ExportState stream, ExportStateToDir writes it as a state export
-// (common/state_export.h) into a directory several node jobs share; Client::CreateJobFromExport
-// creates a job that takes its state from such a directory.
+// receives the daemon's ExportState stream, ExportStateToDir writes it, as it arrives, as a state
+// export (common/state_export.h) into a directory several node jobs share;
+// Client::CreateJobFromExport creates a job that takes its state from such a directory.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -46,30 +47,6 @@ absl::Status CheckHeader(const v1::ExportStateHeader& h, const common::JobSpec& 
   return absl::OkStatus();
 }
 
-// Places one chunk into its array; DATA_LOSS for a bad chunk.
-absl::Status Place(const v1::DataChunk& c, ExportedState* out, std::vector<uint64_t>* received) {
-  if (c.matrix_index() >= out->arrays.size()) {
-    return absl::DataLossError(
-        absl::StrCat("ExportState: chunk for unknown array ", c.matrix_index()));
-  }
-  const std::string& name = out->header.arrays(c.matrix_index()).name();
-  std::string& dst = out->arrays[c.matrix_index()];
-  if (common::Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
-    return absl::DataLossError(absl::StrCat("ExportState: chunk of '", name, "' at element ",
-                                            c.element_offset(), ": CRC32C mismatch"));
-  }
-  const uint64_t numel = dst.size() / sizeof(float);
-  const uint64_t n = c.data().size() / sizeof(float);
-  if (c.data().size() % sizeof(float) != 0 || c.element_offset() > numel ||
-      n > numel - c.element_offset()) {
-    return absl::DataLossError(
-        absl::StrCat("ExportState: chunk of '", name, "' outside its ", numel, " elements"));
-  }
-  std::memcpy(dst.data() + c.element_offset() * sizeof(float), c.data().data(), c.data().size());
-  (*received)[c.matrix_index()] += n;
-  return absl::OkStatus();
-}
-
 absl::Status Errno(const std::string& path, const char* call) {
   const int err = errno;
   const std::string msg = absl::StrCat(path, ": ", call, ": ", std::strerror(err));
@@ -83,28 +60,60 @@ absl::Status Errno(const std::string& path, const char* call) {
   return absl::UnavailableError(msg);
 }
 
-// Writes `parts` into `dir`/`name` without replacing anything there: a temporary file, fsync,
-// then link() to the final name (EEXIST: ALREADY_EXISTS), and the temporary name removed.
-absl::Status WriteNew(const std::string& dir, const std::string& name,
-                      const std::vector<std::string_view>& parts) {
-  const std::string path = absl::StrCat(dir, "/", name);
-  const std::string tmp = absl::StrCat(dir, "/.", name, ".tmp-", ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return Errno(tmp, "open");
-  absl::Status s;
-  for (std::string_view p : parts) {
-    for (size_t at = 0; at < p.size() && s.ok();) {
-      const ssize_t n = ::write(fd, p.data() + at, p.size() - at);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) s = Errno(tmp, "write");
-      if (n > 0) at += static_cast<size_t>(n);
-    }
+absl::Status WriteAt(int fd, const std::string& path, std::string_view data, uint64_t offset) {
+  for (size_t at = 0; at < data.size();) {
+    const ssize_t n =
+        ::pwrite(fd, data.data() + at, data.size() - at, static_cast<off_t>(offset + at));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Errno(path, "write");
+    at += static_cast<size_t>(n);
   }
-  if (s.ok() && ::fsync(fd) != 0) s = Errno(tmp, "fsync");
-  ::close(fd);
-  if (s.ok() && ::link(tmp.c_str(), path.c_str()) != 0) s = Errno(path, "link");
-  ::unlink(tmp.c_str());
-  return s;
+  return absl::OkStatus();
+}
+
+// A file of `dir` being written under a temporary name; Publish() fsyncs it and links it to its
+// final name without replacing anything there (EEXIST: ALREADY_EXISTS). Removed unless published.
+class NewFile {
+ public:
+  NewFile(const std::string& dir, const std::string& name)
+      : path_(absl::StrCat(dir, "/", name)),
+        tmp_(absl::StrCat(dir, "/.", name, ".tmp-", ::getpid())) {}
+  ~NewFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (created_) ::unlink(tmp_.c_str());
+  }
+  absl::Status Create() {
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ < 0) return Errno(tmp_, "open");
+    created_ = true;
+    return absl::OkStatus();
+  }
+  absl::Status Write(std::string_view data, uint64_t offset) {
+    return WriteAt(fd_, tmp_, data, offset);
+  }
+  absl::Status Publish() {
+    if (::fsync(fd_) != 0) return Errno(tmp_, "fsync");
+    if (::link(tmp_.c_str(), path_.c_str()) != 0) return Errno(path_, "link");
+    return absl::OkStatus();  // the temporary name goes in the destructor
+  }
+
+ private:
+  const std::string path_, tmp_;
+  int fd_ = -1;
+  bool created_ = false;
+};
+
+// Creates `dir` and its missing parents (mkdir -p); records in *made the ones it made.
+absl::Status MakeDirs(const std::string& dir, std::vector<std::string>* made) {
+  for (size_t slash = dir.find('/', 1); true; slash = dir.find('/', slash + 1)) {
+    const std::string d = dir.substr(0, slash);
+    if (::mkdir(d.c_str(), 0755) == 0) {
+      made->push_back(d);
+    } else if (errno != EEXIST) {
+      return Errno(d, "mkdir");
+    }
+    if (slash == std::string::npos) return absl::OkStatus();
+  }
 }
 
 absl::Status FsyncDir(const std::string& dir) {
@@ -117,8 +126,9 @@ absl::Status FsyncDir(const std::string& dir) {
 
 }  // namespace
 
-absl::StatusOr<ExportedState> Client::ExportState(
+absl::Status Client::ExportState(
     const std::string& job_id, const std::string& token, int64_t generation, int64_t step,
+    const ExportStateSink& sink,
     const std::function<void(uint64_t done, uint64_t total)>& progress) {
   grpc::ClientContext ctx;
   SetToken(&ctx, token);
@@ -127,48 +137,60 @@ absl::StatusOr<ExportedState> Client::ExportState(
   req.set_generation(generation);
   if (step >= 0) req.set_step(step);
   std::unique_ptr<grpc::ClientReader<v1::ExportStateChunk>> reader = stub_->ExportState(&ctx, req);
-  ExportedState out;
-  std::vector<uint64_t> received;
+  std::optional<v1::ExportStateHeader> header;
+  std::vector<uint64_t> numel, received;  // per array
   absl::Status bad;
-  bool have_header = false;
   uint64_t total = 0, done = 0;
   v1::ExportStateChunk chunk;
   while (reader->Read(&chunk)) {
     if (!bad.ok()) continue;  // drained to learn the daemon's status
     if (chunk.has_header()) {
-      out.header = chunk.header();
-      auto spec = common::JobSpecFromProto(out.header.spec());
-      bad = have_header  ? absl::DataLossError("ExportState: a second header")
+      auto spec = common::JobSpecFromProto(chunk.header().spec());
+      bad = header       ? absl::DataLossError("ExportState: a second header")
             : !spec.ok() ? spec.status()
-                         : CheckHeader(out.header, *spec);
-      if (!bad.ok()) continue;
-      out.spec = *std::move(spec);
-      have_header = true;
-      for (const v1::StateArray& a : out.header.arrays()) {
-        const uint64_t bytes =
-            static_cast<uint64_t>(out.spec.matrices[a.tensor()].numel()) * sizeof(float);
-        out.arrays.emplace_back(bytes, '\0');
-        total += bytes;
+                         : CheckHeader(chunk.header(), *spec);
+      if (bad.ok()) {
+        header = chunk.header();
+        for (const v1::StateArray& a : header->arrays()) {
+          numel.push_back(static_cast<uint64_t>(spec->matrices[a.tensor()].numel()));
+          total += numel.back() * sizeof(float);
+        }
+        received.assign(numel.size(), 0);
+        bad = sink.header(*spec, *header);
       }
-      received.assign(out.arrays.size(), 0);
       continue;
     }
-    bad = have_header ? Place(chunk.data(), &out, &received)
-                      : absl::DataLossError("ExportState: data before the header");
-    done += chunk.data().data().size();
-    if (bad.ok() && progress) progress(done, total);
+    const v1::DataChunk& c = chunk.data();
+    const uint32_t a = c.matrix_index();
+    const uint64_t n = c.data().size() / sizeof(float);
+    if (!header) {
+      bad = absl::DataLossError("ExportState: data before the header");
+    } else if (a >= numel.size() || c.data().size() % sizeof(float) != 0 ||
+               c.element_offset() != received[a] || n > numel[a] - received[a]) {
+      bad = absl::DataLossError(absl::StrCat("ExportState: chunk of array ", a, " at element ",
+                                             c.element_offset(), " out of order or outside it"));
+    } else if (common::Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
+      bad = absl::DataLossError(absl::StrCat("ExportState: chunk of '", header->arrays(a).name(),
+                                             "' at element ", c.element_offset(),
+                                             ": CRC32C mismatch"));
+    } else {
+      received[a] += n;
+      bad = sink.data(a, c.element_offset(), c.data());
+      done += c.data().size();
+      if (bad.ok() && progress) progress(done, total);
+    }
   }
   RETURN_IF_ERROR(Annotate(FromGrpcStatus(reader->Finish()), "ExportState"));
   RETURN_IF_ERROR(bad);
-  if (!have_header) return absl::DataLossError("ExportState: no header");
-  for (size_t a = 0; a < out.arrays.size(); ++a) {
-    if (received[a] * sizeof(float) != out.arrays[a].size()) {
-      return absl::DataLossError(
-          absl::StrCat("ExportState: array '", out.header.arrays(a).name(), "': ", received[a],
-                       " of ", out.arrays[a].size() / sizeof(float), " elements arrived"));
+  if (!header) return absl::DataLossError("ExportState: no header");
+  for (size_t a = 0; a < numel.size(); ++a) {
+    if (received[a] != numel[a]) {
+      return absl::DataLossError(absl::StrCat("ExportState: array '", header->arrays(a).name(),
+                                              "': ", received[a], " of ", numel[a],
+                                              " elements arrived"));
     }
   }
-  return out;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> Client::CreateJobFromExport(const common::JobSpec& spec,
@@ -201,55 +223,65 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
       return Errno(p, "export");  // before the daemon streams anything
     }
   }
-  ASSIGN_OR_RETURN(const ExportedState state,
-                   client.ExportState(job_id, token, generation, step, progress));
-  // The directory and its missing parents (mkdir -p), once there is something to write.
-  for (size_t slash = dir.find('/', 1); true; slash = dir.find('/', slash + 1)) {
-    const std::string d = dir.substr(0, slash);
-    if (::mkdir(d.c_str(), 0755) != 0 && errno != EEXIST) return Errno(d, "mkdir");
-    if (slash == std::string::npos) break;
-  }
   se::Manifest m;
   m.job_id = job_id;
-  if (state.spec.two_phase()) {
-    m.global_job_id = state.spec.multinode.global_job_id;
-    m.node = state.spec.multinode.node;
-    m.nodes = state.spec.multinode.nodes;
-  }
-  m.mode = state.spec.mode;
-  m.step = state.header.step();
-  m.generation = state.header.generation();
   m.payload = absl::StrCat(job_id, se::kPayloadSuffix);
-  std::vector<std::string_view> parts(1);
-  for (int a = 0; a < state.header.arrays_size(); ++a) {
-    const v1::StateArray& sa = state.header.arrays(a);
-    se::Array arr{sa.name(), state.spec.matrices[sa.tensor()].name,
-                  std::vector<int64_t>(sa.shape().begin(), sa.shape().end())};
-    arr.crc32c = common::Crc32c(state.arrays[a].data(), state.arrays[a].size());
-    m.arrays.push_back(std::move(arr));
-    parts.push_back(state.arrays[a]);
-  }
-  if (m.mode == common::JobMode::kApply) {
-    for (size_t t = 0; t < state.spec.matrices.size(); ++t) {
-      m.tensor_steps[state.spec.matrices[t].name] = state.header.tensor_steps(static_cast<int>(t));
+  std::vector<std::string> made;  // directories created here: removed again if they stay empty
+  NewFile payload(dir, m.payload);
+  uint64_t header_bytes = 0;
+  size_t tensors = 0;
+  ExportStateSink sink;
+  sink.header = [&](const common::JobSpec& spec, const v1::ExportStateHeader& h) -> absl::Status {
+    if (spec.two_phase()) {
+      m.global_job_id = spec.multinode.global_job_id;
+      m.node = spec.multinode.node;
+      m.nodes = spec.multinode.nodes;
     }
+    tensors = spec.matrices.size();
+    m.mode = spec.mode;
+    m.step = h.step();
+    m.generation = h.generation();
+    for (const v1::StateArray& sa : h.arrays()) {
+      m.arrays.push_back({sa.name(), spec.matrices[sa.tensor()].name,
+                          std::vector<int64_t>(sa.shape().begin(), sa.shape().end())});
+    }
+    if (m.mode == common::JobMode::kApply) {
+      for (size_t t = 0; t < spec.matrices.size(); ++t) {
+        m.tensor_steps[spec.matrices[t].name] = h.tensor_steps(static_cast<int>(t));
+      }
+    }
+    se::LayOut(&m);
+    const std::string header = se::PayloadHeader(m);
+    header_bytes = header.size();
+    RETURN_IF_ERROR(MakeDirs(dir, &made));
+    RETURN_IF_ERROR(payload.Create());
+    return payload.Write(header, 0);
+  };
+  sink.data = [&](uint32_t a, uint64_t offset, std::string_view data) -> absl::Status {
+    se::Array& arr = m.arrays[a];
+    arr.crc32c = common::Crc32cExtend(arr.crc32c, data.data(), data.size());
+    return payload.Write(data, header_bytes + arr.begin + offset * sizeof(float));
+  };
+  absl::Status s = client.ExportState(job_id, token, generation, step, sink, progress);
+  if (s.ok()) s = payload.Publish();
+  if (s.ok()) {
+    // The manifest last: its presence says the export is complete.
+    NewFile manifest(dir, absl::StrCat(job_id, se::kManifestSuffix));
+    const std::string text = se::ManifestToJson(m);
+    s = manifest.Create();
+    if (s.ok()) s = manifest.Write(text, 0);
+    if (s.ok()) s = manifest.Publish();
+    if (s.ok()) s = FsyncDir(dir);
+    if (!s.ok()) ::unlink(files.payload.c_str());
   }
-  se::LayOut(&m);
-  const std::string header = se::PayloadHeader(m);
-  parts[0] = header;
-  RETURN_IF_ERROR(WriteNew(dir, m.payload, parts));
-  // The manifest last: its presence says the export is complete.
-  const std::string manifest = se::ManifestToJson(m);
-  absl::Status s = WriteNew(dir, absl::StrCat(job_id, se::kManifestSuffix), {manifest});
-  if (s.ok()) s = FsyncDir(dir);
   if (!s.ok()) {
-    ::unlink(files.payload.c_str());
+    for (auto d = made.rbegin(); d != made.rend(); ++d) ::rmdir(d->c_str());
     return s;
   }
   files.step = m.step;
   files.generation = m.generation;
   files.bytes = m.payload_bytes;
-  files.tensors = state.spec.matrices.size();
+  files.tensors = tensors;
   return files;
 }
 
