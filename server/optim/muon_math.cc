@@ -130,28 +130,21 @@ absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
     }
   }
   const double scale = MuonScale(config.scale_mode, g.rows, g.cols);
-  if (count == 1) {
-    MomentumAndUpdate(config, grads[0], momenta[0], updates[0], n);
-    const absl::Status status = internal::ScaledNewtonSchulz(config, g, scale, updates[0]);
-    if (!status.ok()) {
+  // Same-shape batching: the blocks of all `count` matrices form one batched Newton-Schulz over
+  // the update buffers themselves (newton_schulz.cc computes every block independently of the
+  // batch it is in, so the bits equal those of one matrix at a time).
+  for (size_t k = 0; k < count; ++k) {
+    MomentumAndUpdate(config, grads[k], momenta[k], updates[k], n);
+  }
+  const absl::Status status = internal::ScaledNewtonSchulzMany(config, g, count, scale, updates);
+  if (!status.ok()) {
+    if (count == 1) {
       return absl::Status(status.code(),
                           absl::StrCat("matrix '", spec.name, "': ", status.message()));
     }
-    return absl::OkStatus();
-  }
-  // Same-shape batching: the blocks of all `count` matrices side by side, one batched
-  // Newton-Schulz (newton_schulz.cc computes every block independently of the batch size, so the
-  // bits equal those of one matrix at a time).
-  std::vector<float> x(count * static_cast<size_t>(n));
-  for (size_t k = 0; k < count; ++k) {
-    MomentumAndUpdate(config, grads[k], momenta[k], x.data() + k * n, n);
-  }
-  const MatrixGeometry all{g.batch * static_cast<int64_t>(count), g.rows, g.cols};
-  const absl::Status status = internal::ScaledNewtonSchulz(config, all, scale, x.data());
-  if (!status.ok()) {
     // Name the matrix: the first whose result is not finite (or the whole batch).
     for (size_t k = 0; k < count; ++k) {
-      const float* r = x.data() + k * n;
+      const float* r = updates[k];
       if (const int64_t bad = common::FindNonFinite(r, static_cast<size_t>(n)); bad >= 0) {
         return absl::Status(status.code(),
                             absl::StrCat("matrix '", specs[k]->name,
@@ -161,9 +154,6 @@ absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
     }
     return absl::Status(status.code(), absl::StrCat("matrices '", spec.name, "' and ", count - 1,
                                                     " more of its shape: ", status.message()));
-  }
-  for (size_t k = 0; k < count; ++k) {
-    std::memcpy(updates[k], x.data() + k * n, n * sizeof(float));
   }
   return absl::OkStatus();
 }

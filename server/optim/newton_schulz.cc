@@ -42,9 +42,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <exception>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
@@ -94,27 +96,51 @@ absl::Status CheckArguments(const MuonConfig& config, MatrixGeometry geometry) {
   return absl::OkStatus();
 }
 
-// X / (||X||_F * k + eps) per block of view [b, m, n], into a new contiguous tensor of `storage`:
-// fp32 wherever fp32 iterations or the Gram path come first (cast later, see Iterations), or
-// straight to bf16 (the quotient computed in fp32 and rounded once on store: the bits of the fp32
-// quotient cast afterwards, one pass over the matrix fewer).
-at::Tensor NormalizeBlocks(NsMethod method, const at::Tensor& view, at::ScalarType storage,
-                           const char** op) {
-  const int64_t batch = view.size(0);
+// A per-thread scratch tensor of each kind, kept between calls: the step's Newton-Schulz buffers
+// (normalized X, A, P, the next X) are the same sizes every step, and allocating them anew each
+// time page-faulted them in again after every heap trim between steps (HeapTrimmer), and mapped
+// and unmapped the ones above the mmap threshold on every call. Each kind keeps its largest size
+// so far (bounded by the daemon's largest same-shape batch, which the gather budget bounds).
+enum class Scratch { kNormalized, kA, kP, kNext, kCount };
+
+at::Tensor ScratchTensor(Scratch kind, at::IntArrayRef sizes, at::ScalarType dtype) {
+  thread_local std::array<at::Tensor, static_cast<size_t>(Scratch::kCount)> kept;
+  at::Tensor& t = kept[static_cast<size_t>(kind)];
+  int64_t numel = 1;
+  for (int64_t d : sizes) numel *= d;
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  if (!t.defined() || t.numel() < bytes)
+    t = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  return t.narrow(0, 0, bytes).view(dtype).view(sizes);
+}
+
+// X / (||X||_F * k + eps) per block of views[k] ([b, m, n] each), into one contiguous tensor
+// [count * b, m, n] of `storage`: fp32 wherever fp32 iterations or the Gram path come first (cast
+// later, see Iterations), or straight to bf16 (the quotient computed in fp32 and rounded once on
+// store: the bits of the fp32 quotient cast afterwards, one pass over the matrix fewer).
+at::Tensor NormalizeBlocks(NsMethod method, const std::vector<at::Tensor>& views,
+                           at::ScalarType storage, const char** op) {
+  const int64_t batch = views[0].size(0);
   const double k = ns::NormFactor(method);
-  *op = "frobenius norm";
-  // One reduction per block: a reduction over several blocks at once may split a block's sum
-  // differently (across threads) than over that block alone, and a matrix's bits must not
-  // depend on the batch it is computed in (same-shape batching).
-  at::Tensor denom = at::empty({batch, 1, 1}, view.options());
-  for (int64_t b = 0; b < batch; ++b) {
-    denom[b].copy_(
-        at::linalg_vector_norm(view[b], 2, c10::nullopt, /*keepdim=*/true, c10::nullopt));
+  const int64_t count = static_cast<int64_t>(views.size());
+  at::Tensor xs = ScratchTensor(Scratch::kNormalized,
+                                {count * batch, views[0].size(1), views[0].size(2)}, storage);
+  for (int64_t j = 0; j < count; ++j) {
+    const at::Tensor& view = views[static_cast<size_t>(j)];
+    *op = "frobenius norm";
+    // One reduction per block: a reduction over several blocks at once may split a block's sum
+    // differently (across threads) than over that block alone, and a matrix's bits must not
+    // depend on the batch it is computed in (same-shape batching).
+    at::Tensor denom = at::empty({batch, 1, 1}, view.options());
+    for (int64_t b = 0; b < batch; ++b) {
+      denom[b].copy_(
+          at::linalg_vector_norm(view[b], 2, c10::nullopt, /*keepdim=*/true, c10::nullopt));
+    }
+    denom.mul_(k).add_(kNormEpsilon);
+    *op = "normalize";
+    at::Tensor out = xs.narrow(0, j * batch, batch);
+    at::div_out(out, view, denom);
   }
-  denom.mul_(k).add_(kNormEpsilon);
-  *op = "normalize";
-  at::Tensor xs = at::empty(view.sizes(), view.options().dtype(storage));
-  at::div_out(xs, view, denom);  // contiguous [b, m, n]
   return xs;
 }
 
@@ -125,9 +151,10 @@ at::Tensor DirectIterations(BatchedMath& math, at::Tensor x, NsMethod method, in
   if (begin >= end) return x;
   const int64_t batch = x.size(0);
   const int64_t m = x.size(1);
-  at::Tensor a = at::empty({batch, m, m}, x.options());
-  at::Tensor p = at::empty({batch, m, m}, x.options());
-  at::Tensor next = at::empty_like(x);
+  at::Tensor a = ScratchTensor(Scratch::kA, {batch, m, m}, x.scalar_type());
+  at::Tensor p = ScratchTensor(Scratch::kP, {batch, m, m}, x.scalar_type());
+  // next must not share memory with x: x is the normalized scratch or a fresh cast.
+  at::Tensor next = ScratchTensor(Scratch::kNext, x.sizes(), x.scalar_type());
   // fp32 storage is BLAS work on BLAS's threads (see ScopedSingleAtenThread).
   ScopedSingleAtenThread blas(math.storage() == at::kFloat);
   for (int i = begin; i < end; ++i) {
@@ -187,27 +214,34 @@ absl::Status CheckFinite(const MuonConfig& config, MatrixGeometry geometry, cons
 
 namespace internal {
 
-absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometry, double scale,
-                                float* x) {
+absl::Status ScaledNewtonSchulzMany(const MuonConfig& config, MatrixGeometry geometry, size_t count,
+                                    double scale, float* const* xs) {
   RETURN_IF_ERROR(CheckArguments(config, geometry));
+  if (count == 0) return absl::OkStatus();
   const char* op = "from_blob";
   BatchedMath math(StorageType(config.compute_dtype),
                    /*emulate_half=*/config.compute_dtype == DType::kFloat16, &op);
   BatchedMath fp32_math(at::kFloat, /*emulate_half=*/false, &op);
   try {
     c10::InferenceMode no_autograd;
-    // Not owned: the tensor must not outlive this call.
-    at::Tensor blocks = at::from_blob(x, {geometry.batch, geometry.rows, geometry.cols},
-                                      at::TensorOptions().dtype(at::kFloat));
     const bool transposed = geometry.rows > geometry.cols;
-    at::Tensor view = transposed ? blocks.transpose(1, 2) : blocks;  // [b, m, n], m <= n
+    // Not owned: the tensors must not outlive this call.
+    std::vector<at::Tensor> blocks, views;
+    for (size_t k = 0; k < count; ++k) {
+      blocks.push_back(at::from_blob(xs[k], {geometry.batch, geometry.rows, geometry.cols},
+                                     at::TensorOptions().dtype(at::kFloat)));
+      views.push_back(transposed ? blocks.back().transpose(1, 2) : blocks.back());  // m <= n
+    }
     // Normalized straight into bf16 when the first iteration is a plain bf16 one.
     const bool plain_bf16 = config.compute_dtype == DType::kBFloat16 &&
                             config.fp32_iterations <= 0 && config.ns_method != NsMethod::kGram;
-    at::Tensor xs =
-        NormalizeBlocks(config.ns_method, view, plain_bf16 ? at::kBFloat16 : at::kFloat, &op);
-    const at::Tensor result = Iterations(config, math, fp32_math, std::move(xs));
-    WriteBack(result, scale, view, blocks, &op);
+    at::Tensor normalized =
+        NormalizeBlocks(config.ns_method, views, plain_bf16 ? at::kBFloat16 : at::kFloat, &op);
+    const at::Tensor result = Iterations(config, math, fp32_math, std::move(normalized));
+    for (size_t k = 0; k < count; ++k) {
+      WriteBack(result.narrow(0, static_cast<int64_t>(k) * geometry.batch, geometry.batch), scale,
+                views[k], blocks[k], &op);
+    }
   } catch (const c10::Error& e) {
     return absl::InternalError(
         absl::StrCat("Newton-Schulz: LibTorch op ", op, " failed: ", e.what_without_backtrace()));
@@ -215,7 +249,13 @@ absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometr
     return absl::InternalError(
         absl::StrCat("Newton-Schulz: LibTorch op ", op, " failed: ", e.what()));
   }
-  return CheckFinite(config, geometry, x);
+  for (size_t k = 0; k < count; ++k) RETURN_IF_ERROR(CheckFinite(config, geometry, xs[k]));
+  return absl::OkStatus();
+}
+
+absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometry, double scale,
+                                float* x) {
+  return ScaledNewtonSchulzMany(config, geometry, 1, scale, &x);
 }
 
 }  // namespace internal

@@ -18,6 +18,12 @@ namespace muond::server::internal {
 absl::Status ScaledNewtonSchulz(const common::MuonConfig& config, MatrixGeometry geometry,
                                 double scale, float* x);
 
+// The same on `count` separate buffers xs[k] of one geometry, as one batch of count *
+// geometry.batch blocks (no copy of them into one buffer; each block's bits are those of a call
+// on it alone). A non-finite result is reported for the whole batch; the caller names the matrix.
+absl::Status ScaledNewtonSchulzMany(const common::MuonConfig& config, MatrixGeometry geometry,
+                                    size_t count, double scale, float* const* xs);
+
 }  // namespace muond::server::internal
 
 #endif  // MUOND_SERVER_OPTIM_NEWTON_SCHULZ_H_
