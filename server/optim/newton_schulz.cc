@@ -181,7 +181,11 @@ at::Tensor Iterations(const MuonConfig& config, BatchedMath& math, BatchedMath& 
   }
   at::Tensor x = DirectIterations(fp32_math, std::move(xs), method, 0, fp32_steps, steps);
   if (fp32_steps == steps) return x;
-  if (x.scalar_type() != math.storage()) x = math.ToCompute("cast X to the compute dtype", x);
+  // Normalized straight into bf16 (ScaledNewtonSchulzMany) when no fp32 iteration comes first;
+  // otherwise cast (and under fp16 emulation, rounded) here.
+  const bool already_compute =
+      fp32_steps == 0 && x.scalar_type() == at::kBFloat16 && math.storage() == at::kBFloat16;
+  if (!already_compute) x = math.ToCompute("cast X to the compute dtype", x);
   return DirectIterations(math, std::move(x), method, fp32_steps, steps, steps);
 }
 
