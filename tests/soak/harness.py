@@ -127,13 +127,16 @@ class Daemon:
         self.proc.wait()
 
     def private_bytes(self):
-        """Private_Clean + Private_Dirty of /proc/PID/smaps_rollup."""
-        total = 0
-        with open(f"/proc/{self.pid}/smaps_rollup") as f:
+        """RssAnon of /proc/PID/status: the daemon's own (anonymous) resident memory.
+
+        Not Private_Clean + Private_Dirty: a library's code pages count as private while no other
+        process maps them and as shared while one does, so that sum moved by ~60 MiB when another
+        muond (a concurrent test) started or exited (libcublasLt alone is 50 MiB of code)."""
+        with open(f"/proc/{self.pid}/status") as f:
             for line in f:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                    total += int(line.split()[1]) * 1024
-        return total
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        raise HarnessError(f"no RssAnon in /proc/{self.pid}/status")
 
     def fd_count(self):
         return len(os.listdir(f"/proc/{self.pid}/fd"))

@@ -5,7 +5,7 @@ every few steps while the steps go on, and /metrics scraped every second.
 
 Passes when: every rank's result of every step equals, bit for bit, that of the same job run alone
 in a fresh daemon (the reference), and so does each job's final state (a checkpoint of it); the
-daemon's private resident memory (Private_Clean + Private_Dirty) grows by at most 8 MiB and its
+daemon's private (anonymous) resident memory (RssAnon) grows by at most 8 MiB and its
 open descriptors not at all from the end of the warm-up (a tenth of the steps, at least 20) to
 the end; every scrape succeeds; the daemon logs no error and exits 0 on SIGTERM.
 """
