@@ -28,20 +28,13 @@
 #include "common/logging.h"
 #include "common/state_export.h"
 #include "common/status_macros.h"
+#include "server/jobs/creator_file_error.h"
 #include "server/jobs/job.h"
 
 namespace muond::server {
 namespace {
 
 namespace se = common::state_export;
-
-absl::Status Errno(const std::string& where, const char* call) {
-  const int err = errno;
-  const std::string msg = absl::StrCat(where, ": ", call, ": ", std::strerror(err));
-  if (err == ENOENT || err == ENOTDIR) return absl::NotFoundError(msg);
-  if (err == EACCES || err == EPERM || err == ELOOP) return absl::PermissionDeniedError(msg);
-  return absl::InvalidArgumentError(msg);
-}
 
 // Whether `uid` (-1: a TCP peer, no local uid) may be assumed to have `other_bits` on `st`.
 bool Allowed(const struct stat& st, int64_t uid, mode_t other_bits) {
@@ -56,7 +49,7 @@ absl::Status CheckDirectory(const std::string& where, const std::string& dir, in
        slash = path.find('/', slash + 1)) {
     const std::string d = path.substr(0, slash);
     struct stat st;
-    if (::stat(d.c_str(), &st) != 0) return Errno(absl::StrCat(where, ": ", d), "stat");
+    if (::stat(d.c_str(), &st) != 0) return CreatorFileError(absl::StrCat(where, ": ", d), "stat");
     const bool last = slash + 1 == path.size();
     if (!Allowed(st, uid, last ? (S_IXOTH | S_IROTH) : S_IXOTH)) {
       return absl::PermissionDeniedError(absl::StrCat(
@@ -87,9 +80,9 @@ absl::StatusOr<std::unique_ptr<Fd>> OpenFile(int dirfd, const std::string& path,
                                              const std::string& name, int64_t uid, uint64_t* size) {
   auto fd = std::make_unique<Fd>(
       ::openat(dirfd, name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
-  if (fd->get() < 0) return Errno(path, "open");
+  if (fd->get() < 0) return CreatorFileError(path, "open");
   struct stat st;
-  if (::fstat(fd->get(), &st) != 0) return Errno(path, "fstat");
+  if (::fstat(fd->get(), &st) != 0) return CreatorFileError(path, "fstat");
   if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError(path + ": not a regular file");
   if (!Allowed(st, uid, S_IROTH)) {
     return absl::PermissionDeniedError(
@@ -104,7 +97,7 @@ absl::Status ReadAt(int fd, const std::string& path, char* dst, uint64_t n, uint
   while (at < n) {
     const ssize_t r = ::pread(fd, dst + at, n - at, static_cast<off_t>(offset + at));
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return Errno(path, "pread");
+    if (r < 0) return CreatorFileError(path, "pread");
     if (r == 0) return absl::DataLossError(absl::StrCat(path, ": shorter than its manifest says"));
     at += static_cast<uint64_t>(r);
   }
@@ -122,7 +115,7 @@ absl::StatusOr<std::vector<ExportFile>> ReadManifests(const std::string& where,
                                                       int64_t uid) {
   std::vector<std::string> names;
   DIR* d = ::fdopendir(::dup(dirfd));
-  if (d == nullptr) return Errno(where, "opendir");
+  if (d == nullptr) return CreatorFileError(where, "opendir");
   while (const struct dirent* e = ::readdir(d)) {
     const std::string n = e->d_name;
     if (n[0] != '.' && absl::EndsWith(n, se::kManifestSuffix)) names.push_back(n);
@@ -258,7 +251,7 @@ absl::Status Job::ImportState(const std::string& dir, int64_t peer_uid) {
   }
   RETURN_IF_ERROR(CheckDirectory(where, dir, peer_uid));
   Fd dirfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW));
-  if (dirfd.get() < 0) return Errno(where, "open");
+  if (dirfd.get() < 0) return CreatorFileError(where, "open");
   ASSIGN_OR_RETURN(const std::vector<ExportFile> files,
                    ReadManifests(where, dir, dirfd.get(), peer_uid));
   ASSIGN_OR_RETURN(const auto index, IndexArrays(where, files, spec_.mode));

@@ -15,6 +15,7 @@
 #include "common/logging.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
+#include "server/jobs/creator_file_error.h"
 #include "server/jobs/job.h"
 
 namespace muond::server {
@@ -22,14 +23,6 @@ namespace {
 
 // Bytes of a safetensors header an init_from file may carry besides the tensors' data.
 constexpr uint64_t kMaxHeaderBytes = uint64_t{64} << 20;
-
-absl::Status Errno(const std::string& where, const char* call) {
-  const int err = errno;
-  const std::string msg = absl::StrCat(where, ": ", call, ": ", std::strerror(err));
-  if (err == ENOENT || err == ENOTDIR) return absl::NotFoundError(msg);
-  if (err == EACCES || err == EPERM || err == ELOOP) return absl::PermissionDeniedError(msg);
-  return absl::InvalidArgumentError(msg);
-}
 
 // Whether `uid` (-1: a TCP peer, no local uid) may be assumed to read what `st` describes.
 bool Readable(const struct stat& st, int64_t uid, mode_t other_bit) {
@@ -43,7 +36,7 @@ absl::Status CheckParents(const std::string& where, const std::string& path, int
        slash = path.find('/', slash + 1)) {
     const std::string dir = path.substr(0, slash);
     struct stat st;
-    if (::stat(dir.c_str(), &st) != 0) return Errno(where, "stat");
+    if (::stat(dir.c_str(), &st) != 0) return CreatorFileError(where, "stat");
     if (!Readable(st, uid, S_IXOTH)) {
       return absl::PermissionDeniedError(
           absl::StrCat(where, ": directory ", dir,
@@ -62,12 +55,12 @@ absl::StatusOr<std::string> ReadInitFile(const std::string& where, const std::st
   }
   RETURN_IF_ERROR(CheckParents(where, path, uid));
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0) return Errno(where, "open");
+  if (fd < 0) return CreatorFileError(where, "open");
   struct stat st;
   std::string bytes;
   absl::Status s;
   if (::fstat(fd, &st) != 0) {
-    s = Errno(where, "fstat");
+    s = CreatorFileError(where, "fstat");
   } else if (!S_ISREG(st.st_mode)) {
     s = absl::InvalidArgumentError(absl::StrCat(where, ": not a regular file"));
   } else if (!Readable(st, uid, S_IROTH)) {
@@ -84,7 +77,7 @@ absl::StatusOr<std::string> ReadInitFile(const std::string& where, const std::st
       const ssize_t n = ::read(fd, bytes.data() + at, bytes.size() - at);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
-        s = n < 0 ? Errno(where, "read")
+        s = n < 0 ? CreatorFileError(where, "read")
                   : absl::InvalidArgumentError(absl::StrCat(where, ": shorter than its size"));
         break;
       }
