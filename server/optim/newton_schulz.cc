@@ -63,6 +63,8 @@ using common::NsMethod;
 
 using internal::BatchedMath;
 using internal::ScopedSingleAtenThread;
+using internal::Scratch;
+using internal::ScratchTensor;
 using ns::IterationCoefficients;
 using ns::kGramRestartAfter;
 using ns::kNormEpsilon;
@@ -94,24 +96,6 @@ absl::Status CheckArguments(const MuonConfig& config, MatrixGeometry geometry) {
         absl::StrCat("Newton-Schulz: ns_steps must be >= 1, got ", config.ns_steps));
   }
   return absl::OkStatus();
-}
-
-// A per-thread scratch tensor of each kind, kept between calls: the step's Newton-Schulz buffers
-// (normalized X, A, P, the next X) are the same sizes every step, and allocating them anew each
-// time page-faulted them in again after every heap trim between steps (HeapTrimmer), and mapped
-// and unmapped the ones above the mmap threshold on every call. Each kind keeps its largest size
-// so far (bounded by the daemon's largest same-shape batch, which the gather budget bounds).
-enum class Scratch { kNormalized, kA, kP, kNext, kCount };
-
-at::Tensor ScratchTensor(Scratch kind, at::IntArrayRef sizes, at::ScalarType dtype) {
-  thread_local std::array<at::Tensor, static_cast<size_t>(Scratch::kCount)> kept;
-  at::Tensor& t = kept[static_cast<size_t>(kind)];
-  int64_t numel = 1;
-  for (int64_t d : sizes) numel *= d;
-  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-  if (!t.defined() || t.numel() < bytes)
-    t = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
-  return t.narrow(0, 0, bytes).view(dtype).view(sizes);
 }
 
 // X / (||X||_F * k + eps) per block of views[k] ([b, m, n] each), into one contiguous tensor

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 
 #include "server/optim/ns_tasks.h"
@@ -22,6 +23,18 @@ bool SmallPerBlock(const at::Tensor& a, const at::Tensor& b) {
 }
 
 }  // namespace
+
+at::Tensor ScratchTensor(Scratch kind, at::IntArrayRef sizes, at::ScalarType dtype) {
+  thread_local std::array<at::Tensor, static_cast<size_t>(Scratch::kCount)> kept;
+  at::Tensor& t = kept[static_cast<size_t>(kind)];
+  int64_t numel = 1;
+  for (int64_t d : sizes) numel *= d;
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  if (!t.defined() || t.numel() < bytes) {
+    t = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  }
+  return t.narrow(0, 0, bytes).view(dtype).view(sizes);
+}
 
 ScopedSingleAtenThread::ScopedSingleAtenThread(bool active)
     : saved_(omp_get_max_threads()), active_(active && saved_ != 1) {

@@ -72,6 +72,28 @@ class BatchedMath {
   const char** op_;
 };
 
+// A per-thread scratch tensor of each kind, kept between calls: the step's Newton-Schulz buffers
+// are the same sizes every step, and allocating them anew each time page-faulted them in again
+// after every heap trim between steps (HeapTrimmer), and mapped and unmapped the ones above the
+// mmap threshold on every call. Each kind keeps its largest size so far (bounded by the daemon's
+// largest same-shape batch, which the gather budget bounds). Tensors of different kinds never
+// share memory; a kind's tensor is valid until the same thread asks for that kind again.
+enum class Scratch {
+  kNormalized,
+  kA,
+  kP,
+  kNext,
+  kGramR,
+  kGramP,
+  kGramQ,
+  kGramT,
+  kGramS,
+  kGramX1,
+  kGramX2,
+  kCount
+};
+at::Tensor ScratchTensor(Scratch kind, at::IntArrayRef sizes, at::ScalarType dtype);
+
 // The Gram iteration (ns_gram.cc) on the normalized fp32 blocks x0 [b, m, n], m < n: every m x m
 // product in fp32 through the symmetric BLAS products, the m x n products in long_math's dtype
 // (fp32 before the restart when first_long_fp32). Returns the result [b, m, n] in long_math's

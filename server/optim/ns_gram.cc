@@ -51,8 +51,9 @@ void Gram(BatchedMath& fp32_math, const at::Tensor& x, at::Tensor& r) {
 }
 
 // Q x in x_math's dtype; q [b, m, m] symmetric fp32.
-at::Tensor ApplyQ(BatchedMath& x_math, at::Tensor& q, const at::Tensor& x, const char* op) {
-  at::Tensor out = at::empty_like(x);
+at::Tensor ApplyQ(BatchedMath& x_math, at::Tensor& q, const at::Tensor& x, Scratch slot,
+                  const char* op) {
+  at::Tensor out = ScratchTensor(slot, x.sizes(), x.scalar_type());
   if (x_math.storage() != at::kFloat) {
     x_math.Bmm(op, x_math.ToCompute("cast Q", q), x, out);
     return out;
@@ -94,17 +95,18 @@ void CommutingProduct(at::Tensor& left, at::Tensor& right, at::Tensor& out) {
 at::Tensor GramIterations(BatchedMath& long_math, BatchedMath& fp32_math, bool first_long_fp32,
                           bool rest_long_fp32, common::NsMethod method, int steps, at::Tensor x0) {
   const int64_t batch = x0.size(0), m = x0.size(1);
-  const at::TensorOptions fp32 = x0.options().dtype(at::kFloat);
-  at::Tensor r = at::empty({batch, m, m}, fp32);
-  at::Tensor p = at::empty_like(r), q = at::empty_like(r), t = at::empty_like(r);
-  at::Tensor s = at::empty_like(r);
+  at::Tensor r = ScratchTensor(Scratch::kGramR, {batch, m, m}, at::kFloat);
+  at::Tensor p = ScratchTensor(Scratch::kGramP, {batch, m, m}, at::kFloat);
+  at::Tensor q = ScratchTensor(Scratch::kGramQ, {batch, m, m}, at::kFloat);
+  at::Tensor t = ScratchTensor(Scratch::kGramT, {batch, m, m}, at::kFloat);
+  at::Tensor s = ScratchTensor(Scratch::kGramS, {batch, m, m}, at::kFloat);
   BatchedMath* x_math = first_long_fp32 ? &fp32_math : &long_math;
   at::Tensor x = first_long_fp32 ? x0 : long_math.ToCompute("cast X0", x0);
   Gram(fp32_math, x, r);
   bool q_is_identity = true;  // Q = I is implicit: not stored, not multiplied
   for (int i = 0; i < steps; ++i) {
     if (i == kGramRestartAfter) {
-      x = ApplyQ(*x_math, q, x, "Q X0 (restart)");
+      x = ApplyQ(*x_math, q, x, Scratch::kGramX1, "Q X0 (restart)");
       if (!rest_long_fp32 && x_math != &long_math) {
         x_math = &long_math;
         x = long_math.ToCompute("cast X (restart)", x);
@@ -131,7 +133,8 @@ at::Tensor GramIterations(BatchedMath& long_math, BatchedMath& fp32_math, bool f
       std::swap(q, t);
     }
   }
-  return ApplyQ(*x_math, q, x, "Q X0");
+  // Not kGramX1: x may be the restart's product.
+  return ApplyQ(*x_math, q, x, Scratch::kGramX2, "Q X0");
 }
 
 bool GramPays(int64_t m, int64_t n, int steps, double fp32_weight) {
