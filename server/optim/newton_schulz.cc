@@ -70,8 +70,10 @@ using ns::kGramRestartAfter;
 using ns::kNormEpsilon;
 
 // The fp32 m x m work of the Gram iteration costs about this many times a bf16 GEMM's per FLOP
-// (measured here: bf16 matmul ~600 GFLOP/s, fp32 ~170 with the Haswell kernels OpenBLAS is
-// configured to use; ~2x with its AVX-512 ones). ns_gram.cc's GramPays weighs it so.
+// (ns_gram.cc's GramPays weighs it so). Set from a 2-thread measurement of bf16 matmul at ~600
+// GFLOP/s against fp32 SYRK/SYMM; OpenBLAS 0.3.21 runs its Cooperlake (AVX-512) kernels on this
+// CPU (openblas_get_corename), ~170 GFLOP/s per core for SGEMM, so a plain GEMM alone would
+// suggest ~2: the weight is conservative (bf16 keeps the standard iteration unless n >= 12 m).
 constexpr double kFp32CostInBf16 = 3.0;
 
 at::ScalarType StorageType(DType compute) {
