@@ -22,7 +22,6 @@ import argparse
 import collections
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -440,13 +439,7 @@ def main():
     except HarnessError as e:
         log(f"chaos: FAIL: {e}")
     finally:
-        h.kill_daemons()
-        for j in jobs:
-            j.quit()
-        if ok and not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            log(f"chaos: work directory kept: {workdir}")
+        h.clean_up("chaos", workdir, jobs, keep=not ok or args.keep)
     return rc
 
 

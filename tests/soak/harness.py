@@ -8,6 +8,7 @@ import os
 import random
 import re
 import select
+import shutil
 import signal
 import struct
 import subprocess
@@ -175,6 +176,18 @@ def kill_daemons():
     for d in Daemon.running:
         if d.alive():
             d.kill()
+
+
+def clean_up(name, workdir, jobs, keep):
+    """The end of a run, passed or not: SIGKILL the daemons still running, stop the jobs' rank
+    workers, and remove the work directory unless `keep` (a failed run, or --keep)."""
+    kill_daemons()
+    for j in jobs:
+        j.quit()
+    if keep:
+        log(f"{name}: work directory kept: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # ----- rank processes -----

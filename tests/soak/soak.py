@@ -12,7 +12,6 @@ the end; every scrape succeeds; the daemon logs no error and exits 0 on SIGTERM.
 import argparse
 import os
 import random
-import shutil
 import sys
 import tempfile
 import threading
@@ -202,13 +201,7 @@ def main():
     except h.HarnessError as e:
         log(f"soak: FAIL: {e}")
     finally:
-        h.kill_daemons()
-        for j in jobs:
-            j.quit()
-        if ok and not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            log(f"soak: work directory kept: {workdir}")
+        h.clean_up("soak", workdir, jobs, keep=not ok or args.keep)
     return 0 if ok else 1
 
 
