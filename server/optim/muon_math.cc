@@ -2,6 +2,8 @@
 // Newton-Schulz part (step 3) and everything that needs LibTorch live in newton_schulz.cc.
 #include "server/optim/muon_math.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -12,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
 #include "server/optim/newton_schulz.h"
+#include "server/optim/ns_layout.h"
 
 namespace muond::server {
 namespace {
@@ -71,8 +74,7 @@ void ApplyMomentum(const common::MuonConfig& config, const float* grad, float* m
 
 namespace {
 
-// Steps 1 and 2 in fp32, one pass (memory-bound: a second thread would not help much next to the
-// O(r^2 c) Newton-Schulz). `update` may alias `grad`: grad[i] is read before update[i].
+// Steps 1 and 2 in fp32, one pass. `update` may alias `grad`: grad[i] is read before update[i].
 void MomentumAndUpdate(const common::MuonConfig& config, const float* grad, float* momentum,
                        float* update, int64_t n) {
   const float one_minus_beta = static_cast<float>(1.0 - config.momentum);
@@ -122,8 +124,12 @@ absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
   }
   // Checked before any momentum is touched, so a refused gradient leaves every momentum
   // bit-identical.
+  // Memory-bound passes over the team (elementwise: no bit depends on the thread count); one
+  // thread alone does not reach the memory bandwidth of the cores, and these passes read and
+  // write the whole model every step.
+  const int threads = omp_get_max_threads();
   for (size_t k = 0; k < count; ++k) {
-    if (const int64_t bad = common::FindNonFinite(grads[k], static_cast<size_t>(n)); bad >= 0) {
+    if (const int64_t bad = internal::FindNonFiniteParallel(grads[k], n, threads); bad >= 0) {
       return absl::InvalidArgumentError(absl::StrCat("matrix '", specs[k]->name,
                                                      "': gradient element ", bad,
                                                      " is not finite (", grads[k][bad], ")"));
@@ -134,7 +140,10 @@ absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
   // the update buffers themselves (newton_schulz.cc computes every block independently of the
   // batch it is in, so the bits equal those of one matrix at a time).
   for (size_t k = 0; k < count; ++k) {
-    MomentumAndUpdate(config, grads[k], momenta[k], updates[k], n);
+    internal::ParallelRanges(n, threads, [&](int64_t begin, int64_t end) {
+      MomentumAndUpdate(config, grads[k] + begin, momenta[k] + begin, updates[k] + begin,
+                        end - begin);
+    });
   }
   const absl::Status status = internal::ScaledNewtonSchulzMany(config, g, count, scale, updates);
   if (!status.ok()) {

@@ -29,9 +29,10 @@
 // more than ~6e-3 (measured with a float64 emulation of each op's rounding). Steep spectra are
 // worse (singular values ~1/i^2 on 256 x 256: ~2.7e-2 even with K = 2).
 //
-// Normalization: the per-block Frobenius norm is taken in fp32 on the caller's data and
-// X / (norm*k + 1e-7) is computed in fp32, then cast to the compute dtype once (the same formula
-// with one rounding fewer than rounding X first).
+// Normalization: the per-block Frobenius norm is summed in float64 on the caller's data in one
+// fixed order and rounded to fp32; X / (norm*k + 1e-7) is computed in fp32, then cast to the
+// compute dtype once (the same formula with one rounding fewer than rounding X first). It and the
+// scaled write-back are tiled passes over raw buffers (ns_layout.h), not LibTorch ops.
 //
 // gram: see ns_gram.cc (which shapes use it, and its precision).
 #include "server/optim/newton_schulz.h"
@@ -40,10 +41,12 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <array>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,6 +55,7 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "server/optim/ns_batched_math.h"
+#include "server/optim/ns_layout.h"
 #include "server/optim/ns_schedule.h"
 
 namespace muond::server {
@@ -100,34 +104,22 @@ absl::Status CheckArguments(const MuonConfig& config, MatrixGeometry geometry) {
   return absl::OkStatus();
 }
 
-// X / (||X||_F * k + eps) per block of views[k] ([b, m, n] each), into one contiguous tensor
-// [count * b, m, n] of `storage`: fp32 wherever fp32 iterations or the Gram path come first (cast
-// later, see Iterations), or straight to bf16 (the quotient computed in fp32 and rounded once on
-// store: the bits of the fp32 quotient cast afterwards, one pass over the matrix fewer).
-at::Tensor NormalizeBlocks(NsMethod method, const std::vector<at::Tensor>& views,
-                           at::ScalarType storage, const char** op) {
-  const int64_t batch = views[0].size(0);
-  const double k = ns::NormFactor(method);
-  const int64_t count = static_cast<int64_t>(views.size());
-  at::Tensor xs = ScratchTensor(Scratch::kNormalized,
-                                {count * batch, views[0].size(1), views[0].size(2)}, storage);
-  for (int64_t j = 0; j < count; ++j) {
-    const at::Tensor& view = views[static_cast<size_t>(j)];
-    *op = "frobenius norm";
-    // One reduction per block: a reduction over several blocks at once may split a block's sum
-    // differently (across threads) than over that block alone, and a matrix's bits must not
-    // depend on the batch it is computed in (same-shape batching).
-    at::Tensor denom = at::empty({batch, 1, 1}, view.options());
-    for (int64_t b = 0; b < batch; ++b) {
-      denom[b].copy_(
-          at::linalg_vector_norm(view[b], 2, c10::nullopt, /*keepdim=*/true, c10::nullopt));
-    }
-    denom.mul_(k).add_(kNormEpsilon);
-    *op = "normalize";
-    at::Tensor out = xs.narrow(0, j * batch, batch);
-    at::div_out(out, view, denom);
-  }
-  return xs;
+// X / (||X||_F * k + eps) per block of the caller's buffers, into one contiguous tensor
+// [count * b, m, n] of `storage` (ns_layout.h: transposed through tiles when rows > cols): fp32
+// wherever fp32 iterations or the Gram path come first (cast later, see Iterations), or straight
+// to bf16 (the quotient computed in fp32 and rounded once on store: the bits of the fp32 quotient
+// cast afterwards, one pass over the matrix fewer).
+at::Tensor NormalizeBlocks(NsMethod method, const internal::BlockLayout& layout,
+                           const float* const* xs, at::ScalarType storage, const char** op) {
+  const int64_t m = std::min(layout.rows, layout.cols), n = std::max(layout.rows, layout.cols);
+  at::Tensor out = ScratchTensor(
+      Scratch::kNormalized, {static_cast<int64_t>(layout.count) * layout.batch, m, n}, storage);
+  *op = "normalize";
+  internal::NormalizeBlocksInto(
+      layout, xs, ns::NormFactor(method), static_cast<float>(kNormEpsilon),
+      storage == at::kBFloat16 ? internal::GemmType::kBFloat16 : internal::GemmType::kFloat32,
+      out.data_ptr(), omp_get_max_threads());
+  return out;
 }
 
 // Iterations [begin, end) of the formula in math's dtype on X [b, m, n] (m <= n); `steps` is the
@@ -175,19 +167,6 @@ at::Tensor Iterations(const MuonConfig& config, BatchedMath& math, BatchedMath& 
   return DirectIterations(math, std::move(x), method, fp32_steps, steps, steps);
 }
 
-// Stores result * scale into the caller's buffer: blocks, seen through view ([b, m, n]).
-void WriteBack(const at::Tensor& result, double scale, at::Tensor& view, const at::Tensor& blocks,
-               const char** op) {
-  *op = "write back";
-  if (result.scalar_type() == at::kFloat) {
-    at::mul_out(view, result, scale);  // fp32: scale and store at once
-  } else {
-    // mul_out would multiply in bf16 (an extra rounding): widen first, then scale in fp32.
-    view.copy_(result);
-    if (scale != 1.0) blocks.mul_(scale);
-  }
-}
-
 // INVALID_ARGUMENT naming the first non-finite element of the result, if any.
 absl::Status CheckFinite(const MuonConfig& config, MatrixGeometry geometry, const float* x) {
   const int64_t n = geometry.batch * geometry.rows * geometry.cols;
@@ -212,26 +191,28 @@ absl::Status ScaledNewtonSchulzMany(const MuonConfig& config, MatrixGeometry geo
   BatchedMath math(StorageType(config.compute_dtype),
                    /*emulate_half=*/config.compute_dtype == DType::kFloat16, &op);
   BatchedMath fp32_math(at::kFloat, /*emulate_half=*/false, &op);
+  int64_t bad = -1;  // the first buffer whose result is not finite
   try {
     c10::InferenceMode no_autograd;
-    const bool transposed = geometry.rows > geometry.cols;
-    // Not owned: the tensors must not outlive this call.
-    std::vector<at::Tensor> blocks, views;
-    for (size_t k = 0; k < count; ++k) {
-      blocks.push_back(at::from_blob(xs[k], {geometry.batch, geometry.rows, geometry.cols},
-                                     at::TensorOptions().dtype(at::kFloat)));
-      views.push_back(transposed ? blocks.back().transpose(1, 2) : blocks.back());  // m <= n
-    }
+    const internal::BlockLayout layout{count, geometry.batch, geometry.rows, geometry.cols};
     // Normalized straight into bf16 when the first iteration is a plain bf16 one.
     const bool plain_bf16 = config.compute_dtype == DType::kBFloat16 &&
                             config.fp32_iterations <= 0 && config.ns_method != NsMethod::kGram;
-    at::Tensor normalized =
-        NormalizeBlocks(config.ns_method, views, plain_bf16 ? at::kBFloat16 : at::kFloat, &op);
-    const at::Tensor result = Iterations(config, math, fp32_math, std::move(normalized));
-    for (size_t k = 0; k < count; ++k) {
-      WriteBack(result.narrow(0, static_cast<int64_t>(k) * geometry.batch, geometry.batch), scale,
-                views[k], blocks[k], &op);
+    at::Tensor normalized = NormalizeBlocks(config.ns_method, layout, xs,
+                                            plain_bf16 ? at::kBFloat16 : at::kFloat, &op);
+    const at::Tensor result =
+        Iterations(config, math, fp32_math, std::move(normalized)).contiguous();
+    op = "write back";
+    if (result.scalar_type() != at::kFloat && result.scalar_type() != at::kBFloat16) {
+      throw std::runtime_error("the iterations' result is neither fp32 nor bf16");
     }
+    // fp32 results are scaled and stored at once; bf16 ones widened first, then scaled in fp32
+    // (scaling in bf16 would round once more).
+    bad = internal::WriteBackBlocks(
+        layout, result.data_ptr(),
+        result.scalar_type() == at::kBFloat16 ? internal::GemmType::kBFloat16
+                                              : internal::GemmType::kFloat32,
+        scale, xs, omp_get_max_threads());
   } catch (const c10::Error& e) {
     return absl::InternalError(
         absl::StrCat("Newton-Schulz: LibTorch op ", op, " failed: ", e.what_without_backtrace()));
@@ -239,7 +220,7 @@ absl::Status ScaledNewtonSchulzMany(const MuonConfig& config, MatrixGeometry geo
     return absl::InternalError(
         absl::StrCat("Newton-Schulz: LibTorch op ", op, " failed: ", e.what()));
   }
-  for (size_t k = 0; k < count; ++k) RETURN_IF_ERROR(CheckFinite(config, geometry, xs[k]));
+  if (bad >= 0) return CheckFinite(config, geometry, xs[bad]);
   return absl::OkStatus();
 }
 
