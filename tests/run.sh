@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # Runs every test: installs what is missing, builds (with tests and benchmarks), runs ctest
-# (unit, integration and Python tests), then the sanitizer lane and the fuzzers. Run as root on a
-# fresh Debian 12 machine. This is what CI runs (.ci/run).
-#   tests/run.sh                      the normal build and suite (build/); then every fuzz
-#                                     target for MUOND_FUZZ_SECONDS (default 60) s (build-fuzz/,
-#                                     tests/fuzz/run.sh). MUOND_SANITIZE_LANE=1 adds the unit and
-#                                     integration suites under ASan + UBSan (build-asan/,
-#                                     tests/sanitize/run.sh address) after the suite; it is not
-#                                     on by default yet: a from-scratch sanitizer build of every
-#                                     suite does not fit CI's time on a 2-core machine beside the
-#                                     rest. MUOND_EXTRA_LANES=0 stops after the normal suite.
+# (unit, integration and Python tests), then (optionally) the ASan + UBSan lane and the fuzzers.
+# Run as root on a fresh Debian 12 machine. This is what CI runs (.ci/run).
+#   tests/run.sh                      by default, in this order, each lane timed:
+#                                     1. install (deploy/install-deps.sh)
+#                                     2. build/ (deploy/build.sh, tests, benchmarks, test hooks)
+#                                     3. ctest in build/, every test, -j MUOND_TEST_JOBS (2)
+#                                     4. every fuzz target for MUOND_FUZZ_SECONDS (60) s, 2 at a
+#                                        time (build-fuzz/, tests/fuzz/run.sh)
+#                                     MUOND_SANITIZE_LANE=1 adds, between 3 and 4, the ASan + UBSan
+#                                     lane (tests/sanitize/run.sh address: its own build in
+#                                     build-asan/, -O1 -g1, then the unit, integration,
+#                                     shared-memory, hostile and fuzz-replay suites under it). It
+#                                     is meant to be on by default once it has passed end to end;
+#                                     estimated to fit CI's 60 minutes on a 2-core machine without
+#                                     ccache hits (README, "Sanitizers and fuzzing").
+#                                     MUOND_EXTRA_LANES=0 stops after lane 3.
 #   tests/run.sh --sanitize address   only the ASan + UBSan lane (build-asan/)
 #   tests/run.sh --sanitize thread    only the TSan lane (build-tsan/): job engine, shared memory,
-#                                     checkpoints
+#                                     checkpoints (not in the default run)
 # Each lane runs even when an earlier one failed; the exit status is non-zero if any failed.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
