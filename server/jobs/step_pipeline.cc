@@ -163,6 +163,16 @@ class StepPipeline::Run {
     if (!s.ok() && status_.ok()) status_ = s;
     if (!status_.ok()) return;
     const absl::Time scatter_start = absl::Now();
+    // Update mode: every owner's span of the batch, cut into slices for the CPUs (the narrowing
+    // to bf16 or fp16 is a pass over the whole model each step).
+    struct Scatter {
+      const float* src;
+      uint64_t length;
+      common::DType dtype;
+      char* dst;
+    };
+    std::vector<Scatter> slices;
+    size_t bytes = 0;
     for (size_t i = 0; i < b.matrices.size(); ++i) {
       const uint32_t m = b.matrices[i];
       if (p_.apply_ != nullptr) {
@@ -173,13 +183,20 @@ class StepPipeline::Run {
         continue;
       }
       if (b.direct[i]) continue;  // already in the ranks' update regions
-      for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
-        const common::ShardSpan& span = p_.layout_.spans(ref.rank)[ref.span];
-        common::FromFloat32(b.staging[i].data() + span.offset, span.length,
-                            p_.spec_.matrices[m].dtype,
-                            state_.outputs[ref.rank]->spans[ref.span].data);
+      const common::DType dtype = p_.spec_.matrices[m].dtype;
+      const size_t esize = common::DTypeSize(dtype);
+      for (const JobLayout::OwnerSlice& piece : p_.layout_.OwnerSlices(m, uint64_t{1} << 20)) {
+        const common::ShardSpan& span = p_.layout_.spans(piece.ref->rank)[piece.ref->span];
+        char* out =
+            static_cast<char*>(state_.outputs[piece.ref->rank]->spans[piece.ref->span].data);
+        slices.push_back({b.staging[i].data() + span.offset + piece.begin, piece.length, dtype,
+                          out + piece.begin * esize});
+        bytes += piece.length * (sizeof(float) + esize);
       }
     }
+    common::ParallelFor(slices.size(), bytes, [&](size_t k) {
+      common::FromFloat32(slices[k].src, slices[k].length, slices[k].dtype, slices[k].dst);
+    });
     state_.phase_seconds[4] += absl::ToDoubleSeconds(absl::Now() - scatter_start);
     for (std::vector<float>& v : b.staging) {
       if (!v.empty()) p_.GiveBack(std::move(v));
