@@ -373,31 +373,38 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
         if (device->InjectKernelFailure()) {
           return absl::InternalError(absl::StrCat(device->name(), ": injected kernel failure"));
         }
-        // Same-shape matrices (equal shape and heads) go into one batched Newton-Schulz.
+        // Same-shape matrices (equal shape and heads) go into one batched Newton-Schulz, and
+        // the groups into one call (their Newton-Schulz shares the compute threads' barriers).
+        struct Group {
+          std::vector<const common::MatrixSpec*> specs;
+          std::vector<const float*> grads;
+          std::vector<float*> momenta, updates;
+        };
+        std::vector<Group> groups;
         std::vector<bool> done(items.size(), false);
         for (size_t i = 0; i < items.size(); ++i) {
           if (done[i]) continue;
           const common::MatrixSpec& spec = *items[i].spec;
-          std::vector<const common::MatrixSpec*> specs;
-          std::vector<const float*> grads;
-          std::vector<float*> momenta, updates;
+          Group& group = groups.emplace_back();
           for (size_t j = i; j < items.size(); ++j) {
             const common::MatrixSpec& other = *items[j].spec;
             if (done[j] || other.shape != spec.shape || other.num_heads != spec.num_heads) {
               continue;
             }
             done[j] = true;
-            specs.push_back(&other);
+            group.specs.push_back(&other);
             auto* g = static_cast<float*>(items[j].grad_update->data());
-            grads.push_back(g);
-            updates.push_back(g);
-            momenta.push_back(static_cast<float*>(items[j].momentum->data()));
+            group.grads.push_back(g);
+            group.updates.push_back(g);
+            group.momenta.push_back(static_cast<float*>(items[j].momentum->data()));
           }
-          absl::Status s = MuonUpdateSameShape(config, grads.size(), specs.data(), grads.data(),
-                                               momenta.data(), updates.data());
-          if (!s.ok()) return s;
         }
-        return absl::OkStatus();
+        std::vector<MuonGroup> muon_groups;
+        for (const Group& g : groups) {
+          muon_groups.push_back(
+              {g.specs.size(), g.specs.data(), g.grads.data(), g.momenta.data(), g.updates.data()});
+        }
+        return MuonUpdateGroups(config, muon_groups.data(), muon_groups.size());
       },
       device_->KernelCost(flops), 1);
   return absl::OkStatus();

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 #include "server/optim/newton_schulz.h"
 #include "server/optim/ns_layout.h"
 
@@ -106,65 +107,103 @@ absl::Status MuonUpdate(const common::MuonConfig& config, const common::MatrixSp
 absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
                                  const common::MatrixSpec* const* specs, const float* const* grads,
                                  float* const* momenta, float* const* updates) {
-  if (count == 0) return absl::OkStatus();
-  const common::MatrixSpec& spec = *specs[0];
+  const MuonGroup group{count, specs, grads, momenta, updates};
+  return MuonUpdateGroups(config, &group, 1);
+}
+
+namespace {
+
+// INVALID_ARGUMENT unless the group's matrices are Muon matrices of one shape and heads.
+absl::Status CheckGroup(const MuonGroup& group) {
+  const common::MatrixSpec& spec = *group.specs[0];
   const MatrixGeometry g = GeometryOf(spec);
-  const int64_t n = spec.numel();
-  if (g.batch < 1 || g.rows < 1 || g.cols < 1 || g.batch * g.rows * g.cols != n) {
+  if (g.batch < 1 || g.rows < 1 || g.cols < 1 || g.batch * g.rows * g.cols != spec.numel()) {
     return absl::InvalidArgumentError(
         absl::StrCat("matrix '", spec.name, "': shape [", absl::StrJoin(spec.shape, ", "),
                      "] with num_heads ", spec.num_heads, " is not a Muon matrix"));
   }
-  for (size_t k = 1; k < count; ++k) {
-    if (specs[k]->shape != spec.shape || specs[k]->num_heads != spec.num_heads) {
+  for (size_t k = 1; k < group.count; ++k) {
+    if (group.specs[k]->shape != spec.shape || group.specs[k]->num_heads != spec.num_heads) {
       return absl::InvalidArgumentError(
-          absl::StrCat("matrices '", spec.name, "' and '", specs[k]->name,
+          absl::StrCat("matrices '", spec.name, "' and '", group.specs[k]->name,
                        "' differ in shape or heads and cannot share one batched Newton-Schulz"));
     }
   }
-  // Checked before any momentum is touched, so a refused gradient leaves every momentum
-  // bit-identical.
+  return absl::OkStatus();
+}
+
+// A Newton-Schulz error of the group, naming the matrix: the first whose result is not finite
+// (or the whole group).
+absl::Status NameMatrix(const MuonGroup& group, const absl::Status& status) {
+  const common::MatrixSpec& spec = *group.specs[0];
+  if (group.count == 1) {
+    return absl::Status(status.code(),
+                        absl::StrCat("matrix '", spec.name, "': ", status.message()));
+  }
+  const int64_t n = spec.numel();
+  for (size_t k = 0; k < group.count; ++k) {
+    const float* r = group.updates[k];
+    if (const int64_t bad = common::FindNonFinite(r, static_cast<size_t>(n)); bad >= 0) {
+      return absl::Status(status.code(),
+                          absl::StrCat("matrix '", group.specs[k]->name,
+                                       "': Newton-Schulz: result is not finite (element ", bad,
+                                       " of ", n, " is ", r[bad], ")"));
+    }
+  }
+  return absl::Status(status.code(),
+                      absl::StrCat("matrices '", spec.name, "' and ", group.count - 1,
+                                   " more of its shape: ", status.message()));
+}
+
+}  // namespace
+
+absl::Status MuonUpdateGroups(const common::MuonConfig& config, const MuonGroup* groups,
+                              size_t count) {
+  std::vector<const MuonGroup*> live;
+  for (size_t i = 0; i < count; ++i) {
+    if (groups[i].count == 0) continue;
+    RETURN_IF_ERROR(CheckGroup(groups[i]));
+    live.push_back(&groups[i]);
+  }
   // Memory-bound passes over the team (elementwise: no bit depends on the thread count); one
   // thread alone does not reach the memory bandwidth of the cores, and these passes read and
-  // write the whole model every step.
+  // write the whole model every step. Every gradient is checked before any momentum is touched,
+  // so a refused gradient leaves every momentum bit-identical.
   const int threads = omp_get_max_threads();
-  for (size_t k = 0; k < count; ++k) {
-    if (const int64_t bad = internal::FindNonFiniteParallel(grads[k], n, threads); bad >= 0) {
-      return absl::InvalidArgumentError(absl::StrCat("matrix '", specs[k]->name,
-                                                     "': gradient element ", bad,
-                                                     " is not finite (", grads[k][bad], ")"));
-    }
-  }
-  const double scale = MuonScale(config.scale_mode, g.rows, g.cols);
-  // Same-shape batching: the blocks of all `count` matrices form one batched Newton-Schulz over
-  // the update buffers themselves (newton_schulz.cc computes every block independently of the
-  // batch it is in, so the bits equal those of one matrix at a time).
-  for (size_t k = 0; k < count; ++k) {
-    internal::ParallelRanges(n, threads, [&](int64_t begin, int64_t end) {
-      MomentumAndUpdate(config, grads[k] + begin, momenta[k] + begin, updates[k] + begin,
-                        end - begin);
-    });
-  }
-  const absl::Status status = internal::ScaledNewtonSchulzMany(config, g, count, scale, updates);
-  if (!status.ok()) {
-    if (count == 1) {
-      return absl::Status(status.code(),
-                          absl::StrCat("matrix '", spec.name, "': ", status.message()));
-    }
-    // Name the matrix: the first whose result is not finite (or the whole batch).
-    for (size_t k = 0; k < count; ++k) {
-      const float* r = updates[k];
-      if (const int64_t bad = common::FindNonFinite(r, static_cast<size_t>(n)); bad >= 0) {
-        return absl::Status(status.code(),
-                            absl::StrCat("matrix '", specs[k]->name,
-                                         "': Newton-Schulz: result is not finite (element ", bad,
-                                         " of ", n, " is ", r[bad], ")"));
+  for (const MuonGroup* group : live) {
+    const int64_t n = group->specs[0]->numel();
+    for (size_t k = 0; k < group->count; ++k) {
+      const float* grad = group->grads[k];
+      if (const int64_t bad = internal::FindNonFiniteParallel(grad, n, threads); bad >= 0) {
+        return absl::InvalidArgumentError(absl::StrCat("matrix '", group->specs[k]->name,
+                                                       "': gradient element ", bad,
+                                                       " is not finite (", grad[bad], ")"));
       }
     }
-    return absl::Status(status.code(), absl::StrCat("matrices '", spec.name, "' and ", count - 1,
-                                                    " more of its shape: ", status.message()));
   }
-  return absl::OkStatus();
+  std::vector<internal::NsGroup> ns_groups;
+  for (const MuonGroup* group : live) {
+    const int64_t n = group->specs[0]->numel();
+    for (size_t k = 0; k < group->count; ++k) {
+      internal::ParallelRanges(n, threads, [&](int64_t begin, int64_t end) {
+        MomentumAndUpdate(config, group->grads[k] + begin, group->momenta[k] + begin,
+                          group->updates[k] + begin, end - begin);
+      });
+    }
+    // Same-shape batching: the blocks of all the group's matrices form one batched Newton-Schulz
+    // over the update buffers themselves (newton_schulz.cc computes every block independently of
+    // the batch it is in, so the bits equal those of one matrix at a time).
+    const MatrixGeometry g = GeometryOf(*group->specs[0]);
+    ns_groups.push_back(
+        {g, group->count, MuonScale(config.scale_mode, g.rows, g.cols), group->updates});
+  }
+  size_t failed = internal::kNoGroup;
+  const absl::Status status =
+      internal::ScaledNewtonSchulzGroups(config, ns_groups.data(), ns_groups.size(), &failed);
+  if (status.ok()) return status;
+  if (failed < live.size()) return NameMatrix(*live[failed], status);
+  return absl::Status(
+      status.code(), absl::StrCat("Newton-Schulz of ", live.size(), " shapes: ", status.message()));
 }
 
 }  // namespace muond::server

@@ -60,6 +60,22 @@ absl::Status MuonUpdateSameShape(const common::MuonConfig& config, size_t count,
                                  const common::MatrixSpec* const* specs, const float* const* grads,
                                  float* const* momenta, float* const* updates);
 
+// `count` same-shape matrices of MuonUpdateSameShape.
+struct MuonGroup {
+  size_t count = 0;
+  const common::MatrixSpec* const* specs = nullptr;
+  const float* const* grads = nullptr;
+  float* const* momenta = nullptr;
+  float* const* updates = nullptr;
+};
+
+// MuonUpdateSameShape of every group, with the same bits, in one call: every gradient of every
+// group is checked before any momentum is written, and the groups' Newton-Schulz runs as one
+// (newton_schulz.h ScaledNewtonSchulzGroups: a step of many shapes shares the compute threads'
+// barriers). Errors name the matrix.
+absl::Status MuonUpdateGroups(const common::MuonConfig& config, const MuonGroup* groups,
+                              size_t count);
+
 // Step 1 alone: momentum[i] <- lerp(momentum[i], grad[i], 1 - beta) for n elements. Bit-identical
 // to the momentum MuonUpdate writes for the same inputs (same formula, same rounding), so a step
 // can compute its updates from a temporary momentum and commit the store later from the gradients.

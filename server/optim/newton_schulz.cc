@@ -57,6 +57,7 @@
 #include "server/optim/ns_batched_math.h"
 #include "server/optim/ns_layout.h"
 #include "server/optim/ns_schedule.h"
+#include "server/optim/ns_tasks.h"
 
 namespace muond::server {
 namespace {
@@ -198,8 +199,8 @@ absl::Status ScaledNewtonSchulzMany(const MuonConfig& config, MatrixGeometry geo
     // Normalized straight into bf16 when the first iteration is a plain bf16 one.
     const bool plain_bf16 = config.compute_dtype == DType::kBFloat16 &&
                             config.fp32_iterations <= 0 && config.ns_method != NsMethod::kGram;
-    at::Tensor normalized = NormalizeBlocks(config.ns_method, layout, xs,
-                                            plain_bf16 ? at::kBFloat16 : at::kFloat, &op);
+    at::Tensor normalized =
+        NormalizeBlocks(config.ns_method, layout, xs, plain_bf16 ? at::kBFloat16 : at::kFloat, &op);
     const at::Tensor result =
         Iterations(config, math, fp32_math, std::move(normalized)).contiguous();
     op = "write back";
@@ -208,11 +209,11 @@ absl::Status ScaledNewtonSchulzMany(const MuonConfig& config, MatrixGeometry geo
     }
     // fp32 results are scaled and stored at once; bf16 ones widened first, then scaled in fp32
     // (scaling in bf16 would round once more).
-    bad = internal::WriteBackBlocks(
-        layout, result.data_ptr(),
-        result.scalar_type() == at::kBFloat16 ? internal::GemmType::kBFloat16
-                                              : internal::GemmType::kFloat32,
-        scale, xs, omp_get_max_threads());
+    bad = internal::WriteBackBlocks(layout, result.data_ptr(),
+                                    result.scalar_type() == at::kBFloat16
+                                        ? internal::GemmType::kBFloat16
+                                        : internal::GemmType::kFloat32,
+                                    scale, xs, omp_get_max_threads());
   } catch (const c10::Error& e) {
     return absl::InternalError(
         absl::StrCat("Newton-Schulz: LibTorch op ", op, " failed: ", e.what_without_backtrace()));
@@ -222,6 +223,120 @@ absl::Status ScaledNewtonSchulzMany(const MuonConfig& config, MatrixGeometry geo
   }
   if (bad >= 0) return CheckFinite(config, geometry, xs[bad]);
   return absl::OkStatus();
+}
+
+namespace {
+
+// Every iteration a plain bf16 one: the task iteration of ns_tasks.h throughout.
+bool Pooled(const MuonConfig& config) {
+  return config.compute_dtype == DType::kBFloat16 && config.fp32_iterations <= 0 &&
+         config.ns_method != NsMethod::kGram;
+}
+
+// Where each group's blocks lie in the pooled scratch (elements).
+struct PooledPlan {
+  std::vector<BlockLayout> layouts;
+  std::vector<int64_t> x_offset, a_offset;  // [b, m, n] and [b, m, m] per group
+  int64_t x_total = 0, a_total = 0;
+};
+
+PooledPlan PlanPooled(const NsGroup* groups, size_t count) {
+  PooledPlan plan;
+  for (size_t g = 0; g < count; ++g) {
+    const MatrixGeometry& geo = groups[g].geometry;
+    plan.layouts.push_back(BlockLayout{groups[g].count, geo.batch, geo.rows, geo.cols});
+    const int64_t blocks = static_cast<int64_t>(groups[g].count) * geo.batch;
+    const int64_t m = std::min(geo.rows, geo.cols), n = std::max(geo.rows, geo.cols);
+    plan.x_offset.push_back(plan.x_total);
+    plan.a_offset.push_back(plan.a_total);
+    plan.x_total += blocks * m * n;
+    plan.a_total += blocks * m * m;
+  }
+  return plan;
+}
+
+// ScaledNewtonSchulzGroups when Pooled(config): normalization, every iteration as one task pool
+// per phase over all groups, write-back; the bits of ScaledNewtonSchulzMany per group (the same
+// passes and the same single-threaded products).
+absl::Status PooledNewtonSchulz(const MuonConfig& config, const NsGroup* groups, size_t count,
+                                size_t* failed) {
+  const PooledPlan plan = PlanPooled(groups, count);
+  const int threads = omp_get_max_threads();
+  const char* op = "scratch";
+  constexpr size_t kEs = 2;  // bf16
+  try {
+    c10::InferenceMode no_autograd;
+    char* x = static_cast<char*>(
+        ScratchTensor(Scratch::kNormalized, {plan.x_total}, at::kBFloat16).data_ptr());
+    char* next =
+        static_cast<char*>(ScratchTensor(Scratch::kNext, {plan.x_total}, at::kBFloat16).data_ptr());
+    char* a =
+        static_cast<char*>(ScratchTensor(Scratch::kA, {plan.a_total}, at::kBFloat16).data_ptr());
+    char* p =
+        static_cast<char*>(ScratchTensor(Scratch::kP, {plan.a_total}, at::kBFloat16).data_ptr());
+    op = "normalize";
+    for (size_t g = 0; g < count; ++g) {
+      NormalizeBlocksInto(plan.layouts[g], groups[g].xs, ns::NormFactor(config.ns_method),
+                          static_cast<float>(kNormEpsilon), GemmType::kBFloat16,
+                          x + plan.x_offset[g] * kEs, threads);
+    }
+    std::vector<TaskBlocks> blocks(count);
+    for (int i = 0; i < config.ns_steps; ++i) {
+      for (size_t g = 0; g < count; ++g) {
+        const BlockLayout& l = plan.layouts[g];
+        blocks[g] = TaskBlocks{GemmType::kBFloat16,        static_cast<int64_t>(l.count) * l.batch,
+                               std::min(l.rows, l.cols),   std::max(l.rows, l.cols),
+                               x + plan.x_offset[g] * kEs, a + plan.a_offset[g] * kEs,
+                               p + plan.a_offset[g] * kEs, next + plan.x_offset[g] * kEs};
+      }
+      TaskIteration(blocks.data(), count,
+                    IterationCoefficients(config.ns_method, i, config.ns_steps), threads, &op);
+      std::swap(x, next);
+    }
+    op = "write back";
+    for (size_t g = 0; g < count; ++g) {
+      const int64_t bad =
+          WriteBackBlocks(plan.layouts[g], x + plan.x_offset[g] * kEs, GemmType::kBFloat16,
+                          groups[g].scale, groups[g].xs, threads);
+      if (bad >= 0) {
+        *failed = g;
+        return CheckFinite(config, groups[g].geometry, groups[g].xs[bad]);
+      }
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("Newton-Schulz: LibTorch op ", op, " failed: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("Newton-Schulz: op ", op, " failed: ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ScaledNewtonSchulzGroups(const MuonConfig& config, const NsGroup* groups, size_t count,
+                                      size_t* failed) {
+  *failed = kNoGroup;
+  for (size_t g = 0; g < count; ++g) {
+    if (absl::Status s = CheckArguments(config, groups[g].geometry); !s.ok()) {
+      *failed = g;
+      return s;
+    }
+  }
+  size_t nonempty = 0;
+  for (size_t g = 0; g < count; ++g) nonempty += groups[g].count > 0 ? 1 : 0;
+  if (!Pooled(config) || nonempty < 2 || nonempty < count) {
+    for (size_t g = 0; g < count; ++g) {
+      absl::Status s = ScaledNewtonSchulzMany(config, groups[g].geometry, groups[g].count,
+                                              groups[g].scale, groups[g].xs);
+      if (!s.ok()) {
+        *failed = g;
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  }
+  return PooledNewtonSchulz(config, groups, count, failed);
 }
 
 absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometry, double scale,

@@ -24,6 +24,24 @@ absl::Status ScaledNewtonSchulz(const common::MuonConfig& config, MatrixGeometry
 absl::Status ScaledNewtonSchulzMany(const common::MuonConfig& config, MatrixGeometry geometry,
                                     size_t count, double scale, float* const* xs);
 
+// One same-shape batch of ScaledNewtonSchulzGroups: `count` buffers xs[k] of `geometry`.
+struct NsGroup {
+  MatrixGeometry geometry;
+  size_t count = 0;
+  double scale = 1.0;
+  float* const* xs = nullptr;
+};
+
+// ScaledNewtonSchulzMany of each group, with the same bits. When every iteration is a plain bf16
+// one (compute bf16, no fp32 iterations, not gram) the groups iterate in step: each phase of an
+// iteration is one pool of the tasks of all groups (ns_tasks.h), so a step of many shapes pays
+// three barriers per iteration, not three per shape, and the team stays busy across shapes; their
+// scratch is held at once. On error *failed is the group it concerns, or kNoGroup when the error is
+// not one group's (a product failed).
+inline constexpr size_t kNoGroup = ~size_t{0};
+absl::Status ScaledNewtonSchulzGroups(const common::MuonConfig& config, const NsGroup* groups,
+                                      size_t count, size_t* failed);
+
 }  // namespace muond::server::internal
 
 #endif  // MUOND_SERVER_OPTIM_NEWTON_SCHULZ_H_

@@ -141,8 +141,8 @@ void Normalize(const BlockLayout& layout, const float* const* src, const std::ve
     const int64_t j0 = (tile / tiles.col_tiles) * kTile, i0 = (tile % tiles.col_tiles) * kTile;
     const float d = denom[static_cast<size_t>(block)];
     // The block's transpose is [cols, rows]: out row i is the caller's column i.
-    TransposeTile(BlockOf(layout, src, block), layout.cols, out + block * elements, layout.rows,
-                  i0, std::min(i0 + kTile, layout.cols), j0, std::min(j0 + kTile, layout.rows),
+    TransposeTile(BlockOf(layout, src, block), layout.cols, out + block * elements, layout.rows, i0,
+                  std::min(i0 + kTile, layout.cols), j0, std::min(j0 + kTile, layout.rows),
                   [d](float v) { return v / d; });
   }
 }

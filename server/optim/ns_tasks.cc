@@ -16,26 +16,52 @@ namespace {
 size_t ElementSize(GemmType type) { return type == GemmType::kBFloat16 ? 2 : 4; }
 
 struct Task {
+  size_t group;
   int64_t block;
   int64_t offset;  // first row (strips) or column (chunks)
   int64_t size;    // rows or columns
+  int64_t work;    // multiply-adds
 };
 
-// Strips of the upper triangle, largest (lowest row) first across all blocks.
-std::vector<Task> Strips(int64_t batch, int64_t m) {
+// Largest first (a phase ends when its last task does), ties in listing order.
+void Order(std::vector<Task>* tasks) {
+  std::stable_sort(tasks->begin(), tasks->end(),
+                   [](const Task& x, const Task& y) { return x.work > y.work; });
+}
+
+// Strips of the upper triangles of every group's blocks; `inner` is the products' inner size
+// (n for X X^T, m for A A).
+std::vector<Task> Strips(const TaskBlocks* groups, size_t count, bool gram) {
   std::vector<Task> tasks;
-  for (int64_t r = 0; r < m; r += kStripRows) {
-    for (int64_t j = 0; j < batch; ++j) tasks.push_back({j, r, std::min(kStripRows, m - r)});
+  for (size_t g = 0; g < count; ++g) {
+    const int64_t m = groups[g].m, inner = gram ? groups[g].n : groups[g].m;
+    for (int64_t r = 0; r < m; r += kStripRows) {
+      const int64_t h = std::min(kStripRows, m - r);
+      for (int64_t j = 0; j < groups[g].batch; ++j)
+        tasks.push_back({g, j, r, h, h * (m - r) * inner});
+    }
   }
+  Order(&tasks);
   return tasks;
 }
 
-std::vector<Task> Chunks(int64_t batch, int64_t n) {
+std::vector<Task> Chunks(const TaskBlocks* groups, size_t count) {
   std::vector<Task> tasks;
-  for (int64_t c = 0; c < n; c += kChunkCols) {
-    for (int64_t j = 0; j < batch; ++j) tasks.push_back({j, c, std::min(kChunkCols, n - c)});
+  for (size_t g = 0; g < count; ++g) {
+    const int64_t m = groups[g].m, n = groups[g].n;
+    for (int64_t c = 0; c < n; c += kChunkCols) {
+      const int64_t w = std::min(kChunkCols, n - c);
+      for (int64_t j = 0; j < groups[g].batch; ++j) tasks.push_back({g, j, c, w, m * w * m});
+    }
   }
+  Order(&tasks);
   return tasks;
+}
+
+int64_t Work(const std::vector<Task>& tasks) {
+  int64_t sum = 0;
+  for (const Task& t : tasks) sum += t.work;
+  return sum;
 }
 
 // Copies the strip's upper part M[r:r+h, r:m] into the lower triangle: M[c, r + i] = M[r + i, c]
@@ -107,69 +133,71 @@ void RunPhase(const std::vector<Task>& tasks, int threads,
 
 }  // namespace
 
-void TaskIteration(const TaskBlocks& blk, const ns::Coefficients& k, int threads, const char** op) {
-  const int64_t m = blk.m, n = blk.n;
-  const size_t es = ElementSize(blk.type);
-  const char* x = static_cast<const char*>(blk.x);
-  char* a = static_cast<char*>(blk.a);
-  char* p = static_cast<char*>(blk.p);
-  char* next = static_cast<char*>(blk.next);
-  const int64_t xsize = m * n, asize = m * m;
+void TaskIteration(const TaskBlocks* groups, size_t count, const ns::Coefficients& k, int threads,
+                   const char** op) {
   threads = std::max(threads, 1);
-  const std::vector<Task> strips = Strips(blk.batch, m);
-  const std::vector<Task> chunks = Chunks(blk.batch, n);
-  // Multiply-adds of a phase: the strips cover about half of m x m outputs.
-  const int64_t gram_work = blk.batch * (m * m / 2) * n;
-  const int64_t poly_work = blk.batch * (m * m / 2) * m;
-  const int64_t apply_work = blk.batch * m * m * n;
+  const std::vector<Task> gram_strips = Strips(groups, count, /*gram=*/true);
+  const std::vector<Task> poly_strips = Strips(groups, count, /*gram=*/false);
+  const std::vector<Task> chunks = Chunks(groups, count);
 
   *op = "X X^T (upper strips)";
-  RunPhase(strips, PhaseThreads(threads, strips.size(), gram_work), [&](const Task& t) {
-    const char* xb = x + t.block * xsize * es;
-    char* ab = a + t.block * asize * es;
-    GemmArgs g{blk.type,
-               xb + t.offset * n * es,
-               xb + t.offset * n * es,
-               ab + (t.offset * m + t.offset) * es,
-               t.size,
-               m - t.offset,
-               n,
-               n,
-               n,
-               m,
-               /*b_transposed=*/true};
-    DnnlGemm(g);
-    Mirror(blk.type, ab, m, t.offset, t.size);
-  });
+  RunPhase(gram_strips, PhaseThreads(threads, gram_strips.size(), Work(gram_strips)),
+           [&](const Task& t) {
+             const TaskBlocks& blk = groups[t.group];
+             const int64_t m = blk.m, n = blk.n;
+             const size_t es = ElementSize(blk.type);
+             const char* xb = static_cast<const char*>(blk.x) + t.block * m * n * es;
+             char* ab = static_cast<char*>(blk.a) + t.block * m * m * es;
+             GemmArgs g{blk.type,
+                        xb + t.offset * n * es,
+                        xb + t.offset * n * es,
+                        ab + (t.offset * m + t.offset) * es,
+                        t.size,
+                        m - t.offset,
+                        n,
+                        n,
+                        n,
+                        m,
+                        /*b_transposed=*/true};
+             DnnlGemm(g);
+             Mirror(blk.type, ab, m, t.offset, t.size);
+           });
 
   *op = "b A + c A A (upper strips)";
-  RunPhase(strips, PhaseThreads(threads, strips.size(), poly_work), [&](const Task& t) {
-    const char* ab = a + t.block * asize * es;
-    char* pb = p + t.block * asize * es;
-    const int64_t corner = (t.offset * m + t.offset) * static_cast<int64_t>(es);
-    CopyRect(ab + corner, m, pb + corner, m, t.size, m - t.offset, es);
-    GemmArgs g{blk.type,
-               ab + t.offset * m * es,
-               ab + t.offset * m * es,
-               pb + corner,
-               t.size,
-               m - t.offset,
-               m,
-               m,
-               m,
-               m,
-               /*b_transposed=*/true,
-               static_cast<float>(k.c),
-               static_cast<float>(k.b)};
-    DnnlGemm(g);
-    Mirror(blk.type, pb, m, t.offset, t.size);
-  });
+  RunPhase(poly_strips, PhaseThreads(threads, poly_strips.size(), Work(poly_strips)),
+           [&](const Task& t) {
+             const TaskBlocks& blk = groups[t.group];
+             const int64_t m = blk.m;
+             const size_t es = ElementSize(blk.type);
+             const char* ab = static_cast<const char*>(blk.a) + t.block * m * m * es;
+             char* pb = static_cast<char*>(blk.p) + t.block * m * m * es;
+             const int64_t corner = (t.offset * m + t.offset) * static_cast<int64_t>(es);
+             CopyRect(ab + corner, m, pb + corner, m, t.size, m - t.offset, es);
+             GemmArgs g{blk.type,
+                        ab + t.offset * m * es,
+                        ab + t.offset * m * es,
+                        pb + corner,
+                        t.size,
+                        m - t.offset,
+                        m,
+                        m,
+                        m,
+                        m,
+                        /*b_transposed=*/true,
+                        static_cast<float>(k.c),
+                        static_cast<float>(k.b)};
+             DnnlGemm(g);
+             Mirror(blk.type, pb, m, t.offset, t.size);
+           });
 
   *op = "a X + P X (column chunks)";
-  RunPhase(chunks, PhaseThreads(threads, chunks.size(), apply_work), [&](const Task& t) {
-    const char* xb = x + t.block * xsize * es;
-    const char* pb = p + t.block * asize * es;
-    char* nb = next + t.block * xsize * es;
+  RunPhase(chunks, PhaseThreads(threads, chunks.size(), Work(chunks)), [&](const Task& t) {
+    const TaskBlocks& blk = groups[t.group];
+    const int64_t m = blk.m, n = blk.n;
+    const size_t es = ElementSize(blk.type);
+    const char* xb = static_cast<const char*>(blk.x) + t.block * m * n * es;
+    const char* pb = static_cast<const char*>(blk.p) + t.block * m * m * es;
+    char* nb = static_cast<char*>(blk.next) + t.block * m * n * es;
     CopyRect(xb + t.offset * es, n, nb + t.offset * es, n, m, t.size, es);
     GemmArgs g{blk.type,
                pb,

@@ -11,14 +11,16 @@
 // which costs (1 + 1/S) / 2 of the full product for S strips (0.625 at m = 1024). next is computed
 // in column chunks of kChunkCols: next[:, j:j+w] = a X[:, j:j+w] + P X[:, j:j+w].
 //
-// Each task is one block's strip or chunk; a phase's tasks (all blocks) run on the team with a
-// dynamic schedule, largest first, and the three phases are separated by the team's barrier. A
-// block's tasks depend only on (m, n), and each task is a single-threaded primitive of fixed shape,
-// so a block's bits do not depend on the batch it is in, on the thread count or on which thread
-// ran which task (same-shape batching, DESIGN.md 3).
+// Each task is one block's strip or chunk; a phase's tasks (all blocks, of every group when several
+// shapes iterate together) run on the team with a dynamic schedule, largest first, and the three
+// phases are separated by the team's barrier. A block's tasks depend only on (m, n), and each task
+// is a single-threaded primitive of fixed shape, so a block's bits do not depend on the batch it
+// is in, on the other shapes beside it, on the thread count or on which thread ran which task
+// (same-shape batching, DESIGN.md 3).
 #ifndef MUOND_SERVER_OPTIM_NS_TASKS_H_
 #define MUOND_SERVER_OPTIM_NS_TASKS_H_
 
+#include <cstddef>
 #include <cstdint>
 
 #include "server/optim/dnnl_gemm.h"
@@ -38,11 +40,18 @@ struct TaskBlocks {
   void* next = nullptr;     // [batch, m, n] result
 };
 
-// One iteration with coefficients k on `threads` threads (>= 1). `*op` names the phase in flight
+// One iteration with coefficients k of the blocks of `count` groups (each its own shape) on
+// `threads` threads (>= 1): each phase's tasks of all groups form one pool, so the groups share
+// the team's barriers and the largest tasks of any group go first. `*op` names the phase in flight
 // for error messages. Throws std::runtime_error (the first task's failure) if a product fails;
 // the outputs are then unspecified.
-void TaskIteration(const TaskBlocks& blocks, const ns::Coefficients& k, int threads,
+void TaskIteration(const TaskBlocks* groups, size_t count, const ns::Coefficients& k, int threads,
                    const char** op);
+
+inline void TaskIteration(const TaskBlocks& blocks, const ns::Coefficients& k, int threads,
+                          const char** op) {
+  TaskIteration(&blocks, 1, k, threads, op);
+}
 
 }  // namespace muond::server::internal
 

@@ -131,8 +131,7 @@ TEST_P(NsLayoutTest, WriteBackWidensScalesAndTransposesBack) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, NsLayoutTest,
                          ::testing::Values(Shape{1, 1, 1}, Shape{2, 70, 130}, Shape{1, 130, 70},
-                                           Shape{3, 64, 64}, Shape{1, 200, 129},
-                                           Shape{2, 300, 65}),
+                                           Shape{3, 64, 64}, Shape{1, 200, 129}, Shape{2, 300, 65}),
                          [](const ::testing::TestParamInfo<Shape>& info) {
                            return std::to_string(info.param.batch) + "x" +
                                   std::to_string(info.param.rows) + "x" +
@@ -142,9 +141,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, NsLayoutTest,
 TEST(NsLayoutWriteBack, ReportsTheFirstBufferHoldingANonFiniteValue) {
   const BlockLayout l{3, 1, 90, 40};  // transposed
   const auto results = Buffers(1, 3 * 90 * 40, 19);
-  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     std::vector<float> r = results[0];
-    r[2 * 3600 + 17] = bad;  // buffer 2
+    r[2 * 3600 + 17] = bad;    // buffer 2
     r[1 * 3600 + 3599] = bad;  // buffer 1, its last element
     auto out = Buffers(3, 3600, 23);
     std::vector<float*> dst{out[0].data(), out[1].data(), out[2].data()};
