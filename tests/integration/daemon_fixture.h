@@ -112,9 +112,17 @@ class DaemonProcess {
       const std::string& dir, const std::vector<std::string>& extra = {});
   ~DaemonProcess();  // SIGKILLs a daemon that is still running
 
+  // How long a test waits for a starting muond by default. A sanitized muond loads and maps
+  // LibTorch and gRPC under the sanitizer's runtime first: the ASan build took 25 s to listen on
+  // two busy cores, and every daemon test of the lane failed at 10 s.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  static constexpr double kStartSeconds = 120;
+#else
+  static constexpr double kStartSeconds = 10;
+#endif
   // Polls Client::Health until SERVING; FAILED_PRECONDITION when the process exited first,
   // DEADLINE_EXCEEDED after `timeout_seconds`.
-  absl::Status WaitServing(const std::string& address, double timeout_seconds = 10);
+  absl::Status WaitServing(const std::string& address, double timeout_seconds = kStartSeconds);
   // Waits up to `timeout_seconds` for the process to exit without signalling it. Returns true
   // when it exited; the status is then in exit_status().
   bool WaitExit(double timeout_seconds);
