@@ -8,34 +8,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/float_bits.h"
 
 namespace muond::common {
 namespace {
-
-inline uint32_t FloatBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-inline float BitsFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline float Bf16ToFloat(uint16_t h) { return BitsFloat(static_cast<uint32_t>(h) << 16); }
-
-inline uint16_t FloatToBf16(float f) {
-  const uint32_t u = FloatBits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
-    // NaN: keep sign and the top payload bits, force the quiet bit so truncation can't make inf.
-    return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  }
-  // Round to nearest even; a carry out of the mantissa correctly bumps the exponent (to inf for
-  // values past the bf16 maximum).
-  const uint32_t rounding_bias = 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>((u + rounding_bias) >> 16);
-}
 
 inline float Fp16ToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;

@@ -6,11 +6,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <memory>
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/float_bits.h"
 
 namespace muond::server::internal {
 namespace {
@@ -21,29 +21,14 @@ constexpr int64_t kNormRows = 16;
 constexpr int64_t kTile = 64;
 constexpr int kLanes = 16;
 
-inline uint32_t Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-
-inline float FromBits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// Round to nearest even, NaN kept quiet (common/dtype.cc's rule, as PyTorch rounds).
-inline uint16_t ToBf16(float f) {
-  const uint32_t u = Bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+using common::Bf16ToFloat;
+using common::FloatBits;
+using common::FloatToBf16;
 
 inline void Store(float v, float* out) { *out = v; }
-inline void Store(float v, uint16_t* out) { *out = ToBf16(v); }
+inline void Store(float v, uint16_t* out) { *out = FloatToBf16(v); }
 inline float Load(const float* in) { return *in; }
-inline float Load(const uint16_t* in) { return FromBits(static_cast<uint32_t>(*in) << 16); }
+inline float Load(const uint16_t* in) { return Bf16ToFloat(*in); }
 
 // Sum of squares of p[0, len) in float64: 16 lanes over the elements in order, then the lanes.
 double SumSquares(const float* p, int64_t len) {
@@ -147,7 +132,7 @@ void Normalize(const BlockLayout& layout, const float* const* src, const std::ve
   }
 }
 
-inline bool NonFinite(float v) { return (Bits(v) & 0x7F800000u) == 0x7F800000u; }
+inline bool NonFinite(float v) { return (FloatBits(v) & 0x7F800000u) == 0x7F800000u; }
 
 template <typename In>
 int64_t WriteBack(const BlockLayout& layout, const In* result, float scale, float* const* dst,
