@@ -124,12 +124,6 @@ TEST(MuonSameShapeTest, NonFiniteGradientNamesTheMatrixAndWritesNoMomentum) {
   for (int k = 0; k < 3; ++k) EXPECT_TRUE(SameBits(moms[k], before[k])) << k;
 }
 
-}  // namespace
-}  // namespace muond::server
-
-namespace muond::server {
-namespace {
-
 TEST(MuonSameShapeTest, DifferentShapesAreRefused) {
   common::MuonConfig config;
   common::MatrixSpec a, b;
@@ -148,20 +142,9 @@ TEST(MuonSameShapeTest, DifferentShapesAreRefused) {
   EXPECT_EQ(ma, std::vector<float>(64, 0.0f));
 }
 
-}  // namespace
-}  // namespace muond::server
-
 // Several shapes in one call (MuonUpdateGroups, ScaledNewtonSchulzGroups): each matrix gets
 // exactly the bits of MuonUpdate on it alone, for every compute dtype and method (bf16 standard and
 // polar express take the pooled task iteration, the others one group after another).
-namespace muond::server {
-namespace {
-
-using common::DType;
-using common::MatrixSpec;
-using common::MuonConfig;
-using common::NsMethod;
-
 // Matrices of several shapes (two of each), with their buffers.
 struct Model {
   std::vector<MatrixSpec> specs;
