@@ -323,9 +323,7 @@ absl::Status ScaledNewtonSchulzGroups(const MuonConfig& config, const NsGroup* g
       return s;
     }
   }
-  size_t nonempty = 0;
-  for (size_t g = 0; g < count; ++g) nonempty += groups[g].count > 0 ? 1 : 0;
-  if (!Pooled(config) || nonempty < 2 || nonempty < count) {
+  if (!Pooled(config)) {
     for (size_t g = 0; g < count; ++g) {
       absl::Status s = ScaledNewtonSchulzMany(config, groups[g].geometry, groups[g].count,
                                               groups[g].scale, groups[g].xs);

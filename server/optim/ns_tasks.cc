@@ -131,15 +131,9 @@ void RunPhase(const std::vector<Task>& tasks, int threads,
   if (error) std::rethrow_exception(error);
 }
 
-}  // namespace
-
-void TaskIteration(const TaskBlocks* groups, size_t count, const ns::Coefficients& k, int threads,
-                   const char** op) {
-  threads = std::max(threads, 1);
-  const std::vector<Task> gram_strips = Strips(groups, count, /*gram=*/true);
-  const std::vector<Task> poly_strips = Strips(groups, count, /*gram=*/false);
-  const std::vector<Task> chunks = Chunks(groups, count);
-
+// The three phases of TaskIteration, each over its task pool.
+void GramPhase(const TaskBlocks* groups, const std::vector<Task>& gram_strips, int threads,
+               const char** op) {
   *op = "X X^T (upper strips)";
   RunPhase(gram_strips, PhaseThreads(threads, gram_strips.size(), Work(gram_strips)),
            [&](const Task& t) {
@@ -162,7 +156,10 @@ void TaskIteration(const TaskBlocks* groups, size_t count, const ns::Coefficient
              DnnlGemm(g);
              Mirror(blk.type, ab, m, t.offset, t.size);
            });
+}
 
+void PolyPhase(const TaskBlocks* groups, const std::vector<Task>& poly_strips,
+               const ns::Coefficients& k, int threads, const char** op) {
   *op = "b A + c A A (upper strips)";
   RunPhase(poly_strips, PhaseThreads(threads, poly_strips.size(), Work(poly_strips)),
            [&](const Task& t) {
@@ -189,7 +186,10 @@ void TaskIteration(const TaskBlocks* groups, size_t count, const ns::Coefficient
              DnnlGemm(g);
              Mirror(blk.type, pb, m, t.offset, t.size);
            });
+}
 
+void ApplyPhase(const TaskBlocks* groups, const std::vector<Task>& chunks,
+                const ns::Coefficients& k, int threads, const char** op) {
   *op = "a X + P X (column chunks)";
   RunPhase(chunks, PhaseThreads(threads, chunks.size(), Work(chunks)), [&](const Task& t) {
     const TaskBlocks& blk = groups[t.group];
@@ -214,6 +214,16 @@ void TaskIteration(const TaskBlocks* groups, size_t count, const ns::Coefficient
                static_cast<float>(k.a)};
     DnnlGemm(g);
   });
+}
+
+}  // namespace
+
+void TaskIteration(const TaskBlocks* groups, size_t count, const ns::Coefficients& k, int threads,
+                   const char** op) {
+  threads = std::max(threads, 1);
+  GramPhase(groups, Strips(groups, count, /*gram=*/true), threads, op);
+  PolyPhase(groups, Strips(groups, count, /*gram=*/false), k, threads, op);
+  ApplyPhase(groups, Chunks(groups, count), k, threads, op);
 }
 
 }  // namespace muond::server::internal
