@@ -40,6 +40,9 @@ class DeviceBuffer {
   DeviceBuffer() = default;
   DeviceBuffer(Device* device, void* data, size_t size)
       : device_(device), data_(data), size_(size) {}
+  // A view of host memory the caller owns, for devices that compute in host memory
+  // (Device::ComputesInHostMemory): never freed by the buffer.
+  static DeviceBuffer HostView(void* data, size_t size) { return DeviceBuffer(nullptr, data, size); }
   DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
   DeviceBuffer(const DeviceBuffer&) = delete;
@@ -48,6 +51,8 @@ class DeviceBuffer {
   // A device address: dereferenceable by the host only on host-memory devices (cpu, simulated).
   void* data() const { return data_; }
   size_t size() const { return size_; }
+  // False for a HostView (and an empty buffer): nothing to free or to keep for reuse.
+  bool owned() const { return device_ != nullptr && data_ != nullptr; }
 
  private:
   Device* device_ = nullptr;
@@ -65,11 +70,17 @@ class Event {
 };
 
 // One matrix of a Muon kernel call, all in device memory (fp32): the whole gradient (overwritten
-// with the update) and a momentum buffer (read as M, written with the new momentum M').
+// with the update) and a momentum buffer (read as M, written with the new momentum M', unless
+// momentum_out is set).
 struct MuonKernelItem {
   const common::MatrixSpec* spec = nullptr;
   DeviceBuffer* grad_update = nullptr;
   DeviceBuffer* momentum = nullptr;
+  // Where M' goes when it must not overwrite M (M then is only read): accepted by the devices
+  // that compute in host memory (ComputesInHostMemory), where the step reads the committed
+  // momentum in place and writes the new one straight into the store's back buffer. The GPU
+  // backends refuse it (INVALID_ARGUMENT): their momentum is a device copy.
+  DeviceBuffer* momentum_out = nullptr;
 };
 
 class Stream {
@@ -123,6 +134,12 @@ class Device {
   // host-memory devices (cpu, simulated; unless SimulatedOptions::direct_host_copies), whose steps
   // assemble on the host as before.
   virtual bool DirectHostCopies() const { return false; }
+  // True on the cpu device: its "device memory" is host memory and its kernels may run on host
+  // memory the caller owns (DeviceBuffer::HostView). The step pipeline then runs the Muon update
+  // in place on the host staging, reading the committed momentum where it is stored and writing
+  // the new one into the store's back buffer (MuonKernelItem::momentum_out): no copy in, no copy
+  // back. False on the simulated device (its copies are what it models) and on the GPUs.
+  virtual bool ComputesInHostMemory() const { return false; }
   // RegisterHost that says why not: OK once [data, data + bytes) is registered (pinned with
   // cudaHostRegister; imported on Level Zero; mlock()ed whole pages on the host devices), else
   // the driver's reason (FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNIMPLEMENTED where the driver

@@ -196,6 +196,8 @@ class HostDevice final : public Device {
   // The direct-copy test hooks (SimulatedOptions): registered ranges are remembered so that the
   // step pipeline's direct path can be run and checked without a GPU.
   bool DirectHostCopies() const override { return simulated_ && sim_.direct_host_copies; }
+  // The cpu device's kernels run on host memory in place; the simulated one keeps its copies.
+  bool ComputesInHostMemory() const override { return !simulated_; }
   absl::Status RegisterHostRegion(void* data, size_t bytes) override {
     if (simulated_ && sim_.fail_register) {
       return absl::FailedPreconditionError(
@@ -366,7 +368,16 @@ absl::Status HostStream::Convert(const DeviceBuffer& src, common::DType from, De
 
 absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) {
   double flops = 0;
-  for (const MuonKernelItem& it : items) flops += MuonFlops(config, *it.spec);
+  for (const MuonKernelItem& it : items) {
+    const size_t bytes = static_cast<size_t>(it.spec->numel()) * sizeof(float);
+    if (it.grad_update->size() < bytes || it.momentum->size() < bytes ||
+        (it.momentum_out != nullptr && it.momentum_out->size() < bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat("matrix '", it.spec->name,
+                                                     "': a buffer of its Muon kernel call holds "
+                                                     "fewer than ", bytes, " bytes"));
+    }
+    flops += MuonFlops(config, *it.spec);
+  }
   HostDevice* device = device_;
   Enqueue(
       [config, items = std::move(items), device]() -> absl::Status {
@@ -377,7 +388,7 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
         // the groups into one call (their Newton-Schulz shares the compute threads' barriers).
         struct Group {
           std::vector<const common::MatrixSpec*> specs;
-          std::vector<const float*> grads;
+          std::vector<const float*> grads, momenta_in;
           std::vector<float*> momenta, updates;
         };
         std::vector<Group> groups;
@@ -396,13 +407,17 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
             auto* g = static_cast<float*>(items[j].grad_update->data());
             group.grads.push_back(g);
             group.updates.push_back(g);
-            group.momenta.push_back(static_cast<float*>(items[j].momentum->data()));
+            // A separate momentum output: the input is only read (MuonKernelItem).
+            const DeviceBuffer* out = items[j].momentum_out;
+            group.momenta_in.push_back(static_cast<const float*>(items[j].momentum->data()));
+            group.momenta.push_back(
+                static_cast<float*>((out != nullptr ? out : items[j].momentum)->data()));
           }
         }
         std::vector<MuonGroup> muon_groups;
         for (const Group& g : groups) {
-          muon_groups.push_back(
-              {g.specs.size(), g.specs.data(), g.grads.data(), g.momenta.data(), g.updates.data()});
+          muon_groups.push_back({g.specs.size(), g.specs.data(), g.grads.data(),
+                                 g.momenta.data(), g.updates.data(), g.momenta_in.data()});
         }
         return MuonUpdateGroups(config, muon_groups.data(), muon_groups.size());
       },

@@ -18,6 +18,10 @@ struct StepPipeline::Batch {
   std::vector<bool> direct;                 // per matrix: copied straight from and to the ranks
   std::vector<device::DeviceBuffer> grad;   // per device matrix (Muon), device
   std::vector<device::DeviceBuffer> mom;    // per device matrix, device
+  // Per device matrix on a device that computes in host memory: the store's back buffer that
+  // receives the new momentum (`grad` is then a view of the staging and `mom` of the committed
+  // momentum, read in place: nothing is copied); else empty.
+  std::vector<device::DeviceBuffer> mom_out;
   // Per device matrix: direct with a 16-bit gradient, the gradient as it came (then the update
   // narrowed for the ranks); else empty.
   std::vector<device::DeviceBuffer> raw;
@@ -204,6 +208,7 @@ class StepPipeline::Run {
     for (device::DeviceBuffer& d : b.grad) p_.GiveBack(std::move(d));
     for (device::DeviceBuffer& d : b.mom) p_.GiveBack(std::move(d));
     for (device::DeviceBuffer& d : b.raw) p_.GiveBack(std::move(d));
+    // mom_out holds views only.
     absl::MutexLock lock(p_.job_mu_);
     state_.matrices_done += b.matrices.size();
   }
@@ -250,6 +255,16 @@ class StepPipeline::Run {
       if (ms.optimizer == common::Optimizer::kAdamW && p_.apply_ != nullptr) continue;
       batch.on_device.push_back(i);
       const size_t n = static_cast<size_t>(ms.numel());
+      if (!direct && dev_.device->ComputesInHostMemory()) {
+        // The kernel runs on the staging and the stores themselves.
+        const size_t bytes = n * sizeof(float);
+        batch.grad.push_back(device::DeviceBuffer::HostView(batch.staging[i].data(), bytes));
+        batch.mom.push_back(
+            device::DeviceBuffer::HostView(const_cast<float*>(p_.CommittedMomentum(m)), bytes));
+        batch.mom_out.push_back(device::DeviceBuffer::HostView(p_.NextMomentum(m), bytes));
+        batch.raw.emplace_back();
+        continue;
+      }
       auto g = p_.TakeDeviceBuffer(n * sizeof(float));
       if (!g.ok()) return g.status();
       auto mo = p_.TakeDeviceBuffer(n * sizeof(float));
@@ -262,6 +277,7 @@ class StepPipeline::Run {
       }
       batch.grad.push_back(*std::move(g));
       batch.mom.push_back(*std::move(mo));
+      batch.mom_out.emplace_back();
       batch.raw.push_back(std::move(raw));
     }
     return absl::OkStatus();
@@ -304,6 +320,11 @@ class StepPipeline::Run {
       const size_t i = batch.on_device[k];
       const uint32_t m = batch.matrices[i];
       const size_t bytes = static_cast<size_t>(p_.spec_.matrices[m].numel()) * sizeof(float);
+      if (InPlace(batch, k)) {
+        items.push_back(
+            {&p_.spec_.matrices[m], &batch.grad[k], &batch.mom[k], &batch.mom_out[k]});
+        continue;
+      }
       if (batch.direct[i]) {
         RETURN_IF_ERROR(p_.CopySpansIn(state_, m, RawOrGrad(batch, k)));
       } else {
@@ -327,6 +348,7 @@ class StepPipeline::Run {
     RETURN_IF_ERROR(dev_.writeback->WaitFor(*computed));
     for (size_t k = 0; k < batch.grad.size(); ++k) {
       const size_t i = batch.on_device[k];
+      if (InPlace(batch, k)) continue;  // the update is in the staging already
       if (batch.direct[i]) {
         RETURN_IF_ERROR(p_.CopySpansOut(state_, batch.matrices[i], RawOrGrad(batch, k)));
         continue;
@@ -339,6 +361,7 @@ class StepPipeline::Run {
     // Update mode: the new momentum (the one the update was computed from) into the store's back
     // buffer, which the commit makes the front (apply mode writes its state on the host).
     for (size_t k = 0; k < batch.mom.size() && p_.params_ == nullptr; ++k) {
+      if (InPlace(batch, k)) continue;  // written there by the kernel
       const uint32_t m = batch.matrices[batch.on_device[k]];
       RETURN_IF_ERROR(dev_.writeback->CopyToHost(p_.momentum_.next(m), batch.mom[k], 0,
                                                  p_.momentum_.numel(m) * sizeof(float)));
@@ -348,6 +371,9 @@ class StepPipeline::Run {
     batch.written = *written;
     return absl::OkStatus();
   }
+
+  // True when device matrix k runs in place on host memory (no copies; see Batch::mom_out).
+  static bool InPlace(const Batch& batch, size_t k) { return batch.mom_out[k].size() > 0; }
 
   // Where device matrix k of a direct batch is copied from and to the ranks: its raw buffer for a
   // 16-bit gradient, else the fp32 gradient buffer itself.
@@ -426,9 +452,11 @@ StepPipeline::~StepPipeline() = default;
 
 uint64_t StepPipeline::AssembledBytes(uint32_t m) const {
   if (spec_.transport_probe) return 0;
-  // AdamW tensors (apply mode) need only the host's fp32 gradient.
+  // AdamW tensors (apply mode) need only the host's fp32 gradient, and so do Muon tensors on a
+  // device that computes in place in host memory.
   const bool host_only =
-      apply_ != nullptr && spec_.matrices[m].optimizer == common::Optimizer::kAdamW;
+      (apply_ != nullptr && spec_.matrices[m].optimizer == common::Optimizer::kAdamW) ||
+      devices_->device->ComputesInHostMemory();
   return (host_only ? 1 : 2) * sizeof(float) * static_cast<uint64_t>(spec_.matrices[m].numel());
 }
 
@@ -467,6 +495,7 @@ void StepPipeline::GiveBack(std::vector<float> staging) {
 }
 
 void StepPipeline::GiveBack(device::DeviceBuffer buffer) {
+  if (!buffer.owned()) return;  // a view of host memory (in place): nothing to keep
   const size_t bytes = buffer.size();
   absl::MutexLock lock(&pool_mu_);
   if (bytes == 0 || pool_bytes_ + bytes > gather_budget_bytes_) return;  // freed here
@@ -476,6 +505,10 @@ void StepPipeline::GiveBack(device::DeviceBuffer buffer) {
 
 const float* StepPipeline::CommittedMomentum(uint32_t m) const {
   return params_ != nullptr ? params_->front(m, ParamStore::kMomentum) : momentum_.data(m);
+}
+
+float* StepPipeline::NextMomentum(uint32_t m) const {
+  return params_ != nullptr ? params_->back(m, ParamStore::kMomentum) : momentum_.next(m);
 }
 
 void StepPipeline::Drain(StepState& state) { Run(*this, state).Go(); }

@@ -18,6 +18,11 @@
 // registration failed, apply mode (its gradient norm, clipping and AdamW run on the host) and the
 // transport probe.
 //
+// In place (Device::ComputesInHostMemory, the cpu backend): the kernel runs on the host staging
+// itself, reading the committed momentum where it is stored and writing the new momentum straight
+// into the store's back buffer (MuonKernelItem::momentum_out); nothing is copied in or back, and
+// the gather budget counts 4 bytes an element (the staging).
+//
 // Update mode: the device computes the new momentum next to the update, and the writeback copies
 // it into the MomentumStore's back buffer (MomentumStore::next) beside the update; the commit
 // flips the store. The momentum committed is thus the one the update was computed from, from the
@@ -109,6 +114,9 @@ class StepPipeline {
   static void CountStaged(bool to_device, uint64_t bytes);
   // Matrix m's committed momentum (the update mode store or apply mode's front).
   const float* CommittedMomentum(uint32_t m) const;
+  // Where matrix m's new momentum goes (the update mode store's back buffer or apply mode's
+  // back), written by the kernel itself on a device that computes in host memory.
+  float* NextMomentum(uint32_t m) const;
 
   // Buffers of retired batches kept for the next batches and steps: fresh memory every step costs
   // page faults and the kernel's zeroing of everything assembled (hundreds of megabytes a step for

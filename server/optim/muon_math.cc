@@ -75,22 +75,24 @@ void ApplyMomentum(const common::MuonConfig& config, const float* grad, float* m
 
 namespace {
 
-// Steps 1 and 2 in fp32, one pass. `update` may alias `grad`: grad[i] is read before update[i].
-void MomentumAndUpdate(const common::MuonConfig& config, const float* grad, float* momentum,
-                       float* update, int64_t n) {
+// Steps 1 and 2 in fp32, one pass: momentum_out <- lerp(momentum_in, grad), the update from it.
+// `update` may alias `grad` and `momentum_out` may alias `momentum_in`: element i of every input
+// is read before element i of any output is written.
+void MomentumAndUpdate(const common::MuonConfig& config, const float* grad,
+                       const float* momentum_in, float* momentum_out, float* update, int64_t n) {
   const float one_minus_beta = static_cast<float>(1.0 - config.momentum);
   const float beta = static_cast<float>(config.momentum);
   if (config.nesterov) {
     for (int64_t i = 0; i < n; ++i) {
       const float gi = grad[i];
-      const float m = Lerp(momentum[i], gi, one_minus_beta);
-      momentum[i] = m;
+      const float m = Lerp(momentum_in[i], gi, one_minus_beta);
+      momentum_out[i] = m;
       update[i] = Lerp(gi, m, beta);
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      const float m = Lerp(momentum[i], grad[i], one_minus_beta);
-      momentum[i] = m;
+      const float m = Lerp(momentum_in[i], grad[i], one_minus_beta);
+      momentum_out[i] = m;
       update[i] = m;
     }
   }
@@ -185,9 +187,11 @@ absl::Status MuonUpdateGroups(const common::MuonConfig& config, const MuonGroup*
   for (const MuonGroup* group : live) {
     const int64_t n = group->specs[0]->numel();
     for (size_t k = 0; k < group->count; ++k) {
+      const float* momentum_in =
+          group->momenta_in != nullptr ? group->momenta_in[k] : group->momenta[k];
       internal::ParallelRanges(n, threads, [&](int64_t begin, int64_t end) {
-        MomentumAndUpdate(config, group->grads[k] + begin, group->momenta[k] + begin,
-                          group->updates[k] + begin, end - begin);
+        MomentumAndUpdate(config, group->grads[k] + begin, momentum_in + begin,
+                          group->momenta[k] + begin, group->updates[k] + begin, end - begin);
       });
     }
     // Same-shape batching: the blocks of all the group's matrices form one batched Newton-Schulz

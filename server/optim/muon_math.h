@@ -67,6 +67,9 @@ struct MuonGroup {
   const float* const* grads = nullptr;
   float* const* momenta = nullptr;
   float* const* updates = nullptr;
+  // When set, momenta_in[k] is the momentum read (it is never written) and momenta[k] receives
+  // the new one; they may be the same buffer. Null: momenta[k] is updated in place.
+  const float* const* momenta_in = nullptr;
 };
 
 // MuonUpdateSameShape of every group, with the same bits, in one call: every gradient of every

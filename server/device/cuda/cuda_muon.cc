@@ -141,6 +141,12 @@ absl::Status ValidateMuonItems(const MuonConfig& config, const std::vector<MuonK
     if (it.spec == nullptr || it.grad_update == nullptr || it.momentum == nullptr) {
       return absl::InvalidArgumentError("Muon kernel item without a spec or a buffer");
     }
+    if (it.momentum_out != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrix '", it.spec->name,
+                       "': a separate momentum output is for host-memory devices; the CUDA "
+                       "kernel updates its device copy of the momentum in place"));
+    }
     const MatrixGeometry g = GeometryOf(*it.spec);
     const int64_t n = it.spec->numel();
     if (g.batch < 1 || g.rows < 1 || g.cols < 1 || g.batch * g.rows * g.cols != n) {

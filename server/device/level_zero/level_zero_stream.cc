@@ -287,6 +287,12 @@ absl::Status LevelZeroStream::Muon(const common::MuonConfig& config,
                                    std::vector<MuonKernelItem> items) {
   std::vector<KernelMuonItem> kernel_items;
   for (const MuonKernelItem& it : items) {
+    if (it.momentum_out != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrix '", it.spec->name,
+                       "': a separate momentum output is for host-memory devices; the Level Zero "
+                       "kernel updates its device copy of the momentum in place"));
+    }
     kernel_items.push_back({it.spec, {it.grad_update->data()}, {it.momentum->data()}});
   }
   Enqueue({[this, config, kernel_items = std::move(kernel_items)] {

@@ -8,6 +8,7 @@
 //    between them, reaches a stream that waits for that event, and the streams work again after.
 // No sleeps: every check waits on an event or Synchronize.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -159,6 +160,45 @@ TEST_P(StreamTest, CopiesOutsideTheBufferAreOutOfRangeAndEnqueueNothing) {
   EXPECT_TRUE(s->CopyToHost(out.data(), *buf, 0, 64).ok());
   EXPECT_TRUE(s->Synchronize().ok());
   EXPECT_EQ(out, in);
+}
+
+// Host views and a separate momentum output (how the cpu device runs a step in place): the kernel
+// reads the momentum buffer, writes the new momentum into momentum_out and the update over the
+// gradient (the bits of a plain call); views are never freed by the device. A buffer smaller than
+// its matrix is INVALID_ARGUMENT and enqueues nothing.
+TEST_P(StreamTest, MuonWithASeparateMomentumOutputOnHostViews) {
+  auto dev = Open(GetParam());
+  ASSERT_NE(dev, nullptr);
+  EXPECT_EQ(dev->ComputesInHostMemory(), std::string(GetParam()) == "cpu");
+  auto s = NewStream(*dev);
+  const common::MatrixSpec spec = Spec(24, 40);
+  const size_t n = 24 * 40, bytes = n * sizeof(float);
+  std::vector<float> grad(n), committed(n), next(n, -1.0f);
+  for (size_t i = 0; i < n; ++i) {
+    grad[i] = std::sin(0.37f * static_cast<float>(i));
+    committed[i] = std::cos(0.11f * static_cast<float>(i));
+  }
+  std::vector<float> want_update = grad, want_momentum = committed;
+  ASSERT_TRUE(MuonUpdate(common::MuonConfig{}, spec, want_update.data(), want_momentum.data(),
+                         want_update.data())
+                  .ok());
+  const std::vector<float> committed_before = committed;
+  DeviceBuffer g = DeviceBuffer::HostView(grad.data(), bytes);
+  DeviceBuffer m = DeviceBuffer::HostView(committed.data(), bytes);
+  DeviceBuffer out = DeviceBuffer::HostView(next.data(), bytes);
+  EXPECT_FALSE(g.owned());
+  ASSERT_TRUE(s->Muon(common::MuonConfig{}, {{&spec, &g, &m, &out}}).ok());
+  ASSERT_TRUE(s->Synchronize().ok());
+  EXPECT_EQ(committed, committed_before);
+  EXPECT_EQ(next, want_momentum);
+  EXPECT_EQ(grad, want_update);
+
+  DeviceBuffer small = DeviceBuffer::HostView(next.data(), bytes - sizeof(float));
+  const absl::Status refused = s->Muon(common::MuonConfig{}, {{&spec, &g, &m, &small}});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(std::string(refused.message()).find("'m'"), std::string::npos) << refused;
+  EXPECT_TRUE(s->Synchronize().ok());
+  EXPECT_EQ(committed, committed_before);
 }
 
 // ---- The simulated clock ----

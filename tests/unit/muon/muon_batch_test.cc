@@ -3,6 +3,7 @@
 // block shape (small blocks that LibTorch routes differently by batch size, wide and tall blocks,
 // heads); and its errors name the matrix and leave every momentum untouched. The same for several
 // shapes in one call (MuonUpdateGroups), and a non-finite result names its group.
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -226,6 +227,56 @@ TEST(MuonGroupsTest, ANonFiniteGradientInALaterGroupWritesNoMomentumInAnyGroup) 
   EXPECT_NE(std::string(s.message()).find("'w3.1'"), std::string::npos) << s;
   EXPECT_NE(std::string(s.message()).find("element 3"), std::string::npos) << s;
   for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(SameBits(model.moms[i], before[i])) << i;
+}
+
+// MuonGroup::momenta_in (how the cpu device runs a step in place: the committed momentum read
+// where it is stored, the new one written into the store's back buffer): the input is never
+// written, and the new momentum and the update are the bits of the in-place call; a refused
+// gradient writes neither output.
+TEST(MuonGroupsTest, ASeparateMomentumInputIsOnlyReadAndGivesTheInPlaceBits) {
+  SetMathThreads(2);
+  for (bool nesterov : {true, false}) {
+    MuonConfig config;
+    config.compute_dtype = DType::kBFloat16;
+    config.nesterov = nesterov;
+    SCOPED_TRACE(nesterov ? "nesterov" : "plain momentum");
+    Model in_place(kShapes), separate(kShapes);
+    ASSERT_TRUE(in_place.UpdateGroups(config).ok());
+    const auto committed = separate.moms;
+    std::vector<std::vector<float>> next(committed.size());
+    std::vector<const MatrixSpec*> specs;
+    std::vector<const float*> g, m_in;
+    std::vector<float*> m_out, u;
+    for (size_t i = 0; i < separate.specs.size(); ++i) {
+      next[i].assign(committed[i].size(), -7.0f);
+      specs.push_back(&separate.specs[i]);
+      g.push_back(separate.grads[i].data());
+      m_in.push_back(separate.moms[i].data());
+      m_out.push_back(next[i].data());
+      u.push_back(separate.ups[i].data());
+    }
+    std::vector<MuonGroup> list;
+    for (size_t k = 0; 2 * k < specs.size(); ++k) {
+      list.push_back({2, &specs[2 * k], &g[2 * k], &m_out[2 * k], &u[2 * k], &m_in[2 * k]});
+    }
+    ASSERT_TRUE(MuonUpdateGroups(config, list.data(), list.size()).ok());
+    for (size_t i = 0; i < specs.size(); ++i) {
+      EXPECT_TRUE(SameBits(separate.moms[i], committed[i])) << "input written: " << i;
+      EXPECT_TRUE(SameBits(next[i], in_place.moms[i])) << "new momentum: " << i;
+      EXPECT_TRUE(SameBits(separate.ups[i], in_place.ups[i])) << "update: " << i;
+    }
+
+    // A refused gradient: neither the input nor the output momentum changes.
+    for (auto& v : next) std::fill(v.begin(), v.end(), -7.0f);
+    separate.grads[9][5] = std::numeric_limits<float>::quiet_NaN();  // w4.1
+    const absl::Status s = MuonUpdateGroups(config, list.data(), list.size());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(std::string(s.message()).find("'w4.1'"), std::string::npos) << s;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      EXPECT_TRUE(SameBits(separate.moms[i], committed[i])) << i;
+      EXPECT_EQ(next[i], std::vector<float>(next[i].size(), -7.0f)) << i;
+    }
+  }
 }
 
 TEST(MuonGroupsTest, ANonFiniteResultNamesItsGroup) {

@@ -1,5 +1,5 @@
-// Job::Commit in update mode (server/jobs/job_commit.cc), in process: a Job on the CPU device,
-// driven through SubmitShared as the shared-memory server drives it (the test holds the ranks'
+// Job::Commit in update mode (server/jobs/job_commit.cc), in process: a Job on the CPU device
+// (in place) and on the simulated one (staged copies), driven through SubmitShared as the shared-memory server drives it (the test holds the ranks'
 // gradient memory, as a peer holds its region).
 //  - The momentum store after each commit is bit for bit the serial EMA (ApplyMomentum over each
 //    whole matrix from the widened gradient), for a multi-rank layout whose spans the parallel
@@ -99,14 +99,22 @@ struct Outcome {
   absl::Status status;
 };
 
-class MomentumCommitTest : public ::testing::Test {
+// Run on the cpu device (the step computes in place: the committed momentum read where it is
+// stored, the new one written by the kernel into the store's back buffer) and on the simulated
+// device (the staged path: copies to and from its buffers).
+class MomentumCommitTest : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
     char tmpl[] = "/tmp/momentum-commit-test-XXXXXX";
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
-    auto devices = DeviceStreams::Create(device::NewHostDevice(2, nullptr), "cpu", false);
+    const device::SimulatedOptions simulated;
+    const bool in_place = GetParam();
+    auto devices =
+        DeviceStreams::Create(device::NewHostDevice(2, in_place ? nullptr : &simulated),
+                              in_place ? "cpu" : "simulated", false);
     ASSERT_TRUE(devices.ok()) << devices.status();
+    ASSERT_EQ((*devices)->device->ComputesInHostMemory(), in_place);
     devices_ = *std::move(devices);
     executor_ = std::make_unique<ComputeExecutor>(2);
   }
@@ -178,6 +186,10 @@ class MomentumCommitTest : public ::testing::Test {
 
   // Steps a job of `spec` with every rank and compares its store with the serial EMA (below).
   void ExpectSerialEma(const common::JobSpec& spec);
+  // A job id unique to this device parameter: the metrics registry outlives the test.
+  static std::string JobId(const std::string& base) {
+    return base + (GetParam() ? "-cpu" : "-simulated");
+  }
   // A shared-memory peer that rewrites its gradient after its matrix was computed (below).
   void ExpectRewriteChangesNothing(const std::string& id,
                                    const std::function<void(std::string*)>& rewrite);
@@ -257,12 +269,12 @@ void MomentumCommitTest::ExpectSerialEma(const common::JobSpec& spec) {
   EXPECT_EQ(job_->Report().steps_completed, kSteps);
 }
 
-TEST_F(MomentumCommitTest, ZeroStage2CommitIsTheSerialEmaBitForBit) {
+TEST_P(MomentumCommitTest, ZeroStage2CommitIsTheSerialEmaBitForBit) {
   // World 3: partitions of ~1.07M elements. Rank 0 holds two small spans (one group of the pass)
   // and 1.07M elements of "wide" (cut into two pieces); rank 1 1.07M of "wide" (cut); rank 2 the
   // rest of "wide" with "fp16" (one group), then "mid" and "last" (another).
   common::JobSpec spec;
-  spec.job_id = "commit-zero2";
+  spec.job_id = JobId("commit-zero2");
   spec.world_size = 3;
   spec.zero_stage = 2;
   spec.muon.momentum = 0.9;
@@ -270,10 +282,10 @@ TEST_F(MomentumCommitTest, ZeroStage2CommitIsTheSerialEmaBitForBit) {
   ExpectSerialEma(spec);
 }
 
-TEST_F(MomentumCommitTest, ExplicitLayoutOfMixedDtypesCommitIsTheSerialEmaBitForBit) {
+TEST_P(MomentumCommitTest, ExplicitLayoutOfMixedDtypesCommitIsTheSerialEmaBitForBit) {
   // bf16, fp32 and fp16 gradients; spans listed out of matrix order; "wide" cut at 1.5M.
   common::JobSpec spec;
-  spec.job_id = "commit-explicit";
+  spec.job_id = JobId("commit-explicit");
   spec.world_size = 3;
   spec.matrices = MixedMatrices(/*one_dtype=*/false);
   spec.explicit_layout = {{{2, 0, 1500000}, {0, 0, 64}, {1, 0, 20}},
@@ -286,7 +298,7 @@ TEST_F(MomentumCommitTest, ExplicitLayoutOfMixedDtypesCommitIsTheSerialEmaBitFor
 // "b"; rank 1 the rest of "b" and "c".
 common::JobSpec TwoRankSpec(const std::string& id) {
   common::JobSpec spec;
-  spec.job_id = id;
+  spec.job_id = id;  // unique per device parameter (the metrics registry is process-wide)
   spec.world_size = 2;
   spec.zero_stage = 2;
   spec.matrices = {Matrix("a", {64, 2000}, DType::kBFloat16),
@@ -357,11 +369,11 @@ void MomentumCommitTest::ExpectRewriteChangesNothing(
   }
 }
 
-TEST_F(MomentumCommitTest, GradientRewrittenAfterItsMatrixWasComputedChangesNothingCommitted) {
+TEST_P(MomentumCommitTest, GradientRewrittenAfterItsMatrixWasComputedChangesNothingCommitted) {
   // The peer reuses its region early (every value of "a" replaced by another finite value): the
   // stored momentum is still the one the update was computed from.
   std::mt19937 noise(5);
-  ExpectRewriteChangesNothing("commit-rewrite", [&noise](std::string* bytes) {
+  ExpectRewriteChangesNothing(JobId("commit-rewrite"), [&noise](std::string* bytes) {
     std::uniform_int_distribution<int> value(0x3c00, 0x4100);  // finite bf16 values 2^-7 .. 8
     for (size_t at = 0; at + 2 <= bytes->size(); at += 2) {
       const uint16_t v = static_cast<uint16_t>(value(noise));
@@ -370,16 +382,16 @@ TEST_F(MomentumCommitTest, GradientRewrittenAfterItsMatrixWasComputedChangesNoth
   });
 }
 
-TEST_F(MomentumCommitTest, GradientMadeNonFiniteAfterItsMatrixWasComputedIsNotReadAgain) {
+TEST_P(MomentumCommitTest, GradientMadeNonFiniteAfterItsMatrixWasComputedIsNotReadAgain) {
   // A NaN written after "a" was computed (and checked) is never read: the step commits.
-  ExpectRewriteChangesNothing("commit-late-nan", [](std::string* bytes) {
+  ExpectRewriteChangesNothing(JobId("commit-late-nan"), [](std::string* bytes) {
     const uint16_t nan_bf16 = 0x7fc0;
     std::memcpy(bytes->data() + 100001 * 2, &nan_bf16, sizeof(nan_bf16));
   });
 }
 
-TEST_F(MomentumCommitTest, GradientMadeNonFiniteBeforeAssemblyRefusesWithMomentumUnchanged) {
-  const common::JobSpec spec = TwoRankSpec("commit-early-inf");
+TEST_P(MomentumCommitTest, GradientMadeNonFiniteBeforeAssemblyRefusesWithMomentumUnchanged) {
+  const common::JobSpec spec = TwoRankSpec(JobId("commit-early-inf"));
   StartJob(spec);
   ASSERT_NE(job_, nullptr);
   std::mt19937 rng(13);
@@ -414,6 +426,11 @@ TEST_F(MomentumCommitTest, GradientMadeNonFiniteBeforeAssemblyRefusesWithMomentu
     EXPECT_EQ(BitDifferences(after[m], before[m]), 0u) << spec.matrices[m].name;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, MomentumCommitTest, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "CpuInPlace" : "SimulatedStaged";
+                         });
 
 // MomentumStore's copy-on-write with more than 8 MiB to preserve (the copy runs over the CPUs): a
 // change while a snapshot is in progress hands the writer the old values of every matrix it has
