@@ -96,6 +96,25 @@ absl::Status ArmCheckpointFault() {
 #endif
 }
 
+// The chaos run's commit hold, from $MUOND_TEST_COMMIT_HOLD_MS (milliseconds, 1..600000): every
+// commit sleeps that long after the store flipped (server/jobs/job.h SetCommitHoldForTesting).
+absl::Status ArmCommitHold() {
+#ifndef MUOND_TEST_HOOKS
+  return absl::OkStatus();  // a release build has no fault hooks
+#else
+  const char* env = std::getenv("MUOND_TEST_COMMIT_HOLD_MS");
+  if (env == nullptr || *env == '\0') return absl::OkStatus();
+  int ms = 0;
+  if (!absl::SimpleAtoi(env, &ms) || ms < 1 || ms > 600000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", env, "' is not a whole number of milliseconds in 1..600000"));
+  }
+  SetCommitHoldForTesting(ms);
+  MUOND_LOG(WARNING) << "commit hold armed: every commit holds " << ms << " ms";
+  return absl::OkStatus();
+#endif
+}
+
 // The compute device and its streams for `config` (DESIGN.md section 6).
 absl::StatusOr<std::unique_ptr<DeviceStreams>> OpenDevice(const DaemonConfig& config, int threads) {
   // cpu and simulated are always built; GPU backends plug in via OpenBackend.
@@ -223,6 +242,9 @@ int Serve(const DaemonConfig& config) {
   }
   if (absl::Status s = ArmCheckpointFault(); !s.ok()) {
     return Fail(2, absl::StrCat("MUOND_TEST_CHECKPOINT_FAULT: ", s.message()));
+  }
+  if (absl::Status s = ArmCommitHold(); !s.ok()) {
+    return Fail(2, absl::StrCat("MUOND_TEST_COMMIT_HOLD_MS: ", s.message()));
   }
   if (absl::Status s = registry.Restore(); !s.ok()) {
     return Fail(1, absl::StrCat("--state-dir ", config.state_dir, ": ", s.message()));

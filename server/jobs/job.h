@@ -459,6 +459,12 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   double last_grad_norm_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// Test hook (the chaos run's kill in the middle of a commit; muond arms it from
+// $MUOND_TEST_COMMIT_HOLD_MS in a build with MUOND_TEST_HOOKS): every commit, once the state store
+// has flipped and before the step is finished and its results released, logs that it holds and
+// sleeps `ms` milliseconds with the store's lock held. 0 (the default) disarms it.
+void SetCommitHoldForTesting(int ms);
+
 }  // namespace muond::server
 
 #endif  // MUOND_SERVER_JOBS_JOB_H_

@@ -1,6 +1,7 @@
 // The end of a Job's step: commit (the momentum store changes here and only here), refusal and
 // abort (the store untouched; an abort fences the job), a rank that leaves, and reset. See job.h.
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -15,6 +16,22 @@
 #include "server/ops/status_history.h"
 
 namespace muond::server {
+namespace {
+
+std::atomic<int> commit_hold_ms{0};
+
+// The test hook of job.h: holds the commit (the store flipped, the step not finished).
+void HoldCommit(const std::string& job, int64_t step) {
+  const int ms = commit_hold_ms.load(std::memory_order_relaxed);
+  if (ms <= 0) return;
+  MUOND_LOG(WARNING) << "test hook: commit of job '" << job << "' step " << step << " holds "
+                     << ms << " ms (store flipped, results not released)";
+  absl::SleepFor(absl::Milliseconds(ms));
+}
+
+}  // namespace
+
+void SetCommitHoldForTesting(int ms) { commit_hold_ms.store(ms, std::memory_order_relaxed); }
 
 void Job::Commit(StepState& state) {
   if (spec_.two_phase()) {
@@ -31,6 +48,7 @@ void Job::CommitNow(StepState& state) {
     // Held to the end, as below.
     ParamStore::Lock store(*params_);
     store.Flip();
+    HoldCommit(id(), state.step);
     state.commit_seconds = absl::ToDoubleSeconds(absl::Now() - commit_start);
     FinishCommit(state, absl::OkStatus());
     return;
@@ -43,6 +61,7 @@ void Job::CommitNow(StepState& state) {
   // save cannot begin between the change and the step counter's advance.
   MomentumStore::Lock store(momentum_);
   if (!spec_.transport_probe) store.Flip();
+  HoldCommit(id(), state.step);
   state.commit_seconds = absl::ToDoubleSeconds(absl::Now() - commit_start);
   FinishCommit(state, absl::OkStatus());
 }

@@ -9,7 +9,9 @@ Faults: rank_kill (SIGKILL of one rank at a random time in a step, or by itself 
 writing its gradients, before submitting them or after its step returned), daemon_kill_step
 (SIGKILL of the daemon at a random time in a step of both jobs, sometimes with a save in flight),
 daemon_kill_save (SIGKILL while a save is being written, writes slowed by the daemon's test hook
-$MUOND_TEST_CHECKPOINT_FAULT), save_enospc (the daemon restarted with that hook failing a write of
+$MUOND_TEST_CHECKPOINT_FAULT), daemon_kill_commit (SIGKILL in the middle of a commit: the daemon
+restarted with the hook $MUOND_TEST_COMMIT_HOLD_MS, which holds every commit after the state store
+flipped and before any rank gets its results; the kill lands when the daemon logs the hold), save_enospc (the daemon restarted with that hook failing a write of
 a save with ENOSPC), save_eio (EIO from a mkdir, open, write, fsync, rename or directory fsync of a
 save), corrupt_newest (a bit of the newest generation flipped), stall (a rank that waits past the
 job's step timeout before it submits). Recoveries: checkpoint load (newest good generation) or, for
@@ -33,10 +35,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import harness as h  # noqa: E402
 from harness import HarnessError, log  # noqa: E402
 
-KINDS = ["rank_kill", "daemon_kill_step", "daemon_kill_save", "save_enospc", "save_eio",
-         "corrupt_newest", "stall"]
+KINDS = ["rank_kill", "daemon_kill_step", "daemon_kill_save", "daemon_kill_commit", "save_enospc",
+         "save_eio", "corrupt_newest", "stall"]
 STEP_TIMEOUT = 5  # seconds, the jobs' step_timeout_seconds
 SAVE_DELAY_MS = 4  # every checkpoint write call sleeps this long (a slow disk): saves last long
+COMMIT_HOLD_MS = 30000  # daemon_kill_commit: far longer than the harness needs to see the hold
 SKIP = 77
 
 
@@ -67,12 +70,12 @@ class Chaos:
 
     # ----- daemon -----
 
-    def start(self, fault=None):
+    def start(self, fault=None, hooks=None):
         import muon_offload as mo
         offset = os.path.getsize(self.d.log_path) if os.path.exists(self.d.log_path) else 0
         self.slow_saves = not fault
         fault = fault or f"delay:{SAVE_DELAY_MS}"
-        self.d.start(fault=fault)
+        self.d.start(fault=fault, hooks=hooks)
         with open(self.d.log_path, errors="replace") as f:
             f.seek(offset)
             if "checkpoint fault injection armed" not in f.read():
@@ -143,15 +146,17 @@ class Chaos:
         lost = self.replay(job, how)
         return f"{what}, replayed {lost} steps"
 
-    def restart(self, kill=True, fault=None):
-        """SIGKILL (or SIGTERM) and start again; every job resumes where its state was restored."""
+    def restart(self, kill=True, fault=None, hooks=None):
+        """SIGKILL (or SIGTERM) and start again; every job resumes where its state was restored.
+        A daemon already killed is not signalled again."""
         if kill:
-            self.d.kill()
+            if self.d.alive():
+                self.d.kill()
         else:
             code = self.d.stop()
             if code != 0:
                 self.problems.append(f"muond exited {code} on SIGTERM")
-        self.start(fault)
+        self.start(fault, hooks)
         self.reattach_all()
         lost = {j.id: self.done[j.id] - j.next for j in self.jobs}
         for j in self.jobs:
@@ -274,6 +279,37 @@ class Chaos:
         out = (f"muond killed {delay * 1000:.0f} ms into a save of {job.id} "
                f"({'mid-save' if mid else 'after it finished'}; partial dirs {tmp}); ")
         return out + self.restart()
+
+    def daemon_kill_commit(self):
+        """SIGKILL while a commit holds (the store flipped in memory, no result released): no rank
+        may get results, and the restarted daemon resumes from the newest acknowledged save."""
+        held = self.restart(kill=False, hooks={"MUOND_TEST_COMMIT_HOLD_MS": str(COMMIT_HOLD_MS)})
+        job = self.rng.choice(self.jobs)
+        t = job.next
+        offset = os.path.getsize(self.d.log_path)
+        marker = f"test hook: commit of job '{job.id}' step {t} holds"
+        job.send_step(t)
+        deadline = time.time() + 120
+        while True:
+            with open(self.d.log_path, errors="replace") as f:
+                f.seek(offset)
+                if marker in f.read():
+                    break
+            self.check_alive("a held commit")
+            if time.time() > deadline:
+                raise HarnessError(f"{job.id} step {t}: no commit hold logged within 120 s:\n"
+                                   f"{self.d.log_tail(offset)}")
+            time.sleep(0.01)
+        self.d.kill()
+        answers = job.collect(t)
+        released = [a for a in answers if a["ok"]]
+        if released:
+            self.problems.append(f"{job.id} step {t}: the daemon was killed inside the commit, "
+                                 f"before any result was released, but {len(released)} ranks got "
+                                 f"results")
+        self.details["daemon killed mid-commit"] += 1
+        return (f"({held}) muond killed while {job.id} step {t} committed (store flipped, "
+                f"{len(released)}/{h.WORLD} results released); " + self.restart())
 
     def save_fault(self, errno_value, point_choices):
         point = self.rng.choice(point_choices)

@@ -69,12 +69,15 @@ class Daemon:
         self.proc = None
         self.starts = 0
 
-    def start(self, fault=None, extra=()):
+    def start(self, fault=None, extra=(), hooks=None):
+        """hooks: more test-hook variables for this start (e.g. MUOND_TEST_COMMIT_HOLD_MS)."""
         import muon_offload as mo
         env = dict(os.environ)
         env.pop("MUOND_TEST_CHECKPOINT_FAULT", None)
+        env.pop("MUOND_TEST_COMMIT_HOLD_MS", None)
         if fault:
             env["MUOND_TEST_CHECKPOINT_FAULT"] = fault
+        env.update(hooks or {})
         offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         logf = open(self.log_path, "ab")
         args = [self.muond, "--listen", self.address, "--state-dir", self.state, "--threads", "1",
