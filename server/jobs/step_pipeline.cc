@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/crc32c.h"
 #include "common/dtype.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
@@ -293,13 +294,24 @@ class StepPipeline::Run {
     batch.staging[i] = p_.TakeStaging(n);
     const std::vector<JobLayout::OwnerSlice> slices = p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
     const size_t esize = common::DTypeSize(ms.dtype);
+    // Apply mode with clipping: the redo reads every gradient a second time, so the first pass
+    // notes what it read and the redo checks that it reads the same (ReadCrcs).
+    const bool crcs = p_.apply_ != nullptr && p_.spec_.max_grad_norm > 0;
+    std::vector<uint32_t> crc(crcs ? slices.size() : 0);
     common::ParallelFor(slices.size(), n * (esize + sizeof(float)), [&](size_t k) {
       const JobLayout::SpanRef& ref = *slices[k].ref;
       const common::ShardSpan& span = p_.layout_.spans(ref.rank)[ref.span];
-      common::ToFloat32(ms.dtype,
-                        state_.ranks[ref.rank].span_in[ref.span] + slices[k].begin * esize,
-                        slices[k].length, batch.staging[i].data() + span.offset + slices[k].begin);
+      const char* raw = state_.ranks[ref.rank].span_in[ref.span] + slices[k].begin * esize;
+      if (crcs) crc[k] = common::Crc32c(raw, slices[k].length * esize);
+      common::ToFloat32(ms.dtype, raw, slices[k].length,
+                        batch.staging[i].data() + span.offset + slices[k].begin);
     });
+    if (crcs) {
+      if (absl::Status s = CheckReread(m, slices, std::move(crc)); !s.ok()) {
+        refused_ = true;
+        return s;
+      }
+    }
     if (p_.apply_ != nullptr) {
       absl::Status s =
           p_.apply_->PrepareGradient(state_, m, batch.staging[i].data(), &state_.sum_sq[m]);
@@ -309,6 +321,32 @@ class StepPipeline::Run {
       }
     }
     state_.phase_seconds[0] += absl::ToDoubleSeconds(absl::Now() - gather_start);
+    return absl::OkStatus();
+  }
+
+  // Apply mode with clipping: the first pass keeps the CRC32C of every slice of tensor m's raw
+  // gradients it read; the clip redo, which reads them again, refuses the step (INVALID_ARGUMENT,
+  // nothing committed) when one differs: the step's norm and clip coefficient came from the bytes
+  // first read, and its result must too.
+  absl::Status CheckReread(uint32_t m, const std::vector<JobLayout::OwnerSlice>& slices,
+                           std::vector<uint32_t> crc) {
+    if (state_.read_crc.empty()) state_.read_crc.resize(p_.spec_.matrices.size());
+    std::vector<uint32_t>& first = state_.read_crc[m];
+    if (!state_.clip_redo) {
+      first = std::move(crc);
+      return absl::OkStatus();
+    }
+    for (size_t k = 0; k < slices.size() && k < first.size(); ++k) {
+      if (crc[k] == first[k]) continue;
+      const JobLayout::SpanRef& ref = *slices[k].ref;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job '", p_.spec_.job_id, "' step ", state_.step, ": rank ", ref.rank,
+          "'s gradient of tensor '", p_.spec_.matrices[m].name, "' (elements ",
+          p_.layout_.spans(ref.rank)[ref.span].offset + slices[k].begin, " to ",
+          p_.layout_.spans(ref.rank)[ref.span].offset + slices[k].begin + slices[k].length,
+          ") changed after it was read, before the step ended (global clipping reads every "
+          "gradient again); the step is refused and nothing changed"));
+    }
     return absl::OkStatus();
   }
 

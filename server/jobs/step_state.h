@@ -127,6 +127,10 @@ struct StepState {
   // is being recomputed with it.
   float clip = 1;
   bool clip_redo = false;
+  // With clipping on: per tensor, the CRC32C of each assembly slice of the raw gradients as the
+  // first pass read them (step_pipeline.cc); the clip redo reads them again and refuses the step if
+  // any changed (a peer that rewrote its region before the step ended). Executor thread only.
+  std::vector<std::vector<uint32_t>> read_crc;
   double grad_norm = 0;  // after the divisor, before clipping; known when every tensor is done
 };
 

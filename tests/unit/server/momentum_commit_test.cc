@@ -141,7 +141,8 @@ class MomentumCommitTest : public ::testing::TestWithParam<bool> {
   }
 
   // Rings for `rank`: the job checks the region's values and enters the rank into the step.
-  absl::Status Submit(int rank, int64_t step, RankRegion& region, Outcome* outcome) {
+  absl::Status Submit(int rank, int64_t step, RankRegion& region, Outcome* outcome,
+                      const StepHyper* hyper = nullptr) {
     std::vector<const char*> in;
     std::vector<char*> out;
     for (size_t i = 0; i < region.spans.size(); ++i) {
@@ -152,7 +153,8 @@ class MomentumCommitTest : public ::testing::TestWithParam<bool> {
                               [outcome](const absl::Status& s, bool, double) {
                                 outcome->status = s;
                                 outcome->ended.Notify();
-                              });
+                              },
+                              hyper);
   }
 
   // Returns once every task submitted to the executor so far has run (it runs them in order).
@@ -190,6 +192,9 @@ class MomentumCommitTest : public ::testing::TestWithParam<bool> {
   static std::string JobId(const std::string& base) {
     return base + (GetParam() ? "-cpu" : "-simulated");
   }
+  // Apply mode: a step whose global clipping recomputes it, with or without a peer that rewrote
+  // a gradient after the first pass read it (below).
+  void ExpectClipRedo(const std::string& id, bool rewrite);
   // A shared-memory peer that rewrites its gradient after its matrix was computed (below).
   void ExpectRewriteChangesNothing(const std::string& id,
                                    const std::function<void(std::string*)>& rewrite);
@@ -425,6 +430,92 @@ TEST_P(MomentumCommitTest, GradientMadeNonFiniteBeforeAssemblyRefusesWithMomentu
   for (size_t m = 0; m < after.size(); ++m) {
     EXPECT_EQ(BitDifferences(after[m], before[m]), 0u) << spec.matrices[m].name;
   }
+}
+
+// Apply mode with global clipping: every step clips (max_grad_norm tiny), so once every tensor is
+// done the step computes them all again from the gradients, scaled by the clip coefficient
+// (step_pipeline.cc CheckReread). A peer that rewrites its region after "a" was read the first
+// time makes the step refused (INVALID_ARGUMENT naming the rank and tensor), with the master
+// weights as they were; without the rewrite the same step commits with a redo.
+void MomentumCommitTest::ExpectClipRedo(const std::string& id, bool rewrite) {
+  common::JobSpec spec = TwoRankSpec(id);
+  spec.mode = common::JobMode::kApply;
+  spec.groups = {{"all", 1e-3, 0.0}};
+  spec.max_grad_norm = 1e-3;
+  for (common::MatrixSpec& m : spec.matrices) {
+    m.group = "all";
+    m.param_dtype = DType::kBFloat16;  // new parameters come back in the regions' update size
+  }
+  StartJob(spec);
+  ASSERT_NE(job_, nullptr);
+  std::mt19937 rng(17);
+  const std::vector<std::vector<float>> init = RandomGradients(spec, rng);
+  for (int r = 0; r < spec.world_size; ++r) {
+    std::vector<std::string> w32;
+    std::vector<const char*> in;
+    for (const common::ShardSpan& span : common::RankSpans(spec, r)) {
+      w32.emplace_back(reinterpret_cast<const char*>(init[span.matrix].data() + span.offset),
+                       span.length * sizeof(float));
+    }
+    for (const std::string& w : w32) in.push_back(w.data());
+    ASSERT_TRUE(job_->InitParams(r, sessions_[r], in, /*float32=*/true).ok());
+  }
+  const auto masters = [this] {
+    std::vector<std::vector<float>> all;
+    int64_t step = 0;
+    EXPECT_TRUE(job_->ExportParams(
+                        [&all](uint32_t, const std::vector<float>& w) {
+                          all.push_back(w);
+                          return absl::OkStatus();
+                        },
+                        &step)
+                    .ok());
+    return all;
+  };
+  const std::vector<std::vector<float>> before = masters();
+  ASSERT_EQ(before.size(), spec.matrices.size());
+  StepHyper hyper;
+  hyper.lr = {1e-3};
+  hyper.weight_decay = {0.0};
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  RankRegion rank0 = FillRegion(spec, 0, grads), rank1 = FillRegion(spec, 1, grads);
+  ASSERT_EQ(rank0.spans[0].matrix, 0u);
+  ASSERT_EQ(rank0.spans[0].length, 64u * 2000);
+  Outcome out0, out1;
+  ASSERT_TRUE(Submit(0, 0, rank0, &out0, &hyper).ok());
+  WaitForExecutor();  // "a" (all rank 0's) was read by the first pass
+  EXPECT_FALSE(out0.ended.HasBeenNotified());
+  if (rewrite) rank0.in[0][4 * 2] ^= 0x01;  // one bit of element 4 of "a"
+  ASSERT_TRUE(Submit(1, 0, rank1, &out1, &hyper).ok());
+  for (Outcome* o : {&out0, &out1}) o->ended.WaitForNotification();
+  const JobReport report = job_->Report();
+  if (!rewrite) {
+    EXPECT_TRUE(out0.status.ok()) << out0.status;
+    EXPECT_TRUE(out1.status.ok()) << out1.status;
+    EXPECT_EQ(report.steps_completed, 1);
+    EXPECT_EQ(report.clip_redo_steps, 1);
+    EXPECT_NE(masters(), before);
+    return;
+  }
+  for (Outcome* o : {&out0, &out1}) {
+    EXPECT_EQ(o->status.code(), absl::StatusCode::kInvalidArgument) << o->status;
+    EXPECT_NE(o->status.message().find("rank 0's gradient of tensor 'a'"), std::string::npos)
+        << o->status;
+    EXPECT_NE(o->status.message().find("changed after it was read"), std::string::npos)
+        << o->status;
+  }
+  EXPECT_EQ(report.steps_completed, 0);
+  EXPECT_EQ(report.steps_refused, 1);
+  EXPECT_FALSE(report.fenced);
+  EXPECT_EQ(masters(), before) << "the masters changed";
+}
+
+TEST_P(MomentumCommitTest, ClipRedoRefusesAGradientRewrittenAfterItWasRead) {
+  ExpectClipRedo(JobId("clip-reread"), /*rewrite=*/true);
+}
+
+TEST_P(MomentumCommitTest, ClipRedoOfAnUnchangedGradientCommits) {
+  ExpectClipRedo(JobId("clip-same"), /*rewrite=*/false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, MomentumCommitTest, ::testing::Values(true, false),
