@@ -1,20 +1,17 @@
 #!/usr/bin/env bash
 # Runs every test: installs what is missing, builds (with tests and benchmarks), runs ctest
-# (unit, integration and Python tests), then (optionally) the ASan + UBSan lane and the fuzzers.
+# (unit, integration and Python tests), then the ASan + UBSan lane and the fuzzers.
 # Run as root on a fresh Debian 12 machine. This is what CI runs (.ci/run).
 #   tests/run.sh                      by default, in this order, each lane timed:
 #                                     1. install (deploy/install-deps.sh)
 #                                     2. build/ (deploy/build.sh, tests, benchmarks, test hooks)
 #                                     3. ctest in build/, every test, -j MUOND_TEST_JOBS (2)
-#                                     4. every fuzz target for MUOND_FUZZ_SECONDS (60) s, 2 at a
+#                                     4. the ASan + UBSan lane (tests/sanitize/run.sh address: its
+#                                        own build in build-asan/, -O1 -g1, then the unit,
+#                                        integration, shared-memory, hostile and fuzz-replay
+#                                        suites under it); MUOND_SANITIZE_LANE=0 leaves it out
+#                                     5. every fuzz target for MUOND_FUZZ_SECONDS (60) s, 2 at a
 #                                        time (build-fuzz/, tests/fuzz/run.sh)
-#                                     MUOND_SANITIZE_LANE=1 adds, between 3 and 4, the ASan + UBSan
-#                                     lane (tests/sanitize/run.sh address: its own build in
-#                                     build-asan/, -O1 -g1, then the unit, integration,
-#                                     shared-memory, hostile and fuzz-replay suites under it). It
-#                                     is meant to be on by default once it has passed end to end;
-#                                     estimated to fit CI's 60 minutes on a 2-core machine without
-#                                     ccache hits (README, "Sanitizers and fuzzing").
 #                                     MUOND_EXTRA_LANES=0 stops after lane 3.
 #   tests/run.sh --sanitize address   only the ASan + UBSan lane (build-asan/)
 #   tests/run.sh --sanitize thread    only the TSan lane (build-tsan/): job engine, shared memory,
@@ -52,7 +49,7 @@ lane install deploy/install-deps.sh
 lane build deploy/build.sh -DMUOND_BUILD_TESTS=ON -DMUOND_BUILD_BENCHMARKS=ON -DMUOND_TEST_HOOKS=ON
 lane ctest ctest --test-dir build --output-on-failure --timeout 600 -j "${MUOND_TEST_JOBS:-2}"
 if [ "${MUOND_EXTRA_LANES:-1}" != 0 ]; then
-  if [ "${MUOND_SANITIZE_LANE:-0}" = 1 ]; then
+  if [ "${MUOND_SANITIZE_LANE:-1}" != 0 ]; then
     lane "asan+ubsan" tests/sanitize/run.sh address
   fi
   lane fuzz tests/fuzz/run.sh "${MUOND_FUZZ_SECONDS:-60}"

@@ -2,7 +2,7 @@
 # Builds muond and its test suites with a sanitizer into a build directory of its own and runs
 # them; any sanitizer report, from a test or from a daemon a test started, fails the run.
 #   tests/sanitize/run.sh address   ASan + UBSan (build-asan/): the unit and integration suites.
-#                                   In CI's run (tests/run.sh) with MUOND_SANITIZE_LANE=1.
+#                                   In CI's run (tests/run.sh) by default (MUOND_SANITIZE_LANE=0: not).
 #   tests/sanitize/run.sh thread    TSan (build-tsan/): the job engine, shared-memory and
 #                                   checkpoint suites. Not in the default run.
 # Compiled with gcc at -O1 -g1 (LibTorch, gRPC and OpenBLAS are Debian's, uninstrumented): -g1
