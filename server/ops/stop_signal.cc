@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 
 #include "absl/strings/str_cat.h"
 
@@ -32,7 +33,7 @@ sigset_t StopSignals() {
 }  // namespace
 
 absl::Status InstallStopSignals() {
-  if (::pipe2(stop_pipe, O_CLOEXEC) != 0) {
+  if (::pipe2(stop_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     return absl::InternalError(absl::StrCat("pipe2: ", std::strerror(errno)));
   }
   struct sigaction stop_action = {};
@@ -48,12 +49,20 @@ absl::Status InstallStopSignals() {
 }
 
 int WaitForStopSignal() {
+  // The main thread keeps the signals blocked and takes them synchronously (sigtimedwait: while it
+  // waits it is eligible, and as the thread group leader the kernel offers it a process-directed
+  // signal first). The handler and its pipe catch one that a thread started before main took
+  // (it has them unblocked), checked between waits. Under ThreadSanitizer this is also what makes
+  // SIGTERM work at all: TSan defers a handler until its thread enters an intercepted call, which
+  // an OpenBLAS worker parked on a futex never does.
   const sigset_t signals = StopSignals();
-  pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
-  unsigned char b = 0;
-  while (::read(stop_pipe[0], &b, 1) != 1) {
+  while (true) {
+    const timespec wait = {0, 100 * 1000 * 1000};
+    const int sig = ::sigtimedwait(&signals, nullptr, &wait);
+    if (sig > 0) return sig;
+    unsigned char b = 0;
+    if (::read(stop_pipe[0], &b, 1) == 1) return b;
   }
-  return b;
 }
 
 }  // namespace muond::server
