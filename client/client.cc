@@ -91,6 +91,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
+  // A daemon that restarts (systemd, a recovery) is reconnected to within a second; gRPC's default
+  // backoff grows to two minutes, during which every call fails at once.
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   const std::string target = absl::StartsWith(c->address_, kTlsScheme)
                                  ? c->address_.substr(std::strlen(kTlsScheme))
                                  : c->address_;

@@ -11,12 +11,22 @@
 #include "common/job_spec.h"
 
 namespace muond::client {
+namespace {
+
+constexpr absl::Duration kCommitWaitForReady = absl::Seconds(20);
+
+}  // namespace
 
 absl::Status Client::CommitStep(const std::string& job_id, const std::string& token, int64_t step) {
   v1::CommitStepRequest req;
   req.set_job_id(job_id);
   req.set_step(step);
-  return CallWithToken(*stub_, &v1::Muond::Stub::CommitStep, token, req, "CommitStep").status();
+  // A commit follows a prepare that every node answered; a node whose daemon was restarted since
+  // this client last called it (a recovery, as after a daemon kill) is being reconnected to, and
+  // the commit waits for that (bounded) instead of failing the step as if the daemon were gone.
+  return CallWithToken(*stub_, &v1::Muond::Stub::CommitStep, token, req, "CommitStep",
+                       kCommitWaitForReady)
+      .status();
 }
 
 absl::Status Client::AbortStep(const std::string& job_id, const std::string& token, int64_t step,

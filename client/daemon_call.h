@@ -10,6 +10,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "muond/v1/muond.grpc.pb.h"
@@ -23,14 +25,21 @@ void SetToken(grpc::ClientContext* ctx, const std::string& token);
 absl::Status Annotate(const absl::Status& s, const std::string& what);
 
 // Calls the unary `method` of the daemon with the job's token and waits for it: the response, or
-// the daemon's error prefixed with `what` (the method's name).
+// the daemon's error prefixed with `what` (the method's name). `wait_for_ready` > 0: a call made
+// while the channel is reconnecting (the daemon was just restarted) waits for it up to that long
+// instead of failing at once with UNAVAILABLE; the deadline then bounds the whole call.
 template <typename Request, typename Response>
 absl::StatusOr<Response> CallWithToken(
     v1::Muond::Stub& stub,
     grpc::Status (v1::Muond::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
-    const std::string& token, const Request& req, const std::string& what) {
+    const std::string& token, const Request& req, const std::string& what,
+    absl::Duration wait_for_ready = absl::ZeroDuration()) {
   grpc::ClientContext ctx;
   SetToken(&ctx, token);
+  if (wait_for_ready > absl::ZeroDuration()) {
+    ctx.set_wait_for_ready(true);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + wait_for_ready));
+  }
   Response resp;
   RETURN_IF_ERROR(Annotate(common::FromGrpcStatus((stub.*method)(&ctx, req, &resp)), what));
   return resp;
