@@ -295,7 +295,7 @@ class StepPipeline::Run {
     const std::vector<JobLayout::OwnerSlice> slices = p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
     const size_t esize = common::DTypeSize(ms.dtype);
     // Apply mode with clipping: the redo reads every gradient a second time, so the first pass
-    // notes what it read and the redo checks that it reads the same (ReadCrcs).
+    // notes what it read and the redo checks that it reads the same (CheckReread).
     const bool crcs = p_.apply_ != nullptr && p_.spec_.max_grad_norm > 0;
     std::vector<uint32_t> crc(crcs ? slices.size() : 0);
     common::ParallelFor(slices.size(), n * (esize + sizeof(float)), [&](size_t k) {
