@@ -123,7 +123,11 @@ absl::Status ReadManifest(const std::string& gen_dir, Json* manifest, Generation
   if (JsonChecksum(body) != want) {
     return absl::DataLossError(absl::StrCat(path, ": manifest checksum mismatch"));
   }
-  if (j.value("format", "") != kFormat || j.value("format_version", 0) != kFormatVersion) {
+  // Looked up, not j.value(): value() throws when a key holds another type than its default.
+  const auto format = j.find("format");
+  const auto version = j.find("format_version");
+  if (format == j.end() || !format->is_string() || *format != kFormat || version == j.end() ||
+      !version->is_number_integer() || *version != kFormatVersion) {
     return absl::DataLossError(
         absl::StrCat(path, ": not a muond checkpoint of format version ", kFormatVersion));
   }

@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/crc32c.h"
 #include "common/job_spec.h"
@@ -112,6 +114,32 @@ TEST_F(CheckpointManifestTest, DeeplyNestedManifestIsDataLossNotACrash) {
   EXPECT_NE((*list)[0].problem.find("nested deeper than 64 levels"), std::string::npos)
       << (*list)[0].problem;
   EXPECT_EQ(store.Load({}).status().code(), absl::StatusCode::kDataLoss);
+}
+
+// A manifest with a right checksum whose "format" or "format_version" has another JSON type (found
+// by fuzzing: json::value threw type_error, uncaught, and listing the generations aborted).
+TEST_F(CheckpointManifestTest, FormatFieldsOfAnotherTypeAreDataLossNotACrash) {
+  for (const auto& [key, value] : std::vector<std::pair<std::string, Json>>{
+           {"format", 7}, {"format_version", "1"}, {"format", Json::array()}}) {
+    SCOPED_TRACE(key + " = " + value.dump());
+    std::filesystem::remove_all(dir_);
+    const std::string gen = dir_ + "/gen-000000000001";
+    std::filesystem::create_directories(gen);
+    Json manifest = {{"format", "muond-checkpoint"}, {"format_version", 1}, {"generation", 1},
+                     {"step", 5}, {"created_unix_ms", 0}, {"payload_bytes", 1}};
+    manifest[key] = value;
+    manifest["checksum"] = Crc(manifest.dump());
+    std::ofstream(gen + "/manifest.json") << manifest.dump();
+    std::ofstream(gen + "/momentum.safetensors") << "x";
+    Store store(dir_, 2);
+    auto list = store.List();
+    ASSERT_TRUE(list.ok()) << list.status();
+    ASSERT_EQ(list->size(), 1u);
+    EXPECT_NE((*list)[0].problem.find("not a muond checkpoint of format version 1"),
+              std::string::npos)
+        << (*list)[0].problem;
+    EXPECT_EQ(store.Load({}).status().code(), absl::StatusCode::kDataLoss);
+  }
 }
 
 TEST_F(CheckpointManifestTest, DeeplyNestedPayloadHeaderIsDataLoss) {
