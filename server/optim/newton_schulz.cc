@@ -7,16 +7,17 @@
 // [batch, m, n] with m <= n.
 //
 // Compute dtypes (ns_batched_math.h):
-//  - float32: each iteration is the symmetric products of symmetric_products.h through the system
-//    BLAS: X X^T and A A by SYRK (one triangle, half a GEMM's FLOPs, mirrored), B X by SYMM. Per
-//    iteration on [m, n]: 1.5 m^2 n + 0.5 m^3 multiply-adds instead of 2 m^2 n + m^3.
-//  - bfloat16: oneDNN's matmul (AVX-512 BF16 where the CPU has it), accumulating in fp32 and
-//    rounding each op's result to bf16 once, called directly (dnnl_gemm.h): X X^T and A A as
-//    upper-triangle strips (mirrored), B X in column chunks, every piece a single-threaded product
-//    and the pieces of all blocks spread over the threads (ns_tasks.h). Per iteration on [m, n]
-//    with S strips: (1 + 1/S)/2 of X X^T and A A, all of B X.
+//  - float32 and bfloat16: oneDNN's matmul (AVX-512, and AVX-512 BF16 where the CPU has it),
+//    accumulating in fp32 and rounding each op's result to the storage dtype once, called
+//    directly (dnnl_gemm.h): X X^T and A A as upper-triangle strips (mirrored), B X in column
+//    chunks, every piece a single-threaded product and the pieces of all blocks spread over the
+//    threads (ns_tasks.h). Per iteration on [m, n] with S strips: (1 + 1/S)/2 of X X^T and A A,
+//    all of B X. No BLAS thread pool runs beside the OpenMP team (fp32 used OpenBLAS's SYRK/SYMM
+//    on its own pthreads, which fought the team's spinning threads for the cores: one 512 x 512
+//    call was seen to take 1.26 s instead of 0.04 s).
 //  - float16: LibTorch 1.13's CPU GEMM has no Half kernel, so fp16 is emulated: fp32 storage and
-//    the fp32 products above, each op's result rounded to fp16 (nearest even, overflow to inf).
+//    the system BLAS's symmetric products (SYRK, SYMM: symmetric_products.h), each op's result
+//    rounded to fp16 (nearest even, overflow to inf).
 //    It exists for parity with fp16 device backends, not for speed.
 //
 // Precision plan (DESIGN.md 3): bf16 and fp16 run every iteration in that dtype, as the reference
@@ -134,8 +135,8 @@ at::Tensor DirectIterations(BatchedMath& math, at::Tensor x, NsMethod method, in
   at::Tensor p = ScratchTensor(Scratch::kP, {batch, m, m}, x.scalar_type());
   // next must not share memory with x: x is the normalized scratch or a fresh cast.
   at::Tensor next = ScratchTensor(Scratch::kNext, x.sizes(), x.scalar_type());
-  // fp32 storage is BLAS work on BLAS's threads (see ScopedSingleAtenThread).
-  ScopedSingleAtenThread blas(math.storage() == at::kFloat);
+  // fp16 emulation is BLAS work on BLAS's threads (see ScopedSingleAtenThread).
+  ScopedSingleAtenThread blas(math.UsesBlas());
   for (int i = begin; i < end; ++i) {
     math.Iteration(x, IterationCoefficients(method, i, steps), a, p, next);
     std::swap(x, next);
@@ -227,10 +228,12 @@ absl::Status ScaledNewtonSchulzMany(const MuonConfig& config, MatrixGeometry geo
 
 namespace {
 
-// Every iteration a plain bf16 one: the task iteration of ns_tasks.h throughout.
+// Every iteration a plain one of the task pool in one dtype: fp32, or bf16 with no fp32 iteration
+// first; standard or Polar Express (gram picks its path per shape).
 bool Pooled(const MuonConfig& config) {
-  return config.compute_dtype == DType::kBFloat16 && config.fp32_iterations <= 0 &&
-         config.ns_method != NsMethod::kGram;
+  if (config.ns_method == NsMethod::kGram) return false;
+  return config.compute_dtype == DType::kFloat32 ||
+         (config.compute_dtype == DType::kBFloat16 && config.fp32_iterations <= 0);
 }
 
 // Where each group's blocks lie in the pooled scratch (elements).
@@ -263,31 +266,36 @@ absl::Status PooledNewtonSchulz(const MuonConfig& config, const NsGroup* groups,
   const PooledPlan plan = PlanPooled(groups, count);
   const int threads = omp_get_max_threads();
   const char* op = "scratch";
-  constexpr size_t kEs = 2;  // bf16
+  const bool fp32 = config.compute_dtype == DType::kFloat32;
+  const GemmType type = fp32 ? GemmType::kFloat32 : GemmType::kBFloat16;
+  const at::ScalarType storage = fp32 ? at::kFloat : at::kBFloat16;
+  const size_t es = fp32 ? 4 : 2;  // element bytes
   try {
     c10::InferenceMode no_autograd;
-    char* x = static_cast<char*>(
-        ScratchTensor(Scratch::kNormalized, {plan.x_total}, at::kBFloat16).data_ptr());
+    char* x =
+        static_cast<char*>(ScratchTensor(Scratch::kNormalized, {plan.x_total}, storage).data_ptr());
     char* next =
-        static_cast<char*>(ScratchTensor(Scratch::kNext, {plan.x_total}, at::kBFloat16).data_ptr());
-    char* a =
-        static_cast<char*>(ScratchTensor(Scratch::kA, {plan.a_total}, at::kBFloat16).data_ptr());
-    char* p =
-        static_cast<char*>(ScratchTensor(Scratch::kP, {plan.a_total}, at::kBFloat16).data_ptr());
+        static_cast<char*>(ScratchTensor(Scratch::kNext, {plan.x_total}, storage).data_ptr());
+    char* a = static_cast<char*>(ScratchTensor(Scratch::kA, {plan.a_total}, storage).data_ptr());
+    char* p = static_cast<char*>(ScratchTensor(Scratch::kP, {plan.a_total}, storage).data_ptr());
     op = "normalize";
     for (size_t g = 0; g < count; ++g) {
       NormalizeBlocksInto(plan.layouts[g], groups[g].xs, ns::NormFactor(config.ns_method),
-                          static_cast<float>(kNormEpsilon), GemmType::kBFloat16,
-                          x + plan.x_offset[g] * kEs, threads);
+                          static_cast<float>(kNormEpsilon), type, x + plan.x_offset[g] * es,
+                          threads);
     }
     std::vector<TaskBlocks> blocks(count);
     for (int i = 0; i < config.ns_steps; ++i) {
       for (size_t g = 0; g < count; ++g) {
         const BlockLayout& l = plan.layouts[g];
-        blocks[g] = TaskBlocks{GemmType::kBFloat16,        static_cast<int64_t>(l.count) * l.batch,
-                               std::min(l.rows, l.cols),   std::max(l.rows, l.cols),
-                               x + plan.x_offset[g] * kEs, a + plan.a_offset[g] * kEs,
-                               p + plan.a_offset[g] * kEs, next + plan.x_offset[g] * kEs};
+        blocks[g] = TaskBlocks{type,
+                               static_cast<int64_t>(l.count) * l.batch,
+                               std::min(l.rows, l.cols),
+                               std::max(l.rows, l.cols),
+                               x + plan.x_offset[g] * es,
+                               a + plan.a_offset[g] * es,
+                               p + plan.a_offset[g] * es,
+                               next + plan.x_offset[g] * es};
       }
       TaskIteration(blocks.data(), count,
                     IterationCoefficients(config.ns_method, i, config.ns_steps), threads, &op);
@@ -295,9 +303,8 @@ absl::Status PooledNewtonSchulz(const MuonConfig& config, const NsGroup* groups,
     }
     op = "write back";
     for (size_t g = 0; g < count; ++g) {
-      const int64_t bad =
-          WriteBackBlocks(plan.layouts[g], x + plan.x_offset[g] * kEs, GemmType::kBFloat16,
-                          groups[g].scale, groups[g].xs, threads);
+      const int64_t bad = WriteBackBlocks(plan.layouts[g], x + plan.x_offset[g] * es, type,
+                                          groups[g].scale, groups[g].xs, threads);
       if (bad >= 0) {
         *failed = g;
         return CheckFinite(config, groups[g].geometry, groups[g].xs[bad]);

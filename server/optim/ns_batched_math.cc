@@ -47,11 +47,11 @@ ScopedSingleAtenThread::~ScopedSingleAtenThread() {
 
 void BatchedMath::Iteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a,
                             at::Tensor& p, at::Tensor& next) {
-  if (storage_ == at::kFloat) return BlasIteration(x, k, a, p, next);
-  // bf16: the upper-triangle strips and column chunks of ns_tasks.h, each a single-threaded
-  // oneDNN product, over the calling thread's OpenMP team.
+  if (UsesBlas()) return BlasIteration(x, k, a, p, next);
+  // fp32 and bf16: the upper-triangle strips and column chunks of ns_tasks.h, each a
+  // single-threaded oneDNN product, over the calling thread's OpenMP team.
   TaskBlocks blocks;
-  blocks.type = GemmType::kBFloat16;
+  blocks.type = storage_ == at::kFloat ? GemmType::kFloat32 : GemmType::kBFloat16;
   blocks.batch = x.size(0);
   blocks.m = x.size(1);
   blocks.n = x.size(2);

@@ -16,12 +16,13 @@
 
 namespace muond::server::internal {
 
-// fp32 products run on the system BLAS's own threads (OpenBLAS pthreads); ATen's OpenMP workers
-// (oneDNN's bf16 GEMMs and the elementwise ops) would only spin beside them and take the cores:
-// measured at 512 x 512, fp32 Newton-Schulz ran at ~33 GFLOP/s with 2 OpenMP threads and ~55 with
-// 1. Work that is fp32 BLAS runs with one OpenMP thread; the previous count is restored on
-// leaving. OpenMP's thread count is a setting of the calling thread (others are not affected).
-// at::set_num_threads is not used: it also rebuilds LibTorch's pthreadpool on every change.
+// BLAS products (fp16 emulation's iterations, the Gram iteration's m x m side) run on the system
+// BLAS's own threads (OpenBLAS pthreads); ATen's OpenMP workers (oneDNN's GEMMs and the
+// elementwise ops) would only spin beside them and take the cores: measured at 512 x 512, fp32
+// Newton-Schulz on BLAS ran at ~33 GFLOP/s with 2 OpenMP threads and ~55 with 1. Work that is
+// BLAS runs with one OpenMP thread; the previous count is restored on leaving. OpenMP's thread
+// count is a setting of the calling thread (others are not affected). at::set_num_threads is not
+// used: it also rebuilds LibTorch's pthreadpool on every change.
 class ScopedSingleAtenThread {
  public:
   explicit ScopedSingleAtenThread(bool active);
@@ -43,12 +44,15 @@ class BatchedMath {
       : storage_(storage), emulate_half_(emulate_half), op_(op) {}
 
   at::ScalarType storage() const { return storage_; }
+  // Whether Iteration runs on the system BLAS (fp16 emulation) rather than the task pool.
+  bool UsesBlas() const { return emulate_half_; }
 
   // One iteration of the formula on x [b, m, n] (contiguous, m <= n, this dtype):
   // a = X X^T, p = b A + c A A, next = a X + P X; a and p are [b, m, m] scratch, next [b, m, n].
-  // fp32 storage (fp32, fp16 emulation): the symmetric BLAS products (symmetric_products.h).
-  // bf16: the upper-triangle strips and column chunks of ns_tasks.h (single-threaded oneDNN
-  // products side by side on the calling thread's OpenMP team).
+  // fp32 and bf16: the upper-triangle strips and column chunks of ns_tasks.h (single-threaded
+  // oneDNN products side by side on the calling thread's OpenMP team; no BLAS thread pool beside
+  // it). fp16 emulation: the symmetric BLAS products (symmetric_products.h), each op's result
+  // rounded to fp16.
   void Iteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a, at::Tensor& p,
                  at::Tensor& next);
 

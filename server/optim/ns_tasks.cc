@@ -35,8 +35,9 @@ std::vector<Task> Strips(const TaskBlocks* groups, size_t count, bool gram) {
   std::vector<Task> tasks;
   for (size_t g = 0; g < count; ++g) {
     const int64_t m = groups[g].m, inner = gram ? groups[g].n : groups[g].m;
-    for (int64_t r = 0; r < m; r += kStripRows) {
-      const int64_t h = std::min(kStripRows, m - r);
+    const int64_t rows = StripRows(m);
+    for (int64_t r = 0; r < m; r += rows) {
+      const int64_t h = std::min(rows, m - r);
       for (int64_t j = 0; j < groups[g].batch; ++j)
         tasks.push_back({g, j, r, h, h * (m - r) * inner});
     }

@@ -1,11 +1,11 @@
 // Internal to server/optim: one Newton-Schulz iteration as independent single-threaded GEMM tasks
-// (dnnl_gemm.h) spread over the calling thread's OpenMP team; the bf16 iteration of
+// (dnnl_gemm.h) spread over the calling thread's OpenMP team; the fp32 and bf16 iteration of
 // ns_batched_math.cc.
 //
 // On blocks X [batch, m, n] (m <= n, contiguous) the iteration is, per block,
 //   A = X X^T,  P = b A + c A A,  next = a X + P X,
 // each product's fp32 accumulation rounded once to the storage dtype. A and P are symmetric, so
-// only their upper triangle is computed, in strips of kStripRows rows: the strip at row r is
+// only their upper triangle is computed, in strips of StripRows(m) rows: the strip at row r is
 //   A[r:r+h, r:m] = X[r:r+h, :] X[r:m, :]^T          (then mirrored into A[r:m, r:r+h])
 //   P[r:r+h, r:m] = b A[r:r+h, r:m] + c A[r:r+h, :] A[r:m, :]^T    (A A = A A^T; mirrored)
 // which costs (1 + 1/S) / 2 of the full product for S strips (0.625 at m = 1024). next is computed
@@ -28,8 +28,18 @@
 
 namespace muond::server::internal {
 
-inline constexpr int64_t kStripRows = 256;
-inline constexpr int64_t kChunkCols = 512;
+inline constexpr int64_t kMaxStripRows = 256;
+
+// Strip height for blocks of m rows: a quarter of m rounded up to a multiple of 64, at most 256 and
+// at least 64 (a function of m only, so a block's products and bits do not depend on the batch or
+// the thread count). At least four strips keep a block's strips splittable over two threads (two
+// strips of 512 rows would split its work 3:1), and cost at most (1 + 1/4)/2 of the full product.
+inline int64_t StripRows(int64_t m) {
+  const int64_t quarter = (m + 3) / 4;
+  const int64_t rounded = (quarter + 63) / 64 * 64;
+  return rounded < 64 ? 64 : (rounded > kMaxStripRows ? kMaxStripRows : rounded);
+}
+inline constexpr int64_t kChunkCols = 256;
 
 struct TaskBlocks {
   GemmType type = GemmType::kBFloat16;

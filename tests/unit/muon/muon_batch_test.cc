@@ -2,7 +2,8 @@
 // Newton-Schulz give exactly the bits of each matrix alone, for every compute dtype, method and
 // block shape (small blocks that LibTorch routes differently by batch size, wide and tall blocks,
 // heads); and its errors name the matrix and leave every momentum untouched. The same for several
-// shapes in one call (MuonUpdateGroups), and a non-finite result names its group.
+// shapes in one call (MuonUpdateGroups), and a non-finite result names its group. Newton-Schulz's
+// bits do not depend on the math thread count either.
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -16,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "server/optim/muon_math.h"
 #include "server/optim/newton_schulz.h"
+#include "server/optim/ns_tasks.h"
 
 namespace muond::server {
 namespace {
@@ -302,6 +304,56 @@ TEST(MuonGroupsTest, ANonFiniteResultNamesItsGroup) {
   EXPECT_EQ(internal::ScaledNewtonSchulzGroups(config, bad_geometry, 1, &failed).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(failed, 0u);
+}
+
+// The task pool's pieces depend only on the block's shape (ns_tasks.h).
+TEST(NsTasksTest, StripRowsDependOnlyOnTheRowCount) {
+  EXPECT_EQ(internal::StripRows(1), 64);
+  EXPECT_EQ(internal::StripRows(100), 64);
+  EXPECT_EQ(internal::StripRows(512), 128);
+  EXPECT_EQ(internal::StripRows(520), 192);
+  EXPECT_EQ(internal::StripRows(1024), 256);
+  EXPECT_EQ(internal::StripRows(4096), internal::kMaxStripRows);
+}
+
+// One, two and three math threads give the same bits, for every dtype the task pool and BLAS run
+// (fp32 and bf16 on the pool, fp16 emulation on BLAS, bf16 with fp32 iterations first, and gram),
+// on shapes with several strips and column chunks, wide and tall.
+TEST(MuonThreadsTest, NewtonSchulzBitsDoNotDependOnTheThreadCount) {
+  struct Case {
+    DType dtype;
+    NsMethod method;
+    int fp32_iterations;
+  };
+  const std::vector<Case> cases = {
+      {DType::kFloat32, NsMethod::kStandard, 0},  {DType::kBFloat16, NsMethod::kStandard, 0},
+      {DType::kBFloat16, NsMethod::kStandard, 2}, {DType::kFloat16, NsMethod::kStandard, 0},
+      {DType::kFloat32, NsMethod::kGram, 0},      {DType::kBFloat16, NsMethod::kPolarExpress, 0},
+  };
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{520, 520}, {700, 300}, {300, 1100}};
+  for (const Case& c : cases) {
+    MuonConfig config;
+    config.compute_dtype = c.dtype;
+    config.ns_method = c.method;
+    config.fp32_iterations = c.fp32_iterations;
+    for (const auto& [rows, cols] : shapes) {
+      const std::vector<float> input = Random(static_cast<size_t>(rows * cols), 11);
+      std::vector<float> expected;
+      for (int threads : {1, 2, 3}) {
+        SetMathThreads(threads);
+        std::vector<float> x = input;
+        ASSERT_TRUE(NewtonSchulz(config, {1, rows, cols}, x.data()).ok());
+        if (expected.empty()) {
+          expected = x;
+          continue;
+        }
+        EXPECT_TRUE(SameBits(x, expected))
+            << common::DTypeName(c.dtype) << " fp32_iterations=" << c.fp32_iterations << " " << rows
+            << "x" << cols << " with " << threads << " threads";
+      }
+    }
+  }
+  SetMathThreads(2);
 }
 
 }  // namespace
