@@ -95,7 +95,7 @@ ApplyStep::ApplyStep(const common::JobSpec& spec, const JobLayout& layout, Param
 }
 
 absl::Status ApplyStep::PrepareGradient(const StepState& state, uint32_t t, float* grad,
-                                        double* sum_sq) {
+                                        double* sum_sq, bool kernel_writes_momentum) {
   const common::MatrixSpec& ms = spec_.matrices[t];
   const size_t n = static_cast<size_t>(ms.numel());
   // SumOfSquares's order: whole blocks, added in block order (the blocks summed over the CPUs).
@@ -127,7 +127,7 @@ absl::Status ApplyStep::PrepareGradient(const StepState& state, uint32_t t, floa
       for (size_t k = i * kSlice; k < e; ++k) grad[k] *= scale;
     });
   }
-  if (ms.optimizer == common::Optimizer::kMuon) {
+  if (ms.optimizer == common::Optimizer::kMuon && !kernel_writes_momentum) {
     const float* committed = params_->front(t, ParamStore::kMomentum);
     float* next = params_->back(t, ParamStore::kMomentum);
     common::ParallelFor((n + kSlice - 1) / kSlice, n * sizeof(float), [&](size_t i) {

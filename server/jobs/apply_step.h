@@ -2,7 +2,8 @@
 // the executor thread:
 //   - PrepareGradient: the assembled fp32 gradient's sum of squares (for global clipping), the
 //     checks that it is finite and that the divisor does not overflow it, the scaling by
-//     StepState::grad_scale, and for a Muon tensor the new momentum (the EMA) into the back buffer;
+//     StepState::grad_scale, and for a Muon tensor the new momentum (the EMA) into the back buffer
+//     (unless the device's kernel writes it there itself);
 //   - ApplyAdamW: the whole AdamW update, front -> back, the new parameters into each owner's span;
 //   - ApplyMuon: W <- W*(1 - lr*wd) - lr*U once the device returned U, the same way out.
 // Everything reads the committed front of the ParamStore and writes its back (param_store.h), so
@@ -46,10 +47,13 @@ class ApplyStep {
   ApplyStep(const common::JobSpec& spec, const JobLayout& layout, ParamStore* params);
 
   // `grad` holds tensor t's whole fp32 gradient; on OK it holds the scaled gradient and
-  // *sum_sq its raw sum of squares. INVALID_ARGUMENT (the step is refused) when a value is not
-  // finite (a shared-memory peer changed its gradient after it was checked) or when the divisor
-  // would overflow float32.
-  absl::Status PrepareGradient(const StepState& state, uint32_t t, float* grad, double* sum_sq);
+  // *sum_sq its raw sum of squares, and for a Muon tensor, unless `kernel_writes_momentum` (the
+  // device's Muon kernel writes the new momentum into the back buffer itself: a device that
+  // computes in host memory), the new momentum is in the back buffer. INVALID_ARGUMENT (the step
+  // is refused) when a value is not finite (a shared-memory peer changed its gradient after it
+  // was checked) or when the divisor would overflow float32.
+  absl::Status PrepareGradient(const StepState& state, uint32_t t, float* grad, double* sum_sq,
+                               bool kernel_writes_momentum);
   // AdamW of tensor t from its prepared gradient; writes the owners' output spans.
   void ApplyAdamW(StepState& state, uint32_t t, const float* grad);
   // The Muon apply of tensor t from its update U (scaled); writes the owners' output spans.

@@ -313,8 +313,11 @@ class StepPipeline::Run {
       }
     }
     if (p_.apply_ != nullptr) {
+      // A device computing in host memory writes a Muon tensor's new momentum into the back
+      // buffer itself (Assemble gives it NextMomentum as momentum_out).
       absl::Status s =
-          p_.apply_->PrepareGradient(state_, m, batch.staging[i].data(), &state_.sum_sq[m]);
+          p_.apply_->PrepareGradient(state_, m, batch.staging[i].data(), &state_.sum_sq[m],
+                                     dev_.device->ComputesInHostMemory());
       if (!s.ok()) {
         refused_ = true;
         return s;
@@ -359,8 +362,7 @@ class StepPipeline::Run {
       const uint32_t m = batch.matrices[i];
       const size_t bytes = static_cast<size_t>(p_.spec_.matrices[m].numel()) * sizeof(float);
       if (InPlace(batch, k)) {
-        items.push_back(
-            {&p_.spec_.matrices[m], &batch.grad[k], &batch.mom[k], &batch.mom_out[k]});
+        items.push_back({&p_.spec_.matrices[m], &batch.grad[k], &batch.mom[k], &batch.mom_out[k]});
         continue;
       }
       if (batch.direct[i]) {

@@ -34,7 +34,7 @@ if [ "$kind" = address ]; then
 else
   # The job engine (momentum commit, multi-rank steps, faults, pipeline, apply mode), the
   # shared-memory data plane and the checkpoint store.
-  select=(-R '^((Devices/)?MomentumCommitTest|MomentumStoreSnapshotTest|checkpoint_unit_tests|integration\.(MultiRank|Fault|Pipeline|Checkpoint|Trajectory)|apply\.|shm\.Shm(Transport|Hostile|Fault))')
+  select=(-R '^((Devices/)?(MomentumCommitTest|ApplyCommitTest)|MomentumStoreSnapshotTest|checkpoint_unit_tests|integration\.(MultiRank|Fault|Pipeline|Checkpoint|Trajectory)|apply\.|shm\.Shm(Transport|Hostile|Fault))')
   # Only the executables these suites run (the daemons and rank processes come with them).
   targets=(muond_tsan_absl_sync server_unit_tests checkpoint_unit_tests integration_tests apply_tests
            shm_tests)

@@ -1,0 +1,183 @@
+// Job::Commit in apply mode (DESIGN.md 4b), in process, on the fixture of
+// momentum_commit_fixture.h (the cpu device computes in place, its kernel writing each Muon
+// tensor's new momentum into the parameter store's back buffer; the simulated device is staged,
+// and the host writes the momentum):
+//  - Over three steps the committed momentum of every tensor is bit for bit the serial EMA of the
+//    gradients, and the masters move.
+//  - Global clipping's redo refuses a gradient rewritten after it was read, and commits otherwise.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tests/unit/server/momentum_commit_fixture.h"
+
+namespace muond::server {
+namespace {
+
+using commit_test::BitDifferences;
+using commit_test::FillRegion;
+using commit_test::Outcome;
+using commit_test::RandomGradients;
+using commit_test::RankRegion;
+using commit_test::TwoRankSpec;
+using common::DType;
+
+class ApplyCommitTest : public commit_test::CommitFixture {
+ protected:
+  // An apply-mode TwoRankSpec job, every tensor Muon in group "all", bf16 parameters back, the
+  // initial masters random; `max_grad_norm` > 0 clips.
+  common::JobSpec StartApplyJob(const std::string& id, double max_grad_norm, std::mt19937& rng);
+  // The masters at a step boundary, per tensor.
+  std::vector<std::vector<float>> Masters();
+  // A step whose global clipping recomputes it, with or without a peer that rewrote a gradient
+  // after the first pass read it (below).
+  void ExpectClipRedo(const std::string& id, bool rewrite);
+};
+
+common::JobSpec ApplyCommitTest::StartApplyJob(const std::string& id, double max_grad_norm,
+                                               std::mt19937& rng) {
+  common::JobSpec spec = TwoRankSpec(id);
+  spec.mode = common::JobMode::kApply;
+  spec.groups = {{"all", 1e-3, 0.0}};
+  spec.max_grad_norm = max_grad_norm;
+  for (common::MatrixSpec& m : spec.matrices) {
+    m.group = "all";
+    m.param_dtype = DType::kBFloat16;  // new parameters come back in the regions' update size
+  }
+  StartJob(spec);
+  EXPECT_NE(job_, nullptr);
+  if (job_ == nullptr) return spec;
+  const std::vector<std::vector<float>> init = RandomGradients(spec, rng);
+  for (int r = 0; r < spec.world_size; ++r) {
+    std::vector<std::string> w32;
+    std::vector<const char*> in;
+    for (const common::ShardSpan& span : common::RankSpans(spec, r)) {
+      w32.emplace_back(reinterpret_cast<const char*>(init[span.matrix].data() + span.offset),
+                       span.length * sizeof(float));
+    }
+    for (const std::string& w : w32) in.push_back(w.data());
+    EXPECT_TRUE(job_->InitParams(r, sessions_[r], in, /*float32=*/true).ok());
+  }
+  return spec;
+}
+
+std::vector<std::vector<float>> ApplyCommitTest::Masters() {
+  std::vector<std::vector<float>> all;
+  int64_t step = 0;
+  EXPECT_TRUE(job_->ExportParams(
+                      [&all](uint32_t, const std::vector<float>& w) {
+                        all.push_back(w);
+                        return absl::OkStatus();
+                      },
+                      &step)
+                  .ok());
+  return all;
+}
+
+// Three steps; after each, the saved state's momentum of every (Muon) tensor is bit for bit the
+// serial EMA of the gradients (the divisor is 1 and nothing clips, so the kernel's gradient is
+// the rung one). On the cpu device only the kernel writes it (ApplyStep::PrepareGradient leaves it
+// to the kernel); on the simulated device only the host does: a step that skipped either write
+// would commit a stale back buffer.
+TEST_P(ApplyCommitTest, MomentumIsTheSerialEmaBitForBit) {
+  std::mt19937 rng(23);
+  const common::JobSpec spec = StartApplyJob(JobId("apply-ema"), /*max_grad_norm=*/0, rng);
+  ASSERT_NE(job_, nullptr);
+  std::vector<std::vector<float>> reference;
+  for (const common::MatrixSpec& m : spec.matrices) reference.emplace_back(m.numel(), 0.0f);
+  StepHyper hyper;
+  hyper.lr = {1e-3};
+  hyper.weight_decay = {0.0};
+  std::vector<std::vector<float>> masters = Masters();
+  for (int64_t step = 0; step < 3; ++step) {
+    const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+    std::vector<RankRegion> regions;
+    for (int r = 0; r < spec.world_size; ++r) regions.push_back(FillRegion(spec, r, grads));
+    std::vector<Outcome> outcomes(spec.world_size);
+    for (int r = 0; r < spec.world_size; ++r) {
+      ASSERT_TRUE(Submit(r, step, regions[r], &outcomes[r], &hyper).ok());
+    }
+    for (Outcome& o : outcomes) {
+      o.ended.WaitForNotification();
+      ASSERT_TRUE(o.status.ok()) << o.status;
+    }
+    for (size_t m = 0; m < spec.matrices.size(); ++m) {
+      ApplyMomentum(spec.muon, grads[m].data(), reference[m].data(), reference[m].size());
+    }
+    // Apply mode saves master and momentum per Muon tensor (checkpoint::StateTensors).
+    const std::vector<std::vector<float>> saved = SavedMomentum();
+    ASSERT_EQ(saved.size(), 2 * reference.size());
+    for (size_t m = 0; m < reference.size(); ++m) {
+      EXPECT_EQ(BitDifferences(saved[2 * m + 1], reference[m]), 0u)
+          << "tensor '" << spec.matrices[m].name << "' after step " << step;
+    }
+    const std::vector<std::vector<float>> now = Masters();
+    EXPECT_NE(now, masters) << "step " << step << " did not move the masters";
+    masters = now;
+  }
+  EXPECT_EQ(job_->Report().steps_completed, 3);
+}
+
+// Apply mode with global clipping: every step clips (max_grad_norm tiny), so once every tensor is
+// done the step computes them all again from the gradients, scaled by the clip coefficient
+// (step_pipeline.cc CheckReread). A peer that rewrites its region after "a" was read the first
+// time makes the step refused (INVALID_ARGUMENT naming the rank and tensor), with the master
+// weights as they were; without the rewrite the same step commits with a redo.
+void ApplyCommitTest::ExpectClipRedo(const std::string& id, bool rewrite) {
+  std::mt19937 rng(17);
+  const common::JobSpec spec = StartApplyJob(id, /*max_grad_norm=*/1e-3, rng);
+  ASSERT_NE(job_, nullptr);
+  const auto masters = [this] { return Masters(); };
+  const std::vector<std::vector<float>> before = masters();
+  ASSERT_EQ(before.size(), spec.matrices.size());
+  StepHyper hyper;
+  hyper.lr = {1e-3};
+  hyper.weight_decay = {0.0};
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  RankRegion rank0 = FillRegion(spec, 0, grads), rank1 = FillRegion(spec, 1, grads);
+  ASSERT_EQ(rank0.spans[0].matrix, 0u);
+  ASSERT_EQ(rank0.spans[0].length, 64u * 2000);
+  Outcome out0, out1;
+  ASSERT_TRUE(Submit(0, 0, rank0, &out0, &hyper).ok());
+  WaitForExecutor();  // "a" (all rank 0's) was read by the first pass
+  EXPECT_FALSE(out0.ended.HasBeenNotified());
+  if (rewrite) rank0.in[0][4 * 2] ^= 0x01;  // one bit of element 4 of "a"
+  ASSERT_TRUE(Submit(1, 0, rank1, &out1, &hyper).ok());
+  for (Outcome* o : {&out0, &out1}) o->ended.WaitForNotification();
+  const JobReport report = job_->Report();
+  if (!rewrite) {
+    EXPECT_TRUE(out0.status.ok()) << out0.status;
+    EXPECT_TRUE(out1.status.ok()) << out1.status;
+    EXPECT_EQ(report.steps_completed, 1);
+    EXPECT_EQ(report.clip_redo_steps, 1);
+    EXPECT_NE(masters(), before);
+    return;
+  }
+  for (Outcome* o : {&out0, &out1}) {
+    EXPECT_EQ(o->status.code(), absl::StatusCode::kInvalidArgument) << o->status;
+    EXPECT_NE(o->status.message().find("rank 0's gradient of tensor 'a'"), std::string::npos)
+        << o->status;
+    EXPECT_NE(o->status.message().find("changed after it was read"), std::string::npos)
+        << o->status;
+  }
+  EXPECT_EQ(report.steps_completed, 0);
+  EXPECT_EQ(report.steps_refused, 1);
+  EXPECT_FALSE(report.fenced);
+  EXPECT_EQ(masters(), before) << "the masters changed";
+}
+
+TEST_P(ApplyCommitTest, ClipRedoRefusesAGradientRewrittenAfterItWasRead) {
+  ExpectClipRedo(JobId("clip-reread"), /*rewrite=*/true);
+}
+
+TEST_P(ApplyCommitTest, ClipRedoOfAnUnchangedGradientCommits) {
+  ExpectClipRedo(JobId("clip-same"), /*rewrite=*/false);
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, ApplyCommitTest, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "CpuInPlace" : "SimulatedStaged";
+                         });
+
+}  // namespace
+}  // namespace muond::server
