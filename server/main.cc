@@ -17,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "server/api/api_server.h"
@@ -263,6 +264,14 @@ int Serve(const DaemonConfig& config) {
 }
 
 int Run(int argc, char** argv) {
+#ifndef MUOND_TEST_HOOKS
+  // Debian's Abseil is built without NDEBUG, so every absl::Mutex (gRPC's included) runs Abseil's
+  // deadlock detection: each lock taken while another is held updates a process-wide lock graph
+  // under a global spinlock (measured here: 82 ns per nested lock pair instead of 12, and a lock
+  // every thread shares). A release daemon turns it off; test builds (MUOND_TEST_HOOKS) keep it,
+  // so the suites still report a lock-order inversion.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
   // Stop signals go to a handler (any thread) and are read by the main thread; threads this
   // process starts from here on block them.
   if (absl::Status s = InstallStopSignals(); !s.ok()) return Fail(1, std::string(s.message()));
