@@ -41,10 +41,13 @@ namespace {
 // reach 90% of the best GEMM rate of its dtype.
 constexpr double kTargetRatio = 0.90;
 constexpr int kNsSteps = 5;
-// Auto iteration count: time calls until this much has passed (a first call that takes longer is
-// itself the measurement: one-time setup is small next to it).
+// Auto iteration count: after one untimed call (oneDNN creates its primitives, the scratch is
+// paged in), time calls until this much has passed, at least kMinAutoIters of them. A short
+// window measures the machine's hiccups, not the code: the 512 x 512 GEMM takes under a
+// millisecond.
 constexpr double kMinSeconds = 1.0;
-constexpr int kMaxAutoIters = 50;
+constexpr int kMinAutoIters = 3;
+constexpr int kMaxAutoIters = 100000;
 
 constexpr const char* kUsage =
     "usage: muond-bench ns [--threads N] [--sizes 512,1024,1024x3072]\n"
@@ -57,7 +60,8 @@ constexpr const char* kUsage =
     "  --dtypes   float32, bfloat16, float16 (default float32,bfloat16); float16 NS is emulated\n"
     "             on fp32 GEMMs and its baseline is the fp32 GEMM rate (LibTorch 1.13 has no CPU\n"
     "             Half GEMM)\n"
-    "  --iters    timed calls per measurement (default: auto, >= 1 s or 1 call)\n"
+    "  --iters    timed calls per measurement, after one untimed call (default: auto, >= 1 s\n"
+    "             and >= 3 calls)\n"
     "Last line: result: ns ratio=<geometric mean of NS / best GEMM of the dtype> "
     "target=<target>\n";
 
@@ -67,15 +71,14 @@ double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Seconds per call of fn; iters <= 0 means auto.
+// Seconds per call of fn, after one untimed call; iters <= 0 means auto.
 double TimePerCall(const std::function<void()>& fn, int iters) {
-  Clock::time_point start = Clock::now();
   fn();
-  const double first = Seconds(start);
-  if (iters <= 0 && first >= kMinSeconds / 2) return first;
   int done = 0;
-  start = Clock::now();
-  while (iters > 0 ? done < iters : (done < kMaxAutoIters && Seconds(start) < kMinSeconds)) {
+  const Clock::time_point start = Clock::now();
+  while (iters > 0
+             ? done < iters
+             : (done < kMinAutoIters || (done < kMaxAutoIters && Seconds(start) < kMinSeconds))) {
     fn();
     ++done;
   }
