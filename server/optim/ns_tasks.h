@@ -30,10 +30,11 @@ namespace muond::server::internal {
 
 inline constexpr int64_t kMaxStripRows = 256;
 
-// Strip height for blocks of m rows: a quarter of m rounded up to a multiple of 64, at most 256 and
-// at least 64 (a function of m only, so a block's products and bits do not depend on the batch or
-// the thread count). At least four strips keep a block's strips splittable over two threads (two
-// strips of 512 rows would split its work 3:1), and cost at most (1 + 1/4)/2 of the full product.
+// Strip height for blocks of m rows: a quarter of m rounded up to a multiple of 64, from 64 to 256
+// (a function of m only, so a block's products and bits do not depend on the batch or the thread
+// count). Four strips or more (from m = 256 on) split a block evenly over two threads (a 512-row
+// block in two strips of 256 splits its work 2:1) and cost at most (1 + 1/4)/2 of the full
+// product.
 inline int64_t StripRows(int64_t m) {
   const int64_t quarter = (m + 3) / 4;
   const int64_t rounded = (quarter + 63) / 64 * 64;
