@@ -228,12 +228,13 @@ absl::Status ScaledNewtonSchulzMany(const MuonConfig& config, MatrixGeometry geo
 
 namespace {
 
-// Every iteration a plain one of the task pool in one dtype: fp32, or bf16 with no fp32 iteration
-// first; standard or Polar Express (gram picks its path per shape).
+// Every iteration a plain bf16 one of the task pool (no fp32 iteration first; standard or Polar
+// Express: gram picks its path per shape). fp32 iterates group by group on the same task pool: its
+// scratch (X and the next X, 8 bytes per element) is held for one group at a time, not for the
+// whole batch at once (twice the host memory the gather budget counts for the batch's staging).
 bool Pooled(const MuonConfig& config) {
-  if (config.ns_method == NsMethod::kGram) return false;
-  return config.compute_dtype == DType::kFloat32 ||
-         (config.compute_dtype == DType::kBFloat16 && config.fp32_iterations <= 0);
+  return config.compute_dtype == DType::kBFloat16 && config.fp32_iterations <= 0 &&
+         config.ns_method != NsMethod::kGram;
 }
 
 // Where each group's blocks lie in the pooled scratch (elements).
@@ -266,10 +267,9 @@ absl::Status PooledNewtonSchulz(const MuonConfig& config, const NsGroup* groups,
   const PooledPlan plan = PlanPooled(groups, count);
   const int threads = omp_get_max_threads();
   const char* op = "scratch";
-  const bool fp32 = config.compute_dtype == DType::kFloat32;
-  const GemmType type = fp32 ? GemmType::kFloat32 : GemmType::kBFloat16;
-  const at::ScalarType storage = fp32 ? at::kFloat : at::kBFloat16;
-  const size_t es = fp32 ? 4 : 2;  // element bytes
+  constexpr GemmType type = GemmType::kBFloat16;
+  constexpr at::ScalarType storage = at::kBFloat16;
+  constexpr size_t es = 2;  // element bytes
   try {
     c10::InferenceMode no_autograd;
     char* x =

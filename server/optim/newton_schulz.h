@@ -32,11 +32,11 @@ struct NsGroup {
   float* const* xs = nullptr;
 };
 
-// ScaledNewtonSchulzMany of each group, with the same bits. When every iteration is a plain one of
-// the task pool (compute fp32, or bf16 with no fp32 iterations; not gram) the groups iterate in
-// step: each phase of an iteration is one pool of the tasks of all groups (ns_tasks.h), so a step
-// of many shapes pays three barriers per iteration, not three per shape, and the team stays busy
-// across shapes; their scratch is held at once. On error *failed is the group it concerns, or kNoGroup when the error is
+// ScaledNewtonSchulzMany of each group, with the same bits. When every iteration is a plain bf16
+// one (compute bf16, no fp32 iterations, not gram) the groups iterate in step: each phase of an
+// iteration is one pool of the tasks of all groups (ns_tasks.h), so a step of many shapes pays
+// three barriers per iteration, not three per shape, and the team stays busy across shapes; their
+// scratch is held at once. On error *failed is the group it concerns, or kNoGroup when the error is
 // not one group's (a product failed).
 inline constexpr size_t kNoGroup = ~size_t{0};
 absl::Status ScaledNewtonSchulzGroups(const common::MuonConfig& config, const NsGroup* groups,
