@@ -4,7 +4,8 @@
 # at a time (default 2). Each target starts from its seed corpus (tests/fuzz/corpus/<target>/,
 # read only) plus what earlier runs here found (build-fuzz/corpus/<target>/), with its dictionary
 # when there is one (tests/fuzz/<target>.dict). Prints per target: executions, coverage (cov:
-# edges, ft: features) and crashes; logs in build-fuzz/logs/. A crash fails the run; its input is
+# edges, ft: features) and the crash inputs this run saved (artifacts=; inputs kept there from
+# earlier runs are not counted again); logs in build-fuzz/logs/. A crash fails the run; its input is
 # saved under build-fuzz/artifacts/<target>/: fix the defect and add the input to
 # tests/fuzz/regressions/<target>/, which the normal build replays (ctest fuzz.replay.<target>).
 #   tests/fuzz/run.sh [SECONDS] [TARGET...]
@@ -30,6 +31,7 @@ fi
 run_one() {
   local t="$1"
   mkdir -p "$out/corpus/$t" "$out/artifacts/$t" "$out/logs"
+  touch "$out/logs/$t.start"  # artifacts newer than this are this run's
   local dict=()
   [ -f "tests/fuzz/$t.dict" ] && dict=(-dict="tests/fuzz/$t.dict")
   # -timeout: an input that takes 25 s is a hang; -rss_limit_mb: the daemon's parsers must not
@@ -45,7 +47,7 @@ summary() {
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | cut -d' ' -f2)
   ft=$(grep -o 'ft: [0-9]*' "$log" | tail -1 | cut -d' ' -f2)
-  crashes=$(find "$out/artifacts/$t" -type f | wc -l)
+  crashes=$(find "$out/artifacts/$t" -type f -newer "$out/logs/$t.start" | wc -l)
   printf '%-18s rc=%-3s executions=%-10s cov=%-6s ft=%-6s artifacts=%s\n' "$t" "$rc" \
     "${execs:-?}" "${cov:-?}" "${ft:-?}" "$crashes"
 }
