@@ -267,35 +267,31 @@ absl::Status PooledNewtonSchulz(const MuonConfig& config, const NsGroup* groups,
   const PooledPlan plan = PlanPooled(groups, count);
   const int threads = omp_get_max_threads();
   const char* op = "scratch";
-  constexpr GemmType type = GemmType::kBFloat16;
-  constexpr at::ScalarType storage = at::kBFloat16;
-  constexpr size_t es = 2;  // element bytes
+  constexpr size_t kEs = 2;  // bf16
   try {
     c10::InferenceMode no_autograd;
-    char* x =
-        static_cast<char*>(ScratchTensor(Scratch::kNormalized, {plan.x_total}, storage).data_ptr());
+    char* x = static_cast<char*>(
+        ScratchTensor(Scratch::kNormalized, {plan.x_total}, at::kBFloat16).data_ptr());
     char* next =
-        static_cast<char*>(ScratchTensor(Scratch::kNext, {plan.x_total}, storage).data_ptr());
-    char* a = static_cast<char*>(ScratchTensor(Scratch::kA, {plan.a_total}, storage).data_ptr());
-    char* p = static_cast<char*>(ScratchTensor(Scratch::kP, {plan.a_total}, storage).data_ptr());
+        static_cast<char*>(ScratchTensor(Scratch::kNext, {plan.x_total}, at::kBFloat16).data_ptr());
+    char* a =
+        static_cast<char*>(ScratchTensor(Scratch::kA, {plan.a_total}, at::kBFloat16).data_ptr());
+    char* p =
+        static_cast<char*>(ScratchTensor(Scratch::kP, {plan.a_total}, at::kBFloat16).data_ptr());
     op = "normalize";
     for (size_t g = 0; g < count; ++g) {
       NormalizeBlocksInto(plan.layouts[g], groups[g].xs, ns::NormFactor(config.ns_method),
-                          static_cast<float>(kNormEpsilon), type, x + plan.x_offset[g] * es,
-                          threads);
+                          static_cast<float>(kNormEpsilon), GemmType::kBFloat16,
+                          x + plan.x_offset[g] * kEs, threads);
     }
     std::vector<TaskBlocks> blocks(count);
     for (int i = 0; i < config.ns_steps; ++i) {
       for (size_t g = 0; g < count; ++g) {
         const BlockLayout& l = plan.layouts[g];
-        blocks[g] = TaskBlocks{type,
-                               static_cast<int64_t>(l.count) * l.batch,
-                               std::min(l.rows, l.cols),
-                               std::max(l.rows, l.cols),
-                               x + plan.x_offset[g] * es,
-                               a + plan.a_offset[g] * es,
-                               p + plan.a_offset[g] * es,
-                               next + plan.x_offset[g] * es};
+        blocks[g] = TaskBlocks{GemmType::kBFloat16,        static_cast<int64_t>(l.count) * l.batch,
+                               std::min(l.rows, l.cols),   std::max(l.rows, l.cols),
+                               x + plan.x_offset[g] * kEs, a + plan.a_offset[g] * kEs,
+                               p + plan.a_offset[g] * kEs, next + plan.x_offset[g] * kEs};
       }
       TaskIteration(blocks.data(), count,
                     IterationCoefficients(config.ns_method, i, config.ns_steps), threads, &op);
@@ -303,8 +299,9 @@ absl::Status PooledNewtonSchulz(const MuonConfig& config, const NsGroup* groups,
     }
     op = "write back";
     for (size_t g = 0; g < count; ++g) {
-      const int64_t bad = WriteBackBlocks(plan.layouts[g], x + plan.x_offset[g] * es, type,
-                                          groups[g].scale, groups[g].xs, threads);
+      const int64_t bad =
+          WriteBackBlocks(plan.layouts[g], x + plan.x_offset[g] * kEs, GemmType::kBFloat16,
+                          groups[g].scale, groups[g].xs, threads);
       if (bad >= 0) {
         *failed = g;
         return CheckFinite(config, groups[g].geometry, groups[g].xs[bad]);

@@ -20,6 +20,7 @@
 #ifndef MUOND_SERVER_OPTIM_NS_TASKS_H_
 #define MUOND_SERVER_OPTIM_NS_TASKS_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -36,9 +37,8 @@ inline constexpr int64_t kMaxStripRows = 256;
 // block in two strips of 256 splits its work 2:1) and cost at most (1 + 1/4)/2 of the full
 // product.
 inline int64_t StripRows(int64_t m) {
-  const int64_t quarter = (m + 3) / 4;
-  const int64_t rounded = (quarter + 63) / 64 * 64;
-  return rounded < 64 ? 64 : (rounded > kMaxStripRows ? kMaxStripRows : rounded);
+  const int64_t quarter = (m + 3) / 4;  // >= 1 for m >= 1, so the rounding gives >= 64
+  return std::min((quarter + 63) / 64 * 64, kMaxStripRows);
 }
 inline constexpr int64_t kChunkCols = 256;
 
