@@ -91,16 +91,7 @@ TEST_P(ApplyCommitTest, MomentumIsTheSerialEmaBitForBit) {
   std::vector<std::vector<float>> masters = Masters();
   for (int64_t step = 0; step < 3; ++step) {
     const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
-    std::vector<RankRegion> regions;
-    for (int r = 0; r < spec.world_size; ++r) regions.push_back(FillRegion(spec, r, grads));
-    std::vector<Outcome> outcomes(spec.world_size);
-    for (int r = 0; r < spec.world_size; ++r) {
-      ASSERT_TRUE(Submit(r, step, regions[r], &outcomes[r], &hyper).ok());
-    }
-    for (Outcome& o : outcomes) {
-      o.ended.WaitForNotification();
-      ASSERT_TRUE(o.status.ok()) << o.status;
-    }
+    ASSERT_NO_FATAL_FAILURE(StepAll(spec, step, grads, &hyper));
     for (size_t m = 0; m < spec.matrices.size(); ++m) {
       ApplyMomentum(spec.muon, grads[m].data(), reference[m].data(), reference[m].size());
     }
@@ -127,8 +118,7 @@ void ApplyCommitTest::ExpectClipRedo(const std::string& id, bool rewrite) {
   std::mt19937 rng(17);
   const common::JobSpec spec = StartApplyJob(id, /*max_grad_norm=*/1e-3, rng);
   ASSERT_NE(job_, nullptr);
-  const auto masters = [this] { return Masters(); };
-  const std::vector<std::vector<float>> before = masters();
+  const std::vector<std::vector<float>> before = Masters();
   ASSERT_EQ(before.size(), spec.matrices.size());
   StepHyper hyper;
   hyper.lr = {1e-3};
@@ -150,7 +140,7 @@ void ApplyCommitTest::ExpectClipRedo(const std::string& id, bool rewrite) {
     EXPECT_TRUE(out1.status.ok()) << out1.status;
     EXPECT_EQ(report.steps_completed, 1);
     EXPECT_EQ(report.clip_redo_steps, 1);
-    EXPECT_NE(masters(), before);
+    EXPECT_NE(Masters(), before);
     return;
   }
   for (Outcome* o : {&out0, &out1}) {
@@ -163,7 +153,7 @@ void ApplyCommitTest::ExpectClipRedo(const std::string& id, bool rewrite) {
   EXPECT_EQ(report.steps_completed, 0);
   EXPECT_EQ(report.steps_refused, 1);
   EXPECT_FALSE(report.fenced);
-  EXPECT_EQ(masters(), before) << "the masters changed";
+  EXPECT_EQ(Masters(), before) << "the masters changed";
 }
 
 TEST_P(ApplyCommitTest, ClipRedoRefusesAGradientRewrittenAfterItWasRead) {

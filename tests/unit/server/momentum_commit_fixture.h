@@ -156,14 +156,15 @@ class CommitFixture : public ::testing::TestWithParam<bool> {
     ran.WaitForNotification();
   }
 
-  // Step `step` of every rank with `grads` (whole matrices); it must commit.
+  // Step `step` of every rank with `grads` (whole matrices; `hyper` for apply mode); it must
+  // commit.
   void StepAll(const common::JobSpec& spec, int64_t step,
-               const std::vector<std::vector<float>>& grads) {
+               const std::vector<std::vector<float>>& grads, const StepHyper* hyper = nullptr) {
     std::vector<RankRegion> regions;
     for (int r = 0; r < spec.world_size; ++r) regions.push_back(FillRegion(spec, r, grads));
     std::vector<Outcome> outcomes(spec.world_size);
     for (int r = 0; r < spec.world_size; ++r) {
-      ASSERT_TRUE(Submit(r, step, regions[r], &outcomes[r]).ok());
+      ASSERT_TRUE(Submit(r, step, regions[r], &outcomes[r], hyper).ok());
     }
     for (Outcome& o : outcomes) {
       o.ended.WaitForNotification();
