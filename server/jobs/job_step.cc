@@ -179,11 +179,15 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
   {
     absl::MutexLock lock(&mu_);
     if (state.committing || (state.done && state.result.ok())) {
-      // Every element was in: nothing more can be applied, and re-sent data is never taken.
-      return absl::FailedPreconditionError(absl::StrCat(
-          where, ": the step is ", state.done ? "committed" : "committing",
+      // Every element was in: nothing more can be applied, and re-sent data is never taken. A
+      // malformed chunk is still refused as malformed (its code does not depend on how far the
+      // step got); the message says the step itself went through.
+      const std::string committed = absl::StrCat(
+          "the step is ", state.done ? "committed" : "committing",
           " (all data was in); this chunk (matrix ", matrix, " at element ", offset,
-          ") was not applied; ask for step ", state.step, " again to receive its update"));
+          ") was not applied; ask for step ", state.step, " again to receive its update");
+      if (!bad.ok()) return absl::Status(bad.code(), absl::StrCat(bad.message(), "; ", committed));
+      return absl::FailedPreconditionError(absl::StrCat(where, ": ", committed));
     }
     if (state.done) return state.result;
     if (!bad.ok()) {

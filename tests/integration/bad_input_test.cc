@@ -2,6 +2,8 @@
 // and where, the job is left as it was (not fenced, same next step, momentum untouched: the next
 // clean step still follows the reference) and the daemon keeps serving.
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -225,8 +227,9 @@ TEST_F(BadInputTest, TruncatedChunkIsRefused) {
 TEST_F(BadInputTest, ChunkOutsideTheMatrixIsRefused) {
   const TestJob job = NewJobAtStep1("outside");
   std::vector<v1::StepRequest> req = GoodRequests(job, 1);
-  // The last 4 elements of "v" moved 2 past its end.
-  req.insert(req.end() - 1, GradientRequest(1, 256 * 64 - 2, Fp32Bytes({1, 2, 3, 4})));
+  // The last 4 elements of "v" moved 2 past its end, sent before the last good chunk: the step
+  // is still collecting, so it is refused and the job stays at step 1.
+  req.insert(req.end() - 2, GradientRequest(1, 256 * 64 - 2, Fp32Bytes({1, 2, 3, 4})));
   ExpectStatus(Run(job, req).status, grpc::StatusCode::INVALID_ARGUMENT,
                {"'v'", "[16382, 16386)", "outside"});
   // An offset so large that offset + count wraps around.
@@ -235,16 +238,51 @@ TEST_F(BadInputTest, ChunkOutsideTheMatrixIsRefused) {
   ExpectStatus(Run(job, req).status, grpc::StatusCode::INVALID_ARGUMENT, {"'w'", "outside"});
   // An extra matrix: index 2 of a two-matrix job.
   req = GoodRequests(job, 1);
-  req.insert(req.end() - 1, GradientRequest(2, 0, Fp32Bytes({1, 2})));
+  req.insert(req.end() - 2, GradientRequest(2, 0, Fp32Bytes({1, 2})));
   ExpectStatus(Run(job, req).status, grpc::StatusCode::INVALID_ARGUMENT,
                {"matrix index 2 out of range", "2 matrices"});
   ExpectJobUnharmed(job, 3);
 }
 
+// A malformed chunk that arrives after every element was in and the step committed is still
+// INVALID_ARGUMENT, and its message says the step went through without it (the rank asks for the
+// step again). The step stays committed: the job is at step 2, not fenced, and the replay of
+// step 1 is the reference update.
+TEST_F(BadInputTest, ChunkOutsideTheMatrixAfterTheCommitIsInvalidArgument) {
+  const TestJob job = NewJobAtStep1("outside-late");
+  std::vector<v1::StepRequest> req = GoodRequests(job, 1);
+  req.back() = GradientRequest(1, 256 * 64 - 2, Fp32Bytes({1, 2, 3, 4}));  // instead of StepEnd
+  auto wait_for_commit = [&] {
+    for (int i = 0; i < 1000; ++i) {
+      auto st = client().GetJob(job.id, job.token);
+      if (st.ok() && st->next_step() == 2) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ADD_FAILURE() << "step 1 did not commit within 10 s of its last gradient";
+  };
+  auto stub = RawStub(address());
+  const RawStepResult r = RunRawStep(*stub, &job.token, req, 30, 0, 0, wait_for_commit);
+  ExpectStatus(r.status, grpc::StatusCode::INVALID_ARGUMENT,
+               {"'v'", "[16382, 16386)", "outside", "the step is committed (all data was in)",
+                "was not applied; ask for step 1 again"});
+  auto status = client().GetJob(job.id, job.token);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->next_step(), 2);
+  EXPECT_FALSE(status->fenced()) << status->fence_reason();
+  const RawStepResult again = Run(job, GoodRequests(job, 1));
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_TRUE(again.replayed());
+  EXPECT_TRUE(MatchesReferenceUpdate(again.Update(0, 64 * 256), "wide_std", 1, 1e-4));
+  EXPECT_TRUE(MatchesReferenceUpdate(again.Update(1, 256 * 64), "tall_std", 1, 1e-4));
+  ExpectStillServing();
+}
+
 TEST_F(BadInputTest, OverlappingChunksAreRefused) {
   const TestJob job = NewJobAtStep1("overlap");
   std::vector<v1::StepRequest> req = GoodRequests(job, 1);
-  req.insert(req.end() - 1, GradientRequest(1, 100, Fp32Bytes({1, 2, 3})));
+  // Before the last good chunk, so the step is still collecting (after all data was in, a
+  // re-sent chunk is FAILED_PRECONDITION once the step committed: HostileJobsTest).
+  req.insert(req.end() - 2, GradientRequest(1, 100, Fp32Bytes({1, 2, 3})));
   ExpectStatus(Run(job, req).status, grpc::StatusCode::INVALID_ARGUMENT,
                {"'v'", "[100, 103)", "overlap"});
   // The same chunk twice.

@@ -1,10 +1,8 @@
 #include "tests/integration/raw_step.h"
 
 #include <chrono>
-#include <thread>
-
-#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "common/crc32c.h"
 
@@ -66,7 +64,8 @@ bool RawStepResult::replayed() const {
 
 RawStepResult RunRawStep(v1::Muond::Stub& stub, const std::string* token,
                          const std::vector<v1::StepRequest>& requests, double timeout_seconds,
-                         double pause_before_last, double pause_before_close) {
+                         double pause_before_last, double pause_before_close,
+                         const std::function<void()>& before_last) {
   auto pause = [](double seconds) {
     if (seconds > 0) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   };
@@ -76,7 +75,10 @@ RawStepResult RunRawStep(v1::Muond::Stub& stub, const std::string* token,
   if (token != nullptr) ctx.AddMetadata("x-muond-job-token", *token);
   auto stream = stub.Step(&ctx);
   for (size_t i = 0; i < requests.size(); ++i) {
-    if (i + 1 == requests.size()) pause(pause_before_last);
+    if (i + 1 == requests.size()) {
+      pause(pause_before_last);
+      if (before_last) before_last();
+    }
     if (!stream->Write(requests[i])) break;
   }
   pause(pause_before_close);

@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,10 +39,12 @@ struct RawStepResult {
 // Opens a Step stream (with metadata x-muond-job-token = *token unless token is null), writes the
 // requests (stopping at the first failed write), closes the writing side, reads every response and
 // finishes the call, within `timeout_seconds` (then DEADLINE_EXCEEDED). Pauses (seconds) before
-// writing the last request and before closing the writing side widen or narrow races.
+// writing the last request and before closing the writing side widen or narrow races;
+// `before_last`, when given, runs after that pause (a test waits there for what it must see first).
 RawStepResult RunRawStep(v1::Muond::Stub& stub, const std::string* token,
                          const std::vector<v1::StepRequest>& requests, double timeout_seconds = 30,
-                         double pause_before_last = 0, double pause_before_close = 0);
+                         double pause_before_last = 0, double pause_before_close = 0,
+                         const std::function<void()>& before_last = nullptr);
 
 }  // namespace muond::integration
 
