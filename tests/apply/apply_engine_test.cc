@@ -1,10 +1,10 @@
 // Apply mode's engine end to end (DESIGN.md 4b) against a real muond, through the client library:
 // atomicity of refused steps (non-finite gradient, ranks disagreeing on lr), steps before the
 // initial weights, speculative global clipping against the serial computation bit for bit,
-// transport and layout independence, checkpoints across kill -9 and another world size, init_from
-// and export. The trajectories against an independent torch reference are in
-// tests/python/apply_mode_test.py; here every comparison is between two runs of the daemon that
-// must agree bit for bit.
+// transport and layout independence, init_from and export (checkpoints across kill -9 and another
+// world size: apply_checkpoint_test.cc). The trajectories against an independent torch reference
+// are in tests/python/apply_mode_test.py; here every comparison is between two runs of the daemon
+// that must agree bit for bit.
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -22,176 +22,25 @@
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "server/optim/grad_norm.h"
+#include "tests/apply/apply_run.h"
 #include "tests/integration/daemon_fixture.h"
 
 namespace muond::integration {
 namespace {
 
+using apply_test::ApplySpec;
+using apply_test::ExpectBitEqual;
+using apply_test::Export;
+using apply_test::Flatten;
+using apply_test::Floats;
+using apply_test::Hyper;
+using apply_test::JobRun;
+using apply_test::Model;
+using apply_test::Random;
+using apply_test::RandomModel;
+using apply_test::RunJob;
+using apply_test::Unflatten;
 using common::DType;
-using Floats = std::vector<float>;
-// Per tensor, whole.
-using Model = std::vector<Floats>;
-
-common::JobSpec ApplySpec(const std::string& id, int world, int stage, DType param) {
-  common::JobSpec spec;
-  spec.job_id = id;
-  spec.world_size = world;
-  spec.zero_stage = stage;
-  spec.mode = common::JobMode::kApply;
-  spec.groups = {{"muon", 0.02, 0.01}, {"adamw", 0.003, 0.1}};
-  spec.adamw = {0.9, 0.95, 1e-8};
-  auto add = [&](std::string name, std::vector<int64_t> shape, common::Optimizer opt,
-                 int64_t heads = 1) {
-    common::MatrixSpec m;
-    m.name = std::move(name);
-    m.shape = std::move(shape);
-    m.optimizer = opt;
-    m.group = opt == common::Optimizer::kMuon ? "muon" : "adamw";
-    m.num_heads = heads;
-    m.dtype = DType::kFloat32;
-    m.param_dtype = param;
-    spec.matrices.push_back(m);
-  };
-  add("embed", {97, 24}, common::Optimizer::kAdamW);
-  add("attn.w", {48, 24}, common::Optimizer::kMuon, 2);
-  add("mlp.w", {24, 64}, common::Optimizer::kMuon);
-  add("norm", {24}, common::Optimizer::kAdamW);
-  add("head", {97, 24}, common::Optimizer::kAdamW);
-  return spec;
-}
-
-Floats Random(size_t n, uint32_t seed, float scale) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  Floats v(n);
-  for (float& x : v) x = d(gen);
-  return v;
-}
-
-Model RandomModel(const common::JobSpec& spec, uint32_t seed, float scale) {
-  Model m;
-  for (size_t t = 0; t < spec.matrices.size(); ++t) {
-    m.push_back(Random(static_cast<size_t>(spec.matrices[t].numel()), seed * 131 + t, scale));
-  }
-  return m;
-}
-
-client::StepHyper Hyper(double muon_lr, double adamw_lr, double divisor = 1) {
-  client::StepHyper h;
-  h.lr = {{"muon", muon_lr}, {"adamw", adamw_lr}};
-  h.grad_divisor = divisor;
-  return h;
-}
-
-// Rank r's flat fp32 buffer of a whole model (padding zero).
-Floats Flatten(const common::JobSpec& spec, int rank, const Model& m) {
-  Floats flat(common::RankBufferElements(spec, rank), 0.0f);
-  for (const common::ShardSpan& s : common::RankSpans(spec, rank)) {
-    std::memcpy(flat.data() + s.rank_offset, m[s.matrix].data() + s.offset,
-                s.length * sizeof(float));
-  }
-  return flat;
-}
-
-// The rank's new parameters (param dtype, flat) written back into a whole fp32 model.
-void Unflatten(const common::JobSpec& spec, int rank, const std::string& flat, DType dtype,
-               Model* m) {
-  const size_t esize = common::DTypeSize(dtype);
-  for (const common::ShardSpan& s : common::RankSpans(spec, rank)) {
-    common::ToFloat32(dtype, flat.data() + s.rank_offset * esize, s.length,
-                      (*m)[s.matrix].data() + s.offset);
-  }
-}
-
-struct JobRun {
-  std::vector<Model> params;  // per step: the new parameters, assembled from every rank
-  std::vector<absl::Status> status;
-};
-
-// Every rank of `spec` (threads) uploads `init` and runs the steps; all ranks must agree.
-JobRun RunJob(const std::string& address, const common::JobSpec& spec, const std::string& token,
-              const Model* init, const std::vector<Model>& grads,
-              const std::vector<client::StepHyper>& hyper, int64_t first_step,
-              client::Transport transport) {
-  JobRun run;
-  run.params.assign(grads.size(), Model());
-  run.status.assign(grads.size(), absl::OkStatus());
-  for (Model& m : run.params) {
-    for (const auto& t : spec.matrices) m.emplace_back(static_cast<size_t>(t.numel()), 0.0f);
-  }
-  const DType pdtype = spec.matrices[0].param_dtype;
-  std::vector<std::vector<absl::Status>> per_rank(spec.world_size,
-                                                  std::vector<absl::Status>(grads.size()));
-  std::vector<std::vector<std::string>> outs(spec.world_size,
-                                             std::vector<std::string>(grads.size()));
-  // Every rank's weights are in before any rank steps (a step before would be refused).
-  std::atomic<int> ready{0};
-  auto barrier = [&] {
-    ++ready;
-    while (ready.load() < spec.world_size)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  };
-  std::vector<std::thread> threads;
-  for (int r = 0; r < spec.world_size; ++r) {
-    threads.emplace_back([&, r] {
-      auto c = client::Client::Connect(address);
-      auto session = c.ok() ? (*c)->Attach(spec.job_id, r, token, false, transport)
-                            : absl::StatusOr<std::unique_ptr<client::RankSession>>(c.status());
-      absl::Status s = session.status();
-      if (s.ok() && init != nullptr) {
-        const Floats flat = Flatten(spec, r, *init);
-        s = (*session)->InitParamsBuffer(flat.data(), /*float32=*/true);
-      }
-      barrier();
-      if (!s.ok()) {
-        for (auto& st : per_rank[r]) st = s;
-        return;
-      }
-      for (size_t i = 0; i < grads.size(); ++i) {
-        absl::Status s = (*session)->SetHyper(hyper[i]);
-        const Floats flat = Flatten(spec, r, grads[i]);
-        outs[r][i].assign((*session)->buffer_elements() * common::DTypeSize(pdtype), '\0');
-        if (s.ok()) {
-          s = (*session)
-                  ->StepBuffer(first_step + static_cast<int64_t>(i), flat.data(), outs[r][i].data())
-                  .status();
-        }
-        per_rank[r][i] = s;
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (size_t i = 0; i < grads.size(); ++i) {
-    for (int r = 0; r < spec.world_size; ++r) {
-      if (!per_rank[r][i].ok() && run.status[i].ok()) run.status[i] = per_rank[r][i];
-      if (per_rank[r][i].ok()) Unflatten(spec, r, outs[r][i], pdtype, &run.params[i]);
-    }
-  }
-  return run;
-}
-
-void ExpectBitEqual(const Model& a, const Model& b, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t t = 0; t < a.size(); ++t) {
-    ASSERT_EQ(a[t].size(), b[t].size()) << what << " tensor " << t;
-    EXPECT_EQ(std::memcmp(a[t].data(), b[t].data(), a[t].size() * sizeof(float)), 0)
-        << what << ": tensor " << t << " differs";
-  }
-}
-
-Model Export(client::Client& c, const common::JobSpec& spec, const std::string& token,
-             DType dtype = DType::kFloat32) {
-  auto tensors = c.ExportParams(spec.job_id, token, dtype);
-  EXPECT_TRUE(tensors.ok()) << tensors.status();
-  Model m;
-  if (!tensors.ok()) return m;
-  for (const client::NamedTensor& t : *tensors) {
-    Floats v(t.data.size() / common::DTypeSize(t.dtype));
-    common::ToFloat32(t.dtype, t.data.data(), v.size(), v.data());
-    m.push_back(std::move(v));
-  }
-  return m;
-}
 
 class ApplyEngineTest : public DaemonSuite {
  protected:
@@ -496,75 +345,6 @@ TEST_F(ApplyEngineTest, ResetZeroesTheOptimizerStateAndKeepsTheMasters) {
   ASSERT_TRUE(after.status[0].ok()) << after.status[0];
   ASSERT_TRUE(want.status[0].ok()) << want.status[0];
   ExpectBitEqual(after.params[0], want.params[0], "after reset");
-}
-
-// Kill -9 and restart on the same state directory; resume at another world size and stage.
-TEST(ApplyCheckpointTest, KillRestartAndAnotherLayoutContinueBitForBit) {
-  TempDir dir;
-  auto daemon = DaemonProcess::StartIn(dir.path());
-  ASSERT_TRUE(daemon.ok()) << daemon.status();
-  auto c = client::Client::Connect((*daemon)->address());
-  ASSERT_TRUE(c.ok());
-  const common::JobSpec spec = ApplySpec("ckpt", 1, 0, DType::kBFloat16);
-  common::JobSpec ref = spec;
-  ref.job_id = "ckpt-ref";
-  auto token = (*c)->CreateJob(spec);
-  auto ref_token = (*c)->CreateJob(ref);
-  ASSERT_TRUE(token.ok() && ref_token.ok());
-  const Model init = RandomModel(spec, 61, 0.05f);
-  std::vector<Model> g;
-  std::vector<client::StepHyper> h;
-  for (int i = 0; i < 5; ++i) {
-    g.push_back(RandomModel(spec, 62 + i, 1.0f));
-    h.push_back(Hyper(0.02, 0.003));
-  }
-  const JobRun want =
-      RunJob((*daemon)->address(), ref, *ref_token, &init, g, h, 0, client::Transport::kGrpc);
-  for (const auto& s : want.status) ASSERT_TRUE(s.ok()) << s;
-  ASSERT_TRUE((*c)->SaveCheckpoint(ref.job_id, *ref_token).ok());
-  const std::vector<Model> g02(g.begin(), g.begin() + 2);
-  JobRun first = RunJob((*daemon)->address(), spec, *token, &init, g02, {h[0], h[1]}, 0,
-                        client::Transport::kGrpc);
-  ASSERT_TRUE(first.status[1].ok()) << first.status[1];
-  auto saved = (*c)->SaveCheckpoint(spec.job_id, *token);
-  ASSERT_TRUE(saved.ok()) << saved.status();
-  EXPECT_EQ(saved->step(), 2);
-  // Step 2 runs and is lost with the daemon.
-  JobRun lost = RunJob((*daemon)->address(), spec, *token, nullptr, {g[2]}, {h[2]}, 2,
-                       client::Transport::kGrpc);
-  ASSERT_TRUE(lost.status[0].ok()) << lost.status[0];
-  ASSERT_EQ(::kill((*daemon)->pid(), SIGKILL), 0);
-  daemon->reset();
-  daemon = DaemonProcess::StartIn(dir.path());
-  ASSERT_TRUE(daemon.ok()) << daemon.status();
-  c = client::Client::Connect((*daemon)->address());
-  ASSERT_TRUE(c.ok());
-  auto st = (*c)->GetJob(spec.job_id, *token);
-  ASSERT_TRUE(st.ok()) << st.status();
-  EXPECT_EQ(st->next_step(), 2);
-  EXPECT_TRUE(st->weights_complete());
-  const std::vector<Model> g24(g.begin() + 2, g.end());
-  const std::vector<client::StepHyper> h24(h.begin() + 2, h.end());
-  // The same job after the restart, and a new world-3 stage-2 job restored from its checkpoint.
-  common::JobSpec wide = ApplySpec("ckpt-wide", 3, 2, DType::kBFloat16);
-  v1::RestoreFrom restore;
-  restore.set_job_id(spec.job_id);
-  restore.set_token(*token);
-  auto wide_token = (*c)->CreateJob(wide, &restore);
-  ASSERT_TRUE(wide_token.ok()) << wide_token.status();
-  const JobRun again =
-      RunJob((*daemon)->address(), spec, *token, nullptr, g24, h24, 2, client::Transport::kGrpc);
-  const JobRun resumed = RunJob((*daemon)->address(), wide, *wide_token, nullptr, g24, h24, 2,
-                                client::Transport::kShm);
-  for (size_t i = 0; i < g24.size(); ++i) {
-    ASSERT_TRUE(again.status[i].ok()) << again.status[i];
-    ASSERT_TRUE(resumed.status[i].ok()) << resumed.status[i];
-    ExpectBitEqual(again.params[i], want.params[2 + i], absl::StrCat("restarted step ", 2 + i));
-    ExpectBitEqual(resumed.params[i], want.params[2 + i], absl::StrCat("world 3 step ", 2 + i));
-  }
-  // The export of the restarted job is the same model as the reference's.
-  ExpectBitEqual(Export(**c, spec, *token), Export(**c, ref, *ref_token), "export");
-  EXPECT_EQ((*daemon)->Stop(), 0);
 }
 
 }  // namespace

@@ -21,6 +21,8 @@
 // and scale in float64). ratio = worst muond/peer over the standard configurations. Exit 1 unless
 // every muond error is finite and within DESIGN.md 3's bound (fp32 1e-4, bf16 5e-2, 2e-2 with
 // fp32_iterations >= 2) or no worse than the peer's.
+#include "tests/bench/bench_peer.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -52,8 +54,14 @@ namespace {
 
 // muond must take at most 65% of the time of the usual in-process update.
 constexpr double kTargetRatio = 0.65;
-constexpr double kA = 3.4445, kB = -4.7750, kC = 2.0315;
-constexpr int kNsSteps = 5;
+using peer::Bf16Normals;
+using peer::Gradients;
+using peer::kNsSteps;
+using peer::MakeGradients;
+using peer::PeerStep;
+using peer::ReferenceUpdates;
+using peer::ScalarTypeOf;
+using peer::WorstRelError;
 
 using Clock = std::chrono::steady_clock;
 
@@ -175,87 +183,6 @@ std::vector<common::MatrixSpec> LayerMatrices(int layers) {
   return out;
 }
 
-at::ScalarType ScalarTypeOf(common::DType dtype) {
-  if (dtype == common::DType::kBFloat16) return at::kBFloat16;
-  return dtype == common::DType::kFloat16 ? at::kHalf : at::kFloat;
-}
-
-// The gradients in one dtype: the matrices' elements back to back (muond's flat buffer) and one
-// [r, c] tensor per matrix (the peer's; its own memory).
-struct Gradients {
-  common::DType dtype = common::DType::kFloat32;
-  std::string flat;
-  std::vector<at::Tensor> tensors;
-};
-
-// `total` normal random values (fixed seed) rounded to bf16: exact in both gradient dtypes.
-std::vector<float> Bf16Normals(uint64_t total) {
-  std::vector<float> normals(total);
-  std::mt19937 rng(1);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (float& v : normals) v = normal(rng);
-  std::vector<uint16_t> bf16(total);
-  common::FromFloat32(normals.data(), total, common::DType::kBFloat16, bf16.data());
-  common::ToFloat32(common::DType::kBFloat16, bf16.data(), total, normals.data());
-  return normals;
-}
-
-Gradients MakeGradients(const std::vector<float>& normals,
-                        const std::vector<common::MatrixSpec>& matrices, common::DType dtype) {
-  Gradients g;
-  g.dtype = dtype;
-  const size_t esize = common::DTypeSize(dtype);
-  g.flat.assign(normals.size() * esize, '\0');
-  common::FromFloat32(normals.data(), normals.size(), dtype, g.flat.data());
-  size_t offset = 0;
-  for (const common::MatrixSpec& m : matrices) {
-    g.tensors.push_back(
-        at::from_blob(g.flat.data() + offset * esize, m.shape, ScalarTypeOf(dtype)).clone());
-    offset += static_cast<size_t>(m.numel());
-  }
-  return g;
-}
-
-// ---- The peer: the usual in-process Muon update, plain LibTorch ops.
-
-at::Tensor PeerNewtonSchulz(const at::Tensor& g, at::ScalarType compute) {
-  at::Tensor x = g.to(compute);
-  const bool tall = g.size(0) > g.size(1);
-  if (tall) x = x.mT();
-  x = x / (x.norm() + 1e-7);
-  for (int i = 0; i < kNsSteps; ++i) {
-    const at::Tensor a = at::matmul(x, x.mT());
-    const at::Tensor b = kB * a + kC * at::matmul(a, a);
-    x = kA * x + at::matmul(b, x);
-  }
-  return tall ? x.mT() : x;
-}
-
-// One matrix's update in the gradient's dtype; `momentum` (fp32) is updated.
-at::Tensor PeerUpdate(const at::Tensor& grad, at::Tensor& momentum, double beta,
-                      at::ScalarType compute) {
-  // fp32 gradients: an out-of-place lerp instead of DeepSpeed's grad.lerp_ so the gradient stays
-  // the same for every step (the same one allocation the bf16 cast does).
-  at::Tensor g = grad.to(at::kFloat);
-  momentum.lerp_(g, 1.0 - beta);
-  const at::Tensor u =
-      grad.scalar_type() == at::kFloat ? at::lerp(g, momentum, beta) : g.lerp_(momentum, beta);
-  at::Tensor x = PeerNewtonSchulz(u, compute);
-  x.mul_(std::sqrt(std::max(1.0, static_cast<double>(grad.size(0)) / grad.size(1))));
-  return x.to(grad.scalar_type());
-}
-
-// One step of the peer over every matrix: the updates in the gradients' dtype; `momenta` (fp32,
-// one per matrix) are updated.
-std::vector<at::Tensor> PeerStep(const Gradients& grads, std::vector<at::Tensor>& momenta,
-                                 double beta, common::DType compute) {
-  std::vector<at::Tensor> updates;
-  for (size_t i = 0; i < grads.tensors.size(); ++i) {
-    updates.push_back(PeerUpdate(grads.tensors[i], momenta[i], beta, ScalarTypeOf(compute)));
-  }
-  return updates;
-}
-
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -310,46 +237,6 @@ absl::Status StartMuondRun(client::Client& client, const common::JobSpec& job,
   run->out.assign(grads.flat.size(), '\0');
   run->next_step = run->session->next_step_at_attach();
   return absl::OkStatus();
-}
-
-// ---- The float64 reference (DESIGN.md 3) and the error against it.
-
-at::Tensor ReferenceNewtonSchulz(at::Tensor x) {
-  const bool tall = x.size(0) > x.size(1);
-  if (tall) x = x.t();
-  x = x / (x.norm().item<double>() + 1e-7);
-  for (int i = 0; i < kNsSteps; ++i) {
-    const at::Tensor a = at::matmul(x, x.t());
-    const at::Tensor b = kB * a + kC * at::matmul(a, a);
-    x = kA * x + at::matmul(b, x);
-  }
-  return tall ? x.t() : x;
-}
-
-// The first step's update from zero momentum: the momentum input u by the fp32 lerps both sides
-// compute, then NS and the scale in float64.
-std::vector<at::Tensor> ReferenceUpdates(const Gradients& grads, double beta) {
-  std::vector<at::Tensor> out;
-  for (const at::Tensor& grad : grads.tensors) {
-    const at::Tensor g = grad.to(at::kFloat);
-    const at::Tensor m = at::zeros_like(g).lerp_(g, 1.0 - beta);
-    const at::Tensor u = at::lerp(g, m, beta).to(at::kDouble);
-    const double scale = std::sqrt(std::max(1.0, static_cast<double>(g.size(0)) / g.size(1)));
-    out.push_back(ReferenceNewtonSchulz(u) * scale);
-  }
-  return out;
-}
-
-// Worst relative Frobenius error over the matrices (NaN when any is NaN).
-double WorstRelError(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& ref) {
-  double worst = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double e =
-        (got[i].to(at::kDouble) - ref[i]).norm().item<double>() / ref[i].norm().item<double>();
-    if (std::isnan(e)) return e;
-    worst = std::max(worst, e);
-  }
-  return worst;
 }
 
 // One row of the table.

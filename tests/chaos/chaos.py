@@ -11,8 +11,8 @@ writing its gradients, before submitting them or after its step returned), daemo
 daemon_kill_save (SIGKILL while a save is being written, writes slowed by the daemon's test hook
 $MUOND_TEST_CHECKPOINT_FAULT), daemon_kill_commit (SIGKILL in the middle of a commit: the daemon
 restarted with the hook $MUOND_TEST_COMMIT_HOLD_MS, which holds every commit after the state store
-flipped and before any rank gets its results; the kill lands when the daemon logs the hold), save_enospc (the daemon restarted with that hook failing a write of
-a save with ENOSPC), save_eio (EIO from a mkdir, open, write, fsync, rename or directory fsync of a
+flipped and before any rank gets its results; the kill lands when the daemon logs the hold),
+save_enospc (the daemon restarted with that hook failing a write of a save with ENOSPC), save_eio (EIO from a mkdir, open, write, fsync, rename or directory fsync of a
 save), corrupt_newest (a bit of the newest generation flipped), stall (a rank that waits past the
 job's step timeout before it submits). Recoveries: checkpoint load (newest good generation) or, for
 the update-mode job, a reset to step 0, then the lost steps replayed; daemon restart (each job
@@ -34,6 +34,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "soak"))
 import harness as h  # noqa: E402
 from harness import HarnessError, log  # noqa: E402
+from chaos_check import reference, report  # noqa: E402
 
 KINDS = ["rank_kill", "daemon_kill_step", "daemon_kill_save", "daemon_kill_commit", "save_enospc",
          "save_eio", "corrupt_newest", "stall"]
@@ -421,23 +422,6 @@ class Chaos:
         return finals
 
 
-def reference(args, workdir, jobs, done):
-    """The same jobs and steps, no faults, in a fresh daemon."""
-    import muon_offload as mo
-    d = h.Daemon(args.muond, os.path.join(workdir, "reference"), metrics=False)
-    os.makedirs(d.workdir)
-    d.start()
-    with mo.Client(d.address) as admin:
-        for j in jobs:
-            j.create(admin)
-            j.attach(d.address)
-        h.run_steps(jobs, done)
-        finals = {j.id: h.save_state(admin, d, j) for j in jobs}
-    for j in jobs:
-        j.detach()
-    return finals, d.stop()
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=30)
@@ -477,38 +461,6 @@ def main():
     finally:
         h.clean_up("chaos", workdir, jobs, keep=not ok or args.keep)
     return rc
-
-
-def report(args, c, jobs, finals, ref, ref_code, seconds):
-    problems = list(c.problems)
-    lost = 0
-    for j in jobs:
-        (step, state), (rstep, rstate) = finals[j.id], ref[j.id]
-        if step != rstep:
-            problems.append(f"{j.id}: final state at step {step}, fault-free run at {rstep}")
-        bits = h.bits_differing(state, rstate)
-        lost += bits
-        log(f"chaos: {j.id}: {step} steps, final state bits differing from the fault-free run: "
-            f"{bits}")
-    mismatched = sum(j.replay_mismatches for j in jobs)
-    if mismatched:
-        problems.append(f"{mismatched} steps returned results other than the fault-free run's")
-    if lost:
-        problems.append(f"{lost} bits of state lost")
-    if ref_code != 0:
-        problems.append(f"the reference muond exited {ref_code} on SIGTERM")
-    for p in problems:
-        log(f"chaos: FAIL: {p}")
-    faults = ", ".join(f"{k} {v}" for k, v in sorted(c.faults.items()))
-    recov = ", ".join(f"{k} {v}" for k, v in sorted(c.recoveries.items()))
-    details = ", ".join(f"{k} {v}" for k, v in sorted(c.details.items()))
-    log(f"chaos: where faults landed: {details}")
-    log(f"chaos: {'PASS' if not problems else 'FAIL'}: {args.rounds} rounds in {seconds:.0f} s; "
-        f"faults ({sum(c.faults.values())}): {faults}; recoveries "
-        f"({sum(c.recoveries.values())}): {recov}; daemon starts {c.d.starts}; steps "
-        f"{', '.join(f'{k} {v}' for k, v in c.done.items())}; results differing {mismatched}; "
-        f"bits lost {lost}")
-    return not problems
 
 
 if __name__ == "__main__":
