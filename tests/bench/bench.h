@@ -9,6 +9,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <map>
 #include <set>
 #include <string>
@@ -37,6 +38,12 @@ int RunApplyBench(int argc, char** argv);
 int RunPeerBench(int argc, char** argv);
 // `muond-bench gpu` (built with the CUDA backend): the CUDA device against cuBLAS and copy peaks.
 int RunGpuBench(int argc, char** argv);
+
+// The clock every benchmark times with, the seconds since `t0` on it, and the median of `v` (the
+// mean of the middle two when even; `v` must not be empty).
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point t0);
+double Median(std::vector<double> v);
 
 // A real muond for the daemon benchmarks (bench_daemon.cc): started from the binary next to
 // muond-bench on a socket in `dir`, with `threads` compute threads (and `extra` flags).

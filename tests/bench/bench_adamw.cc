@@ -25,12 +25,6 @@
 namespace muond::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 struct Options {
   int64_t params = int64_t{64} << 20;
   int threads = 1;

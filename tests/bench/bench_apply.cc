@@ -75,18 +75,6 @@ using apply::kNumParts;
 using apply::kParts;
 using apply::Measured;
 
-using Clock = std::chrono::steady_clock;
-
-double Since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 struct Options {
   std::vector<int64_t> ranks;
   int64_t layers = 2;

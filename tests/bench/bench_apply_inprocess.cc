@@ -20,18 +20,6 @@
 namespace muond::bench::apply {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Newton-Schulz as DESIGN.md 3 (standard): fp32, transposed when r > c, Frobenius normalized.
 torch::Tensor NewtonSchulz(torch::Tensor x, const common::MuonConfig& muon) {
   const double a = 3.4445, b = -4.7750, c = 2.0315;

@@ -23,12 +23,6 @@
 namespace muond::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 // Sequential write + fsync of `bytes` to `path` (the baseline of a save); seconds.
 double PlainWrite(const std::string& path, const std::vector<char>& data) {
   const auto t0 = Clock::now();
@@ -88,8 +82,8 @@ std::unique_ptr<BenchJob> StartJob(client::Client& client, int matrices) {
   auto job = std::make_unique<BenchJob>();
   job->spec.job_id = "ckpt-bench";
   for (int i = 0; i < matrices; ++i) {
-    job->spec.matrices.push_back({absl::StrCat("layers.", i, ".w"), {kRows, kCols}, 1,
-                                  common::DType::kFloat32});
+    job->spec.matrices.push_back(
+        {absl::StrCat("layers.", i, ".w"), {kRows, kCols}, 1, common::DType::kFloat32});
   }
   auto token = client.CreateJob(job->spec);
   auto session = token.ok() ? client.Attach(job->spec.job_id, 0, *token) : token.status();
@@ -125,8 +119,7 @@ bool MeasureSaveAndLoad(client::Client& client, const BenchJob& job, const std::
     auto t0 = Clock::now();
     auto saved = client.SaveCheckpoint(job.spec.job_id, job.token);
     if (!saved.ok()) {
-      std::fprintf(stderr, "muond-bench checkpoint: save: %s\n",
-                   saved.status().ToString().c_str());
+      std::fprintf(stderr, "muond-bench checkpoint: save: %s\n", saved.status().ToString().c_str());
       return false;
     }
     t.save_s = std::min(t.save_s, Since(t0));
@@ -234,8 +227,7 @@ int RunCheckpointBench(int argc, char** argv) {
   std::printf("  step  %7.3f s alone, %7.3f s with a save started with it (the save: %.3f s)\n",
               quiet, busy, save_during);
   std::printf("result: checkpoint save_ratio=%.3f load_ratio=%.3f step_ratio=%.3f\n",
-              (gb / t.save_s) / (gb / t.write_s), (gb / t.load_s) / (gb / t.read_s),
-              busy / quiet);
+              (gb / t.save_s) / (gb / t.write_s), (gb / t.load_s) / (gb / t.read_s), busy / quiet);
   StopDaemon(daemon, dir);
   return 0;
 }

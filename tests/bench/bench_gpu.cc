@@ -5,7 +5,8 @@
 //    bf16 NS runs its first 2 iterations in fp32 (newton_schulz.cc's precision plan), so its
 //    ratio is also given against the mix of fp32 and bf16 GEMM peaks that plan needs;
 //  - host<->device copies through the device layer: registered (pinned) against pageable memory;
-//  - the Muon apply of Qwen3-4B-like layers (hidden 2560, intermediate 9728, 32 q heads, 8 kv heads,
+//  - the Muon apply of Qwen3-4B-like layers (hidden 2560, intermediate 9728, 32 q heads, 8 kv
+//  heads,
 //    head_dim 128: q [4096, 2560], k/v [1024, 2560], o [2560, 4096], gate/up [9728, 2560],
 //    down [2560, 9728]) pipelined as the daemon does it (copy in of gradient and momentum, Muon,
 //    writeback of the update on three streams, 3 layers in flight), against the floor of its
@@ -37,7 +38,6 @@ using server::device::DeviceBuffer;
 using server::device::Event;
 using server::device::MuonKernelItem;
 using server::device::Stream;
-using Clock = std::chrono::steady_clock;
 
 // NS is 3 GEMMs per iteration plus O(n^2) work: on large matrices it should reach most of the
 // rate of its GEMMs (at their measured peaks).
@@ -50,10 +50,6 @@ constexpr const char* kUsage =
     "  vs pageable copy GB/s; the pipelined Muon apply of up to --layers Qwen3-4B-like layers\n"
     "  (as many as fit in --seconds) vs its bytes over the pinned bandwidth. Needs a CUDA GPU.\n"
     "Last line: result: gpu ratio=<geometric mean of NS / GEMM-mix rate> target=<target>\n";
-
-double Since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
 
 bool Check(const absl::Status& s, const char* what) {
   if (!s.ok()) std::fprintf(stderr, "muond-bench gpu: %s: %s\n", what, s.ToString().c_str());
@@ -75,8 +71,8 @@ double GemmTflops(int n, common::DType dtype) {
       cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
     const float one = 1, zero = 0;
     auto gemm = [&] {
-      return cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, type, n, b, type, n,
-                          &zero, c, type, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      return cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, type, n, b, type, n, &zero,
+                          c, type, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     };
     bool ok = gemm() == CUBLAS_STATUS_SUCCESS && cudaDeviceSynchronize() == cudaSuccess;
     const int iters = std::max(3, static_cast<int>(2e12 / (2.0 * n * n * n)));
@@ -140,8 +136,8 @@ double CopyGbps(Stream& s, DeviceBuffer& d, char* host, size_t bytes, bool to_de
   if (!Check(s.Synchronize(), "copy warm-up")) return 0;
   const Clock::time_point t0 = Clock::now();
   for (int i = 0; i < rounds; ++i) {
-    const absl::Status st = to_device ? s.CopyToDevice(d, 0, host, bytes)
-                                      : s.CopyToHost(host, d, 0, bytes);
+    const absl::Status st =
+        to_device ? s.CopyToDevice(d, 0, host, bytes) : s.CopyToHost(host, d, 0, bytes);
     if (!Check(st, "copy")) return 0;
   }
   if (!Check(s.Synchronize(), "copy")) return 0;
@@ -153,8 +149,8 @@ struct LayerMatrix {
   int64_t rows, cols;
 };
 constexpr LayerMatrix kQwen3_4B[] = {
-    {"q_proj", 4096, 2560},   {"k_proj", 1024, 2560}, {"v_proj", 1024, 2560},
-    {"o_proj", 2560, 4096},   {"gate_proj", 9728, 2560}, {"up_proj", 9728, 2560},
+    {"q_proj", 4096, 2560},    {"k_proj", 1024, 2560},    {"v_proj", 1024, 2560},
+    {"o_proj", 2560, 4096},    {"gate_proj", 9728, 2560}, {"up_proj", 9728, 2560},
     {"down_proj", 2560, 9728},
 };
 constexpr int kDepth = 3;
@@ -168,8 +164,8 @@ struct Slot {
 };
 
 // Seconds for `layers` layers through three streams, kDepth layers in flight (0 on error).
-double ApplySeconds(Device& dev, Stream& in, Stream& compute, Stream& out,
-                    std::vector<Slot>& slots, int layers, common::DType dtype) {
+double ApplySeconds(Device& dev, Stream& in, Stream& compute, Stream& out, std::vector<Slot>& slots,
+                    int layers, common::DType dtype) {
   common::MuonConfig config;
   config.compute_dtype = dtype;
   const Clock::time_point t0 = Clock::now();
@@ -237,12 +233,12 @@ int ParseGpuOptions(int argc, char** argv, GpuOptions* options) {
     }
     o.sizes = *parsed;
   }
-  if ((flags->count("copy-mib") && (!absl::SimpleAtoi(flags->at("copy-mib"), &o.copy_mib) ||
-                                    o.copy_mib < 1)) ||
-      (flags->count("layers") && (!absl::SimpleAtoi(flags->at("layers"), &o.max_layers) ||
-                                  o.max_layers < 1)) ||
-      (flags->count("seconds") && (!absl::SimpleAtod(flags->at("seconds"), &o.seconds) ||
-                                   !(o.seconds > 0)))) {
+  if ((flags->count("copy-mib") &&
+       (!absl::SimpleAtoi(flags->at("copy-mib"), &o.copy_mib) || o.copy_mib < 1)) ||
+      (flags->count("layers") &&
+       (!absl::SimpleAtoi(flags->at("layers"), &o.max_layers) || o.max_layers < 1)) ||
+      (flags->count("seconds") &&
+       (!absl::SimpleAtod(flags->at("seconds"), &o.seconds) || !(o.seconds > 0)))) {
     std::fprintf(stderr, "muond-bench gpu: --copy-mib, --layers and --seconds must be positive\n");
     return 2;
   }
@@ -251,8 +247,8 @@ int ParseGpuOptions(int argc, char** argv, GpuOptions* options) {
 
 // 1. Newton-Schulz against cuBLAS GEMM peak: prints the table; adds log(NS / GEMM mix) of each
 // row to *log_sum and counts the rows in *rows. False on error.
-bool MeasureNewtonSchulz(Device& dev, Stream& s, const std::vector<int64_t>& sizes,
-                         double* log_sum, int* rows) {
+bool MeasureNewtonSchulz(Device& dev, Stream& s, const std::vector<int64_t>& sizes, double* log_sum,
+                         int* rows) {
   std::printf("%6s  %-9s  %9s  %11s  %8s  %11s  %8s\n", "size", "dtype", "NS TF/s", "GEMM TF/s",
               "NS/GEMM", "mix TF/s", "NS/mix");
   for (const int64_t n : sizes) {
@@ -266,9 +262,9 @@ bool MeasureNewtonSchulz(Device& dev, Stream& s, const std::vector<int64_t>& siz
       // bf16 NS: 2 of 5 iterations' GEMMs run in fp32.
       const double f32_share = bf16 ? 2.0 / kNsSteps : 1.0;
       const double mix = 1.0 / (f32_share / gemm32 + (1 - f32_share) / gemm16);
-      std::printf("%6lld  %-9s  %9.1f  %11.1f  %8.3f  %11.1f  %8.3f\n",
-                  static_cast<long long>(n), std::string(common::DTypeName(dtype)).c_str(), ns,
-                  gemm, ns / gemm, mix, ns / mix);
+      std::printf("%6lld  %-9s  %9.1f  %11.1f  %8.3f  %11.1f  %8.3f\n", static_cast<long long>(n),
+                  std::string(common::DTypeName(dtype)).c_str(), ns, gemm, ns / gemm, mix,
+                  ns / mix);
       std::fflush(stdout);
       *log_sum += std::log(ns / mix);
       ++*rows;
@@ -295,11 +291,12 @@ bool MeasureCopies(Device& dev, Stream& s, int copy_mib, PinnedRates* rates) {
   const double h2d_pageable = CopyGbps(s, *dbuf, pageable.data(), copy_bytes, true);
   const double d2h_pageable = CopyGbps(s, *dbuf, pageable.data(), copy_bytes, false);
   dev.UnregisterHost(pinned.data(), copy_bytes);
-  std::printf("copies of %d MiB (GB/s): H2D pinned %.1f pageable %.1f (x%.2f); D2H pinned %.1f "
-              "pageable %.1f (x%.2f)%s\n",
-              copy_mib, h2d_pinned, h2d_pageable, h2d_pinned / h2d_pageable, d2h_pinned,
-              d2h_pageable, d2h_pinned / d2h_pageable,
-              registered ? "" : " [cudaHostRegister refused: 'pinned' is pageable]");
+  std::printf(
+      "copies of %d MiB (GB/s): H2D pinned %.1f pageable %.1f (x%.2f); D2H pinned %.1f "
+      "pageable %.1f (x%.2f)%s\n",
+      copy_mib, h2d_pinned, h2d_pageable, h2d_pinned / h2d_pageable, d2h_pinned, d2h_pageable,
+      d2h_pinned / d2h_pageable,
+      registered ? "" : " [cudaHostRegister refused: 'pinned' is pageable]");
   std::fflush(stdout);
   rates->h2d = h2d_pinned;
   rates->d2h = d2h_pinned;
@@ -351,11 +348,11 @@ bool MeasureApply(Device& dev, Stream& in, Stream& compute, Stream& out, std::ve
     if (t <= 0) return false;
     const double floor = std::max(layers * layer_bytes_in / (pinned.h2d * 1e9),
                                   layers * layer_bytes_out / (pinned.d2h * 1e9));
-    std::printf("Muon apply, Qwen3-4B-like, %s: %d layers (%.2f GB in, %.2f GB out) in %.3f s "
-                "(%.1f ms/layer); copy floor %.3f s; floor/time %.3f\n",
-                std::string(common::DTypeName(dtype)).c_str(), layers,
-                layers * layer_bytes_in / 1e9, layers * layer_bytes_out / 1e9, t,
-                1e3 * t / layers, floor, floor / t);
+    std::printf(
+        "Muon apply, Qwen3-4B-like, %s: %d layers (%.2f GB in, %.2f GB out) in %.3f s "
+        "(%.1f ms/layer); copy floor %.3f s; floor/time %.3f\n",
+        std::string(common::DTypeName(dtype)).c_str(), layers, layers * layer_bytes_in / 1e9,
+        layers * layer_bytes_out / 1e9, t, 1e3 * t / layers, floor, floor / t);
     std::fflush(stdout);
   }
   return true;
@@ -402,8 +399,8 @@ int RunGpuBench(int argc, char** argv) {
   std::vector<Slot> slots;
   int64_t layer_elems = 0;
   if (!MakeSlots(dev, &slots, &layer_elems)) return 1;
-  if (!MeasureApply(dev, **s1, **s2, **s3, slots, layer_elems, options.seconds,
-                    options.max_layers, pinned)) {
+  if (!MeasureApply(dev, **s1, **s2, **s3, slots, layer_elems, options.seconds, options.max_layers,
+                    pinned)) {
     return 1;
   }
   UnregisterSlots(dev, slots);

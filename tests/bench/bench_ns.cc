@@ -65,8 +65,6 @@ constexpr const char* kUsage =
     "Last line: result: ns ratio=<geometric mean of NS / best GEMM of the dtype> "
     "target=<target>\n";
 
-using Clock = std::chrono::steady_clock;
-
 double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }

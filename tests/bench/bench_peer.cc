@@ -63,12 +63,6 @@ using peer::ReferenceUpdates;
 using peer::ScalarTypeOf;
 using peer::WorstRelError;
 
-using Clock = std::chrono::steady_clock;
-
-double Since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 struct PeerConfig {
   const char* name;
   common::DType dtype;  // compute dtype, and the gradients' dtype
@@ -181,12 +175,6 @@ std::vector<common::MatrixSpec> LayerMatrices(int layers) {
     }
   }
   return out;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // Cuts the rank's flat update buffer back into one tensor per matrix.

@@ -35,8 +35,6 @@ namespace {
 // several seconds of Newton-Schulz on the CPU.
 constexpr double kTarget = 1.10;
 
-using Clock = std::chrono::steady_clock;
-
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
@@ -48,11 +46,13 @@ common::JobSpec LayerSet(int layers, common::DType dtype) {
   for (int l = 0; l < layers; ++l) {
     const std::string p = absl::StrCat("layers.", l, ".");
     for (auto [name, rows, cols] :
-         std::vector<std::tuple<std::string, int64_t, int64_t>>{
-             {"self_attn.q_proj", q, hidden},   {"self_attn.k_proj", kv, hidden},
-             {"self_attn.v_proj", kv, hidden},  {"self_attn.o_proj", hidden, q},
-             {"mlp.gate_proj", inter, hidden},  {"mlp.up_proj", inter, hidden},
-             {"mlp.down_proj", hidden, inter}}) {
+         std::vector<std::tuple<std::string, int64_t, int64_t>>{{"self_attn.q_proj", q, hidden},
+                                                                {"self_attn.k_proj", kv, hidden},
+                                                                {"self_attn.v_proj", kv, hidden},
+                                                                {"self_attn.o_proj", hidden, q},
+                                                                {"mlp.gate_proj", inter, hidden},
+                                                                {"mlp.up_proj", inter, hidden},
+                                                                {"mlp.down_proj", hidden, inter}}) {
       common::MatrixSpec m;
       m.name = p + name;
       m.shape = {rows, cols};
@@ -97,8 +97,8 @@ int ParseStepOptions(int argc, char** argv, StepOptions* options) {
   auto dtype = common::ParseDType(get("dtype", "bfloat16"));
   if (!ranks.ok() || !dtype.ok() || !absl::SimpleAtoi(get("layers", "2"), &o.layers) ||
       o.layers < 1 || !absl::SimpleAtoi(get("steps", "1"), &o.steps) || o.steps < 1 ||
-      (flags->count("threads") && (!absl::SimpleAtoi(flags->at("threads"), &o.threads) ||
-                                   o.threads < 1))) {
+      (flags->count("threads") &&
+       (!absl::SimpleAtoi(flags->at("threads"), &o.threads) || o.threads < 1))) {
     std::fprintf(stderr, "muond-bench step: bad flags (see --help)\n");
     return 2;
   }
@@ -135,8 +135,8 @@ std::optional<double> InProcessStepSeconds(const common::JobSpec& spec, common::
       const uint64_t n = spec.matrices[i].numel();
       g.resize(n);
       common::ToFloat32(dtype, grads.data() + at * esize, n, g.data());
-      absl::Status st = server::MuonUpdate(spec.muon, spec.matrices[i], g.data(),
-                                           momentum[i].data(), g.data());
+      absl::Status st =
+          server::MuonUpdate(spec.muon, spec.matrices[i], g.data(), momentum[i].data(), g.data());
       if (!st.ok()) {
         std::fprintf(stderr, "muond-bench step: %s\n", std::string(st.message()).c_str());
         return std::nullopt;
@@ -183,9 +183,8 @@ std::optional<double> DaemonStepSeconds(client::Client& client, const std::strin
     for (int r = 0; r < world; ++r) {
       ts.emplace_back([&, r] {
         go.WaitForNotification();
-        status[r] = sessions[r]
-                        ->StepBuffer(s, padded.data() + r * part * esize, outs[r].data())
-                        .status();
+        status[r] =
+            sessions[r]->StepBuffer(s, padded.data() + r * part * esize, outs[r].data()).status();
       });
     }
     const auto t0 = Clock::now();
@@ -220,10 +219,11 @@ int RunStepBench(int argc, char** argv) {
   for (const auto& m : spec.matrices) total += static_cast<uint64_t>(m.numel());
   const size_t esize = common::DTypeSize(dtype);
   const std::string grads = RandomGradients(total, dtype);
-  std::printf("muond-bench step: %zu matrices (%d layers), %llu elements, %s gradients and "
-              "compute, %d threads, %d timed steps\n",
-              spec.matrices.size(), options.layers, static_cast<unsigned long long>(total),
-              std::string(common::DTypeName(dtype)).c_str(), options.threads, steps);
+  std::printf(
+      "muond-bench step: %zu matrices (%d layers), %llu elements, %s gradients and "
+      "compute, %d threads, %d timed steps\n",
+      spec.matrices.size(), options.layers, static_cast<unsigned long long>(total),
+      std::string(common::DTypeName(dtype)).c_str(), options.threads, steps);
 
   server::SetMathThreads(options.threads);
   const std::optional<double> baseline = InProcessStepSeconds(spec, dtype, grads, steps);

@@ -31,11 +31,6 @@ namespace {
 // Shared memory should move a step's data at a large fraction of memcpy speed: its only costs
 // over memcpy are the doorbell round trip and the daemon's one copy from region to region.
 constexpr double kTarget = 0.7;
-using Clock = std::chrono::steady_clock;
-
-double Since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // Runs fn(rank) on `ranks` threads started together; returns the wall time.
 template <typename Fn>
@@ -75,9 +70,9 @@ double BestMemcpySeconds(int world, int reps, uint64_t per_rank, std::vector<std
   double best_memcpy = 1e30;
   for (int k = 0; k < reps; ++k) {
     best_memcpy = std::min(best_memcpy, Parallel(world, [&](int r) {
-      std::memcpy(dst[r].data(), src[r].data(), per_rank);  // in
-      std::memcpy(src[r].data(), dst[r].data(), per_rank);  // out
-    }));
+                             std::memcpy(dst[r].data(), src[r].data(), per_rank);  // in
+                             std::memcpy(src[r].data(), dst[r].data(), per_rank);  // out
+                           }));
   }
   return best_memcpy;
 }
@@ -86,8 +81,8 @@ double BestMemcpySeconds(int world, int reps, uint64_t per_rank, std::vector<std
 // byte against the gradient: the best of `reps`, in seconds. The job `spec` is created, attached by
 // every rank and deleted. Prints the errors and returns nullopt on failure.
 std::optional<double> BestStepSeconds(client::Client& client, const std::string& address,
-                                      const common::JobSpec& spec, client::Transport kind,
-                                      int reps, uint64_t per_rank, std::vector<std::string>& src,
+                                      const common::JobSpec& spec, client::Transport kind, int reps,
+                                      uint64_t per_rank, std::vector<std::string>& src,
                                       std::vector<std::string>& dst) {
   const int world = spec.world_size;
   auto token = client.CreateJob(spec);
