@@ -3,6 +3,7 @@
 // clean step still follows the reference) and the daemon keeps serving.
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -56,9 +57,11 @@ class BadInputTest : public DaemonSuite {
             GradientRequest(0, 0, Fp32Bytes({w.begin(), w.begin() + half})), EndRequest()};
   }
 
-  RawStepResult Run(const TestJob& job, const std::vector<v1::StepRequest>& requests) {
+  // `before_last`, when given, runs before the last request is written (RunRawStep).
+  RawStepResult Run(const TestJob& job, const std::vector<v1::StepRequest>& requests,
+                    const std::function<void()>& before_last = nullptr) {
     auto stub = RawStub(address());
-    return RunRawStep(*stub, &job.token, requests);
+    return RunRawStep(*stub, &job.token, requests, 30, 0, 0, before_last);
   }
 
   static void ExpectStatus(const grpc::Status& s, grpc::StatusCode code,
@@ -266,8 +269,7 @@ TEST_F(BadInputTest, ChunkOutsideTheMatrixAfterTheCommitIsInvalidArgument) {
     }
     ADD_FAILURE() << "step 1 did not commit within 10 s of its last gradient";
   };
-  auto stub = RawStub(address());
-  const RawStepResult r = RunRawStep(*stub, &job.token, req, 30, 0, 0, wait_for_commit);
+  const RawStepResult r = Run(job, req, wait_for_commit);
   ExpectStatus(r.status, grpc::StatusCode::INVALID_ARGUMENT,
                {"'v'", "[16382, 16386)", "outside", "the step is committed (all data was in)",
                 "was not applied; ask for step 1 again"});
