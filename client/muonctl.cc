@@ -143,8 +143,9 @@ void PrintApplyStatus(const v1::JobStatus& st, const common::JobSpec& spec) {
 
 void PrintStatus(const v1::JobStatus& st) {
   const v1::JobSpec& spec = st.spec();
-  std::printf("job: %s\nbackend: %s\nworld_size: %d\n", spec.job_id().c_str(),
-              st.backend().c_str(), spec.world_size());
+  std::printf("job: %s\nbackend: %s\n", spec.job_id().c_str(), st.backend().c_str());
+  if (!st.cpu_math().empty()) std::printf("cpu_isa: %s\n", st.cpu_math().c_str());
+  std::printf("world_size: %d\n", spec.world_size());
   auto spec_or = common::JobSpecFromProto(spec);
   std::string layout;
   if (spec.layout_size() > 0) {

@@ -34,6 +34,8 @@
 #include "server/ops/status_json.h"
 #include "server/ops/status_page.h"
 #include "server/ops/stop_signal.h"
+#include "server/optim/adamw.h"
+#include "server/optim/cpu_isa.h"
 #include "server/optim/muon_math.h"
 #include "server/storage/durable_file.h"
 
@@ -161,11 +163,14 @@ absl::StatusOr<Observability> StartMetrics(const DaemonConfig& config, const std
   status.backend = backend;
   status.backend_why = backend_why;
   status.device = device;
+  status.cpu_math = DescribeCpuMathPath(CurrentCpuMathPath());
   status.start_unix_ms = absl::ToUnixMillis(absl::Now());
   status.limits = limits;
   o.collector = std::make_unique<DaemonMetricsCollector>(
       registry, api.shm(),
-      DaemonInfo{MUOND_VERSION, backend, device, config.limits.max_state_bytes, std::move(limits)});
+      DaemonInfo{MUOND_VERSION, backend, device, CpuIsaName(CurrentCpuMathPath().isa),
+                 Bf16ModeName(CurrentCpuMathPath()), config.limits.max_state_bytes,
+                 std::move(limits)});
   const std::string address =
       config.metrics_address.empty() ? kDefaultMetricsAddress : config.metrics_address;
   MetricsServerOptions options;
@@ -300,6 +305,12 @@ int Run(int argc, char** argv) {
   common::LogLevel level;
   common::ParseLogLevel(config->log_level, &level);
   common::SetMinLogLevel(level);
+  // Before anything runs oneDNN: a forced ISA caps it for the whole process.
+  if (absl::Status s = ConfigureCpuIsa(config->cpu_isa); !s.ok()) {
+    return Fail(2, std::string(s.message()));
+  }
+  MUOND_LOG(INFO) << "cpu math " << DescribeCpuMathPath(CurrentCpuMathPath()) << "; AdamW "
+                  << AdamWAutoPathName();
   return Serve(*config);
 }
 

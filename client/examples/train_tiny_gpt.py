@@ -19,6 +19,16 @@ it and get new parameters back (--param-dtype float32, bfloat16 or float16 in th
 trainer holds no optimizer state. The side-by-side reference is then written apart from the
 optimizer: muon_offload.reference.ApplyReference (torch.optim.AdamW plus the reference Muon math on
 fp32 masters of its own), whose masters set the reference model's parameters (.to(param dtype)).
+It steps with the trainer's gradients, taken at the parameters muond returned, so each step starts
+from the same state and nothing compounds through the loss. With bf16 or fp16 parameters, each
+step's loss difference is held to 2 lambda u (|c|_2 + |g w|_2), u the unit roundoff (2^-8 bf16,
+2^-11 fp16), lambda 6: the masters differ by float32 arithmetic only, so each parameter is equal or
+one rounding apart (|dw_i| <= 2u |w_i|, w_i taken at least 2^-8 of its tensor's rms, as float32
+errors scale with the tensor), and the two forward passes round each activation a_j once
+(relative error <= u). Taken as independent (Higham and Mary's probabilistic rounding model),
+Hoeffding's inequality holds the first-order effects, sum_i g_i dw_i (g: the step's mean gradient)
+to 2 lambda u |g w|_2 and each pass's sum_j c_j delta_j (c_j = a_j dL/da_j) to lambda u |c|_2,
+each exceeded with probability 2 exp(-lambda^2 / 2) < 1e-7.
 Both modes print, at the end, the optimizer-state bytes held in the trainer process and by muond
 (JobStatus momentum_bytes through `muonctl status --json`).
 
@@ -30,9 +40,11 @@ Usage: train_tiny_gpt.py [--steps N] [--address ADDR] [--plot PNG] [--json OUT]
 generation of the job); --resume continues from one (also after a daemon restart).
 --inject-nonfinite-at puts a NaN into rank 1's gradient at step N, shows muond refusing the step,
 and recomputes the gradients: the trajectory is unchanged.
-Exit status: 0 when both trainings ran and the loss went down; 1 otherwise.
+Exit status: 0 when both trainings ran, the loss went down and every step's loss difference is
+within its bound (apply mode, bf16 or fp16 parameters); 1 otherwise.
 """
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -48,6 +60,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
@@ -138,6 +151,7 @@ def checkpoint_path(directory, rank):
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BOUND_LAMBDA = 6.0  # Hoeffding: a term of the bound exceeded with probability 2 exp(-18)
 ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-10
 
 
@@ -147,14 +161,38 @@ def lr_factor(step, steps):
     return 1.0 - 0.9 * step / max(1, steps)
 
 
-class ApplyModeReference:
-    """The in-process reference of apply mode, independent of MuonWithAuxAdam: the ranks'
-    gradients gathered and summed in rank order (as an all-reduce in the parameters' dtype),
-    divided by the world size, then muon_offload.reference.ApplyReference (fp32 masters,
-    torch.optim.AdamW(foreach=False), the reference Muon math); the model's parameters are set
-    from masters.to(param dtype)."""
+class RoundingRecord(TorchFunctionMode):
+    """Around a forward pass: keeps every operation's output that was rounded to `dtype` (not
+    views, nor the exact embedding lookup, masking and copies) with its gradient, so that after
+    backward squared_sum() is sum_j (a_j dL/da_j)^2, |c|_2^2 of the bound at the top."""
+    EXACT = ("embedding", "masked_fill", "reshape")
 
-    def __init__(self, model, groups, max_grad_norm):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype, self.outputs = dtype, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (torch.is_tensor(out) and out.dtype == self.dtype and out.requires_grad
+                and out._base is None and getattr(func, "__name__", "") not in self.EXACT):
+            out.retain_grad()
+            self.outputs.append(out)
+        return out
+
+    def squared_sum(self):
+        return sum(float((a.double() * a.grad.double()).pow(2).sum()) for a in self.outputs
+                   if a.grad is not None)
+
+
+class ApplyModeReference:
+    """The in-process reference of apply mode, independent of MuonWithAuxAdam: the trainer's
+    gradients (`trainer`: its parameters in job order) gathered over the ranks and summed in rank
+    order (as an all-reduce in the parameters' dtype), divided by the world size, then
+    muon_offload.reference.ApplyReference (fp32 masters, torch.optim.AdamW(foreach=False), the
+    reference Muon math); the reference model's parameters are set from masters.to(param dtype)."""
+
+    def __init__(self, groups, trainer, max_grad_norm):
+        self.trainer = trainer
         self.params, tensors = [], []
         for kind, group in zip(("muon", "adamw"), groups):
             for name, p in group["params"]:
@@ -165,13 +203,12 @@ class ApplyModeReference:
         self.ref = muon_offload.ApplyReference(tensors, betas=ADAM_BETAS, eps=ADAM_EPS,
                                                max_grad_norm=max_grad_norm)
 
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
     @torch.no_grad()
     def step(self, factor, world):
-        flat = torch.cat([p.grad.float().reshape(-1) for p in self.params])  # exact
+        """Steps from the trainer's gradients; before its optimizer steps, so at the parameters w
+        the trainer's loss was computed at. Returns |g w|_2 of the bound at the top (g: the mean
+        gradient, each |w_i| at least 2^-8 of its tensor's rms)."""
+        flat = torch.cat([p.grad.float().reshape(-1) for p in self.trainer])  # exact
         every = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(every, flat)
         dtype = self.params[0].dtype
@@ -182,10 +219,14 @@ class ApplyModeReference:
         for p in self.params:
             grads.append(total[at:at + p.numel()].view(p.shape))
             at += p.numel()
+        w = torch.cat([p.double().abs().clamp(min=p.double().pow(2).mean().sqrt().item() / 256)
+                       .reshape(-1) for p in self.trainer])
+        sensitivity = total.double().div(world).mul(w).norm()
         self.ref.step(grads, {k: v * factor for k, v in self.lr.items()}, self.wd,
                       grad_divisor=world)
         for p, m in zip(self.params, self.ref.params(dtype)):
             p.copy_(m)
+        return sensitivity.item()
 
     def state_dict(self):
         return self.ref.state_dict()
@@ -240,40 +281,53 @@ def make_optimizers(model, reference, args, job_id=None, token=None):
     job.update(mode="apply", max_grad_norm=args.max_grad_norm)
     opt = optimizer(param_groups(model, *groups), **job)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps))
-    ref = ApplyModeReference(reference, param_groups(reference, *groups), args.max_grad_norm)
+    trainer = [p for g in param_groups(model, *groups) for _, p in g["params"]]
+    ref = ApplyModeReference(param_groups(reference, *groups), trainer, args.max_grad_norm)
     return opt, ref, scheduler
 
 
 def train_step(step, model, reference, opt, opt_ref, scheduler, x, y, rank, world, args,
                refusals):
-    step_losses = []
-    for m, o in ((model, opt), (reference, opt_ref)):
-        o.zero_grad()
-        loss = m(x, y)
-        loss.backward()
-        if o is opt and step == args.inject_nonfinite_at:
-            # A poisoned gradient on one rank: muond refuses the step for the whole job and
-            # nothing changes; the gradients are computed again and the step retried.
-            if rank == 1:
-                o.param_groups[0]["params"][0].grad[0, 0] = float("nan")
-            try:
-                o.step()
-                raise RuntimeError("muond accepted a non-finite gradient")
-            except MuondError as e:
-                refusals.append({"step": step, "code": e.code, "code_name": e.code_name,
-                                 "message": e.message})
-                if rank == 0:
-                    print(f"  step {step}: refused as expected: {e}", flush=True)
-            o.zero_grad()
-            m(x, y).backward()
-        if o is opt_ref and args.mode == "apply":
-            o.step(lr_factor(step, args.steps), world)
-        else:
-            o.step()
-        if o is opt and scheduler is not None:
-            scheduler.step()
-        step_losses.append(global_mean(loss.float().item(), world))
-    return step_losses
+    """One step of both; returns their losses (means over the ranks) and, in apply mode with bf16
+    or fp16 parameters, |c|_2 + |g w|_2 of the bound at the top."""
+    apply = args.mode == "apply"
+    if apply:  # the reference's loss at its own parameters; it steps with the trainer's gradients
+        with torch.no_grad():
+            ref_loss = reference(x, y)
+    bounded = apply and args.param_dtype != "float32"
+    record = RoundingRecord(DTYPES[args.param_dtype]) if bounded else contextlib.nullcontext()
+    opt.zero_grad()
+    with record:
+        loss = model(x, y)
+    loss.backward()
+    # c_j = a_j dL/da_j for L the mean of the ranks' losses: each rank's activations, over world.
+    activations = math.sqrt(global_mean(record.squared_sum(), world) / world) if bounded else 0.0
+    if step == args.inject_nonfinite_at:
+        # A poisoned gradient on one rank: muond refuses the step for the whole job and nothing
+        # changes; the gradients are computed again and the step retried.
+        if rank == 1:
+            opt.param_groups[0]["params"][0].grad[0, 0] = float("nan")
+        try:
+            opt.step()
+            raise RuntimeError("muond accepted a non-finite gradient")
+        except MuondError as e:
+            refusals.append({"step": step, "code": e.code, "code_name": e.code_name,
+                             "message": e.message})
+            if rank == 0:
+                print(f"  step {step}: refused as expected: {e}", flush=True)
+        opt.zero_grad()
+        model(x, y).backward()
+    params = opt_ref.step(lr_factor(step, args.steps), world) if apply else 0.0
+    opt.step()
+    if scheduler is not None:
+        scheduler.step()
+    if not apply:
+        opt_ref.zero_grad()
+        ref_loss = reference(x, y)
+        ref_loss.backward()
+        opt_ref.step()
+    return global_mean(loss.float().item(), world), global_mean(ref_loss.float().item(), world), \
+        activations + params if bounded else None
 
 
 def state_bytes_report(opt, opt_ref, args, rank):
@@ -323,7 +377,10 @@ def run_rank(rank, world, args, store_path, result_path):
     opt, opt_ref, scheduler = make_optimizers(model, reference, args,
                                               *((resume["job_id"], resume["token"]) if resume
                                                 else ()))
-    losses, ref_losses, start = [], [], 0
+    losses, ref_losses, bounds, start = [], [], [], 0
+    # The per-step bound of apply mode (see the top): 2 lambda u (|c|_2 + |g w|_2).
+    eps = (BOUND_LAMBDA * torch.finfo(DTYPES[args.param_dtype]).eps * args.bound_scale
+           if args.mode == "apply" and args.param_dtype != "float32" else None)
     if resume:
         opt.load_state_dict(resume["optimizer"])
         opt_ref.load_state_dict(resume["reference_optimizer"])
@@ -342,19 +399,20 @@ def run_rank(rank, world, args, store_path, result_path):
               f"rank 0 owns {opt.partition.buffer_elements} elements; starts at step {start}",
               flush=True)
         ref_name = "in-process" if args.mode == "update" else "reference"
-        print(f"{'step':>5} {'loss (muond)':>14} {'loss (' + ref_name + ')':>18} {'|diff|':>10}",
-              flush=True)
+        print(f"{'step':>5} {'loss (muond)':>14} {'loss (' + ref_name + ')':>18} {'|diff|':>10}"
+              + (f" {'bound':>10}" if eps is not None else ""), flush=True)
     refusals = []
     t0 = time.time()
     for step in range(start, args.steps):
         x, y = batch(data, step, rank, args.batch_size, args.block_size, args.seed)
-        step_losses = train_step(step, model, reference, opt, opt_ref, scheduler, x, y, rank,
-                                 world, args, refusals)
-        losses.append(step_losses[0])
-        ref_losses.append(step_losses[1])
+        loss, ref_loss, sensitivity = train_step(step, model, reference, opt, opt_ref, scheduler,
+                                                 x, y, rank, world, args, refusals)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
+        bounds.append(eps * sensitivity if eps is not None else None)
         if rank == 0:
-            print(f"{step:>5} {losses[-1]:>14.6f} {ref_losses[-1]:>18.6f} "
-                  f"{abs(losses[-1] - ref_losses[-1]):>10.2e}", flush=True)
+            print(f"{step:>5} {loss:>14.6f} {ref_loss:>18.6f} {abs(loss - ref_loss):>10.2e}"
+                  + (f" {bounds[-1]:>10.2e}" if eps is not None else ""), flush=True)
         if args.save_at is not None and step + 1 == args.save_at:
             opt.save_checkpoint()  # a durable muond generation, which opt.state_dict() refers to
             state = {"model": model.state_dict(), "reference": reference.state_dict(),
@@ -377,9 +435,10 @@ def run_rank(rank, world, args, store_path, result_path):
     opt.close(delete_job=finished and not args.keep_job)
     if rank == 0:
         with open(result_path, "w") as f:
-            json.dump({"losses": losses, "ref_losses": ref_losses, "start": start,
-                       "job_id": opt.job_id, "refusals": refusals, "seconds": seconds,
-                       "steps_run": len(losses) - start, "state_bytes": report}, f)
+            json.dump({"losses": losses, "ref_losses": ref_losses, "bounds": bounds,
+                       "start": start, "job_id": opt.job_id, "refusals": refusals,
+                       "seconds": seconds, "steps_run": len(losses) - start,
+                       "state_bytes": report}, f)
     dist.destroy_process_group()
 
 
@@ -398,6 +457,28 @@ def plot(losses, ref_losses, path, mode="update"):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def bound_verdict(args, diffs, bounds, start, worst):
+    """(every step within its bound, what the parity line says of it); the bound: see the top."""
+    if args.mode == "update" or worst is None:
+        return True, ""
+    if args.param_dtype == "float32":
+        return True, " (float32 parameters: no rounding bound)"
+    ratio = [d / b if b > 0 else (math.inf if d else 0.0) for d, b in zip(diffs[start:], bounds)]
+    ratio = [r if r == r else math.inf for r in ratio]  # a NaN difference is over its bound
+    t = start + max(range(len(ratio)), key=ratio.__getitem__)  # the step nearest its bound
+    u = "2^-8" if args.param_dtype == "bfloat16" else "2^-11"
+    why = (f"{args.param_dtype} rounding, {u} relative, of every parameter and of every activation "
+           f"of both forward passes, first order, Hoeffding at lambda {BOUND_LAMBDA:g}; per step "
+           "from the same parameters")
+    if ratio[t - start] > 1:
+        print(f"step {t}: |loss difference| {diffs[t]:.3e} exceeds its bound "
+              f"{bounds[t - start]:.3e}: more than rounding explains between muond's parameters "
+              "and the reference's", file=sys.stderr)
+        return False, f"; step {t}: {diffs[t]:.3e} > bound {bounds[t - start]:.3e} ({why})"
+    return True, (f" <= bound {bounds[worst - start]:.3e} ({why}); every step within its bound, "
+                  f"the nearest at {100 * ratio[t - start]:.2g}% (step {t})")
 
 
 def parse_args(argv=None):
@@ -436,6 +517,8 @@ def parse_args(argv=None):
                     "between them by the ownership plan (DESIGN.md 4c); --address is then unused")
     ap.add_argument("--muonctl", default=None,
                     help="muonctl for the daemon's JobStatus (default: the build tree's, else PATH)")
+    # Scales apply mode's loss bound; tests set 0 to see the check fail.
+    ap.add_argument("--bound-scale", type=float, default=1.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.save_at is not None and not args.checkpoint:
         ap.error("--save-at needs --checkpoint")
@@ -459,9 +542,11 @@ def main(argv=None):
     worst = max(range(start, len(diffs)), key=lambda i: diffs[i]) if run else None
     out["max_abs_diff"] = max(run) if run else 0.0
     other = "in-process" if args.mode == "update" else "reference"
-    print(f"{out['steps_run']} steps in {out['seconds']:.1f} s; largest |loss(muond) - "
-          f"loss({other})| = {out['max_abs_diff']:.3e}"
-          + (f" (step {worst})" if worst is not None else ""))
+    line = (f"{out['steps_run']} steps in {out['seconds']:.1f} s; largest |loss(muond) - "
+            f"loss({other})| = {out['max_abs_diff']:.3e}"
+            + (f" (step {worst})" if worst is not None else ""))
+    within, reason = bound_verdict(args, diffs, out["bounds"], start, worst)
+    print(line + reason)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)
@@ -472,7 +557,7 @@ def main(argv=None):
     if not went_down:
         print(f"the loss did not go down: {losses[0] if losses else None} -> "
               f"{losses[-1] if losses else None}", file=sys.stderr)
-    return 0 if went_down else 1
+    return 0 if went_down and within else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #include "server/api/job_status_proto.h"
 
 #include "common/job_spec_proto.h"
+#include "server/optim/cpu_isa.h"
 
 namespace muond::server {
 
@@ -8,6 +9,7 @@ v1::JobStatus JobStatusToProto(const JobReport& r) {
   v1::JobStatus st;
   *st.mutable_spec() = common::JobSpecToProto(r.spec);
   st.set_backend(r.backend);
+  st.set_cpu_math(DescribeCpuMathPath(CurrentCpuMathPath()));
   st.set_created_unix_ms(r.created_unix_ms);
   st.set_gather_budget_bytes(r.gather_budget_bytes);
   st.set_gather_peak_bytes(r.gather_peak_bytes);

@@ -118,6 +118,15 @@ absl::Status SetThreads(const Option& o, DaemonConfig& c) {
   return absl::OkStatus();
 }
 
+absl::Status SetCpuIsa(const Option& o, DaemonConfig& c) {
+  const std::string& v = o.value;
+  if (v != "auto" && v != "avx2" && v != "avx512" && v != "amx") {
+    return o.Invalid("expected auto, avx2, avx512 or amx");
+  }
+  c.cpu_isa = v;
+  return absl::OkStatus();
+}
+
 absl::Status SetGatherBudget(const Option& o, DaemonConfig& c) {
   if (!absl::SimpleAtoi(o.value, &c.gather_budget_bytes) || c.gather_budget_bytes == 0) {
     return o.Invalid("expected a byte count > 0");
@@ -149,6 +158,7 @@ const std::map<std::string, OptionSetter>& OptionSetters() {
       {"log-level", SetLogLevel},
       // Compute, and the simulated backend's model.
       {"backend", [](O o, C c) { return SetString(o, &c.backend); }},
+      {"cpu-isa", SetCpuIsa},
       {"threads", SetThreads},
       {"gather-budget-bytes", SetGatherBudget},
       {"serial-schedule", [](O o, C c) { return SetBool(o, &c.serial_schedule); }},
@@ -230,6 +240,12 @@ std::string DaemonUsage() {
       "                          memory is limited to 3 x --gather-budget-bytes, >= 1 GiB). Default:\n"
       "                          auto (the first working GPU backend compiled in, else cpu; the\n"
       "                          log and muonctl job show say which and why).\n"
+      "  --cpu-isa auto|avx2|avx512|amx  the widest CPU instructions the optimizer math may use\n"
+      "                          (cpu backend Newton-Schulz, AdamW). bf16 products run on oneDNN's\n"
+      "                          bf16 kernels with avx512 (AVX-512 BF16) and amx, else emulated in\n"
+      "                          fp32 with the same roundings. A forced ISA may not be wider than\n"
+      "                          the CPU has. Default: auto (probed at start; the log, muonctl job\n"
+      "                          show, the status page and muond_build_info say which).\n"
       "  --sim-copy-gbps X       simulated backend: host<->device bandwidth in GB/s. Default: 16\n"
       "  --sim-copy-latency-us X simulated backend: latency per copy. Default: 10\n"
       "  --sim-compute-gflops X  simulated backend: Newton-Schulz rate. Default: 200\n"

@@ -25,6 +25,7 @@ struct DaemonConfig {
   std::string state_dir;
   std::string shm_socket;  // "" : <listen path>.shm for unix listen addresses; "off": none
   std::string backend = "auto";
+  std::string cpu_isa = "auto";  // auto, avx2, avx512 or amx (server/optim/cpu_isa.h)
   std::string log_level = "info";
   int threads = 0;        // compute threads; 0: one per CPU
   DaemonLimits limits = DefaultDaemonLimits();  // server/ops/daemon_limits.h

@@ -43,7 +43,9 @@ struct Families {
   Families() {
     common::Registry& r = common::DefaultRegistry();
     build_info = Must(r.AddGauge("muond_build_info",
-                                 "The running muond: version and compute backend; always 1."));
+                                 "The running muond: version, compute backend and CPU math path "
+                                 "(cpu_isa: the widest ISA the optimizer math uses; cpu_bf16: "
+                                 "native or emulated bf16 products); always 1."));
     device_info =
         Must(r.AddGauge("muond_device_info", "The compute device in use, by backend; always 1."));
     start_time = Must(r.AddGauge("muond_start_time_seconds",
@@ -254,7 +256,12 @@ DaemonMetricsCollector::DaemonMetricsCollector(const JobRegistry* jobs, const Sh
                                                DaemonInfo info)
     : jobs_(jobs), shm_(shm) {
   Families& f = F();
-  f.build_info->Add({{"version", info.version}, {"backend", info.backend}}).Set(1);
+  f.build_info
+      ->Add({{"version", info.version},
+             {"backend", info.backend},
+             {"cpu_isa", info.cpu_isa},
+             {"cpu_bf16", info.cpu_bf16}})
+      .Set(1);
   f.device_info->Add({{"backend", info.backend}, {"device", info.device}}).Set(1);
   f.start_time->Add({}).Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
   if (info.max_momentum_bytes != 0) {

@@ -80,6 +80,10 @@ struct DaemonInfo {
   std::string version;
   std::string backend;              // "cpu", "cuda", ...
   std::string device;               // e.g. the CPU model or the GPU name
+  // The CPU math path (server/optim/cpu_isa.h): "amx", "avx512", "avx2" or "baseline", and bf16
+  // "native" or "emulated" (muond_build_info's cpu_isa and cpu_bf16 labels).
+  std::string cpu_isa;
+  std::string cpu_bf16;
   uint64_t max_momentum_bytes = 0;  // 0: unlimited (muond_momentum_limit_bytes is then absent)
   // muond_limit{limit=KEY}: every limit in force (server/ops/daemon_limits.h LimitValues).
   std::vector<std::pair<std::string, double>> limits;

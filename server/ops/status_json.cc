@@ -26,6 +26,7 @@ Json DaemonJson(const StatusInfo& info, const JobRegistry& jobs, const ShmServer
             {"backend", info.backend},
             {"backend_why", info.backend_why},
             {"device", info.device},
+            {"cpu_math", info.cpu_math},
             {"metrics_address", info.metrics_address},
             {"start_unix_ms", info.start_unix_ms},
             {"uptime_seconds", static_cast<double>(now_ms - info.start_unix_ms) / 1000.0},

@@ -3,7 +3,7 @@
 // keeps only their hashes, and those are not shown either).
 //
 //   {"format": "muond-status", "format_version": 1, "now_unix_ms",
-//    "daemon": {"version", "backend", "backend_why", "device", "metrics_address",
+//    "daemon": {"version", "backend", "backend_why", "device", "cpu_math", "metrics_address",
 //               "start_unix_ms", "uptime_seconds", "limits": {KEY: VALUE},
 //               "jobs", "state_bytes", "momentum_bytes", "compute_queue_depth",
 //               "shm_sessions", "pinned_bytes", "memlock_limit_bytes" (null: unlimited)},
@@ -42,6 +42,7 @@ struct StatusInfo {
   std::string backend;      // "cpu", "cuda", ...
   std::string backend_why;  // why it was chosen (the backend probe's words)
   std::string device;
+  std::string cpu_math;  // the CPU math path, server/optim/cpu_isa.h DescribeCpuMathPath
   std::string metrics_address;  // "HOST:PORT" as bound (SetMetricsAddress)
   int64_t start_unix_ms = 0;
   std::vector<std::pair<std::string, double>> limits;  // server/ops/daemon_limits.h LimitValues

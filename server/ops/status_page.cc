@@ -120,6 +120,7 @@ function renderDaemon(s) {
   fact(dl, 'Version', d.version);
   fact(dl, 'Backend', d.backend + ' (' + d.device + ')');
   fact(dl, 'Why this backend', d.backend_why);
+  fact(dl, 'CPU math', d.cpu_math);
   fact(dl, 'Uptime', dur(d.uptime_seconds));
   fact(dl, 'Jobs', String(d.jobs));
   fact(dl, 'State held', bytes(d.state_bytes) + ' (momentum and masters ' + bytes(d.momentum_bytes) + ')');

@@ -11,8 +11,8 @@
 // with g = grad * grad_scale, and the scalar factors computed in double and rounded to float once
 // (as torch passes Python floats to its float32 kernels). torch's own CPU kernels fuse some of
 // these products into FMAs, so results agree with torch to about 1e-7 relative per step, not bit
-// for bit; the vectorized path (AVX-512 where the CPU has it) and the portable path agree bit for
-// bit, so a result never depends on the machine.
+// for bit; the vectorized paths (AVX-512 and AVX2, where the CPU has them) and the portable path
+// agree bit for bit, so a result never depends on the machine.
 //
 // Thread-safe: pure functions over memory the caller owns.
 #ifndef MUOND_SERVER_OPTIM_ADAMW_H_
@@ -49,14 +49,18 @@ struct AdamWArrays {
   const float* exp_avg_sq_in = nullptr;
 };
 
-enum class AdamWPath { kAuto, kPortable, kAvx512 };
+enum class AdamWPath { kAuto, kPortable, kAvx2, kAvx512 };
 
-// The path kAuto takes on this CPU: "avx512" or "portable".
+// The path `path` runs on this CPU: "avx512", "avx2" or "portable". kAuto follows the process's
+// CPU path (server/optim/cpu_isa.h, capped by --cpu-isa); a path the CPU lacks runs the next
+// narrower one.
+const char* AdamWPathName(AdamWPath path);
+// AdamWPathName(AdamWPath::kAuto).
 const char* AdamWAutoPathName();
 
 // Applies step `step` (>= 1: the tensor's step count after this step) to n elements, multiplying
 // each gradient value by `grad_scale` first. Splits the work over up to `threads` threads when n is
-// large. kAvx512 on a CPU without AVX-512 falls back to the portable path.
+// large. A path the CPU lacks falls back to the next narrower one (AdamWPathName).
 void AdamWUpdate(const AdamWHyper& hyper, int64_t step, float grad_scale, const AdamWArrays& a,
                  size_t n, int threads = 1, AdamWPath path = AdamWPath::kAuto);
 

@@ -55,6 +55,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
+#include "server/optim/cpu_isa.h"
 #include "server/optim/ns_batched_math.h"
 #include "server/optim/ns_layout.h"
 #include "server/optim/ns_schedule.h"
@@ -82,10 +83,11 @@ using ns::kNormEpsilon;
 // suggest ~2: the weight is conservative (bf16 keeps the standard iteration unless n >= 12 m).
 constexpr double kFp32CostInBf16 = 3.0;
 
-at::ScalarType StorageType(DType compute) {
+// bf16 is native or emulated in fp32 storage (cpu_isa.h), fp16 always emulated.
+at::ScalarType StorageType(DType compute, bool emulate_bf16) {
   switch (compute) {
     case DType::kBFloat16:
-      return at::kBFloat16;
+      return emulate_bf16 ? at::kFloat : at::kBFloat16;
     case DType::kFloat16:  // emulated in fp32 storage, see the file comment
     case DType::kFloat32:
       return at::kFloat;
@@ -149,11 +151,16 @@ at::Tensor DirectIterations(BatchedMath& math, at::Tensor x, NsMethod method, in
 // GramPays. math computes in the compute dtype, fp32_math in fp32.
 at::Tensor Iterations(const MuonConfig& config, BatchedMath& math, BatchedMath& fp32_math,
                       at::Tensor xs) {
+  // Emulated bf16 products run on fp32 kernels: the Gram iteration's fp32 m x m side costs the same
+  // per FLOP as the long side.
   const int steps = config.ns_steps;
   const NsMethod method = config.ns_method;
   const bool reduced = config.compute_dtype != DType::kFloat32;
   const int fp32_steps = reduced ? std::clamp(config.fp32_iterations, 0, steps) : steps;
-  const double fp32_weight = config.compute_dtype == DType::kBFloat16 ? kFp32CostInBf16 : 1.0;
+  const double fp32_weight =
+      config.compute_dtype == DType::kBFloat16 && math.emulation() == internal::Emulation::kNone
+          ? kFp32CostInBf16
+          : 1.0;
   if (method == NsMethod::kGram && internal::GramPays(xs.size(1), xs.size(2), steps, fp32_weight)) {
     return internal::GramIterations(math, fp32_math, /*first_long_fp32=*/fp32_steps > 0,
                                     /*rest_long_fp32=*/fp32_steps > kGramRestartAfter, method,
@@ -190,15 +197,20 @@ absl::Status ScaledNewtonSchulzMany(const MuonConfig& config, MatrixGeometry geo
   RETURN_IF_ERROR(CheckArguments(config, geometry));
   if (count == 0) return absl::OkStatus();
   const char* op = "from_blob";
-  BatchedMath math(StorageType(config.compute_dtype),
-                   /*emulate_half=*/config.compute_dtype == DType::kFloat16, &op);
-  BatchedMath fp32_math(at::kFloat, /*emulate_half=*/false, &op);
+  const bool emulate_bf16 = config.compute_dtype == DType::kBFloat16 && EmulateBf16();
+  const internal::Emulation emulation = config.compute_dtype == DType::kFloat16
+                                            ? internal::Emulation::kFp16
+                                        : emulate_bf16 ? internal::Emulation::kBf16
+                                                       : internal::Emulation::kNone;
+  BatchedMath math(StorageType(config.compute_dtype, emulate_bf16), emulation, &op);
+  BatchedMath fp32_math(at::kFloat, internal::Emulation::kNone, &op);
   int64_t bad = -1;  // the first buffer whose result is not finite
   try {
     c10::InferenceMode no_autograd;
     const internal::BlockLayout layout{count, geometry.batch, geometry.rows, geometry.cols};
-    // Normalized straight into bf16 when the first iteration is a plain bf16 one.
-    const bool plain_bf16 = config.compute_dtype == DType::kBFloat16 &&
+    // Normalized straight into bf16 when the first iteration is a plain native bf16 one (emulation
+    // normalizes in fp32 and rounds on the cast: the same values).
+    const bool plain_bf16 = config.compute_dtype == DType::kBFloat16 && !emulate_bf16 &&
                             config.fp32_iterations <= 0 && config.ns_method != NsMethod::kGram;
     at::Tensor normalized =
         NormalizeBlocks(config.ns_method, layout, xs, plain_bf16 ? at::kBFloat16 : at::kFloat, &op);
@@ -267,31 +279,40 @@ absl::Status PooledNewtonSchulz(const MuonConfig& config, const NsGroup* groups,
   const PooledPlan plan = PlanPooled(groups, count);
   const int threads = omp_get_max_threads();
   const char* op = "scratch";
-  constexpr size_t kEs = 2;  // bf16
+  // Native bf16, or bf16 values in fp32 storage with each product's result rounded (cpu_isa.h).
+  const bool emulate = EmulateBf16();
+  const GemmType type = emulate ? GemmType::kFloat32 : GemmType::kBFloat16;
+  const at::ScalarType storage = emulate ? at::kFloat : at::kBFloat16;
+  const size_t kEs = emulate ? 4 : 2;
   try {
     c10::InferenceMode no_autograd;
-    char* x = static_cast<char*>(
-        ScratchTensor(Scratch::kNormalized, {plan.x_total}, at::kBFloat16).data_ptr());
+    char* x =
+        static_cast<char*>(ScratchTensor(Scratch::kNormalized, {plan.x_total}, storage).data_ptr());
     char* next =
-        static_cast<char*>(ScratchTensor(Scratch::kNext, {plan.x_total}, at::kBFloat16).data_ptr());
-    char* a =
-        static_cast<char*>(ScratchTensor(Scratch::kA, {plan.a_total}, at::kBFloat16).data_ptr());
-    char* p =
-        static_cast<char*>(ScratchTensor(Scratch::kP, {plan.a_total}, at::kBFloat16).data_ptr());
+        static_cast<char*>(ScratchTensor(Scratch::kNext, {plan.x_total}, storage).data_ptr());
+    char* a = static_cast<char*>(ScratchTensor(Scratch::kA, {plan.a_total}, storage).data_ptr());
+    char* p = static_cast<char*>(ScratchTensor(Scratch::kP, {plan.a_total}, storage).data_ptr());
     op = "normalize";
     for (size_t g = 0; g < count; ++g) {
       NormalizeBlocksInto(plan.layouts[g], groups[g].xs, ns::NormFactor(config.ns_method),
-                          static_cast<float>(kNormEpsilon), GemmType::kBFloat16,
-                          x + plan.x_offset[g] * kEs, threads);
+                          static_cast<float>(kNormEpsilon), type, x + plan.x_offset[g] * kEs,
+                          threads);
     }
+    // The native path rounds the fp32 quotient to bf16 on store; emulation rounds it here.
+    if (emulate) RoundToBf16(reinterpret_cast<float*>(x), plan.x_total, threads);
     std::vector<TaskBlocks> blocks(count);
     for (int i = 0; i < config.ns_steps; ++i) {
       for (size_t g = 0; g < count; ++g) {
         const BlockLayout& l = plan.layouts[g];
-        blocks[g] = TaskBlocks{GemmType::kBFloat16,        static_cast<int64_t>(l.count) * l.batch,
-                               std::min(l.rows, l.cols),   std::max(l.rows, l.cols),
-                               x + plan.x_offset[g] * kEs, a + plan.a_offset[g] * kEs,
-                               p + plan.a_offset[g] * kEs, next + plan.x_offset[g] * kEs};
+        blocks[g] = TaskBlocks{type,
+                               static_cast<int64_t>(l.count) * l.batch,
+                               std::min(l.rows, l.cols),
+                               std::max(l.rows, l.cols),
+                               x + plan.x_offset[g] * kEs,
+                               a + plan.a_offset[g] * kEs,
+                               p + plan.a_offset[g] * kEs,
+                               next + plan.x_offset[g] * kEs,
+                               /*round_bf16=*/emulate};
       }
       TaskIteration(blocks.data(), count,
                     IterationCoefficients(config.ns_method, i, config.ns_steps), threads, &op);
@@ -300,8 +321,8 @@ absl::Status PooledNewtonSchulz(const MuonConfig& config, const NsGroup* groups,
     op = "write back";
     for (size_t g = 0; g < count; ++g) {
       const int64_t bad =
-          WriteBackBlocks(plan.layouts[g], x + plan.x_offset[g] * kEs, GemmType::kBFloat16,
-                          groups[g].scale, groups[g].xs, threads);
+          WriteBackBlocks(plan.layouts[g], x + plan.x_offset[g] * kEs, type, groups[g].scale,
+                          groups[g].xs, threads);
       if (bad >= 0) {
         *failed = g;
         return CheckFinite(config, groups[g].geometry, groups[g].xs[bad]);

@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdint>
 
+#include "server/optim/ns_layout.h"
 #include "server/optim/ns_tasks.h"
 #include "server/optim/symmetric_products.h"
 
@@ -52,6 +53,7 @@ void BatchedMath::Iteration(const at::Tensor& x, const ns::Coefficients& k, at::
   // single-threaded oneDNN product, over the calling thread's OpenMP team.
   TaskBlocks blocks;
   blocks.type = storage_ == at::kFloat ? GemmType::kFloat32 : GemmType::kBFloat16;
+  blocks.round_bf16 = emulation_ == Emulation::kBf16;
   blocks.batch = x.size(0);
   blocks.m = x.size(1);
   blocks.n = x.size(2);
@@ -113,7 +115,14 @@ void BatchedMath::Baddbmm(const char* op, const at::Tensor& c, const at::Tensor&
 }
 
 void BatchedMath::RoundToCompute(at::Tensor& t) {
-  if (emulate_half_) t.copy_(t.to(at::kHalf));
+  if (emulation_ == Emulation::kFp16) t.copy_(t.to(at::kHalf));
+  if (emulation_ == Emulation::kBf16) {
+    if (t.is_contiguous()) {
+      RoundToBf16(t.data_ptr<float>(), t.numel(), omp_get_max_threads());
+    } else {
+      t.copy_(t.to(at::kBFloat16));
+    }
+  }
 }
 
 at::Tensor BatchedMath::ToCompute(const char* op, const at::Tensor& t) {

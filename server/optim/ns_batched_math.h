@@ -35,23 +35,29 @@ class ScopedSingleAtenThread {
   const bool active_;
 };
 
-// The products in one dtype: fp32, bf16 (oneDNN, AVX-512 BF16, fp32 accumulation, each op's result
-// rounded once), or fp16 emulated in fp32 storage (each op's fp32 result rounded to fp16).
-// `*op` names the op in flight for error messages; it is shared between instances.
+// How a reduced dtype is computed when it is not native: in fp32 storage holding values of that
+// dtype, every op's fp32 result rounded to it (nearest even).
+enum class Emulation { kNone, kBf16, kFp16 };
+
+// The products in one dtype: fp32, bf16 (oneDNN, AVX-512 BF16 or AMX, fp32 accumulation, each op's
+// result rounded once), or bf16 or fp16 emulated in fp32 storage (each op's fp32 result rounded to
+// the dtype; cpu_isa.h says when bf16 is). `*op` names the op in flight for error messages; it is
+// shared between instances.
 class BatchedMath {
  public:
-  BatchedMath(at::ScalarType storage, bool emulate_half, const char** op)
-      : storage_(storage), emulate_half_(emulate_half), op_(op) {}
+  BatchedMath(at::ScalarType storage, Emulation emulation, const char** op)
+      : storage_(storage), emulation_(emulation), op_(op) {}
 
   at::ScalarType storage() const { return storage_; }
+  Emulation emulation() const { return emulation_; }
   // Whether Iteration runs on the system BLAS (fp16 emulation) rather than the task pool.
-  bool UsesBlas() const { return emulate_half_; }
+  bool UsesBlas() const { return emulation_ == Emulation::kFp16; }
 
   // One iteration of the formula on x [b, m, n] (contiguous, m <= n, this dtype):
   // a = X X^T, p = b A + c A A, next = a X + P X; a and p are [b, m, m] scratch, next [b, m, n].
-  // fp32 and bf16: the upper-triangle strips and column chunks of ns_tasks.h (single-threaded
-  // oneDNN products side by side on the calling thread's OpenMP team; no BLAS thread pool beside
-  // it). fp16 emulation: the symmetric BLAS products (symmetric_products.h), each op's result
+  // fp32, bf16 and bf16 emulation: the upper-triangle strips and column chunks of ns_tasks.h
+  // (single-threaded oneDNN products side by side on the calling thread's OpenMP team; no BLAS
+  // thread pool beside it; emulation rounds each product's result to bf16). fp16 emulation: the symmetric BLAS products (symmetric_products.h), each op's result
   // rounded to fp16.
   void Iteration(const at::Tensor& x, const ns::Coefficients& k, at::Tensor& a, at::Tensor& p,
                  at::Tensor& next);
@@ -61,9 +67,9 @@ class BatchedMath {
   // out = beta * c + alpha * (a @ b); out must not alias an input.
   void Baddbmm(const char* op, const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
                double beta, double alpha, at::Tensor& out);
-  // Under fp16 emulation, rounds t's fp32 values to fp16 in place; otherwise nothing.
+  // Under emulation, rounds t's fp32 values to the emulated dtype in place; otherwise nothing.
   void RoundToCompute(at::Tensor& t);
-  // A copy of t as an operand in this dtype (rounded to fp16 under emulation).
+  // A copy of t as an operand in this dtype (rounded to it under emulation).
   at::Tensor ToCompute(const char* op, const at::Tensor& t);
   void SetOp(const char* op) { *op_ = op; }
 
@@ -72,7 +78,7 @@ class BatchedMath {
                      at::Tensor& next);
 
   const at::ScalarType storage_;
-  const bool emulate_half_;
+  const Emulation emulation_;
   const char** op_;
 };
 

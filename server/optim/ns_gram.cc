@@ -58,12 +58,14 @@ at::Tensor ApplyQ(BatchedMath& x_math, at::Tensor& q, const at::Tensor& x, Scrat
     x_math.Bmm(op, x_math.ToCompute("cast Q", q), x, out);
     return out;
   }
+  // Emulated bf16 rounds Q to bf16 as the native product's operand (still exactly symmetric).
+  at::Tensor qc = x_math.emulation() == Emulation::kBf16 ? x_math.ToCompute("cast Q", q) : q;
   x_math.SetOp(op);
   at::Tensor xc = x;
   const int64_t m = x.size(1), n = x.size(2);
   ScopedSingleAtenThread blas(true);
   for (int64_t j = 0; j < x.size(0); ++j)
-    SymmetricApply(Block(q, j), Block(xc, j), m, n, 0.0f, Block(out, j));
+    SymmetricApply(Block(qc, j), Block(xc, j), m, n, 0.0f, Block(out, j));
   x_math.RoundToCompute(out);
   return out;
 }

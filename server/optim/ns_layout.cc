@@ -208,6 +208,19 @@ int64_t WriteBackBlocks(const BlockLayout& layout, const void* result, GemmType 
   return WriteBack(layout, static_cast<const float*>(result), s, dst, threads);
 }
 
+void RoundRowsToBf16(float* data, int64_t rows, int64_t cols, int64_t ld) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = data + i * ld;
+    for (int64_t j = 0; j < cols; ++j) row[j] = Bf16ToFloat(FloatToBf16(row[j]));
+  }
+}
+
+void RoundToBf16(float* data, int64_t n, int threads) {
+  ParallelRanges(n, threads, [data](int64_t begin, int64_t end) {
+    RoundRowsToBf16(data + begin, 1, end - begin, 0);
+  });
+}
+
 void RunRanges(int64_t n, int threads, void (*fn)(void*, int64_t, int64_t), void* ctx) {
   const int64_t ranges = (n + kRangeElements - 1) / kRangeElements;
   if (threads <= 1 || ranges < 2) {

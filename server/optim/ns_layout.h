@@ -43,6 +43,12 @@ void NormalizeBlocksInto(const BlockLayout& layout, const float* const* src, dou
 int64_t WriteBackBlocks(const BlockLayout& layout, const void* result, GemmType result_type,
                         double scale, float* const* dst, int threads);
 
+// Rounds fp32 values to the nearest bf16 value (nearest even, common/float_bits.h), kept as fp32:
+// bf16 emulation's rounding of an op's result (cpu_isa.h). RoundRowsToBf16 on the calling thread,
+// rows of `cols` elements `ld` apart; RoundToBf16 on n contiguous elements over the team.
+void RoundRowsToBf16(float* data, int64_t rows, int64_t cols, int64_t ld);
+void RoundToBf16(float* data, int64_t n, int threads);
+
 // The Muon momentum and update of n elements (muon_math.cc's formulas, elementwise) over the team:
 // `fn(begin, end)` on consecutive ranges covering [0, n).
 template <typename Fn>

@@ -10,6 +10,8 @@
 #include <functional>
 #include <vector>
 
+#include "server/optim/ns_layout.h"
+
 namespace muond::server::internal {
 namespace {
 
@@ -132,6 +134,12 @@ void RunPhase(const std::vector<Task>& tasks, int threads,
   if (error) std::rethrow_exception(error);
 }
 
+// Under bf16 emulation, the product's fp32 result rounded to bf16 values (in cache: the task's
+// own output, just written).
+void RoundResult(const TaskBlocks& blk, const GemmArgs& g) {
+  if (blk.round_bf16) RoundRowsToBf16(static_cast<float*>(g.c), g.m, g.n, g.ldc);
+}
+
 // The three phases of TaskIteration, each over its task pool.
 void GramPhase(const TaskBlocks* groups, const std::vector<Task>& gram_strips, int threads,
                const char** op) {
@@ -155,6 +163,7 @@ void GramPhase(const TaskBlocks* groups, const std::vector<Task>& gram_strips, i
                         m,
                         /*b_transposed=*/true};
              DnnlGemm(g);
+             RoundResult(blk, g);
              Mirror(blk.type, ab, m, t.offset, t.size);
            });
 }
@@ -185,6 +194,7 @@ void PolyPhase(const TaskBlocks* groups, const std::vector<Task>& poly_strips,
                         static_cast<float>(k.c),
                         static_cast<float>(k.b)};
              DnnlGemm(g);
+             RoundResult(blk, g);
              Mirror(blk.type, pb, m, t.offset, t.size);
            });
 }
@@ -214,6 +224,7 @@ void ApplyPhase(const TaskBlocks* groups, const std::vector<Task>& chunks,
                1.0f,
                static_cast<float>(k.a)};
     DnnlGemm(g);
+    RoundResult(blk, g);
   });
 }
 

@@ -49,6 +49,9 @@ struct TaskBlocks {
   void* a = nullptr;        // [batch, m, m] scratch
   void* p = nullptr;        // [batch, m, m] scratch
   void* next = nullptr;     // [batch, m, n] result
+  // bf16 emulation (cpu_isa.h): type is kFloat32, x holds bf16 values, and each product's fp32
+  // result is rounded to bf16 (kept as fp32) where a bf16 product would round it.
+  bool round_bf16 = false;
 };
 
 // One iteration with coefficients k of the blocks of `count` groups (each its own shape) on

@@ -2,6 +2,7 @@
 // torch.optim.AdamW(foreach=False)) over 100 steps, and the fused kernel's paths against each other
 // bit for bit.
 #include "server/optim/adamw.h"
+#include "server/optim/cpu_isa.h"
 
 #include <torch/torch.h>
 
@@ -127,15 +128,45 @@ bool SameBits(const State& a, const State& b) {
          std::memcmp(a.v.data(), b.v.data(), bytes) == 0;
 }
 
-TEST(AdamWTest, VectorAndPortablePathsAgreeBitForBit) {
-  if (std::string(AdamWAutoPathName()) != "avx512") {
-    GTEST_SKIP() << "this CPU has no AVX-512: only the portable path exists here";
+// Each vector path against the portable one (the narrower paths are forced on wider CPUs); a
+// path this CPU lacks is skipped, not run as another.
+void ExpectPathMatchesPortable(AdamWPath path, const char* name) {
+  if (std::string(AdamWPathName(path)) != name) {
+    GTEST_SKIP() << "this CPU has no " << name << " path (it would run "
+                 << AdamWPathName(path) << ")";
   }
-  for (size_t n : {size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{2049}, size_t{100003}}) {
-    EXPECT_TRUE(SameBits(FiveSteps(n, AdamWPath::kAvx512, 1, 0.25f),
-                         FiveSteps(n, AdamWPath::kPortable, 1, 0.25f)))
-        << n << " elements";
+  for (size_t n : {size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{15}, size_t{16},
+                   size_t{17}, size_t{2049}, size_t{100003}}) {
+    EXPECT_TRUE(
+        SameBits(FiveSteps(n, path, 1, 0.25f), FiveSteps(n, AdamWPath::kPortable, 1, 0.25f)))
+        << name << ", " << n << " elements";
   }
+}
+
+TEST(AdamWTest, Avx512AndPortablePathsAgreeBitForBit) {
+  ExpectPathMatchesPortable(AdamWPath::kAvx512, "avx512");
+}
+
+TEST(AdamWTest, Avx2AndPortablePathsAgreeBitForBit) {
+  ExpectPathMatchesPortable(AdamWPath::kAvx2, "avx2");
+}
+
+TEST(AdamWTest, Avx2AndAvx512PathsAgreeBitForBit) {
+  if (std::string(AdamWPathName(AdamWPath::kAvx512)) != "avx512") {
+    GTEST_SKIP() << "this CPU has no AVX-512";
+  }
+  const size_t n = 100003;
+  EXPECT_TRUE(SameBits(FiveSteps(n, AdamWPath::kAvx512, 1, 0.25f),
+                       FiveSteps(n, AdamWPath::kAvx2, 1, 0.25f)));
+}
+
+TEST(AdamWTest, AutoFollowsTheCpuPath) {
+  // kAuto is the vector path of the process's CPU path (MUOND_CPU_ISA=avx2 makes it avx2).
+  const CpuIsa isa = CurrentCpuMathPath().isa;
+  const std::string want = isa >= CpuIsa::kAvx512 ? "avx512"
+                           : isa == CpuIsa::kAvx2 ? "avx2"
+                                                  : "portable";
+  EXPECT_EQ(AdamWAutoPathName(), want) << "cpu path " << CpuIsaName(isa);
 }
 
 TEST(AdamWTest, ThreadsDoNotChangeTheResult) {

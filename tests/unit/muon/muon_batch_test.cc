@@ -329,6 +329,7 @@ TEST(MuonThreadsTest, NewtonSchulzBitsDoNotDependOnTheThreadCount) {
       {DType::kFloat32, NsMethod::kStandard, 0},  {DType::kBFloat16, NsMethod::kStandard, 0},
       {DType::kBFloat16, NsMethod::kStandard, 2}, {DType::kFloat16, NsMethod::kStandard, 0},
       {DType::kFloat32, NsMethod::kGram, 0},      {DType::kBFloat16, NsMethod::kPolarExpress, 0},
+      {DType::kBFloat16, NsMethod::kGram, 0},
   };
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{520, 520}, {700, 300}, {300, 1100}};
   for (const Case& c : cases) {
