@@ -3,8 +3,10 @@
 # character-level GPT through it (client/examples/train_tiny_gpt.py: two torch.distributed ranks,
 # ZeRO-2 partition, shared memory) next to the same training with an in-process Muon, prints the
 # per-step losses of both and their largest difference, writes a plot of the two loss curves and
-# then the same in apply mode (bf16 parameters; masters and all optimizer state in the daemon), and
-# stops the daemon. Run as root on Debian 12 (as another user it needs the packages already
+# then the same in apply mode (bf16 parameters; masters and all optimizer state in the daemon; the
+# reference steps from the trainer's parameters each step, and each step's loss difference is held
+# to a bound on what bf16 rounding explains, which fails the run when exceeded), and stops the
+# daemon. Run as root on Debian 12 (as another user it needs the packages already
 # installed and XDG_RUNTIME_DIR set). MUOND_QUICKSTART_STEPS (default 40) and
 # MUOND_QUICKSTART_PLOT (default build/tiny_gpt_loss.png) change the run. The build and both
 # trainings show their progress (deploy/quickstart_progress.py: a bar on a terminal, plain lines
@@ -49,7 +51,8 @@ MUOND_CLIENT_LIB="$root/build/lib/libmuond_client.so" /usr/bin/python3 -u \
   "${progress[@]}" train --steps "$steps" --label "training (update mode)" --log "$train_log"
 echo "== the loss curves (muond vs in-process Muon) are in $plot"
 echo "== the same in apply mode: full optimizer offload, bf16 parameters in the trainer, fp32 masters,"
-echo "   momentum and AdamW state in muond"
+echo "   momentum and AdamW state in muond; each step's loss difference against the reference,"
+echo "   stepped from the same parameters, within the bound bf16 rounding explains"
 MUOND_CLIENT_LIB="$root/build/lib/libmuond_client.so" /usr/bin/python3 -u \
   client/examples/train_tiny_gpt.py --steps "$steps" --mode apply --param-dtype bfloat16 \
   --job-id tiny-gpt-apply --muonctl "$root/build/bin/muonctl" --plot "${plot%.png}_apply.png" \

@@ -469,9 +469,8 @@ def bound_verdict(args, diffs, bounds, start, worst):
     ratio = [r if r == r else math.inf for r in ratio]  # a NaN difference is over its bound
     t = start + max(range(len(ratio)), key=ratio.__getitem__)  # the step nearest its bound
     u = "2^-8" if args.param_dtype == "bfloat16" else "2^-11"
-    why = (f"{args.param_dtype} rounding, {u} relative, of every parameter and of every activation "
-           f"of both forward passes, first order, Hoeffding at lambda {BOUND_LAMBDA:g}; per step "
-           "from the same parameters")
+    why = (f"{u} relative {args.param_dtype} rounding of every parameter and activation, first "
+           f"order, Hoeffding lambda {BOUND_LAMBDA:g}, per step from the same parameters")
     if ratio[t - start] > 1:
         print(f"step {t}: |loss difference| {diffs[t]:.3e} exceeds its bound "
               f"{bounds[t - start]:.3e}: more than rounding explains between muond's parameters "
