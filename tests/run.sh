@@ -5,7 +5,11 @@
 #   tests/run.sh                      by default, in this order, each lane timed:
 #                                     1. install (deploy/install-deps.sh)
 #                                     2. build/ (deploy/build.sh, tests, benchmarks, test hooks)
-#                                     3. ctest in build/, every test, -j MUOND_TEST_JOBS (2)
+#                                     3. ctest in build/, every test, -j MUOND_TEST_JOBS (2);
+#                                        bf16 cases run on the CPU's own path and again on the
+#                                        emulated one (--cpu-isa avx2: the *_emulated entries of
+#                                        Newton-Schulz, device conformance, the OpenCL kernels and
+#                                        the Python bf16 tests)
 #                                     4. the ASan + UBSan lane (tests/sanitize/run.sh address: its
 #                                        own build in build-asan/, -O1 -g1, then the unit,
 #                                        integration, shared-memory, hostile and fuzz-replay

@@ -112,7 +112,8 @@ TEST_F(StatusJsonTest, DescribesDaemonAndJobsWithoutTokens) {
   StepHistory::Default().Record("page", created_ms, {0, 1, 0.25, {0.01, 0.02, 0.2, 0, 0, 0.02}});
 
   StatusSource source(registry_.get(), nullptr,
-                      {"9.9.9", "cpu", "cpu (test)", "test cpu", "", 1000, {{"max_jobs", 64}}});
+                      {"9.9.9", "cpu", "cpu (test)", "test cpu", "avx2 (bf16 emulated: test)", "",
+                       1000, {{"max_jobs", 64}}});
   source.SetMetricsAddress("127.0.0.1:1");
   const std::string text = source.Render();
   EXPECT_EQ(text.find(created->token), std::string::npos);
@@ -121,6 +122,7 @@ TEST_F(StatusJsonTest, DescribesDaemonAndJobsWithoutTokens) {
   EXPECT_EQ(s["format"], "muond-status");
   EXPECT_EQ(s["daemon"]["version"], "9.9.9");
   EXPECT_EQ(s["daemon"]["backend_why"], "cpu (test)");
+  EXPECT_EQ(s["daemon"]["cpu_math"], "avx2 (bf16 emulated: test)");
   EXPECT_EQ(s["daemon"]["metrics_address"], "127.0.0.1:1");
   EXPECT_EQ(s["daemon"]["limits"]["max_jobs"], 64);
   EXPECT_EQ(s["daemon"]["jobs"], 1);

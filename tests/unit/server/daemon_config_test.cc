@@ -62,6 +62,29 @@ TEST(DaemonConfigTest, MetricsAddress) {
   }
 }
 
+TEST(DaemonConfigTest, CpuIsa) {
+  auto c = Parse({});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->cpu_isa, "auto");
+  for (const char* isa : {"auto", "avx2", "avx512", "amx"}) {
+    c = Parse({"--cpu-isa", isa});
+    ASSERT_TRUE(c.ok()) << isa << ": " << c.status();
+    EXPECT_EQ(c->cpu_isa, isa);
+  }
+  c = Parse({"--config", WriteConfig("cpu-isa = avx2\n"), "--cpu-isa=avx512"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->cpu_isa, "avx512");  // the flag wins over the file
+  // Whether the CPU has the ISA is checked at start (server/optim/cpu_isa.h), not here; names are.
+  for (const char* bad : {"", "AVX2", "avx", "sse4", "avx512bf16", "auto "}) {
+    auto r = Parse({"--cpu-isa", bad});
+    ASSERT_FALSE(r.ok()) << "'" << bad << "'";
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("--cpu-isa"), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("expected auto, avx2, avx512 or amx"), std::string::npos)
+        << r.status();
+  }
+}
+
 TEST(DaemonConfigTest, RejectsBadInputNamingIt) {
   auto unknown = Parse({"--frobnicate", "1"});
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
