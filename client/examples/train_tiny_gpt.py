@@ -21,14 +21,8 @@ optimizer: muon_offload.reference.ApplyReference (torch.optim.AdamW plus the ref
 fp32 masters of its own), whose masters set the reference model's parameters (.to(param dtype)).
 It steps with the trainer's gradients, taken at the parameters muond returned, so each step starts
 from the same state and nothing compounds through the loss. With bf16 or fp16 parameters, each
-step's loss difference is held to 2 lambda u (|c|_2 + |g w|_2), u the unit roundoff (2^-8 bf16,
-2^-11 fp16), lambda 6: the masters differ by float32 arithmetic only, so each parameter is equal or
-one rounding apart (|dw_i| <= 2u |w_i|, w_i taken at least 2^-8 of its tensor's rms, as float32
-errors scale with the tensor), and the two forward passes round each activation a_j once
-(relative error <= u). Taken as independent (Higham and Mary's probabilistic rounding model),
-Hoeffding's inequality holds the first-order effects, sum_i g_i dw_i (g: the step's mean gradient)
-to 2 lambda u |g w|_2 and each pass's sum_j c_j delta_j (c_j = a_j dL/da_j) to lambda u |c|_2,
-each exceeded with probability 2 exp(-lambda^2 / 2) < 1e-7.
+step's loss difference is held to a first-order bound on what rounding explains (rounding_bound.py
+derives it).
 Both modes print, at the end, the optimizer-state bytes held in the trainer process and by muond
 (JobStatus momentum_bytes through `muonctl status --json`).
 
@@ -60,12 +54,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 import muon_offload  # noqa: E402
 from muon_offload import MuondError, MultiNodeMuonWithAuxAdam, MuonWithAuxAdam  # noqa: E402
+# Beside this file: Python puts a script's own directory on sys.path, whatever the cwd.
+from rounding_bound import RoundingRecord, bound_factor, bound_verdict, parameter_norm  # noqa: E402
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 
@@ -151,7 +146,6 @@ def checkpoint_path(directory, rank):
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BOUND_LAMBDA = 6.0  # Hoeffding: a term of the bound exceeded with probability 2 exp(-18)
 ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-10
 
 
@@ -159,29 +153,6 @@ def lr_factor(step, steps):
     """The LR schedule of apply mode (a LambdaLR on the muond optimizer, recomputed on its own by
     the reference): linear decay to 10%."""
     return 1.0 - 0.9 * step / max(1, steps)
-
-
-class RoundingRecord(TorchFunctionMode):
-    """Around a forward pass: keeps every operation's output that was rounded to `dtype` (not
-    views, nor the exact embedding lookup, masking and copies) with its gradient, so that after
-    backward squared_sum() is sum_j (a_j dL/da_j)^2, |c|_2^2 of the bound at the top."""
-    EXACT = ("embedding", "masked_fill", "reshape")
-
-    def __init__(self, dtype):
-        super().__init__()
-        self.dtype, self.outputs = dtype, []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if (torch.is_tensor(out) and out.dtype == self.dtype and out.requires_grad
-                and out._base is None and getattr(func, "__name__", "") not in self.EXACT):
-            out.retain_grad()
-            self.outputs.append(out)
-        return out
-
-    def squared_sum(self):
-        return sum(float((a.double() * a.grad.double()).pow(2).sum()) for a in self.outputs
-                   if a.grad is not None)
 
 
 class ApplyModeReference:
@@ -206,8 +177,7 @@ class ApplyModeReference:
     @torch.no_grad()
     def step(self, factor, world):
         """Steps from the trainer's gradients; before its optimizer steps, so at the parameters w
-        the trainer's loss was computed at. Returns |g w|_2 of the bound at the top (g: the mean
-        gradient, each |w_i| at least 2^-8 of its tensor's rms)."""
+        the trainer's loss was computed at. Returns |g w|_2 of the rounding bound."""
         flat = torch.cat([p.grad.float().reshape(-1) for p in self.trainer])  # exact
         every = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(every, flat)
@@ -219,14 +189,12 @@ class ApplyModeReference:
         for p in self.params:
             grads.append(total[at:at + p.numel()].view(p.shape))
             at += p.numel()
-        w = torch.cat([p.double().abs().clamp(min=p.double().pow(2).mean().sqrt().item() / 256)
-                       .reshape(-1) for p in self.trainer])
-        sensitivity = total.double().div(world).mul(w).norm()
+        sensitivity = parameter_norm(self.trainer, total, world)
         self.ref.step(grads, {k: v * factor for k, v in self.lr.items()}, self.wd,
                       grad_divisor=world)
         for p, m in zip(self.params, self.ref.params(dtype)):
             p.copy_(m)
-        return sensitivity.item()
+        return sensitivity
 
     def state_dict(self):
         return self.ref.state_dict()
@@ -289,7 +257,7 @@ def make_optimizers(model, reference, args, job_id=None, token=None):
 def train_step(step, model, reference, opt, opt_ref, scheduler, x, y, rank, world, args,
                refusals):
     """One step of both; returns their losses (means over the ranks) and, in apply mode with bf16
-    or fp16 parameters, |c|_2 + |g w|_2 of the bound at the top."""
+    or fp16 parameters, |c|_2 + |g w|_2 of the rounding bound."""
     apply = args.mode == "apply"
     if apply:  # the reference's loss at its own parameters; it steps with the trainer's gradients
         with torch.no_grad():
@@ -300,8 +268,7 @@ def train_step(step, model, reference, opt, opt_ref, scheduler, x, y, rank, worl
     with record:
         loss = model(x, y)
     loss.backward()
-    # c_j = a_j dL/da_j for L the mean of the ranks' losses: each rank's activations, over world.
-    activations = math.sqrt(global_mean(record.squared_sum(), world) / world) if bounded else 0.0
+    activations = record.norm(world) if bounded else 0.0
     if step == args.inject_nonfinite_at:
         # A poisoned gradient on one rank: muond refuses the step for the whole job and nothing
         # changes; the gradients are computed again and the step retried.
@@ -378,8 +345,8 @@ def run_rank(rank, world, args, store_path, result_path):
                                               *((resume["job_id"], resume["token"]) if resume
                                                 else ()))
     losses, ref_losses, bounds, start = [], [], [], 0
-    # The per-step bound of apply mode (see the top): 2 lambda u (|c|_2 + |g w|_2).
-    eps = (BOUND_LAMBDA * torch.finfo(DTYPES[args.param_dtype]).eps * args.bound_scale
+    # The per-step bound of apply mode (rounding_bound.py): 2 lambda u (|c|_2 + |g w|_2).
+    eps = (bound_factor(DTYPES[args.param_dtype], args.bound_scale)
            if args.mode == "apply" and args.param_dtype != "float32" else None)
     if resume:
         opt.load_state_dict(resume["optimizer"])
@@ -457,27 +424,6 @@ def plot(losses, ref_losses, path, mode="update"):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def bound_verdict(args, diffs, bounds, start, worst):
-    """(every step within its bound, what the parity line says of it); the bound: see the top."""
-    if args.mode == "update" or worst is None:
-        return True, ""
-    if args.param_dtype == "float32":
-        return True, " (float32 parameters: no rounding bound)"
-    ratio = [d / b if b > 0 else (math.inf if d else 0.0) for d, b in zip(diffs[start:], bounds)]
-    ratio = [r if r == r else math.inf for r in ratio]  # a NaN difference is over its bound
-    t = start + max(range(len(ratio)), key=ratio.__getitem__)  # the step nearest its bound
-    u = "2^-8" if args.param_dtype == "bfloat16" else "2^-11"
-    why = (f"{u} relative {args.param_dtype} rounding of every parameter and activation, first "
-           f"order, Hoeffding lambda {BOUND_LAMBDA:g}, per step from the same parameters")
-    if ratio[t - start] > 1:
-        print(f"step {t}: |loss difference| {diffs[t]:.3e} exceeds its bound "
-              f"{bounds[t - start]:.3e}: more than rounding explains between muond's parameters "
-              "and the reference's", file=sys.stderr)
-        return False, f"; step {t}: {diffs[t]:.3e} > bound {bounds[t - start]:.3e} ({why})"
-    return True, (f" <= bound {bounds[worst - start]:.3e} ({why}); every step within its bound, "
-                  f"the nearest at {100 * ratio[t - start]:.2g}% (step {t})")
 
 
 def parse_args(argv=None):
