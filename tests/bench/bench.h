@@ -64,6 +64,17 @@ std::map<std::string, double> PhaseSums(const std::string& metrics, const std::s
 // User + system CPU seconds used so far by process `pid` (0: this process), from /proc.
 double CpuSeconds(pid_t pid);
 
+// --cpu-isa of `ns` and `peer` (server/optim/cpu_isa.h): sets this process's CPU path before any
+// LibTorch or oneDNN work. A forced path narrower than AVX-512 also has the system BLAS (OpenBLAS:
+// LibTorch's fp32 GEMMs, muond's SYRK/SYMM) run its AVX2 kernels, as on an AVX2 machine: the
+// benchmark re-executes itself once with OPENBLAS_CORETYPE=Haswell (read when OpenBLAS loads)
+// unless that variable is set. Returns -1 to go on, or the exit code (2: refused, the error
+// printed). `argv` is the subcommand's (argv[0] the subcommand's name).
+int SetBenchCpuIsa(const char* bench, const std::string& isa, int argc, char** argv);
+// One line on the CPU path in use, and the system BLAS's kernel set ("unknown" if not OpenBLAS).
+std::string CpuPathLine();
+std::string BlasCoreName();
+
 // Flags of a subcommand: `--name value` or `--name=value`; `--help`/`-h` is returned as "help".
 // INVALID_ARGUMENT for a flag not in `known`, a missing value or a positional argument.
 absl::StatusOr<std::map<std::string, std::string>> ParseFlags(int argc, char** argv,

@@ -7,7 +7,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -16,8 +19,14 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/metrics_scrape.h"
+#include "server/optim/adamw.h"
+#include "server/optim/cpu_isa.h"
 #include "tests/bench/bench.h"
+
+// OpenBLAS's name for its kernel set; weak: absent when the system BLAS is another library.
+extern "C" char* openblas_get_corename(void) __attribute__((weak));
 
 namespace muond::bench {
 
@@ -25,6 +34,37 @@ std::string MakeTempDir(const std::string& prefix) {
   std::string pattern = "/tmp/" + prefix + "-XXXXXX";
   const char* dir = mkdtemp(pattern.data());
   return dir == nullptr ? std::string("/tmp") : std::string(dir);
+}
+
+int SetBenchCpuIsa(const char* bench, const std::string& isa, int argc, char** argv) {
+  if (isa == "avx2" && std::getenv("OPENBLAS_CORETYPE") == nullptr &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    setenv("OPENBLAS_CORETYPE", "Haswell", 1);
+    std::vector<char*> args = {const_cast<char*>("muond-bench")};
+    for (int i = 0; i < argc; ++i) args.push_back(argv[i]);
+    args.push_back(nullptr);
+    execv("/proc/self/exe", args.data());
+    std::fprintf(stderr, "muond-bench %s: re-executing with OPENBLAS_CORETYPE=Haswell failed: %s\n",
+                 bench, std::strerror(errno));
+    return 1;
+  }
+  if (absl::Status s = server::ConfigureCpuIsa(isa); !s.ok()) {
+    std::fprintf(stderr, "muond-bench %s: %s\n", bench, std::string(s.message()).c_str());
+    return 2;
+  }
+  return -1;
+}
+
+std::string BlasCoreName() {
+  if (openblas_get_corename == nullptr) return "unknown";
+  const char* name = openblas_get_corename();
+  return name != nullptr ? name : "unknown";
+}
+
+std::string CpuPathLine() {
+  return absl::StrCat("cpu path: ", server::DescribeCpuMathPath(server::CurrentCpuMathPath()),
+                      "; AdamW ", server::AdamWAutoPathName(), "; system BLAS kernels ",
+                      BlasCoreName());
 }
 
 pid_t StartDaemon(const std::string& dir, int threads, std::string* address,

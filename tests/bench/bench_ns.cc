@@ -7,8 +7,11 @@
 // implementation actually computes; so an NS that saves work (e.g. by symmetry) can pass the GEMM
 // rate. The GEMM baseline of a dtype is the best rate of the plain LibTorch matmuls (at::mm) of
 // that dtype over every shape measured: X X^T ([m, n] x its transpose) and B X ([m, m] x [m, n],
-// i.e. n x n @ n x n for a square shape). float16 has no CPU Half GEMM in LibTorch 1.13 (NS
-// emulates it on fp32 GEMMs), so its baseline is the fp32 one.
+// i.e. n x n @ n x n for a square shape). Each dtype is compared with the GEMMs of the dtype it is
+// computed in: float16 has no CPU Half GEMM in LibTorch 1.13 (NS emulates it on fp32 GEMMs), and
+// bfloat16 on a CPU path without bf16 instructions (--cpu-isa avx2, or an AVX2 machine: NS
+// emulates it on fp32 products, server/optim/cpu_isa.h), so their baseline is the fp32 one. The
+// header prints the CPU path measured.
 //
 // ratio = geometric mean over the shapes and dtypes of NS GFLOP/s / best GEMM GFLOP/s of the dtype.
 #include <ATen/ATen.h>
@@ -30,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/job_spec.h"
+#include "server/optim/cpu_isa.h"
 #include "server/optim/muon_math.h"
 #include "tests/bench/bench.h"
 
@@ -51,7 +55,7 @@ constexpr int kMaxAutoIters = 100000;
 
 constexpr const char* kUsage =
     "usage: muond-bench ns [--threads N] [--sizes 512,1024,1024x3072]\n"
-    "                      [--dtypes float32,bfloat16] [--iters K]\n"
+    "                      [--dtypes float32,bfloat16] [--iters K] [--cpu-isa auto]\n"
     "  Newton-Schulz (standard, 5 iterations) on one r x c fp32 matrix computed in each dtype,\n"
     "  in standard-equivalent GFLOP/s (the plain formula's FLOPs), against the best plain\n"
     "  LibTorch matmul GFLOP/s of the same dtype over the shapes (X X^T and B X of each).\n"
@@ -62,6 +66,9 @@ constexpr const char* kUsage =
     "             Half GEMM)\n"
     "  --iters    timed calls per measurement, after one untimed call (default: auto, >= 1 s\n"
     "             and >= 3 calls)\n"
+    "  --cpu-isa  auto, avx2, avx512 or amx: the CPU path, as muond's flag (avx2: bf16 emulated\n"
+    "             on fp32 products, compared with the fp32 GEMM rate; the system BLAS is put on\n"
+    "             its AVX2 kernels too)\n"
     "Last line: result: ns ratio=<geometric mean of NS / best GEMM of the dtype> "
     "target=<target>\n";
 
@@ -95,6 +102,7 @@ struct Shape {
 struct NsOptions {
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   int iters = 0;  // 0: auto
+  std::string cpu_isa = "auto";
   std::vector<Shape> shapes = {{512, 512}, {1024, 1024}, {1024, 3072}};
   std::vector<common::DType> dtypes = {common::DType::kFloat32, common::DType::kBFloat16};
 };
@@ -126,7 +134,7 @@ absl::StatusOr<std::vector<Shape>> ParseShapes(const std::string& value) {
 // Parses the flags into *options; returns -1 to go on, or the exit code after printing the usage
 // (--help: 0) or an error (2).
 int ParseNsOptions(int argc, char** argv, NsOptions* options) {
-  auto flags = ParseFlags(argc, argv, {"threads", "sizes", "dtypes", "iters"});
+  auto flags = ParseFlags(argc, argv, {"threads", "sizes", "dtypes", "iters", "cpu-isa"});
   if (!flags.ok()) {
     std::fprintf(stderr, "muond-bench ns: %s\n%s", std::string(flags.status().message()).c_str(),
                  kUsage);
@@ -146,6 +154,7 @@ int ParseNsOptions(int argc, char** argv, NsOptions* options) {
     std::fprintf(stderr, "muond-bench ns: --iters must be a positive integer\n");
     return 2;
   }
+  if (flags->count("cpu-isa")) options->cpu_isa = flags->at("cpu-isa");
   if (flags->count("sizes")) {
     auto parsed = ParseShapes(flags->at("sizes"));
     if (!parsed.ok()) {
@@ -173,9 +182,12 @@ int ParseNsOptions(int argc, char** argv, NsOptions* options) {
   return -1;
 }
 
-// The GEMM dtype of a compute dtype's baseline: float16 has no CPU Half GEMM (fp32).
+// The GEMM dtype of a compute dtype's baseline: the dtype its products are computed in (float16
+// always emulated on fp32; bfloat16 on fp32 where the CPU path emulates it).
 common::DType GemmDType(common::DType dtype) {
-  return dtype == common::DType::kFloat16 ? common::DType::kFloat32 : dtype;
+  if (dtype == common::DType::kFloat16) return common::DType::kFloat32;
+  if (dtype == common::DType::kBFloat16 && server::EmulateBf16()) return common::DType::kFloat32;
+  return dtype;
 }
 
 // The best GEMM rate of one dtype, and where it was measured.
@@ -252,11 +264,15 @@ int RunNsBench(int argc, char** argv) {
   if (const int exit_code = ParseNsOptions(argc, argv, &options); exit_code >= 0) {
     return exit_code;
   }
+  if (const int exit_code = SetBenchCpuIsa("ns", options.cpu_isa, argc, argv); exit_code >= 0) {
+    return exit_code;
+  }
   const int iters = options.iters;
   server::SetMathThreads(options.threads);
   c10::InferenceMode no_autograd;
   std::printf("muond-bench ns: threads=%d ns_steps=%d method=standard iters=%s\n",
               server::MathThreads(), kNsSteps, iters > 0 ? std::to_string(iters).c_str() : "auto");
+  std::printf("%s\n", CpuPathLine().c_str());
   const std::map<common::DType, BestGemm> best = MeasureBaselines(options);
   std::printf("%-10s  %-9s  %16s  %-9s  %14s  %7s\n", "shape", "dtype", "NS GFLOP/s (std)",
               "baseline", "GEMM GFLOP/s", "ratio");

@@ -21,6 +21,11 @@
 // and scale in float64). ratio = worst muond/peer over the standard configurations. Exit 1 unless
 // every muond error is finite and within DESIGN.md 3's bound (fp32 1e-4, bf16 5e-2, 2e-2 with
 // fp32_iterations >= 2) or no worse than the peer's.
+//
+// Both sides run on every x86-64 machine: --cpu-isa (auto) is this process's CPU path and the
+// daemon's. The header prints the peer's path (LibTorch's bf16 products: oneDNN's bf16 kernels with
+// AVX-512 BF16 or AMX, its slow fallback without) and muond's (its muond_build_info labels: bf16
+// native, or emulated on fp32 products).
 #include "tests/bench/bench_peer.h"
 
 #include <ATen/ATen.h>
@@ -44,9 +49,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/client.h"
+#include "client/metrics_scrape.h"
 #include "common/dtype.h"
 #include "common/job_spec.h"
 #include "common/layout.h"
+#include "server/optim/cpu_isa.h"
 #include "tests/bench/bench.h"
 
 namespace muond::bench {
@@ -85,7 +92,7 @@ double Bound(common::DType dtype, int fp32_iterations) {
 constexpr const char* kUsage =
     "usage: muond-bench peer [--threads N] [--steps 3] [--warmup 1] [--layers 2]\n"
     "                        [--configs fp32-standard,bf16-standard,fp32-gram,bf16-gram]\n"
-    "                        [--fp32-iterations 0]\n"
+    "                        [--fp32-iterations 0] [--cpu-isa auto]\n"
     "  muond (one rank over shared memory) vs the usual in-process LibTorch Muon: median s/step\n"
     "  and the first step's relative Frobenius error against float64 (worst matrix).\n"
     "  --threads          daemon --threads and LibTorch threads (default: all hardware threads)\n"
@@ -94,6 +101,7 @@ constexpr const char* kUsage =
     "  --layers           layers of 7 matrices\n"
     "  --configs          which of the four configurations (the peer has no gram: n/a)\n"
     "  --fp32-iterations  muond's muon.fp32_iterations for bf16 compute\n"
+    "  --cpu-isa          auto, avx2, avx512 or amx: the CPU path of both sides (muond --cpu-isa)\n"
     "Last line: result: peer ratio=<worst muond/peer, standard configs> target=0.65\n";
 
 struct PeerOptions {
@@ -102,6 +110,7 @@ struct PeerOptions {
   int warmup = 1;
   int layers = 2;
   int fp32_iterations = 0;
+  std::string cpu_isa = "auto";
   std::vector<PeerConfig> configs;
 };
 
@@ -118,7 +127,8 @@ bool ParseInt(const std::map<std::string, std::string>& flags, const char* name,
 // (--help: 0) or an error (2).
 int ParsePeerOptions(int argc, char** argv, PeerOptions* options) {
   auto flags = ParseFlags(argc, argv,
-                          {"threads", "steps", "warmup", "layers", "configs", "fp32-iterations"});
+                          {"threads", "steps", "warmup", "layers", "configs", "fp32-iterations",
+                           "cpu-isa"});
   if (!flags.ok()) {
     std::fprintf(stderr, "muond-bench peer: %s\n%s", std::string(flags.status().message()).c_str(),
                  kUsage);
@@ -137,6 +147,7 @@ int ParsePeerOptions(int argc, char** argv, PeerOptions* options) {
       !ParseInt(*flags, "fp32-iterations", 0, kNsSteps, &o.fp32_iterations)) {
     return 2;
   }
+  if (flags->count("cpu-isa")) o.cpu_isa = flags->at("cpu-isa");
   const std::string names = flags->count("configs")
                                 ? flags->at("configs")
                                 : "fp32-standard,bf16-standard,fp32-gram,bf16-gram";
@@ -155,6 +166,29 @@ int ParsePeerOptions(int argc, char** argv, PeerOptions* options) {
     return 2;
   }
   return -1;
+}
+
+// The CPU path of each side: this process's (the peer's LibTorch products) and the daemon's, from
+// its muond_build_info labels.
+void PrintPaths(const std::string& metrics) {
+  const server::CpuMathPath& path = server::CurrentCpuMathPath();
+  std::printf("peer path: %s; LibTorch bf16 products %s; fp32 on the system BLAS (%s)\n",
+              server::CpuIsaName(path.isa),
+              path.bf16_native ? "on oneDNN's bf16 kernels"
+                               : "without bf16 instructions (LibTorch's fallback kernels)",
+              BlasCoreName().c_str());
+  std::string isa = "?", bf16 = "?";
+  if (auto samples = client::ScrapeMetrics(metrics); samples.ok()) {
+    for (const client::MetricSample& s : *samples) {
+      if (s.name != "muond_build_info") continue;
+      if (auto it = s.labels.find("cpu_isa"); it != s.labels.end()) isa = it->second;
+      if (auto it = s.labels.find("cpu_bf16"); it != s.labels.end()) bf16 = it->second;
+    }
+  }
+  std::printf("muond path: %s; bf16 %s\n", isa.c_str(),
+              bf16 == "native"     ? "native (oneDNN bf16 products)"
+              : bf16 == "emulated" ? "emulated (fp32 products rounded to bf16 at each op)"
+                                   : bf16.c_str());
 }
 
 // The matrices of `muond-bench step`: per layer q, k, v, o, gate, up, down.
@@ -349,6 +383,9 @@ std::optional<Row> MeasureConfig(client::Client& client, const PeerConfig& confi
 int RunPeerBench(int argc, char** argv) {
   PeerOptions o;
   if (const int exit_code = ParsePeerOptions(argc, argv, &o); exit_code >= 0) return exit_code;
+  if (const int exit_code = SetBenchCpuIsa("peer", o.cpu_isa, argc, argv); exit_code >= 0) {
+    return exit_code;
+  }
   c10::InferenceMode no_autograd;
   at::set_num_threads(o.threads);
   const std::vector<common::MatrixSpec> matrices = LayerMatrices(o.layers);
@@ -366,8 +403,9 @@ int RunPeerBench(int argc, char** argv) {
   std::string address;
   DaemonRef ref_daemon;
   ref_daemon.metrics = absl::StrCat("127.0.0.1:", FreePort());
-  const pid_t daemon = StartDaemon(dir, o.threads, &address,
-                                   {"--backend", "cpu", "--metrics-address", ref_daemon.metrics});
+  const pid_t daemon =
+      StartDaemon(dir, o.threads, &address,
+                  {"--backend", "cpu", "--metrics-address", ref_daemon.metrics, "--cpu-isa", o.cpu_isa});
   ref_daemon.pid = daemon;
   auto client = client::Client::Connect(address);
   if (!client.ok() || !WaitHealthy(**client)) {
@@ -375,6 +413,7 @@ int RunPeerBench(int argc, char** argv) {
     StopDaemon(daemon, dir);
     return 1;
   }
+  PrintPaths(ref_daemon.metrics);
   // One float64 reference serves every configuration: the fp32 and bf16 gradients hold the
   // same (bf16-representable) values, hence the same momentum input.
   std::map<common::DType, Gradients> grads;
