@@ -121,6 +121,7 @@ int RunAdamWBench(int argc, char** argv) {
       " best of %d\n",
       static_cast<long long>(n),
       o.out ? std::string(common::DTypeName(o.out_dtype)).c_str() : "nothing", o.threads, o.reps);
+  std::printf("%s\n", CpuPathLine().c_str());  // MUOND_CPU_ISA=avx2 measures the AVX2 path
   at::set_num_threads(o.threads);
   torch::manual_seed(5);
   torch::Tensor p0 = torch::randn({o.params});

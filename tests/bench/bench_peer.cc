@@ -29,6 +29,7 @@
 #include "tests/bench/bench_peer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
@@ -388,6 +389,12 @@ int RunPeerBench(int argc, char** argv) {
   }
   c10::InferenceMode no_autograd;
   at::set_num_threads(o.threads);
+  if (!server::CurrentCpuMathPath().bf16_native) {
+    // LibTorch picks oneDNN's bf16 matmul from the CPU's flags, not from oneDNN's cap: with the
+    // path forced narrower than the CPU it would call a primitive oneDNN no longer has. Off, its
+    // bf16 products take the fallback kernels an AVX2 machine runs.
+    at::globalContext().setUserEnabledMkldnn(false);
+  }
   const std::vector<common::MatrixSpec> matrices = LayerMatrices(o.layers);
   uint64_t total = 0;
   for (const auto& m : matrices) total += static_cast<uint64_t>(m.numel());
