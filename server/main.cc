@@ -262,6 +262,9 @@ int Serve(const DaemonConfig& config) {
                   << " compute threads, gather budget " << config.gather_budget_bytes
                   << " bytes, state " << config.state_dir
                   << ((*api)->shm() ? absl::StrCat("; shared memory on ", (*api)->shm_path()) : "");
+  // Logged once serving (a daemon that fails to start prints its one error line only).
+  MUOND_LOG(INFO) << "cpu math " << DescribeCpuMathPath(CurrentCpuMathPath()) << "; AdamW "
+                  << AdamWAutoPathName();
   auto observability = StartMetrics(config, backend, (*devices)->why, &registry, **api);
   if (!observability.ok()) return Fail(1, std::string(observability.status().message()));
   ServeUntilStopped(config, registry, *std::move(api), *std::move(observability));
@@ -309,8 +312,6 @@ int Run(int argc, char** argv) {
   if (absl::Status s = ConfigureCpuIsa(config->cpu_isa); !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
-  MUOND_LOG(INFO) << "cpu math " << DescribeCpuMathPath(CurrentCpuMathPath()) << "; AdamW "
-                  << AdamWAutoPathName();
   return Serve(*config);
 }
 

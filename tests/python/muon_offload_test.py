@@ -201,18 +201,38 @@ class PartitionTest(unittest.TestCase):
         self.assertIn("outside the world size", e.exception.message)
 
 
-class EndToEndTest(unittest.TestCase):
-    """Daemon + 2 gloo ranks training the tiny GPT: muond against the in-process Muon."""
+class DaemonCase(unittest.TestCase):
+    """A test class with a daemon of its own and a temporary directory (TMP_PREFIX), both for the
+    whole class; the daemon must exit 0 on SIGTERM at the end."""
+    TMP_PREFIX = "muon-offload-"
 
     @classmethod
     def setUpClass(cls):
         cls.daemon = Daemon()
-        cls.tmp = tempfile.TemporaryDirectory(prefix="tiny-gpt-test-")
+        cls.tmp = tempfile.TemporaryDirectory(prefix=cls.TMP_PREFIX)
 
     @classmethod
     def tearDownClass(cls):
         cls.daemon.close(unittest.TestCase())
         cls.tmp.cleanup()
+
+    def job_show(self, job_id, token):
+        """`muonctl job show` of a job (the token through a 0600 file); its output."""
+        muonctl = os.path.join(os.path.dirname(MUOND), "muonctl")
+        token_file = os.path.join(self.tmp.name, f"{job_id}.token")
+        with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(token)
+        out = subprocess.run([muonctl, "--address", self.daemon.address, "job", "show",
+                              "--job", job_id, "--token-file", token_file],
+                             capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        return out.stdout
+
+
+class EndToEndTest(DaemonCase):
+    """Daemon + 2 gloo ranks training the tiny GPT: muond against the in-process Muon."""
+
+    TMP_PREFIX = "tiny-gpt-test-"
 
     def check_trajectory(self, result, steps, start=0):
         losses, ref = result["losses"], result["ref_losses"]
@@ -245,32 +265,13 @@ class EndToEndTest(unittest.TestCase):
         self.assertIn("gRPC", out)
 
 
-class Bf16ComputeTest(unittest.TestCase):
+class Bf16ComputeTest(DaemonCase):
     """compute_dtype bfloat16 through the daemon, on whichever CPU path it runs (native AVX-512
     BF16 / AMX, or emulated in fp32: MUOND_TEST_CPU_ISA=avx2 forces that on any machine): steps
     succeed, each Muon matrix's update is within DESIGN.md 3's bf16 bound (5e-2 relative) of the
     same job in fp32, and muonctl job show names the path."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon()
-        cls.tmp = tempfile.TemporaryDirectory(prefix="muon-offload-bf16-")
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.close(unittest.TestCase())
-        cls.tmp.cleanup()
-
-    def job_show(self, job_id, token):
-        muonctl = os.path.join(os.path.dirname(MUOND), "muonctl")
-        token_file = os.path.join(self.tmp.name, f"{job_id}.token")
-        with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(token)
-        out = subprocess.run([muonctl, "--address", self.daemon.address, "job", "show",
-                              "--job", job_id, "--token-file", token_file],
-                             capture_output=True, text=True)
-        self.assertEqual(out.returncode, 0, out.stderr)
-        return out.stdout
+    TMP_PREFIX = "muon-offload-bf16-"
 
     def test_bf16_steps_track_fp32(self):
         runs = {}
@@ -300,18 +301,10 @@ class Bf16ComputeTest(unittest.TestCase):
               f"3 steps {worst:.3e} (bound 5e-2)", file=sys.stderr)
 
 
-class CheckpointTest(unittest.TestCase):
+class CheckpointTest(DaemonCase):
     """save_checkpoint(), state_dict()/load_state_dict() through the daemon's checkpoints."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon()
-        cls.tmp = tempfile.TemporaryDirectory(prefix="tiny-gpt-ckpt-")
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.close(unittest.TestCase())
-        cls.tmp.cleanup()
+    TMP_PREFIX = "tiny-gpt-ckpt-"
 
     def test_state_dict_round_trip_single_rank(self):
         params = small_model()
@@ -385,18 +378,10 @@ class CheckpointTest(unittest.TestCase):
               f"{losses[-1]:.4f}, max |diff| vs in-process {worst:.3e}", file=sys.stderr)
 
 
-class BadUseTest(unittest.TestCase):
+class BadUseTest(DaemonCase):
     """Clear exceptions with code and message; nothing corrupted afterwards."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon()
-        cls.tmp = tempfile.TemporaryDirectory(prefix="muon-offload-bad-")
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.close(unittest.TestCase())
-        cls.tmp.cleanup()
+    TMP_PREFIX = "muon-offload-bad-"
 
     def pair(self, job_id):
         """Two muond jobs on two copies of the same model: the one that sees bad input, and a
@@ -424,15 +409,8 @@ class BadUseTest(unittest.TestCase):
         self.assertEqual(opt.muon_config["fp32_iterations"], 2)
         set_grads(params, 3)
         opt.step()
-        muonctl = os.path.join(os.path.dirname(MUOND), "muonctl")
-        token_file = os.path.join(self.tmp.name, "fp32-two.token")
-        with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(opt.token)
-        out = subprocess.run([muonctl, "--address", self.daemon.address, "job", "show",
-                              "--job", "fp32-two", "--token-file", token_file],
-                             capture_output=True, text=True)
-        self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertIn("compute_dtype=bfloat16 scale_mode=original fp32_iterations=2", out.stdout)
+        self.assertIn("compute_dtype=bfloat16 scale_mode=original fp32_iterations=2",
+                      self.job_show("fp32-two", opt.token))
 
     def test_no_daemon(self):
         address = f"unix://{self.tmp.name}/nobody-listens.sock"
