@@ -90,6 +90,12 @@ if len(rects) != 6 * steps:
     bad.append(f"{len(rects)} phase rects for {steps} steps of 6 phases")
 if "newton_schulz" not in rects:
     bad.append("no newton_schulz phase rect")
+# The CPU math path (server/optim/cpu_isa.h) as a fact of the daemon, as the JSON has it.
+cpu_math = json.loads(status)["daemon"].get("cpu_math", "")
+if not re.match(r"(amx|avx512|avx2|baseline) \(bf16 (native|emulated)", cpu_math):
+    bad.append(f"JSON: daemon.cpu_math = {cpu_math!r}")
+elif "CPU math" not in dom or cpu_math.split(" (")[0] + " (bf16" not in dom:
+    bad.append("the page shows no CPU math fact")
 if not re.search(r'<svg class="step-time".*?<polyline points="[^"]+"', dom, re.S):
     bad.append("no step-time line")
 console = [l for l in log.splitlines() if "CONSOLE" in l and re.search(r"error|uncaught|refused", l, re.I)]
