@@ -52,8 +52,9 @@ std::vector<Task> Chunks(const TaskBlocks* groups, size_t count) {
   std::vector<Task> tasks;
   for (size_t g = 0; g < count; ++g) {
     const int64_t m = groups[g].m, n = groups[g].n;
-    for (int64_t c = 0; c < n; c += kChunkCols) {
-      const int64_t w = std::min(kChunkCols, n - c);
+    const int64_t cols = ChunkCols(n);
+    for (int64_t c = 0; c < n; c += cols) {
+      const int64_t w = std::min(cols, n - c);
       for (int64_t j = 0; j < groups[g].batch; ++j) tasks.push_back({g, j, c, w, m * w * m});
     }
   }

@@ -316,6 +316,20 @@ TEST(NsTasksTest, StripRowsDependOnlyOnTheRowCount) {
   EXPECT_EQ(internal::StripRows(4096), internal::kMaxStripRows);
 }
 
+TEST(NsTasksTest, ChunkColsDependOnlyOnTheColumnCountAndSplitEvenly) {
+  EXPECT_EQ(internal::ChunkCols(1), 1);
+  EXPECT_EQ(internal::ChunkCols(512), 256);
+  EXPECT_EQ(internal::ChunkCols(768), 384);
+  EXPECT_EQ(internal::ChunkCols(1024), 512);
+  EXPECT_EQ(internal::ChunkCols(1536), 384);
+  EXPECT_EQ(internal::ChunkCols(3072), internal::kMaxChunkCols);
+  for (int64_t n = 33; n <= 20000; n += 7) {
+    const int64_t w = internal::ChunkCols(n), chunks = (n + w - 1) / w;
+    EXPECT_LE(w, internal::kMaxChunkCols) << n;
+    EXPECT_EQ(chunks % 2, 0) << n << " columns in " << chunks << " chunks of " << w;
+  }
+}
+
 // One, two and three math threads give the same bits, for every dtype the task pool and BLAS run
 // (fp32 and bf16 on the pool, fp16 emulation on BLAS, bf16 with fp32 iterations first, and gram),
 // on shapes with several strips and column chunks, wide and tall.
