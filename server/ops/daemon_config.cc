@@ -14,6 +14,7 @@
 #include "absl/strings/ascii.h"
 #include "common/paths.h"
 #include "common/status_macros.h"
+#include "server/optim/cpu_isa.h"
 
 namespace muond::server {
 namespace {
@@ -119,11 +120,8 @@ absl::Status SetThreads(const Option& o, DaemonConfig& c) {
 }
 
 absl::Status SetCpuIsa(const Option& o, DaemonConfig& c) {
-  const std::string& v = o.value;
-  if (v != "auto" && v != "avx2" && v != "avx512" && v != "amx") {
-    return o.Invalid("expected auto, avx2, avx512 or amx");
-  }
-  c.cpu_isa = v;
+  if (!IsCpuIsaRequest(o.value)) return o.Invalid(kCpuIsaRequestsExpected);
+  c.cpu_isa = o.value;
   return absl::OkStatus();
 }
 

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/float_bits.h"
 #include "server/optim/dnnl_gemm.h"
 
 namespace muond::server {
@@ -29,7 +30,7 @@ bool CpuHasAmxBf16() {
 
 // The widest ISA this CPU (and the OS's saved vector state, which __builtin_cpu_supports checks)
 // offers, in this file's terms. AVX-512 means oneDNN's avx512_core (F, BW, VL, DQ).
-CpuIsa HardwareIsa() {
+CpuIsa ProbeHardwareIsa() {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
@@ -39,6 +40,11 @@ CpuIsa HardwareIsa() {
   if (avx512) return CpuIsa::kAvx512;
   if (avx2) return CpuIsa::kAvx2;
   return CpuIsa::kBaseline;
+}
+
+CpuIsa HardwareIsa() {
+  static const CpuIsa isa = ProbeHardwareIsa();
+  return isa;
 }
 
 const char* OnednnIsaName(dnnl::cpu_isa isa) {
@@ -89,20 +95,6 @@ std::optional<CpuIsa> ParseIsa(const std::string& name) {
   return std::nullopt;
 }
 
-uint16_t Bf16Of(float f) {  // exact for the probe's small integers
-  uint32_t u = 0;
-  static_assert(sizeof(u) == sizeof(f));
-  __builtin_memcpy(&u, &f, sizeof(u));
-  return static_cast<uint16_t>(u >> 16);
-}
-
-float FloatOfBf16(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f = 0;
-  __builtin_memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 // A [4 x 32] x [32 x 4] bf16 product of small integers (every product and sum exact in fp32, the
 // results exact in bf16). Empty when it ran and gave the exact answer, else why not.
 std::string ProbeBf16Product() {
@@ -110,13 +102,13 @@ std::string ProbeBf16Product() {
   std::vector<uint16_t> a(kM * kK), b(kK * kN), c(kM * kN, 0);
   std::vector<float> want(kM * kN, 0.0f);
   for (int i = 0; i < kM; ++i)
-    for (int k = 0; k < kK; ++k) a[i * kK + k] = Bf16Of(static_cast<float>((i + k) % 3 - 1));
+    for (int k = 0; k < kK; ++k) a[i * kK + k] = common::FloatToBf16(static_cast<float>((i + k) % 3 - 1));
   for (int k = 0; k < kK; ++k)
-    for (int j = 0; j < kN; ++j) b[k * kN + j] = Bf16Of(static_cast<float>((k * j) % 4 - 2));
+    for (int j = 0; j < kN; ++j) b[k * kN + j] = common::FloatToBf16(static_cast<float>((k * j) % 4 - 2));
   for (int i = 0; i < kM; ++i)
     for (int j = 0; j < kN; ++j)
       for (int k = 0; k < kK; ++k)
-        want[i * kN + j] += FloatOfBf16(a[i * kK + k]) * FloatOfBf16(b[k * kN + j]);
+        want[i * kN + j] += common::Bf16ToFloat(a[i * kK + k]) * common::Bf16ToFloat(b[k * kN + j]);
   try {
     internal::GemmArgs g;
     g.type = internal::GemmType::kBFloat16;
@@ -134,8 +126,8 @@ std::string ProbeBf16Product() {
     return absl::StrCat("the bf16 probe product failed: ", e.what());
   }
   for (int i = 0; i < kM * kN; ++i) {
-    if (FloatOfBf16(c[i]) != want[i]) {
-      return absl::StrCat("the bf16 probe product gave ", FloatOfBf16(c[i]), " for ", want[i],
+    if (common::Bf16ToFloat(c[i]) != want[i]) {
+      return absl::StrCat("the bf16 probe product gave ", common::Bf16ToFloat(c[i]), " for ", want[i],
                           " at element ", i);
     }
   }
@@ -194,6 +186,10 @@ absl::StatusOr<CpuMathPath> Probe(const std::string& requested) {
 
 }  // namespace
 
+bool IsCpuIsaRequest(const std::string& name) {
+  return name == "auto" || ParseIsa(name).has_value();
+}
+
 const char* CpuIsaName(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kBaseline: return "baseline";
@@ -204,15 +200,23 @@ const char* CpuIsaName(CpuIsa isa) {
   return "baseline";
 }
 
+namespace {
+
+// Whether bf16 products run natively on `path` (unless a test forced emulation).
+bool NativeBf16(const CpuMathPath& path) {
+  return path.bf16_native && !g_force_emulation.load(std::memory_order_relaxed);
+}
+
+}  // namespace
+
 const char* Bf16ModeName(const CpuMathPath& path) {
-  return path.bf16_native && !g_force_emulation.load() ? "native" : "emulated";
+  return NativeBf16(path) ? "native" : "emulated";
 }
 
 std::string DescribeCpuMathPath(const CpuMathPath& path) {
-  const bool native = path.bf16_native && !g_force_emulation.load();
   return absl::StrCat(
       CpuIsaName(path.isa), " (bf16 ",
-      native ? "native: oneDNN bf16 products, fp32 accumulation"
+      NativeBf16(path) ? "native: oneDNN bf16 products, fp32 accumulation"
              : "emulated: fp32 products of bf16 values, each op's result rounded to bf16",
       "; ", path.forced ? "forced by --cpu-isa" : "auto", ", the CPU has ",
       CpuIsaName(path.hardware), ", oneDNN ", path.onednn_isa, "; ", path.why, ")");
@@ -223,12 +227,12 @@ namespace {
 // ConfigureCpuIsa; `lazy`: a path already set, whatever its request, is kept.
 absl::Status Configure(const std::string& requested, bool lazy) {
   // A bad request is refused as such whether or not a path is set.
+  if (!IsCpuIsaRequest(requested)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cpu-isa '", requested, "': ", kCpuIsaRequestsExpected));
+  }
   if (requested != "auto") {
     const std::optional<CpuIsa> want = ParseIsa(requested);
-    if (!want) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--cpu-isa '", requested, "': expected auto, avx2, avx512 or amx"));
-    }
     if (const CpuIsa hardware = HardwareIsa(); *want > hardware) {
       return absl::InvalidArgumentError(absl::StrCat("--cpu-isa ", requested,
                                                      ": this CPU has at most ",
@@ -267,9 +271,7 @@ const CpuMathPath& CurrentCpuMathPath() {
   return *g_path.load(std::memory_order_acquire);
 }
 
-bool EmulateBf16() {
-  return g_force_emulation.load(std::memory_order_relaxed) || !CurrentCpuMathPath().bf16_native;
-}
+bool EmulateBf16() { return !NativeBf16(CurrentCpuMathPath()); }
 
 void SetBf16EmulationForTesting(bool emulate) { g_force_emulation.store(emulate); }
 

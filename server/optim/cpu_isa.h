@@ -47,6 +47,11 @@ const char* Bf16ModeName(const CpuMathPath& path);
 // at each op; forced by --cpu-isa, the CPU has avx512)".
 std::string DescribeCpuMathPath(const CpuMathPath& path);
 
+// Whether `name` is a --cpu-isa request ("auto", "avx2", "avx512" or "amx"), and the words that say
+// so in an error.
+bool IsCpuIsaRequest(const std::string& name);
+inline constexpr char kCpuIsaRequestsExpected[] = "expected auto, avx2, avx512 or amx";
+
 // Sets the path from `requested` ("auto", "avx2", "avx512" or "amx"). INVALID_ARGUMENT for another
 // name or an ISA wider than the CPU has; FAILED_PRECONDITION if the path was already set (or oneDNN
 // already ran) differently. Calling it again with the same request is a no-op.
