@@ -186,10 +186,6 @@ absl::StatusOr<CpuMathPath> Probe(const std::string& requested) {
 
 }  // namespace
 
-bool IsCpuIsaRequest(const std::string& name) {
-  return name == "auto" || ParseIsa(name).has_value();
-}
-
 const char* CpuIsaName(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kBaseline: return "baseline";
