@@ -184,6 +184,32 @@ int muond_step_in_place(muond_session* session, int64_t step) {
   return Report(session->impl->StepInPlace(step).status());
 }
 
+int muond_step_post(muond_session* session, int64_t step, uint64_t byte_offset, uint64_t bytes,
+                    int last) {
+  if (session == nullptr) return NullArgument("session");
+  return Report(session->impl->PostPart(step, byte_offset, bytes, last != 0));
+}
+
+int muond_step_progress(muond_session* session, int64_t step, double timeout_seconds,
+                        uint8_t* ready, size_t capacity, int* ended) {
+  if (session == nullptr) return NullArgument("session");
+  if (ended == nullptr) return NullArgument("ended");
+  if (ready == nullptr && capacity > 0) return NullArgument("ready");
+  std::vector<bool> spans;
+  bool done = false;
+  absl::Status s = session->impl->PartsProgress(step, timeout_seconds, &spans, &done);
+  for (size_t i = 0; i < capacity; ++i) ready[i] = i < spans.size() && spans[i] ? 1 : 0;
+  *ended = done ? 1 : 0;
+  return Report(s);
+}
+
+int muond_step_wait(muond_session* session, int64_t step, int* replayed) {
+  if (session == nullptr) return NullArgument("session");
+  auto r = session->impl->WaitParts(step);
+  if (r.ok() && replayed != nullptr) *replayed = r->replayed ? 1 : 0;
+  return Report(r.status());
+}
+
 int64_t muond_session_next_step(const muond_session* session) {
   return session == nullptr ? -1 : session->impl->next_step_at_attach();
 }

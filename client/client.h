@@ -162,6 +162,18 @@ class RankSession {
   absl::StatusOr<View> UpdateView(int64_t step);
   absl::StatusOr<StepResult> StepInPlace(int64_t step);
 
+  // A zero-copy step in parts (shared memory only; FAILED_PRECONDITION over gRPC, whose step
+  // stream carries chunks as they come instead): PostPart sends [byte_offset, byte_offset + bytes)
+  // of GradientView(t), whole spans, as soon as they are written; `last` marks the rank's last
+  // part (it may be empty). Apply mode: the first part carries the SetHyper values. WaitParts
+  // returns the step's outcome as StepInPlace does; PartsProgress waits at most `timeout_seconds`
+  // (< 0: until news) for news and says which spans' results are in UpdateView(t) (`ready`, one
+  // per span) and whether the step ended; a refusal of any part is returned at once.
+  absl::Status PostPart(int64_t step, uint64_t byte_offset, uint64_t bytes, bool last);
+  absl::StatusOr<StepResult> WaitParts(int64_t step);
+  absl::Status PartsProgress(int64_t step, double timeout_seconds, std::vector<bool>* ready,
+                             bool* ended);
+
   // Whole-matrix step: `grads` holds one tensor per matrix of the job, named and shaped as the job
   // says; returns the updates with the same names, shapes and dtypes. INVALID_ARGUMENT naming the
   // tensor for a missing, extra, mis-shaped or mis-typed tensor. REQUIRES: rank owns whole
@@ -236,6 +248,7 @@ class RankSession {
   // Apply mode: set by SetHyper, sent with every step.
   std::optional<GroupHyperValues> hyper_;
   std::unique_ptr<ShmChannel> shm_;
+  int64_t parts_step_ = -1;  // the step whose parts are being posted (-1: none)
   // gRPC sessions: the WatchSession stream that tells the daemon this process is alive (when
   // the process dies, the daemon ends the session and aborts a step the rank owes).
   std::unique_ptr<SessionWatch> watch_;

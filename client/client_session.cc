@@ -310,6 +310,53 @@ absl::StatusOr<StepResult> RankSession::StepInPlace(int64_t step) {
   return result;
 }
 
+absl::Status RankSession::PostPart(int64_t step, uint64_t byte_offset, uint64_t bytes,
+                                   bool last) {
+  if (shm_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "steps in parts are a shared-memory feature; over gRPC the step stream sends the "
+        "gradients chunk by chunk (StepBuffer, Step)");
+  }
+  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("step ", step, " is negative"));
+  if (parts_step_ != step) {  // the first part: the daemon reads the hyperparameters with it
+    RETURN_IF_ERROR(CheckStepHyper(step));
+    if (apply()) RETURN_IF_ERROR(WriteSharedHyper(step));
+  }
+  absl::Status posted = shm_->Post(step, byte_offset, bytes, last);
+  if (!posted.ok()) return Annotate(posted, absl::StrCat("step ", step));
+  parts_step_ = last ? -1 : step;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepResult> RankSession::WaitParts(int64_t step) {
+  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
+  auto r = shm_->WaitStep(step);
+  if (!r.ok()) return Annotate(r.status(), absl::StrCat("step ", step));
+  StepResult result;
+  result.step = r->step;
+  result.replayed = r->replayed;
+  result.compute_seconds = r->seconds;
+  result.bytes_in = shm_->buffer_bytes();
+  result.bytes_out = shm_->buffer_bytes();
+  return result;
+}
+
+absl::Status RankSession::PartsProgress(int64_t step, double timeout_seconds,
+                                        std::vector<bool>* ready, bool* ended) {
+  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
+  const int timeout_ms =
+      timeout_seconds < 0 ? -1 : static_cast<int>(std::min(timeout_seconds, 3600.0) * 1e3);
+  RETURN_IF_ERROR(shm_->WaitProgress(timeout_ms));
+  *ended = shm_->StepEnded(step);
+  ready->resize(shm_->spans().size());
+  for (size_t i = 0; i < ready->size(); ++i) (*ready)[i] = shm_->SpanReady(i, step);
+  if (*ended) {
+    absl::Status outcome = shm_->StepOutcome(step);
+    if (!outcome.ok()) return Annotate(outcome, absl::StrCat("step ", step));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepResult> RankSession::StepShared(int64_t step,
                                                    const std::vector<GradientSpan>& grads,
                                                    const std::vector<UpdateSpan>& updates) {

@@ -111,6 +111,20 @@ int muond_session_update_view(muond_session* session, int64_t step, const void**
 /* Rings the doorbell for step t (its gradients already in the gradient view) and waits. */
 int muond_step_in_place(muond_session* session, int64_t step);
 
+/* A step in parts (shared-memory sessions; FAILED_PRECONDITION over gRPC): post
+ * [byte_offset, byte_offset + bytes) of step t's gradient view, whole spans, as soon as it is
+ * written; `last` != 0 marks the rank's last part (it may be empty). Returns without waiting for
+ * the daemon. muond_step_progress waits at most timeout_seconds (< 0: until news) and sets
+ * ready[i] (i < capacity) to 1 for each span whose result (update, or apply mode's new
+ * parameters) of step t is in the update view, *ended to 1 when the step ended; a refused part
+ * returns its error at once. The results announced are final only if the step commits:
+ * muond_step_wait returns the outcome (and *replayed), as muond_step_in_place does. */
+int muond_step_post(muond_session* session, int64_t step, uint64_t byte_offset, uint64_t bytes,
+                    int last);
+int muond_step_progress(muond_session* session, int64_t step, double timeout_seconds,
+                        uint8_t* ready, size_t capacity, int* ended);
+int muond_step_wait(muond_session* session, int64_t step, int* replayed);
+
 /* The same with the rank's flat buffers (muond_session_buffer_elements elements of the job's one
  * dtype): `updates` gets the update in the same layout, padding zeroed. Apply mode: `grads` in the
  * one gradient dtype, `updates` the new parameters in the one param_dtype. */

@@ -177,6 +177,11 @@ absl::Status ShmChannel::MapRegions(const v1::ShmAttachResponse& reply,
     spans_.push_back(
         {s.matrix_index(), s.offset(), s.length(), s.byte_offset(), s.param_byte_offset()});
   }
+  const uint64_t progress = reply.progress_byte_offset();
+  if (progress >= 2 * buffer_bytes_ && progress % alignof(int64_t) == 0 &&
+      progress <= out_.size() && shm::ProgressBytes(spans_.size()) <= out_.size() - progress) {
+    progress_byte_offset_ = progress;
+  }
   return absl::OkStatus();
 }
 
@@ -234,9 +239,8 @@ absl::Status ShmChannel::RingInitParams() {
   return RingRaw(-1, 0, 0, buffer_bytes_, generation_, shm::kSubmitInitParams).status();
 }
 
-absl::StatusOr<ShmChannel::Ringing> ShmChannel::RingRaw(int64_t step, uint32_t buffer,
-                                                        uint64_t offset, uint64_t size,
-                                                        uint64_t generation, uint32_t kind) {
+absl::StatusOr<uint64_t> ShmChannel::Publish(int64_t step, uint32_t buffer, uint64_t offset,
+                                             uint64_t size, uint64_t generation, uint32_t kind) {
   auto* ring = reinterpret_cast<shm::Ring*>(ring_.data());
   const uint64_t seq = next_seq_++;
   shm::Submission& sub = ring->subs[seq % shm::kRingSlots];
@@ -252,6 +256,30 @@ absl::StatusOr<ShmChannel::Ringing> ShmChannel::RingRaw(int64_t step, uint32_t b
   if (write(doorbell_, &one, sizeof(one)) != sizeof(one)) {
     return absl::UnavailableError(absl::StrCat("doorbell: ", std::strerror(errno)));
   }
+  return seq;
+}
+
+absl::Status ShmChannel::Poll(int timeout_ms) {
+  pollfd fds[2] = {{completion_, POLLIN, 0}, {conn_, POLLRDHUP, 0}};
+  const int r = poll(fds, 2, timeout_ms);
+  if (r < 0 && errno != EINTR) {
+    return absl::InternalError(absl::StrCat("poll: ", std::strerror(errno)));
+  }
+  if (r > 0 && (fds[0].revents & POLLIN)) {
+    uint64_t count;
+    ssize_t unused = read(completion_, &count, sizeof(count));
+    (void)unused;
+  } else if (r > 0 && (fds[1].revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+    return absl::UnavailableError("the daemon ended the shared-memory session");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ShmChannel::Ringing> ShmChannel::RingRaw(int64_t step, uint32_t buffer,
+                                                        uint64_t offset, uint64_t size,
+                                                        uint64_t generation, uint32_t kind) {
+  auto* ring = reinterpret_cast<shm::Ring*>(ring_.data());
+  ASSIGN_OR_RETURN(const uint64_t seq, Publish(step, buffer, offset, size, generation, kind));
   // Wait for the completion of this submission; the socket hanging up means the daemon is gone.
   while (true) {
     const uint64_t tail = ring->header.comp_tail.load(std::memory_order_relaxed);
@@ -265,19 +293,98 @@ absl::StatusOr<ShmChannel::Ringing> ShmChannel::RingRaw(int64_t step, uint32_t b
       }
       return Ringing{c.step, c.replayed != 0, c.seconds};
     }
-    pollfd fds[2] = {{completion_, POLLIN, 0}, {conn_, POLLRDHUP, 0}};
-    const int r = poll(fds, 2, -1);
-    if (r < 0 && errno != EINTR) {
-      return absl::InternalError(absl::StrCat("poll: ", std::strerror(errno)));
+    RETURN_IF_ERROR(Poll(-1));
+  }
+}
+
+void ShmChannel::Reap() {
+  auto* ring = reinterpret_cast<shm::Ring*>(ring_.data());
+  while (true) {
+    const uint64_t tail = ring->header.comp_tail.load(std::memory_order_relaxed);
+    if (ring->header.comp_head.load(std::memory_order_acquire) <= tail) return;
+    const shm::Completion c = ring->comps[tail % shm::kRingSlots];
+    ring->header.comp_tail.store(tail + 1, std::memory_order_release);
+    if (c.step != part_step_) continue;
+    if (c.code != 0 && part_error_.ok()) {
+      const size_t len = strnlen(c.message, shm::kMessageBytes);
+      part_error_ = absl::Status(static_cast<absl::StatusCode>(c.code), std::string(c.message, len));
     }
-    if (fds[0].revents & POLLIN) {
-      uint64_t count;
-      ssize_t unused = read(completion_, &count, sizeof(count));
-      (void)unused;
-    } else if (fds[1].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
-      return absl::UnavailableError("the daemon ended the shared-memory session");
+    if (c.seq == last_seq_) {
+      part_ended_ = true;
+      part_result_ = Ringing{c.step, c.replayed != 0, c.seconds};
     }
   }
+}
+
+absl::Status ShmChannel::Post(int64_t step, uint64_t offset, uint64_t size, bool last) {
+  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("step ", step, " is negative"));
+  if (step != part_step_ || part_ended_) {
+    if (part_step_ >= 0 && !part_ended_ && last_seq_ == UINT64_MAX) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", part_step_, " is being sent in parts and its last part is not posted; step ",
+          step, " cannot begin"));
+    }
+    if (part_step_ >= 0 && !part_ended_) RETURN_IF_ERROR(WaitStep(part_step_).status());
+    part_step_ = step;
+    last_seq_ = UINT64_MAX;
+    part_ended_ = false;
+    part_error_ = absl::OkStatus();
+  } else if (last_seq_ != UINT64_MAX) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, ": its last part was posted already"));
+  }
+  // The completion ring holds kRingSlots: never more submissions without their completion.
+  auto* ring = reinterpret_cast<shm::Ring*>(ring_.data());
+  Reap();
+  while (next_seq_ - ring->header.comp_tail.load(std::memory_order_relaxed) >= shm::kRingSlots) {
+    RETURN_IF_ERROR(Poll(-1));
+    Reap();
+  }
+  ASSIGN_OR_RETURN(const uint64_t seq,
+                   Publish(step, static_cast<uint32_t>(step % 2), offset, size, generation_,
+                           last ? shm::kSubmitStep : shm::kSubmitStepPart));
+  if (last) last_seq_ = seq;
+  return absl::OkStatus();
+}
+
+absl::Status ShmChannel::WaitProgress(int timeout_ms) {
+  Reap();
+  if (part_ended_) return absl::OkStatus();
+  RETURN_IF_ERROR(Poll(timeout_ms));
+  Reap();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ShmChannel::Ringing> ShmChannel::WaitStep(int64_t step) {
+  if (step != part_step_) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", step, " was not sent in parts"));
+  }
+  if (last_seq_ == UINT64_MAX) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, ": its last part was not posted"));
+  }
+  Reap();
+  while (!part_ended_) {
+    RETURN_IF_ERROR(Poll(-1));
+    Reap();
+  }
+  if (!part_error_.ok()) return part_error_;
+  return part_result_;
+}
+
+bool ShmChannel::SpanReady(size_t span, int64_t step) const {
+  if (progress_byte_offset_ == 0 || span >= spans_.size()) return false;
+  const auto* words = reinterpret_cast<const int64_t*>(out_.data() + progress_byte_offset_);
+  return __atomic_load_n(&words[span], __ATOMIC_ACQUIRE) == step + 1;
+}
+
+bool ShmChannel::StepEnded(int64_t step) const { return step == part_step_ && part_ended_; }
+
+absl::Status ShmChannel::StepOutcome(int64_t step) const {
+  if (step != part_step_ || !part_ended_) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", step, " has not ended"));
+  }
+  return part_error_;
 }
 
 }  // namespace muond::client

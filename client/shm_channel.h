@@ -70,6 +70,25 @@ class ShmChannel {
   // param_byte_offset, in its tensor's param_dtype; submission kind kSubmitInitParams, step -1)
   // and waits for the daemon to install them.
   absl::Status RingInitParams();
+  // ---- A step in parts (common/shm_protocol.h kSubmitStepPart), streamed while the trainer still
+  // produces gradients. Post() publishes [offset, offset + size) of GradientBuffer(t) (whole spans;
+  // `last`: the rank's last part of the step) and returns without waiting for the daemon, except
+  // while kRingSlots submissions lack their completion. One step in parts at a time.
+  absl::Status Post(int64_t step, uint64_t offset, uint64_t size, bool last);
+  // Waits for the end of the step posted in parts: the first refusal among its parts, else the
+  // last part's outcome.
+  absl::StatusOr<Ringing> WaitStep(int64_t step);
+  // Waits at most `timeout_ms` (-1: no limit) for news of the step in parts (a completion or
+  // progress words changed); UNAVAILABLE when the daemon ended the session.
+  absl::Status WaitProgress(int timeout_ms);
+  // Span i's result of `step` is in UpdateBuffer(step) (its progress word; final if the step
+  // commits). False when the daemon writes no progress words (an older daemon).
+  bool SpanReady(size_t span, int64_t step) const;
+  // The step in parts ended: its last part's completion arrived.
+  bool StepEnded(int64_t step) const;
+  // What ended it: OK, or the first refusal among its parts.
+  absl::Status StepOutcome(int64_t step) const;
+
   // Rings with explicit fields, for tests of the daemon's checks.
   absl::StatusOr<Ringing> RingRaw(int64_t step, uint32_t buffer, uint64_t offset, uint64_t size,
                                   uint64_t generation,
@@ -83,6 +102,13 @@ class ShmChannel {
   // regions; owns `fds` from then on, also on failure.
   absl::Status MapRegions(const v1::ShmAttachResponse& reply,
                           const int (&fds)[common::shm::kNumFds]);
+  // Publishes one submission; returns its sequence number.
+  absl::StatusOr<uint64_t> Publish(int64_t step, uint32_t buffer, uint64_t offset, uint64_t size,
+                                   uint64_t generation, uint32_t kind);
+  // Takes every completion published so far into the step-in-parts bookkeeping.
+  void Reap();
+  // Polls the completion eventfd and the socket for `timeout_ms`.
+  absl::Status Poll(int timeout_ms);
   int conn_ = -1;
   int doorbell_ = -1;
   int completion_ = -1;
@@ -96,6 +122,14 @@ class ShmChannel {
   bool pinned_ = false;
   uint64_t next_seq_ = 0;
   std::vector<ShmSpan> spans_;
+  uint64_t progress_byte_offset_ = 0;  // 0: the daemon writes no progress words
+  // The step in parts: its id (-1: none), the sequence of its last part (none yet: UINT64_MAX),
+  // whether that completed and how, and the first refusal among its parts.
+  int64_t part_step_ = -1;
+  uint64_t last_seq_ = UINT64_MAX;
+  bool part_ended_ = false;
+  Ringing part_result_;
+  absl::Status part_error_;
 };
 
 // The shared-memory socket of a daemon listening on `address` ("unix:///p" -> "/p.shm"), or ""

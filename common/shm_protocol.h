@@ -49,8 +49,20 @@ inline constexpr uint32_t kSubmitInitParams = 1;
 // gradient divisor, with G the job's groups in order. HyperBytes(G) bytes.
 inline constexpr size_t HyperBytes(size_t groups) { return (2 * groups + 1) * sizeof(double); }
 
+// A part of a step (DESIGN.md 5, "parts"): [offset, offset + size) of the step's gradient buffer
+// holds whole spans of the rank, and more parts follow. The rank's last part is a kSubmitStep, so a
+// whole-buffer kSubmitStep (offset 0, size buffer_bytes) is a step in one part. Every span lies in
+// exactly one part; a part that cuts a span, overlaps an earlier part of the step, lies outside
+// the buffer, or follows the last part is refused (INVALID_ARGUMENT) and the step with it. Each
+// submission gets one completion: a part's when the daemon took it (its spans are checked and
+// queued), the last part's when the step ended. A client keeps at most kRingSlots submissions
+// without their completion (the completion ring holds that many). Apply mode: the hyperparameters
+// are read with the first part.
+inline constexpr uint32_t kSubmitStepPart = 2;
+
 // One doorbell: "the gradients of `step` are in buffer `buffer` at [offset, offset + size)".
-// A valid one has buffer == step % 2, offset == 0, size == buffer_bytes and the session's generation.
+// A valid one has buffer == step % 2, offset + size <= buffer_bytes and the session's generation;
+// an initial-parameter submission covers the whole buffer.
 struct Submission {
   uint64_t seq;
   int64_t step;
@@ -81,6 +93,16 @@ struct RingHeader {
   std::atomic<uint64_t> comp_head;  // written by the daemon
   std::atomic<uint64_t> comp_tail;  // written by the client
 };
+
+// Progress words (ShmAttachResponse.progress_byte_offset in the update region, one int64 per
+// span of the rank, in span order): step + 1 once span i's update (apply mode: new parameters) of
+// `step` is in buffer step % 2 of the update region, written by the daemon (release) as each
+// batch of matrices finishes, before the step's completion; the completion eventfd is written
+// after each batch. A word says the bytes are final for that step if the step commits: a step
+// that fails after some words were set commits nothing, and its bytes must not be kept. Jobs that
+// clip the gradient norm (max_grad_norm) recompute a clipped step, so their words are set only
+// when the step committed (with its completion).
+inline constexpr size_t ProgressBytes(size_t spans) { return spans * sizeof(int64_t); }
 
 struct Ring {
   RingHeader header;

@@ -146,7 +146,8 @@ absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& 
   const int rank = session.rank;
   // Span byte offsets: the rank's flat buffer when all matrices share a dtype, else back to back;
   // apply mode lays out the parameters (param dtype) the same way.
-  const std::vector<common::ShardSpan> spans = common::RankSpans(spec, rank);
+  session.spans = common::RankSpans(spec, rank);
+  const std::vector<common::ShardSpan>& spans = session.spans;
   const bool apply = spec.mode == common::JobMode::kApply;
   const uint64_t bytes = LayOut(spec, rank, spans, false, &session.byte_offsets);
   uint64_t buffer = bytes;
@@ -167,7 +168,10 @@ absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& 
   session.buffer_bytes = std::max<uint64_t>(buffer, 1);
   auto in = common::SharedRegion::Create("muond-grad", 2 * session.buffer_bytes, false, true);
   if (!in.ok()) return in.status();
-  auto out = common::SharedRegion::Create("muond-update", 2 * session.buffer_bytes, true, true);
+  session.progress_byte_offset = (2 * session.buffer_bytes + 63) / 64 * 64;
+  reply.set_progress_byte_offset(session.progress_byte_offset);
+  auto out = common::SharedRegion::Create(
+      "muond-update", session.progress_byte_offset + shm::ProgressBytes(spans.size()), true, true);
   if (!out.ok()) return out.status();
   auto ring = common::SharedRegion::Create("muond-ring", shm::kRingBytes, false, true);
   if (!ring.ok()) return ring.status();

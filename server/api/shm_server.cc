@@ -231,9 +231,11 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
     ring->header.sub_tail.store(s->sub_tail, std::memory_order_release);
     const std::string where = absl::StrCat("job '", job_id, "' rank ", s->rank, " doorbell ", index,
                                            " (step ", sub.step, ")");
-    const absl::Status bad =
-        shm_wire::CheckSubmission(sub, index, s->session_id, s->buffer_bytes, where);
+    const absl::Status bad = shm_wire::CheckSubmission(sub, index, s->session_id, s->buffer_bytes,
+                                                       where, s->part_step);
     if (!bad.ok()) {
+      // A malformed part of a step this session has open in parts ends that step.
+      RefusePart(s, sub, bad);
       s->completions->Complete(sub.seq, sub.step, bad, false, 0);
       continue;
     }
@@ -245,8 +247,72 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
   }
 }
 
+void ShmServer::RefusePart(const std::shared_ptr<ShmSession>& s, const shm::Submission& sub,
+                           const absl::Status& why) {
+  if (s->part_step < 0 || sub.step != s->part_step) return;
+  if (s->part_error.ok()) {
+    s->part_error = s->job->RefuseSharedPart(s->rank, s->session_id, sub.step, s->regions.get(), why);
+  }
+  if (sub.kind == shm::kSubmitStep) {
+    s->part_step = -1;  // the last part: a retry of the step starts afresh
+    s->part_error = absl::OkStatus();
+  }
+}
+
+absl::StatusOr<Job::SharedPart> ShmServer::PartSpans(const ShmSession& s,
+                                                     const shm::Submission& sub,
+                                                     const std::string& where) const {
+  Job::SharedPart part;
+  part.last = sub.kind == shm::kSubmitStep;
+  const std::vector<common::ShardSpan>& spans = s.spans;
+  const uint64_t begin = sub.offset;
+  const uint64_t end = sub.offset + sub.size;  // CheckSubmission: inside the buffer
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const uint64_t at = s.byte_offsets[i];
+    const uint64_t bytes =
+        spans[i].length * common::DTypeSize(s.job->spec().matrices[spans[i].matrix].dtype);
+    if (at >= end || at + bytes <= begin) continue;
+    if (at < begin || at + bytes > end) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": part [", begin, ", ", end, ") cuts matrix '",
+          s.job->spec().matrices[spans[i].matrix].name, "' span at element ", spans[i].offset,
+          " (bytes [", at, ", ", at + bytes, ") of the buffer); a part holds whole spans"));
+    }
+    part.spans.push_back(i);
+  }
+  return part;
+}
+
 void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Submission& sub,
                            const std::string& where) {
+  const bool in_parts = sub.kind == shm::kSubmitStepPart || sub.step == s->part_step;
+  Job::SharedPart part;
+  if (in_parts) {
+    const bool first = sub.step != s->part_step;
+    absl::Status refused;
+    if (!first && !s->part_error.ok()) {
+      // An earlier part of this step was refused, and the step with it.
+      refused = absl::Status(s->part_error.code(),
+                             absl::StrCat(where, ": an earlier part of the step was refused (",
+                                          s->part_error.message(), ")"));
+    } else if (absl::StatusOr<Job::SharedPart> spans = PartSpans(*s, sub, where); !spans.ok()) {
+      refused = spans.status();
+    } else {
+      part = *std::move(spans);
+    }
+    if (!refused.ok()) {
+      if (first && sub.kind == shm::kSubmitStepPart) {
+        // The job never saw the step's parts: the rest of them are refused here.
+        s->part_step = sub.step;
+        s->part_error = refused;
+      }
+      RefusePart(s, sub, refused);
+      s->completions->Complete(sub.seq, sub.step, refused, false, 0);
+      return;
+    }
+    s->part_step = part.last ? -1 : sub.step;
+    if (first || part.last) s->part_error = absl::OkStatus();
+  }
   const char* in_base = s->regions->in.data() + sub.buffer * s->buffer_bytes;
   char* out_base = s->regions->out.data() + sub.buffer * s->buffer_bytes;
   const bool apply = s->job->apply();
@@ -271,17 +337,30 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
   const uint64_t seq = sub.seq;
   const int64_t step = sub.step;
   const uint64_t buffer_bytes = s->buffer_bytes;
-  absl::Status st = s->job->SubmitShared(
-      s->rank, s->session_id, step, in, out, s->regions,
-      [channel, seq, step, buffer_bytes](const absl::Status& status, bool replayed,
-                                         double seconds) {
-        if (status.ok()) {  // the rank's whole buffer went in, its update came out
-          RecordBytes(Transport::kShm, Direction::kIn, buffer_bytes);
-          RecordBytes(Transport::kShm, Direction::kOut, buffer_bytes);
-        }
-        channel->Complete(seq, step, status, replayed, seconds);
-      },
-      hyper ? &*hyper : nullptr);
+  SharedDone done = [channel, seq, step, buffer_bytes](const absl::Status& status, bool replayed,
+                                                       double seconds) {
+    if (status.ok()) {  // the rank's whole buffer went in, its update came out
+      RecordBytes(Transport::kShm, Direction::kIn, buffer_bytes);
+      RecordBytes(Transport::kShm, Direction::kOut, buffer_bytes);
+    }
+    channel->Complete(seq, step, status, replayed, seconds);
+  };
+  SharedProgress progress;
+  progress.words = reinterpret_cast<int64_t*>(s->regions->out.data() + s->progress_byte_offset);
+  progress.notify = [channel] { channel->Notify(); };
+  absl::Status st;
+  if (!in_parts) {
+    st = s->job->SubmitShared(s->rank, s->session_id, step, in, out, s->regions, std::move(done),
+                              hyper ? &*hyper : nullptr, std::move(progress));
+  } else {
+    st = s->job->SubmitSharedPart(s->rank, s->session_id, step, part, in, out, s->regions,
+                                  std::move(done), hyper ? &*hyper : nullptr, std::move(progress));
+    if (!st.ok() && !part.last) {
+      s->part_error = st;  // the later parts of the step are refused with it
+      s->part_step = step;
+    }
+    if (st.ok() && !part.last) s->completions->Complete(seq, step, absl::OkStatus(), false, 0);
+  }
   if (!st.ok()) s->completions->Complete(seq, step, st, false, 0);
 }
 

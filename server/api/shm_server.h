@@ -130,6 +130,14 @@ class ShmServer {
   void HandleDoorbell(const std::shared_ptr<ShmSession>& session);
   // A checked submission: a step (its gradients, and in apply mode its hyperparameters, in the
   // step's buffer), or apply mode's initial parameters (buffer 0, installed off this thread).
+  // A part of a step (common/shm_protocol.h) the server refused: when the session has that step
+  // open in parts, the job refuses the step (once) and the step's later parts are refused.
+  void RefusePart(const std::shared_ptr<ShmSession>& session, const common::shm::Submission& sub,
+                  const absl::Status& why);
+  // The rank's spans inside a part's range; INVALID_ARGUMENT for a range that cuts a span.
+  absl::StatusOr<Job::SharedPart> PartSpans(const ShmSession& session,
+                                            const common::shm::Submission& sub,
+                                            const std::string& where) const;
   void SubmitStep(const std::shared_ptr<ShmSession>& session, const common::shm::Submission& sub,
                   const std::string& where);
   void SubmitInitParams(const std::shared_ptr<ShmSession>& session, uint64_t seq,

@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "common/layout.h"
 #include "common/logging.h"
 #include "common/shm_protocol.h"
 #include "common/shm_region.h"
@@ -55,6 +56,13 @@ class CompletionChannel {
 
   // Publishes the outcome of submission `seq` and rings the completion eventfd. A peer that
   // stopped reading completions (a full ring) loses this one, with a warning.
+  // Wakes the client without a completion (progress words changed).
+  void Notify() {
+    const uint64_t one = 1;
+    ssize_t unused = write(event_fd_, &one, sizeof(one));
+    (void)unused;
+  }
+
   void Complete(uint64_t seq, int64_t step, const absl::Status& status, bool replayed,
                 double seconds) {
     namespace shm = common::shm;
@@ -109,11 +117,20 @@ struct ShmSession {
   uint64_t pinned_bytes = 0;  // bytes of the session's regions locked in memory (metrics)
   // The regions are registered with the compute device: steps copy them by DMA in place.
   bool device_registered = false;
-  std::vector<uint64_t> byte_offsets;  // per span of RankSpans
+  std::vector<common::ShardSpan> spans;  // RankSpans
+  std::vector<uint64_t> byte_offsets;     // per span of RankSpans
   // Apply mode: per span, where its parameters (param dtype) are in each buffer; where the step's
   // hyperparameters are in each gradient buffer (common/shm_protocol.h).
   std::vector<uint64_t> param_byte_offsets;
   uint64_t hyper_byte_offset = 0;
+  // The progress words in the update region (common/shm_protocol.h): one int64 per span.
+  uint64_t progress_byte_offset = 0;
+  // Parts (common/shm_protocol.h kSubmitStepPart): the step whose parts this session is sending
+  // (-1: none open) and, once one of them was refused, why: the step's later parts, up to and
+  // including its last, are refused with it (the daemon forgot the step; a retry starts after
+  // the last part). Server thread only.
+  int64_t part_step = -1;
+  absl::Status part_error;
   // Apply mode: an initial-parameter submission is being installed (one at a time).
   std::shared_ptr<std::atomic<bool>> init_running = std::make_shared<std::atomic<bool>>(false);
   std::shared_ptr<ShmRegions> regions;

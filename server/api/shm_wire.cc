@@ -31,7 +31,7 @@ absl::Status CheckSubmissionHead(uint64_t head, uint64_t tail) {
 }
 
 absl::Status CheckSubmission(const shm::Submission& sub, uint64_t index, uint64_t session_id,
-                             uint64_t buffer_bytes, const std::string& where) {
+                             uint64_t buffer_bytes, const std::string& where, int64_t part_step) {
   if (sub.seq != index) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": sequence ", sub.seq, " does not match its slot ", index));
@@ -40,17 +40,27 @@ absl::Status CheckSubmission(const shm::Submission& sub, uint64_t index, uint64_
     return absl::FailedPreconditionError(absl::StrCat(where, ": stale generation ", sub.generation,
                                                       " (the session's is ", session_id, ")"));
   }
-  if (sub.kind != shm::kSubmitStep && sub.kind != shm::kSubmitInitParams) {
+  const bool step_kind = sub.kind == shm::kSubmitStep || sub.kind == shm::kSubmitStepPart;
+  if (!step_kind && sub.kind != shm::kSubmitInitParams) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": unknown submission kind ", sub.kind));
   }
   if (sub.kind == shm::kSubmitInitParams && (sub.step != -1 || sub.buffer != 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": an initial-parameter submission has step -1 and buffer 0"));
   }
-  if (sub.kind == shm::kSubmitStep &&
-      (sub.step < 0 || sub.buffer != static_cast<uint32_t>(sub.step % 2))) {
+  if (step_kind && (sub.step < 0 || sub.buffer != static_cast<uint32_t>(sub.step % 2))) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": buffer ", sub.buffer, " is not step % 2"));
+  }
+  // A part, or the last part of a step sent in parts: any range inside the buffer. A step in one
+  // submission is the whole buffer.
+  if (sub.kind == shm::kSubmitStepPart || (sub.kind == shm::kSubmitStep && sub.step == part_step)) {
+    if (sub.offset > buffer_bytes || sub.size > buffer_bytes - sub.offset) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": part [", sub.offset, ", +",
+                                                     sub.size, ") lies outside the rank's ",
+                                                     buffer_bytes, "-byte buffer"));
+    }
+    return absl::OkStatus();
   }
   if (sub.offset != 0 || sub.size != buffer_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": region [", sub.offset, ", +", sub.size,

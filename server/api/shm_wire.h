@@ -28,9 +28,11 @@ absl::Status CheckSubmissionHead(uint64_t head, uint64_t tail);
 
 // What a doorbell record must be to be served (see shm_protocol.h): its sequence is its ring index,
 // its generation the session's, a known kind, step and buffer consistent with the kind, and the
-// session's whole buffer. `sub` is the daemon's copy; `where` names the job, rank and doorbell.
+// session's whole buffer, or for a part (and the last part of a step whose parts are open on the
+// session: `part_step`, -1 when none) a range inside it. `sub` is the daemon's copy; `where` names the job, rank and doorbell.
 absl::Status CheckSubmission(const common::shm::Submission& sub, uint64_t index,
-                             uint64_t session_id, uint64_t buffer_bytes, const std::string& where);
+                             uint64_t session_id, uint64_t buffer_bytes, const std::string& where,
+                             int64_t part_step = -1);
 
 }  // namespace muond::server::shm_wire
 

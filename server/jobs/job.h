@@ -234,10 +234,31 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // long as `keepalive` lives (the step holds it). The gradient memory must not change until
   // `done` ran. Validation errors (session, order, fence, non-finite values) are returned at once
   // and `done` is not called; otherwise `done` is called exactly once.
+  // `progress`: where the daemon tells the rank which spans' results are in (see SharedProgress).
   absl::Status SubmitShared(int rank, uint64_t session, int64_t step,
                             const std::vector<const char*>& in, const std::vector<char*>& out,
                             std::shared_ptr<const void> keepalive, SharedDone done,
-                            const StepHyper* hyper = nullptr);
+                            const StepHyper* hyper = nullptr, SharedProgress progress = {});
+  // A part of a shared-memory submission (common/shm_protocol.h kSubmitStepPart): `part.spans`
+  // (indices into RankSpans) are in, each checked finite first; `in`/`out` as above for every
+  // span. The first part enters the step (as SubmitShared: replays, order, fence; apply mode's
+  // `hyper` is taken from it), later ones continue it (same session and `keepalive`). A span in
+  // two parts, or (at the last part) in none, refuses the step, INVALID_ARGUMENT naming it, as
+  // does a non-finite value. OK for a part that is not the last means it was taken; `done` runs
+  // for the last part only, as SubmitShared's.
+  struct SharedPart {
+    std::vector<size_t> spans;
+    bool last = true;
+  };
+  absl::Status SubmitSharedPart(int rank, uint64_t session, int64_t step, const SharedPart& part,
+                                const std::vector<const char*>& in, const std::vector<char*>& out,
+                                std::shared_ptr<const void> keepalive, SharedDone done,
+                                const StepHyper* hyper = nullptr, SharedProgress progress = {});
+  // A part the transport refused before it reached the job (outside the buffer, cutting a span,
+  // after the rank's last part): when `rank` has the step open in parts from this session and
+  // `keepalive`, the step is refused with `why` (nothing of it is committed). Returns `why`.
+  absl::Status RefuseSharedPart(int rank, uint64_t session, int64_t step, const void* keepalive,
+                                const absl::Status& why);
 
   // ---- Apply mode (DESIGN.md 4b).
   bool apply() const { return spec_.mode == common::JobMode::kApply; }

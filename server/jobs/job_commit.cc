@@ -90,7 +90,15 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
     FailStep(state, changed, /*fence=*/true);
     return;
   }
-  for (auto& out : state.outputs) out->compute_seconds = seconds;
+  for (auto& out : state.outputs) {
+    out->compute_seconds = seconds;
+    // Every result is in: a rank's progress words say so before its completion does (a clipped
+    // step announces nothing earlier; step_pipeline.cc).
+    if (out->progress.words == nullptr) continue;
+    for (size_t i = 0; i < out->spans.size(); ++i) {
+      __atomic_store_n(&out->progress.words[i], state.step + 1, __ATOMIC_RELEASE);
+    }
+  }
   last_step_device_seconds_ = state.device_seconds;
   last_updates_.assign(state.outputs.begin(), state.outputs.end());
   state.done = true;

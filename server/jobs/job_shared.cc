@@ -1,5 +1,5 @@
-// The shared-memory side of a Job: whole-shard submissions from a rank's regions and the end of
-// a rank's shared-memory session (see job.h).
+// The shared-memory side of a Job: submissions from a rank's regions (whole or in parts) and the
+// end of a rank's shared-memory session (see job.h).
 #include <cstring>
 #include <utility>
 
@@ -15,53 +15,122 @@ namespace muond::server {
 absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
                                const std::vector<const char*>& in, const std::vector<char*>& out,
                                std::shared_ptr<const void> keepalive, SharedDone done,
-                               const StepHyper* hyper) {
+                               const StepHyper* hyper, SharedProgress progress) {
+  RETURN_IF_ERROR(CheckRank(rank));
+  SharedPart whole;
+  whole.spans.resize(layout_.spans(rank).size());
+  for (size_t i = 0; i < whole.spans.size(); ++i) whole.spans[i] = i;
+  return SubmitSharedPart(rank, session, step, whole, in, out, std::move(keepalive),
+                          std::move(done), hyper, std::move(progress));
+}
+
+absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, const SharedPart& part,
+                                   const std::vector<const char*>& in,
+                                   const std::vector<char*>& out,
+                                   std::shared_ptr<const void> keepalive, SharedDone done,
+                                   const StepHyper* hyper, SharedProgress progress) {
   RETURN_IF_ERROR(CheckRank(rank));
   const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
   if (in.size() != spans.size() || out.size() != spans.size()) {
     return absl::InternalError("shared submission with the wrong number of spans");
   }
-  // Every value is checked in place, before the step knows about the rank.
+  for (size_t i : part.spans) {
+    if (i >= spans.size()) return absl::InternalError("shared part names a span the rank lacks");
+  }
   const std::string where = absl::StrCat("job '", id(), "' step ", step, " rank ", rank);
-  if (absl::Status bad = CheckFiniteSpans(where, spec_, spans, in); !bad.ok()) {
-    absl::MutexLock lock(&mu_);
-    RefuseSubmission(rank, session, step, bad);
+  // The part's values are checked in place, before the step knows about them.
+  std::vector<common::ShardSpan> part_spans;
+  std::vector<const char*> part_in;
+  for (size_t i : part.spans) {
+    part_spans.push_back(spans[i]);
+    part_in.push_back(in[i]);
+  }
+  const absl::Status bad = CheckFiniteSpans(where, spec_, part_spans, part_in);
+  absl::MutexLock lock(&mu_);
+  // A later part of the step this rank is sending in parts (its regions, its session).
+  const bool continuing = in_flight_ != nullptr && in_flight_->step == step &&
+                          in_flight_->ranks[rank].parts_open &&
+                          in_flight_->ranks[rank].keepalive == keepalive &&
+                          sessions_[rank] == session;
+  if (!bad.ok()) {
+    if (continuing) {
+      FailStep(*in_flight_, bad, /*fence=*/false);
+    } else {
+      RefuseSubmission(rank, session, step, bad);
+    }
     return bad;
   }
-  absl::MutexLock lock(&mu_);
-  std::shared_ptr<const RankUpdate> replay;
-  RETURN_IF_ERROR(EnterStep(rank, session, step, hyper, &replay));
-  if (replay != nullptr) {
-    // The committed bytes go where the rank reads them (already there when the rank used the
-    // same buffer).
-    for (size_t i = 0; i < out.size(); ++i) {
-      if (out[i] != replay->spans[i].data) {
-        std::memcpy(out[i], replay->spans[i].data, replay->spans[i].size);
-        CountTransportCopy(replay->spans[i].size);
+  if (!continuing) {
+    std::shared_ptr<const RankUpdate> replay;
+    RETURN_IF_ERROR(EnterStep(rank, session, step, hyper, &replay));
+    if (replay != nullptr) {
+      // The committed bytes go where the rank reads them (already there when the rank used the
+      // same buffer). Every part of a replayed step is answered so.
+      for (size_t i = 0; i < out.size(); ++i) {
+        if (out[i] != replay->spans[i].data) {
+          std::memcpy(out[i], replay->spans[i].data, replay->spans[i].size);
+          CountTransportCopy(replay->spans[i].size);
+        }
       }
+      if (part.last) done(absl::OkStatus(), /*replayed=*/true, replay->compute_seconds);
+      return absl::OkStatus();
     }
-    done(absl::OkStatus(), /*replayed=*/true, replay->compute_seconds);
-    return absl::OkStatus();
+    RankInput& rin = in_flight_->ranks[rank];
+    rin.span_in = in;
+    rin.keepalive = keepalive;
+    rin.parts_open = true;
+    auto update = std::make_shared<RankUpdate>();
+    update->step = step;
+    update->keepalive = std::move(keepalive);
+    update->progress = std::move(progress);
+    for (size_t i = 0; i < spans.size(); ++i) {
+      // Apply mode returns the new parameters, in the tensor's param dtype.
+      const size_t out_bytes =
+          apply() ? layout_.ParamSpanBytes(rank, i) : layout_.SpanBytes(rank, i);
+      update->spans.push_back({spans[i].matrix, spans[i].offset, out[i], out_bytes});
+    }
+    in_flight_->outputs[rank] = std::move(update);
   }
-  StepState& state = *in_flight_;
-  RankInput& rin = state.ranks[rank];
-  rin.finished = true;
-  rin.span_in = in;
-  rin.keepalive = keepalive;
-  rin.done = std::move(done);
-  auto update = std::make_shared<RankUpdate>();
-  update->step = step;
-  update->keepalive = std::move(keepalive);
-  for (size_t i = 0; i < spans.size(); ++i) {
-    // Apply mode returns the new parameters, in the tensor's param dtype.
-    const size_t out_bytes = apply() ? layout_.ParamSpanBytes(rank, i) : layout_.SpanBytes(rank, i);
-    update->spans.push_back({spans[i].matrix, spans[i].offset, out[i], out_bytes});
+  const std::shared_ptr<StepState> state = in_flight_;
+  RankInput& rin = state->ranks[rank];
+  for (size_t i : part.spans) {
+    if (rin.span_received[i] == 0) continue;
+    absl::Status overlap = absl::InvalidArgumentError(absl::StrCat(
+        where, ": matrix '", spec_.matrices[spans[i].matrix].name, "' span at element ",
+        spans[i].offset, " is in two parts of the step (each span goes in exactly one part)"));
+    FailStep(*state, overlap, /*fence=*/false);
+    return overlap;
+  }
+  for (size_t i : part.spans) {
     rin.span_received[i] = spans[i].length;
-    // A drain queued here waits for the job's lock, held until the outputs below are in place.
-    MarkReceived(in_flight_, spans[i].matrix, spans[i].length);
+    // A drain queued here waits for the job's lock, held until the outputs are in place.
+    MarkReceived(state, spans[i].matrix, spans[i].length);
   }
-  state.outputs[rank] = std::move(update);
+  if (!part.last) return absl::OkStatus();
+  for (size_t i = 0; i < spans.size(); ++i) {
+    if (rin.span_received[i] == spans[i].length) continue;
+    absl::Status missing = absl::InvalidArgumentError(absl::StrCat(
+        where, ": matrix '", spec_.matrices[spans[i].matrix].name, "' span at element ",
+        spans[i].offset, " (", spans[i].length, " elements) is in no part of the step"));
+    FailStep(*state, missing, /*fence=*/false);
+    return missing;
+  }
+  rin.parts_open = false;
+  rin.finished = true;
+  // Not done yet: a step that ends (commit or failure) leaves in_flight_ under this lock.
+  rin.done = std::move(done);
   return absl::OkStatus();
+}
+
+absl::Status Job::RefuseSharedPart(int rank, uint64_t session, int64_t step,
+                                   const void* keepalive, const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  if (in_flight_ == nullptr || in_flight_->step != step || !in_flight_->ranks[rank].parts_open ||
+      in_flight_->ranks[rank].keepalive.get() != keepalive || sessions_[rank] != session) {
+    return why;
+  }
+  FailStep(*in_flight_, why, /*fence=*/false);
+  return why;
 }
 
 void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive, bool clean) {

@@ -22,12 +22,21 @@ struct UpdateSpan {
   size_t size = 0;
 };
 
+// A shared-memory rank's progress words (common/shm_protocol.h): `words[i]` is set to step + 1
+// when span i's result is in the rank's update region, and `notify` wakes the rank. Empty for
+// gRPC ranks.
+struct SharedProgress {
+  int64_t* words = nullptr;
+  std::function<void()> notify;
+};
+
 struct RankUpdate {
   int64_t step = -1;
   std::vector<UpdateSpan> spans;  // in the order of common::RankSpans
   double compute_seconds = 0;
   std::vector<std::string> storage;       // owned span bytes (gRPC ranks)
   std::shared_ptr<const void> keepalive;  // the shared region the spans point into (shm ranks)
+  SharedProgress progress;                // shm ranks: where finished spans are announced
 };
 
 // Called once when a shared-memory submission ends: OK (the update is in the rank's update

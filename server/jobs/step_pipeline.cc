@@ -210,8 +210,28 @@ class StepPipeline::Run {
     for (device::DeviceBuffer& d : b.mom) p_.GiveBack(std::move(d));
     for (device::DeviceBuffer& d : b.raw) p_.GiveBack(std::move(d));
     // mom_out holds views only.
+    Announce(b.matrices);
     absl::MutexLock lock(p_.job_mu_);
     state_.matrices_done += b.matrices.size();
+  }
+
+  // The owners' results of `matrices` are in place: their shared-memory ranks may use them now
+  // (progress words, then a wake-up per rank). Not with clipping: a clipped step recomputes every
+  // result once the norm is known, so its words are set at the commit (Job::FinishCommit).
+  void Announce(const std::vector<uint32_t>& matrices) {
+    if (p_.spec_.max_grad_norm > 0) return;
+    std::vector<bool> touched(state_.outputs.size(), false);
+    for (uint32_t m : matrices) {
+      for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
+        const RankUpdate* out = state_.outputs[ref.rank].get();
+        if (out == nullptr || out->progress.words == nullptr) continue;
+        __atomic_store_n(&out->progress.words[ref.span], state_.step + 1, __ATOMIC_RELEASE);
+        touched[ref.rank] = true;
+      }
+    }
+    for (size_t r = 0; r < touched.size(); ++r) {
+      if (touched[r] && state_.outputs[r]->progress.notify) state_.outputs[r]->progress.notify();
+    }
   }
 
   // The data-path probe: each owner's span goes back as it came, one copy, no device, in slices
@@ -239,6 +259,7 @@ class StepPipeline::Run {
     common::ParallelFor(slices.size(), total, [&](size_t i) {
       std::memcpy(slices[i].dst, slices[i].src, slices[i].bytes);
     });
+    Announce(batch.matrices);
     absl::MutexLock lock(p_.job_mu_);
     state_.matrices_done += batch.matrices.size();
   }

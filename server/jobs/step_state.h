@@ -67,6 +67,7 @@ struct RankInput {
   std::shared_ptr<const void> keepalive;              // shared memory: the regions
   bool begun = false;
   bool finished = false;
+  bool parts_open = false;  // shared memory: the rank sends the step in parts, the last not in
   // The rank has sent its whole part: a gRPC rank's StepEnd, a shared-memory rank's submission
   // (its done callback is set).
   bool pushed() const { return finished || done != nullptr; }

@@ -82,6 +82,11 @@ _SIGNATURES = {
     "muond_session_update_view": (ctypes.c_int, [_P, _I64, ctypes.POINTER(_P),
                                                  ctypes.POINTER(ctypes.c_size_t)]),
     "muond_step_in_place": (ctypes.c_int, [_P, _I64]),
+    "muond_step_post": (ctypes.c_int, [_P, _I64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]),
+    "muond_step_progress": (ctypes.c_int, [_P, _I64, ctypes.c_double,
+                                           ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t,
+                                           ctypes.POINTER(ctypes.c_int)]),
+    "muond_step_wait": (ctypes.c_int, [_P, _I64, ctypes.POINTER(ctypes.c_int)]),
     "muond_step_buffer": (ctypes.c_int, [_P, _I64, _P, _P]),
     # Checkpoints (DESIGN.md section 7).
     "muond_checkpoint_save": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _PI64, _PI64]),

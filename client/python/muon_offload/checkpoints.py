@@ -24,6 +24,7 @@ class DaemonCheckpoints:
         it until the next step."""
         if self.session is None:
             raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
+        self.drain()  # delayed mode: the step in flight is installed, so the save is a whole step
         self.ranks.barrier()  # every rank has the result of the last step: between steps
         generation, step = self.ranks.on_rank0(
             lambda: self.client.checkpoint_save(self.job_id, self.token))
@@ -37,6 +38,8 @@ class DaemonCheckpoints:
         (loaded_generation, next_step)."""
         if self.client is None:
             raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
+        if self.session is not None:
+            self.drain()
         if self.offload is not None:
             self.offload.close()
             self.offload = None
@@ -60,9 +63,11 @@ class DaemonCheckpoints:
     def state_dict(self):
         """AdamW state (and the local backend's momentum) as torch.optim keeps it, plus, for muond,
         {"muond": {"job_id", "generation", "step", "next_step"}}: the generation save_checkpoint()
-        saved (or load_state_dict() loaded) since the last step. Only reads: not a collective,
-        saves nothing. Raises MuondError FAILED_PRECONDITION when there is none (call
+        saved (or load_state_dict() loaded) since the last step. Only reads (not a collective, saves
+        nothing), except that with delay=1 it first installs the step in flight (drain()). Raises MuondError FAILED_PRECONDITION when there is none (call
         save_checkpoint() first): momentum and AdamW state from different steps restore neither."""
+        if self.session is not None:
+            self.drain()  # delayed mode (a collective then): the state of a whole step
         sd = super().state_dict()
         sd["step_id"] = self.step_id
         if self._offloaded():

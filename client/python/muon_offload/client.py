@@ -235,6 +235,31 @@ class Session:
         """Submits the gradient view of `step` and waits for the update view."""
         _native.call("muond_step_in_place", self.handle, int(step))
 
+    def post_part(self, step, byte_offset, nbytes, last=False):
+        """Sends bytes [byte_offset, byte_offset + nbytes) of the gradient view of `step` (whole
+        spans) as a part of the step, without waiting; `last`: the rank's last part (it may be
+        empty). Shared memory only."""
+        _native.call("muond_step_post", self.handle, int(step), int(byte_offset), int(nbytes),
+                     1 if last else 0)
+
+    def progress(self, step, timeout_seconds=-1.0):
+        """Waits at most timeout_seconds (< 0: until news) for news of the step in parts; returns
+        (ready, ended): ready[i] is True when span i's result of `step` is in the update view
+        (final if the step commits), ended when the step ended. A refused part raises."""
+        n = len(self.spans)
+        ready = (ctypes.c_uint8 * max(n, 1))()
+        ended = ctypes.c_int(0)
+        _native.call("muond_step_progress", self.handle, int(step), float(timeout_seconds), ready,
+                     n, ctypes.byref(ended))
+        return [bool(ready[i]) for i in range(n)], bool(ended.value)
+
+    def wait_parts(self, step):
+        """Waits for the end of the step sent in parts; raises its refusal. Returns whether the
+        daemon answered with the committed result of an earlier try (a replay)."""
+        replayed = ctypes.c_int(0)
+        _native.call("muond_step_wait", self.handle, int(step), ctypes.byref(replayed))
+        return bool(replayed.value)
+
     def step_buffer(self, step, grads, updates):
         """Flat-buffer step: `grads` and `updates` are contiguous CPU tensors of buffer_elements
         elements in the job's dtype; `updates` receives the update (padding zeroed)."""

@@ -40,6 +40,7 @@ parameters. max_grad_norm clips globally in muond. mode="update" (the default) i
 Errors: MuondError (code, code_name, message). A step that fails changes nothing: no weight, AdamW
 state or momentum is updated, the step id stays, and the gradients are left as they were.
 """
+import time
 import uuid
 
 import torch
@@ -50,6 +51,7 @@ from .client import Client, dtype_name
 from .apply_mode import ParameterOffload, apply_job_spec, group_name
 from .checkpoints import DaemonCheckpoints
 from .rank_group import RankGroup
+from .streaming import DEFAULT_BUCKET_BYTES, EarlyResults, GradientStream
 from .zero import all_gather_partitions, all_reduce_mean, copy_into_buffer, job_partitions
 
 MUON_KEYS = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True, "ns_steps": 5,
@@ -94,12 +96,23 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
       init_from: a safetensors file muond reads the initial weights from (None: the ranks upload
         their parameters before the first step);
       grad_divisor: the gradients are divided by it in muond (default 1; per step: step(...)).
+    stream: hand each gradient to muond as soon as autograd accumulated it, in buckets of
+      bucket_bytes (streaming.py), and use results as they come; default True. False: step()
+      sends the whole step.
+    delay: 1 runs a one-step delayed update (ZeRO-Offload's DPU): step() at step t sends t's
+      gradients and returns at once; the parameters installed before the next forward are those
+      of step t-1. delay_warmup synchronous steps come first (default 10). 0: synchronous.
+      state_dict(), save_checkpoint(), load_checkpoint(), export() and close() drain the step in
+      flight first (drain()).
+    Gradient accumulation: run the backward passes of all micro-batches but the last inside
+    `with opt.accumulating():` (their gradients are not streamed; the last one's are).
     """
 
     def __init__(self, param_groups, *, backend="muond", address=None, job_id=None, token=None,
                  process_group=None, zero_stage=None, transport="auto", compute_dtype="float32",
                  reduce_gradients=None, takeover=False, mode="update", max_grad_norm=None,
-                 init_from=None, grad_divisor=1.0, fp32_iterations=0):
+                 init_from=None, grad_divisor=1.0, fp32_iterations=0, stream=True,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, delay=0, delay_warmup=10):
         if backend not in ("muond", "local"):
             raise ValueError(f"backend must be 'muond' or 'local', not '{backend}'")
         if mode not in ("update", "apply"):
@@ -111,6 +124,12 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             raise ValueError("max_grad_norm and init_from apply to mode='apply' only")
         if token is not None and not job_id:
             raise ValueError("a token was given without the job_id it belongs to")
+        if delay not in (0, 1):
+            raise ValueError(f"delay must be 0 or 1, not {delay!r}")
+        if isinstance(delay_warmup, bool) or not isinstance(delay_warmup, int) or delay_warmup < 0:
+            raise ValueError(f"delay_warmup must be an integer >= 0, not {delay_warmup!r}")
+        if int(bucket_bytes) <= 0:
+            raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes!r}")
         self.backend = backend
         self.mode = mode
         self._sealed = False
@@ -145,6 +164,15 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         self.grad_divisor = float(grad_divisor)
         self.offload = None  # apply mode: the ParameterOffload of the attached session
         self._upload_pending = False  # apply mode: the ranks upload the weights at the next step
+        self.stream = bool(stream) and backend == "muond"
+        self.bucket_bytes = int(bucket_bytes)
+        self.delay, self.delay_warmup = int(delay), int(delay_warmup)
+        self._stream = None  # the GradientStream of the attached session
+        self._accumulating = 0
+        self._in_flight = None  # delay=1: the step sent and not yet installed
+        self._steps_taken = 0
+        # What the last step cost the caller (seconds): in step(), and waiting for muond.
+        self.last_step_stats = {}
         if backend == "local" or not self._job_tensors:
             return
         if self.zero_stage is None:
@@ -280,9 +308,69 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         else:
             self._grad_buffers = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
             self._update_buffers = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
+        self._make_stream()
+
+    def _make_stream(self):
+        if self._stream is not None:
+            self._stream.remove()
+        params = [p for _, p in self._job_tensors]
+        apply = self.mode == "apply"
+        self._stream = GradientStream(self.session, self.partitions, self.rank, params,
+                                      self.process_group, self._dist,
+                                      reduce=self.reduce_gradients, mean=not apply,
+                                      bucket_bytes=self.bucket_bytes)
+        s = self.session
+        if s.is_shm:
+            view = (lambda t: self.offload._pinned(s.gradient_view(t, self.dtype))) if apply \
+                else (lambda t: s.gradient_view(t, self.dtype))
+        else:
+            view = (lambda t: self.offload._host_grads) if apply else \
+                (lambda t: self._grad_buffers)
+        self._stream.set_buffer(view)
+        self._stream.on_first_post = self._send_hyper if apply else None
+        if self.stream:
+            self._stream.install()
+            self._arm()
+
+    def _arm(self):
+        """The next backward streams step step_id, unless the step is delayed or accumulating."""
+        st = self._stream
+        if st is None or not self.stream:
+            return
+        delayed = self.delay and self._steps_taken >= self.delay_warmup
+        if delayed or self._accumulating:
+            st.disarm()
+        else:
+            st.arm(self.step_id, shm=self.session.is_shm)
+
+    def accumulating(self):
+        """Context manager: backward passes inside it accumulate gradients without streaming them
+        (all micro-batches of a step but the last)."""
+        opt = self
+
+        class _Accumulating:
+            def __enter__(self):
+                opt._accumulating += 1
+                if opt._stream is not None:
+                    opt._stream.disarm()
+                return opt
+
+            def __exit__(self, *exc):
+                opt._accumulating -= 1
+                if not opt._accumulating:
+                    opt._arm()
+                return False
+
+        return _Accumulating()
 
     def close(self, delete_job=False):
-        """Detaches this rank; with delete_job, rank 0 deletes the job (after all ranks detached)."""
+        """Detaches this rank; with delete_job, rank 0 deletes the job (after all ranks detached).
+        A delayed step in flight is installed first."""
+        if self.session is not None:
+            self.drain()
+        if self._stream is not None:
+            self._stream.remove()
+            self._stream = None
         if self.offload is not None:
             self.offload.close()
             self.offload = None
@@ -329,21 +417,91 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         return ([reduced[id(g)] for g in muon],
                 [None if g is None else reduced[id(g)] for g in adam])
 
-    def _muond_updates(self, grads):
-        """Pushes this rank's partition of `grads` and returns its update (flat, partition layout)."""
-        step = self.step_id
-        s = self.session
-        if s is None:
+    def _adam_gradients(self):
+        """The AdamW parameters' gradients, averaged over the ranks (new tensors; p.grad stays
+        untouched, so a failed step can be retried)."""
+        adam = [p.grad for _, p in self._adam]  # None: skipped, as torch.optim.AdamW does
+        if not (self.reduce_gradients and self.world_size > 1):
+            return adam
+        present = [g for g in adam if g is not None]
+        reduced = {id(g): r for g, r in zip(present, all_reduce_mean(present,
+                                                                     self.process_group))}
+        return [None if g is None else reduced[id(g)] for g in adam]
+
+    def _session(self):
+        if self.session is None:
             raise MuondError(CODES["FAILED_PRECONDITION"], f"job '{self.job_id}' rank {self.rank}: "
                              "not attached (closed, or a checkpoint load failed)", "step")
-        dtype = self.dtype
-        buffer = s.gradient_view(step, dtype) if s.is_shm else self._grad_buffers
-        copy_into_buffer(buffer, self.partition, grads)
-        if s.is_shm:
+        return self.session
+
+    def _delayed(self):
+        return self.delay == 1 and self._steps_taken >= self.delay_warmup and \
+            self._session().is_shm
+
+    def _send_gradients(self, step):
+        """This rank's partition of the job tensors' gradients into the step's buffer (reduced
+        over the ranks when asked), sent in parts as backward produced them when the stream was
+        armed; returns True when the step went in parts (its last part posted)."""
+        st = self._stream
+        parts = st.armed and st.step == step and self.session.is_shm
+        if not st.armed or st.step != step:
+            st.arm(step, shm=False)
+        try:
+            st.finish()
+            late = st.late_tensors()
+            if late and parts:
+                names = ", ".join(repr(self._names[self._job_tensors[i][1]]) for i in late[:4])
+                raise MuondError(CODES["FAILED_PRECONDITION"],
+                                 f"the gradients of {names} changed after they were streamed to "
+                                 "muond (a second backward before step()?); use "
+                                 "opt.accumulating() for all backward passes but the last; the "
+                                 "step was dropped, nothing changed", "step")
+        except BaseException:
+            if parts:
+                st.abandon()
+            raise
+        if parts:
+            st.post_last()
+        return parts
+
+    def _post_whole(self, step):
+        """Sends the step's whole gradient buffer without waiting (delayed mode)."""
+        s = self.session
+        s.post_part(step, 0, s.raw_view("gradient", step).numel(), last=True)
+
+    def _muond_updates(self, step):
+        """Sends this rank's partition of the Muon gradients and waits; returns (update view,
+        EarlyResults or None): with one rank and a streamed step the updates were applied to
+        the parameters span by span already."""
+        s = self._session()
+        parts = self._send_gradients(step)
+        if parts and self.world_size == 1:
+            early = EarlyResults(s, step, self.partition.spans, self._muon_span_user(step))
+            early.run()
+            return s.update_view(step, self.dtype), early
+        if parts:
+            s.wait_parts(step)
+        elif s.is_shm:
             s.step_in_place(step)
-            return s.update_view(step, dtype)
-        s.step_buffer(step, buffer, self._update_buffers)
-        return self._update_buffers
+        else:
+            s.step_buffer(step, self._grad_buffers, self._update_buffers)
+            return self._update_buffers, None
+        return s.update_view(step, self.dtype), None
+
+    def _muon_span_user(self, step, hyper=None):
+        params = [p for _, p in self._muon]
+        groups = [g for g, _ in self._muon]
+        update = self.session.update_view(step, self.dtype)
+
+        def use(k, keep):
+            matrix, offset, length, rank_offset = self.partition.spans[k]
+            g = groups[matrix]
+            lr, wd = (g["lr"], g["weight_decay"]) if hyper is None else hyper[matrix]
+            view = params[matrix].view(-1)[offset:offset + length]
+            old = view.clone() if keep else None
+            self._apply(view, update[rank_offset:rank_offset + length], lr, wd)
+            return (view, old) if keep else None
+        return use
 
     @staticmethod
     def _apply(weight, update, lr, weight_decay):
@@ -354,35 +512,45 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         weight.sub_(torch.mul(update, lr))
 
     @torch.no_grad()
-    def _muon_step(self, grads):
-        if self.backend == "local":
-            cfg = self.muon_config
-            updates = []
-            for (g, p), grad in zip(self._muon, grads):
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32)
-                updates.append(reference.muon_update(
-                    grad, state["momentum_buffer"], cfg["momentum"], cfg["nesterov"],
-                    cfg["ns_method"], cfg["ns_steps"], cfg["scale_mode"], g["num_heads"]))
-            for (g, p), u in zip(self._muon, updates):
-                self._apply(p, u, g["lr"], g["weight_decay"])
-            return
-        update = self._muond_updates(grads)
+    def _local_muon_step(self, grads):
+        cfg = self.muon_config
+        updates = []
+        for (g, p), grad in zip(self._muon, grads):
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32)
+            updates.append(reference.muon_update(
+                grad, state["momentum_buffer"], cfg["momentum"], cfg["nesterov"],
+                cfg["ns_method"], cfg["ns_steps"], cfg["scale_mode"], g["num_heads"]))
+        for (g, p), u in zip(self._muon, updates):
+            self._apply(p, u, g["lr"], g["weight_decay"])
+
+    @torch.no_grad()
+    def _install_muon(self, update, step, early=None, hyper=None):
+        """This rank's partition of the update into the parameters (what `early` did not apply
+        yet), then the all-gather of every rank's."""
         params = [p for _, p in self._muon]
-        groups = [g for g, _ in self._muon]
-        for matrix, offset, length, rank_offset in self.partition.spans:
-            g = groups[matrix]
-            self._apply(params[matrix].view(-1)[offset:offset + length],
-                        update[rank_offset:rank_offset + length], g["lr"], g["weight_decay"])
+        if early is None:
+            use = self._muon_span_user(step, hyper) if update is None else None
+            groups = [g for g, _ in self._muon]
+            for k, (matrix, offset, length, rank_offset) in enumerate(self.partition.spans):
+                if use is not None:
+                    use(k, False)
+                    continue
+                g = groups[matrix]
+                lr, wd = (g["lr"], g["weight_decay"]) if hyper is None else hyper[matrix]
+                self._apply(params[matrix].view(-1)[offset:offset + length],
+                            update[rank_offset:rank_offset + length], lr, wd)
         if self.world_size > 1:
             mine = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
             copy_into_buffer(mine, self.partition, params)
             all_gather_partitions(mine, self.partitions, self.rank, params, self.process_group)
 
     @torch.no_grad()
-    def _adam_step(self, grads):
-        for (g, p), grad in zip(self._adam, grads):
+    def _adam_step(self, grads, hyper=None):
+        """hyper: (lr, weight_decay) per AdamW parameter (delayed mode: its step's); None: the
+        groups' now."""
+        for j, ((g, p), grad) in enumerate(zip(self._adam, grads)):
             if grad is None:
                 continue
             state = self.state[p]
@@ -396,7 +564,21 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             state["exp_avg_sq"].lerp_(grad.square(), 1 - beta2)
             m = state["exp_avg"] / (1 - beta1 ** state["step"])
             v = state["exp_avg_sq"] / (1 - beta2 ** state["step"])
-            self._apply(p, m / (v.sqrt() + g["eps"]), g["lr"], g["weight_decay"])
+            lr, wd = (g["lr"], g["weight_decay"]) if hyper is None else hyper[j]
+            self._apply(p, m / (v.sqrt() + g["eps"]), lr, wd)
+
+    def _apply_hyper(self, grad_divisor=None):
+        divisor = self.grad_divisor if grad_divisor is None else float(grad_divisor)
+        if self.reduce_gradients and self.world_size > 1:
+            divisor *= self.world_size  # the ranks' gradients are summed: muond takes the mean
+        groups = self.param_groups
+        return ([group_name(i) for i in range(len(groups))], [g["lr"] for g in groups],
+                [g["weight_decay"] for g in groups], divisor)
+
+    def _send_hyper(self):
+        """Apply mode, before a streamed step's first part: its hyperparameters as they are now."""
+        self._sent_hyper = self._apply_hyper()
+        self.offload.session.set_hyper(*self._sent_hyper)
 
     def _apply_mode_step(self, grad_divisor):
         if self.offload is None:
@@ -405,21 +587,93 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                              "step")
         self._require_gradients(self._job_tensors, "apply-mode")
         if self._upload_pending:
+            self._stream.disarm()  # the upload goes through gradient buffer 0
             self.upload_params()
-        divisor = self.grad_divisor if grad_divisor is None else float(grad_divisor)
-        if self.reduce_gradients and self.world_size > 1:
-            divisor *= self.world_size  # the ranks' gradients are summed: muond takes the mean
-        groups = self.param_groups
-        hyper = ([group_name(i) for i in range(len(groups))], [g["lr"] for g in groups],
-                 [g["weight_decay"] for g in groups], divisor)
-        error = new_params = None
+        hyper = self._apply_hyper(grad_divisor)
+        st, s, step = self._stream, self.offload.session, self.step_id
+        streamed = st.armed and st.step == step and s.is_shm
+        if streamed and getattr(self, "_sent_hyper", None) not in (None, hyper):
+            # lr or the divisor changed after the first part left: drop the parts, send it whole.
+            st.abandon()
+            self.ranks.barrier()
+            streamed = False
+        self._sent_hyper = None
+        if self._delayed():
+            self._install_in_flight()
+            s.set_hyper(*hyper)
+            self.offload._reduce_gradients([p.grad for _, p in self._job_tensors],
+                                           self.offload._pinned(s.gradient_view(step, self.dtype)))
+            self._post_whole(step)
+            self._in_flight = step
+            return
+        error = new_params = early = None
         try:
-            new_params = self.offload.push_step(self.step_id, [p.grad for _, p in
-                                                               self._job_tensors], hyper)
+            if streamed:
+                if st._posted == 0:
+                    s.set_hyper(*hyper)
+                self._send_gradients(step)
+                new_params = self.offload._pinned(s.update_view(step, self.dtype), read_only=True)
+                if self.world_size == 1:
+                    early = EarlyResults(s, step, self.partition.spans,
+                                         self._param_span_user(new_params))
+                    early.run()
+                else:
+                    s.wait_parts(step)
+            else:
+                st.disarm()
+                new_params = self.offload.push_step(
+                    step, [p.grad for _, p in self._job_tensors], hyper)
         except MuondError as e:
             error = e
         self.ranks.raise_if_any_failed(error)
-        self.offload.pull_params(new_params)
+        if early is None:
+            self.offload.pull_params(new_params)
+        else:
+            self.offload._sync()
+
+    def _param_span_user(self, new_params):
+        params = [p for _, p in self._job_tensors]
+
+        def use(k, keep):
+            matrix, offset, length, rank_offset = self.partition.spans[k]
+            view = params[matrix].view(-1)[offset:offset + length]
+            old = view.clone() if keep else None
+            view.copy_(new_params[rank_offset:rank_offset + length])
+            return (view, old) if keep else None
+        return use
+
+    def _install_in_flight(self):
+        """Delayed mode: waits for the step in flight and installs its results (a collective
+        with several ranks). A failed delayed step raises here, with nothing of it installed; its
+        step id is the next step's again."""
+        if self._in_flight is None:
+            return
+        step, self._in_flight = self._in_flight, None
+        error = None
+        try:
+            self.session.wait_parts(step)
+        except MuondError as e:
+            error = e
+        try:
+            self.ranks.raise_if_any_failed(error)
+        except MuondError:
+            self.step_id = step
+            raise
+        if self.mode == "apply":
+            self.offload.pull_params(self.offload._pinned(
+                self.session.update_view(step, self.dtype), read_only=True))
+            return
+        hyper, adam, adam_hyper = self._delayed_rest
+        self._install_muon(None, step, hyper=hyper)
+        self._adam_step(adam, adam_hyper)
+
+    def drain(self):
+        """Delayed mode: installs the step in flight (no-op otherwise). state_dict(),
+        save_checkpoint(), load_checkpoint(), export() and close() call it, so that what they see
+        is a whole step. A collective with several ranks."""
+        if self._in_flight is not None:
+            with torch.no_grad():
+                self._install_in_flight()
 
     def upload_params(self):
         """Apply mode, a collective: every rank uploads its partition of the parameters as its
@@ -435,6 +689,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         """Apply mode, a collective: muond writes the master weights, every tensor in full shape
         under its parameter name, to `path` (a safetensors file on the daemon's host) in
         `dtype`."""
+        self.drain()
         self.ranks.barrier()
         self.ranks.on_rank0(lambda: self.client.export(self.job_id, self.token, path, dtype))
 
@@ -450,14 +705,41 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
-            if self.mode == "apply":
-                if self._job_tensors:
-                    self._apply_mode_step(grad_divisor)
-            else:
-                muon_grads, adam_grads = self._gradients()
-                if self._muon:
-                    self._muon_step(muon_grads)
-                self._adam_step(adam_grads)
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                if self.mode == "apply":
+                    if self._job_tensors:
+                        self._apply_mode_step(grad_divisor)
+                elif self.backend == "local" or not self._job_tensors:
+                    muon_grads, adam_grads = self._gradients()
+                    if self._muon:
+                        self._local_muon_step(muon_grads)
+                    self._adam_step(adam_grads)
+                else:
+                    self._update_mode_step()
+        finally:
+            self._steps_taken += 1
+            self.last_step_stats = {"seconds": time.perf_counter() - t0}
         self.step_id += 1
+        self._arm()
         return loss
+
+    def _update_mode_step(self):
+        self._require_gradients(self._muon, "Muon")
+        adam = self._adam_gradients()
+        step = self.step_id
+        if self._delayed():
+            self._install_in_flight()
+            st = self._stream
+            st.arm(step, shm=False)
+            st.finish()
+            self._post_whole(step)
+            self._delayed_rest = ([(g["lr"], g["weight_decay"]) for g, _ in self._muon],
+                                  [None if g is None else g.clone() for g in adam],
+                                  [(g["lr"], g["weight_decay"]) for g, _ in self._adam])
+            self._in_flight = step
+            return
+        update, early = self._muond_updates(step)
+        self._install_muon(update, step, early)
+        self._adam_step(adam)
