@@ -234,7 +234,12 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
     const absl::Status bad = shm_wire::CheckSubmission(sub, index, s->session_id, s->buffer_bytes,
                                                        where, s->part_step);
     if (!bad.ok()) {
-      // A malformed part of a step this session has open in parts ends that step.
+      // A malformed part of a step this session has open in parts ends that step; a malformed
+      // first part refuses the step's later parts (up to its last) the same way.
+      if (sub.kind == shm::kSubmitStepPart && sub.step >= 0 && sub.step != s->part_step) {
+        s->part_step = sub.step;
+        s->part_error = bad;
+      }
       RefusePart(s, sub, bad);
       s->completions->Complete(sub.seq, sub.step, bad, false, 0);
       continue;

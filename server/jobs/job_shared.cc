@@ -60,6 +60,20 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     }
     return bad;
   }
+  if (!continuing && in_flight_ != nullptr && in_flight_->step == step &&
+      in_flight_->ranks[rank].finished && in_flight_->ranks[rank].keepalive == keepalive &&
+      sessions_[rank] == session) {
+    // The rank's last part is in and the step still runs: nothing may join it now.
+    if (in_flight_->committing || in_flight_->prepared) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": a part after the rank's last part; the step is committing (all data was "
+                 "in), this part was not applied"));
+    }
+    absl::Status late = absl::InvalidArgumentError(
+        absl::StrCat(where, ": a part after the rank's last part of the step"));
+    FailStep(*in_flight_, late, /*fence=*/false);
+    return late;
+  }
   if (!continuing) {
     std::shared_ptr<const RankUpdate> replay;
     RETURN_IF_ERROR(EnterStep(rank, session, step, hyper, &replay));

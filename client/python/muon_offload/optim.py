@@ -194,6 +194,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         # A job that starts at step 0 takes the weights of the trainer (unless muond reads them
         # from init_from); a later step means muond holds them already (a restarted trainer).
         self._upload_pending = mode == "apply" and init_from is None and self.step_id == 0
+        self._arm()
 
     # ----- parameter groups -----
 
@@ -338,7 +339,8 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         if st is None or not self.stream:
             return
         delayed = self.delay and self._steps_taken >= self.delay_warmup
-        if delayed or self._accumulating:
+        # Apply mode: nothing streams before the initial weights are in (step() uploads them).
+        if delayed or self._accumulating or self._upload_pending:
             st.disarm()
         else:
             st.arm(self.step_id, shm=self.session.is_shm)
@@ -587,6 +589,8 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                              "step")
         self._require_gradients(self._job_tensors, "apply-mode")
         if self._upload_pending:
+            if self._stream.armed and self._stream._posted:
+                self._stream.abandon()  # parts of a step the daemon cannot run yet
             self._stream.disarm()  # the upload goes through gradient buffer 0
             self.upload_params()
         hyper = self._apply_hyper(grad_divisor)
@@ -684,6 +688,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                              "upload_params")
         self.ranks.all_ranks(self.offload.upload_params)
         self._upload_pending = False
+        self._arm()
 
     def export(self, path, dtype="float32"):
         """Apply mode, a collective: muond writes the master weights, every tensor in full shape
