@@ -67,6 +67,14 @@ if [ "$have_gpu" = 1 ]; then
   step "muond-bench step --backend cuda"
   timeout 90 "$build/bin/muond-bench" step --backend cuda --ranks 1,2 --layers 2 --steps 2 ||
     failed+=(bench-step-cuda)
+  step "critical_path_bench: the optimizer's exposed time with the daemon computing on the GPU"
+  # The emulated trainer of tests/bench/critical_path_bench.py against a CUDA daemon: the
+  # in-process baseline stays the CPU optimizer; streaming and delayed steps run Newton-Schulz
+  # on the GPU while the trainer's backward sleeps, so the exposed time is the tail of the last
+  # bucket and the copies, not the CPU's compute.
+  timeout 300 /usr/bin/python3 "$root/tests/bench/critical_path_bench.py" \
+    --muond "$build/bin/muond" --lib "$(find "$build" -name 'libmuond_client.so' -print -quit)" \
+    --steps 2 --layers 6 || failed+=(bench-critical-path)
   step "muond-bench ns (the CPU Newton-Schulz, for comparison)"
   timeout 40 "$build/bin/muond-bench" ns --sizes 1024 --dtypes float32,bfloat16 ||
     failed+=(bench-ns)
