@@ -295,19 +295,28 @@ absl::StatusOr<RankSession::View> RankSession::UpdateView(int64_t step) {
   return View{const_cast<char*>(shm_->UpdateBuffer(step)), shm_->buffer_bytes()};
 }
 
-absl::StatusOr<StepResult> RankSession::StepInPlace(int64_t step) {
-  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
-  RETURN_IF_ERROR(CheckStepHyper(step));
-  if (apply() && step >= 0) RETURN_IF_ERROR(WriteSharedHyper(step));  // Ring refuses step < 0
-  auto r = shm_->Ring(step);
+namespace {
+
+// A shared-memory step's outcome (its whole buffer went in, its update came out).
+absl::StatusOr<StepResult> SharedResult(const absl::StatusOr<ShmChannel::Ringing>& r,
+                                        int64_t step, uint64_t buffer_bytes) {
   if (!r.ok()) return Annotate(r.status(), absl::StrCat("step ", step));
   StepResult result;
   result.step = r->step;
   result.replayed = r->replayed;
   result.compute_seconds = r->seconds;
-  result.bytes_in = shm_->buffer_bytes();
-  result.bytes_out = shm_->buffer_bytes();
+  result.bytes_in = buffer_bytes;
+  result.bytes_out = buffer_bytes;
   return result;
+}
+
+}  // namespace
+
+absl::StatusOr<StepResult> RankSession::StepInPlace(int64_t step) {
+  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
+  RETURN_IF_ERROR(CheckStepHyper(step));
+  if (apply() && step >= 0) RETURN_IF_ERROR(WriteSharedHyper(step));  // Ring refuses step < 0
+  return SharedResult(shm_->Ring(step), step, shm_->buffer_bytes());
 }
 
 absl::Status RankSession::PostPart(int64_t step, uint64_t byte_offset, uint64_t bytes,
@@ -330,15 +339,7 @@ absl::Status RankSession::PostPart(int64_t step, uint64_t byte_offset, uint64_t 
 
 absl::StatusOr<StepResult> RankSession::WaitParts(int64_t step) {
   if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
-  auto r = shm_->WaitStep(step);
-  if (!r.ok()) return Annotate(r.status(), absl::StrCat("step ", step));
-  StepResult result;
-  result.step = r->step;
-  result.replayed = r->replayed;
-  result.compute_seconds = r->seconds;
-  result.bytes_in = shm_->buffer_bytes();
-  result.bytes_out = shm_->buffer_bytes();
-  return result;
+  return SharedResult(shm_->WaitStep(step), step, shm_->buffer_bytes());
 }
 
 absl::Status RankSession::PartsProgress(int64_t step, double timeout_seconds,

@@ -272,5 +272,38 @@ TEST_F(ShmHostileTest, CorruptRingOrChattyPeerEndsOnlyThatSession) {
   ExpectStillServing();
 }
 
+// A part that reaches the daemon after the rank's last part of a step still in flight (a peer
+// that bypasses the client library's check) refuses the step: INVALID_ARGUMENT, nothing
+// committed, not fenced; the part's own completion says why.
+TEST_F(ShmHostileTest, APartAfterTheRanksLastPartRefusesTheStepUncommitted) {
+  const common::JobSpec spec =
+      MakeSpec(NewJobId("late-part"), 2, 2,
+               {integration::Matrix("q", {32, 24}), integration::Matrix("o", {24, 32})});
+  auto token = client().CreateJob(spec);
+  ASSERT_TRUE(token.ok()) << token.status();
+  const integration::MatrixBytes grads = integration::MakeGradients(spec.matrices, 1, 7);
+  auto c0 = ShmChannel::Attach(ShmPath(), spec.job_id, 0, *token, false);
+  auto c1 = ShmChannel::Attach(ShmPath(), spec.job_id, 1, *token, false);
+  ASSERT_TRUE(c0.ok()) << c0.status();
+  ASSERT_TRUE(c1.ok()) << c1.status();
+  ShmChannel& c = **c0;
+  const std::string flat = FlatRankBuffer(spec, 0, grads[0]);
+  std::memcpy(c.GradientBuffer(0), flat.data(), flat.size());
+  // Rank 0's whole step, in one last part; rank 1 has not sent: the step stays in flight.
+  // The daemon serves a session's submissions in order: the late part comes after it.
+  ASSERT_TRUE(c.Post(0, 0, c.buffer_bytes(), /*last=*/true).ok());
+  const client::ShmSpan& first = c.spans()[0];
+  auto late = c.RingRaw(0, 0, first.byte_offset, first.length * 4, c.session_id(),
+                        shm::kSubmitStepPart);
+  EXPECT_TRUE(IsError(late.status(), absl::StatusCode::kInvalidArgument,
+                      "a part after the rank's last part of the step"))
+      << late.status();
+  const v1::JobStatus st = Status(spec.job_id, *token);
+  EXPECT_EQ(st.next_step(), 0);
+  EXPECT_EQ(st.steps_refused(), 1);
+  EXPECT_FALSE(st.fenced());
+  ExpectStillServing();
+}
+
 }  // namespace
 }  // namespace muond::shmtest

@@ -86,6 +86,10 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
         self._node_map_arg = node_map
         self._import_dir = import_dir
         self._routing = None
+        if kw.get("delay"):
+            raise ValueError("MultiNodeMuonWithAuxAdam: delay=1 is not supported over several "
+                             "nodes (each step is routed and committed on every node in step())")
+        kw.setdefault("stream", False)  # steps are routed whole between the nodes
         if kw.get("max_grad_norm") is not None or kw.get("init_from") is not None:
             raise ValueError("MultiNodeMuonWithAuxAdam: max_grad_norm and init_from are not "
                              "supported over several nodes (a global norm spans the nodes)")
@@ -178,10 +182,24 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
 
     # ----- one step -----
 
-    def _muond_updates(self, grads):
+    def _update_mode_step(self):
+        # Over nodes the step is routed whole (no streaming, no delayed update: the routing's
+        # all-to-alls and the two-phase commit run in step()).
+        # The Muon gradients are reduced as one node's optimizer reduces them (a reduce-scatter:
+        # the sum in rank order, then the mean), so both give the same bits.
+        self._require_gradients(self._muon, "Muon")
+        adam = self._adam_gradients()
+        grads = [p.grad for _, p in self._muon]
         part = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
-        copy_into_buffer(part, self.partition, grads)
-        return self._route_step(part, None)
+        if self.reduce_gradients and self.world_size > 1:
+            world = torch.zeros(self.world_size * part.numel(), dtype=self.dtype)
+            fill_world_buffer(world, self.partitions, grads)
+            reduce_scatter_partitions(world, part, self.process_group)
+            part.mul_(1.0 / self.world_size)
+        else:
+            copy_into_buffer(part, self.partition, grads)
+        self._install_muon(self._route_step(part, None), self.step_id)
+        self._adam_step(adam)
 
     def _apply_mode_step(self, grad_divisor):
         self._require_gradients(self._job_tensors, "apply-mode")
