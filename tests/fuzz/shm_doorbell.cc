@@ -34,13 +34,17 @@ shm::Submission NextRecord(FuzzedDataProvider& in, uint64_t index, uint64_t sess
   }
   const int64_t step = in.ConsumeIntegralInRange<int64_t>(-2, 1000);
   const bool init = in.ConsumeBool();
+  const bool part = !init && in.ConsumeBool();  // a part of a step: a range inside the buffer
+  const uint64_t offset = part ? in.ConsumeIntegralInRange<uint64_t>(0, buffer_bytes) : 0;
+  const uint64_t size =
+      part ? in.ConsumeIntegralInRange<uint64_t>(0, buffer_bytes - offset) : buffer_bytes;
   sub = {index,
          init ? -1 : step,
          session,
          init ? 0u : static_cast<uint32_t>(step & 1),
-         init ? shm::kSubmitInitParams : shm::kSubmitStep,
-         0,
-         buffer_bytes};
+         init ? shm::kSubmitInitParams : part ? shm::kSubmitStepPart : shm::kSubmitStep,
+         offset,
+         size};
   switch (in.ConsumeIntegralInRange(0, 7)) {
     case 0:
       sub.seq = in.ConsumeIntegral<uint64_t>();
@@ -92,18 +96,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const shm::Submission sub = slots[tail % shm::kRingSlots];
       const uint64_t index = tail++;
       const std::string where = "job 'j' rank 0 doorbell " + std::to_string(index);
-      const absl::Status bad = CheckSubmission(sub, index, session, buffer_bytes, where);
+      // The step this session has open in parts (its last part may be any range), or none.
+      const int64_t part_step =
+          in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(-1, 1000) : -1;
+      const absl::Status bad =
+          CheckSubmission(sub, index, session, buffer_bytes, where, part_step);
       if (!bad.ok()) {
         FUZZ_CHECK(bad.message().rfind(where + ": ", 0) == 0, bad.ToString());
         continue;
       }
       FUZZ_CHECK(sub.seq == index && sub.generation == session, "served a stale record");
-      FUZZ_CHECK(sub.kind == shm::kSubmitStep
+      const bool step_kind = sub.kind == shm::kSubmitStep || sub.kind == shm::kSubmitStepPart;
+      FUZZ_CHECK(step_kind
                      ? sub.step >= 0 && sub.buffer == (sub.step & 1)
                      : sub.kind == shm::kSubmitInitParams && sub.step == -1 && sub.buffer == 0,
                  "served a record of kind " + std::to_string(sub.kind));
-      // The daemon reads [buffer * buffer_bytes, + size) of a 2 * buffer_bytes region.
-      FUZZ_CHECK(sub.offset == 0 && sub.size == buffer_bytes && sub.buffer < 2,
+      // The daemon reads [buffer * buffer_bytes + offset, + size) of a 2 * buffer_bytes region:
+      // a part (or the last part of a step open in parts) anywhere inside the buffer, anything
+      // else the whole buffer.
+      const bool in_parts = sub.kind == shm::kSubmitStepPart ||
+                            (sub.kind == shm::kSubmitStep && sub.step == part_step);
+      FUZZ_CHECK(sub.buffer < 2 && (in_parts ? sub.offset <= buffer_bytes &&
+                                                   sub.size <= buffer_bytes - sub.offset
+                                             : sub.offset == 0 && sub.size == buffer_bytes),
                  "served a record outside the region");
     }
   }

@@ -13,10 +13,12 @@ weight_decay may differ per group; the rest configure the muond job and must agr
 groups.
 
 Distributed use: with a torch.distributed process group of N ranks, one job of world size N is
-created (by the group's rank 0) with a ZeRO stage 1/2 (default) or 3 layout. step() averages the
-gradients over the group (reduce_gradients), copies this rank's partition into the session's
-shared-memory gradient buffer, lets muond compute, applies the update to its partition and
-all-gathers the new weights. Construction, step(), save_checkpoint(), load_checkpoint() and
+created (by the group's rank 0) with a ZeRO stage 1/2 (default) or 3 layout. Each rank's
+partition of the Muon gradients, averaged over the group (reduce_gradients: a reduce-scatter, the
+sum in rank order), goes into the session's shared-memory gradient buffer, streamed bucket by
+bucket while backward runs (streaming.py; stream=False: all at step()); muond computes, and
+step() applies the update to the partition (span by span as results come, with one rank) and
+all-gathers the new weights. delay=1 runs a one-step delayed update. Construction, step(), save_checkpoint(), load_checkpoint() and
 load_state_dict() are then collectives: every rank of the group calls them in the same order.
 
 Checkpoints (checkpoints.py): the momentum lives in muond. save_checkpoint() has the daemon write a
