@@ -252,10 +252,17 @@ class EndToEndTest(DaemonCase):
         self.assertLess(losses[-1], losses[0] - 1.0, losses)
         self.assertIn("ZeRO stage 2", out)
         self.assertIn("shared memory", out)
+        # The run's own optimizer cost after backward, beside the in-process optimizer's.
+        self.assertIn("optimizer time per step after backward: muond step()", out)
+        exposed = result["exposed_seconds"]
+        self.assertGreater(exposed["in-process"], 0)
+        self.assertGreater(exposed["muond"], 0)
         with open(plot, "rb") as f:
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
         print(f"\n  e2e: loss {losses[0]:.4f} -> {losses[-1]:.4f}, max |diff| "
-              f"{result['max_abs_diff']:.3e}, {result['seconds']:.1f} s", file=sys.stderr)
+              f"{result['max_abs_diff']:.3e}, {result['seconds']:.1f} s; step() after backward "
+              f"{exposed['muond'] * 1e3:.1f} ms (muond) vs {exposed['in-process'] * 1e3:.1f} ms "
+              "(in-process)", file=sys.stderr)
 
     def test_zero3_over_grpc_matches(self):
         result, out = run_example(self, "--address", self.daemon.address, "--steps", 5,

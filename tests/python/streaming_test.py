@@ -179,6 +179,28 @@ class StepFailureTest(DaemonCase):
                 self.assertEqual(opt.step_id, 2)
                 opt.close(delete_job=True)
 
+    def test_missing_gradient_at_step_drops_the_streamed_parts(self):
+        m = sw.make_model()
+        opt = MuonWithAuxAdam(sw.groups(m), address=self.daemon.address, bucket_bytes=1)
+        before = {n: p.detach().clone() for n, p in m.items()}
+        sw.loss_of(m, DelayedTest.batch(0)).backward()
+        self.assertGreater(opt._stream._posted, 0)
+        m["l2.w"].grad = None
+        with self.assertRaises(MuondError) as e:
+            opt.step()
+        self.assertEqual(e.exception.code_name, "INVALID_ARGUMENT")
+        self.assertIn("'l2.w'", e.exception.message)
+        for n in before:
+            self.assertTrue(torch.equal(before[n], m[n].detach()), n)
+        # The retry of the same step streams again and goes through.
+        opt.zero_grad(set_to_none=True)
+        sw.loss_of(m, DelayedTest.batch(0)).backward()
+        self.assertGreater(opt._stream._posted, 0)
+        opt.step()
+        self.assertEqual(opt.step_id, 1)
+        self.assertFalse(torch.equal(before["l2.w"], m["l2.w"].detach()))
+        opt.close(delete_job=True)
+
     def test_second_backward_after_streaming_is_refused(self):
         m = sw.make_model()
         opt = MuonWithAuxAdam(sw.groups(m), address=self.daemon.address, bucket_bytes=1)

@@ -725,6 +725,14 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                     self._adam_step(adam_grads)
                 else:
                     self._update_mode_step()
+        except BaseException:
+            # A step that failed with parts out (e.g. a gradient missing at step()): the daemon
+            # drops them, and the retry of the step streams afresh.
+            st = self._stream
+            if st is not None and st.step == self.step_id and st._posted:
+                st.abandon()
+            self._arm()
+            raise
         finally:
             self._steps_taken += 1
             self.last_step_stats = {"seconds": time.perf_counter() - t0}

@@ -285,9 +285,13 @@ class GradientStream:
         if self._shm and self._posted:
             try:
                 self.post_last(poison=True)
+            except MuondError:
+                pass  # its last part left already: the step ended, or ends, on its own
+            try:
                 self.session.wait_parts(self.step)
             except MuondError:
                 pass
+        self._posted = 0
 
 
 class EarlyResults:
