@@ -170,6 +170,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         self.bucket_bytes = int(bucket_bytes)
         self.delay, self.delay_warmup = int(delay), int(delay_warmup)
         self._stream = None  # the GradientStream of the attached session
+        self._sent_hyper = self._step_hyper = None  # apply mode, streamed steps (_send_hyper)
         self._accumulating = 0
         self._in_flight = None  # delay=1: the step sent and not yet installed
         self._steps_taken = 0
@@ -338,6 +339,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
     def _arm(self):
         """The next backward streams step step_id, unless the step is delayed or accumulating."""
         st = self._stream
+        self._sent_hyper = None  # apply mode: what the armed step's first part carried
         if st is None or not self.stream:
             return
         delayed = self.delay and self._steps_taken >= self.delay_warmup
@@ -580,8 +582,9 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                 [g["weight_decay"] for g in groups], divisor)
 
     def _send_hyper(self):
-        """Apply mode, before a streamed step's first part: its hyperparameters as they are now."""
-        self._sent_hyper = self._apply_hyper()
+        """Apply mode, before a streamed step's first part: its hyperparameters as they are now
+        (during backward), or step()'s when the first part leaves in step()."""
+        self._sent_hyper = self._step_hyper or self._apply_hyper()
         self.offload.session.set_hyper(*self._sent_hyper)
 
     def _apply_mode_step(self, grad_divisor):
@@ -598,12 +601,14 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         hyper = self._apply_hyper(grad_divisor)
         st, s, step = self._stream, self.offload.session, self.step_id
         streamed = st.armed and st.step == step and s.is_shm
-        if streamed and getattr(self, "_sent_hyper", None) not in (None, hyper):
+        changed = streamed and self._sent_hyper not in (None, hyper)
+        if streamed and self.world_size > 1:
+            changed = self.ranks.count(changed) > 0  # every rank takes the same path
+        if changed:
             # lr or the divisor changed after the first part left: drop the parts, send it whole.
             st.abandon()
             self.ranks.barrier()
             streamed = False
-        self._sent_hyper = None
         if self._delayed():
             self._install_in_flight()
             s.set_hyper(*hyper)
@@ -615,9 +620,11 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         error = new_params = early = None
         try:
             if streamed:
-                if st._posted == 0:
-                    s.set_hyper(*hyper)
-                self._send_gradients(step)
+                self._step_hyper = hyper
+                try:
+                    self._send_gradients(step)
+                finally:
+                    self._step_hyper = None
                 new_params = self.offload._pinned(s.update_view(step, self.dtype), read_only=True)
                 if self.world_size == 1:
                     early = EarlyResults(s, step, self.partition.spans,
