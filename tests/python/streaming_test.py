@@ -8,6 +8,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,13 @@ from muon_offload import MuondError, MuonWithAuxAdam, reference  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import streaming_worker as sw  # noqa: E402
+
+
+def free_port():
+    """A TCP port nobody listens on now (the gloo rendezvous of streaming_worker.py)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class BitIdentityTest(DaemonCase):
@@ -48,17 +56,17 @@ class BitIdentityTest(DaemonCase):
         return results
 
     def test_world_1(self):
-        results = self.run_world(1, 29531)
+        results = self.run_world(1, free_port())
         for r in results:
             if r["transport"] == "shm":  # the parts really left during backward
                 self.assertGreater(r["early_parts"], 0, r)
 
     def test_world_2(self):
-        results = self.run_world(2, 29532)
+        results = self.run_world(2, free_port())
         self.assertTrue(any(r["early_parts"] > 0 for r in results if r["transport"] == "shm"))
 
     def test_world_4(self):
-        self.run_world(4, 29533)
+        self.run_world(4, free_port())
 
 
 def lagged_reference(mode, steps, warmup, seed_batches):
