@@ -290,7 +290,7 @@ absl::StatusOr<Job::SharedPart> ShmServer::PartSpans(const ShmSession& s,
 
 void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Submission& sub,
                            const std::string& where) {
-  const bool in_parts = sub.kind == shm::kSubmitStepPart || sub.step == s->part_step;
+  const bool in_parts = shm_wire::InParts(sub, s->part_step);
   Job::SharedPart part;
   if (in_parts) {
     const bool first = sub.step != s->part_step;

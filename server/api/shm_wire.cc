@@ -54,7 +54,7 @@ absl::Status CheckSubmission(const shm::Submission& sub, uint64_t index, uint64_
   }
   // A part, or the last part of a step sent in parts: any range inside the buffer. A step in one
   // submission is the whole buffer.
-  if (sub.kind == shm::kSubmitStepPart || (sub.kind == shm::kSubmitStep && sub.step == part_step)) {
+  if (InParts(sub, part_step)) {
     if (sub.offset > buffer_bytes || sub.size > buffer_bytes - sub.offset) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": part [", sub.offset, ", +",
                                                      sub.size, ") lies outside the rank's ",

@@ -30,6 +30,13 @@ absl::Status CheckSubmissionHead(uint64_t head, uint64_t tail);
 // its generation the session's, a known kind, step and buffer consistent with the kind, and the
 // session's whole buffer, or for a part (and the last part of a step whose parts are open on the
 // session: `part_step`, -1 when none) a range inside it. `sub` is the daemon's copy; `where` names the job, rank and doorbell.
+// A step submission that is a part (or the last part of the step open in parts on the session:
+// `part_step`, -1 when none): any range inside the buffer, checked span by span.
+inline bool InParts(const common::shm::Submission& sub, int64_t part_step) {
+  return sub.kind == common::shm::kSubmitStepPart ||
+         (sub.kind == common::shm::kSubmitStep && sub.step == part_step);
+}
+
 absl::Status CheckSubmission(const common::shm::Submission& sub, uint64_t index,
                              uint64_t session_id, uint64_t buffer_bytes, const std::string& where,
                              int64_t part_step = -1);

@@ -409,6 +409,18 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   absl::Status EnterStep(int rank, uint64_t session, int64_t step, const StepHyper* hyper,
                          std::shared_ptr<const RankUpdate>* replay)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The input of `rank` in the step in flight when that step is `step` and the rank sends it
+  // through shared-memory `session` and the regions `keepalive`; else null.
+  RankInput* SharedRankInFlight(int rank, uint64_t session, int64_t step, const void* keepalive)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A shared-memory rank's first part of `step`: EnterStep, then the rank's input and outputs
+  // (all spans) in the step. *replayed when the step is committed already: the committed bytes
+  // are in `out` and, for a last part, `done` ran.
+  absl::Status OpenSharedStep(int rank, uint64_t session, int64_t step, bool last,
+                              const std::vector<const char*>& in, const std::vector<char*>& out,
+                              std::shared_ptr<const void> keepalive, SharedDone& done,
+                              const StepHyper* hyper, SharedProgress progress, bool* replayed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Apply mode's part of EnterStep before the step exists: weights complete, hyper valid.
   absl::Status CheckApplyEntry(int64_t step, const StepHyper* hyper) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

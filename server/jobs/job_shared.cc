@@ -47,11 +47,9 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
   }
   const absl::Status bad = CheckFiniteSpans(where, spec_, part_spans, part_in);
   absl::MutexLock lock(&mu_);
-  // A later part of the step this rank is sending in parts (its regions, its session).
-  const bool continuing = in_flight_ != nullptr && in_flight_->step == step &&
-                          in_flight_->ranks[rank].parts_open &&
-                          in_flight_->ranks[rank].keepalive == keepalive &&
-                          sessions_[rank] == session;
+  RankInput* const open = SharedRankInFlight(rank, session, step, keepalive.get());
+  // A later part of the step this rank is sending in parts.
+  const bool continuing = open != nullptr && open->parts_open;
   if (!bad.ok()) {
     if (continuing) {
       FailStep(*in_flight_, bad, /*fence=*/false);
@@ -60,9 +58,7 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     }
     return bad;
   }
-  if (!continuing && in_flight_ != nullptr && in_flight_->step == step &&
-      in_flight_->ranks[rank].finished && in_flight_->ranks[rank].keepalive == keepalive &&
-      sessions_[rank] == session) {
+  if (open != nullptr && open->finished) {
     // The rank's last part is in and the step still runs: nothing may join it now.
     if (in_flight_->committing || in_flight_->prepared) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -75,35 +71,10 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     return late;
   }
   if (!continuing) {
-    std::shared_ptr<const RankUpdate> replay;
-    RETURN_IF_ERROR(EnterStep(rank, session, step, hyper, &replay));
-    if (replay != nullptr) {
-      // The committed bytes go where the rank reads them (already there when the rank used the
-      // same buffer). Every part of a replayed step is answered so.
-      for (size_t i = 0; i < out.size(); ++i) {
-        if (out[i] != replay->spans[i].data) {
-          std::memcpy(out[i], replay->spans[i].data, replay->spans[i].size);
-          CountTransportCopy(replay->spans[i].size);
-        }
-      }
-      if (part.last) done(absl::OkStatus(), /*replayed=*/true, replay->compute_seconds);
-      return absl::OkStatus();
-    }
-    RankInput& rin = in_flight_->ranks[rank];
-    rin.span_in = in;
-    rin.keepalive = keepalive;
-    rin.parts_open = true;
-    auto update = std::make_shared<RankUpdate>();
-    update->step = step;
-    update->keepalive = std::move(keepalive);
-    update->progress = std::move(progress);
-    for (size_t i = 0; i < spans.size(); ++i) {
-      // Apply mode returns the new parameters, in the tensor's param dtype.
-      const size_t out_bytes =
-          apply() ? layout_.ParamSpanBytes(rank, i) : layout_.SpanBytes(rank, i);
-      update->spans.push_back({spans[i].matrix, spans[i].offset, out[i], out_bytes});
-    }
-    in_flight_->outputs[rank] = std::move(update);
+    bool replayed = false;
+    RETURN_IF_ERROR(OpenSharedStep(rank, session, step, part.last, in, out, std::move(keepalive),
+                                   done, hyper, std::move(progress), &replayed));
+    if (replayed) return absl::OkStatus();
   }
   const std::shared_ptr<StepState> state = in_flight_;
   RankInput& rin = state->ranks[rank];
@@ -136,14 +107,57 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
   return absl::OkStatus();
 }
 
+RankInput* Job::SharedRankInFlight(int rank, uint64_t session, int64_t step,
+                                   const void* keepalive) {
+  if (in_flight_ == nullptr || in_flight_->step != step || sessions_[rank] != session) {
+    return nullptr;
+  }
+  RankInput& rin = in_flight_->ranks[rank];
+  return rin.keepalive.get() == keepalive ? &rin : nullptr;
+}
+
+absl::Status Job::OpenSharedStep(int rank, uint64_t session, int64_t step, bool last,
+                                 const std::vector<const char*>& in, const std::vector<char*>& out,
+                                 std::shared_ptr<const void> keepalive, SharedDone& done,
+                                 const StepHyper* hyper, SharedProgress progress, bool* replayed) {
+  std::shared_ptr<const RankUpdate> replay;
+  RETURN_IF_ERROR(EnterStep(rank, session, step, hyper, &replay));
+  *replayed = replay != nullptr;
+  if (replay != nullptr) {
+    // The committed bytes go where the rank reads them (already there when the rank used the
+    // same buffer). Every part of a replayed step is answered so.
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (out[i] != replay->spans[i].data) {
+        std::memcpy(out[i], replay->spans[i].data, replay->spans[i].size);
+        CountTransportCopy(replay->spans[i].size);
+      }
+    }
+    if (last) done(absl::OkStatus(), /*replayed=*/true, replay->compute_seconds);
+    return absl::OkStatus();
+  }
+  const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
+  RankInput& rin = in_flight_->ranks[rank];
+  rin.span_in = in;
+  rin.keepalive = keepalive;
+  rin.parts_open = true;
+  auto update = std::make_shared<RankUpdate>();
+  update->step = step;
+  update->keepalive = std::move(keepalive);
+  update->progress = std::move(progress);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    // Apply mode returns the new parameters, in the tensor's param dtype.
+    const size_t out_bytes = apply() ? layout_.ParamSpanBytes(rank, i) : layout_.SpanBytes(rank, i);
+    update->spans.push_back({spans[i].matrix, spans[i].offset, out[i], out_bytes});
+  }
+  in_flight_->outputs[rank] = std::move(update);
+  return absl::OkStatus();
+}
+
 absl::Status Job::RefuseSharedPart(int rank, uint64_t session, int64_t step,
                                    const void* keepalive, const absl::Status& why) {
   absl::MutexLock lock(&mu_);
-  if (in_flight_ == nullptr || in_flight_->step != step || !in_flight_->ranks[rank].parts_open ||
-      in_flight_->ranks[rank].keepalive.get() != keepalive || sessions_[rank] != session) {
-    return why;
-  }
-  FailStep(*in_flight_, why, /*fence=*/false);
+  const RankInput* open = SharedRankInFlight(rank, session, step, keepalive);
+  if (open != nullptr && open->parts_open) FailStep(*in_flight_, why, /*fence=*/false);
   return why;
 }
 

@@ -198,7 +198,7 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
             part.mul_(1.0 / self.world_size)
         else:
             copy_into_buffer(part, self.partition, grads)
-        self._install_muon(self._route_step(part, None), self.step_id)
+        self._install_muon(self._route_step(part, None))
         self._adam_step(adam)
 
     def _apply_mode_step(self, grad_divisor):

@@ -482,7 +482,8 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         s = self._session()
         parts = self._send_gradients(step)
         if parts and self.world_size == 1:
-            early = EarlyResults(s, step, self.partition.spans, self._muon_span_user(step))
+            early = EarlyResults(s, step, self.partition.spans,
+                                 self._muon_span_user(s.update_view(step, self.dtype)))
             early.run()
             return s.update_view(step, self.dtype), early
         if parts:
@@ -494,10 +495,12 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             return self._update_buffers, None
         return s.update_view(step, self.dtype), None
 
-    def _muon_span_user(self, step, hyper=None):
+    def _muon_span_user(self, update, hyper=None):
+        """use(k, keep): applies span k of `update` (the rank's flat update buffer) to its
+        parameters with its group's lr and weight decay (hyper: per Muon matrix, a delayed step's
+        own); with keep, returns (view, old values) to restore."""
         params = [p for _, p in self._muon]
         groups = [g for g, _ in self._muon]
-        update = self.session.update_view(step, self.dtype)
 
         def use(k, keep):
             matrix, offset, length, rank_offset = self.partition.spans[k]
@@ -532,21 +535,14 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             self._apply(p, u, g["lr"], g["weight_decay"])
 
     @torch.no_grad()
-    def _install_muon(self, update, step, early=None, hyper=None):
-        """This rank's partition of the update into the parameters (what `early` did not apply
-        yet), then the all-gather of every rank's."""
+    def _install_muon(self, update, early=None, hyper=None):
+        """This rank's partition of `update` into the parameters (unless `early` applied it
+        already), then the all-gather of every rank's."""
         params = [p for _, p in self._muon]
         if early is None:
-            use = self._muon_span_user(step, hyper) if update is None else None
-            groups = [g for g, _ in self._muon]
-            for k, (matrix, offset, length, rank_offset) in enumerate(self.partition.spans):
-                if use is not None:
-                    use(k, False)
-                    continue
-                g = groups[matrix]
-                lr, wd = (g["lr"], g["weight_decay"]) if hyper is None else hyper[matrix]
-                self._apply(params[matrix].view(-1)[offset:offset + length],
-                            update[rank_offset:rank_offset + length], lr, wd)
+            use = self._muon_span_user(update, hyper)
+            for k in range(len(self.partition.spans)):
+                use(k, False)
         if self.world_size > 1:
             mine = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
             copy_into_buffer(mine, self.partition, params)
@@ -677,7 +673,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                 self.session.update_view(step, self.dtype), read_only=True))
             return
         hyper, adam, adam_hyper = self._delayed_rest
-        self._install_muon(None, step, hyper=hyper)
+        self._install_muon(self.session.update_view(step, self.dtype), hyper=hyper)
         self._adam_step(adam, adam_hyper)
 
     def drain(self):
@@ -763,5 +759,5 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             self._in_flight = step
             return
         update, early = self._muond_updates(step)
-        self._install_muon(update, step, early)
+        self._install_muon(update, early)
         self._adam_step(adam)
