@@ -69,10 +69,13 @@ class BitIdentityTest(DaemonCase):
         self.run_world(4, free_port())
 
 
-def lagged_reference(mode, steps, warmup, seed_batches):
+def lagged_reference(mode, steps, warmup, seed_batches, predict=False):
     """Independent of the product's optimizer: the Muon reference math and torch's AdamW on a
-    master copy, gradients taken on a copy that lags as delay=1 says (the parameters of forward
-    t are the masters after step t-1 while synchronous, after step t-2 once delayed)."""
+    master copy, gradients taken on a copy that lags as delay=1 says. history[k] is the masters
+    after k steps; forward t runs on history[t] while synchronous (t <= warmup), on
+    history[t - 1] once delayed, and with predict on history[t - 1] + (history[t - 1] -
+    history[t - 2]) from the second delayed step on (the last installed update taken as the
+    expected value of the one in flight)."""
     masters = sw.make_model()
     muon_names = ("l1.w", "l2.w", "l3.w")
     adam = torch.optim.AdamW([masters[n] for n in masters if n not in muon_names], lr=0.01,
@@ -80,8 +83,14 @@ def lagged_reference(mode, steps, warmup, seed_batches):
     momentum = {n: torch.zeros_like(masters[n]) for n in muon_names}
     history = [{n: p.detach().clone() for n, p in masters.items()}]  # history[k]: after k steps
     for t in range(steps):
-        lag = 1 if t < warmup + 1 else 2
-        view = {n: torch.nn.Parameter(v.clone()) for n, v in history[max(0, t + 1 - lag)].items()}
+        if t <= warmup:
+            at = history[t]
+        elif predict and t >= warmup + 2:
+            last, before = history[t - 1], history[t - 2]
+            at = {n: last[n] + (last[n] - before[n]) for n in last}
+        else:
+            at = history[t - 1]
+        view = {n: torch.nn.Parameter(v.clone()) for n, v in at.items()}
         sw.loss_of(view, seed_batches(t)).backward()
         with torch.no_grad():
             for n in muon_names:
@@ -94,7 +103,7 @@ def lagged_reference(mode, steps, warmup, seed_batches):
                     masters[n].grad = view[n].grad.clone()
             adam.step()
         history.append({n: p.detach().clone() for n, p in masters.items()})
-    return history[-1]
+    return history
 
 
 class DelayedTest(DaemonCase):
@@ -107,30 +116,35 @@ class DelayedTest(DaemonCase):
     def batch(t):
         return torch.randint(0, 16, (32,), generator=torch.Generator().manual_seed(77 + t))
 
-    def run_delayed(self, mode, transport="shm"):
+    def run_delayed(self, mode, predict, transport="shm"):
         m = sw.make_model()
         opt = MuonWithAuxAdam(sw.groups(m), address=self.daemon.address, mode=mode,
-                              transport=transport, delay=1, delay_warmup=self.WARMUP)
+                              transport=transport, delay=1, delay_warmup=self.WARMUP,
+                              predict=predict)
         in_flight = []
         for t in range(self.STEPS):
             sw.loss_of(m, self.batch(t)).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             in_flight.append(opt._in_flight)
+        forward = {n: p.detach().clone() for n, p in m.items()}  # what forward 6 would see
         opt.drain()
         self.assertIsNone(opt._in_flight)
+        self.assertIsNone(opt._true, "drain() leaves the parameters without the prediction")
         saved = opt.save_checkpoint()
         self.assertEqual(saved["step"], self.STEPS, "a saved state is a whole step")
         opt.close(delete_job=True)
-        return {n: p.detach() for n, p in m.items()}, in_flight
+        return {n: p.detach() for n, p in m.items()}, in_flight, forward
 
-    def check(self, mode):
-        got, in_flight = self.run_delayed(mode)
+    def check(self, mode, predict):
+        got, in_flight, forward = self.run_delayed(mode, predict)
         self.assertEqual(in_flight[:self.WARMUP], [None] * self.WARMUP, "warmup is synchronous")
         self.assertEqual(in_flight[self.WARMUP:], list(range(self.WARMUP, self.STEPS)),
                          "after warmup step() returns with its step in flight")
-        want = lagged_reference(mode, self.STEPS, self.WARMUP, self.batch)
-        sync = lagged_reference(mode, self.STEPS, self.STEPS, self.batch)
+        history = lagged_reference(mode, self.STEPS, self.WARMUP, self.batch, predict)
+        want = history[-1]
+        sync = lagged_reference(mode, self.STEPS, self.STEPS, self.batch)[-1]
+        other = lagged_reference(mode, self.STEPS, self.WARMUP, self.batch, not predict)[-1]
         for n in want:
             # DESIGN.md's fp32 bound on Newton-Schulz, a few steps: far below the difference
             # between the delayed and the synchronous trajectories.
@@ -138,12 +152,27 @@ class DelayedTest(DaemonCase):
             self.assertLess(diff, 2e-5, f"{mode} {n}: delayed run vs lagged reference")
         gap = max(float((want[n] - sync[n]).abs().max()) for n in want)
         self.assertGreater(gap, 1e-3, "the delayed and synchronous trajectories must differ")
+        gap = max(float((want[n] - other[n]).abs().max()) for n in want)
+        self.assertGreater(gap, 1e-3, "with and without the prediction, the trajectories differ")
+        # Before drain(), the next forward's parameters: the installed ones (history[5]), plus
+        # with predict the last installed update (history[5] - history[4]).
+        last, before = history[-2], history[-3]
+        for n in forward:
+            expect = last[n] + (last[n] - before[n]) if predict else last[n]
+            diff = float((forward[n] - expect).abs().max())
+            self.assertLess(diff, 2e-5, f"{mode} {n}: the parameters the next forward sees")
 
     def test_update_mode(self):
-        self.check("update")
+        self.check("update", predict=True)
 
     def test_apply_mode(self):
-        self.check("apply")
+        self.check("apply", predict=True)
+
+    def test_update_mode_without_prediction(self):
+        self.check("update", predict=False)
+
+    def test_apply_mode_without_prediction(self):
+        self.check("apply", predict=False)
 
     def test_bad_delay_values(self):
         m = sw.make_model()

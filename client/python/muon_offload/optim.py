@@ -106,6 +106,13 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
       of step t-1. delay_warmup synchronous steps come first (default 10). 0: synchronous.
       state_dict(), save_checkpoint(), load_checkpoint(), export() and close() drain the step in
       flight first (drain()).
+    predict (delay=1, default True): the next forward runs on the installed parameters plus the
+      update just installed, the expected value of the update still in flight (weight
+      prediction, as in SpecTrain and PipeMare); the update applies to the parameters without
+      it, which the optimizer keeps (one copy of the parameters it steps). drain() leaves the
+      parameters without the prediction. It closes most of the loss gap that one step of delay
+      opens (README, "Off the critical path"). Parameters written by the caller between steps
+      are overwritten while a prediction is installed: drain() first.
     Gradient accumulation: run the backward passes of all micro-batches but the last inside
     `with opt.accumulating():` (their gradients are not streamed; the last one's are).
     """
@@ -114,7 +121,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                  process_group=None, zero_stage=None, transport="auto", compute_dtype="float32",
                  reduce_gradients=None, takeover=False, mode="update", max_grad_norm=None,
                  init_from=None, grad_divisor=1.0, fp32_iterations=0, stream=True,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, delay=0, delay_warmup=10):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, delay=0, delay_warmup=10, predict=True):
         if backend not in ("muond", "local"):
             raise ValueError(f"backend must be 'muond' or 'local', not '{backend}'")
         if mode not in ("update", "apply"):
@@ -173,6 +180,8 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         self._sent_hyper = self._step_hyper = None  # apply mode, streamed steps (_send_hyper)
         self._accumulating = 0
         self._in_flight = None  # delay=1: the step sent and not yet installed
+        self.predict = bool(predict) and self.delay == 1
+        self._true = None  # predict: the parameters without the prediction
         self._steps_taken = 0
         # What the last step cost the caller (seconds): in step(), and waiting for muond.
         self.last_step_stats = {}
@@ -651,11 +660,15 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             return (view, old) if keep else None
         return use
 
-    def _install_in_flight(self):
+    def _install_in_flight(self, draining=False):
         """Delayed mode: waits for the step in flight and installs its results (a collective
         with several ranks). A failed delayed step raises here, with nothing of it installed; its
-        step id is the next step's again."""
+        step id is the next step's again. With predict, the parameters the next forward sees are
+        the installed ones plus the update just installed (the step in flight's expected
+        update); draining installs without it."""
         if self._in_flight is None:
+            if draining:
+                self._drop_prediction()
             return
         step, self._in_flight = self._in_flight, None
         error = None
@@ -668,21 +681,44 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         except MuondError:
             self.step_id = step
             raise
+        predict = self.predict and not draining
+        params = self._predicted_params()
+        if self._true is not None:
+            for p, t in zip(params, self._true):
+                p.copy_(t)  # the parameters without the prediction, which the update applies to
+        elif predict:
+            self._true = [p.detach().clone() for p in params]
         if self.mode == "apply":
             self.offload.pull_params(self.offload._pinned(
                 self.session.update_view(step, self.dtype), read_only=True))
+        else:
+            hyper, adam, adam_hyper = self._delayed_rest
+            self._install_muon(self.session.update_view(step, self.dtype), hyper=hyper)
+            self._adam_step(adam, adam_hyper)
+        if not predict:
+            self._true = None
             return
-        hyper, adam, adam_hyper = self._delayed_rest
-        self._install_muon(self.session.update_view(step, self.dtype), hyper=hyper)
-        self._adam_step(adam, adam_hyper)
+        for p, t in zip(params, self._true):
+            change = p - t  # this step's update, which the one in flight is expected to repeat
+            t.copy_(p)
+            p.add_(change)
+
+    def _predicted_params(self):
+        return [p for _, p in self._job_tensors] + \
+            ([p for _, p in self._adam] if self.mode == "update" else [])
 
     def drain(self):
         """Delayed mode: installs the step in flight (no-op otherwise). state_dict(),
         save_checkpoint(), load_checkpoint(), export() and close() call it, so that what they see
         is a whole step. A collective with several ranks."""
-        if self._in_flight is not None:
-            with torch.no_grad():
-                self._install_in_flight()
+        with torch.no_grad():
+            self._install_in_flight(draining=True)
+
+    def _drop_prediction(self):
+        if self._true is not None:
+            for p, t in zip(self._predicted_params(), self._true):
+                p.copy_(t)
+            self._true = None
 
     def upload_params(self):
         """Apply mode, a collective: every rank uploads its partition of the parameters as its
