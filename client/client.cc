@@ -63,6 +63,16 @@ void SetToken(grpc::ClientContext* ctx, const std::string& token) {
   ctx->AddMetadata(kTokenKey, token);
 }
 
+void SetStreamJob(grpc::ClientContext* ctx, const std::string& job_id) {
+  // Metadata values are printable ASCII and small; a job id that is not (refused by the daemon
+  // anyway) travels in the first message only.
+  if (job_id.empty() || job_id.size() > 1024) return;
+  for (char c : job_id) {
+    if (c < 0x20 || c > 0x7e) return;
+  }
+  ctx->AddMetadata("x-muond-job-id", job_id);
+}
+
 absl::Status Annotate(const absl::Status& s, const std::string& what) {
   if (s.ok()) return s;
   return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
@@ -199,8 +209,9 @@ absl::StatusOr<std::vector<v1::JobStatus>> Client::ListJobs() {
   return std::vector<v1::JobStatus>(resp.jobs().begin(), resp.jobs().end());
 }
 
-absl::StatusOr<v1::ListJobsResponse> Client::ListJobsWithBroken() {
+absl::StatusOr<v1::ListJobsResponse> Client::ListJobsWithBroken(const std::string& token) {
   grpc::ClientContext ctx;
+  if (!token.empty()) SetToken(&ctx, token);
   v1::ListJobsRequest req;
   v1::ListJobsResponse resp;
   RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->ListJobs(&ctx, req, &resp)), "ListJobs"));

@@ -332,8 +332,9 @@ class Client {
   // token. The daemon's errors name the file and tensor.
   absl::StatusOr<std::string> CreateJobFromExport(const common::JobSpec& spec,
                                                   const std::string& import_dir);
-  // ListJobs with the job directories the daemon set aside at start (broken).
-  absl::StatusOr<v1::ListJobsResponse> ListJobsWithBroken();
+  // ListJobs with the job directories the daemon set aside at start (broken). Jobs of other users
+  // come with their details withheld (JobStatus.details_withheld) unless `token` is theirs.
+  absl::StatusOr<v1::ListJobsResponse> ListJobsWithBroken(const std::string& token = "");
   // Attaches `rank` of the job (fetching the job's spec) and returns its session; the session
   // detaches when destroyed. ALREADY_EXISTS when the rank is attached elsewhere, unless `takeover`
   // (for a restarted trainer whose old process is gone: its step in flight is aborted).

@@ -256,6 +256,7 @@ absl::Status RankSession::InitParamsOverGrpc(const std::vector<GradientSpan>& pa
                                              bool float32) {
   grpc::ClientContext ctx;
   SetToken(&ctx, token_);
+  SetStreamJob(&ctx, spec_.job_id);
   v1::InitResponse resp;
   std::unique_ptr<grpc::ClientWriter<v1::InitRequest>> writer = stub_->InitParams(&ctx, &resp);
   v1::InitRequest req;

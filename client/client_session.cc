@@ -410,6 +410,7 @@ absl::StatusOr<StepResult> RankSession::StepOverGrpc(int64_t step,
                                                      const std::vector<UpdateSpan>& updates) {
   grpc::ClientContext ctx;
   SetToken(&ctx, token_);
+  SetStreamJob(&ctx, spec_.job_id);
   std::unique_ptr<StepStream> stream = stub_->Step(&ctx);
   v1::StepRequest req;
   v1::StepBegin* begin = req.mutable_begin();

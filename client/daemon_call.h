@@ -20,6 +20,9 @@ namespace muond::client {
 
 // Sends the job's token with the call; the daemon checks it for every call on a job.
 void SetToken(grpc::ClientContext* ctx, const std::string& token);
+// Sends the job's id with a stream (Step, InitParams): the daemon checks the token against it
+// before it reads anything, and names the job in a refusal.
+void SetStreamJob(grpc::ClientContext* ctx, const std::string& job_id);
 
 // Prefixes a daemon error with the operation (`what`), keeping its code; OK stays OK.
 absl::Status Annotate(const absl::Status& s, const std::string& what);

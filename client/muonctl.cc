@@ -56,7 +56,9 @@ constexpr char kUsage[] =
     "                                       export of every node's job, one step): each tensor\n"
     "                                       of the job by name; other nodes, world size and\n"
     "                                       ZeRO stage than the exporting jobs' may be used\n"
-    "  job list                             list the jobs (never their tokens)\n"
+    "  job list [--token-file F]            list the jobs (never their tokens); other users'\n"
+    "                                       jobs show id, sizes and state only (MATRICES -)\n"
+    "                                       unless F (or $MUOND_JOB_TOKEN) holds their token\n"
     "  plan JOB.json NODES...               the ownership plan of the job over NODES nodes\n"
     "                                       (tensors per node, FLOPs and bytes max/mean); local\n"
     "  job show --job ID [--token-file F]   print a job's status\n"
@@ -313,13 +315,18 @@ absl::Status CmdJobCreate(Client& client, const Args& a) {
   return absl::OkStatus();
 }
 
-absl::Status CmdJobList(Client& client) {
-  ASSIGN_OR_RETURN(const v1::ListJobsResponse listed, client.ListJobsWithBroken());
+absl::Status CmdJobList(Client& client, const Args& a) {
+  // A token (--token-file, $MUOND_JOB_TOKEN) shows its job's details when it is another user's.
+  ASSIGN_OR_RETURN(const std::string token, Token(a));
+  ASSIGN_OR_RETURN(const v1::ListJobsResponse listed, client.ListJobsWithBroken(token));
   std::printf("%-24s %5s %5s %8s %10s %8s %6s %s\n", "JOB", "WORLD", "STAGE", "MATRICES",
               "NEXT_STEP", "STEPS", "FENCED", "BACKEND");
   for (const v1::JobStatus& j : listed.jobs()) {
-    std::printf("%-24s %5d %5d %8d %10lld %8lld %6s %s\n", j.spec().job_id().c_str(),
-                j.spec().world_size(), j.spec().zero_stage(), j.spec().matrices_size(),
+    // Another user's job without its token: its tensors are withheld (JobStatus.details_withheld).
+    const std::string matrices =
+        j.details_withheld() ? "-" : std::to_string(j.spec().matrices_size());
+    std::printf("%-24s %5d %5d %8s %10lld %8lld %6s %s\n", j.spec().job_id().c_str(),
+                j.spec().world_size(), j.spec().zero_stage(), matrices.c_str(),
                 static_cast<long long>(j.next_step()),
                 static_cast<long long>(j.steps_completed()), j.fenced() ? "yes" : "no",
                 j.backend().c_str());
@@ -346,7 +353,7 @@ absl::Status CmdJobReset(Client& client, const Args& a, const JobAccess& job) {
 absl::Status CmdJob(Client& client, const Args& a) {
   const std::string sub = a.words.size() > 1 ? a.words[1] : "";
   if (sub == "create") return CmdJobCreate(client, a);
-  if (sub == "list") return CmdJobList(client);
+  if (sub == "list") return CmdJobList(client, a);
   if (sub != "show" && sub != "delete" && sub != "reset") {
     return absl::InvalidArgumentError(absl::StrCat("unknown job command '", sub, "'"));
   }

@@ -30,34 +30,97 @@ bool NameOk(const std::string& s) {
          s.find('\0') == std::string::npos;
 }
 
-absl::Status ParseArray(const Json& t, const std::string& where, size_t i, Array* a) {
-  const std::string at = absl::StrCat(where, ": tensors[", i, "]");
-  if (!t.is_object() || !t.contains("name") || !t["name"].is_string() || !t.contains("tensor") ||
-      !t["tensor"].is_string() || !t.contains("shape") || !t["shape"].is_array() ||
-      !t.contains("data_offsets") || !t["data_offsets"].is_array() ||
-      t["data_offsets"].size() != 2 || !t.contains("crc32c") || !t["crc32c"].is_number_unsigned() ||
-      t.value("dtype", "") != "float32") {
-    return Damaged(at, "needs name, tensor, dtype \"float32\", shape, data_offsets, crc32c");
+// What a value is, for a message: its JSON, cut to 40 characters.
+std::string Shown(const Json& v) {
+  std::string s = v.dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (s.size() > 40) s = s.substr(0, 37) + "...";
+  return s;
+}
+
+// The error for member `key` of `j` (at `where`; `prefix` + `key` in the message, e.g.
+// "tensors[3].") that is missing or not `want`.
+absl::Status BadKey(const Json& j, const std::string& where, const std::string& prefix,
+                    const std::string& key, const std::string& want) {
+  const auto it = j.find(key);
+  if (it == j.end()) {
+    return Damaged(where, absl::StrCat("has no key '", prefix, key, "' (", want, ")"));
   }
-  a->name = t["name"].get<std::string>();
-  a->tensor = t["tensor"].get<std::string>();
+  return Damaged(where, absl::StrCat("key '", prefix, key, "' is ", Shown(*it), ", not ", want));
+}
+
+// The fields of a manifest, each read after its type was checked (nlohmann's get<T>() and
+// value() throw on another type): an error names the file and the key.
+absl::Status GetString(const Json& j, const std::string& where, const std::string& prefix,
+                       const std::string& key, std::string* out) {
+  const auto it = j.find(key);
+  if (it == j.end() || !it->is_string()) return BadKey(j, where, prefix, key, "a string");
+  *out = it->get<std::string>();
+  return absl::OkStatus();
+}
+
+absl::Status GetInt(const Json& j, const std::string& where, const std::string& prefix,
+                    const std::string& key, int64_t lo, int64_t hi, int64_t* out) {
+  const auto it = j.find(key);
+  const std::string want = absl::StrCat("an integer in [", lo, ", ", hi, "]");
+  if (it == j.end()) return BadKey(j, where, prefix, key, want);
+  if (it->is_number_unsigned()) {
+    if (it->get<uint64_t>() > static_cast<uint64_t>(hi)) return BadKey(j, where, prefix, key, want);
+    *out = static_cast<int64_t>(it->get<uint64_t>());
+  } else if (it->is_number_integer()) {
+    *out = it->get<int64_t>();
+  } else {
+    return BadKey(j, where, prefix, key, want);
+  }
+  if (*out < lo || *out > hi) return BadKey(j, where, prefix, key, want);
+  return absl::OkStatus();
+}
+
+absl::Status GetUnsigned(const Json& j, const std::string& where, const std::string& prefix,
+                         const std::string& key, uint64_t* out) {
+  const auto it = j.find(key);
+  if (it == j.end() || !it->is_number_unsigned()) {
+    return BadKey(j, where, prefix, key, "an unsigned integer");
+  }
+  *out = it->get<uint64_t>();
+  return absl::OkStatus();
+}
+
+absl::Status ParseArray(const Json& t, const std::string& where, size_t i, Array* a) {
+  const std::string at = absl::StrCat("tensors[", i, "].");
+  if (!t.is_object())
+    return Damaged(where, absl::StrCat("key 'tensors[", i, "]' is not an object"));
+  RETURN_IF_ERROR(GetString(t, where, at, "name", &a->name));
+  RETURN_IF_ERROR(GetString(t, where, at, "tensor", &a->tensor));
+  std::string dtype;
+  RETURN_IF_ERROR(GetString(t, where, at, "dtype", &dtype));
+  if (dtype != "float32") return BadKey(t, where, at, "dtype", "\"float32\"");
+  if (!t.contains("shape") || !t["shape"].is_array()) {
+    return BadKey(t, where, at, "shape", "a list of dimensions");
+  }
+  if (!t.contains("data_offsets") || !t["data_offsets"].is_array() ||
+      t["data_offsets"].size() != 2) {
+    return BadKey(t, where, at, "data_offsets", "two offsets");
+  }
+  uint64_t crc = 0;
+  RETURN_IF_ERROR(GetUnsigned(t, where, at, "crc32c", &crc));
   uint64_t numel = 1;
   for (const Json& d : t["shape"]) {
     if (!d.is_number_integer() || d.get<int64_t>() <= 0 ||
         numel >
             std::numeric_limits<uint64_t>::max() / 8 / static_cast<uint64_t>(d.get<int64_t>())) {
-      return Damaged(at, absl::StrCat("tensor '", a->name, "': bad shape ", t["shape"].dump()));
+      return Damaged(where, absl::StrCat("key '", at, "shape': tensor '", a->name, "': bad shape ",
+                                         Shown(t["shape"])));
     }
     a->shape.push_back(d.get<int64_t>());
     numel *= static_cast<uint64_t>(d.get<int64_t>());
   }
   for (const Json& o : t["data_offsets"]) {
-    if (!o.is_number_unsigned()) return Damaged(at, "data_offsets are not offsets");
+    if (!o.is_number_unsigned()) return BadKey(t, where, at, "data_offsets", "two offsets");
   }
   a->begin = t["data_offsets"][0].get<uint64_t>();
   a->end = t["data_offsets"][1].get<uint64_t>();
-  if (t["crc32c"].get<uint64_t>() > 0xffffffffu) return Damaged(at, "crc32c beyond 32 bits");
-  a->crc32c = static_cast<uint32_t>(t["crc32c"].get<uint64_t>());
+  if (crc > 0xffffffffu) return BadKey(t, where, at, "crc32c", "a CRC32C (32 bits)");
+  a->crc32c = static_cast<uint32_t>(crc);
   return absl::OkStatus();
 }
 
@@ -152,44 +215,64 @@ absl::StatusOr<Manifest> ParseManifest(std::string_view text, const std::string&
   if (j.is_discarded() || too_deep || !j.is_object()) {
     return Damaged(where, too_deep ? "JSON nested deeper than 64 levels" : "not a JSON object");
   }
-  if (j.value("format", "") != kFormat) {
+  // Looked up, not j.value(): value() throws when a key holds another type than its default.
+  const auto format = j.find("format");
+  if (format == j.end() || !format->is_string() || *format != kFormat) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, ": not a muond state export (format is not \"", kFormat, "\")"));
+        absl::StrCat(where, ": not a muond state export (key 'format' is ",
+                     format == j.end() ? "missing" : Shown(*format), ", not \"", kFormat, "\")"));
   }
-  if (!j.contains("format_version") || j["format_version"] != kFormatVersion) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": format_version is not ", kFormatVersion));
+  const auto version = j.find("format_version");
+  if (version == j.end() || !version->is_number_integer() || *version != kFormatVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": key 'format_version' is ",
+                                                   version == j.end() ? "missing" : Shown(*version),
+                                                   ", not ", kFormatVersion));
   }
-  if (!j.contains("checksum") || !j["checksum"].is_number_unsigned() ||
-      j["checksum"].get<uint64_t>() != Checksum(j)) {
+  const auto checksum = j.find("checksum");
+  if (checksum == j.end() || !checksum->is_number_unsigned() ||
+      checksum->get<uint64_t>() != Checksum(j)) {
     return Damaged(where, "manifest checksum mismatch (the file was changed or damaged)");
   }
   Manifest m;
-  try {
-    m.job_id = j.at("job").get<std::string>();
-    m.global_job_id = j.at("global_job_id").get<std::string>();
-    m.node = j.at("node").get<int>();
-    m.nodes = j.at("nodes").get<int>();
-    auto mode = ParseJobMode(j.at("mode").get<std::string>());
-    if (!mode.ok()) return Damaged(where, std::string(mode.status().message()));
-    m.mode = *mode;
-    m.step = j.at("step").get<int64_t>();
-    m.generation = j.at("generation").get<int64_t>();
-    m.payload = j.at("payload").get<std::string>();
-    m.payload_bytes = j.at("payload_bytes").get<uint64_t>();
-    if (m.mode == JobMode::kApply) {
-      m.tensor_steps = j.at("tensor_steps").get<std::map<std::string, int64_t>>();
+  int64_t n = 0;
+  constexpr int64_t kIntMin = std::numeric_limits<int>::min();
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  constexpr int64_t kInt64Min = std::numeric_limits<int64_t>::min();
+  constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+  RETURN_IF_ERROR(GetString(j, where, "", "job", &m.job_id));
+  RETURN_IF_ERROR(GetString(j, where, "", "global_job_id", &m.global_job_id));
+  RETURN_IF_ERROR(GetInt(j, where, "", "node", kIntMin, kIntMax, &n));
+  m.node = static_cast<int>(n);
+  RETURN_IF_ERROR(GetInt(j, where, "", "nodes", kIntMin, kIntMax, &n));
+  m.nodes = static_cast<int>(n);
+  std::string mode_name;
+  RETURN_IF_ERROR(GetString(j, where, "", "mode", &mode_name));
+  auto mode = ParseJobMode(mode_name);
+  if (!mode.ok()) return Damaged(where, absl::StrCat("key 'mode': ", mode.status().message()));
+  m.mode = *mode;
+  RETURN_IF_ERROR(GetInt(j, where, "", "step", 0, kInt64Max, &m.step));
+  RETURN_IF_ERROR(GetInt(j, where, "", "generation", kInt64Min, kInt64Max, &m.generation));
+  RETURN_IF_ERROR(GetString(j, where, "", "payload", &m.payload));
+  RETURN_IF_ERROR(GetUnsigned(j, where, "", "payload_bytes", &m.payload_bytes));
+  if (m.mode == JobMode::kApply) {
+    const auto steps = j.find("tensor_steps");
+    if (steps == j.end() || !steps->is_object()) {
+      return BadKey(j, where, "", "tensor_steps", "an object of step counts");
     }
-    if (!j.at("tensors").is_array()) return Damaged(where, "tensors is not a list");
-  } catch (const Json::exception& e) {
-    return Damaged(where, absl::StrCat("a field is missing or of the wrong type (", e.what(), ")"));
+    for (const auto& [tensor, step] : steps->items()) {
+      int64_t v = 0;
+      RETURN_IF_ERROR(GetInt(*steps, where, "tensor_steps.", tensor, kInt64Min, kInt64Max, &v));
+      m.tensor_steps[tensor] = v;
+    }
   }
-  if (!NameOk(m.payload) || m.step < 0) {
-    return Damaged(where, "payload must be a file name of the same directory, step >= 0");
+  const auto tensors = j.find("tensors");
+  if (tensors == j.end() || !tensors->is_array()) return BadKey(j, where, "", "tensors", "a list");
+  if (!NameOk(m.payload)) {
+    return Damaged(where, "key 'payload' must be a file name of the same directory");
   }
-  for (size_t i = 0; i < j["tensors"].size(); ++i) {
+  for (size_t i = 0; i < tensors->size(); ++i) {
     Array a;
-    RETURN_IF_ERROR(ParseArray(j["tensors"][i], where, i, &a));
+    RETURN_IF_ERROR(ParseArray((*tensors)[i], where, i, &a));
     m.arrays.push_back(std::move(a));
   }
   RETURN_IF_ERROR(CheckManifest(m, where, PayloadHeader(m).size()));

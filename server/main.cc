@@ -16,9 +16,11 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/heartbeat.h"
 #include "common/logging.h"
 #include "server/api/api_server.h"
 #include "server/api/peer_identity.h"
@@ -95,6 +97,30 @@ absl::Status ArmCheckpointFault() {
   }
   durable::SetFaultForTesting(f);
   MUOND_LOG(WARNING) << "checkpoint fault injection armed: " << env;
+  return absl::OkStatus();
+#endif
+}
+
+// The watchdog test's stall, from $MUOND_TEST_STALL=PART:MS: the part of the daemon named PART
+// ("compute executor", "job registry", "shm event loop", "metrics http loop", ...) stops for good
+// MS milliseconds after start (common/heartbeat.h). Test-hook builds only.
+absl::Status ArmStall() {
+#ifndef MUOND_TEST_HOOKS
+  return absl::OkStatus();
+#else
+  const char* env = std::getenv("MUOND_TEST_STALL");
+  if (env == nullptr || *env == '\0') return absl::OkStatus();
+  const std::string spec = env;
+  const size_t colon = spec.rfind(':');
+  int ms = 0;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(spec.substr(colon + 1), &ms) || ms < 0 || ms > 600000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", spec, "' is not PART:MS (MS a whole number in 0..600000)"));
+  }
+  common::Heartbeats::Default().ArmStallForTesting(spec.substr(0, colon), absl::Milliseconds(ms));
+  MUOND_LOG(WARNING) << "stall armed: the " << spec.substr(0, colon) << " stops in " << ms
+                     << " ms";
   return absl::OkStatus();
 #endif
 }
@@ -219,6 +245,31 @@ void ServeUntilStopped(const DaemonConfig& config, JobRegistry& registry,
   MUOND_LOG(INFO) << "muond stopped";
 }
 
+// The state directory is the daemon user's alone (0700 / 0600): a looser directory or file left
+// by an older muond or an operator is repaired here, one log line each; one that cannot be (owned
+// by another user) stops the start.
+absl::Status MakeStatePrivate(const std::string& state_dir) {
+  int repaired = 0;
+  absl::Status s = durable::RestrictToOwner(
+      state_dir, [&repaired](const std::string& path, mode_t before, mode_t after) {
+        ++repaired;
+        MUOND_LOG(WARNING) << "state directory: " << path << " was open to others (mode "
+                           << absl::StrFormat("%04o", before) << "); repaired to "
+                           << absl::StrFormat("%04o", after);
+      });
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("--state-dir ", state_dir,
+                                               ": cannot make it private to the daemon's user (",
+                                               s.message(), "); fix its owner or mode"));
+  }
+  if (repaired > 0) {
+    MUOND_LOG(WARNING) << "state directory " << state_dir << ": " << repaired
+                       << " paths made private to the daemon's user (directories 0700, files "
+                          "0600)";
+  }
+  return absl::OkStatus();
+}
+
 // Everything after the configuration: the device, the jobs, the listeners, metrics; then serves.
 int Serve(const DaemonConfig& config) {
   // Who may connect and create jobs: TLS for TCP, allow-lists for CreateJob.
@@ -234,8 +285,11 @@ int Serve(const DaemonConfig& config) {
   auto devices = OpenDevice(config, threads);
   if (!devices.ok()) return Fail(FromStatus(devices.status()));
   const std::string backend = (*devices)->device->name();
-  if (absl::Status s = durable::MakeDirs(config.state_dir, 0750); !s.ok()) {
+  if (absl::Status s = durable::MakeDirs(config.state_dir, durable::kPrivateDirMode); !s.ok()) {
     return Fail(1, absl::StrCat("--state-dir: ", s.message()));
+  }
+  if (absl::Status s = MakeStatePrivate(config.state_dir); !s.ok()) {
+    return Fail(1, std::string(s.message()));
   }
   auto unix_path = ApiServer::Prepare(config);
   if (!unix_path.ok()) return Fail(FromStatus(unix_path.status()));
@@ -251,6 +305,9 @@ int Serve(const DaemonConfig& config) {
   }
   if (absl::Status s = ArmCommitHold(); !s.ok()) {
     return Fail(2, absl::StrCat("MUOND_TEST_COMMIT_HOLD_MS: ", s.message()));
+  }
+  if (absl::Status s = ArmStall(); !s.ok()) {
+    return Fail(2, absl::StrCat("MUOND_TEST_STALL: ", s.message()));
   }
   if (absl::Status s = registry.Restore(); !s.ok()) {
     return Fail(1, absl::StrCat("--state-dir ", config.state_dir, ": ", s.message()));

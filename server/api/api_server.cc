@@ -3,6 +3,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/server_posix.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -73,22 +74,34 @@ absl::StatusOr<std::string> ApiServer::Prepare(const DaemonConfig& config) {
   return unix_path;
 }
 
-ApiServer::ApiServer(JobRegistry* registry, const AccessPolicy* access)
-    : registry_(registry), service_(registry, access) {}
+ApiServer::ApiServer(JobRegistry* registry, const AccessPolicy* access,
+                     StreamGuard::Options streams)
+    : registry_(registry), service_(registry, access, [&] {
+        // A cancelled stream still blocked on a client that reads nothing ends only with its
+        // connection. (Leases exist only while handlers run, within the listener's life.)
+        streams.close_connection = [this](const std::string& peer) {
+          return listener_ != nullptr && listener_->ShutdownPeer(peer);
+        };
+        return streams;
+      }()) {}
 
 absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const DaemonConfig& config,
                                                             const std::string& unix_path,
                                                             const ServerTransport& transport,
                                                             const AccessPolicy* access,
                                                             JobRegistry* registry) {
-  std::unique_ptr<ApiServer> api(new ApiServer(registry, access));
+  StreamGuard::Options streams;
+  streams.idle_limit = absl::Seconds(config.stream_idle_seconds);
+  streams.max_streams = kMaxStreams;
+  std::unique_ptr<ApiServer> api(new ApiServer(registry, access, streams));
   api->unix_path_ = unix_path;
   if (absl::Status s = api->StartGrpc(config, transport); !s.ok()) return NotUsage(s);
-  if (api->uds_ != nullptr) {
+  if (!unix_path.empty()) {
     MUOND_LOG(INFO) << "unix socket " << unix_path << " (0660): peer credentials recorded, up to "
-                    << api->uds_->max_connections() << " connections";
+                    << api->listener_->max_connections() << " connections";
   } else {
-    MUOND_LOG(INFO) << "TCP " << config.listen << ": " << transport.Describe();
+    MUOND_LOG(INFO) << "TCP " << config.listen << ": " << transport.Describe() << ", up to "
+                    << api->listener_->max_connections() << " connections";
     if (access->restricted() && !transport.mutual_tls) {
       MUOND_LOG(WARNING) << "--allow-uids/--allow-groups on TCP without --tls-client-ca: TCP "
                             "peers have no identity, so none of them may create jobs";
@@ -104,26 +117,46 @@ absl::Status ApiServer::StartGrpc(const DaemonConfig& config, const ServerTransp
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  // Unix sockets: the daemon accepts itself (peer credentials) and hands connections to gRPC.
-  if (unix_path_.empty()) {
-    builder.AddListeningPort(config.listen, transport.credentials, &port_);
-  } else {
-    auto bound = UdsListener::Bind(unix_path_, config.max_connections);
-    if (!bound.ok()) {
-      return absl::Status(bound.status().code(), absl::StrCat("--listen ", config.listen, ": ",
-                                                              bound.status().message()));
-    }
-    uds_ = *std::move(bound);
+  // The daemon accepts itself (Unix: peer credentials; both: an accept loop that survives
+  // EMFILE, where gRPC 1.51's gives a TCP port up for good) and hands connections to gRPC; on TCP
+  // through an external-connection acceptor with the transport's credentials (TLS included).
+  auto bound = unix_path_.empty()
+                   ? ConnectionListener::BindTcp(config.listen, config.max_connections)
+                   : ConnectionListener::BindUnix(unix_path_, config.max_connections);
+  if (!bound.ok()) {
+    return absl::Status(bound.status().code(), absl::StrCat("--listen ", config.listen, ": ",
+                                                            bound.status().message()));
   }
+  listener_ = *std::move(bound);
+  port_ = listener_->port();
+  if (unix_path_.empty()) {
+    tcp_acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
+        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+        transport.credentials);
+  }
+  // Each call holds a thread while its handler runs: bounded, so that clients cannot make the
+  // daemon run out of threads (or memory for their stacks). Streams stay below the bound
+  // (StreamGuard), so unary calls and Health always find one.
+  grpc::ResourceQuota quota("muond-grpc");
+  quota.SetMaxThreads(kMaxServerThreads);
+  builder.SetResourceQuota(quota);
   builder.RegisterService(&service_);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   server_ = builder.BuildAndStart();
-  if (server_ == nullptr || (uds_ == nullptr && port_ == 0)) {
+  if (server_ == nullptr || (unix_path_.empty() && tcp_acceptor_ == nullptr)) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
   }
-  if (uds_ != nullptr) {
-    uds_->Start([s = server_.get()](int fd) { grpc::AddInsecureChannelFromFd(s, fd); });
+  if (tcp_acceptor_ != nullptr) {
+    listener_->Start([a = tcp_acceptor_.get()](int listen_fd, int fd) {
+      grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;
+      p.listener_fd = listen_fd;
+      p.fd = fd;
+      a->HandleNewConnection(&p);
+    });
+  } else {
+    listener_->Start(
+        [s = server_.get()](int, int fd) { grpc::AddInsecureChannelFromFd(s, fd); });
   }
   return absl::OkStatus();
 }
@@ -137,6 +170,8 @@ absl::Status ApiServer::StartShm(const DaemonConfig& config) {
   ShmLimits limits;
   limits.max_sessions = static_cast<size_t>(config.limits.max_shm_sessions);
   limits.attach_timeout = absl::Seconds(config.limits.shm_attach_timeout_seconds);
+  limits.max_pending_per_uid = static_cast<size_t>(config.limits.max_shm_pending_per_uid);
+  limits.max_pending_per_pid = static_cast<size_t>(config.limits.max_shm_pending_per_pid);
   auto started = ShmServer::Start(shm_path_, registry_, limits);
   if (!started.ok()) {
     return absl::Status(started.status().code(), absl::StrCat("--shm-socket ", shm_path_, ": ",
@@ -150,7 +185,7 @@ std::string ApiServer::PortSuffix() const {
   return unix_path_.empty() ? absl::StrCat(" (port ", port_, ")") : "";
 }
 
-size_t ApiServer::max_connections() const { return uds_ ? uds_->max_connections() : 0; }
+size_t ApiServer::max_connections() const { return listener_->max_connections(); }
 
 bool ApiServer::Drain(absl::Time deadline) {
   service_.BeginShutdown();
@@ -166,13 +201,17 @@ bool ApiServer::Drain(absl::Time deadline) {
   }
   drained = drained && !registry_->AnyStepInFlight();
   if (!drained) MUOND_LOG(WARNING) << "grace period over; cancelling the steps still in flight";
-  if (uds_ != nullptr) uds_->Stop();  // no connection is handed to a server shutting down
+  listener_->Stop();  // no connection is handed to a server shutting down
+  // Streams blocked on clients that read nothing would hold Shutdown's Wait forever: the guard
+  // closes their connections.
+  service_.CancelAllStreams();
   server_->Shutdown(std::chrono::system_clock::now());
   server_->Wait();
   return drained;
 }
 
 ApiServer::~ApiServer() {
+  if (listener_ != nullptr) listener_->Stop();  // hands nothing to a server being destroyed
   shm_.reset();  // ends the shared-memory sessions (a step still in flight aborts)
   if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
 }

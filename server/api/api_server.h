@@ -1,13 +1,16 @@
 // The daemon's API edge: everything a client reaches. This room (server/api) owns the gRPC service
-// (MuondService), the shared-memory data plane (ShmServer, shm_attach), the listeners (TCP with
-// TLS, the Unix socket the daemon accepts itself: UdsListener) and authentication (peer
+// (MuondService, its streams bounded by StreamGuard), the shared-memory data plane (ShmServer,
+// shm_attach), the listeners (the Unix socket and TCP, plaintext or TLS, which the daemon accepts
+// itself: ConnectionListener) and authentication (peer
 // credentials and allow-lists: peer_identity, tls_config; the job token is checked by
 // JobRegistry::Authorize for every path). It is the only code that sees generated proto types or
 // sockets; it calls server/jobs (registry and jobs) and server/ops (configuration, metrics
 // recorders), and converts jobs' plain reports to API messages (job_status_proto).
 //
 // ApiServer wires them: Prepare() checks the listen address before anything else starts, Start()
-// brings every listener up, Drain() and the destructor take them down in order.
+// brings every listener up, Drain() and the destructor take them down in order. The gRPC server's
+// threads are bounded (kMaxServerThreads, a gRPC resource quota); streams are admitted below that
+// bound so that Health and unary calls always find a thread.
 #ifndef MUOND_SERVER_API_API_SERVER_H_
 #define MUOND_SERVER_API_API_SERVER_H_
 
@@ -20,15 +23,25 @@
 #include "server/api/peer_identity.h"
 #include "server/api/shm_server.h"
 #include "server/api/tls_config.h"
-#include "server/api/uds_listener.h"
+#include "server/api/connection_listener.h"
+#include "server/api/stream_guard.h"
 #include "server/jobs/job_registry.h"
 #include "server/ops/daemon_config.h"
 
 namespace grpc {
 class Server;
+namespace experimental {
+class ExternalConnectionAcceptor;
+}  // namespace experimental
 }  // namespace grpc
 
 namespace muond::server {
+
+// Threads the gRPC server may run at once (each call holds one while its handler runs), and of
+// them the ones streams may hold (StreamGuard::Options::max_streams). The rest serve unary calls,
+// Health and WatchSession (one per rank attached over gRPC, for the session's life).
+inline constexpr int kMaxServerThreads = 1024;
+inline constexpr size_t kMaxStreams = 384;
 
 class ApiServer {
  public:
@@ -50,15 +63,16 @@ class ApiServer {
   std::string PortSuffix() const;
   ShmServer* shm() const { return shm_.get(); }
   const std::string& shm_path() const { return shm_path_; }
-  // Connections the Unix socket accepts at once (0 on TCP).
+  // Connections the listener (Unix socket or TCP) lets gRPC hold at once.
   size_t max_connections() const;
 
-  // New steps and jobs get UNAVAILABLE; waits for the steps in flight (gRPC and shared memory)
-  // until `deadline`, then shuts gRPC down at once. False when steps were still running.
+  // New steps and jobs get UNAVAILABLE and streams not in a step are cancelled; waits for the
+  // steps in flight (gRPC and shared memory) until `deadline`, then shuts gRPC down at once.
+  // False when steps were still running.
   bool Drain(absl::Time deadline);
 
  private:
-  ApiServer(JobRegistry* registry, const AccessPolicy* access);
+  ApiServer(JobRegistry* registry, const AccessPolicy* access, StreamGuard::Options streams);
   absl::Status StartGrpc(const DaemonConfig& config, const ServerTransport& transport);
   absl::Status StartShm(const DaemonConfig& config);
 
@@ -66,7 +80,9 @@ class ApiServer {
   MuondService service_;
   std::string unix_path_;
   int port_ = 0;
-  std::unique_ptr<UdsListener> uds_;
+  std::unique_ptr<ConnectionListener> listener_;
+  // TCP only: hands the listener's connections to gRPC with the transport's credentials.
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> tcp_acceptor_;
   std::unique_ptr<grpc::Server> server_;
   std::string shm_path_;
   std::unique_ptr<ShmServer> shm_;

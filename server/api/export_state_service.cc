@@ -17,9 +17,13 @@ namespace {
 
 constexpr size_t kChunkFloats = (size_t{4} << 20) / sizeof(float);
 
+// `lease`: the stream's admission; writes run with its idle clock (a reader that stops reading is
+// cancelled after --stream-idle-seconds). Job::ExportState holds nothing of the job while it
+// calls `header` and `sink`.
 absl::Status RunExportState(const std::shared_ptr<Job>& job, grpc::ServerContext* ctx,
                             const v1::ExportStateRequest* req,
-                            grpc::ServerWriter<v1::ExportStateChunk>* writer) {
+                            grpc::ServerWriter<v1::ExportStateChunk>* writer,
+                            StreamGuard::Lease& lease) {
   std::optional<checkpoint::Selector> from;
   if (req->generation() < 0 || (req->has_step() && req->step() < 0)) {
     return absl::InvalidArgumentError(absl::StrCat("job '", job->id(), "': export: generation ",
@@ -32,8 +36,11 @@ absl::Status RunExportState(const std::shared_ptr<Job>& job, grpc::ServerContext
     from->step = req->has_step() ? req->step() : -1;
   }
   const auto gone = [&] {
-    return absl::CancelledError(
-        absl::StrCat("job '", job->id(), "': the client went away during the export"));
+    return absl::CancelledError(absl::StrCat(
+        "job '", job->id(), "': the client went away during the export", lease.HowEnded()));
+  };
+  const auto write = [&](const v1::ExportStateChunk& out) {
+    return !ctx->IsCancelled() && lease.Await([&] { return writer->Write(out); });
   };
   auto header = [&](const Job::ExportedState& state) -> absl::Status {
     v1::ExportStateChunk out;
@@ -48,7 +55,7 @@ absl::Status RunExportState(const std::shared_ptr<Job>& job, grpc::ServerContext
       for (int64_t d : state.arrays[a].shape) sa->add_shape(d);
     }
     for (int64_t t : state.tensor_steps) h->add_tensor_steps(t);
-    if (ctx->IsCancelled() || !writer->Write(out)) return gone();
+    if (!write(out)) return gone();
     return absl::OkStatus();
   };
   v1::ExportStateChunk out;
@@ -60,7 +67,7 @@ absl::Status RunExportState(const std::shared_ptr<Job>& job, grpc::ServerContext
       c->set_element_offset(at);
       c->set_data(reinterpret_cast<const char*>(w.data() + at), n * sizeof(float));
       c->set_crc32c(common::Crc32c(c->data().data(), c->data().size()));
-      if (ctx->IsCancelled() || !writer->Write(out)) return gone();
+      if (!write(out)) return gone();
       RecordBytes(Transport::kGrpc, Direction::kOut, n * sizeof(float));
     }
     return absl::OkStatus();
@@ -74,7 +81,12 @@ grpc::Status MuondService::ExportState(grpc::ServerContext* ctx, const v1::Expor
                                        grpc::ServerWriter<v1::ExportStateChunk>* writer) {
   absl::StatusOr<std::shared_ptr<Job>> job = Authorize(ctx, req->job_id());
   absl::Status s = job.status();
-  if (s.ok()) s = RunExportState(*job, ctx, req, writer);
+  if (s.ok()) {
+    // Deleting the job cancels the export (issue 32, item 6).
+    const auto cancel_on_delete = (*job)->OnDelete([ctx] { ctx->TryCancel(); });
+    auto lease = streams_.Admit(ctx, (*job)->id(), (*job)->spec().world_size, "ExportState");
+    s = lease.ok() ? RunExportState(*job, ctx, req, writer, **lease) : lease.status();
+  }
   if (!s.ok()) {
     MUOND_LOG(DEBUG) << "ExportState: " << s;
     RecordRpcError("ExportState", s.code());

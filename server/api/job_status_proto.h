@@ -8,6 +8,10 @@
 namespace muond::server {
 
 v1::JobStatus JobStatusToProto(const JobReport& report);
+// What a caller that neither owns the job nor holds its token sees (JobStatus.details_withheld):
+// the id, mode, world size and ZeRO stage of the spec, sizes and state; no tensors, paths, owner,
+// fence reason or session ids.
+v1::JobStatus WithheldJobStatus(const JobReport& report);
 
 }  // namespace muond::server
 

@@ -1,6 +1,7 @@
 #include "server/api/muond_service.h"
 
 #include <malloc.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <optional>
@@ -73,6 +74,40 @@ absl::StatusOr<std::shared_ptr<Job>> MuondService::Authorize(grpc::ServerContext
   return registry_->Authorize(job_id, token, absl::StrCat(" (metadata '", kTokenMetadataKey, "')"));
 }
 
+absl::StatusOr<std::shared_ptr<Job>> MuondService::AuthorizeStream(grpc::ServerContext* ctx,
+                                                                   bool* named) const {
+  const auto& md = ctx->client_metadata();
+  auto id = md.find(kJobIdMetadataKey);
+  *named = id != md.end() && !id->second.empty();
+  if (*named) return Authorize(ctx, std::string(id->second.data(), id->second.size()));
+  auto it = md.find(kTokenMetadataKey);
+  const std::string_view token =
+      it == md.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
+  if (token.empty()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("missing job token (metadata '", kTokenMetadataKey, "')"));
+  }
+  for (std::shared_ptr<Job>& job : registry_->List()) {
+    if (job->TokenMatches(token)) return std::move(job);
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "wrong job token: it is no job's (metadata '", kTokenMetadataKey,
+      "'; send the job id in metadata '", kJobIdMetadataKey, "' for a message naming the job)"));
+}
+
+absl::StatusOr<std::shared_ptr<Job>> MuondService::AuthorizeNamed(grpc::ServerContext* ctx,
+                                                                  std::shared_ptr<Job> job,
+                                                                  bool named,
+                                                                  const std::string& job_id) const {
+  if (!named) return Authorize(ctx, job_id);
+  if (job_id != job->id()) {
+    return absl::InvalidArgumentError(absl::StrCat("the stream's metadata '", kJobIdMetadataKey,
+                                                   "' names job '", job->id(),
+                                                   "', its first message job '", job_id, "'"));
+  }
+  return job;
+}
+
 grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,
                                      v1::CreateJobResponse* resp) {
   const PeerIdentity peer = PeerOf(*ctx);
@@ -120,13 +155,31 @@ grpc::Status MuondService::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequ
   return grpc::Status::OK;
 }
 
-grpc::Status MuondService::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
+grpc::Status MuondService::ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest*,
                                     v1::ListJobsResponse* resp) {
-  for (const auto& job : registry_->List()) *resp->add_jobs() = JobStatusToProto(job->Report());
+  // Details for the job's owner (its uid on the Unix socket), the daemon's own user and root,
+  // and whoever sent the job's token; ids, sizes and state for everyone else.
+  const PeerIdentity peer = PeerOf(*ctx);
+  const std::optional<int64_t> uid =
+      peer.unix_credentials ? std::optional<int64_t>(peer.unix_credentials->uid) : std::nullopt;
+  const bool admin = uid && (*uid == 0 || *uid == static_cast<int64_t>(::geteuid()));
+  const auto& md = ctx->client_metadata();
+  const auto token_it = md.find(kTokenMetadataKey);
+  const std::string_view token = token_it == md.end()
+                                     ? std::string_view()
+                                     : std::string_view(token_it->second.data(),
+                                                        token_it->second.size());
+  for (const auto& job : registry_->List()) {
+    const JobReport r = job->Report();
+    const bool owner = uid && r.owner_uid && *r.owner_uid == *uid;
+    const bool details = admin || owner || (!token.empty() && job->TokenMatches(token));
+    *resp->add_jobs() = details ? JobStatusToProto(r) : WithheldJobStatus(r);
+  }
   for (const JobRegistry::BrokenJob& b : registry_->Broken()) {
     v1::BrokenJob* out = resp->add_broken();
     out->set_directory(b.directory);
-    out->set_reason(b.reason);
+    // The reason can name files of the job: the daemon's user and root only.
+    out->set_reason(admin ? b.reason : "(withheld: ask the daemon's administrator)");
   }
   return grpc::Status::OK;
 }
@@ -263,15 +316,26 @@ grpc::Status MuondService::WatchSession(grpc::ServerContext* ctx,
 
 grpc::Status MuondService::Step(
     grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
-  {
-    absl::MutexLock lock(&steps_mu_);
-    ++steps_in_flight_;
-  }
-  grpc::Status s = Logged("Step", RunStep(ctx, stream));
-  absl::MutexLock lock(&steps_mu_);
-  --steps_in_flight_;
-  return s;
+  return Logged("Step", RunStep(ctx, stream));
 }
+
+// A Step stream that joined a step: counted until it ends (WaitForStepsToDrain).
+class MuondService::StepInFlight {
+ public:
+  explicit StepInFlight(MuondService* service) : service_(service) {
+    absl::MutexLock lock(&service_->steps_mu_);
+    ++service_->steps_in_flight_;
+  }
+  ~StepInFlight() {
+    absl::MutexLock lock(&service_->steps_mu_);
+    --service_->steps_in_flight_;
+  }
+  StepInFlight(const StepInFlight&) = delete;
+  StepInFlight& operator=(const StepInFlight&) = delete;
+
+ private:
+  MuondService* const service_;
+};
 
 bool MuondService::WaitForStepsToDrain(absl::Time deadline) {
   absl::MutexLock lock(&steps_mu_);
@@ -313,18 +377,30 @@ absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepB
 
 absl::Status MuondService::RunStep(
     grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  // The token before anything is read: a stream without a valid one holds nothing.
+  bool named = false;
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, AuthorizeStream(ctx, &named));
+  ASSIGN_OR_RETURN(std::unique_ptr<StreamGuard::Lease> lease,
+                   streams_.Admit(ctx, job->id(), job->spec().world_size, "Step"));
   v1::StepRequest req;
-  if (!stream->Read(&req)) return absl::InvalidArgumentError("step stream closed before StepBegin");
+  if (!lease->Await([&] { return stream->Read(&req); })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step stream closed before StepBegin", lease->HowEnded()));
+  }
   if (req.kind_case() != v1::StepRequest::kBegin) {
     return absl::InvalidArgumentError("the first message of a step must be StepBegin");
   }
   const v1::StepBegin begin = req.begin();
-  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Authorize(ctx, begin.job_id()));
+  ASSIGN_OR_RETURN(job, AuthorizeNamed(ctx, std::move(job), named, begin.job_id()));
+  // Deleting the job cancels the stream, blocked in Read or not (issue 32, item 6).
+  const auto cancel_on_delete = job->OnDelete([ctx] { ctx->TryCancel(); });
   // While draining, ranks may still join a step that other ranks already began (so it can
   // complete), but no new step starts.
   if (shutting_down_.load() && !job->StepInFlight(begin.step())) {
     return absl::UnavailableError("muond is shutting down; retry the step");
   }
+  const StepInFlight counted(this);
+  lease->InStep();
   const std::string where =
       absl::StrCat("job '", begin.job_id(), "' step ", begin.step(), " rank ", begin.rank());
   ASSIGN_OR_RETURN(const std::optional<StepHyper> hyper, HyperOf(*job, begin, where));
@@ -335,9 +411,9 @@ absl::Status MuondService::RunStep(
   // aborted for every rank, unless it was already refused.
   bool ended = false;
   while (!ended) {
-    if (!stream->Read(&req)) {
-      return rank_step->Abandon(absl::StrCat("closed its stream before StepEnd",
-                                             ctx->IsCancelled() ? " (cancelled)" : ""));
+    if (!lease->Await([&] { return stream->Read(&req); })) {
+      return rank_step->Abandon(
+          absl::StrCat("closed its stream before StepEnd", lease->HowEnded()));
     }
     switch (req.kind_case()) {
       case v1::StepRequest::kGradient: {
@@ -373,7 +449,7 @@ absl::Status MuondService::RunStep(
       c->set_data(span.data + at, n);
       job->CountTransportCopy(n);
       c->set_crc32c(common::Crc32c(span.data + at, n));
-      if (!stream->Write(resp)) {
+      if (!lease->Await([&] { return stream->Write(resp); })) {
         // The step is committed; the rank may ask again for the same bytes (a replay).
         return absl::UnavailableError(absl::StrCat(
             where,
@@ -390,7 +466,7 @@ absl::Status MuondService::RunStep(
   done->set_compute_seconds(update->compute_seconds);
   done->set_bytes_in(rank_step->bytes_in());
   done->set_bytes_out(bytes_out);
-  stream->Write(resp);
+  lease->Await([&] { return stream->Write(resp); });
   return absl::OkStatus();
 }
 
@@ -407,19 +483,27 @@ grpc::Status MuondService::InitParams(grpc::ServerContext* ctx,
 absl::Status MuondService::RunInitParams(grpc::ServerContext* ctx,
                                          grpc::ServerReader<v1::InitRequest>* reader,
                                          v1::InitResponse* resp) {
+  bool named = false;
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, AuthorizeStream(ctx, &named));
+  ASSIGN_OR_RETURN(std::unique_ptr<StreamGuard::Lease> lease,
+                   streams_.Admit(ctx, job->id(), job->spec().world_size, "InitParams"));
   v1::InitRequest req;
-  if (!reader->Read(&req) || req.kind_case() != v1::InitRequest::kBegin) {
-    return absl::InvalidArgumentError("the first message of InitParams must be InitBegin");
+  if (!lease->Await([&] { return reader->Read(&req); }) ||
+      req.kind_case() != v1::InitRequest::kBegin) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the first message of InitParams must be InitBegin", lease->HowEnded()));
   }
   const v1::InitBegin begin = req.begin();
-  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Authorize(ctx, begin.job_id()));
+  ASSIGN_OR_RETURN(job, AuthorizeNamed(ctx, std::move(job), named, begin.job_id()));
+  const auto cancel_on_delete = job->OnDelete([ctx] { ctx->TryCancel(); });
   ASSIGN_OR_RETURN(std::unique_ptr<ParamUpload> upload,
                    job->BeginParamUpload(begin.rank(), begin.session_id(), begin.float32()));
   while (true) {
-    if (!reader->Read(&req)) {
-      return absl::CancelledError(
-          absl::StrCat("job '", begin.job_id(), "' rank ", begin.rank(),
-                       ": the initial-parameter stream closed before InitEnd; nothing changed"));
+    if (!lease->Await([&] { return reader->Read(&req); })) {
+      return absl::CancelledError(absl::StrCat(
+          "job '", begin.job_id(), "' rank ", begin.rank(),
+          ": the initial-parameter stream closed before InitEnd", lease->HowEnded(),
+          "; nothing changed"));
     }
     if (req.kind_case() == v1::InitRequest::kEnd) break;
     if (req.kind_case() != v1::InitRequest::kParams) {
@@ -445,6 +529,9 @@ grpc::Status MuondService::ExportParams(grpc::ServerContext* ctx, const v1::Expo
 absl::Status MuondService::RunExportParams(grpc::ServerContext* ctx, const v1::ExportRequest* req,
                                            grpc::ServerWriter<v1::ExportChunk>* writer) {
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Authorize(ctx, req->job_id()));
+  const auto cancel_on_delete = job->OnDelete([ctx] { ctx->TryCancel(); });
+  ASSIGN_OR_RETURN(std::unique_ptr<StreamGuard::Lease> lease,
+                   streams_.Admit(ctx, job->id(), job->spec().world_size, "ExportParams"));
   auto parsed = common::DTypeFromProto(req->dtype());
   if (!parsed.ok()) {
     return absl::InvalidArgumentError(
@@ -467,9 +554,10 @@ absl::Status MuondService::RunExportParams(grpc::ServerContext* ctx, const v1::E
       c->set_crc32c(common::Crc32c(bytes.data(), bytes.size()));
       c->set_data(bytes);
       out.set_step(step);
-      if (ctx->IsCancelled() || !writer->Write(out)) {
-        return absl::CancelledError(
-            absl::StrCat("job '", req->job_id(), "': the client went away during the export"));
+      if (ctx->IsCancelled() || !lease->Await([&] { return writer->Write(out); })) {
+        return absl::CancelledError(absl::StrCat(
+            "job '", req->job_id(), "': the client went away during the export",
+            lease->HowEnded()));
       }
       RecordBytes(Transport::kGrpc, Direction::kOut, bytes.size());
     }

@@ -1,9 +1,15 @@
 // The muond.v1.Muond gRPC service (synchronous API): authenticates each call with the job's token
 // (metadata "x-muond-job-token") and maps it onto the JobRegistry and Jobs.
 //
-// Shutdown: after BeginShutdown() new steps and jobs get UNAVAILABLE; steps already in flight run
-// to completion until the server's shutdown deadline cancels them (then they abort and fence).
-// Thread-safe.
+// Streams (Step, InitParams, ExportState, ExportParams) hold a server thread while they run: the
+// token in the metadata is checked before the first Read (with "x-muond-job-id" in the metadata
+// against that job, else it must be some job's token and the job the first message names is
+// checked after it), each stream is admitted by a StreamGuard (bounded per job and in all) and
+// cancelled when its client is idle for --stream-idle-seconds (stream_guard.h).
+//
+// Shutdown: after BeginShutdown() new steps and jobs get UNAVAILABLE, and streams waiting for their
+// client outside a step are cancelled at once; steps already in flight run to completion until
+// the server's shutdown deadline cancels them (then they abort and fence). Thread-safe.
 #ifndef MUOND_SERVER_API_MUOND_SERVICE_H_
 #define MUOND_SERVER_API_MUOND_SERVICE_H_
 
@@ -18,18 +24,30 @@
 #include "muond/v1/muond.grpc.pb.h"
 #include "server/jobs/job_registry.h"
 #include "server/api/peer_identity.h"
+#include "server/api/stream_guard.h"
 
 namespace muond::server {
 
 inline constexpr char kTokenMetadataKey[] = "x-muond-job-token";
+// Optional on streams: the job the stream is about, so that the token is checked against it
+// before the first message (the client library sends it on Step and InitParams).
+inline constexpr char kJobIdMetadataKey[] = "x-muond-job-id";
 
 class MuondService final : public v1::Muond::Service {
  public:
   // `access`: who may create jobs (nullptr: everyone); not owned, outlives the service.
-  explicit MuondService(JobRegistry* registry, const AccessPolicy* access = nullptr)
-      : registry_(registry), access_(access) {}
+  // `streams`: the bounds and idle limit of streams (stream_guard.h).
+  explicit MuondService(JobRegistry* registry, const AccessPolicy* access = nullptr,
+                        const StreamGuard::Options& streams = StreamGuard::Options())
+      : registry_(registry), access_(access), streams_(streams) {}
 
-  void BeginShutdown() { shutting_down_.store(true); }
+  void BeginShutdown() {
+    shutting_down_.store(true);
+    streams_.BeginShutdown();
+  }
+  // Cancels every stream; one still blocked on its client kCloseAfterCancel later has its
+  // connection closed (stream_guard.h). Before the server shuts down at once.
+  void CancelAllStreams() { streams_.CancelAll(); }
   // Blocks until no Step call is in flight or `deadline` passed; true when none is in flight.
   bool WaitForStepsToDrain(absl::Time deadline);
 
@@ -76,6 +94,17 @@ class MuondService final : public v1::Muond::Service {
   // PERMISSION_DENIED (wrong token).
   absl::StatusOr<std::shared_ptr<Job>> Authorize(grpc::ServerContext* ctx,
                                                  const std::string& job_id) const;
+  // Before a client stream's first Read: the job of its metadata. With "x-muond-job-id", as
+  // Authorize (*named = true); without, UNAUTHENTICATED for no token, PERMISSION_DENIED for a token
+  // that is no job's, else the job whose token it is (*named = false: the caller authorizes the
+  // job its first message names).
+  absl::StatusOr<std::shared_ptr<Job>> AuthorizeStream(grpc::ServerContext* ctx,
+                                                       bool* named) const;
+  // A stream's first message named `job_id`: the job to use. `job` from AuthorizeStream.
+  absl::StatusOr<std::shared_ptr<Job>> AuthorizeNamed(grpc::ServerContext* ctx,
+                                                      std::shared_ptr<Job> job, bool named,
+                                                      const std::string& job_id) const;
+  class StepInFlight;
   absl::Status RunStep(grpc::ServerContext* ctx,
                        grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream);
   absl::Status RunInitParams(grpc::ServerContext* ctx, grpc::ServerReader<v1::InitRequest>* reader,
@@ -86,6 +115,7 @@ class MuondService final : public v1::Muond::Service {
   JobRegistry* registry_;
   const AccessPolicy* access_;
   std::atomic<bool> shutting_down_{false};
+  StreamGuard streams_;
   absl::Mutex steps_mu_;
   int steps_in_flight_ ABSL_GUARDED_BY(steps_mu_) = 0;
 };

@@ -1,8 +1,9 @@
 // Who is calling: the identity of a gRPC peer, and the daemon's policy on who may create jobs.
 //
-// Unix-socket connections are accepted by the daemon itself (server/api/uds_listener.h), which reads
-// each connection's SO_PEERCRED and records it here, keyed by the descriptor it hands to gRPC;
-// gRPC names such a peer "fd:<N>". TCP peers have no Unix credentials; over mutual TLS they carry
+// Unix-socket connections are accepted by the daemon itself (server/api/connection_listener.h),
+// which reads each connection's SO_PEERCRED and records it here, keyed by the descriptor it hands
+// to gRPC; gRPC names such a peer "fd:<N>" (so does it a plaintext TCP peer the daemon accepted,
+// which has no entry). TCP peers have no Unix credentials; over mutual TLS they carry
 // a client certificate that gRPC verified against --tls-client-ca.
 //
 // Descriptor reuse: a descriptor number is reused once gRPC closed its connection, and the next

@@ -13,6 +13,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <memory>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -59,8 +62,9 @@ constexpr auto kRefusalLogPeriod = std::chrono::seconds(10);
 
 // Why a connection was refused or dropped before attaching: the `reason` label of
 // muond_shm_connections_refused_total.
-constexpr const char* kReasons[] = {"session_limit", "attach_timeout", "out_of_descriptors",
-                                    "bad_request",   "attach_failed",  "reply_failed"};
+constexpr const char* kReasons[] = {"session_limit",     "attach_timeout", "out_of_descriptors",
+                                    "bad_request",       "attach_failed",  "reply_failed",
+                                    "peer_pending_limit"};
 
 // The server's own metrics, declared next to the code that updates them.
 struct ShmMetrics {
@@ -125,7 +129,38 @@ void ShmServer::Accept() {
   if (out_of_descriptors) PauseListening(Clock::now());
 }
 
+absl::Status ShmServer::CheckPeerPending(const ShmPeer& peer) const {
+  auto held = [](const auto& counts, auto key) {
+    auto it = counts.find(key);
+    return it == counts.end() ? size_t{0} : it->second;
+  };
+  if (const size_t n = held(pending_uids_, peer.uid); n >= pending_per_uid_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "uid ", peer.uid, " holds ", n,
+        " shared-memory connections not attached yet, the limit per user "
+        "(--max-shm-pending-per-uid ",
+        pending_per_uid_, "); connection refused, attach on the connections held or close them"));
+  }
+  if (const size_t n = held(pending_pids_, peer.pid); n >= pending_per_pid_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "pid ", peer.pid, " holds ", n,
+        " shared-memory connections not attached yet, the limit per process "
+        "(--max-shm-pending-per-pid ",
+        pending_per_pid_, "); connection refused, attach on the connections held or close them"));
+  }
+  return absl::OkStatus();
+}
+
 void ShmServer::Admit(int conn) {
+  // One peer's flood of idle connections is bounded before it can fill the global limit.
+  const ShmPeer peer = PeerOf(conn);
+  if (absl::Status s = CheckPeerPending(peer); !s.ok()) {
+    (void)SendReply(conn, ErrorReply(s), nullptr, 0);
+    CountRefusal("peer_pending_limit");
+    LogRefusal("peer_pending_limit", s, peer);
+    DrainAndClose(conn);
+    return;
+  }
   size_t attached = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -138,7 +173,7 @@ void ShmServer::Admit(int conn) {
                      limits_.max_sessions, "); connection refused, try again later"));
     (void)SendReply(conn, ErrorReply(s), nullptr, 0);
     CountRefusal("session_limit");
-    LogRefusal("session_limit", s, PeerOf(conn));
+    LogRefusal("session_limit", s, peer);
     DrainAndClose(conn);
     return;
   }
@@ -149,11 +184,11 @@ void ShmServer::Admit(int conn) {
     const absl::Status s = Errno("epoll_ctl (new shared-memory connection)");
     (void)SendReply(conn, ErrorReply(s), nullptr, 0);
     CountRefusal("out_of_descriptors");
-    LogRefusal("out_of_descriptors", s, PeerOf(conn));
+    LogRefusal("out_of_descriptors", s, peer);
     DrainAndClose(conn);
     return;
   }
-  AddPending(conn, PeerOf(conn));
+  AddPending(conn, peer);
 }
 
 bool ShmServer::RefuseWithoutDescriptors(int err) {
@@ -207,6 +242,8 @@ void ShmServer::HandleAttach(int conn) {
   if (!job.ok()) return RefusePending(conn, job.status(), nullptr);
   auto session_id = (*job)->Attach(req->rank(), req->takeover());
   if (!session_id.ok()) return RefusePending(conn, session_id.status(), nullptr);
+  // Before the new regions are made: the old session's go first (not two sets at once).
+  if (req->takeover()) EndTakenOverSessions(**job, req->rank(), *session_id);
   auto session = std::make_shared<ShmSession>();
   session->conn = conn;
   session->peer = peer;
@@ -214,26 +251,82 @@ void ShmServer::HandleAttach(int conn) {
   session->rank = req->rank();
   session->session_id = *session_id;
   const std::string who = absl::StrCat("job '", req->job_id(), "' rank ", req->rank());
-  v1::ShmAttachResponse reply;
-  if (absl::Status s = CreateSessionResources(*session, reply); !s.ok()) {
-    (void)(*job)->Detach(req->rank(), *session_id);
-    return RefusePending(conn, SetupError(who, s), "attach_failed");
+  // The regions (memfd, ftruncate, mlock, device registration: seconds for a rank of GiBs) are
+  // made on a worker of their own, not on this thread, which serves every job's doorbells; the
+  // connection waits out of the epoll set, without a deadline (its request came in time), and
+  // still counts as pending.
+  {
+    absl::MutexLock lock(&post_mu_);
+    ++attach_workers_;
   }
-  RegisterWithDevice(*session, who);
+  try {
+    std::thread([this, session, who] {
+      auto reply = std::make_shared<v1::ShmAttachResponse>();
+      absl::Status created = CreateSessionResources(*session, *reply);
+      if (created.ok()) RegisterWithDevice(*session, who);
+      // Handed back under the lock that the destructor waits on: the server outlives this.
+      absl::MutexLock lock(&post_mu_);
+      posted_.push_back(
+          [this, session, reply, created, who] { FinishAttach(session, *reply, created, who); });
+      --attach_workers_;
+      const uint64_t one = 1;
+      ssize_t unused = write(wake_fd_, &one, sizeof(one));
+      (void)unused;
+    }).detach();
+  } catch (const std::system_error& e) {
+    {
+      absl::MutexLock lock(&post_mu_);
+      --attach_workers_;
+    }
+    (void)(*job)->Detach(req->rank(), *session_id);
+    return RefusePending(conn,
+                         absl::ResourceExhaustedError(absl::StrCat(
+                             who, ": cannot start a thread to set up the session: ", e.what())),
+                         "attach_failed");
+  }
+  deadlines_.erase({pending_.at(conn).deadline, conn});
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn, nullptr);
+}
+
+void ShmServer::FinishAttach(const std::shared_ptr<ShmSession>& session,
+                             const v1::ShmAttachResponse& reply, const absl::Status& created,
+                             const std::string& who) {
+  const int conn = session->conn;
+  Job& job = *session->job;
+  if (!created.ok()) {
+    (void)job.Detach(session->rank, session->session_id);
+    return RefusePending(conn, SetupError(who, created), "attach_failed");
+  }
+  // Deleted, taken over or detached while the regions were made; or the server is stopping.
+  absl::Status current = job.CheckSession(session->rank, session->session_id);
+  if (current.ok() && stopping_.load()) current = absl::UnavailableError("muond is stopping");
+  if (!current.ok()) {
+    (void)job.Detach(session->rank, session->session_id);
+    return RefusePending(conn, current, nullptr);
+  }
   const int fds[shm::kNumFds] = {session->regions->in.fd(), session->regions->out.fd(),
                                  session->completions->ring_fd(), session->doorbell,
                                  session->completions->event_fd()};
   if (absl::Status s = SendReply(conn, reply, fds, shm::kNumFds); !s.ok()) {
     // The peer never got its session: detach the rank, so that it can attach again. The session's
     // descriptors close with it.
-    (void)(*job)->Detach(req->rank(), *session_id);
-    MUOND_LOG(WARNING) << who << " (peer " << PeerString(peer)
+    (void)job.Detach(session->rank, session->session_id);
+    if (PeerHungUp(conn)) {  // it went away while its session was made: nothing to report
+      ClosePending(conn);
+      return;
+    }
+    MUOND_LOG(WARNING) << who << " (peer " << PeerString(session->peer)
                        << "): shared-memory attach abandoned: " << s.message();
     CountRefusal("reply_failed");
     ClosePending(conn);
     return;
   }
   RemovePending(conn);
+  // Back in the epoll set: the peer's detach byte or hang-up ends the session.
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.fd = conn;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, conn, &ev);
   RegisterSession(session, who, reply.pinned());
 }
 
@@ -260,6 +353,11 @@ void ShmServer::RegisterSession(const std::shared_ptr<ShmSession>& session, cons
     sessions_[session->conn] = session;
     by_doorbell_[session->doorbell] = session;
   }
+  // A deleted job ends the session on this thread (at once, when it is deleted already).
+  session->on_delete =
+      session->job->OnDelete([this, conn = session->conn, id = session->session_id] {
+        Post([this, conn, id] { EndDeletedSession(conn, id); });
+      });
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.fd = session->doorbell;
@@ -289,6 +387,8 @@ void ShmServer::AddPending(int conn, const ShmPeer& peer) {
       Clock::now() + absl::ToChronoNanoseconds(limits_.attach_timeout);
   pending_[conn] = Pending{deadline, peer};
   deadlines_.insert({deadline, conn});
+  ++pending_uids_[peer.uid];
+  ++pending_pids_[peer.pid];
   if (Metrics().pending != nullptr) Metrics().pending->Set(static_cast<double>(pending_.size()));
 }
 
@@ -296,6 +396,11 @@ void ShmServer::RemovePending(int conn) {
   auto it = pending_.find(conn);
   if (it == pending_.end()) return;
   deadlines_.erase({it->second.deadline, conn});
+  auto release = [](auto& counts, auto key) {
+    if (auto c = counts.find(key); c != counts.end() && --c->second == 0) counts.erase(c);
+  };
+  release(pending_uids_, it->second.peer.uid);
+  release(pending_pids_, it->second.peer.pid);
   pending_.erase(it);
   if (Metrics().pending != nullptr) Metrics().pending->Set(static_cast<double>(pending_.size()));
 }

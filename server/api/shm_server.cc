@@ -12,6 +12,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -89,6 +90,11 @@ ShmServer::ShmServer(std::string path, JobRegistry* registry, const ShmLimits& l
     : path_(std::move(path)),
       registry_(registry),
       limits_(limits),
+      pending_per_uid_(limits.max_pending_per_uid != 0
+                           ? limits.max_pending_per_uid
+                           : std::max<size_t>(1, limits.max_sessions / 4)),
+      pending_per_pid_(limits.max_pending_per_pid != 0 ? limits.max_pending_per_pid
+                                                       : std::max<size_t>(1, pending_per_uid_ / 2)),
       listen_fd_(listen_fd),
       epoll_fd_(epoll_fd),
       wake_fd_(wake_fd),
@@ -100,6 +106,13 @@ ShmServer::~ShmServer() {
   ssize_t unused = write(wake_fd_, &one, sizeof(one));
   (void)unused;
   thread_.join();
+  {
+    // The attaches being made finish (FinishAttach refuses them now that the loop stopped).
+    absl::MutexLock lock(&post_mu_);
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(post_mu_) { return attach_workers_ == 0; };
+    post_mu_.Await(absl::Condition(&idle));
+  }
+  RunPosted();
   std::vector<int> conns;
   {
     absl::MutexLock lock(&mu_);
@@ -141,6 +154,8 @@ size_t ShmServer::session_count() const {
 void ShmServer::Loop() {
   epoll_event events[32];
   while (!stopping_.load()) {
+    heartbeat_.Beat();  // the watchdog ping needs this loop's progress (common/heartbeat.h)
+    heartbeat_.StallPointForTesting();
     const int n = epoll_wait(epoll_fd_, events, 32, WaitMillis(Clock::now()));
     if (n < 0 && errno != EINTR) {
       MUOND_LOG(ERROR) << "shared-memory server: epoll_wait: " << std::strerror(errno);
@@ -152,7 +167,12 @@ void ShmServer::Loop() {
 }
 
 void ShmServer::Dispatch(int fd, uint32_t events) {
-  if (fd == wake_fd_) return;
+  if (fd == wake_fd_) {
+    uint64_t count = 0;
+    ssize_t unused = read(wake_fd_, &count, sizeof(count));
+    (void)unused;
+    return RunPosted();
+  }
   if (fd == listen_fd_) return Accept();
   if (pending_.count(fd) != 0) return HandleAttach(fd);
   std::shared_ptr<ShmSession> doorbell_session;
@@ -173,11 +193,13 @@ int ShmServer::WaitMillis(Clock::time_point now) const {
   Clock::time_point next = Clock::time_point::max();
   if (!deadlines_.empty()) next = deadlines_.begin()->first;
   if (listen_paused_) next = std::min(next, listen_paused_until_);
-  if (next == Clock::time_point::max()) return -1;
+  // Wakes at least every Heartbeat::kMaxWait to beat.
+  const int64_t most = absl::ToInt64Milliseconds(common::Heartbeat::kMaxWait);
+  if (next == Clock::time_point::max()) return static_cast<int>(most);
   if (next <= now) return 0;
   // Round up, so that the deadline has passed when epoll_wait returns.
   return static_cast<int>(
-      std::min<int64_t>(std::chrono::ceil<std::chrono::milliseconds>(next - now).count(), 60000));
+      std::min<int64_t>(std::chrono::ceil<std::chrono::milliseconds>(next - now).count(), most));
 }
 
 void ShmServer::ExpireDeadlines(Clock::time_point now) {
@@ -395,6 +417,78 @@ void ShmServer::SubmitInitParams(const std::shared_ptr<ShmSession>& s, uint64_t 
     running->store(false);
     channel->Complete(seq, -1, done.status(), false, 0);
   }).detach();
+}
+
+void ShmServer::Post(std::function<void()> task) {
+  absl::MutexLock lock(&post_mu_);
+  posted_.push_back(std::move(task));
+  const uint64_t one = 1;
+  ssize_t unused = write(wake_fd_, &one, sizeof(one));
+  (void)unused;
+}
+
+void ShmServer::RunPosted() {
+  std::vector<std::function<void()>> tasks;
+  {
+    absl::MutexLock lock(&post_mu_);
+    tasks.swap(posted_);
+  }
+  for (auto& task : tasks) task();
+}
+
+void ShmServer::EndDeletedSession(int conn, uint64_t session_id) {
+  EndSessionTelling(conn, session_id, [](const ShmSession& s) {
+    return absl::NotFoundError(absl::StrCat("job '", s.job->id(),
+                                            "' was deleted; its shared-memory session ",
+                                            s.session_id, " (rank ", s.rank, ") ended"));
+  }, "its job was deleted");
+}
+
+void ShmServer::EndTakenOverSessions(const Job& job, int rank, uint64_t new_session) {
+  std::vector<std::pair<int, uint64_t>> old;  // (conn, session id)
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [conn, s] : sessions_) {
+      if (s->job.get() == &job && s->rank == rank && s->session_id != new_session) {
+        old.emplace_back(conn, s->session_id);
+      }
+    }
+  }
+  // Its regions go now, not when its (presumably dead) peer closes the socket.
+  for (const auto& [conn, id] : old) {
+    EndSessionTelling(conn, id, [new_session](const ShmSession& s) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job '", s.job->id(), "' rank ", s.rank, ": shared-memory session ", s.session_id,
+          " was taken over by session ", new_session, " (attach with takeover)"));
+    }, absl::StrCat("taken over by session ", new_session));
+  }
+}
+
+void ShmServer::EndSessionTelling(
+    int conn, uint64_t session_id,
+    const std::function<absl::Status(const ShmSession&)>& status_of, const std::string& why) {
+  std::shared_ptr<ShmSession> s;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(conn);
+    if (it == sessions_.end() || it->second->session_id != session_id) return;  // ended already
+    s = it->second;
+  }
+  const absl::Status gone = status_of(*s);
+  // Submissions not read yet are answered with it, and so is the next one the peer sends (its
+  // sequence number is the count of submissions so far): whatever the peer waits for, it learns
+  // why the session ended before it sees the socket close.
+  shm::Ring* ring = s->completions->ring();
+  const uint64_t head = ring->header.sub_head.load(std::memory_order_acquire);
+  if (shm_wire::CheckSubmissionHead(head, s->sub_tail).ok()) {
+    for (; s->sub_tail < head; ++s->sub_tail) {
+      const shm::Submission sub = ring->subs[s->sub_tail % shm::kRingSlots];
+      s->completions->Complete(sub.seq, sub.step, gone, false, 0);
+    }
+    ring->header.sub_tail.store(s->sub_tail, std::memory_order_release);
+  }
+  s->completions->Complete(s->sub_tail, -1, gone, false, 0);
+  EndSession(conn, why);
 }
 
 void ShmServer::EndSession(int conn, const std::string& why, bool clean) {

@@ -11,6 +11,12 @@
 // socket hangs up: a step in flight is aborted and the job fenced, the regions are released once
 // no step references them.
 //
+// The event thread never allocates a session: an attach's regions (GiBs for a large rank:
+// memfd, ftruncate, mlock, device registration) are made on a worker thread of their own, and
+// the reply is sent back on the event thread, so one job's attach never delays another job's
+// doorbells. Deleting a job ends its sessions (Job::OnDelete): each gets a completion saying
+// so and its connection is closed, which releases the daemon's side of its regions.
+//
 // Thread-safe; Start() returns a running server, the destructor stops it.
 #ifndef MUOND_SERVER_API_SHM_SERVER_H_
 #define MUOND_SERVER_API_SHM_SERVER_H_
@@ -20,16 +26,20 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/heartbeat.h"
 #include "common/shm_protocol.h"
+#include "muond/v1/muond.pb.h"
 #include "server/jobs/job_registry.h"
 
 namespace muond::server {
@@ -41,6 +51,13 @@ struct ShmLimits {
   // Connections held at once: attached sessions plus connections that have not attached yet
   // (--max-shm-sessions). One more is answered RESOURCE_EXHAUSTED and closed.
   size_t max_sessions = 256;
+  // Connections not attached yet that one peer uid, and one peer pid, may hold at once
+  // (--max-shm-pending-per-uid, --max-shm-pending-per-pid; 0: a quarter of max_sessions, and
+  // half the per-uid bound, at least 1 each): one user's or one process's flood of idle
+  // connections cannot take every place, so another user's attach still gets in. One more from
+  // that uid or pid is answered RESOURCE_EXHAUSTED naming the bound and closed.
+  size_t max_pending_per_uid = 0;
+  size_t max_pending_per_pid = 0;
   // A connection that has not completed its attach this long after it was accepted is answered
   // DEADLINE_EXCEEDED and closed (--shm-attach-timeout-seconds).
   absl::Duration attach_timeout = absl::Seconds(5);
@@ -114,6 +131,18 @@ class ShmServer {
   bool RefuseWithoutDescriptors(int err);
   void PauseListening(Clock::time_point now);
   void HandleAttach(int conn);
+  // The event thread's half of an attach whose session a worker made (`created`: how that went):
+  // sends the reply with the descriptors and registers the session, or refuses the connection.
+  void FinishAttach(const std::shared_ptr<ShmSession>& session, const v1::ShmAttachResponse& reply,
+                    const absl::Status& created, const std::string& who);
+  // Runs `task` on the event thread (from any thread; the destructor runs what is left).
+  void Post(std::function<void()> task);
+  void RunPosted();
+  // The job of session `session_id` on `conn` was deleted: the peer is told (a completion) and
+  // the session ended.
+  void EndDeletedSession(int conn, uint64_t session_id);
+  // RESOURCE_EXHAUSTED when `peer` holds as many pending connections as its uid or pid may.
+  absl::Status CheckPeerPending(const ShmPeer& peer) const;
   // Registers the session's regions with the compute device (ShmLimits::register_with_device);
   // a failure is logged and counted, the session works through host staging.
   void RegisterWithDevice(ShmSession& session, const std::string& who);
@@ -144,12 +173,22 @@ class ShmServer {
                         const std::string& where);
   // `clean`: the peer detached (rather than dying); see Job::EndSharedSession.
   void EndSession(int conn, const std::string& why, bool clean = false);
+  // Answers a session's unread submissions (and the next one) with status_of(session), then ends
+  // it (`why` for the log); nothing when `conn` is no longer that session.
+  void EndSessionTelling(int conn, uint64_t session_id,
+                         const std::function<absl::Status(const ShmSession&)>& status_of,
+                         const std::string& why);
+  // A takeover attach of `rank` (new session `new_session`): the rank's older shared-memory
+  // sessions end now, and their regions with them.
+  void EndTakenOverSessions(const Job& job, int rank, uint64_t new_session);
   // Logs a warning for a recurring refusal at most every few seconds, with the count held back.
   void LogRefusal(const char* reason, const absl::Status& status, const ShmPeer& peer);
 
   const std::string path_;
   JobRegistry* const registry_;
   const ShmLimits limits_;
+  const size_t pending_per_uid_;  // limits_ with the defaults applied
+  const size_t pending_per_pid_;
   const int listen_fd_;
   const int epoll_fd_;
   const int wake_fd_;  // eventfd that stops Loop()
@@ -160,13 +199,23 @@ class ShmServer {
   std::map<int, std::shared_ptr<ShmSession>> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<int, std::shared_ptr<ShmSession>> by_doorbell_ ABSL_GUARDED_BY(mu_);
   // Used by the server thread only (and the destructor once it has stopped).
+  // Pending connections whose attach request was accepted and whose session a worker is making
+  // stay here (counted against the limits) without a deadline and out of the epoll set.
   std::map<int, Pending> pending_;
   std::set<std::pair<Clock::time_point, int>> deadlines_;  // of pending_, soonest first
+  std::map<uid_t, size_t> pending_uids_;                   // pending_ by peer uid and pid
+  std::map<pid_t, size_t> pending_pids_;
   int reserve_fd_;                           // /dev/null, closed to accept-and-refuse at EMFILE
   Clock::time_point listen_paused_until_{};  // the listening socket's EPOLLIN is off until then
   bool listen_paused_ = false;
   std::map<std::string, std::pair<Clock::time_point, uint64_t>> refusal_log_;  // last line, held
+  common::Heartbeat heartbeat_{"shm event loop"};  // beaten by Loop() on every wake-up
   std::thread thread_;
+  // Work for the event thread (attach replies, deleted jobs' sessions), and the attach workers
+  // running (the destructor waits for them).
+  absl::Mutex post_mu_;
+  std::vector<std::function<void()>> posted_ ABSL_GUARDED_BY(post_mu_);
+  int attach_workers_ ABSL_GUARDED_BY(post_mu_) = 0;
 };
 
 }  // namespace muond::server

@@ -111,6 +111,9 @@ struct ShmSession {
   int doorbell = -1;  // owned
   ShmPeer peer;
   std::shared_ptr<Job> job;
+  // Ends the session when the job is deleted (ShmServer::RegisterSession); declared after `job`,
+  // so unregistered before the session lets go of the job.
+  DeletionHooks::Registration on_delete;
   int rank = 0;
   uint64_t session_id = 0;
   uint64_t buffer_bytes = 0;

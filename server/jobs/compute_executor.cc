@@ -18,6 +18,7 @@ ComputeExecutor::~ComputeExecutor() {
 void ComputeExecutor::Submit(std::function<void()> task) {
   absl::MutexLock lock(&mu_);
   queue_.push_back(std::move(task));
+  heartbeat_.SetBusy(true);
 }
 
 size_t ComputeExecutor::queue_depth() const {
@@ -34,12 +35,16 @@ void ComputeExecutor::Loop(int math_threads) {
     std::function<void()> task;
     {
       absl::MutexLock lock(&mu_);
+      if (queue_.empty()) heartbeat_.SetBusy(false);  // idle: nothing to show progress on
       mu_.Await(absl::Condition(this, &ComputeExecutor::HasWorkOrStopping));
       if (queue_.empty()) return;  // stopping, and everything submitted has run
       task = std::move(queue_.front());
       queue_.pop_front();
     }
+    heartbeat_.Beat();
+    heartbeat_.StallPointForTesting();
     task();
+    heartbeat_.Beat();
   }
 }
 

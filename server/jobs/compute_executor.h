@@ -12,6 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "common/heartbeat.h"
 
 namespace muond::server {
 
@@ -34,6 +35,9 @@ class ComputeExecutor {
   bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
+  // Busy while a task is queued or running; beaten as tasks start and end (the watchdog ping
+  // stops when the worker is stuck in a task or on a lock, common/heartbeat.h).
+  common::Heartbeat heartbeat_{"compute executor"};
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread worker_;

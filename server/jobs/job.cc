@@ -12,17 +12,21 @@
 #include "common/logging.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "server/ops/status_history.h"
+#include "server/ops/status_progress.h"
 
 namespace muond::server {
 
 Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
          ComputeExecutor* executor, uint64_t gather_budget_bytes, DeviceStreams* devices,
-         std::string checkpoint_dir, absl::Duration step_timeout, JobOwner owner)
+         std::string checkpoint_dir, absl::Duration step_timeout, JobOwner owner,
+         absl::Duration prepare_timeout)
     : spec_(std::move(spec)),
       token_sha256_(std::move(token_sha256)),
       backend_(std::move(backend)),
       executor_(executor),
       step_timeout_(step_timeout),
+      prepare_timeout_(prepare_timeout),
       owner_(std::move(owner)),
       created_unix_ms_(absl::ToUnixMillis(absl::Now())),
       layout_(spec_),
@@ -41,7 +45,10 @@ Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
   last_updates_.resize(spec_.world_size);
 }
 
-Job::~Job() = default;
+Job::~Job() {
+  // A commit that raced the deletion may have recorded after MarkDeleted.
+  StepHistory::Default().Forget(id(), created_unix_ms_);
+}
 
 bool Job::TokenMatches(std::string_view token) const {
   const std::string hash = common::Sha256(token);
@@ -126,6 +133,14 @@ void Job::EndLostSession(int rank, uint64_t session, const std::string& why) {
 void Job::CheckStepTimeout(absl::Time now) {
   absl::MutexLock lock(&mu_);
   if (in_flight_ == nullptr || in_flight_->done || in_flight_->committing) return;
+  if (in_flight_->prepared) {
+    if (now - in_flight_->prepared_at >= prepare_timeout_) {
+      DropPrepared(absl::StrCat("neither committed nor aborted by the trainer within the prepare "
+                                "timeout of ", absl::ToInt64Seconds(prepare_timeout_),
+                                " s (--prepare-timeout-seconds)"));
+    }
+    return;
+  }
   if (now - in_flight_->start < step_timeout_) return;
   std::vector<int> absent, pushing;
   for (int r = 0; r < spec_.world_size; ++r) {
@@ -166,13 +181,21 @@ absl::Status Job::CheckRank(int rank) const {
 }
 
 void Job::MarkDeleted() {
-  absl::MutexLock lock(&mu_);
-  deleted_ = true;
-  if (in_flight_ != nullptr) {
-    FailStep(*in_flight_,
-             absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted during the step")),
-             /*fence=*/false);
+  {
+    absl::MutexLock lock(&mu_);
+    deleted_ = true;
+    if (in_flight_ != nullptr) {
+      FailStep(*in_flight_,
+               absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted during the step")),
+               /*fence=*/false);
+    }
   }
+  // After deleted_ is set: a holder registering from now on is told at once.
+  deletion_hooks_.Fire();
+  // The status page's records of the job go with it (they are pruned on their own, not only
+  // when the page renders).
+  StepHistory::Default().Forget(id(), created_unix_ms_);
+  OperationProgress::Default().Forget(id());
 }
 
 JobReport Job::Report() const {

@@ -50,6 +50,7 @@
 #include "server/device/device_streams.h"
 #include "server/jobs/checkpoint_writer.h"
 #include "server/jobs/compute_executor.h"
+#include "server/jobs/deletion_hooks.h"
 #include "server/jobs/job_layout.h"
 #include "server/jobs/job_report.h"
 #include "server/jobs/momentum_store.h"
@@ -108,6 +109,10 @@ class RankStep {
   int64_t step_;
   std::shared_ptr<StepState> state_;
   std::shared_ptr<const RankUpdate> replay_;
+  // A replay's re-sent gradients, per span (allocated as chunks arrive; a replay must carry the
+  // bytes the step was computed from, checked at Finish).
+  std::vector<std::string> replay_in_;
+  std::vector<uint64_t> replay_got_;  // elements received per span
   bool done_ = false;
   uint64_t bytes_in_ = 0;
 };
@@ -145,9 +150,12 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // token_sha256: the SHA-256 of the job's token (32 bytes; the token itself is not kept).
   // checkpoint_dir: the job's checkpoint directory (server/storage/checkpoint.h).
   // step_timeout: see common::JobSpec::step_timeout_seconds (the daemon's default applied).
+  // prepare_timeout: how long a prepared two-phase step waits for CommitStep or AbortStep before
+  // CheckStepTimeout drops it (--prepare-timeout-seconds).
   Job(common::JobSpec spec, std::string token_sha256, std::string backend,
       ComputeExecutor* executor, uint64_t gather_budget_bytes, DeviceStreams* devices,
-      std::string checkpoint_dir, absl::Duration step_timeout, JobOwner owner);
+      std::string checkpoint_dir, absl::Duration step_timeout, JobOwner owner,
+      absl::Duration prepare_timeout = absl::Seconds(300));
   ~Job() override;
 
   const common::JobSpec& spec() const { return spec_; }
@@ -212,7 +220,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   void EndLostSession(int rank, uint64_t session, const std::string& why);
   // Aborts the step in flight (ABORTED for every rank, job fenced) when it has run longer than
   // the job's step timeout since its first rank entered it without every rank having pushed its
-  // part; the message names the ranks missing. Called periodically by the registry.
+  // part; the message names the ranks missing. A step prepared longer than the prepare timeout is
+  // dropped (DropPrepared: nothing changed, not fenced). Called periodically by the registry.
   void CheckStepTimeout(absl::Time now);
   absl::Duration step_timeout() const { return step_timeout_; }
   // Bytes of fp32 state the job holds: the momentum, or in apply mode the whole ParamStore (0 for
@@ -279,7 +288,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   bool WeightsComplete() const;
   // The master weights at a step boundary, tensor by tensor in job order (`sink` gets each whole
   // fp32 tensor); *step the next step at the snapshot. FAILED_PRECONDITION on an update-mode job
-  // or while the weights are incomplete.
+  // or while the weights are incomplete. The masters are copied first (their size in memory) and
+  // `sink` called with nothing of the job held: a slow sink delays no save, load, reset or delete.
   absl::Status ExportParams(
       const std::function<absl::Status(uint32_t tensor, const std::vector<float>& w)>& sink,
       int64_t* step);
@@ -316,7 +326,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // takes; a prepared step is not in it) or of a checkpoint generation. `header` is called once,
   // then `sink` with each array in order; their errors end the export. FAILED_PRECONDITION for a
   // fenced job, a transport probe or apply-mode weights not yet in; NOT_FOUND / DATA_LOSS from the
-  // checkpoint store. Nothing of the job changes.
+  // checkpoint store. Nothing of the job changes. The state is copied (or read) whole first, and
+  // `header` and `sink` are called with nothing of the job held.
   absl::Status ExportState(
       const std::optional<checkpoint::Selector>& generation,
       const std::function<absl::Status(const ExportedState&)>& header,
@@ -340,8 +351,25 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // FAILED_PRECONDITION when it is already committed.
   absl::Status AbortStep(int64_t step, const std::string& reason);
 
-  // Marks the job deleted: steps in flight and later ones fail with NOT_FOUND.
+  // The digest of a rank's gradients (RankUpdate::input_digest): CRC32Cs of the slices of each of
+  // its spans, `span_in[k]` holding span k's bytes; over the CPUs for large inputs.
+  std::vector<uint32_t> InputDigest(int rank, const std::vector<const char*>& span_in) const;
+  // ALREADY_EXISTS naming the step, rank and first differing matrix element when `span_in` is not
+  // what committed step `replay` was computed from (a replay must re-send the same gradients).
+  absl::Status CheckReplayInput(int rank, const RankUpdate& replay,
+                                const std::vector<const char*>& span_in) const;
+
+  // Marks the job deleted: steps in flight and later ones fail with NOT_FOUND, and every
+  // deletion hook runs (OnDelete), so that whatever still holds the job lets go of it.
   void MarkDeleted();
+  // Registers how a holder of the job between steps (an attached shared-memory session, a gRPC
+  // stream blocked in Read, an export) lets go of it when the job is deleted: `end` runs once,
+  // from MarkDeleted, or at once when the job is deleted already. It runs under a lock: it must
+  // not block nor call into the job (it posts to a loop, cancels a call). Destroying the
+  // registration unregisters it (see deletion_hooks.h).
+  DeletionHooks::Registration OnDelete(std::function<void()> end) {
+    return deletion_hooks_.Register(std::move(end));
+  }
 
   // True while `step` is the step in flight (some rank began it, it has not ended).
   bool StepInFlight(int64_t step) const;
@@ -380,6 +408,9 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   void Prepare(StepState& state);
   // Drops a prepared step in flight (not fenced), e.g. before a load or reset; `why` for the log.
   void DropPrepared(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The last prepared step dropped and why (a later CommitStep of it says so).
+  int64_t dropped_step_ ABSL_GUARDED_BY(mu_) = -1;
+  std::string dropped_why_ ABSL_GUARDED_BY(mu_);
   // The rest of a commit once the store changed (`changed` OK) or failed to (the job is fenced).
   void FinishCommit(StepState& state, const absl::Status& changed);
   // Ends the step with `status` (refused: not fenced; aborted: fenced).
@@ -443,6 +474,10 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   absl::Status CheckNoStepInFlight(const char* what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION unless the job can be saved now (not deleted, not a probe, not fenced).
   absl::Status CheckSavable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The live state for ExportState, copied whole at a step boundary (the snapshot a save takes):
+  // its layout into *state, each array into *arrays. Errors as ExportState's.
+  absl::Status CopyLiveState(const CheckpointWriter::Exclusive& held, ExportedState* state,
+                             std::vector<std::vector<float>>* arrays);
 
   // Checks a loaded generation against the job's matrices (names and shapes): on OK index[m] is
   // matrix m's place in `loaded`.
@@ -457,6 +492,7 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   const std::string backend_;
   ComputeExecutor* const executor_;
   const absl::Duration step_timeout_;
+  const absl::Duration prepare_timeout_;
   const JobOwner owner_;
   const int64_t created_unix_ms_;
   const JobLayout layout_;
@@ -490,6 +526,7 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   std::vector<bool> uploading_ ABSL_GUARDED_BY(mu_);
   int64_t clip_redo_steps_ ABSL_GUARDED_BY(mu_) = 0;
   double last_grad_norm_ ABSL_GUARDED_BY(mu_) = 0;
+  DeletionHooks deletion_hooks_;  // its own lock; fired by MarkDeleted without mu_
 };
 
 // Test hook (the chaos run's kill in the middle of a commit; muond arms it from

@@ -252,28 +252,34 @@ absl::Status Job::ExportParams(
     return absl::FailedPreconditionError(
         absl::StrCat("job '", id(), "' is in mode 'update': it holds no parameters to export"));
   }
-  // The snapshot machinery is the checkpoint writer's: one at a time per job.
-  CheckpointWriter::Exclusive exclusive(writer_);
+  // The snapshot machinery is the checkpoint writer's: one at a time per job. The masters are
+  // copied whole under it and handed to `sink` (the network) only after it is released, so a
+  // reader that stops reading holds up none of the job's saves, loads, reset or delete.
+  std::vector<std::vector<float>> masters(spec_.matrices.size());
   {
-    ParamStore::Lock store(*params_);
-    absl::MutexLock lock(&mu_);
-    if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
-    if (const std::vector<int> missing = RanksMissingWeights(); !missing.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("job '", id(), "': the initial weights of rank ", missing[0],
-                       " are not in; nothing to export"));
+    CheckpointWriter::Exclusive exclusive(writer_);
+    {
+      ParamStore::Lock store(*params_);
+      absl::MutexLock lock(&mu_);
+      if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
+      if (const std::vector<int> missing = RanksMissingWeights(); !missing.empty()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("job '", id(), "': the initial weights of rank ", missing[0],
+                         " are not in; nothing to export"));
+      }
+      *step = next_step_;
+      store.BeginSnapshot();
     }
-    *step = next_step_;
-    store.BeginSnapshot();
+    for (uint32_t t = 0; t < spec_.matrices.size(); ++t) {
+      params_->CopyForSnapshot(t, ParamStore::kMaster, &masters[t]);
+    }
+    params_->EndSnapshot();
   }
-  absl::Status s;
-  std::vector<float> w;
-  for (uint32_t t = 0; t < spec_.matrices.size() && s.ok(); ++t) {
-    params_->CopyForSnapshot(t, ParamStore::kMaster, &w);
-    s = sink(t, w);
+  for (uint32_t t = 0; t < masters.size(); ++t) {
+    RETURN_IF_ERROR(sink(t, masters[t]));
+    std::vector<float>().swap(masters[t]);  // handed out: give the memory back early
   }
-  params_->EndSnapshot();
-  return s;
+  return absl::OkStatus();
 }
 
 }  // namespace muond::server

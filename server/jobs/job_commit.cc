@@ -9,7 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/crc32c.h"
 #include "common/logging.h"
+#include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "server/jobs/job.h"
 #include "server/ops/daemon_metrics.h"
@@ -43,6 +45,11 @@ void Job::Commit(StepState& state) {
 
 void Job::CommitNow(StepState& state) {
   const absl::Time commit_start = absl::Now();
+  // What each rank sent, for replays of this step (they must carry the same gradients). The
+  // inputs are complete and no longer written by the daemon.
+  for (int r = 0; r < spec_.world_size; ++r) {
+    state.outputs[r]->input_digest = InputDigest(r, state.ranks[r].span_in);
+  }
   if (apply()) {
     // The step computed the next state into the store's back buffers: it becomes the front.
     // Held to the end, as below.
@@ -64,6 +71,55 @@ void Job::CommitNow(StepState& state) {
   HoldCommit(id(), state.step);
   state.commit_seconds = absl::ToDoubleSeconds(absl::Now() - commit_start);
   FinishCommit(state, absl::OkStatus());
+}
+
+std::vector<uint32_t> Job::InputDigest(int rank, const std::vector<const char*>& span_in) const {
+  struct Slice {
+    const char* data;
+    size_t bytes;
+  };
+  std::vector<Slice> slices;
+  size_t total = 0;
+  for (size_t k = 0; k < span_in.size(); ++k) {
+    const size_t bytes = layout_.SpanBytes(rank, k);
+    for (size_t at = 0; at < bytes; at += RankUpdate::kDigestSlice) {
+      slices.push_back({span_in[k] + at, std::min(RankUpdate::kDigestSlice, bytes - at)});
+    }
+    total += bytes;
+  }
+  std::vector<uint32_t> crc(slices.size());
+  common::ParallelFor(slices.size(), total, [&](size_t i) {
+    crc[i] = common::Crc32c(slices[i].data, slices[i].bytes);
+  });
+  return crc;
+}
+
+absl::Status Job::CheckReplayInput(int rank, const RankUpdate& replay,
+                                   const std::vector<const char*>& span_in) const {
+  const std::vector<uint32_t> now = InputDigest(rank, span_in);
+  if (now == replay.input_digest) return absl::OkStatus();
+  // Name where: the first slice that differs.
+  size_t slice = 0;
+  for (size_t k = 0; k < span_in.size(); ++k) {
+    const size_t bytes = layout_.SpanBytes(rank, k);
+    for (size_t at = 0; at < bytes; at += RankUpdate::kDigestSlice, ++slice) {
+      if (slice < replay.input_digest.size() && slice < now.size() &&
+          now[slice] == replay.input_digest[slice]) {
+        continue;
+      }
+      const common::ShardSpan& span = layout_.spans(rank)[k];
+      const size_t esize = common::DTypeSize(spec_.matrices[span.matrix].dtype);
+      return absl::AlreadyExistsError(absl::StrCat(
+          "job '", id(), "' rank ", rank, ": step ", replay.step,
+          " is committed, and this re-sent step carries other gradients than the ones it was "
+          "computed from (matrix '", spec_.matrices[span.matrix].name, "' elements from ",
+          span.offset + at / esize,
+          "); a replay must send the same gradients; nothing changed (the next step is ",
+          replay.step + 1, ")"));
+    }
+  }
+  return absl::AlreadyExistsError(absl::StrCat("job '", id(), "' rank ", rank, ": step ",
+                                               replay.step, " re-sent with other gradients"));
 }
 
 void Job::FinishCommit(StepState& state, const absl::Status& changed) {

@@ -5,8 +5,12 @@
 // The live export takes the same snapshot a checkpoint save takes (copy-on-write per array under
 // the CheckpointWriter's exclusivity, steps keep running), so what it hands out is the state at
 // one step boundary: update mode the momentum, apply mode the masters, momenta, AdamW moments and
-// step counts, and the next step. Everything a continuation needs to be bit-identical is there:
-// the state of a step is a function of these arrays, the step's gradients and its hyperparameters.
+// step counts, and the next step. The snapshot is copied whole before anything is handed out and
+// the exclusivity released: `header` and `sink` write to the network, and a reader that stops
+// reading must not hold up the job's saves, loads, reset or delete (issue 32, item 9). The copy
+// costs the state's size in memory for the export's duration. Everything a continuation needs to
+// be bit-identical is there: the state of a step is a function of these arrays, the step's
+// gradients and its hyperparameters.
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -37,30 +41,44 @@ absl::Status Job::ExportState(
     const std::optional<checkpoint::Selector>& generation,
     const std::function<absl::Status(const ExportedState&)>& header,
     const std::function<absl::Status(size_t array, const std::vector<float>& data)>& sink) {
-  CheckpointWriter::Exclusive exclusive(writer_);
-  if (generation) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
-    }
-    auto loaded = writer_.Read(exclusive, *generation);
-    if (!loaded.ok()) {
-      return absl::Status(loaded.status().code(),
-                          absl::StrCat("job '", id(), "': export: ", loaded.status().message()));
-    }
-    // Written by this job: its spec, names in StateTensors order.
-    ExportedState state = LayOut(loaded->spec, loaded->info.step, loaded->info.generation);
-    if (state.arrays.size() != loaded->data.size()) {
-      return absl::InternalError(
-          absl::StrCat("job '", id(), "': generation ", loaded->info.generation, " holds ",
-                       loaded->data.size(), " arrays, its spec ", state.arrays.size()));
-    }
-    state.tensor_steps = loaded->tensor_steps;
-    RETURN_IF_ERROR(header(state));
-    for (size_t a = 0; a < loaded->data.size(); ++a) RETURN_IF_ERROR(sink(a, loaded->data[a]));
-    return absl::OkStatus();
-  }
   ExportedState state;
+  std::vector<std::vector<float>> arrays;
+  {
+    CheckpointWriter::Exclusive exclusive(writer_);
+    if (generation) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
+      }
+      auto loaded = writer_.Read(exclusive, *generation);
+      if (!loaded.ok()) {
+        return absl::Status(loaded.status().code(),
+                            absl::StrCat("job '", id(), "': export: ", loaded.status().message()));
+      }
+      // Written by this job: its spec, names in StateTensors order.
+      state = LayOut(loaded->spec, loaded->info.step, loaded->info.generation);
+      if (state.arrays.size() != loaded->data.size()) {
+        return absl::InternalError(
+            absl::StrCat("job '", id(), "': generation ", loaded->info.generation, " holds ",
+                         loaded->data.size(), " arrays, its spec ", state.arrays.size()));
+      }
+      state.tensor_steps = loaded->tensor_steps;
+      arrays = std::move(loaded->data);
+    } else {
+      RETURN_IF_ERROR(CopyLiveState(exclusive, &state, &arrays));
+    }
+  }
+  // Nothing of the job is held from here on.
+  RETURN_IF_ERROR(header(state));
+  for (size_t a = 0; a < arrays.size(); ++a) {
+    RETURN_IF_ERROR(sink(a, arrays[a]));
+    std::vector<float>().swap(arrays[a]);  // handed out: give the memory back early
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Job::CopyLiveState(const CheckpointWriter::Exclusive&, ExportedState* state,
+                               std::vector<std::vector<float>>* arrays) {
   {
     MomentumStore::Lock momentum(momentum_);
     std::optional<ParamStore::Lock> params;
@@ -73,34 +91,31 @@ absl::Status Job::ExportState(
           absl::StrCat("job '", id(), "': the initial weights of rank ", missing[0],
                        " are not in; there is no state to export yet"));
     }
-    state = LayOut(spec_, next_step_, 0);
+    *state = LayOut(spec_, next_step_, 0);
     if (params) {
       params->BeginSnapshot();
     } else {
       momentum.BeginSnapshot();
     }
   }
-  absl::Status s;
-  if (apply()) state.tensor_steps = params_->SnapshotSteps();
-  s = header(state);
-  std::vector<float> data;
+  if (apply()) state->tensor_steps = params_->SnapshotSteps();
+  arrays->resize(state->arrays.size());
   int slot = 0;  // the slots of a tensor are consecutive arrays
-  for (size_t a = 0; a < state.arrays.size() && s.ok(); ++a) {
-    const uint32_t t = state.tensor_of[a];
-    slot = a > 0 && state.tensor_of[a - 1] == t ? slot + 1 : 0;
+  for (size_t a = 0; a < state->arrays.size(); ++a) {
+    const uint32_t t = state->tensor_of[a];
+    slot = a > 0 && state->tensor_of[a - 1] == t ? slot + 1 : 0;
     if (apply()) {
-      params_->CopyForSnapshot(t, slot, &data);
+      params_->CopyForSnapshot(t, slot, &(*arrays)[a]);
     } else {
-      momentum_.CopyForSnapshot(t, &data);
+      momentum_.CopyForSnapshot(t, &(*arrays)[a]);
     }
-    s = sink(a, data);
   }
   if (apply()) {
     params_->EndSnapshot();
   } else {
     momentum_.EndSnapshot();
   }
-  return s;
+  return absl::OkStatus();
 }
 
 }  // namespace muond::server

@@ -1,6 +1,9 @@
 #include "server/jobs/job_footprint.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 
 namespace muond::server {
 namespace {
@@ -24,7 +27,8 @@ absl::Status TooLarge(const std::string& what) {
 
 }  // namespace
 
-absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec) {
+absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
+                                        uint64_t daemon_gather_budget_bytes) {
   JobFootprint f;
   const uint64_t world = static_cast<uint64_t>(spec.world_size);
   uint64_t total = 0;
@@ -63,7 +67,30 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec) {
   if (!spec.transport_probe && !MulAdd(&f.state_bytes, arrays, sizeof(float))) {
     return TooLarge("state byte count");
   }
-  if (!MulAdd(&f.table_bytes, f.spans, kBytesPerSpan) ||
+  // The transients (job_footprint.h): B and U over every rank's spans (each element is in one
+  // rank's span), plus the stage 1/2 partitions' padding.
+  uint64_t grad = 0, update = 0;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    const uint64_t n = static_cast<uint64_t>(m.numel());
+    const common::DType out =
+        spec.mode == common::JobMode::kApply ? m.param_dtype : m.dtype;
+    if (!MulAdd(&grad, n, common::DTypeSize(m.dtype)) ||
+        !MulAdd(&update, n, common::DTypeSize(out))) {
+      return TooLarge("buffer byte count");
+    }
+  }
+  if (!MulAdd(&grad, world, 64) || !MulAdd(&update, world, 64) ||
+      !MulAdd(&f.step_bytes, grad, 2) || !MulAdd(&f.step_bytes, update, 3)) {
+    return TooLarge("buffer byte count");
+  }
+  f.save_copy_bytes = f.state_bytes / 2;
+  const uint64_t budget =
+      spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : daemon_gather_budget_bytes;
+  uint64_t whole = 0;
+  if (!MulAdd(&whole, total, 8)) return TooLarge("gather byte count");
+  f.gather_bytes = spec.transport_probe ? 0 : std::min(budget, whole);
+  if (!MulAdd(&f.table_bytes, f.spans, sizeof(int64_t)) ||  // progress words
+      !MulAdd(&f.table_bytes, f.spans, kBytesPerSpan) ||
       !MulAdd(&f.table_bytes, world, kBytesPerRank) ||
       !MulAdd(&f.table_bytes, spec.matrices.size(), kBytesPerTensor)) {
     return TooLarge("table byte count");

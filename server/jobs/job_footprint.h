@@ -16,14 +16,31 @@ namespace muond::server {
 struct JobFootprint {
   uint64_t spans = 0;        // shard spans over all ranks
   uint64_t state_bytes = 0;  // fp32 state, both buffers of each array (0 for a transport probe)
-  // Layout tables, per-step rank and span bookkeeping (an upper bound per entry).
+  // Layout tables, per-step rank and span bookkeeping (an upper bound per entry), and each
+  // shared-memory rank's progress words.
   uint64_t table_bytes = 0;
-  uint64_t total() const { return state_bytes + table_bytes; }
+  // What the job's steps, sessions and saves hold beside its state, at most, all ranks together
+  // (B: the ranks' gradient bytes, U: their update or new-parameter bytes):
+  //  - per rank the larger of a shared-memory session's regions (two gradient and two update
+  //    buffers, mlocked; a session taken over releases its regions at once) plus the private copy
+  //    of the last update kept for a replay when the session ends (2B + 3U), and a gRPC rank's
+  //    input buffers, its update and the last update kept for a replay (B + 2U);
+  //  - the copy of the committed state a save may take when a step commits while it writes
+  //    (state_bytes / 2);
+  //  - the whole matrices assembled at once: the gather budget, at most 8 bytes per element.
+  uint64_t step_bytes = 0;     // 2B + 3U
+  uint64_t save_copy_bytes = 0;
+  uint64_t gather_bytes = 0;
+  uint64_t total() const {
+    return state_bytes + table_bytes + step_bytes + save_copy_bytes + gather_bytes;
+  }
 };
 
 // Overflow-checked. INVALID_ARGUMENT when a count is beyond what any limit could allow.
+// `daemon_gather_budget_bytes`: the budget of a spec that sets none (--gather-budget-bytes).
 // REQUIRES: spec passed common::ValidateJobSpec.
-absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec);
+absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
+                                        uint64_t daemon_gather_budget_bytes);
 
 // The per-job limits (world size, tensors, spans, gather budget): OK, or RESOURCE_EXHAUSTED naming
 // the limit's flag, the value asked for and the value allowed.

@@ -3,11 +3,12 @@
 //
 // The daemon reads the directory on behalf of the job's creator, so, as for init_from, only what
 // the creator could read: the directory and every file in it owned by the creator's uid or open
-// to everyone, no symbolic links followed. Every check runs before the job's state changes: the
-// manifests (format, checksum, one step and the job's mode in all of them, no tensor in two
-// files), each tensor the job needs (present, shape), each payload's size and header against its
-// manifest, each array's CRC32C and finiteness. Memory: one copy of the job's state while it is
-// read (as a checkpoint load), allocated from the job's own shapes after the manifests matched.
+// to everyone, no symbolic link followed in any component, each checked on the descriptor opened
+// (creator_path.h). Every check runs before the job's state changes: the manifests (format,
+// checksum, one step and the job's mode in all of them, no tensor in two files), each tensor the
+// job needs (present, shape), each payload's size and header against its manifest, each array's
+// CRC32C and finiteness. Memory: one copy of the job's state while it is read (as a checkpoint
+// load), allocated from the job's own shapes after the manifests matched.
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -29,7 +30,9 @@
 #include "common/state_export.h"
 #include "common/status_macros.h"
 #include "server/jobs/creator_file_error.h"
+#include "server/jobs/creator_path.h"
 #include "server/jobs/job.h"
+#include "server/ops/status_progress.h"
 
 namespace muond::server {
 namespace {
@@ -40,25 +43,6 @@ namespace se = common::state_export;
 bool Allowed(const struct stat& st, int64_t uid, mode_t other_bits) {
   if (uid >= 0 && static_cast<int64_t>(st.st_uid) == uid) return true;
   return (st.st_mode & other_bits) == other_bits;
-}
-
-// The directories above and including `dir` must be enterable by `uid`, and `dir` listable.
-absl::Status CheckDirectory(const std::string& where, const std::string& dir, int64_t uid) {
-  const std::string path = dir + "/";
-  for (size_t slash = path.find('/', 1); slash != std::string::npos;
-       slash = path.find('/', slash + 1)) {
-    const std::string d = path.substr(0, slash);
-    struct stat st;
-    if (::stat(d.c_str(), &st) != 0) return CreatorFileError(absl::StrCat(where, ": ", d), "stat");
-    const bool last = slash + 1 == path.size();
-    if (!Allowed(st, uid, last ? (S_IXOTH | S_IROTH) : S_IXOTH)) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          where, ": directory ", d,
-          " is neither owned by the job's creator nor open to everyone; the daemon reads an "
-          "export only where its creator could"));
-    }
-  }
-  return absl::OkStatus();
 }
 
 class Fd {
@@ -188,7 +172,7 @@ absl::StatusOr<std::map<std::string, std::pair<size_t, size_t>>> IndexArrays(
 absl::Status ReadArrays(const std::string& dir, int dirfd, int64_t uid,
                         const std::vector<ExportFile>& files,
                         const std::vector<std::pair<size_t, size_t>>& where_is,
-                        checkpoint::Loaded* loaded) {
+                        checkpoint::Loaded* loaded, OperationProgress::Handle* progress) {
   struct Payload {
     std::unique_ptr<Fd> fd;
     uint64_t header_bytes = 0;
@@ -224,6 +208,7 @@ absl::Status ReadArrays(const std::string& dir, int dirfd, int64_t uid,
     data.resize(arr.numel());
     RETURN_IF_ERROR(ReadAt(it->second.fd->get(), path, reinterpret_cast<char*>(data.data()),
                            se::ArrayBytes(arr), it->second.header_bytes + arr.begin));
+    progress->Advance(se::ArrayBytes(arr));
     if (common::Crc32c(data.data(), se::ArrayBytes(arr)) != arr.crc32c) {
       return absl::DataLossError(
           absl::StrCat(path, ": tensor '", arr.name, "': CRC32C mismatch (damaged)"));
@@ -249,9 +234,9 @@ absl::Status Job::ImportState(const std::string& dir, int64_t peer_uid) {
   if (spec_.transport_probe) {
     return absl::FailedPreconditionError(absl::StrCat(where, ": a transport probe has no state"));
   }
-  RETURN_IF_ERROR(CheckDirectory(where, dir, peer_uid));
-  Fd dirfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW));
-  if (dirfd.get() < 0) return CreatorFileError(where, "open");
+  ASSIGN_OR_RETURN(const CreatorPath opened,
+                   OpenForCreator(where, dir, peer_uid, CreatorPathKind::kDirectory));
+  const durable::Fd& dirfd = *opened.fd;
   ASSIGN_OR_RETURN(const std::vector<ExportFile> files,
                    ReadManifests(where, dir, dirfd.get(), peer_uid));
   ASSIGN_OR_RETURN(const auto index, IndexArrays(where, files, spec_.mode));
@@ -287,7 +272,14 @@ absl::Status Job::ImportState(const std::string& dir, int64_t peer_uid) {
           files[f].manifest.tensor_steps.at(files[f].manifest.arrays[a].tensor));
     }
   }
-  RETURN_IF_ERROR(ReadArrays(dir, dirfd.get(), peer_uid, files, where_is, &loaded));
+  // Shown like saves and loads (GetProgress, the status page): the bytes of the arrays read.
+  uint64_t total = 0;
+  for (const auto& [f, a] : where_is) total += se::ArrayBytes(files[f].manifest.arrays[a]);
+  const auto progress = OperationProgress::Default().Begin(id(), "import", id(), total);
+  absl::Status read = ReadArrays(dir, dirfd.get(), peer_uid, files, where_is, &loaded,
+                                 progress.get());
+  progress->End(read);
+  RETURN_IF_ERROR(read);
   CheckpointWriter::Exclusive exclusive(writer_);
   RETURN_IF_ERROR(InstallLoaded(loaded, *this).status());
   MUOND_LOG(INFO) << where << ": state of " << spec_.matrices.size() << " tensors at step "

@@ -27,6 +27,7 @@ void Job::Prepare(StepState& state) {
   state.committing = false;
   if (state.done) return;  // cannot happen (FailStep leaves a committing step alone); defensive
   state.prepared = true;
+  state.prepared_at = absl::Now();
   for (auto& out : state.outputs) out->compute_seconds = seconds;
   for (RankInput& in : state.ranks) {
     if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), false, seconds);
@@ -61,6 +62,10 @@ absl::Status Job::CommitStep(int64_t step) {
     } else if (fenced_) {
       return absl::FailedPreconditionError(
           absl::StrCat(where, ": the job is fenced (", fence_reason_, ")"));
+    } else if (step == dropped_step_ && step == next_step_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": the step was dropped while prepared (", dropped_why_,
+          "); nothing of it changed the state, and the job expects it again"));
     } else {
       return absl::FailedPreconditionError(
           absl::StrCat(where, ": no such step is prepared (the job expects step ", next_step_,
@@ -114,6 +119,8 @@ void Job::DropPrepared(const std::string& why) {
       absl::AbortedError(absl::StrCat("job '", id(), "' step ", state->step,
                                       " aborted while prepared: ", why, "; nothing changed"));
   ++steps_aborted_;
+  dropped_step_ = state->step;
+  dropped_why_ = why;
   MUOND_LOG(INFO) << "job '" << id() << "' prepared step " << state->step << " dropped: " << why;
   state->cv.SignalAll();
 }

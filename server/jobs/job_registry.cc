@@ -13,6 +13,7 @@
 #include <new>
 #include <sstream>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -73,6 +74,10 @@ void JobRegistry::WatchSteps() {
   absl::MutexLock lock(&mu_);
   auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
   while (!mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(250))) {
+    // With the registry's lock held: a deadlock on it stops the beats (common/heartbeat.h).
+    heartbeat_.Beat();
+    heartbeat_.StallPointForTesting();
+    ReleaseDeleted();
     std::vector<std::shared_ptr<Job>> jobs;
     for (const auto& [id, job] : jobs_) jobs.push_back(job);
     mu_.Unlock();
@@ -97,7 +102,8 @@ std::shared_ptr<Job> JobRegistry::NewJob(common::JobSpec spec, std::string token
       spec.step_timeout_seconds != 0 ? spec.step_timeout_seconds : limits_.step_timeout_seconds);
   const std::string checkpoints = absl::StrCat(JobDir(spec.job_id), "/checkpoints");
   return std::make_shared<Job>(std::move(spec), std::move(token_sha256), backend_, executor_,
-                               budget, devices_, checkpoints, timeout, std::move(owner));
+                               budget, devices_, checkpoints, timeout, std::move(owner),
+                               absl::Seconds(limits_.prepare_timeout_seconds));
 }
 
 absl::Status JobRegistry::Reserve(const common::JobSpec& spec, uint64_t bytes) {
@@ -123,7 +129,10 @@ absl::Status JobRegistry::Reserve(const common::JobSpec& spec, uint64_t bytes) {
   if (limits_.max_state_bytes != 0 &&
       (bytes > limits_.max_state_bytes || state_bytes_ > limits_.max_state_bytes - bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "job '", id, "' needs ", bytes, " bytes of state (momentum and tables); ", state_bytes_,
+        "job '", id, "' needs ", bytes,
+        " bytes at most (state, tables, step buffers and shared-memory regions, a save's copy, "
+        "gathered matrices); ",
+        state_bytes_,
         " of --max-state-bytes ", limits_.max_state_bytes, " are in use"));
   }
   busy_.insert(id);
@@ -182,7 +191,7 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
         absl::StrCat("job '", spec.job_id,
                      "': import_dir takes the whole state; not with restore or init_from"));
   }
-  ASSIGN_OR_RETURN(const JobFootprint footprint, MeasureJob(spec));
+  ASSIGN_OR_RETURN(const JobFootprint footprint, MeasureJob(spec, default_gather_budget_bytes_));
   RETURN_IF_ERROR(CheckJobLimits(spec, footprint, limits_, default_gather_budget_bytes_));
   std::shared_ptr<Job> source;
   if (restore) {
@@ -197,52 +206,62 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   const uint64_t bytes = footprint.total();
   const std::string id = spec.job_id;
   RETURN_IF_ERROR(Reserve(spec, bytes));
-  // From here on the id and bytes are ours; the lock is not held.
-  if (Exists(JobDir(id))) {
+  // From here on the id and bytes are ours; the lock is not held. They are released on every way
+  // out but the one that publishes the job, exceptions included (declared before the job: its
+  // memory is returned first).
+  absl::Cleanup unreserve = [this, &id, bytes] {
     Unreserve(id, bytes);
+    ::malloc_trim(0);
+  };
+  if (Exists(JobDir(id))) {
     return absl::AlreadyExistsError(
         absl::StrCat("job '", id, "': ", JobDir(id), " exists and was not made by this daemon"));
   }
   std::shared_ptr<Job> job;
+  absl::Status s;
+  bool load_failed = false;
+  bool made_dir = false;
   try {
     job = NewJob(std::move(spec), common::Sha256(token), std::move(owner));
+    if (source != nullptr) s = job->LoadCheckpointFrom(source, restore->selector).status();
+    if (s.ok() && !import_dir.empty()) s = job->ImportState(import_dir, job->owner().uid);
+    if (s.ok() && source == nullptr && !job->spec().init_from.empty()) {
+      s = job->InitFromFile(job->owner().uid);  // read before the job is visible to anyone
+    }
+    load_failed = !s.ok();
+    if (s.ok()) made_dir = (s = Persist(*job)).ok();
+    if (s.ok() && (source != nullptr || !import_dir.empty())) {
+      // The restored (or imported) momentum exists only in memory until the job has a generation
+      // of its own: a restart before its first save would bring it back empty (the marker makes a
+      // restart remove this half-made job instead).
+      s = job->SaveCheckpoint().status();
+    }
+    if (s.ok()) s = durable::RemoveTree(absl::StrCat(JobDir(id), "/", kCreatingMarker));
   } catch (const std::bad_alloc&) {
-    Unreserve(id, bytes);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "job '", id, "': the system could not allocate its ", bytes, " bytes of state"));
+    load_failed = true;
+    s = absl::ResourceExhaustedError(
+        absl::StrCat("job '", id, "': the system could not allocate its ", bytes, " bytes of state",
+                     job == nullptr ? "" : " (or the memory to read its initial state)"));
   }
-  absl::Status s;
-  if (source != nullptr) s = job->LoadCheckpointFrom(source, restore->selector).status();
-  if (s.ok() && !import_dir.empty()) s = job->ImportState(import_dir, job->owner().uid);
-  if (s.ok() && source == nullptr && !job->spec().init_from.empty()) {
-    s = job->InitFromFile(job->owner().uid);  // read before the job is visible to anyone
-  }
-  const bool load_failed = !s.ok();
-  bool made_dir = false;
-  if (s.ok()) made_dir = (s = Persist(*job)).ok();
-  if (s.ok() && (source != nullptr || !import_dir.empty())) {
-    // The restored (or imported) momentum exists only in memory until the job has a generation of
-    // its own: a restart before its first save would bring it back empty (the marker makes a
-    // restart remove this half-made job instead).
-    s = job->SaveCheckpoint().status();
-  }
-  if (s.ok()) s = durable::RemoveTree(absl::StrCat(JobDir(id), "/", kCreatingMarker));
   if (!s.ok()) {
     if (made_dir) (void)durable::RemoveTree(JobDir(id));
     job.reset();
-    Unreserve(id, bytes);
-    ::malloc_trim(0);
     if (load_failed) return s;
     return absl::Status(s.code(), absl::StrCat("job '", id, "' could not be stored in ", state_dir_,
                                                ": ", s.message()));
   }
   Publish(job);
+  std::move(unreserve).Cancel();
   MUOND_LOG(INFO) << "job '" << id << "' created by " << job->owner().description << ": "
                   << job->spec().matrices.size() << " matrices, " << footprint.state_bytes
                   << (job->apply() ? " bytes of masters and optimizer state (twice), "
                                    : " bytes of momentum, ")
                   << footprint.table_bytes << " bytes of tables (" << footprint.spans
-                  << " spans), world size " << job->spec().world_size << ", gather budget "
+                  << " spans), " << footprint.step_bytes + footprint.save_copy_bytes +
+                                        footprint.gather_bytes
+                  << " bytes at most of step buffers, shared-memory regions, save copies and "
+                     "gathered matrices (all counted against --max-state-bytes), world size "
+                  << job->spec().world_size << ", gather budget "
                   << job->gather_budget_bytes() << " bytes"
                   << (source != nullptr ? absl::StrCat(", momentum from job '", source->id(), "'")
                                         : std::string());
@@ -252,7 +271,8 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
 absl::Status JobRegistry::Delete(std::shared_ptr<Job> job) {
   const std::string job_id = job->id();
   // What Create or Restore reserved for it (the footprint is a function of the spec).
-  const uint64_t bytes = MeasureJob(job->spec()).value_or(JobFootprint()).total();
+  const uint64_t bytes =
+      MeasureJob(job->spec(), default_gather_budget_bytes_).value_or(JobFootprint()).total();
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
@@ -276,24 +296,50 @@ absl::Status JobRegistry::Delete(std::shared_ptr<Job> job) {
   } else if (absl::Status removed = durable::RemoveTree(gone); !removed.ok()) {
     MUOND_LOG(WARNING) << "job '" << job_id << "' deleted; its files: " << removed.message();
   }
-  // Steps and session watches still holding the job unwind (they see it deleted) within a poll
-  // period: wait for them, so the job's memory is back before this returns.
+  // MarkDeleted told every holder to let go (steps fail, shared-memory sessions end, gRPC streams
+  // and exports are cancelled); they unwind within a poll period: wait for them, so the job's
+  // memory is normally back before this returns. Its bytes (and id) count as free only once the
+  // job is destroyed: a holder that outlives the wait leaves them counted until the watchdog
+  // sees it gone (ReleaseDeleted).
   const std::weak_ptr<Job> last = job;
   job.reset();
   for (int i = 0; i < 1000 && !last.expired(); ++i) absl::SleepFor(absl::Milliseconds(5));
-  if (!last.expired()) {
-    MUOND_LOG(WARNING) << "job '" << job_id << "' deleted; something still holds it after 5 s";
-  }
+  const bool released = last.expired();
   {
     absl::MutexLock lock(&mu_);
-    busy_.erase(job_id);
-    state_bytes_ -= bytes;
     if (!s.ok()) broken_[job_id] = std::string(s.message());
+    if (released) {
+      busy_.erase(job_id);
+      state_bytes_ -= bytes;
+    } else {
+      deleted_held_.push_back({job_id, bytes, last});
+    }
+  }
+  if (!released) {
+    MUOND_LOG(WARNING) << "job '" << job_id << "' deleted; something still holds it after 5 s: "
+                       << "its " << bytes << " bytes stay counted until it lets go";
   }
   ::malloc_trim(0);
   if (!s.ok()) return s;
   MUOND_LOG(INFO) << "job '" << job_id << "' deleted";
   return absl::OkStatus();
+}
+
+void JobRegistry::ReleaseDeleted() {
+  bool released = false;
+  for (auto it = deleted_held_.begin(); it != deleted_held_.end();) {
+    if (!it->job.expired()) {
+      ++it;
+      continue;
+    }
+    MUOND_LOG(INFO) << "job '" << it->id << "' (deleted) let go; its " << it->bytes
+                    << " bytes are free";
+    busy_.erase(it->id);
+    state_bytes_ -= it->bytes;
+    it = deleted_held_.erase(it);
+    released = true;
+  }
+  if (released) ::malloc_trim(0);
 }
 
 absl::Status JobRegistry::Reset(const std::shared_ptr<Job>& job, int64_t next_step) {

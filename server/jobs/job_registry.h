@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "common/heartbeat.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/job_spec.h"
@@ -82,9 +83,12 @@ class JobRegistry {
   absl::StatusOr<Created> Create(common::JobSpec spec,
                                  const std::optional<RestoreFrom>& restore = std::nullopt,
                                  JobOwner owner = {}, const std::string& import_dir = "");
-  // Deletes `job` (taken from the caller, who keeps no reference: the job's memory is returned to
-  // the system before this returns). NOT_FOUND when it is no longer registered (deleted
-  // meanwhile). Steps in flight on the job fail with NOT_FOUND.
+  // Deletes `job` (taken from the caller, who keeps no reference). Steps in flight on the job fail
+  // with NOT_FOUND; its shared-memory sessions end, its gRPC streams and exports are cancelled
+  // (Job::MarkDeleted), and the job's memory is returned to the system before this returns, unless
+  // a holder takes longer than 5 s to let go: then its bytes stay counted against
+  // --max-state-bytes (and its id taken) until it does. NOT_FOUND when it is no longer registered
+  // (deleted meanwhile).
   absl::Status Delete(std::shared_ptr<Job> job);
   // Job::Reset, made durable (Job::ResetDurably): a reset.json in the job's directory says the
   // job restarts reset unless a newer checkpoint generation was written after it. When the record
@@ -148,6 +152,9 @@ class JobRegistry {
   void RestoreOne(const std::string& name);
   void SetBroken(const std::string& name, const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
   void WatchSteps();
+  // Counts free the bytes (and frees the id) of deleted jobs that were still held when Delete
+  // returned and have been destroyed since.
+  void ReleaseDeleted() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string backend_;
   const DaemonLimits limits_;
@@ -161,7 +168,16 @@ class JobRegistry {
   std::map<std::string, std::string> broken_ ABSL_GUARDED_BY(mu_);  // directory -> reason
   uint64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Deleted jobs something still held when Delete returned: id and bytes stay reserved until the
+  // job is destroyed.
+  struct DeletedHeld {
+    std::string id;
+    uint64_t bytes = 0;
+    std::weak_ptr<Job> job;
+  };
+  std::vector<DeletedHeld> deleted_held_ ABSL_GUARDED_BY(mu_);
   std::thread watchdog_;
+  common::Heartbeat heartbeat_{"job registry"};  // beaten by WatchSteps with mu_ held
 };
 
 }  // namespace muond::server

@@ -5,17 +5,19 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <fstream>
+#include <new>
+#include <optional>
 
-#include "absl/strings/escaping.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/json_depth.h"
 #include "common/logging.h"
 #include "common/names.h"
 #include "common/status_macros.h"
-#include "nlohmann/json.hpp"
 #include "server/jobs/job_footprint.h"
+#include "server/jobs/job_record.h"
 #include "server/jobs/job_registry.h"
 #include "server/storage/durable_file.h"
 
@@ -37,56 +39,57 @@ absl::StatusOr<std::string> ReadRecord(const std::string& path) {
   return text;
 }
 
-struct Record {
-  common::JobSpec spec;
-  std::string token_sha256;
-  JobOwner owner;
-};
-
-absl::StatusOr<Record> ParseRecord(const std::string& path, const std::string& name) {
-  ASSIGN_OR_RETURN(const std::string text, ReadRecord(path));
-  bool too_deep = false;
-  const nlohmann::json record = common::ParseJsonWithDepthLimit<nlohmann::json>(text, &too_deep);
-  Record r;
-  const auto hash = record.is_object() ? record.find("token_sha256") : record.end();
-  if (record.is_discarded() || too_deep || !record.is_object() ||
-      record.value("format", "") != "muond-job" || !record.contains("spec") ||
-      hash == record.end() || !hash->is_string() ||
-      (r.token_sha256 = absl::HexStringToBytes(hash->get<std::string>())).size() != 32) {
-    return absl::DataLossError(absl::StrCat(path, " is not a muond job record"));
-  }
-  auto spec = common::ParseJobSpecJson(record["spec"].dump());
-  if (!spec.ok()) return absl::DataLossError(absl::StrCat(path, ": ", spec.status().message()));
-  if (spec->job_id != name) {
-    return absl::DataLossError(absl::StrCat(path, " names job ", common::Quoted(spec->job_id),
-                                            ", its directory ", common::Quoted(name)));
-  }
-  r.spec = *std::move(spec);
-  if (const auto it = record.find("owner"); it != record.end() && it->is_object()) {
-    r.owner.uid = it->value("uid", int64_t{-1});
-    r.owner.description = it->value("description", std::string());
-  }
-  if (r.owner.description.empty()) r.owner.description = "unknown (older record)";
-  return r;
-}
-
-// A reset.json written after the newest generation means: restart reset.
-struct ResetRecord {
-  int64_t next_step = 0;
-  int64_t after_generation = 0;
-};
-
-std::optional<ResetRecord> ReadReset(const std::string& path) {
+// The reset record at `path`, when there is one that parses (a damaged one is logged and
+// ignored: the newest checkpoint generation is loaded instead).
+std::optional<ResetRecord> ReadReset(const std::string& name, const std::string& path) {
   auto text = ReadRecord(path);
-  if (!text.ok()) return std::nullopt;
-  bool too_deep = false;
-  const nlohmann::json j = common::ParseJsonWithDepthLimit<nlohmann::json>(*text, &too_deep);
-  if (j.is_discarded() || too_deep || !j.is_object() || j.value("format", "") != "muond-reset" ||
-      !j.contains("next_step") || !j.contains("after_generation") ||
-      !j.at("next_step").is_number_integer() || !j.at("after_generation").is_number_integer()) {
+  if (!text.ok()) {
+    if (text.status().code() != absl::StatusCode::kNotFound) {
+      MUOND_LOG(ERROR) << "restore: job '" << name << "': " << text.status().message()
+                       << "; the reset record is ignored";
+    }
     return std::nullopt;
   }
-  return ResetRecord{j["next_step"].get<int64_t>(), j["after_generation"].get<int64_t>()};
+  auto reset = ParseResetRecord(*text, path);
+  if (!reset.ok()) {
+    MUOND_LOG(ERROR) << "restore: job '" << name << "': " << reset.status().message()
+                     << "; the reset record is ignored";
+    return std::nullopt;
+  }
+  return *reset;
+}
+
+// Brings the restored `job`'s state back (a reset, its newest checkpoint generation, its
+// init_from file); returns how, for the log. Throws std::bad_alloc when memory runs out.
+std::string RestoreState(const std::string& name, const std::string& reset_path, Job& job) {
+  std::string how;
+  if (job.spec().transport_probe) return how;
+  // A reset newer than every generation wins, and nothing is loaded.
+  const std::optional<ResetRecord> reset = ReadReset(name, reset_path);
+  if (reset && job.NewestGeneration() <= reset->after_generation) {
+    (void)job.Reset(reset->next_step);
+    how = absl::StrCat("reset before the restart: zero momentum, next step ", reset->next_step);
+  } else if (auto loaded = job.LoadCheckpoint({}); loaded.ok()) {
+    how = absl::StrCat("from checkpoint generation ", loaded->info.generation, ", next step ",
+                       loaded->next_step);
+  } else if (loaded.status().code() == absl::StatusCode::kNotFound) {
+    how = "no checkpoint: zero momentum, next step 0";
+  } else {
+    how = absl::StrCat("FENCED: ", loaded.status().message());
+    job.Fence(absl::StrCat("restart: ", loaded.status().message()));
+  }
+  // Apply mode without a generation to load (or after a reset newer than every generation): the
+  // masters were in memory only; init_from is read again, else the ranks upload them.
+  if (job.apply() && !job.WeightsComplete()) {
+    if (job.spec().init_from.empty()) {
+      how += "; initial weights not in (ranks upload them again)";
+    } else if (absl::Status init = job.InitFromFile(job.owner().uid); init.ok()) {
+      how += "; initial weights from init_from";
+    } else {
+      how += absl::StrCat("; initial weights not in: ", init.message());
+    }
+  }
+  return how;
 }
 
 }  // namespace
@@ -140,46 +143,38 @@ void JobRegistry::RestoreOne(const std::string& name) {
     (void)durable::RemoveTree(dir);
     return;
   }
-  auto record = ParseRecord(absl::StrCat(dir, "/job.json"), name);
+  const std::string record_path = absl::StrCat(dir, "/job.json");
+  auto text = ReadRecord(record_path);
+  if (!text.ok()) return SetBroken(name, std::string(text.status().message()));
+  auto record = ParseJobRecord(*text, record_path, name);
   if (!record.ok()) return SetBroken(name, std::string(record.status().message()));
-  auto footprint = MeasureJob(record->spec);
+  auto footprint = MeasureJob(record->spec, default_gather_budget_bytes_);
   absl::Status s = footprint.status();
   if (s.ok()) s = CheckJobLimits(record->spec, *footprint, limits_, default_gather_budget_bytes_);
   const uint64_t bytes = footprint.ok() ? footprint->total() : 0;
   if (s.ok()) s = Reserve(record->spec, bytes);
   if (!s.ok()) return SetBroken(name, std::string(s.message()));
-  std::shared_ptr<Job> job =
-      NewJob(std::move(record->spec), std::move(record->token_sha256), std::move(record->owner));
+  // The id and bytes are released on every way out but the one that publishes the job
+  // (exceptions included); declared before the job, so the job's memory goes first.
+  absl::Cleanup unreserve = [this, &name, bytes] { Unreserve(name, bytes); };
+  std::shared_ptr<Job> job;
   std::string how;
-  if (!job->spec().transport_probe) {
-    // A reset newer than every generation wins, and nothing is loaded.
-    const std::optional<ResetRecord> reset = ReadReset(absl::StrCat(dir, "/", kResetRecord));
-    if (reset && job->NewestGeneration() <= reset->after_generation) {
-      (void)job->Reset(reset->next_step);
-      how = absl::StrCat("reset before the restart: zero momentum, next step ", reset->next_step);
-    } else if (auto loaded = job->LoadCheckpoint({}); loaded.ok()) {
-      how = absl::StrCat("from checkpoint generation ", loaded->info.generation, ", next step ",
-                         loaded->next_step);
-    } else if (loaded.status().code() == absl::StatusCode::kNotFound) {
-      how = "no checkpoint: zero momentum, next step 0";
-    } else {
-      how = absl::StrCat("FENCED: ", loaded.status().message());
-      job->Fence(absl::StrCat("restart: ", loaded.status().message()));
-    }
-    // Apply mode without a generation to load (or after a reset newer than every generation):
-    // the masters were in memory only; init_from is read again, else the ranks upload them.
-    if (job->apply() && !job->WeightsComplete()) {
-      if (job->spec().init_from.empty()) {
-        how += "; initial weights not in (ranks upload them again)";
-      } else if (absl::Status init = job->InitFromFile(job->owner().uid); init.ok()) {
-        how += "; initial weights from init_from";
-      } else {
-        how += absl::StrCat("; initial weights not in: ", init.message());
-      }
-    }
+  try {
+    JobOwner owner{record->owner_uid, std::move(record->owner_description)};
+    if (owner.description.empty()) owner.description = "unknown (older record)";
+    job = NewJob(std::move(record->spec), std::move(record->token_sha256), std::move(owner));
+    how = RestoreState(name, absl::StrCat(dir, "/", kResetRecord), *job);
+  } catch (const std::bad_alloc&) {
+    job.reset();
+    return SetBroken(name,
+                     absl::StrCat("the system could not allocate its ", bytes, " bytes of state"));
+  } catch (const std::exception& e) {  // one job's files never stop the daemon's start
+    job.reset();
+    return SetBroken(name, absl::StrCat("restoring it failed: ", e.what()));
   }
   MUOND_LOG(INFO) << "job '" << name << "' restored (" << how << ")";
   Publish(std::move(job));
+  std::move(unreserve).Cancel();
 }
 
 }  // namespace muond::server

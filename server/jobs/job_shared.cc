@@ -124,6 +124,9 @@ absl::Status Job::OpenSharedStep(int rank, uint64_t session, int64_t step, bool 
   RETURN_IF_ERROR(EnterStep(rank, session, step, hyper, &replay));
   *replayed = replay != nullptr;
   if (replay != nullptr) {
+    // A replay must carry the gradients the step was computed from: checked when the whole step
+    // is in (its last part).
+    if (last) RETURN_IF_ERROR(CheckReplayInput(rank, *replay, in));
     // The committed bytes go where the rank reads them (already there when the rank used the
     // same buffer). Every part of a replayed step is answered so.
     for (size_t i = 0; i < out.size(); ++i) {
@@ -188,6 +191,7 @@ void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive, bo
     auto copy = std::make_shared<RankUpdate>();
     copy->step = last.step;
     copy->compute_seconds = last.compute_seconds;
+    copy->input_digest = last.input_digest;
     copy->storage.resize(last.spans.size());
     for (size_t i = 0; i < last.spans.size(); ++i) {
       copy->storage[i].assign(last.spans[i].data, last.spans[i].size);

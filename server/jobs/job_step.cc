@@ -33,13 +33,25 @@ absl::Status RankStep::AddGradient(uint32_t matrix, uint64_t offset, std::string
   if (done_) return absl::FailedPreconditionError("the step already ended for this rank");
   bytes_in_ += data.size();
   if (replay_ != nullptr) {
-    // A replay returns the committed bytes; resent gradients are checked for transport integrity
-    // only and never applied again.
-    if (common::Crc32c(data.data(), data.size()) != crc32c) {
-      return absl::InvalidArgumentError(absl::StrCat("step ", step_, " (replay): matrix ", matrix,
-                                                     " chunk at element ", offset,
-                                                     ": CRC32C mismatch"));
+    // A replay returns the committed bytes, never applies gradients again, and must re-send the
+    // gradients the step was computed from (compared at Finish).
+    size_t span = 0;
+    uint64_t count = 0;
+    const std::string where = absl::StrCat("job '", job_->id(), "' step ", step_, " (replay) rank ",
+                                           rank_);
+    RETURN_IF_ERROR(
+        job_->CheckChunk(where, rank_, matrix, offset, data, crc32c, &span, &count));
+    const JobLayout& layout = job_->layout_;
+    if (replay_in_.empty()) {
+      replay_in_.resize(layout.spans(rank_).size());
+      replay_got_.assign(layout.spans(rank_).size(), 0);
     }
+    std::string& buffer = replay_in_[span];
+    if (buffer.empty()) buffer.resize(layout.SpanBytes(rank_, span));
+    const common::ShardSpan& s = layout.spans(rank_)[span];
+    const size_t esize = data.size() / count;
+    std::memcpy(buffer.data() + (offset - s.offset) * esize, data.data(), data.size());
+    replay_got_[span] += count;
     return absl::OkStatus();
   }
   absl::Status s = job_->AddGradient(state_, rank_, matrix, offset, data, crc32c);
@@ -61,7 +73,26 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
     const std::function<bool()>& cancelled) {
   if (done_) return absl::FailedPreconditionError("the step already ended for this rank");
   done_ = true;
-  if (replay_ != nullptr) return replay_;
+  if (replay_ != nullptr) {
+    // No gradients at all: the rank only asks for the committed result (a rank told UNAVAILABLE
+    // "the step is committed" fetches it so). Any gradients: all of them, the same.
+    if (replay_in_.empty()) return replay_;
+    const JobLayout& layout = job_->layout_;
+    std::vector<const char*> span_in(layout.spans(rank_).size(), nullptr);
+    for (size_t k = 0; k < span_in.size(); ++k) {
+      if (replay_got_[k] != layout.spans(rank_)[k].length) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "job '", job_->id(), "' rank ", rank_, ": step ", step_,
+            " is committed, and this re-sent step does not carry all of the gradients it was "
+            "computed from (span ", k, " of matrix '",
+            job_->spec().matrices[layout.spans(rank_)[k].matrix].name,
+            "' incomplete); a replay must send the same gradients; nothing changed"));
+      }
+      span_in[k] = replay_in_[k].data();
+    }
+    RETURN_IF_ERROR(job_->CheckReplayInput(rank_, *replay_, span_in));
+    return replay_;
+  }
   return job_->FinishRank(state_, rank_, cancelled);
 }
 

@@ -37,6 +37,10 @@ struct RankUpdate {
   std::vector<std::string> storage;       // owned span bytes (gRPC ranks)
   std::shared_ptr<const void> keepalive;  // the shared region the spans point into (shm ranks)
   SharedProgress progress;                // shm ranks: where finished spans are announced
+  // The gradients this update was computed from, as CRC32Cs of kDigestSlice-byte slices of each
+  // span in order (set at commit): a replay of the step must re-send the same bytes.
+  static constexpr size_t kDigestSlice = size_t{4} << 20;
+  std::vector<uint32_t> input_digest;
 };
 
 // Called once when a shared-memory submission ends: OK (the update is in the rank's update

@@ -107,6 +107,7 @@ struct StepState {
   // results, and the state store is unchanged until CommitStep (or AbortStep drops the step).
   // Nothing else fails a prepared step: FailStep leaves it alone.
   bool prepared = false;
+  absl::Time prepared_at;  // when `prepared` was set (the prepare timeout counts from it)
   absl::Status result;
   absl::CondVar cv;
   // Seconds per phase of the step, for the metrics: assembly, copy-in, Newton-Schulz, writeback,

@@ -102,6 +102,14 @@ absl::Status SetShutdownGrace(const Option& o, DaemonConfig& c) {
   return absl::OkStatus();
 }
 
+absl::Status SetStreamIdle(const Option& o, DaemonConfig& c) {
+  if (!absl::SimpleAtod(o.value, &c.stream_idle_seconds) || !(c.stream_idle_seconds > 0) ||
+      c.stream_idle_seconds > 86400) {
+    return o.Invalid("expected seconds in (0, 86400]");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SetLogLevel(const Option& o, DaemonConfig& c) {
   const std::string& v = o.value;
   if (v != "debug" && v != "info" && v != "warning" && v != "error") {
@@ -153,6 +161,7 @@ const std::map<std::string, OptionSetter>& OptionSetters() {
       {"metrics-address", SetMetricsAddress},
       {"max-connections", SetMaxConnections},
       {"shutdown-grace-seconds", SetShutdownGrace},
+      {"stream-idle-seconds", SetStreamIdle},
       {"log-level", SetLogLevel},
       // Compute, and the simulated backend's model.
       {"backend", [](O o, C c) { return SetString(o, &c.backend); }},
@@ -228,7 +237,9 @@ std::string DaemonUsage() {
       common::DefaultListenAddress(),
       "\n"
       "                          (the directory is created 0750, the socket 0660).\n"
-      "  --state-dir DIR         where job state and checkpoints live (created 0750). Default: ",
+      "  --state-dir DIR         where job state and checkpoints live (directories 0700, files\n"
+      "                          0600: the daemon user's alone; looser modes are repaired at\n"
+      "                          start). Default: ",
       common::DefaultStateDir(),
       "\n"
       "  --shm-socket PATH|off   the node-local shared-memory data plane's socket (memfd regions\n"
@@ -259,6 +270,9 @@ std::string DaemonUsage() {
       "                          processed alone. A job may set its own. Default: 1073741824\n"
       "  --shutdown-grace-seconds S  on SIGTERM/SIGINT, how long steps in flight may run before\n"
       "                          they are cancelled. Default: 30\n"
+      "  --stream-idle-seconds S  a gRPC stream (step, parameter upload, export) whose client\n"
+      "                          sends or reads nothing for S seconds is cancelled; streams not\n"
+      "                          in a step are cancelled at once on SIGTERM/SIGINT. Default: 60\n"
       "  --metrics-address HOST:PORT|off  Prometheus text format on http://HOST:PORT/metrics\n"
       "                          (no TLS, no auth: keep it on loopback or a trusted network).\n"
       "                          Default: 127.0.0.1:9464 (if that port is taken the daemon logs\n"
@@ -272,7 +286,8 @@ std::string DaemonUsage() {
       "                          with a client certificate verified by mutual TLS.\n"
       "  --allow-groups LIST     comma-separated gids or group names; a peer whose gid or whose\n"
       "                          user's groups include one of them may create jobs.\n"
-      "  --max-connections N     Unix-socket connections held at once; more are closed at accept.\n"
+      "  --max-connections N     gRPC connections (Unix socket or TCP) held at once; more\n"
+      "                          are closed at accept.\n"
       "                          0 = the open-file limit less a quarter (at least 64 kept back).\n"
       "                          Default: 0\n"
       "  --tls-cert FILE         TCP only: PEM server certificate (chain); with --tls-key the API\n"

@@ -31,6 +31,9 @@ struct DaemonConfig {
   DaemonLimits limits = DefaultDaemonLimits();  // server/ops/daemon_limits.h
   uint64_t gather_budget_bytes = uint64_t{1} << 30;  // per job, unless the job sets its own
   double shutdown_grace_seconds = 30;
+  // A gRPC stream (Step, InitParams, exports) whose client sends or reads nothing this long is
+  // cancelled (server/api/stream_guard.h).
+  double stream_idle_seconds = 60;
   // The Prometheus endpoint, HOST:PORT. "": kDefaultMetricsAddress, best effort (a daemon that
   // cannot bind it logs an error and serves without metrics); "off": none. An address given
   // explicitly must bind, or muond exits 1.
@@ -45,7 +48,8 @@ struct DaemonConfig {
   std::string tls_key;        // PEM private key
   std::string tls_client_ca;  // PEM CA: require and verify client certificates (mutual TLS)
   bool insecure_tcp = false;  // allow plaintext TCP on a non-loopback address
-  size_t max_connections = 0;  // Unix-socket connections held at once; 0: from RLIMIT_NOFILE
+  // gRPC connections (Unix socket or TCP) held at once; 0: from RLIMIT_NOFILE.
+  size_t max_connections = 0;
   bool help = false;
   bool version = false;
 };

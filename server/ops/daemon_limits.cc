@@ -27,7 +27,9 @@ bool IsLimitKey(const std::string& key) {
   return key == "max-state-bytes" || key == "max-momentum-bytes" || key == "max-jobs" ||
          key == "max-world-size" || key == "max-tensors-per-job" || key == "max-spans-per-job" ||
          key == "max-shm-sessions" || key == "shm-attach-timeout-seconds" ||
-         key == "step-timeout-seconds" || key == "max-metrics-connections";
+         key == "max-shm-pending-per-uid" || key == "max-shm-pending-per-pid" ||
+         key == "step-timeout-seconds" || key == "max-metrics-connections" ||
+         key == "prepare-timeout-seconds";
 }
 
 absl::Status ApplyLimit(DaemonLimits& l, const std::string& key, const std::string& value,
@@ -58,6 +60,10 @@ absl::Status ApplyLimit(DaemonLimits& l, const std::string& key, const std::stri
     }
   } else if (key == "max-shm-sessions") {
     return count(1, 1 << 20, &l.max_shm_sessions);
+  } else if (key == "max-shm-pending-per-uid") {
+    return count(0, 1 << 20, &l.max_shm_pending_per_uid);
+  } else if (key == "max-shm-pending-per-pid") {
+    return count(0, 1 << 20, &l.max_shm_pending_per_pid);
   } else if (key == "shm-attach-timeout-seconds") {
     double v = 0;
     if (!absl::SimpleAtod(value, &v) || !(v > 0) || v > 3600) {
@@ -68,6 +74,8 @@ absl::Status ApplyLimit(DaemonLimits& l, const std::string& key, const std::stri
     return count(1, 1 << 20, &l.max_metrics_connections);
   } else if (key == "step-timeout-seconds") {
     return count(1, common::kMaxStepTimeoutSeconds, &l.step_timeout_seconds);
+  } else if (key == "prepare-timeout-seconds") {
+    return count(1, common::kMaxStepTimeoutSeconds, &l.prepare_timeout_seconds);
   } else {
     return absl::InvalidArgumentError(absl::StrCat(where, ": unknown option '", key, "'"));
   }
@@ -90,13 +98,20 @@ std::string LimitsUsage() {
       "  --max-spans-per-job N   shard spans of one job over all ranks (ZeRO-3: world size x\n"
       "                          tensors). Default: 1048576\n"
       "  --max-shm-sessions N    shared-memory connections (attached and attaching). Default: 256\n"
+      "  --max-shm-pending-per-uid N  of those, connections not attached yet from one user, so\n"
+      "                          that one user's idle connections cannot refuse another's attach.\n"
+      "                          Default: 0 (a quarter of --max-shm-sessions)\n"
+      "  --max-shm-pending-per-pid N  the same per process. Default: 0 (half the per-user bound)\n"
       "  --shm-attach-timeout-seconds S  a shared-memory connection must attach within S.\n"
       "                          Default: 5\n"
       "  --max-metrics-connections N  connections to the metrics endpoint at once; beyond it the\n"
       "                          oldest idle one is closed. Default: 1024\n"
       "  --step-timeout-seconds S  a job's step timeout unless its spec sets one: S after the\n"
       "                          first rank entered a step, ranks that have not pushed their part\n"
-      "                          abort it (named) and the job is fenced. Default: 600\n");
+      "                          abort it (named) and the job is fenced. Default: 600\n"
+      "  --prepare-timeout-seconds S  a multi-node job's step that was computed (prepared) and\n"
+      "                          neither committed nor aborted by the trainer within S is dropped:\n"
+      "                          state unchanged, the step expected again. Default: 300\n");
 }
 
 std::vector<std::pair<std::string, double>> LimitValues(const DaemonLimits& l,
@@ -108,7 +123,10 @@ std::vector<std::pair<std::string, double>> LimitValues(const DaemonLimits& l,
           {"max_spans_per_job", static_cast<double>(l.max_spans_per_job)},
           {"max_shm_sessions", l.max_shm_sessions},
           {"shm_attach_timeout_seconds", l.shm_attach_timeout_seconds},
+          {"max_shm_pending_per_uid", l.max_shm_pending_per_uid},
+          {"max_shm_pending_per_pid", l.max_shm_pending_per_pid},
           {"step_timeout_seconds", l.step_timeout_seconds},
+          {"prepare_timeout_seconds", l.prepare_timeout_seconds},
           {"max_metrics_connections", l.max_metrics_connections},
           {"gather_budget_bytes", static_cast<double>(gather_budget_bytes)}};
 }

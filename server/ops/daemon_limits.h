@@ -30,10 +30,17 @@ struct DaemonLimits {
   // may take to send its attach request.
   int max_shm_sessions = 256;
   double shm_attach_timeout_seconds = 5;
+  // Of those, connections not attached yet from one peer uid / one peer pid (0: a quarter of
+  // max_shm_sessions / half the per-uid bound; ShmLimits).
+  int max_shm_pending_per_uid = 0;
+  int max_shm_pending_per_pid = 0;
   // Connections to the metrics endpoint open at once (the oldest idle one is shed beyond it).
   int max_metrics_connections = 1024;
   // A job's step timeout when its spec sets none (counted from the first rank's entry).
   int step_timeout_seconds = 600;
+  // A two-phase step (many nodes) computed and neither committed nor aborted by the trainer is
+  // dropped (state unchanged, not fenced) this long after it was prepared.
+  int prepare_timeout_seconds = 300;
 };
 
 // The defaults for this machine (max_state_bytes = physical memory / 2).

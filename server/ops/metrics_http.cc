@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/heartbeat.h"
 #include "common/logging.h"
 #include "server/ops/metrics_http_request.h"
 
@@ -149,9 +150,11 @@ constexpr uint64_t EpollTag(uint64_t id, int fd) { return (id << 32) | static_ca
 class MetricsServer::EventLoop {
  public:
   // Takes ownership of `listen_fd`.
-  EventLoop(common::Registry* registry, const MetricsServerOptions& options, int listen_fd)
+  EventLoop(common::Registry* registry, const MetricsServerOptions& options, int listen_fd,
+            http::BoundAddress bound)
       : registry_(registry),
         options_(options),
+        bound_(std::move(bound)),
         timeout_(absl::ToChronoNanoseconds(options.request_timeout)),
         backoff_(absl::ToChronoNanoseconds(options.descriptor_backoff)),
         listen_fd_(listen_fd) {}
@@ -193,6 +196,8 @@ class MetricsServer::EventLoop {
   void Run() {
     epoll_event events[kMaxEvents];
     for (;;) {
+      heartbeat_.Beat();
+      heartbeat_.StallPointForTesting();
       const int n = epoll_wait(epoll_fd_, events, kMaxEvents, WaitMs(Clock::now()));
       if (n < 0 && errno != EINTR) {
         MUOND_LOG(ERROR) << "metrics http: epoll_wait: " << std::strerror(errno) << "; stopped";
@@ -363,7 +368,8 @@ class MetricsServer::EventLoop {
       const size_t head_length = HeadLength(c.in, from);
       if (head_length != std::string_view::npos) {
         return Respond(
-            c, Answer(std::string_view(c.in).substr(0, head_length), *registry_, options_.pages));
+            c, Answer(std::string_view(c.in).substr(0, head_length), *registry_, options_.pages,
+                      bound_));
       }
       if (c.in.size() >= options_.max_request_bytes) {
         return Respond(c, Response("431 Request Header Fields Too Large",
@@ -427,14 +433,18 @@ class MetricsServer::EventLoop {
     Clock::time_point next = Clock::time_point::max();
     if (!deadlines_.empty()) next = deadlines_.begin()->first;
     if (!accepting_) next = std::min(next, resume_at_);
-    if (next == Clock::time_point::max()) return -1;
+    // Wakes at least every Heartbeat::kMaxWait to beat.
+    const int64_t most = absl::ToInt64Milliseconds(common::Heartbeat::kMaxWait);
+    if (next == Clock::time_point::max()) return static_cast<int>(most);
     if (next <= now) return 0;
     const auto ms = std::chrono::ceil<std::chrono::milliseconds>(next - now).count();
-    return static_cast<int>(std::min<int64_t>(ms, INT_MAX));
+    return static_cast<int>(std::min<int64_t>(ms, most));
   }
 
+  common::Heartbeat heartbeat_{"metrics http loop"};
   common::Registry* const registry_;
   const MetricsServerOptions options_;
+  const http::BoundAddress bound_;
   const Clock::duration timeout_;
   const Clock::duration backoff_;
   const int listen_fd_;
@@ -466,7 +476,8 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on \"", address, "\": ", listener.status().message()));
   }
-  auto loop = std::make_unique<EventLoop>(registry, options, listener->first);
+  auto loop = std::make_unique<EventLoop>(registry, options, listener->first,
+                                          http::BoundAddress{listen_address->host, listener->second});
   if (absl::Status s = loop->Init(); !s.ok()) {
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on \"", address, "\": ", s.message()));

@@ -5,7 +5,8 @@
 //
 //   /metrics, GET or HEAD -> 200, Content-Type "text/plain; version=0.0.4; charset=utf-8"
 //   /metrics, any other method -> 405 with "Allow: GET, HEAD"
-//   a path of options.pages (MetricsPage) -> the same rules, with that page's body
+//   a path of options.pages (MetricsPage) -> the same rules, with that page's body; a page with
+//     check_host and a Host header that does not name this server -> 421
 //   any other path -> 404
 //   request line and headers longer than max_request_bytes -> 431
 //   a body on GET or HEAD -> 413; a request that does not parse as HTTP/1.0 or 1.1 -> 400
@@ -45,6 +46,11 @@ struct MetricsPage {
   std::string content_type;
   std::string extra_headers;            // whole header lines, each ending "\r\n"
   std::function<std::string()> render;  // called on the server's thread for each GET
+  // Answered only when the request's Host header names the address the server listens on (a
+  // browser page that a rebinding DNS name points at this port is refused 421): the bound
+  // HOST:PORT, "localhost:PORT" on a loopback or wildcard address, and on a wildcard address any
+  // IP literal or this machine's host name with the port.
+  bool check_host = false;
 };
 
 // Bounds on what clients of the metrics endpoint may hold; the defaults suit a daemon scraped by a

@@ -1,6 +1,11 @@
 #include "server/ops/metrics_http_request.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <strings.h>
+#include <unistd.h>
+
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "server/ops/metrics_http.h"
@@ -43,6 +48,8 @@ struct RequestHead {
   std::string_view method;
   std::string_view path;  // The target without its query.
   bool has_body = false;
+  bool has_host = false;
+  std::string_view host;  // The Host header's value.
 };
 
 // Parses the request line and the headers that matter here; false when they do not parse.
@@ -67,7 +74,11 @@ bool ParseHead(std::string_view head, RequestHead* out) {
     std::string_view value = header.substr(colon + 1);
     value.remove_prefix(std::min(value.find_first_not_of(" \t"), value.size()));
     value = value.substr(0, value.find_last_not_of(" \t") + 1);
-    if (NameIs(name, "Transfer-Encoding")) {
+    if (NameIs(name, "Host")) {
+      if (out->has_host) return false;  // two Host headers: a request smuggling attempt
+      out->has_host = true;
+      out->host = value;
+    } else if (NameIs(name, "Transfer-Encoding")) {
       out->has_body = true;
     } else if (NameIs(name, "Content-Length")) {
       if (value.empty() || value.find_first_not_of("0123456789") != std::string_view::npos) {
@@ -79,11 +90,47 @@ bool ParseHead(std::string_view head, RequestHead* out) {
   return true;
 }
 
+bool IsLoopback(std::string_view host) {
+  return host == "[::1]" || host.substr(0, 4) == "127.";
+}
+
+bool IsIpLiteral(std::string_view host) {
+  unsigned char buf[sizeof(in6_addr)];
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    return inet_pton(AF_INET6, std::string(host.substr(1, host.size() - 2)).c_str(), buf) == 1;
+  }
+  return inet_pton(AF_INET, std::string(host).c_str(), buf) == 1;
+}
+
 }  // namespace
+
+bool HostNamesServer(std::string_view value, const BoundAddress& bound) {
+  // HOST[:PORT]; an IPv6 literal in brackets. Without a port the default port 80 is meant.
+  std::string_view host = value;
+  int port = 80;
+  const size_t colon = value.rfind(':');
+  if (colon != std::string_view::npos && value.find(']', colon) == std::string_view::npos) {
+    const std::string_view digits = value.substr(colon + 1);
+    if (digits.empty() || digits.size() > 5 ||
+        digits.find_first_not_of("0123456789") != std::string_view::npos) {
+      return false;
+    }
+    port = std::stoi(std::string(digits));
+    host = value.substr(0, colon);
+  }
+  if (host.empty() || port != bound.port) return false;
+  const bool wildcard = bound.host == "0.0.0.0" || bound.host == "[::]";
+  if (NameIs(host, bound.host)) return true;
+  if (NameIs(host, "localhost")) return wildcard || IsLoopback(bound.host);
+  if (!wildcard) return false;
+  if (IsIpLiteral(host)) return true;
+  char name[256] = {};
+  return gethostname(name, sizeof(name) - 1) == 0 && NameIs(host, name);
+}
 
 // The response to one request head.
 std::string Answer(std::string_view head, const common::Registry& registry,
-                   const std::vector<MetricsPage>& pages) {
+                   const std::vector<MetricsPage>& pages, const BoundAddress& bound) {
   RequestHead request;
   if (!ParseHead(head, &request)) {
     return Response("400 Bad Request", "Bad request: not an HTTP/1.1 request\n");
@@ -103,6 +150,15 @@ std::string Answer(std::string_view head, const common::Registry& registry,
   }
   if (request.has_body) {
     return Response("413 Payload Too Large", "Payload too large: GET and HEAD take no body\n",
+                    head_only);
+  }
+  if (page != nullptr && page->check_host && !(request.has_host && HostNamesServer(request.host, bound))) {
+    return Response("421 Misdirected Request",
+                    absl::StrCat("Misdirected request: the Host header '",
+                                 request.has_host ? std::string(request.host).substr(0, 256)
+                                                  : std::string("(none)"),
+                                 "' does not name this server (", bound.host, ":", bound.port,
+                                 "); the page answers only requests addressed to it\n"),
                     head_only);
   }
   if (page != nullptr) {

@@ -23,11 +23,21 @@ std::string Response(const char* status, const std::string& body, bool head = fa
 // The length of the request head in `in` (request line and headers up to and including the line
 // break before the blank line), or npos while it is incomplete. Scans from `from`.
 size_t HeadLength(std::string_view in, size_t from);
+// The address a server listens on, for MetricsPage::check_host: `host` as bound ("127.0.0.1",
+// "[::1]", "0.0.0.0", "[::]") and its port.
+struct BoundAddress {
+  std::string host;
+  int port = 0;
+};
+// Whether a Host header value names `bound` (MetricsPage::check_host's rule).
+bool HostNamesServer(std::string_view host_header, const BoundAddress& bound);
 // The response to a complete request head: the registry's text for GET/HEAD /metrics; 400 for a
 // malformed head, 404 for another path, 405 for another method, 413 for a request with a body.
-// `pages` are answered as /metrics is (GET/HEAD 200, other methods 405), with their own bodies.
+// `pages` are answered as /metrics is (GET/HEAD 200, other methods 405), with their own bodies;
+// one with check_host gets 421 unless its Host header names `bound`.
 std::string Answer(std::string_view head, const common::Registry& registry,
-                   const std::vector<MetricsPage>& pages = {});
+                   const std::vector<MetricsPage>& pages = {},
+                   const BoundAddress& bound = BoundAddress());
 
 }  // namespace muond::server::http
 

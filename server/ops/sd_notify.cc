@@ -4,12 +4,17 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/heartbeat.h"
 #include "common/logging.h"
 
 namespace muond::server {
@@ -70,12 +75,26 @@ SdWatchdog::~SdWatchdog() {
 
 void SdWatchdog::Loop(absl::Duration period) {
   bool logged = false;
+  bool withheld = false;
+  const absl::Duration window = std::max(period, 2 * common::Heartbeat::kMaxWait);
   absl::MutexLock lock(&mu_);
   while (!stop_) {
-    absl::Status s = SdNotify("WATCHDOG=1");
-    if (!s.ok() && !logged) {
-      MUOND_LOG(WARNING) << "systemd watchdog ping: " << s;
-      logged = true;
+    const std::vector<std::string> stale = common::Heartbeats::Default().Stale(window);
+    if (!stale.empty()) {
+      if (!withheld) {
+        MUOND_LOG(ERROR) << "not pinging the systemd watchdog: no progress from the "
+                         << absl::StrJoin(stale, ", ") << " within "
+                         << absl::ToDoubleSeconds(window) << " s; systemd restarts the daemon";
+      }
+      withheld = true;
+    } else {
+      if (withheld) MUOND_LOG(INFO) << "systemd watchdog pings resume: every part shows progress";
+      withheld = false;
+      absl::Status s = SdNotify("WATCHDOG=1");
+      if (!s.ok() && !logged) {
+        MUOND_LOG(WARNING) << "systemd watchdog ping: " << s;
+        logged = true;
+      }
     }
     // Wakes early only to stop.
     mu_.AwaitWithTimeout(absl::Condition(&stop_), period);

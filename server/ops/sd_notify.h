@@ -32,7 +32,11 @@ absl::Status SdNotify(const std::string& state);
 absl::Duration SdWatchdogInterval();
 
 // Sends "WATCHDOG=1" every `interval / 2` from its own thread until destroyed, when `interval` is
-// positive (SdWatchdogInterval() by default); does nothing otherwise. Send errors are logged once.
+// positive (SdWatchdogInterval() by default); does nothing otherwise. A ping is sent only while
+// every part of the daemon that beats a common::Heartbeat (event loops, compute executor, job
+// registry) beat within max(interval / 2, 2 x Heartbeat::kMaxWait): a deadlocked part stops the
+// pings, and systemd restarts the daemon (the first skipped ping is logged, naming the part).
+// Send errors are logged once.
 class SdWatchdog {
  public:
   explicit SdWatchdog(absl::Duration interval = SdWatchdogInterval());

@@ -33,4 +33,15 @@ void StepHistory::Prune(const std::set<std::string>& present) {
   }
 }
 
+void StepHistory::Forget(const std::string& job_id, int64_t created_unix_ms) {
+  absl::MutexLock lock(&mu_);
+  const auto it = jobs_.find(job_id);
+  if (it != jobs_.end() && it->second.created_unix_ms == created_unix_ms) jobs_.erase(it);
+}
+
+size_t StepHistory::jobs() const {
+  absl::MutexLock lock(&mu_);
+  return jobs_.size();
+}
+
 }  // namespace muond::server

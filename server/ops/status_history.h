@@ -50,6 +50,11 @@ class StepHistory {
   std::vector<StepSample> Steps(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets every job not in `present`.
   void Prune(const std::set<std::string>& present) ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets job `job_id` created at `created_unix_ms` (its deletion; a job re-created under the
+  // same id since keeps its own history).
+  void Forget(const std::string& job_id, int64_t created_unix_ms) ABSL_LOCKS_EXCLUDED(mu_);
+  // Jobs with a history (tests: the history goes with the job).
+  size_t jobs() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct JobSteps {

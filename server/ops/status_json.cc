@@ -78,8 +78,9 @@ Json JobJson(const JobReport& r, const SharedSessions& shared, int64_t now_ms) {
   const bool apply = r.spec.mode == common::JobMode::kApply;
   int attached = 0;
   for (const RankReport& rank : r.ranks) attached += rank.attached ? 1 : 0;
+  // Whoever reaches the metrics address reads this: ids, sizes and state only; no owner, spec,
+  // paths or session ids (ListJobs shows those to the job's owner and token holders).
   Json j = {{"id", r.spec.job_id},
-            {"owner", r.owner},
             {"mode", std::string(common::JobModeName(r.spec.mode))},
             {"world_size", r.spec.world_size},
             {"zero_stage", r.spec.zero_stage},

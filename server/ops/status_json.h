@@ -8,7 +8,7 @@
 //               "jobs", "state_bytes", "momentum_bytes", "compute_queue_depth",
 //               "shm_sessions", "pinned_bytes", "memlock_limit_bytes" (null: unlimited)},
 //    "phases": ["assembly", ...],
-//    "jobs": [{"id", "owner", "mode", "world_size", "zero_stage", "tensors",
+//    "jobs": [{"id", "mode", "world_size", "zero_stage", "tensors",
 //              "ranks_attached", "ranks": [{"rank", "attached", "transport", "in_step"}],
 //              "next_step", "step_in_flight" (null: none), "steps_completed", "steps_refused",
 //              "steps_aborted", "fenced", "fence_reason", "state_bytes", "state_kind",

@@ -6,7 +6,7 @@ namespace muond::server {
 namespace {
 
 // The page. Data from the daemon is put into the DOM as text (textContent, SVG attributes), never
-// as markup, so a job id or an owner description cannot inject anything.
+// as markup, so a job id or a fence reason cannot inject anything.
 constexpr char kHtml[] = R"HTML(<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -49,7 +49,7 @@ svg text{font-size:10px;fill:#5f6b7a}
 <div id="error" hidden></div>
 <section class="card" id="daemon"><h2>Daemon</h2><dl class="facts" id="daemon-facts"></dl></section>
 <section class="card"><h2>Jobs</h2>
-<table id="jobs"><thead><tr><th>Job</th><th>Owner</th><th>Mode</th><th>World</th><th>ZeRO stage</th>
+<table id="jobs"><thead><tr><th>Job</th><th>Mode</th><th>World</th><th>ZeRO stage</th>
 <th>Ranks attached</th><th>Step</th><th>State</th><th>State bytes</th><th>Newest checkpoint</th></tr></thead>
 <tbody></tbody></table></section>
 <section class="card" id="operations-card"><h2>Checkpoint operations</h2><div id="operations"></div></section>
@@ -142,11 +142,10 @@ function ranksText(job) {
 
 function renderJobs(s) {
   var tbody = clear(document.querySelector('#jobs tbody'));
-  if (!s.jobs.length) tbody.appendChild(el('tr', {}, '')).appendChild(el('td', {colspan: '10', 'class': 'empty'}, 'no jobs'));
+  if (!s.jobs.length) tbody.appendChild(el('tr', {}, '')).appendChild(el('td', {colspan: '9', 'class': 'empty'}, 'no jobs'));
   s.jobs.forEach(function (j) {
     var tr = el('tr', {'class': 'job-row', 'data-job': j.id});
     tr.appendChild(el('td', {}, j.id));
-    tr.appendChild(el('td', {}, j.owner || '-'));
     tr.appendChild(el('td', {}, j.mode));
     tr.appendChild(el('td', {}, String(j.world_size)));
     tr.appendChild(el('td', {}, String(j.zero_stage)));
@@ -317,10 +316,12 @@ const std::string& StatusPageHtml() {
 
 std::vector<MetricsPage> StatusPages(std::function<std::string()> render_json) {
   std::vector<MetricsPage> pages;
-  pages.push_back(
-      {kStatusPagePath, "text/html; charset=utf-8", kHtmlHeaders, [] { return StatusPageHtml(); }});
+  // Both only for requests addressed to the daemon (check_host): a page of another origin whose
+  // DNS name rebinds to this address cannot read the status.
+  pages.push_back({kStatusPagePath, "text/html; charset=utf-8", kHtmlHeaders,
+                   [] { return StatusPageHtml(); }, /*check_host=*/true});
   pages.push_back({kStatusJsonPath, "application/json", "X-Content-Type-Options: nosniff\r\n",
-                   std::move(render_json)});
+                   std::move(render_json), /*check_host=*/true});
   return pages;
 }
 

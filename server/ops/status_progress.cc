@@ -1,6 +1,8 @@
 #include "server/ops/status_progress.h"
 
+#include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "absl/time/clock.h"
 
@@ -42,13 +44,20 @@ std::unique_ptr<OperationProgress::Handle> OperationProgress::Begin(const std::s
 
 void OperationProgress::End(uint64_t id, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
-  for (auto& [job, entries] : jobs_) {
-    for (Entry& e : entries) {
+  for (auto job = jobs_.begin(); job != jobs_.end(); ++job) {
+    auto& entries = job->second;
+    for (auto at = entries.begin(); at != entries.end(); ++at) {
+      Entry& e = *at;
       if (e.report.id != id) continue;
       e.report.bytes_done = e.done->load(std::memory_order_relaxed);
       e.report.done = true;
       e.report.ended_unix_ms = absl::ToUnixMillis(absl::Now());
       e.report.error = status.ok() ? "" : std::string(status.message());
+      if (e.forget_on_end) {
+        entries.erase(at);
+        if (entries.empty()) jobs_.erase(job);
+        return;
+      }
       // Keep the newest kFinishedKept finished ones of this job.
       size_t finished = 0;
       for (const Entry& f : entries) finished += f.report.done ? 1 : 0;
@@ -60,6 +69,7 @@ void OperationProgress::End(uint64_t id, const absl::Status& status) {
           ++it;
         }
       }
+      TrimIdleJobs();
       return;
     }
   }
@@ -87,6 +97,43 @@ std::vector<OperationReport> OperationProgress::All() const {
     for (const Entry& e : entries) out.push_back(Snapshot(e));
   }
   return out;
+}
+
+void OperationProgress::Forget(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  const auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  auto& entries = it->second;
+  for (auto e = entries.begin(); e != entries.end();) {
+    if (e->report.done) {
+      e = entries.erase(e);
+    } else {
+      e->forget_on_end = true;
+      ++e;
+    }
+  }
+  if (entries.empty()) jobs_.erase(it);
+}
+
+size_t OperationProgress::jobs() const {
+  absl::MutexLock lock(&mu_);
+  return jobs_.size();
+}
+
+void OperationProgress::TrimIdleJobs() {
+  std::vector<std::pair<int64_t, std::string>> idle;  // (last end, job)
+  for (const auto& [job, entries] : jobs_) {
+    int64_t last = 0;
+    bool running = false;
+    for (const Entry& e : entries) {
+      running |= !e.report.done;
+      last = std::max(last, e.report.ended_unix_ms);
+    }
+    if (!running) idle.emplace_back(last, job);
+  }
+  if (idle.size() <= kIdleJobsKept) return;
+  std::sort(idle.begin(), idle.end());
+  for (size_t i = 0; i + kIdleJobsKept < idle.size(); ++i) jobs_.erase(idle[i].second);
 }
 
 void OperationProgress::Prune(const std::set<std::string>& present) {

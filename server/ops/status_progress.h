@@ -79,12 +79,22 @@ class OperationProgress {
   std::vector<OperationReport> All() const ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets the finished operations of jobs not in `present` (running ones stay).
   void Prune(const std::set<std::string>& present) ABSL_LOCKS_EXCLUDED(mu_);
+  // Job `job_id` is gone: its finished operations are forgotten now, its running ones when they
+  // end.
+  void Forget(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Jobs with operations listed (tests).
+  size_t jobs() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Beyond this many jobs whose operations all ended, the one that ended longest ago is
+  // forgotten (jobs whose creation failed, e.g. an import refused, are never deleted).
+  static constexpr size_t kIdleJobsKept = 256;
 
  private:
   struct Entry {
     OperationReport report;  // bytes_done read from `done` while running
     std::shared_ptr<std::atomic<uint64_t>> done;
+    bool forget_on_end = false;  // its job is gone
   };
+  void TrimIdleJobs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void End(uint64_t id, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   static OperationReport Snapshot(const Entry& e);
 

@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstring>
 #include <mutex>
+#include <string_view>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -131,14 +132,21 @@ absl::Status ReadManifest(const std::string& gen_dir, Json* manifest, Generation
     return absl::DataLossError(
         absl::StrCat(path, ": not a muond checkpoint of format version ", kFormatVersion));
   }
-  try {
-    info->generation = j.at("generation").get<int64_t>();
-    info->step = j.at("step").get<int64_t>();
-    info->created_unix_ms = j.at("created_unix_ms").get<int64_t>();
-    info->bytes = j.at("payload_bytes").get<uint64_t>();
-  } catch (const Json::exception& e) {
-    return absl::DataLossError(absl::StrCat(path, ": ", e.what()));
+  // Each field's type checked before it is read (get<T>() throws on another type): an error names
+  // the file and the key.
+  for (const char* key : {"generation", "step", "created_unix_ms", "payload_bytes"}) {
+    const auto it = j.find(key);
+    const bool want_unsigned = std::string_view(key) == "payload_bytes";
+    if (it == j.end() || !(want_unsigned ? it->is_number_unsigned() : it->is_number_integer())) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": key '", key, "' is ", it == j.end() ? "missing" : it->type_name(),
+                       ", not ", want_unsigned ? "an unsigned integer" : "an integer"));
+    }
   }
+  info->generation = j["generation"].get<int64_t>();
+  info->step = j["step"].get<int64_t>();
+  info->created_unix_ms = j["created_unix_ms"].get<int64_t>();
+  info->bytes = j["payload_bytes"].get<uint64_t>();
   *manifest = std::move(j);
   return absl::OkStatus();
 }

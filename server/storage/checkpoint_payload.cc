@@ -107,15 +107,25 @@ absl::StatusOr<std::vector<TensorRead>> PlanTensorReads(const std::string& manif
                                                         Loaded* out) {
   const Json& h = header.json;
   std::vector<TensorRead> reads;
+  // The key being read, named in the message when nlohmann throws (a key missing or of another
+  // type than read).
+  std::string key = "tensors";
+  auto at = [&key](const Json& j, const std::string& prefix, const char* name) -> const Json& {
+    key = prefix + name;
+    return j.at(name);
+  };
   try {
     const Json& tensors = manifest.at("tensors");
     for (const Json& t : tensors) {
-      const std::string name = t.at("name").get<std::string>();
-      const std::vector<int64_t> shape = t.at("shape").get<std::vector<int64_t>>();
-      const std::vector<uint64_t> off = t.at("data_offsets").get<std::vector<uint64_t>>();
-      const uint32_t crc = t.at("crc32c").get<uint32_t>();
+      const std::string prefix = absl::StrCat("tensors[", reads.size(), "].");
+      const std::string name = at(t, prefix, "name").get<std::string>();
+      const std::vector<int64_t> shape = at(t, prefix, "shape").get<std::vector<int64_t>>();
+      const std::vector<uint64_t> off = at(t, prefix, "data_offsets").get<std::vector<uint64_t>>();
+      const uint32_t crc = at(t, prefix, "crc32c").get<uint32_t>();
+      key = absl::StrCat(name, " (of the payload header ", path, ")");
       const auto it = h.find(name);
-      if (it == h.end() || it->value("dtype", "") != "F32" ||
+      const auto dtype = it == h.end() ? h.end() : it->find("dtype");
+      if (it == h.end() || dtype == it->end() || !dtype->is_string() || *dtype != "F32" ||
           it->at("shape").get<std::vector<int64_t>>() != shape ||
           it->at("data_offsets").get<std::vector<uint64_t>>() != off || off.size() != 2 ||
           off[1] < off[0]) {
@@ -141,7 +151,7 @@ absl::StatusOr<std::vector<TensorRead>> PlanTensorReads(const std::string& manif
       reads.push_back({header.data_start + off[0], crc});
     }
   } catch (const Json::exception& e) {
-    return absl::DataLossError(absl::StrCat(manifest_path, ": ", e.what()));
+    return absl::DataLossError(absl::StrCat(manifest_path, ": key '", key, "': ", e.what()));
   }
   return reads;
 }

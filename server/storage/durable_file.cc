@@ -92,7 +92,7 @@ absl::Status MakeDirs(const std::string& path, mode_t mode) {
 
 absl::Status OpenForWrite(const std::string& path, Fd* fd) {
   if (int e = InjectedError(IoPoint::kOpen)) return ErrnoStatus(e, "open", path);
-  const int f = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0640);
+  const int f = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, kPrivateFileMode);
   if (f < 0) return ErrnoStatus(errno, "open", path);
   fd->reset(f);
   return absl::OkStatus();
@@ -202,6 +202,74 @@ absl::Status WriteFileDurably(const std::string& path, const std::string& data) 
     return s;
   }
   return FsyncDir(dir);
+}
+
+namespace {
+
+// Directories nested deeper than this under the state directory are left as they are (the
+// daemon makes four levels: jobs/<id>/checkpoints/<generation>).
+constexpr int kMaxRestrictDepth = 32;
+
+using RepairFn = std::function<void(const std::string&, mode_t, mode_t)>;
+
+// Takes the group and other bits off the entries of the open directory `fd` (at `path`), and
+// off everything under its subdirectories. An entry is changed by name (fchmodat) after lstat
+// showed it is a directory or a regular file: no file is opened (a FIFO would block, a file of
+// mode 0 could not be), and a symbolic link is neither changed nor followed. Only the daemon's
+// user can swap an entry meanwhile: its directory lost its group and other bits first.
+absl::Status RestrictEntries(int fd, const std::string& path, int depth,
+                             const RepairFn& on_repaired) {
+  DIR* d = ::fdopendir(::dup(fd));
+  if (d == nullptr) return ErrnoStatus(errno, "opendir", path);
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  ::closedir(d);
+  for (const std::string& name : names) {
+    const std::string child = absl::StrCat(path, "/", name);
+    struct stat st;
+    if (::fstatat(fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno == ENOENT) continue;  // removed meanwhile
+      return ErrnoStatus(errno, "lstat", child);
+    }
+    if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) continue;
+    const mode_t before = st.st_mode & 07777;
+    if ((before & 077) != 0) {
+      const mode_t after = before & ~static_cast<mode_t>(077);
+      if (::fchmodat(fd, name.c_str(), after, 0) != 0) {
+        if (errno == ENOENT) continue;
+        return ErrnoStatus(errno, "chmod", child);
+      }
+      on_repaired(child, before, after);
+    }
+    if (!S_ISDIR(st.st_mode) || depth + 1 >= kMaxRestrictDepth) continue;
+    Fd sub(::openat(fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (sub.get() < 0) {
+      // A directory its owner cannot list (mode 0300, say): no one else reaches what is in it.
+      if (errno == ENOENT || errno == EACCES) continue;
+      return ErrnoStatus(errno, "open", child);
+    }
+    RETURN_IF_ERROR(RestrictEntries(sub.get(), child, depth + 1, on_repaired));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RestrictToOwner(const std::string& root, const RepairFn& on_repaired) {
+  Fd fd(::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoStatus(errno, "open", root);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", root);
+  const mode_t before = st.st_mode & 07777;
+  if ((before & 077) != 0) {
+    const mode_t after = before & ~static_cast<mode_t>(077);
+    if (::fchmod(fd.get(), after) != 0) return ErrnoStatus(errno, "chmod", root);
+    on_repaired(root, before, after);
+  }
+  return RestrictEntries(fd.get(), root, 0, on_repaired);
 }
 
 }  // namespace muond::server::durable

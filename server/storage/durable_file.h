@@ -9,6 +9,7 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -34,12 +35,17 @@ class Fd {
   int fd_ = -1;
 };
 
+// Everything under the state directory is the daemon user's alone: directories 0700, files 0600
+// (reaching the socket, through its group, never grants reading a job's state).
+inline constexpr mode_t kPrivateDirMode = 0700;
+inline constexpr mode_t kPrivateFileMode = 0600;
+
 // mkdir of one directory (an existing one is fine).
-absl::Status Mkdir(const std::string& path, mode_t mode = 0750);
+absl::Status Mkdir(const std::string& path, mode_t mode = kPrivateDirMode);
 // mkdir -p: creates the missing directories of `path` with `mode`; FAILED_PRECONDITION when
 // `path` exists and is not a directory.
-absl::Status MakeDirs(const std::string& path, mode_t mode = 0750);
-// Creates `path` (which must not exist, mode 0640) for writing.
+absl::Status MakeDirs(const std::string& path, mode_t mode = kPrivateDirMode);
+// Creates `path` (which must not exist, mode 0600) for writing.
 absl::Status OpenForWrite(const std::string& path, Fd* fd);
 absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path);
 enum class IoPoint;
@@ -51,6 +57,16 @@ absl::Status Rename(const std::string& from, const std::string& to);
 absl::Status RemoveTree(const std::string& path);
 // Writes `data` to `path` durably: a temporary file, fsync, rename, directory fsync.
 absl::Status WriteFileDurably(const std::string& path, const std::string& data);
+
+// Takes every group and other permission bit off `root` (followed when it is a symbolic link)
+// and off every directory and regular file under it, top down (symbolic links and special files
+// there are neither followed nor changed; directories are walked through descriptors opened with
+// O_NOFOLLOW). `on_repaired` is told each path changed, with its mode before and after. An error
+// names the path and call (a file of another user: PERMISSION_DENIED); what was repaired before
+// it stays repaired.
+absl::Status RestrictToOwner(
+    const std::string& root,
+    const std::function<void(const std::string& path, mode_t before, mode_t after)>& on_repaired);
 
 // Test hooks: the `nth` (1-based) call at `point` fails with errno `error`, or, with `kill`, the
 // process sends itself SIGKILL there; with `delay_ms`, every call at `point` sleeps that long

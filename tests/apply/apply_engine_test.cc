@@ -298,6 +298,21 @@ TEST_F(ApplyEngineTest, InitFromReadsTheFileAndRefusesWhatItCannotUse) {
   ASSERT_TRUE(a.status[0].ok()) << a.status[0];
   ASSERT_TRUE(b.status[0].ok()) << b.status[0];
   ExpectBitEqual(a.params[0], b.params[0], "init_from vs upload");
+  // The read shows as an operation, like a save or a load (GetProgress, the status page).
+  auto ops = client().GetProgress(from.job_id, tf);
+  ASSERT_TRUE(ops.ok()) << ops.status();
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  bool seen = false;
+  for (const auto& op : *ops) {
+    if (op.kind() != "init_from") continue;
+    seen = true;
+    EXPECT_TRUE(op.done());
+    EXPECT_EQ(op.error(), "");
+    EXPECT_EQ(op.bytes_total(), static_cast<uint64_t>(st.st_size));
+    EXPECT_EQ(op.bytes_done(), op.bytes_total());
+  }
+  EXPECT_TRUE(seen) << "no init_from operation in GetProgress";
   // Refusals at creation, and no job is made.
   auto refused = [&](const std::string& file, absl::StatusCode code, const std::string& want) {
     common::JobSpec bad = spec;

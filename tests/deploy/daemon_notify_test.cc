@@ -5,7 +5,10 @@
 //     socket serves (grpc.health.v1 SERVING), the shared-memory socket exists and the metrics
 //     endpoint is bound (the log says where);
 //   - with WATCHDOG_USEC=400000 it pings WATCHDOG=1 (at least 3 pings, >= 2 periods of 200 ms);
-//   - on SIGTERM it sends STOPPING=1 and exits 0.
+//   - on SIGTERM it sends STOPPING=1 and exits 0;
+//   - when one part of it stops (a test hook, $MUOND_TEST_STALL: the compute executor in a task,
+//     the job registry with its lock held, the shared-memory or metrics event loop), the pings
+//     stop within the staleness window and the log names the part.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -157,12 +160,22 @@ void ExpectStoppingAndExit0(NotifyListener& listener, const std::string& log, Re
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "wait status " << status;
 }
 
+// A private directory for one daemon: its socket and log paths.
+struct DaemonDir {
+  std::string dir, socket, log;
+  DaemonDir() {
+    char tmpl[] = "/tmp/muond-sd.XXXXXX";
+    EXPECT_NE(mkdtemp(tmpl), nullptr);
+    dir = tmpl;
+    socket = dir + "/muond.sock";
+    log = dir + "/muond.log";
+  }
+  ~DaemonDir() { std::filesystem::remove_all(dir); }
+};
+
 TEST(DaemonNotifyTest, ReadyWatchdogAndStoppingFromTheRealDaemon) {
-  char tmpl[] = "/tmp/muond-sd.XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string dir = tmpl;
-  const std::string socket = dir + "/muond.sock";
-  const std::string log = dir + "/muond.log";
+  const DaemonDir d;
+  const std::string &dir = d.dir, &socket = d.socket, &log = d.log;
   NotifyListener listener;
   ASSERT_TRUE(listener.ok());
 
@@ -174,8 +187,81 @@ TEST(DaemonNotifyTest, ReadyWatchdogAndStoppingFromTheRealDaemon) {
   ASSERT_NO_FATAL_FAILURE(ExpectReadyAndServing(listener, socket, log, client));
   ASSERT_NO_FATAL_FAILURE(ExpectWatchdogPings(listener));
   ASSERT_NO_FATAL_FAILURE(ExpectStoppingAndExit0(listener, log, reaper));
-  std::filesystem::remove_all(dir);
 }
+
+// The ping proves progress: with one part of the daemon stopped for good, the pings stop.
+class WatchdogStallTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(WatchdogStallTest, PingsStopWhenAPartStops) {
+  const std::string part = GetParam();
+  const DaemonDir d;
+  const std::string &dir = d.dir, &socket = d.socket, &log = d.log;
+  NotifyListener listener;
+  ASSERT_TRUE(listener.ok());
+  std::vector<std::string> env = NotifyEnvironment(listener.address());
+  env.push_back("MUOND_TEST_STALL=" + part + ":2500");
+  pid_t pid = -1;
+  ASSERT_NO_FATAL_FAILURE(Spawn(DaemonArgs(dir, socket), env, log, pid));
+  Reaper reaper{pid};
+  std::unique_ptr<client::Client> client;
+  ASSERT_NO_FATAL_FAILURE(ExpectReadyAndServing(listener, socket, log, client));
+  if (ReadFile(log).find("stall armed") == std::string::npos) {
+    GTEST_SKIP() << "muond was built without MUOND_TEST_HOOKS (no $MUOND_TEST_STALL)";
+  }
+  // Healthy first: pings while every part beats.
+  ASSERT_NO_FATAL_FAILURE(ExpectWatchdogPings(listener));
+  // The executor stops in its next task: give it one (a step that never finishes; the call ends
+  // when the daemon is killed).
+  std::thread step;
+  if (part == "compute executor") {
+    step = std::thread([socket] {
+      auto c = client::Client::Connect("unix://" + socket);
+      if (!c.ok()) return;
+      common::JobSpec spec;
+      spec.job_id = "stalled";
+      spec.world_size = 1;
+      common::MatrixSpec w;
+      w.name = "w";
+      w.shape = {64, 32};
+      spec.matrices.push_back(w);
+      auto token = (*c)->CreateJob(spec);
+      if (!token.ok()) return;
+      auto rank = (*c)->Attach("stalled", 0, *token);
+      if (!rank.ok()) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2600));
+      std::vector<float> grads((*rank)->buffer_elements(), 0.5f), out(grads.size());
+      (void)(*rank)->StepBuffer(0, grads.data(), out.data());
+    });
+  }
+  // The part stops 2.5 s after start; pings may go on for the staleness window (1 s here) after
+  // its last beat. Then none for 3 s.
+  const Clock::time_point until = Clock::now() + std::chrono::seconds(30);
+  while (ReadFile(log).find("stops for good") == std::string::npos && Clock::now() < until) {
+    (void)listener.Receive(1);
+  }
+  ASSERT_NE(ReadFile(log).find("the " + part + " stops for good"), std::string::npos)
+      << ReadFile(log);
+  const Clock::time_point quiet_from = Clock::now() + std::chrono::milliseconds(1600);
+  while (Clock::now() < quiet_from) (void)listener.Receive(1);
+  std::optional<std::string> late = listener.Receive(3);
+  EXPECT_FALSE(late.has_value()) << "pinged after the " << part << " stopped: " << *late;
+  EXPECT_NE(ReadFile(log).find("not pinging the systemd watchdog: no progress from the " + part),
+            std::string::npos)
+      << ReadFile(log);
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  reaper.reaped = true;
+  if (step.joinable()) step.join();
+}
+
+INSTANTIATE_TEST_SUITE_P(Parts, WatchdogStallTest,
+                         ::testing::Values("compute executor", "job registry", "shm event loop",
+                                           "metrics http loop", "grpc accept loop"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           std::string name = info.param;
+                           for (char& c : name) c = c == ' ' ? '_' : c;
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace muond::deploy_test

@@ -4,7 +4,7 @@
 #       checks that it exists): exit 0 and NO output at all (verify exits 0 even for unknown keys;
 #       a copy with an unknown key is checked too, to prove the check sees such warnings here);
 #   (b) the settings the deployment relies on: Type=notify, NotifyAccess=main, WatchdogSec,
-#       LimitMEMLOCK=infinity, RuntimeDirectory=muond (0750, with a Group), StateDirectory=muond,
+#       LimitMEMLOCK=infinity, RuntimeDirectory=muond (0750, with a Group), StateDirectory=muond (0700),
 #       ProtectSystem=strict with ReadWritePaths, ProtectHome, NoNewPrivileges, PrivateTmp; no
 #       PrivateDevices and no DevicePolicy=closed (they would hide the GPUs); TimeoutStopSec above
 #       the sample config's shutdown-grace-seconds; ExecStart reads /etc/muond/muond.conf.
@@ -56,6 +56,7 @@ for line in open(unit):
 one = lambda k: settings.get(k, [None])[-1]
 want = {"Type": "notify", "NotifyAccess": "main", "LimitMEMLOCK": "infinity",
         "RuntimeDirectory": "muond", "RuntimeDirectoryMode": "0750", "StateDirectory": "muond",
+        "StateDirectoryMode": "0700",
         "ProtectSystem": "strict", "ProtectHome": "yes", "NoNewPrivileges": "yes",
         "PrivateTmp": "yes"}
 bad = [f"{k}={one(k)!r}, wanted {v!r}" for k, v in want.items() if one(k) != v]

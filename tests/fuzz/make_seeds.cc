@@ -1,6 +1,7 @@
 // Writes the seed corpora of the fuzz targets into tests/fuzz/corpus/<target>/ from valid inputs
 // made by the code itself (job specs, their API messages, safetensors files, checkpoint
-// generations written by the Store, attach requests, doorbells, config files, HTTP requests).
+// generations written by the Store, attach requests, doorbells, config files, HTTP requests,
+// export manifests, job and reset records).
 // Built with the fuzz targets (build-fuzz/fuzz_make_seeds); run from the repository root:
 //   build-fuzz/fuzz_make_seeds tests/fuzz/corpus
 // The seeds are committed; rerun when a format changes.
@@ -17,7 +18,9 @@
 #include "common/job_spec_proto.h"
 #include "common/safetensors.h"
 #include "common/shm_protocol.h"
+#include "common/state_export.h"
 #include "muond/v1/muond.pb.h"
+#include "nlohmann/json.hpp"
 #include "server/storage/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -204,6 +207,57 @@ void ChunkSeeds() {
 
 }  // namespace
 
+// Export manifests (ManifestToJson of the exports of the specs; update and apply mode) with the
+// fix-up byte set (the harness recomputes the checksum), and one without.
+void ExportManifestSeeds(const std::vector<muond::common::JobSpec>& specs) {
+  namespace se = muond::common::state_export;
+  int n = 0;
+  for (const muond::common::JobSpec& spec : specs) {
+    se::Manifest m;
+    m.job_id = spec.job_id;
+    m.mode = spec.mode;
+    m.step = 12;
+    m.generation = 3;
+    m.payload = spec.job_id + se::kPayloadSuffix;
+    for (const muond::common::MatrixSpec& t : spec.matrices) {
+      se::Array a;
+      a.name = spec.mode == muond::common::JobMode::kApply ? "master/" + t.name : t.name;
+      a.tensor = t.name;
+      a.shape = t.shape;
+      a.crc32c = 0x1234u + static_cast<uint32_t>(n);
+      m.arrays.push_back(a);
+      if (spec.mode == muond::common::JobMode::kApply) m.tensor_steps[t.name] = 12;
+    }
+    se::LayOut(&m);
+    const std::string text = se::ManifestToJson(m);
+    Put("export_manifest", "seed-" + std::to_string(n++), std::string(1, '\0') + text);
+    Put("export_manifest", "seed-" + std::to_string(n++), std::string(1, '\1') + text);
+  }
+  Put("export_manifest", "seed-format-1", std::string(1, '\1') + R"({"format": 1})");
+}
+
+// Job records as JobRegistry::Persist writes them (fix-up byte: the directory is named after the
+// spec's job id), and reset records as JobRegistry::Reset writes them.
+void JobRecordSeeds(const std::vector<muond::common::JobSpec>& specs) {
+  using Json = nlohmann::json;
+  int n = 0;
+  for (const muond::common::JobSpec& spec : specs) {
+    const Json record = {{"format", "muond-job"},
+                         {"format_version", 1},
+                         {"spec", Json::parse(muond::common::JobSpecToJson(spec))},
+                         {"token_sha256", std::string(64, 'a')},
+                         {"owner", {{"uid", 1000}, {"description", "uid 1000 gid 1000 pid 4242"}}}};
+    Put("job_record", "seed-" + std::to_string(n++), "\1" + record.dump(1, ' ') + "\n");
+  }
+  Put("job_record", "seed-format-7",
+      "\1" + Json{{"format", 7}, {"spec", Json::parse(muond::common::JobSpecToJson(specs[0]))}}
+                 .dump());
+  Put("reset_record", "seed-0",
+      Json{{"format", "muond-reset"}, {"next_step", 17}, {"after_generation", 4}}.dump() + "\n");
+  Put("reset_record", "seed-1",
+      Json{{"format", "muond-reset"}, {"next_step", "17"}, {"after_generation", 4}}.dump());
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::cerr << "usage: fuzz_make_seeds CORPUS_DIR\n";
@@ -218,5 +272,7 @@ int main(int argc, char** argv) {
   ConfigSeeds();
   HttpSeeds();
   ChunkSeeds();
+  ExportManifestSeeds(specs);
+  JobRecordSeeds(specs);
   return 0;
 }

@@ -119,10 +119,9 @@ TEST_F(FaultTest, ReplayOfLastStepReturnsSameBytesWithoutApplyingMomentumTwice) 
   client::StepResult first_result;
   const std::vector<client::NamedTensor> first = CleanStep(s, 1, 1, &first_result);
   EXPECT_FALSE(first_result.replayed);
-  for (int grad_step : {1, 2}) {  // a retry resends its gradients; they are not applied again
-    SCOPED_TRACE(absl::StrCat("replay with the gradients of step ", grad_step));
+  {  // a retry resends its gradients; they are not applied again
     client::StepResult result;
-    const std::vector<client::NamedTensor> again = CleanStep(s, 1, grad_step, &result);
+    const std::vector<client::NamedTensor> again = CleanStep(s, 1, 1, &result);
     EXPECT_TRUE(result.replayed);
     EXPECT_EQ(result.step, 1);
     ASSERT_EQ(again.size(), first.size());

@@ -129,6 +129,31 @@ TEST_F(HostileJobsTest, SizesBeyondTheLimitsAreRefusedBeforeAllocating) {
   Stop();
 }
 
+// --max-state-bytes bounds everything a job can hold, not only its momentum: a job whose momentum
+// fits but whose shared-memory regions, step buffers, save copy and gathered matrices do not is
+// refused at creation, naming the limit; one that fits whole is accepted.
+TEST_F(HostileJobsTest, StateLimitCountsBuffersRegionsAndCopies) {
+  Start({"--max-state-bytes", "67108864"});  // 64 MiB
+  // 4 Mi fp32 elements: 32 MiB of momentum (both buffers) fits; with the regions (2B + 3U =
+  // 80 MiB), a save's copy (16 MiB) and the gathered matrix (32 MiB) it does not.
+  common::JobSpec big = SmallSpec("momentum-fits");
+  big.matrices = {Matrix("w", {2048, 2048})};
+  const grpc::Status s = RawCreate(daemon_->address(), common::JobSpecToProto(big));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  for (const std::string& want :
+       {std::string("--max-state-bytes 67108864"), std::string("shared-memory regions")}) {
+    EXPECT_TRUE(absl::StrContains(s.error_message(), want)) << want << " in " << s.error_message();
+  }
+  std::printf("4 Mi-element job under --max-state-bytes 64 MiB: %s\n", s.error_message().c_str());
+  // A quarter of it fits whole (8 MiB momentum, 20 MiB regions and buffers, 4 + 8 MiB copies).
+  common::JobSpec small = SmallSpec("fits-whole");
+  small.matrices = {Matrix("w", {1024, 1024})};
+  auto token = client_->CreateJob(small);
+  ASSERT_TRUE(token.ok()) << token.status();
+  ASSERT_TRUE(client_->DeleteJob("fits-whole", *token).ok());
+  Stop();
+}
+
 TEST_F(HostileJobsTest, MemoryOfADeletedJobIsReturned) {
   Start();
   MakeVictim();

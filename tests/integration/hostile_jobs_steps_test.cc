@@ -214,6 +214,103 @@ TEST_F(HostileJobsTest, ResentDataIsAlwaysRefused) {
   Stop();
 }
 
+// A re-sent committed step (a replay) must carry the gradients it was computed from: other values
+// are refused ALREADY_EXISTS naming the step, an incomplete set too; the same values, or none at
+// all (a fetch of the committed result), get the committed update. Nothing changes either way.
+TEST_F(HostileJobsTest, ReplayWithOtherGradientsIsRefused) {
+  Start();
+  MakeVictim();
+  common::JobSpec spec = SmallSpec("replayed");
+  spec.matrices = {Matrix("r", {32, 32}), Matrix("s", {16, 32})};
+  auto token = client_->CreateJob(spec);
+  ASSERT_TRUE(token.ok());
+  auto stub = RawStub(daemon_->address());
+  const MatrixBytes grads = MakeGradients(spec.matrices, 2, 11);
+  const uint64_t session = RawAttach(*stub, "replayed", *token);
+  ASSERT_NE(session, 0u);
+  auto begin = [&] { return BeginRequest("replayed", 0, session, 0); };
+  const RawStepResult first = RunRawStep(
+      *stub, &*token,
+      {begin(), GradientRequest(0, 0, grads[0][0]), GradientRequest(1, 0, grads[0][1]),
+       EndRequest()});
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  struct Case {
+    std::string what;
+    std::vector<v1::StepRequest> requests;
+    bool accepted;
+    std::string message;
+  };
+  std::string flipped = grads[0][1];
+  flipped[flipped.size() / 2] ^= 0x01;  // one bit of one element of the second matrix
+  const std::vector<Case> cases = {
+      {"the same gradients", {begin(), GradientRequest(0, 0, grads[0][0]),
+                              GradientRequest(1, 0, grads[0][1]), EndRequest()}, true, ""},
+      {"no gradients (a fetch)", {begin(), EndRequest()}, true, ""},
+      {"the next step's gradients", {begin(), GradientRequest(0, 0, grads[1][0]),
+                                     GradientRequest(1, 0, grads[1][1]), EndRequest()},
+       false, "matrix 'r' elements from 0"},
+      {"one bit flipped", {begin(), GradientRequest(0, 0, grads[0][0]),
+                           GradientRequest(1, 0, flipped), EndRequest()},
+       false, "matrix 's' elements from 0"},
+      {"half of the gradients", {begin(), GradientRequest(0, 0, grads[0][0]), EndRequest()}, false,
+       "does not carry all of the gradients"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const RawStepResult r = RunRawStep(*stub, &*token, c.requests);
+    if (c.accepted) {
+      EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+      EXPECT_TRUE(r.replayed());
+      EXPECT_EQ(r.Update(0, 32 * 32), first.Update(0, 32 * 32)) << "the committed bytes";
+      EXPECT_EQ(r.Update(1, 16 * 32), first.Update(1, 16 * 32)) << "the committed bytes";
+    } else {
+      EXPECT_EQ(r.status.error_code(), grpc::StatusCode::ALREADY_EXISTS)
+          << r.status.error_message();
+      for (const std::string& want :
+           {std::string("job 'replayed' rank 0: step 0 is committed"), c.message,
+            std::string("nothing changed")}) {
+        EXPECT_NE(r.status.error_message().find(want), std::string::npos)
+            << want << " in: " << r.status.error_message();
+      }
+    }
+    std::printf("replay of step 0 with %s: %s %s\n", c.what.c_str(),
+                r.status.ok() ? "OK" : "refused",
+                r.status.ok() ? "(the committed update)" : r.status.error_message().c_str());
+    auto st = client_->GetJob("replayed", *token);
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->next_step(), 1);
+    EXPECT_EQ(st->steps_completed(), 1);
+    EXPECT_FALSE(st->fenced());
+  }
+  // The momentum was not touched: step 1 gives what it gives after step 0 alone.
+  const RawStepResult next = RunRawStep(
+      *stub, &*token,
+      {BeginRequest("replayed", 0, session, 1), GradientRequest(0, 0, grads[1][0]),
+       GradientRequest(1, 0, grads[1][1]), EndRequest()});
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_FALSE(next.replayed());
+  auto ref = client_->CreateJob([&] {
+    common::JobSpec s = spec;
+    s.job_id = "replayed-ref";
+    return s;
+  }());
+  ASSERT_TRUE(ref.ok());
+  const uint64_t ref_session = RawAttach(*stub, "replayed-ref", *ref);
+  for (int step = 0; step < 2; ++step) {
+    const RawStepResult r = RunRawStep(
+        *stub, &*ref,
+        {BeginRequest("replayed-ref", 0, ref_session, step), GradientRequest(0, 0, grads[step][0]),
+         GradientRequest(1, 0, grads[step][1]), EndRequest()});
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    if (step == 1) {
+      EXPECT_EQ(r.Update(0, 32 * 32), next.Update(0, 32 * 32)) << "the replays changed the state";
+      EXPECT_EQ(r.Update(1, 16 * 32), next.Update(1, 16 * 32)) << "the replays changed the state";
+    }
+  }
+  ExpectVictimIntact();
+  Stop();
+}
+
 // Malformed specs (negative and huge dims, duplicate names), a scattered chunk stream, and a
 // malformed safetensors file given to muonctl: each a clear refusal, the victim untouched.
 TEST_F(HostileJobsTest, MalformedSpecsChunksAndFilesAreRefused) {

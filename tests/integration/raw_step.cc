@@ -73,6 +73,14 @@ RawStepResult RunRawStep(v1::Muond::Stub& stub, const std::string* token,
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
   if (token != nullptr) ctx.AddMetadata("x-muond-job-token", *token);
+  // As the client library does: the job id in the metadata too (printable ids only), so the
+  // daemon checks the token before reading and names the job when it refuses.
+  if (!requests.empty() && requests[0].has_begin()) {
+    const std::string& id = requests[0].begin().job_id();
+    bool printable = !id.empty() && id.size() <= 1024;
+    for (char c : id) printable = printable && c >= 0x20 && c <= 0x7e;
+    if (printable) ctx.AddMetadata("x-muond-job-id", id);
+  }
   auto stream = stub.Step(&ctx);
   for (size_t i = 0; i < requests.size(); ++i) {
     if (i + 1 == requests.size()) {

@@ -270,6 +270,19 @@ TEST_F(StateExportTest, MuonctlExportsAndCreatesFromTheExport) {
   auto st = client_->GetJob("b", b_token);
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->next_step(), 1);
+  // The import shows as an operation of the new job, like a save or a load.
+  auto ops = client_->GetProgress("b", b_token);
+  ASSERT_TRUE(ops.ok()) << ops.status();
+  bool imported = false;
+  for (const auto& op : *ops) {
+    if (op.kind() != "import") continue;
+    imported = true;
+    EXPECT_TRUE(op.done());
+    EXPECT_EQ(op.error(), "");
+    EXPECT_GT(op.bytes_total(), 0u);
+    EXPECT_EQ(op.bytes_done(), op.bytes_total());
+  }
+  EXPECT_TRUE(imported) << "no import operation in GetProgress";
   r = RunMuonctl(
       addr,
       {"job", "create", "--spec", Dir("b.json"), "--import-dir", Dir("cli"), "--restore-from", "a"},

@@ -1,6 +1,8 @@
 // The status page's parts without a daemon: the step history and operation progress bounds, the
 // JSON of a registry with a job (no token in it), and the HTTP routes of the pages beside
 // /metrics (methods, content types, a page that loads nothing from elsewhere).
+#include <unistd.h>
+
 #include <filesystem>
 #include <regex>
 #include <string>
@@ -17,6 +19,8 @@
 #include "server/ops/status_json.h"
 #include "server/ops/status_page.h"
 #include "server/ops/status_progress.h"
+#include "server/ops/metrics_http_request.h"
+#include "server/api/job_status_proto.h"
 #include "tests/unit/metrics/http_test_client.h"
 
 namespace muond::server {
@@ -71,6 +75,43 @@ TEST(OperationProgressTest, ReportsBytesAndKeepsFewFinished) {
   EXPECT_EQ(p.ForJob("gone")[0].error, "abandoned");
   p.Prune({"j"});
   EXPECT_TRUE(p.ForJob("gone").empty());
+}
+
+TEST(StepHistoryTest, ForgetDropsOnlyTheJobOfThatCreation) {
+  StepHistory h;
+  h.Record("a", 1, {0, 0, 0.5, {}});
+  h.Forget("a", 2);  // another creation of the id: not this history
+  EXPECT_EQ(h.Steps("a").size(), 1u);
+  h.Forget("a", 1);
+  EXPECT_TRUE(h.Steps("a").empty());
+  EXPECT_EQ(h.jobs(), 0u);
+}
+
+TEST(OperationProgressTest, ForgetDropsFinishedNowAndRunningWhenTheyEnd) {
+  OperationProgress p;
+  p.Begin("j", "save", "j", 10)->End(absl::OkStatus());
+  auto running = p.Begin("j", "load", "j", 10);
+  p.Forget("j");
+  ASSERT_EQ(p.ForJob("j").size(), 1u);  // the running load is still shown
+  EXPECT_EQ(p.ForJob("j")[0].kind, "load");
+  running->End(absl::OkStatus());
+  EXPECT_TRUE(p.ForJob("j").empty());
+  EXPECT_EQ(p.jobs(), 0u);
+}
+
+TEST(OperationProgressTest, JobsWhoseOperationsEndedAreBoundedWithoutARender) {
+  OperationProgress p;
+  // Imports of jobs whose creation failed: never deleted, never rendered.
+  const size_t n = OperationProgress::kIdleJobsKept + 50;
+  for (size_t i = 0; i < n; ++i) {
+    p.Begin(absl::StrCat("failed-", i), "import", "", 1)->End(absl::InvalidArgumentError("x"));
+  }
+  EXPECT_EQ(p.jobs(), OperationProgress::kIdleJobsKept);
+  EXPECT_TRUE(p.ForJob("failed-0").empty());  // the oldest went
+  EXPECT_EQ(p.ForJob(absl::StrCat("failed-", n - 1)).size(), 1u);
+  auto running = p.Begin("busy", "save", "busy", 1);  // a running one is never trimmed
+  for (size_t i = 0; i < 10; ++i) p.Begin(absl::StrCat("more-", i), "import", "", 1)->End({});
+  EXPECT_EQ(p.ForJob("busy").size(), 1u);
 }
 
 class StatusJsonTest : public ::testing::Test {
@@ -131,6 +172,7 @@ TEST_F(StatusJsonTest, DescribesDaemonAndJobsWithoutTokens) {
   ASSERT_EQ(s["jobs"].size(), 1u);
   const Json& j = s["jobs"][0];
   EXPECT_EQ(j["id"], "page");
+  EXPECT_FALSE(j.contains("owner")) << "the page shows ids, sizes and state, not who owns a job";
   EXPECT_EQ(j["mode"], "update");
   EXPECT_EQ(j["world_size"], 2);
   EXPECT_EQ(j["zero_stage"], 1);
@@ -141,10 +183,55 @@ TEST_F(StatusJsonTest, DescribesDaemonAndJobsWithoutTokens) {
   EXPECT_TRUE(j["checkpoint"].is_null());
   ASSERT_EQ(j["recent_steps"].size(), 1u);
   EXPECT_EQ(j["recent_steps"][0]["phases"][2], 0.2);
-  // A deleted job's history goes at the next render.
+  // A deleted job's history and operations go with it, without a render.
+  OperationProgress::Default().Begin("page", "save", "page", 1)->End(absl::OkStatus());
+  ASSERT_EQ(OperationProgress::Default().ForJob("page").size(), 1u);
   ASSERT_TRUE(registry_->Delete(std::move(created->job)).ok());
-  EXPECT_EQ(Json::parse(source.Render())["jobs"].size(), 0u);
   EXPECT_TRUE(StepHistory::Default().Steps("page").empty());
+  EXPECT_TRUE(OperationProgress::Default().ForJob("page").empty());
+  EXPECT_EQ(Json::parse(source.Render())["jobs"].size(), 0u);
+}
+
+// ListJobs for a caller that neither owns a job nor holds its token (hostile.ListJobsWithheld):
+// ids, sizes and state; none of the details.
+TEST_F(StatusJsonTest, WithheldJobStatusCarriesIdsSizesAndStateOnly) {
+  auto spec = common::ParseJobSpecJson(
+      R"({"job_id": "private", "world_size": 2, "zero_stage": 1,
+          "matrices": [{"name": "secret_layer.w", "shape": [8, 16]}]})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  JobOwner owner;
+  owner.uid = 1000;
+  owner.description = "uid 1000 (alice) pid 77";
+  auto created = registry_->Create(*spec, std::nullopt, owner);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ASSERT_TRUE(created->job->Attach(0, false).ok());
+  const JobReport r = created->job->Report();
+  const v1::JobStatus full = JobStatusToProto(r);
+  EXPECT_FALSE(full.details_withheld());
+  EXPECT_EQ(full.owner_uid(), 1000);
+  EXPECT_FALSE(full.checkpoint_dir().empty());
+  EXPECT_NE(full.ranks(0).session_id(), 0u);
+  const v1::JobStatus w = WithheldJobStatus(r);
+  EXPECT_TRUE(w.details_withheld());
+  EXPECT_EQ(w.spec().job_id(), "private");
+  EXPECT_EQ(w.spec().world_size(), 2);
+  EXPECT_EQ(w.spec().zero_stage(), 1);
+  EXPECT_EQ(w.momentum_bytes(), full.momentum_bytes());
+  EXPECT_EQ(w.next_step(), full.next_step());
+  ASSERT_EQ(w.ranks_size(), 2);
+  EXPECT_TRUE(w.ranks(0).attached());
+  EXPECT_EQ(w.ranks(0).session_id(), 0u);
+  EXPECT_EQ(w.spec().matrices_size(), 0);
+  EXPECT_FALSE(w.has_owner_uid());
+  EXPECT_EQ(w.owner(), "");
+  EXPECT_EQ(w.checkpoint_dir(), "");
+  EXPECT_EQ(w.fence_reason(), "");
+  const std::string bytes = w.SerializeAsString();
+  for (const std::string& secret : {std::string("secret_layer"), std::string("alice"),
+                                    full.checkpoint_dir()}) {
+    EXPECT_EQ(bytes.find(secret), std::string::npos) << secret;
+  }
+  ASSERT_TRUE(registry_->Delete(std::move(created->job)).ok());
 }
 
 class StatusPagesTest : public ::testing::Test {
@@ -185,6 +272,59 @@ TEST_F(StatusPagesTest, ReadOnly) {
       EXPECT_EQ(Header(r, "Allow"), "GET, HEAD") << method << " " << path;
     }
   }
+}
+
+// DNS rebinding: a page of another origin whose name resolves to the daemon's address sends its
+// own name in Host; the status pages answer 421 unless Host names this server. /metrics (scraped
+// by Prometheus under whatever target name it was given) is not restricted.
+TEST_F(StatusPagesTest, RefusesHostsThatAreNotTheServer) {
+  const int port = server_->port();
+  const std::string p = std::to_string(port);
+  for (const char* path : {"/", "/api/v1/status"}) {
+    for (const std::string& host : std::vector<std::string>{
+             "evil.example:" + p, "evil.example", "127.0.0.1",
+             "127.0.0.1:" + std::to_string(port + 1), "-", "127.0.0.1:" + p + "x",
+             "0.0.0.0:" + p}) {
+      const HttpResponse r = Fetch(port, "GET", path, host);
+      EXPECT_EQ(r.status_line, "HTTP/1.1 421 Misdirected Request") << path << " Host " << host;
+      EXPECT_NE(r.body.find("does not name this server (127.0.0.1:" + p + ")"),
+                std::string::npos)
+          << r.body;
+      EXPECT_EQ(r.body.find("jobs"), std::string::npos) << "nothing of the status leaks";
+    }
+    for (const std::string& host :
+         std::vector<std::string>{"127.0.0.1:" + p, "localhost:" + p, "LOCALHOST:" + p}) {
+      EXPECT_EQ(Fetch(port, "GET", path, host).status_line, "HTTP/1.1 200 OK") << host;
+    }
+  }
+  EXPECT_EQ(Fetch(port, "GET", "/metrics", "evil.example:" + p).status_line, "HTTP/1.1 200 OK");
+}
+
+TEST(HostNamesServerTest, BoundAddressRules) {
+  using http::BoundAddress;
+  using http::HostNamesServer;
+  const BoundAddress loopback{"127.0.0.1", 9464}, v6{"[::1]", 9464}, any{"0.0.0.0", 9464},
+      lan{"10.0.0.5", 9464};
+  EXPECT_TRUE(HostNamesServer("127.0.0.1:9464", loopback));
+  EXPECT_TRUE(HostNamesServer("localhost:9464", loopback));
+  EXPECT_FALSE(HostNamesServer("localhost:9465", loopback));
+  EXPECT_FALSE(HostNamesServer("10.0.0.5:9464", loopback));
+  EXPECT_TRUE(HostNamesServer("[::1]:9464", v6));
+  EXPECT_TRUE(HostNamesServer("localhost:9464", v6));
+  EXPECT_FALSE(HostNamesServer("[::1]", v6));  // port 80 meant
+  EXPECT_TRUE(HostNamesServer("10.0.0.5:9464", lan));
+  EXPECT_FALSE(HostNamesServer("localhost:9464", lan));  // not a loopback address
+  EXPECT_FALSE(HostNamesServer("rebind.example:9464", lan));
+  // A wildcard address answers to any IP literal, localhost and this machine's name.
+  EXPECT_TRUE(HostNamesServer("192.168.1.7:9464", any));
+  EXPECT_TRUE(HostNamesServer("[fe80::1]:9464", any));
+  EXPECT_TRUE(HostNamesServer("localhost:9464", any));
+  char name[256] = {};
+  ASSERT_EQ(gethostname(name, sizeof(name) - 1), 0);
+  EXPECT_TRUE(HostNamesServer(std::string(name) + ":9464", any));
+  EXPECT_FALSE(HostNamesServer("rebind.example:9464", any));
+  EXPECT_FALSE(HostNamesServer(":9464", any));
+  EXPECT_FALSE(HostNamesServer("192.168.1.7:99999", any));
 }
 
 TEST(StatusPageHtmlTest, LoadsNothingFromElsewhere) {

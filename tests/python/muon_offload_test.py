@@ -37,7 +37,8 @@ CPU_ISA = os.environ.get("MUOND_TEST_CPU_ISA", "")
 class Daemon:
     """A muond on a private socket; restartable on the same state directory."""
 
-    def __init__(self):
+    def __init__(self, extra_args=()):
+        self.extra_args = list(extra_args)
         self.tmp = tempfile.TemporaryDirectory(prefix="muond-pytest-")
         self.address = f"unix://{self.tmp.name}/muond.sock"
         self.state = os.path.join(self.tmp.name, "state")
@@ -49,7 +50,8 @@ class Daemon:
         self.log = open(self.log_path, "ab")
         extra = ["--cpu-isa", CPU_ISA] if CPU_ISA else []
         self.proc = subprocess.Popen([MUOND, "--listen", self.address, "--state-dir", self.state,
-                                      "--threads", "1", "--metrics-address", "off", *extra],
+                                      "--threads", "1", "--metrics-address", "off", *extra,
+                                      *self.extra_args],
                                      stderr=self.log)
         deadline = time.time() + 20
         while True:

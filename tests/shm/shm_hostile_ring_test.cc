@@ -77,6 +77,54 @@ void ExpectClearErrors(const std::vector<BadDoorbell>& bad, const std::string& j
 
 // Every malformed doorbell field gets its own clear error, the session is not ended, the step is
 // not refused or fenced, and a correct doorbell afterwards computes the reference update.
+// A replay over shared memory rings a committed step again: its gradient buffer must hold the
+// bytes the step was computed from. Other bytes are refused ALREADY_EXISTS naming the step and
+// the matrix, and nothing changes; the same bytes get the committed update (a replay).
+TEST_F(ShmHostileTest, ReplayWithOtherGradientsIsRefused) {
+  Ws1 j = NewWs1("shm-replay", 2, 17);
+  ASSERT_FALSE(j.want.empty());
+  auto ch = ShmChannel::Attach(ShmPath(), j.spec.job_id, 0, j.token, false);
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  ShmChannel& c = **ch;
+  const uint64_t bb = c.buffer_bytes();
+  const std::string step0 = FlatRankBuffer(j.spec, 0, j.grads[0]);
+  std::memcpy(c.GradientBuffer(0), step0.data(), bb);
+  auto done = c.Ring(0);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(Ws1Update(j.spec, c.UpdateBuffer(0)), j.want[0]);
+  // The trainer re-sends step 0 with other gradients (here: step 1's) in the same buffer.
+  const std::string step1 = FlatRankBuffer(j.spec, 0, j.grads[1]);
+  std::memcpy(c.GradientBuffer(0), step1.data(), bb);
+  auto other = c.Ring(0);
+  ASSERT_FALSE(other.ok()) << "a replay with other gradients was answered OK";
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kAlreadyExists) << other.status();
+  for (const std::string& want :
+       {absl::StrCat("job '", j.spec.job_id, "' rank 0: step 0 is committed"),
+        std::string("carries other gradients"), std::string("matrix 'q' elements from 0"),
+        std::string("nothing changed")}) {
+    EXPECT_NE(other.status().message().find(want), std::string::npos)
+        << want << " in: " << other.status();
+  }
+  v1::JobStatus st = Status(j.spec.job_id, j.token);
+  EXPECT_EQ(st.next_step(), 1);
+  EXPECT_EQ(st.steps_completed(), 1);
+  EXPECT_FALSE(st.fenced());
+  ASSERT_TRUE(st.ranks(0).attached()) << "the session survived the refusal";
+  // The same bytes again: the committed update.
+  std::memcpy(c.GradientBuffer(0), step0.data(), bb);
+  auto same = c.Ring(0);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_TRUE(same->replayed);
+  EXPECT_EQ(Ws1Update(j.spec, c.UpdateBuffer(0)), j.want[0]);
+  // And the momentum was not touched: step 1 gives the reference's step 1.
+  std::memcpy(c.GradientBuffer(1), step1.data(), bb);
+  auto next = c.Ring(1);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_FALSE(next->replayed);
+  EXPECT_EQ(Ws1Update(j.spec, c.UpdateBuffer(1)), j.want[1]);
+  ch->reset();
+}
+
 TEST_F(ShmHostileTest, MalformedDoorbellsGetClearErrorsAndTheSessionKeepsWorking) {
   Ws1 j = NewWs1("doorbell", 2, 3);
   ASSERT_FALSE(j.want.empty());

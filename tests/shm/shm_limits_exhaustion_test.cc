@@ -180,7 +180,11 @@ TEST_F(ShmLimitsTest, IdleConnectionsAreBoundedAndTimedOut) {
   f.max_sessions = flags ? 200 : 256;
   f.timeout = flags ? 4 : 5;
   std::vector<std::string> extra;
-  if (flags) extra = {"--max-shm-sessions", "200", "--shm-attach-timeout-seconds", "4"};
+  // One process floods here: its per-peer bounds as large as the global limit, which is tested.
+  if (flags) {
+    extra = {"--max-shm-sessions",        "200", "--shm-attach-timeout-seconds", "4",
+             "--max-shm-pending-per-uid", "200", "--max-shm-pending-per-pid",    "200"};
+  }
   ASSERT_NO_FATAL_FAILURE(StartDaemon(extra));
   const rlim_t nofile = RaiseNoFileLimit();
   std::unique_ptr<Victim> victim = NewVictim("victim", 3, 11);
@@ -320,7 +324,10 @@ StuckWindow ConnectWhileStuck(pid_t pid, const std::string& path, const std::str
 TEST_F(ShmLimitsTest, OutOfDescriptorsNeitherSpinsNorWedges) {
   const bool flag = DaemonHasFlag("--shm-attach-timeout-seconds");
   std::vector<std::string> extra;
-  if (flag) extra = {"--shm-attach-timeout-seconds", "60"};
+  if (flag) {
+    extra = {"--shm-attach-timeout-seconds", "60", "--max-shm-pending-per-uid", "256",
+             "--max-shm-pending-per-pid", "256"};
+  }
   ASSERT_NO_FATAL_FAILURE(StartDaemon(extra));
   RaiseNoFileLimit();
   std::unique_ptr<Victim> victim = NewVictim("victim", 2, 12);

@@ -41,15 +41,18 @@ int ConnectLoopback(int port) {
   return fd;
 }
 
-HttpResponse Fetch(int port, const std::string& method, const std::string& path) {
+HttpResponse Fetch(int port, const std::string& method, const std::string& path,
+                   const std::string& host) {
   const int fd = ConnectLoopback(port);
   if (fd < 0) {
     ADD_FAILURE() << "connect to port " << port << " failed: " << strerror(errno);
     return HttpResponse();
   }
-  const std::string request = method + " " + path +
-                              " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
-                              "Content-Length: 0\r\n\r\n";
+  const std::string host_line =
+      host == "-" ? "" : "Host: " + (host.empty() ? "127.0.0.1:" + std::to_string(port) : host) +
+                             "\r\n";
+  const std::string request = method + " " + path + " HTTP/1.1\r\n" + host_line +
+                              "Connection: close\r\nContent-Length: 0\r\n\r\n";
   EXPECT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL),
             static_cast<ssize_t>(request.size()));
   std::string raw;

@@ -21,7 +21,9 @@ HttpResponse ParseResponse(const std::string& raw);
 int ConnectLoopback(int port);
 
 // One request with `Connection: close`, read to EOF.
-HttpResponse Fetch(int port, const std::string& method, const std::string& path);
+// `host`: the Host header's value ("": 127.0.0.1:PORT; "-": no Host header).
+HttpResponse Fetch(int port, const std::string& method, const std::string& path,
+                   const std::string& host = "");
 
 // The value of header `name` (case-insensitive), or "" when absent.
 std::string Header(const HttpResponse& r, const std::string& name);

@@ -85,6 +85,25 @@ TEST(DaemonConfigTest, CpuIsa) {
   }
 }
 
+TEST(DaemonConfigTest, StreamIdleSeconds) {
+  auto defaults = Parse({});
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->stream_idle_seconds, 60);
+  auto flag = Parse({"--stream-idle-seconds", "2.5"});
+  ASSERT_TRUE(flag.ok()) << flag.status();
+  EXPECT_EQ(flag->stream_idle_seconds, 2.5);
+  auto file = Parse({"--config", WriteConfig("stream-idle-seconds = 7\n")});
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(file->stream_idle_seconds, 7);
+  for (const char* bad : {"0", "-1", "nan", "86401", "soon"}) {
+    auto r = Parse({"--stream-idle-seconds", bad});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("--stream-idle-seconds"), std::string::npos)
+        << r.status();
+  }
+  EXPECT_NE(DaemonUsage().find("--stream-idle-seconds S"), std::string::npos);
+}
+
 TEST(DaemonConfigTest, RejectsBadInputNamingIt) {
   auto unknown = Parse({"--frobnicate", "1"});
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);

@@ -1,0 +1,63 @@
+// The admission footprint counts every byte a job can hold (issue: hardening, second round, item
+// 7): state, tables, step buffers and shared-memory regions, the save's copy and the gathered
+// matrices, so --max-state-bytes bounds all of it.
+#include "server/jobs/job_footprint.h"
+
+#include "gtest/gtest.h"
+
+namespace muond::server {
+namespace {
+
+common::MatrixSpec Matrix(const std::string& name, std::vector<int64_t> shape,
+                          common::DType dtype = common::DType::kFloat32) {
+  common::MatrixSpec m;
+  m.name = name;
+  m.shape = std::move(shape);
+  m.dtype = dtype;
+  m.param_dtype = dtype;
+  return m;
+}
+
+TEST(JobFootprintTest, CountsStepBuffersRegionsSaveCopyAndGather) {
+  common::JobSpec spec;
+  spec.job_id = "f";
+  spec.world_size = 2;
+  spec.zero_stage = 2;
+  spec.matrices = {Matrix("a", {256, 128}), Matrix("b", {128, 128}, common::DType::kBFloat16)};
+  const uint64_t n_a = 256 * 128, n_b = 128 * 128;
+  auto f = MeasureJob(spec, /*daemon_gather_budget_bytes=*/uint64_t{1} << 30);
+  ASSERT_TRUE(f.ok()) << f.status();
+  // Update mode: the fp32 momentum twice.
+  EXPECT_EQ(f->state_bytes, (n_a + n_b) * 4 * 2);
+  // B = U = the gradients' bytes in their dtypes (+ 64 bytes of padding per rank): 2B + 3U.
+  const uint64_t b = n_a * 4 + n_b * 2 + 2 * 64;
+  EXPECT_EQ(f->step_bytes, 5 * b);
+  EXPECT_EQ(f->save_copy_bytes, f->state_bytes / 2);
+  // The gather budget is larger than every matrix assembled at once (8 bytes per element).
+  EXPECT_EQ(f->gather_bytes, (n_a + n_b) * 8);
+  EXPECT_EQ(f->total(), f->state_bytes + f->table_bytes + f->step_bytes + f->save_copy_bytes +
+                            f->gather_bytes);
+  // A job's own budget below that bounds the gathered bytes.
+  spec.gather_budget_bytes = 4096;
+  f = MeasureJob(spec, uint64_t{1} << 30);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->gather_bytes, 4096u);
+}
+
+TEST(JobFootprintTest, ApplyModeBuffersAreInTheParamDtype) {
+  common::JobSpec spec;
+  spec.job_id = "g";
+  spec.world_size = 1;
+  spec.mode = common::JobMode::kApply;
+  common::MatrixSpec w = Matrix("w", {64, 64});
+  w.param_dtype = common::DType::kBFloat16;
+  spec.matrices = {w};
+  auto f = MeasureJob(spec, 0);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const uint64_t b = 64 * 64 * 4 + 64, u = 64 * 64 * 2 + 64;
+  EXPECT_EQ(f->step_bytes, 2 * b + 3 * u);
+  EXPECT_EQ(f->gather_bytes, 0u) << "no budget given: none counted";
+}
+
+}  // namespace
+}  // namespace muond::server
