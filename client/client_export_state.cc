@@ -11,6 +11,7 @@
 #include <optional>
 #include <set>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
@@ -18,6 +19,7 @@
 #include "common/crc32c.h"
 #include "common/grpc_status.h"
 #include "common/job_spec_proto.h"
+#include "common/no_follow.h"
 #include "common/state_export.h"
 #include "common/status_macros.h"
 
@@ -71,19 +73,24 @@ absl::Status WriteAt(int fd, const std::string& path, std::string_view data, uin
   return absl::OkStatus();
 }
 
-// A file of `dir` being written under a temporary name; Publish() fsyncs it and links it to its
-// final name without replacing anything there (EEXIST: ALREADY_EXISTS). Removed unless published.
+// A file of a directory (open as `dir_fd`, reached without links) being written under a temporary
+// name, created new and never through a link; Publish() fsyncs it and links it to its final name
+// without replacing anything there (EEXIST: ALREADY_EXISTS). Removed unless published.
 class NewFile {
  public:
   NewFile(const std::string& dir, const std::string& name)
-      : path_(absl::StrCat(dir, "/", name)),
-        tmp_(absl::StrCat(dir, "/.", name, ".tmp-", ::getpid())) {}
+      : name_(name),
+        tmp_name_(absl::StrCat(".", name, ".tmp-", ::getpid())),
+        path_(absl::StrCat(dir, "/", name)),
+        tmp_(absl::StrCat(dir, "/", tmp_name_)) {}
   ~NewFile() {
     if (fd_ >= 0) ::close(fd_);
-    if (created_) ::unlink(tmp_.c_str());
+    if (created_) ::unlinkat(dir_fd_, tmp_name_.c_str(), 0);
   }
-  absl::Status Create() {
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  absl::Status Create(int dir_fd) {
+    dir_fd_ = dir_fd;
+    fd_ = ::openat(dir_fd, tmp_name_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                   0644);
     if (fd_ < 0) return Errno(tmp_, "open");
     created_ = true;
     return absl::OkStatus();
@@ -93,12 +100,15 @@ class NewFile {
   }
   absl::Status Publish() {
     if (::fsync(fd_) != 0) return Errno(tmp_, "fsync");
-    if (::link(tmp_.c_str(), path_.c_str()) != 0) return Errno(path_, "link");
+    if (::linkat(dir_fd_, tmp_name_.c_str(), dir_fd_, name_.c_str(), 0) != 0) {
+      return Errno(path_, "link");
+    }
     return absl::OkStatus();  // the temporary name goes in the destructor
   }
 
  private:
-  const std::string path_, tmp_;
+  const std::string name_, tmp_name_, path_, tmp_;
+  int dir_fd_ = -1;
   int fd_ = -1;
   bool created_ = false;
 };
@@ -116,13 +126,7 @@ absl::Status MakeDirs(const std::string& dir, std::vector<std::string>* made) {
   }
 }
 
-absl::Status FsyncDir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return Errno(dir, "open");
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  return rc == 0 ? absl::OkStatus() : Errno(dir, "fsync");
-}
+
 
 }  // namespace
 
@@ -227,6 +231,10 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
   m.job_id = job_id;
   m.payload = absl::StrCat(job_id, se::kPayloadSuffix);
   std::vector<std::string> made;  // directories created here: removed again if they stay empty
+  int dir_fd = -1;                 // `dir`, opened without following a link once it exists
+  absl::Cleanup close_dir = [&dir_fd] {
+    if (dir_fd >= 0) ::close(dir_fd);
+  };
   NewFile payload(dir, m.payload);
   uint64_t header_bytes = 0;
   size_t tensors = 0;
@@ -254,7 +262,8 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
     const std::string header = se::PayloadHeader(m);
     header_bytes = header.size();
     RETURN_IF_ERROR(MakeDirs(dir, &made));
-    RETURN_IF_ERROR(payload.Create());
+    ASSIGN_OR_RETURN(dir_fd, common::OpenDirectoryNoFollow(dir));
+    RETURN_IF_ERROR(payload.Create(dir_fd));
     return payload.Write(header, 0);
   };
   sink.data = [&](uint32_t a, uint64_t offset, std::string_view data) -> absl::Status {
@@ -268,11 +277,11 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
     // The manifest last: its presence says the export is complete.
     NewFile manifest(dir, absl::StrCat(job_id, se::kManifestSuffix));
     const std::string text = se::ManifestToJson(m);
-    s = manifest.Create();
+    s = manifest.Create(dir_fd);
     if (s.ok()) s = manifest.Write(text, 0);
     if (s.ok()) s = manifest.Publish();
-    if (s.ok()) s = FsyncDir(dir);
-    if (!s.ok()) ::unlink(files.payload.c_str());
+    if (s.ok() && ::fsync(dir_fd) != 0) s = Errno(dir, "fsync");
+    if (!s.ok()) ::unlinkat(dir_fd, m.payload.c_str(), 0);
   }
   if (!s.ok()) {
     for (auto d = made.rbegin(); d != made.rend(); ++d) ::rmdir(d->c_str());

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/json_depth.h"
+#include "common/no_follow.h"
 #include "common/status_macros.h"
 #include "common/utf8.h"
 #include "nlohmann/json.hpp"
@@ -327,32 +328,38 @@ absl::StatusOr<std::string> SerializeSafetensors(
 absl::Status WriteSafetensorsFile(const std::string& path, const std::vector<TensorRef>& tensors,
                                   const std::map<std::string, std::string>& metadata) {
   ASSIGN_OR_RETURN(const std::string bytes, SerializeSafetensors(tensors, metadata));
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoError(errno, "open", tmp);
+  // The directory is reached without following a symbolic link, the temporary file is new
+  // (O_EXCL, O_NOFOLLOW: a link planted under its name is not written through), and the rename
+  // replaces the name itself: nothing a link points at is written.
+  const auto [dir, name] = SplitDirName(path);
+  if (name.empty() || name == "." || name == "..") {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a file name"));
+  }
+  ASSIGN_OR_RETURN(const int dir_fd, OpenDirectoryNoFollow(dir));
+  const std::string tmp_name = absl::StrCat(".", name, ".tmp.", ::getpid());
+  const std::string tmp = absl::StrCat(dir, "/", tmp_name);
+  const int fd = ::openat(dir_fd, tmp_name.c_str(),
+                          O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const int err = errno;
+    ::close(dir_fd);
+    return ErrnoError(err, "open", tmp);
+  }
   absl::Status status = WriteAll(fd, bytes, tmp);
   if (status.ok() && ::fsync(fd) != 0) status = ErrnoError(errno, "fsync", tmp);
   if (::close(fd) != 0 && status.ok()) status = ErrnoError(errno, "close", tmp);
-  if (status.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (status.ok() && ::renameat(dir_fd, tmp_name.c_str(), dir_fd, name.c_str()) != 0) {
     status = ErrnoError(errno, "rename", absl::StrCat(tmp, ", ", path));
   }
   if (!status.ok()) {
-    ::unlink(tmp.c_str());  // best effort; the original error is the one worth reporting
+    ::unlinkat(dir_fd, tmp_name.c_str(), 0);  // best effort; the first error is worth reporting
+    ::close(dir_fd);
     return status;
   }
   // The rename is durable only once the directory entry is on disk.
-  const size_t slash = path.find_last_of('/');
-  const std::string dir =
-      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0) return ErrnoError(errno, "open", dir);
-  if (::fsync(dir_fd) != 0) {
-    const int err = errno;
-    ::close(dir_fd);
-    return ErrnoError(err, "fsync", dir);
-  }
+  if (::fsync(dir_fd) != 0) status = ErrnoError(errno, "fsync", dir);
   ::close(dir_fd);
-  return absl::OkStatus();
+  return status;
 }
 
 }  // namespace muond::common

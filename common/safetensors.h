@@ -67,7 +67,9 @@ absl::StatusOr<std::string> SerializeSafetensors(
     const std::vector<TensorRef>& tensors, const std::map<std::string, std::string>& metadata = {});
 
 // Serializes and writes to `path` through a temporary file in the same directory, fsync and rename,
-// so a reader never sees a half-written file. Errors name the path and the failing call.
+// so a reader never sees a half-written file. The directory is reached without following a
+// symbolic link in any component (common/no_follow.h; PERMISSION_DENIED naming the link), and
+// the temporary file is created new, never through a link. Errors name the path and the call.
 absl::Status WriteSafetensorsFile(const std::string& path, const std::vector<TensorRef>& tensors,
                                   const std::map<std::string, std::string>& metadata = {});
 

@@ -8,6 +8,7 @@
 #include "common/state_export.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <map>
@@ -258,6 +259,14 @@ TEST_F(StateExportTest, MuonctlExportsAndCreatesFromTheExport) {
   r = RunMuonctl(addr, {"checkpoint", "export", "--job", "a"}, env);
   EXPECT_EQ(r.exit_code, 3) << r.err;
   EXPECT_NE(r.err.find("--dir"), std::string::npos) << r.err;
+  // A destination reached through a symbolic link is refused (PERMISSION_DENIED, exit 7), and
+  // nothing is written where the link points.
+  ASSERT_EQ(::symlink(Dir("").c_str(), Dir("link").c_str()), 0);
+  r = RunMuonctl(addr, {"checkpoint", "export", "--job", "a", "--dir", Dir("link/via")}, env);
+  EXPECT_EQ(r.exit_code, 7) << r.err;
+  EXPECT_NE(r.err.find("is a symbolic link"), std::string::npos) << r.err;
+  struct stat via {};
+  EXPECT_NE(::stat(Dir("via/a.safetensors").c_str(), &via), 0) << "written through the link";
   // job create --import-dir: the new job (world 2, stage 3) expects step 1.
   common::JobSpec other = Spec("b", 2, 3);
   WriteWholeFile(Dir("b.json"), common::JobSpecToJson(other));
