@@ -101,7 +101,12 @@ TEST_F(ShmAttachOffLoopTest, LargeAttachDoesNotStallAnotherJobsSteps) {
             << Median(during) * 1e3 << " ms, longest " << max_during * 1e3 << " ms)" << std::endl;
   ASSERT_GE(before.size(), 20u);
   // The attach must take long enough for the comparison to mean something (mlock of 1 GiB).
-  ASSERT_GE(attach_seconds, 0.1) << "the attach was too quick to measure anything";
+  if (attach_seconds < 0.1) {
+    // The regions were not made resident (mlock refused, e.g. under a sanitizer's allocator):
+    // nothing slow happened, so there is nothing to compare against.
+    GTEST_SKIP() << "the attach took " << attach_seconds
+                 << " s (regions not made resident here): too quick to measure anything";
+  }
   ASSERT_GE(during.size(), 3u) << "the small job barely stepped during the attach";
   EXPECT_LT(max_during, attach_seconds / 2)
       << "a step of another job waited for the attach (made on the event thread?)";
