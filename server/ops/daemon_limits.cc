@@ -87,8 +87,10 @@ std::string LimitsUsage() {
       "Limits (checked before anything is allocated; a request beyond one is refused with\n"
       "RESOURCE_EXHAUSTED or INVALID_ARGUMENT naming the limit; each is exported as\n"
       "muond_limit{limit=\"KEY\"}):\n"
-      "  --max-state-bytes N     job state all jobs may hold: fp32 momentum plus each job's layout\n"
-      "                          tables. 0 = unlimited. Default: half of physical memory (",
+      "  --max-state-bytes N     bytes all jobs may hold, each counted at admission: its fp32\n"
+      "                          state, layout tables, step buffers and shared-memory regions,\n"
+      "                          a save's copy of the state and its gathered matrices.\n"
+      "                          0 = unlimited. Default: half of physical memory (",
       PhysicalMemoryBytes() / 2,
       " here).\n"
       "  --max-momentum-bytes N  the same limit (older name).\n"

@@ -18,8 +18,9 @@
 namespace muond::server {
 
 struct DaemonLimits {
-  // Bytes of job state all jobs may hold (fp32 momentum, later masters and moments, plus each
-  // job's layout tables, sized from the spec); 0 = unlimited. Default: half of physical memory.
+  // Bytes all jobs may hold, each job's JobFootprint (state, tables, step buffers and
+  // shared-memory regions, a save's copy, gathered matrices; sized from the spec at admission);
+  // 0 = unlimited. Default: half of physical memory.
   uint64_t max_state_bytes = 0;
   int max_jobs = 64;
   int max_world_size = 4096;

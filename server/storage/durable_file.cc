@@ -162,6 +162,21 @@ void SetFaultForTesting(std::optional<Fault> fault) {
   fault_calls = 0;
 }
 
+namespace {
+
+// The entries of `d` but "." and ".."; closes it.
+std::vector<std::string> TakeNames(DIR* d) {
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  ::closedir(d);
+  return names;
+}
+
+}  // namespace
+
 absl::Status RemoveTree(const std::string& path) {
   struct stat st;
   if (::lstat(path.c_str(), &st) != 0) {
@@ -171,12 +186,7 @@ absl::Status RemoveTree(const std::string& path) {
   if (S_ISDIR(st.st_mode)) {
     DIR* d = ::opendir(path.c_str());
     if (d == nullptr) return ErrnoStatus(errno, "opendir", path);
-    std::vector<std::string> names;
-    while (const dirent* e = ::readdir(d)) {
-      const std::string name = e->d_name;
-      if (name != "." && name != "..") names.push_back(name);
-    }
-    ::closedir(d);
+    const std::vector<std::string> names = TakeNames(d);
     for (const std::string& name : names) {
       RETURN_IF_ERROR(RemoveTree(absl::StrCat(path, "/", name)));
     }
@@ -221,12 +231,7 @@ absl::Status RestrictEntries(int fd, const std::string& path, int depth,
                              const RepairFn& on_repaired) {
   DIR* d = ::fdopendir(::dup(fd));
   if (d == nullptr) return ErrnoStatus(errno, "opendir", path);
-  std::vector<std::string> names;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name != "." && name != "..") names.push_back(name);
-  }
-  ::closedir(d);
+  const std::vector<std::string> names = TakeNames(d);
   for (const std::string& name : names) {
     const std::string child = absl::StrCat(path, "/", name);
     struct stat st;

@@ -5,6 +5,7 @@
 #include <grp.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -88,6 +89,15 @@ int OpenDescriptors(pid_t pid) {
   while (dirent* e = ::readdir(dir)) n += e->d_name[0] != '.';
   ::closedir(dir);
   return n;
+}
+
+int ClosedByPeer(const std::vector<int>& fds) {
+  int closed = 0;
+  for (int fd : fds) {
+    char b;
+    closed += ::recv(fd, &b, 1, MSG_DONTWAIT) == 0;
+  }
+  return closed;
 }
 
 double CpuSeconds(pid_t pid) {

@@ -27,6 +27,8 @@ bool WaitForLog(const DaemonProcess& daemon, const std::string& text, double tim
 
 // Open descriptors of a process (entries of /proc/PID/fd); -1 when it cannot be read.
 int OpenDescriptors(pid_t pid);
+// How many of the connections `fds` the peer has closed (a non-blocking read sees EOF).
+int ClosedByPeer(const std::vector<int>& fds);
 // User + system CPU seconds a process has used (/proc/PID/stat).
 double CpuSeconds(pid_t pid);
 
