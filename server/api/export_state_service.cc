@@ -10,6 +10,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/api/muond_service.h"
+#include "server/jobs/heap_trimmer.h"
 #include "server/ops/daemon_metrics.h"
 
 namespace muond::server {
@@ -79,6 +80,9 @@ absl::Status RunExportState(const std::shared_ptr<Job>& job, grpc::ServerContext
 
 grpc::Status MuondService::ExportState(grpc::ServerContext* ctx, const v1::ExportStateRequest* req,
                                        grpc::ServerWriter<v1::ExportStateChunk>* writer) {
+  // The snapshot and the chunks are heap memory: trimmed back to the system when the export
+  // ends (also when it outlives its deleted job), as a step's buffers are.
+  HeapTrimmer::Activity activity;
   absl::StatusOr<std::shared_ptr<Job>> job = Authorize(ctx, req->job_id());
   absl::Status s = job.status();
   if (s.ok()) {

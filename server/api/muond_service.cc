@@ -18,6 +18,7 @@
 #include "common/status_macros.h"
 #include "server/api/job_status_proto.h"
 #include "server/jobs/apply_step.h"
+#include "server/jobs/heap_trimmer.h"
 #include "server/ops/daemon_metrics.h"
 #include "server/ops/status_progress.h"
 
@@ -316,6 +317,9 @@ grpc::Status MuondService::WatchSession(grpc::ServerContext* ctx,
 
 grpc::Status MuondService::Step(
     grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  // What the stream's messages took on the heap is trimmed back when it ends (also after its
+  // job was deleted), as a step's buffers are.
+  HeapTrimmer::Activity activity;
   return Logged("Step", RunStep(ctx, stream));
 }
 
@@ -477,6 +481,7 @@ namespace muond::server {
 grpc::Status MuondService::InitParams(grpc::ServerContext* ctx,
                                       grpc::ServerReader<v1::InitRequest>* reader,
                                       v1::InitResponse* resp) {
+  HeapTrimmer::Activity activity;  // as Step
   return Logged("InitParams", RunInitParams(ctx, reader, resp));
 }
 
@@ -523,6 +528,9 @@ absl::Status MuondService::RunInitParams(grpc::ServerContext* ctx,
 
 grpc::Status MuondService::ExportParams(grpc::ServerContext* ctx, const v1::ExportRequest* req,
                                         grpc::ServerWriter<v1::ExportChunk>* writer) {
+  // The snapshot and the chunks are heap memory: trimmed back to the system when the export
+  // ends (also when it outlives its deleted job), as a step's buffers are.
+  HeapTrimmer::Activity activity;
   return Logged("ExportParams", RunExportParams(ctx, req, writer));
 }
 
