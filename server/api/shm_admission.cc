@@ -27,6 +27,7 @@
 #include "common/metrics.h"
 #include "common/shm_protocol.h"
 #include "common/shm_region.h"
+#include "common/status_macros.h"
 #include "muond/v1/muond.pb.h"
 #include "server/api/shm_attach.h"
 #include "server/api/shm_server.h"
@@ -130,25 +131,21 @@ void ShmServer::Accept() {
 }
 
 absl::Status ShmServer::CheckPeerPending(const ShmPeer& peer) const {
-  auto held = [](const auto& counts, auto key) {
+  // OK while `who` (named "uid N" / "pid N") holds fewer than `limit` pending connections.
+  auto check = [](const auto& counts, auto key, const char* who, const char* per,
+                  const char* flag, size_t limit) -> absl::Status {
     auto it = counts.find(key);
-    return it == counts.end() ? size_t{0} : it->second;
+    const size_t n = it == counts.end() ? size_t{0} : it->second;
+    if (n < limit) return absl::OkStatus();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        who, " ", key, " holds ", n, " shared-memory connections not attached yet, the limit per ",
+        per, " (", flag, " ", limit,
+        "); connection refused, attach on the connections held or close them"));
   };
-  if (const size_t n = held(pending_uids_, peer.uid); n >= pending_per_uid_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "uid ", peer.uid, " holds ", n,
-        " shared-memory connections not attached yet, the limit per user "
-        "(--max-shm-pending-per-uid ",
-        pending_per_uid_, "); connection refused, attach on the connections held or close them"));
-  }
-  if (const size_t n = held(pending_pids_, peer.pid); n >= pending_per_pid_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "pid ", peer.pid, " holds ", n,
-        " shared-memory connections not attached yet, the limit per process "
-        "(--max-shm-pending-per-pid ",
-        pending_per_pid_, "); connection refused, attach on the connections held or close them"));
-  }
-  return absl::OkStatus();
+  RETURN_IF_ERROR(check(pending_uids_, peer.uid, "uid", "user", "--max-shm-pending-per-uid",
+                        pending_per_uid_));
+  return check(pending_pids_, peer.pid, "pid", "process", "--max-shm-pending-per-pid",
+               pending_per_pid_);
 }
 
 void ShmServer::Admit(int conn) {

@@ -53,12 +53,10 @@ TEST(HostileEmfileTest, OutOfDescriptorsDoesNotSpinAndRecovers) {
                                                     "--metrics-address", "off"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const pid_t pid = (*daemon)->pid();
-  const int base = OpenDescriptors(pid);
-  ASSERT_GT(base, 0);
   // The daemon's limit: what it holds now plus 40.
-  const rlim_t limit = static_cast<rlim_t>(base + 40);
-  const rlimit lim{limit, limit};
-  ASSERT_EQ(::prlimit(pid, RLIMIT_NOFILE, &lim, nullptr), 0) << std::strerror(errno);
+  const int base = LimitDescriptors(pid, 40);
+  ASSERT_GT(base, 0) << std::strerror(errno);
+  const int limit = base + 40;
 
   std::vector<int> conns;
   for (int i = 0; i < 300; ++i) {
@@ -74,7 +72,7 @@ TEST(HostileEmfileTest, OutOfDescriptorsDoesNotSpinAndRecovers) {
   std::cout << "descriptors: " << base << " at start, limit " << limit << ", " << held
             << " with " << conns.size() << " idle connections open; CPU over 2 s out of "
             << "descriptors: " << cpu << " s\n";
-  EXPECT_GE(held, static_cast<int>(limit) - 2) << "the daemon should be out of descriptors";
+  EXPECT_GE(held, limit - 2) << "the daemon should be out of descriptors";
   EXPECT_LT(cpu, 0.5) << "the accept loop spins";
   ASSERT_TRUE((*daemon)->running());
 

@@ -106,11 +106,9 @@ void ExhaustAndRecover(bool tls) {
   const char* what = tls ? "TLS" : "TCP";
   ASSERT_GE(SecondsUntilHealthy(address, tls_options, 20), 0) << daemon.Log();
   const pid_t pid = daemon.pid();
-  const int base = OpenDescriptors(pid);
-  ASSERT_GT(base, 0);
-  const rlim_t limit = static_cast<rlim_t>(base + 40);
-  const rlimit lim{limit, limit};
-  ASSERT_EQ(::prlimit(pid, RLIMIT_NOFILE, &lim, nullptr), 0) << std::strerror(errno);
+  const int base = LimitDescriptors(pid, 40);
+  ASSERT_GT(base, 0) << std::strerror(errno);
+  const int limit = base + 40;
 
   std::vector<int> conns;
   for (int i = 0; i < 300; ++i) {
@@ -126,7 +124,7 @@ void ExhaustAndRecover(bool tls) {
   std::cout << what << ": descriptors " << base << " at start, limit " << limit << ", " << held
             << " with " << conns.size() << " idle connections open; CPU over 2 s out of "
             << "descriptors: " << cpu << " s\n";
-  EXPECT_GE(held, static_cast<int>(limit) - 2) << "the daemon should be out of descriptors";
+  EXPECT_GE(held, limit - 2) << "the daemon should be out of descriptors";
   EXPECT_LT(cpu, 0.5) << "the accept loop spins";
   ASSERT_TRUE(daemon.running());
 

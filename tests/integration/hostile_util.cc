@@ -5,6 +5,7 @@
 #include <grp.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -89,6 +90,14 @@ int OpenDescriptors(pid_t pid) {
   while (dirent* e = ::readdir(dir)) n += e->d_name[0] != '.';
   ::closedir(dir);
   return n;
+}
+
+int LimitDescriptors(pid_t pid, int headroom) {
+  const int base = OpenDescriptors(pid);
+  if (base <= 0) return -1;
+  const rlim_t limit = static_cast<rlim_t>(base + headroom);
+  const rlimit lim{limit, limit};
+  return ::prlimit(pid, RLIMIT_NOFILE, &lim, nullptr) == 0 ? base : -1;
 }
 
 int ClosedByPeer(const std::vector<int>& fds) {

@@ -27,6 +27,9 @@ bool WaitForLog(const DaemonProcess& daemon, const std::string& text, double tim
 
 // Open descriptors of a process (entries of /proc/PID/fd); -1 when it cannot be read.
 int OpenDescriptors(pid_t pid);
+// Sets process `pid`'s descriptor limit (soft and hard) to what it holds now plus `headroom`;
+// returns what it held (the base), or -1 with errno set when it cannot be read or set.
+int LimitDescriptors(pid_t pid, int headroom);
 // How many of the connections `fds` the peer has closed (a non-blocking read sees EOF).
 int ClosedByPeer(const std::vector<int>& fds);
 // User + system CPU seconds a process has used (/proc/PID/stat).
