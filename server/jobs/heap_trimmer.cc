@@ -32,6 +32,11 @@ uint64_t HeapTrimmer::trims() const {
   return trims_;
 }
 
+uint64_t HeapTrimmer::settle_trims() const {
+  absl::MutexLock lock(&mu_);
+  return settle_trims_;
+}
+
 bool HeapTrimmer::WaitIdleTrimmed(absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -45,6 +50,21 @@ void HeapTrimmer::Loop() {
   auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_ > 0; };
   absl::MutexLock lock(&mu_);
   while (true) {
+    if (settle_round_ > 0) {
+      // Settling: trim again unless a step begins first (its end trims and settles anew).
+      absl::Duration wait = kSettle;
+      for (int i = settle_round_; i < kSettleRounds; ++i) wait *= 3;
+      if (mu_.AwaitWithTimeout(absl::Condition(&busy), wait)) {
+        settle_round_ = 0;
+        continue;
+      }
+      --settle_round_;
+      mu_.Unlock();
+      ::malloc_trim(0);
+      mu_.Lock();
+      ++settle_trims_;
+      continue;
+    }
     mu_.Await(absl::Condition(&due));
     // A step that begins within kQuiet postpones the trim to its end.
     if (mu_.AwaitWithTimeout(absl::Condition(&busy), kQuiet)) continue;
@@ -55,6 +75,7 @@ void HeapTrimmer::Loop() {
     mu_.Lock();
     trimming_ = false;
     ++trims_;
+    settle_round_ = kSettleRounds;
   }
 }
 

@@ -139,11 +139,11 @@ TEST_F(ShmDeleteTest, DeleteEndsEveryHolderAndReturnsTheMemory) {
             << "holders " << during / kMiB << " MiB, after DeleteJob (" << delete_seconds << " s) "
             << after / kMiB << " MiB" << std::endl;
   EXPECT_GT(during, before + static_cast<uint64_t>(256 * kMiB)) << "the job's memory never showed";
-  // The job held 1.5 GiB (momentum, regions, buffers); all of it comes back. Run alone the
-  // daemon is within 5% of before (331 -> 332..341 MiB); with other tests loading the machine,
-  // up to ~58 MiB of the streams' buffers can stay in a glibc thread arena for more than 10 s,
-  // so the bound here is 64 MiB over before, not 5%.
-  EXPECT_LE(after, before + static_cast<uint64_t>(64 * kMiB))
+  // The job held 1.5 GiB (momentum, regions, buffers); all of it comes back, within 5% of
+  // before. Buffers that gRPC frees after the handlers' prompt trim (cancelled streams) go back
+  // at HeapTrimmer's settling trims; the daemon's one malloc arena lets malloc_trim return all
+  // of it (server/main.cc).
+  EXPECT_LE(after, static_cast<uint64_t>(before * 1.05))
       << "the deleted job's memory was not returned";
   std::cout << "after / before: " << static_cast<double>(after) / static_cast<double>(before)
             << std::endl;
