@@ -74,6 +74,10 @@ absl::StatusOr<Transport> ParseTransport(const std::string& name);
 struct StepResult {
   int64_t step = 0;
   bool replayed = false;
+  // The step was skipped (a non-finite gradient on some rank, job option "nonfinite": "skip"):
+  // the daemon changed nothing and returned no update (the caller's update buffers, or the
+  // shared update region, were not written); the job's next step is step + 1.
+  bool skipped = false;
   double compute_seconds = 0;
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;

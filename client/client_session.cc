@@ -64,6 +64,7 @@ class UpdateAssembler {
     if (resp.kind_case() == v1::StepResponse::kDone) {
       result_.step = resp.done().step();
       result_.replayed = resp.done().replayed();
+      result_.skipped = resp.done().skipped();
       result_.compute_seconds = resp.done().compute_seconds();
       result_.bytes_in = resp.done().bytes_in();
       result_.bytes_out = resp.done().bytes_out();
@@ -81,7 +82,8 @@ class UpdateAssembler {
     if (!done_) {
       return absl::InternalError(absl::StrCat("step ", step, ": stream ended without StepDone"));
     }
-    for (size_t i = 0; i < updates_.size(); ++i) {
+    // A skipped step sends no update: the caller's buffers are left as they were.
+    for (size_t i = 0; i < updates_.size() && !result_.skipped; ++i) {
       if (received_[i] != updates_[i].length) {
         return absl::InternalError(absl::StrCat(
             "step ", step, ": update of matrix '", spec_.matrices[updates_[i].matrix].name,
@@ -304,9 +306,10 @@ absl::StatusOr<StepResult> SharedResult(const absl::StatusOr<ShmChannel::Ringing
   StepResult result;
   result.step = r->step;
   result.replayed = r->replayed;
+  result.skipped = r->skipped;
   result.compute_seconds = r->seconds;
   result.bytes_in = buffer_bytes;
-  result.bytes_out = buffer_bytes;
+  result.bytes_out = r->skipped ? 0 : buffer_bytes;
   return result;
 }
 

@@ -291,7 +291,8 @@ absl::StatusOr<ShmChannel::Ringing> ShmChannel::RingRaw(int64_t step, uint32_t b
         const size_t len = strnlen(c.message, shm::kMessageBytes);
         return absl::Status(static_cast<absl::StatusCode>(c.code), std::string(c.message, len));
       }
-      return Ringing{c.step, c.replayed != 0, c.seconds};
+      return Ringing{c.step, (c.flags & shm::kCompletionReplayed) != 0, c.seconds,
+                     (c.flags & shm::kCompletionSkipped) != 0};
     }
     RETURN_IF_ERROR(Poll(-1));
   }
@@ -311,7 +312,8 @@ void ShmChannel::Reap() {
     }
     if (c.seq == last_seq_) {
       part_ended_ = true;
-      part_result_ = Ringing{c.step, c.replayed != 0, c.seconds};
+      part_result_ = Ringing{c.step, (c.flags & shm::kCompletionReplayed) != 0, c.seconds,
+                             (c.flags & shm::kCompletionSkipped) != 0};
     }
   }
 }

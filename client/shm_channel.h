@@ -39,6 +39,7 @@ class ShmChannel {
     int64_t step = 0;
     bool replayed = false;
     double seconds = 0;
+    bool skipped = false;  // the step was skipped: the update region was not written
   };
 
   // Errors carry the daemon's code (NOT_FOUND, UNAUTHENTICATED, ALREADY_EXISTS, ...); UNAVAILABLE

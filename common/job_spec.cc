@@ -225,7 +225,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
                                    "gather_budget_bytes", "transport_probe", "checkpoint_every_steps",
                                    "checkpoint_keep", "step_timeout_seconds", "mode", "tensors",
                                    "groups", "adamw", "max_grad_norm", "init_from",
-                                   "multinode"}));
+                                   "multinode", "nonfinite"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -267,6 +267,12 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
     if (!it->is_boolean()) return FieldError("transport_probe", "expected true or false");
     spec.transport_probe = it->get<bool>();
   }
+  if (const auto it = root.find("nonfinite"); it != root.end()) {
+    if (!it->is_string() || (*it != "refuse" && *it != "skip")) {
+      return FieldError("nonfinite", "expected \"refuse\" or \"skip\"");
+    }
+    spec.nonfinite_skip = *it == "skip";
+  }
   if (const auto it = root.find("layout"); it != root.end()) {
     RETURN_IF_ERROR(ParseLayout(*it, spec.matrices, &spec.explicit_layout));
     if (root.find("world_size") == root.end()) {
@@ -302,6 +308,8 @@ std::string JobSpecToJson(const JobSpec& spec) {
   root["matrices"] = std::move(matrices);
   root["gather_budget_bytes"] = spec.gather_budget_bytes;
   root["transport_probe"] = spec.transport_probe;
+  // Written only when set, so the specs of jobs that do not use it read as before.
+  if (spec.nonfinite_skip) root["nonfinite"] = "skip";
   root["checkpoint_every_steps"] = spec.checkpoint_every_steps;
   root["checkpoint_keep"] = spec.checkpoint_keep;
   root["step_timeout_seconds"] = spec.step_timeout_seconds;
@@ -328,6 +336,11 @@ std::string JobSpecToJson(const JobSpec& spec) {
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
   RETURN_IF_ERROR(ValidateJobId(spec.job_id));
+  if (spec.nonfinite_skip && spec.two_phase()) {
+    return absl::InvalidArgumentError(
+        "nonfinite: \"skip\" is for single-node jobs (a multi-node step commits in two phases; "
+        "skip the step in the trainer)");
+  }
   if (spec.world_size < 1 || spec.world_size > kMaxWorldSize) {
     return absl::InvalidArgumentError(
         absl::StrCat("world_size ", spec.world_size, " is outside 1..", kMaxWorldSize));

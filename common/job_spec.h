@@ -11,7 +11,9 @@
 //    "checkpoint_every_steps": 0,            (0: only on request and at shutdown)
 //    "checkpoint_keep": 3,                   (generations kept, 1..1000)
 //    "step_timeout_seconds": 0,             (0: the daemon's default)
-//    "transport_probe": false}                  (true: updates echo gradients; no Muon math)
+//    "transport_probe": false,                  (true: updates echo gradients; no Muon math)
+//    "nonfinite": "refuse"}   ("skip": a step with a NaN/Inf gradient on any rank commits as a
+//                              skipped step, state unchanged, step number advanced)
 // Apply mode (DESIGN.md 4b) adds, and only then writes:
 //   "mode": "apply" ("update", the default, is section 4), "tensors" (the name "matrices" stays
 //   accepted; one of the two), each entry also {"optimizer": "muon"|"adamw" (default muon),
@@ -134,6 +136,8 @@ struct JobSpec {
   // A data-path probe: the daemon returns every gradient span unchanged as its update and keeps
   // no momentum (for checking and measuring transports, e.g. muond-bench transport).
   bool transport_probe = false;
+  // A step with a non-finite gradient on any rank: refused (false) or skipped (true).
+  bool nonfinite_skip = false;
   // A checkpoint generation every N committed steps (0: only on request and at shutdown).
   uint64_t checkpoint_every_steps = 0;
   // Newest generations kept (1..kMaxCheckpointKeep).

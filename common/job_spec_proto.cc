@@ -211,6 +211,17 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
   }
   spec.gather_budget_bytes = proto.gather_budget_bytes();
   spec.transport_probe = proto.transport_probe();
+  switch (proto.nonfinite()) {
+    case v1::NONFINITE_REFUSE:
+      break;
+    case v1::NONFINITE_SKIP:
+      spec.nonfinite_skip = true;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nonfinite: unknown value ", static_cast<int>(proto.nonfinite()),
+          " (accepted: NONFINITE_REFUSE, NONFINITE_SKIP)"));
+  }
   spec.checkpoint_every_steps = proto.checkpoint_every_steps();
   spec.checkpoint_keep = proto.checkpoint_keep() == 0 ? 3 : proto.checkpoint_keep();
   spec.step_timeout_seconds = proto.step_timeout_seconds();
@@ -257,6 +268,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   if (spec.mode == JobMode::kApply) ApplyFieldsToProto(spec, &proto);
   proto.set_gather_budget_bytes(spec.gather_budget_bytes);
   proto.set_transport_probe(spec.transport_probe);
+  proto.set_nonfinite(spec.nonfinite_skip ? v1::NONFINITE_SKIP : v1::NONFINITE_REFUSE);
   proto.set_checkpoint_every_steps(spec.checkpoint_every_steps);
   proto.set_checkpoint_keep(spec.checkpoint_keep);
   proto.set_step_timeout_seconds(spec.step_timeout_seconds);

@@ -30,7 +30,7 @@
 namespace muond::common::shm {
 
 inline constexpr uint32_t kRingMagic = 0x6d756f6e;  // "muon"
-inline constexpr uint32_t kRingVersion = 1;
+inline constexpr uint32_t kRingVersion = 2;
 inline constexpr uint32_t kRingSlots = 8;
 inline constexpr size_t kMessageBytes = 240;
 inline constexpr int kNumFds = 5;
@@ -79,10 +79,16 @@ struct Completion {
   uint64_t seq;
   int64_t step;
   int32_t code;
-  uint32_t replayed;
+  uint32_t flags;  // kCompletionReplayed | kCompletionSkipped (with code 0)
   double seconds;
   char message[kMessageBytes];
 };
+
+// Completion flags. Replayed: a retry of the step that committed last; the update region holds its
+// committed bytes. Skipped: the step was skipped (a non-finite gradient on some rank, job option
+// "nonfinite": "skip"): nothing in the job's state changed and the update region was not written.
+inline constexpr uint32_t kCompletionReplayed = 1;
+inline constexpr uint32_t kCompletionSkipped = 2;
 
 struct RingHeader {
   uint32_t magic;

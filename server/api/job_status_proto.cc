@@ -22,6 +22,7 @@ void SetPublicFields(const JobReport& r, v1::JobStatus* st) {
   st->set_next_step(r.next_step);
   st->set_steps_completed(r.steps_completed);
   st->set_steps_refused(r.steps_refused);
+  st->set_steps_skipped(r.steps_skipped);
   st->set_steps_aborted(r.steps_aborted);
   st->set_fenced(r.fenced);
   if (r.step_in_flight) st->set_step_in_flight(*r.step_in_flight);

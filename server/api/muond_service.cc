@@ -468,7 +468,8 @@ absl::Status MuondService::RunStep(
   }
   v1::StepDone* done = resp.mutable_done();
   done->set_step(update->step);
-  done->set_replayed(rank_step->replay());
+  done->set_replayed(rank_step->replay() && !update->skipped);
+  done->set_skipped(update->skipped);
   done->set_compute_seconds(update->compute_seconds);
   done->set_bytes_in(rank_step->bytes_in());
   done->set_bytes_out(bytes_out);

@@ -364,13 +364,13 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
   const uint64_t seq = sub.seq;
   const int64_t step = sub.step;
   const uint64_t buffer_bytes = s->buffer_bytes;
-  SharedDone done = [channel, seq, step, buffer_bytes](const absl::Status& status, bool replayed,
+  SharedDone done = [channel, seq, step, buffer_bytes](const absl::Status& status, uint32_t flags,
                                                        double seconds) {
-    if (status.ok()) {  // the rank's whole buffer went in, its update came out
+    if (status.ok() && (flags & kDoneSkipped) == 0) {  // the whole buffer in, the update out
       RecordBytes(Transport::kShm, Direction::kIn, buffer_bytes);
       RecordBytes(Transport::kShm, Direction::kOut, buffer_bytes);
     }
-    channel->Complete(seq, step, status, replayed, seconds);
+    channel->Complete(seq, step, status, flags, seconds);
   };
   SharedProgress progress;
   progress.words = reinterpret_cast<int64_t*>(s->regions->out.data() + s->progress_byte_offset);

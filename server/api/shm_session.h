@@ -63,7 +63,7 @@ class CompletionChannel {
     (void)unused;
   }
 
-  void Complete(uint64_t seq, int64_t step, const absl::Status& status, bool replayed,
+  void Complete(uint64_t seq, int64_t step, const absl::Status& status, uint32_t flags,
                 double seconds) {
     namespace shm = common::shm;
     absl::MutexLock lock(&mu_);
@@ -78,7 +78,7 @@ class CompletionChannel {
     c.seq = seq;
     c.step = step;
     c.code = static_cast<int32_t>(status.code());
-    c.replayed = replayed ? 1 : 0;
+    c.flags = flags;
     c.seconds = seconds;
     const size_t n = std::min(status.message().size(), shm::kMessageBytes - 1);
     // An OK status's message is empty with a null data(): memcpy from null is undefined even for

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/dtype.h"
@@ -11,13 +12,21 @@
 namespace muond::server {
 namespace {
 
+constexpr char kNonFinitePayload[] = "type.muond/nonfinite-gradient";
+
 absl::Status NonFinite(const std::string& where, const common::MatrixSpec& ms, uint64_t element) {
-  return absl::InvalidArgumentError(
+  absl::Status s = absl::InvalidArgumentError(
       absl::StrCat(where, ": matrix '", ms.name, "' has a non-finite gradient value at element ",
                    element, "; the step is refused for every rank and the momentum is unchanged"));
+  s.SetPayload(kNonFinitePayload, absl::Cord("1"));
+  return s;
 }
 
 }  // namespace
+
+bool IsNonFiniteGradient(const absl::Status& status) {
+  return status.GetPayload(kNonFinitePayload).has_value();
+}
 
 absl::Status CheckFiniteChunk(const std::string& where, const common::MatrixSpec& ms,
                               uint64_t first, const char* data, uint64_t count) {

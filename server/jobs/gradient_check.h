@@ -1,5 +1,6 @@
 // The one rule for gradient values (DESIGN.md 4): a non-finite value refuses the step for every
-// rank, and the error names the job, step, rank, matrix and element. Every data path checks
+// rank (or, with "nonfinite": "skip", skips it: IsNonFiniteGradient), and the error names the
+// job, step, rank, matrix and element. Every data path checks
 // through here: gRPC chunks (CheckGradientChunk, then CheckFiniteChunk) and shared-memory
 // submissions (CheckFiniteSpans, over the CPUs). The device checks what it computes from again
 // (a value a peer changed after its check never passes); the commit reads no gradient.
@@ -36,6 +37,9 @@ absl::Status CheckGradientChunk(const std::string& where, const common::JobSpec&
                                 const JobLayout& layout, int rank, uint32_t matrix, uint64_t offset,
                                 std::string_view data, uint32_t crc32c, size_t* span,
                                 uint64_t* count);
+// True for the error of the checks above about a non-finite gradient value (the others: malformed
+// input), which a job with "nonfinite": "skip" turns into a skipped step.
+bool IsNonFiniteGradient(const absl::Status& status);
 
 }  // namespace muond::server
 

@@ -219,6 +219,7 @@ JobReport Job::Report() const {
   r.next_step = next_step_;
   r.steps_completed = steps_completed_;
   r.steps_refused = steps_refused_;
+  r.steps_skipped = steps_skipped_;
   r.steps_aborted = steps_aborted_;
   r.fenced = fenced_;
   r.fence_reason = fence_reason_;

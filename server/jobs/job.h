@@ -417,6 +417,12 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // Nothing changes when the step already ended or its commit began.
   void FailStep(StepState& state, const absl::Status& status, bool fence)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // "nonfinite": "skip": `status` (a non-finite gradient) skips step `step` instead of refusing
+  // it: true when it did. The step in flight (`state`, or none yet) ends for every rank with a
+  // skipped update, the ranks not in it yet (and any retry of the step) get the same answer,
+  // nothing in the state store changes and the step number advances.
+  bool SkipStep(StepState* state, int64_t step, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A shared-memory rank's submission for `step` was refused (`bad`) before it entered the step:
   // the refusal is recorded so the ranks that have not learned of it do.
   void RefuseSubmission(int rank, uint64_t session, int64_t step, const absl::Status& bad)
@@ -509,6 +515,7 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   int64_t next_step_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_refused_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t steps_skipped_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
   double last_step_device_seconds_ ABSL_GUARDED_BY(mu_) = 0;  // simulated clock, last commit
   bool fenced_ ABSL_GUARDED_BY(mu_) = false;

@@ -13,6 +13,7 @@
 #include "common/logging.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
+#include "server/jobs/gradient_check.h"
 #include "server/jobs/job.h"
 #include "server/ops/daemon_metrics.h"
 #include "server/ops/status_history.h"
@@ -169,7 +170,7 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
   last_grad_norm_ = state.grad_norm;
   if (in_flight_.get() == &state) in_flight_ = nullptr;
   for (RankInput& in : state.ranks) {
-    if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), false, seconds);
+    if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), 0, seconds);
   }
   state.cv.SignalAll();
   if (spec_.checkpoint_every_steps > 0 && !spec_.transport_probe &&
@@ -185,6 +186,7 @@ void Job::DeviceFailed(StepState& state, const absl::Status& status) {
 void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
   // A step whose commit began is committed: nothing may report it as failed.
   if (state.done || state.committing || state.prepared) return;
+  if (!fence && SkipStep(&state, state.step, status)) return;
   // A step whose ranks are all on shared memory is owned by in_flight_ alone (no RankStep holds
   // it), and in_flight_ is reset below: keep `state` alive until this function returns.
   const std::shared_ptr<StepState> keep = in_flight_.get() == &state ? in_flight_ : nullptr;
@@ -192,7 +194,7 @@ void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
   state.result = status;
   state.ready.clear();
   for (RankInput& in : state.ranks) {
-    if (in.done) std::exchange(in.done, nullptr)(status, false, 0);
+    if (in.done) std::exchange(in.done, nullptr)(status, 0, 0);
   }
   if (in_flight_.get() == &state) in_flight_ = nullptr;
   if (fence) {
@@ -220,6 +222,7 @@ void Job::RefuseSubmission(int rank, uint64_t session, int64_t step, const absl:
     // retry (it never began the step, so FailStep counted it among the ranks owed it).
     (void)refusal_.Take(rank, step);
   } else if (!deleted_ && !fenced_ && sessions_[rank] == session && step == next_step_) {
+    if (in_flight_ == nullptr && SkipStep(nullptr, step, bad)) return;
     // Refused before any rank began the step: the ranks that submit it later are owed the
     // refusal, or they would begin a step this rank has already left.
     if (refusal_.Owes(rank, step)) {
@@ -232,6 +235,33 @@ void Job::RefuseSubmission(int rank, uint64_t session, int64_t step, const absl:
       MUOND_LOG(INFO) << "job '" << id() << "' step " << step << " refused: " << bad.message();
     }
   }
+}
+
+bool Job::SkipStep(StepState* state, int64_t step, const absl::Status& status) {
+  if (!spec_.nonfinite_skip || !IsNonFiniteGradient(status) || step != next_step_) return false;
+  // Every rank's answer for the step, now and on any retry: skipped, nothing to read back.
+  auto skipped = std::make_shared<RankUpdate>();
+  skipped->step = step;
+  skipped->skipped = true;
+  for (int r = 0; r < spec_.world_size; ++r) last_updates_[r] = skipped;
+  ++next_step_;
+  ++steps_skipped_;
+  refusal_.Clear();
+  MUOND_LOG(INFO) << "job '" << id() << "' step " << step << " skipped: " << status.message();
+  if (state != nullptr) {
+    const std::shared_ptr<StepState> keep = in_flight_.get() == state ? in_flight_ : nullptr;
+    state->done = true;
+    state->skipped = true;
+    state->result = absl::OkStatus();
+    state->ready.clear();
+    state->skipped_update = skipped;
+    for (RankInput& in : state->ranks) {
+      if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), kDoneSkipped, 0);
+    }
+    if (in_flight_.get() == state) in_flight_ = nullptr;
+    state->cv.SignalAll();
+  }
+  return true;
 }
 
 absl::Status Job::CheckNoStepInFlight(const char* what) const {
@@ -253,6 +283,11 @@ absl::Status Job::AbandonRank(const std::shared_ptr<StepState>& state, int rank,
   }
   if (state->done) {
     if (!state->result.ok()) return state->result;
+    if (state->skipped) {
+      return absl::UnavailableError(absl::StrCat(
+          "job '", id(), "' step ", state->step, " rank ", rank, ": ", why, ", but the step was "
+          "skipped (a non-finite gradient); ask for step ", state->step, " again to learn so"));
+    }
     return absl::UnavailableError(
         absl::StrCat("job '", id(), "' step ", state->step, " rank ", rank, ": ", why,
                      ", but the step was already committed (all data was in); ask for step ",

@@ -36,6 +36,7 @@ struct JobReport {
   int64_t next_step = 0;
   int64_t steps_completed = 0;
   int64_t steps_refused = 0;
+  int64_t steps_skipped = 0;  // "nonfinite": "skip": steps committed as skipped
   int64_t steps_aborted = 0;
   bool fenced = false;
   std::string fence_reason;

@@ -56,6 +56,13 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     } else {
       RefuseSubmission(rank, session, step, bad);
     }
+    // "nonfinite": "skip": the step was skipped for every rank; this rank learns it at its last
+    // part (the parts after this one are answered as parts of the skipped step).
+    if (const auto& last = last_updates_[rank];
+        last != nullptr && last->skipped && last->step == step) {
+      if (part.last) done(absl::OkStatus(), kDoneSkipped, 0);
+      return absl::OkStatus();
+    }
     return bad;
   }
   if (open != nullptr && open->finished) {
@@ -124,6 +131,12 @@ absl::Status Job::OpenSharedStep(int rank, uint64_t session, int64_t step, bool 
   RETURN_IF_ERROR(EnterStep(rank, session, step, hyper, &replay));
   *replayed = replay != nullptr;
   if (replay != nullptr) {
+    // A skipped step (its own late ranks, or a retry of it) is answered "skipped", whatever the
+    // gradients: nothing was computed from them.
+    if (replay->skipped) {
+      if (last) done(absl::OkStatus(), kDoneSkipped, 0);
+      return absl::OkStatus();
+    }
     // A replay must carry the gradients the step was computed from: checked when the whole step
     // is in (its last part).
     if (last) RETURN_IF_ERROR(CheckReplayInput(rank, *replay, in));
@@ -135,7 +148,7 @@ absl::Status Job::OpenSharedStep(int rank, uint64_t session, int64_t step, bool 
         CountTransportCopy(replay->spans[i].size);
       }
     }
-    if (last) done(absl::OkStatus(), /*replayed=*/true, replay->compute_seconds);
+    if (last) done(absl::OkStatus(), kDoneReplayed, replay->compute_seconds);
     return absl::OkStatus();
   }
   const std::vector<common::ShardSpan>& spans = layout_.spans(rank);

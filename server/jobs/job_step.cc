@@ -39,8 +39,12 @@ absl::Status RankStep::AddGradient(uint32_t matrix, uint64_t offset, std::string
     uint64_t count = 0;
     const std::string where = absl::StrCat("job '", job_->id(), "' step ", step_, " (replay) rank ",
                                            rank_);
-    RETURN_IF_ERROR(
-        job_->CheckChunk(where, rank_, matrix, offset, data, crc32c, &span, &count));
+    const absl::Status checked =
+        job_->CheckChunk(where, rank_, matrix, offset, data, crc32c, &span, &count);
+    // A skipped step computed nothing from its gradients: a retry's are not kept or compared
+    // (a non-finite value is what skipped it).
+    if (replay_->skipped) return IsNonFiniteGradient(checked) ? absl::OkStatus() : checked;
+    RETURN_IF_ERROR(checked);
     const JobLayout& layout = job_->layout_;
     if (replay_in_.empty()) {
       replay_in_.resize(layout.spans(rank_).size());
@@ -76,7 +80,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
   if (replay_ != nullptr) {
     // No gradients at all: the rank only asks for the committed result (a rank told UNAVAILABLE
     // "the step is committed" fetches it so). Any gradients: all of them, the same.
-    if (replay_in_.empty()) return replay_;
+    if (replay_in_.empty() || replay_->skipped) return replay_;
     const JobLayout& layout = job_->layout_;
     std::vector<const char*> span_in(layout.spans(rank_).size(), nullptr);
     for (size_t k = 0; k < span_in.size(); ++k) {
@@ -209,6 +213,11 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
   char* dst = nullptr;
   {
     absl::MutexLock lock(&mu_);
+    if (state.skipped) {
+      // The step was skipped (a non-finite gradient): the rest of its data is not needed, and
+      // the rank is told "skipped" when it finishes.
+      return bad.ok() || IsNonFiniteGradient(bad) ? absl::OkStatus() : bad;
+    }
     if (state.committing || (state.done && state.result.ok())) {
       // Every element was in: nothing more can be applied, and re-sent data is never taken. A
       // malformed chunk is still refused as malformed (its code does not depend on how far the
@@ -223,7 +232,7 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
     if (state.done) return state.result;
     if (!bad.ok()) {
       FailStep(state, bad, /*fence=*/false);
-      return bad;
+      return state.skipped ? absl::OkStatus() : bad;
     }
     ASSIGN_OR_RETURN(dst, ClaimChunk(state, where, rank, span, offset, count));
   }
@@ -288,6 +297,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
   absl::MutexLock lock(&mu_);
   if (state->done) {
     if (!state->result.ok()) return state->result;
+    if (state->skipped) return state->skipped_update;
     return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
   }
   RankInput& in = state->ranks[rank];
@@ -316,6 +326,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
   }
   if (state->prepared) return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
   if (!state->result.ok()) return state->result;
+  if (state->skipped) return state->skipped_update;
   return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
 }
 

@@ -41,11 +41,21 @@ struct RankUpdate {
   // span in order (set at commit): a replay of the step must re-send the same bytes.
   static constexpr size_t kDigestSlice = size_t{4} << 20;
   std::vector<uint32_t> input_digest;
+  // The step was skipped (a non-finite gradient on some rank, "nonfinite": "skip"): no spans, no
+  // digest; every rank (and every replay of the step) is told so.
+  bool skipped = false;
 };
 
+// Flags of a shared-memory completion (common/shm_protocol.h's kCompletionReplayed and
+// kCompletionSkipped).
+inline constexpr uint32_t kDoneReplayed = 1;
+inline constexpr uint32_t kDoneSkipped = 2;
+
 // Called once when a shared-memory submission ends: OK (the update is in the rank's update
-// region), or why not. Runs with the job's lock held: it must not call back into the Job.
-using SharedDone = std::function<void(const absl::Status& status, bool replayed, double seconds)>;
+// region, or with kDoneSkipped the step was skipped), or why not. Runs with the job's lock held:
+// it must not call back into the Job.
+using SharedDone =
+    std::function<void(const absl::Status& status, uint32_t flags, double seconds)>;
 
 }  // namespace muond::server
 

@@ -89,6 +89,10 @@ struct Families {
         Must(r.AddCounter("muond_steps_completed_total", "Optimizer steps committed."));
     steps_refused = Must(r.AddCounter("muond_steps_refused_total",
                                       "Steps refused (bad input; momentum left unchanged)."));
+    steps_skipped = Must(r.AddCounter(
+        "muond_steps_skipped_total",
+        "Steps skipped for a non-finite gradient on some rank (job option nonfinite=skip: the "
+        "step number advanced, nothing in the job's state changed)."));
     steps_aborted = Must(r.AddCounter("muond_steps_aborted_total",
                                       "Steps aborted after they started (the job is fenced)."));
     clip_redo = Must(r.AddCounter(
@@ -133,8 +137,8 @@ struct Families {
           job_gather_budget, job_gather_peak, job_checkpoint_age}) {
       f->Remove(&f->Add(labels));
     }
-    for (Family<Counter>* f : {steps_completed, steps_refused, steps_aborted, transport_copy,
-                               checkpoint_bytes, clip_redo}) {
+    for (Family<Counter>* f : {steps_completed, steps_refused, steps_skipped, steps_aborted,
+                               transport_copy, checkpoint_bytes, clip_redo}) {
       f->Remove(&f->Add(labels));
     }
     for (const char* result : {"ok", "error"}) {
@@ -153,8 +157,8 @@ struct Families {
       *momentum_limit, *queue_depth, *shm_sessions, *pinned, *memlock_limit;
   Family<Gauge>*job_world_size, *job_ranks_attached, *job_next_step, *job_fenced, *job_momentum,
       *job_gather_budget, *job_gather_peak, *job_checkpoint_age, *job_multinode;
-  Family<Counter>*steps_completed, *steps_refused, *steps_aborted, *transport_copy, *rpc_errors,
-      *checkpoint_saves, *checkpoint_bytes, *clip_redo;
+  Family<Counter>*steps_completed, *steps_refused, *steps_skipped, *steps_aborted,
+      *transport_copy, *rpc_errors, *checkpoint_saves, *checkpoint_bytes, *clip_redo;
   Family<Histogram>*step_seconds, *phase_seconds, *checkpoint_seconds;
   Counter* bytes[2][2];
   // Orders the creation of per-job series by Record* against their removal by the collector, so
@@ -328,6 +332,7 @@ void DaemonMetricsCollector::Collect() {
     }
     Advance(f.steps_completed->Add(labels), st.steps_completed, &seen.completed);
     Advance(f.steps_refused->Add(labels), st.steps_refused, &seen.refused);
+    Advance(f.steps_skipped->Add(labels), st.steps_skipped, &seen.skipped);
     Advance(f.steps_aborted->Add(labels), st.steps_aborted, &seen.aborted);
     Advance(f.transport_copy->Add(labels), st.transport_copy_bytes, &seen.transport_copy_bytes);
   }

@@ -112,6 +112,7 @@ class DaemonMetricsCollector {
   struct Seen {
     int64_t completed = 0;
     int64_t refused = 0;
+    int64_t skipped = 0;
     int64_t aborted = 0;
     uint64_t transport_copy_bytes = 0;
     common::Labels multinode;  // the series of muond_job_multinode_info, if any

@@ -91,6 +91,7 @@ Json JobJson(const JobReport& r, const SharedSessions& shared, int64_t now_ms) {
             {"step_in_flight", nullptr},
             {"steps_completed", r.steps_completed},
             {"steps_refused", r.steps_refused},
+            {"steps_skipped", r.steps_skipped},
             {"steps_aborted", r.steps_aborted},
             {"fenced", r.fenced},
             {"fence_reason", r.fence_reason},

@@ -235,6 +235,7 @@ function renderJobCards(s) {
     card.appendChild(el('h2', {}, 'Job ' + j.id));
     var dl = el('dl', {'class': 'facts'});
     fact(dl, 'Steps', j.steps_completed + ' committed, ' + j.steps_refused + ' refused, ' +
+         (j.steps_skipped ? j.steps_skipped + ' skipped, ' : '') +
          j.steps_aborted + ' aborted');
     fact(dl, 'Ranks', j.ranks.map(function (r) {
       return r.rank + ':' + (r.attached ? r.transport : 'detached');

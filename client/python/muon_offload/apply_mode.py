@@ -24,16 +24,13 @@ buffers of the collectives live on the device (NCCL). REQUIRES: one dtype for ev
 Thread-safety: none; one step at a time, as the session. Collectives: upload_params() and step()
 are called by every rank of the group in the same order.
 """
-import warnings
-
 import torch
 
 from ._native import CODES, MuondError
+from .cuda_pinning import CudaRuntimeRegistrar, PinnedHostRanges
 from .zero import (all_gather_partition_buffers, copy_from_buffer, copy_into_buffer,
                    fill_world_buffer, reduce_scatter_partitions, scatter_world_buffer)
 
-# cudaHostRegisterReadOnly: the update buffers are mapped read-only.
-_CUDA_HOST_REGISTER_READ_ONLY = 8
 DEFAULT_ADAMW = {"betas": (0.9, 0.95), "eps": 1e-10}
 
 
@@ -135,7 +132,7 @@ class ParameterOffload:
         self._dist = distributed if len(partitions) > 1 else None
         self._reduce = reduce_gradients and self._dist is not None
         self._cuda = self.device.type == "cuda"
-        self._registered = set()
+        self._pins = None  # PinnedHostRanges of the shared-memory buffers (CUDA only)
         size = self.partition.buffer_elements
         self._check_param_layout()
         kw = dict(dtype=self.dtype, device=self.device)
@@ -176,32 +173,30 @@ class ParameterOffload:
     # ----- CUDA registration -----
 
     def _pinned(self, view, read_only=False):
-        """`view` (a shared-memory buffer) registered with CUDA once, so that device copies to and
-        from it are asynchronous; unregistered views still work, with synchronous copies."""
+        """`view` (a shared-memory buffer of the session) registered with CUDA, so that device
+        copies to and from it are asynchronous; a view CUDA refused still works, with
+        synchronous copies (cuda_pinning warns once). The two buffers of the view's kind
+        (gradient: writable, update: read-only, cudaHostRegisterReadOnly) are back to back in one
+        mapping and share a page: they are registered as one range, so that no view straddles
+        two registrations."""
         if not self._cuda or view.numel() == 0:
             return view
-        ptr = view.data_ptr()
-        if ptr in self._registered:
-            return view
-        cudart = torch.cuda.cudart()
-        size = view.numel() * view.element_size()
-        flags = _CUDA_HOST_REGISTER_READ_ONLY if read_only else 0
-        try:
-            torch.cuda.check_error(cudart.cudaHostRegister(ptr, size, flags))
-            self._registered.add(ptr)
-        except Exception as e:  # e.g. RLIMIT_MEMLOCK: slower copies, same results
-            warnings.warn(f"muon_offload: cudaHostRegister of {size} bytes of shared memory "
-                          f"failed ({e}); device copies to it are synchronous")
-            self._registered.add(ptr)
+        if self._pins is None:
+            self._pins = PinnedHostRanges(CudaRuntimeRegistrar())
+        kind = "update" if read_only else "gradient"
+        first, second = (self.session.raw_view(kind, step) for step in (0, 1))
+        size = first.numel()
+        if size and second.data_ptr() == first.data_ptr() + size:
+            self._pins.pin(first.data_ptr(), 2 * size, read_only)
+        self._pins.pin(view.data_ptr(), view.numel() * view.element_size(), read_only)
         return view
 
     def close(self):
-        """Unregisters the shared-memory buffers from CUDA (before the session unmaps them)."""
-        if self._cuda:
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-        self._registered.clear()
+        """Unregisters from CUDA what _pinned registered (before the session unmaps the
+        buffers), and nothing else."""
+        if self._pins is not None:
+            self._pins.release()
+            self._pins = None
 
     def _sync(self):
         if self._cuda:
