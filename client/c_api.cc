@@ -14,6 +14,13 @@ struct muond_client {
 };
 struct muond_session {
   std::unique_ptr<muond::client::RankSession> impl;
+  // The last step that ended OK through this handle was skipped (muond_session_last_step_skipped).
+  bool last_skipped = false;
+  // Records the outcome of a step call and returns its status.
+  absl::Status Ended(const absl::StatusOr<muond::client::StepResult>& r) {
+    if (r.ok()) last_skipped = r->skipped;
+    return r.status();
+  }
 };
 
 namespace {
@@ -181,7 +188,7 @@ int muond_session_update_view(muond_session* session, int64_t step, const void**
 
 int muond_step_in_place(muond_session* session, int64_t step) {
   if (session == nullptr) return NullArgument("session");
-  return Report(session->impl->StepInPlace(step).status());
+  return Report(session->Ended(session->impl->StepInPlace(step)));
 }
 
 int muond_step_post(muond_session* session, int64_t step, uint64_t byte_offset, uint64_t bytes,
@@ -207,7 +214,11 @@ int muond_step_wait(muond_session* session, int64_t step, int* replayed) {
   if (session == nullptr) return NullArgument("session");
   auto r = session->impl->WaitParts(step);
   if (r.ok() && replayed != nullptr) *replayed = r->replayed ? 1 : 0;
-  return Report(r.status());
+  return Report(session->Ended(r));
+}
+
+int muond_session_last_step_skipped(const muond_session* session) {
+  return session != nullptr && session->last_skipped ? 1 : 0;
 }
 
 int64_t muond_session_next_step(const muond_session* session) {
@@ -254,7 +265,7 @@ int muond_step_buffer(muond_session* session, int64_t step, const void* grads, v
   if (session == nullptr || grads == nullptr || updates == nullptr) {
     return NullArgument("session, grads or updates");
   }
-  return Report(session->impl->StepBuffer(step, grads, updates).status());
+  return Report(session->Ended(session->impl->StepBuffer(step, grads, updates)));
 }
 
 int muond_step(muond_session* session, int64_t step, const muond_span* grads, size_t num_grads,
@@ -271,8 +282,7 @@ int muond_step(muond_session* session, int64_t step, const muond_span* grads, si
   for (size_t i = 0; i < num_updates; ++i) {
     out[i] = {updates[i].matrix, updates[i].offset, updates[i].data, updates[i].length};
   }
-  auto r = session->impl->Step(step, in, out);
-  return Report(r.status());
+  return Report(session->Ended(session->impl->Step(step, in, out)));
 }
 
 int muond_session_set_hyper(muond_session* session, const char* const* groups, const double* lr,

@@ -130,6 +130,12 @@ int muond_step_wait(muond_session* session, int64_t step, int* replayed);
  * one gradient dtype, `updates` the new parameters in the one param_dtype. */
 int muond_step_buffer(muond_session* session, int64_t step, const void* grads, void* updates);
 
+/* 1 when the last step that returned 0 on this session (muond_step, muond_step_in_place,
+ * muond_step_wait, muond_step_buffer) was skipped: the job has "nonfinite": "skip" and some rank's
+ * gradients held a NaN or Inf. Nothing in the daemon changed, the update (apply mode: the new
+ * parameters) was not written, and the job's next step is the one after it. 0 otherwise. */
+int muond_session_last_step_skipped(const muond_session* session);
+
 /* ---- Apply mode (DESIGN.md 4b): the daemon holds the fp32 master weights and the optimizer
  * state and returns new parameters. On an update-mode job these return 9 FAILED_PRECONDITION. */
 

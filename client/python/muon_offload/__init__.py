@@ -7,7 +7,9 @@
                            dict(params=other, use_muon=False, lr=3e-4, betas=(0.9, 0.95))])
 
 Modules: client (Client, Session, layout_spans over the C ABI of libmuond_client.so), optim
-(MuonWithAuxAdam; mode="apply" offloads the whole optimizer, DESIGN.md 4b), apply_mode (the
+(MuonWithAuxAdam; mode="apply" offloads the whole optimizer, DESIGN.md 4b), loss_scaler
+(DynamicLossScaler for fp16 with skipped steps), cuda_pinning (shared memory registered with
+CUDA), apply_mode (the
 trainer side of apply mode), checkpoints (its daemon-side checkpoints), rank_group (collectives
 that fail on every rank), zero (ZeRO partitions and their collectives for torch.distributed
 ranks), multinode (MultiNodeMuonWithAuxAdam: one daemon per node, DESIGN.md 4c), reference (the Muon update of DESIGN.md section 3 in PyTorch, and ApplyReference).
@@ -16,6 +18,7 @@ Errors: MuondError with the gRPC code and message.
 from ._native import CODE_NAMES, CODES, MuondError, library_path
 from .client import Client, Session, layout_spans
 from .optim import MuonWithAuxAdam
+from .loss_scaler import DynamicLossScaler
 from .apply_mode import ParameterOffload, apply_job_spec
 from .multinode import MultiNodeMuonWithAuxAdam
 from .multinode_plan import ownership_plan
@@ -27,7 +30,7 @@ from .zero import (Partition, all_gather_partition_buffers, all_gather_partition
 
 __all__ = [
     "CODE_NAMES", "CODES", "MuondError", "library_path", "Client", "Session", "layout_spans",
-    "MuonWithAuxAdam", "MultiNodeMuonWithAuxAdam", "ownership_plan", "ParameterOffload", "apply_job_spec", "ApplyReference", "muon_update",
+    "MuonWithAuxAdam", "DynamicLossScaler", "MultiNodeMuonWithAuxAdam", "ownership_plan", "ParameterOffload", "apply_job_spec", "ApplyReference", "muon_update",
     "newton_schulz", "Partition", "all_gather_partition_buffers", "all_gather_partitions",
     "copy_from_buffer", "copy_into_buffer", "fill_world_buffer", "group_partition",
     "group_rank_and_size", "job_partitions", "reduce_scatter_partitions",

@@ -88,6 +88,7 @@ _SIGNATURES = {
                                            ctypes.POINTER(ctypes.c_int)]),
     "muond_step_wait": (ctypes.c_int, [_P, _I64, ctypes.POINTER(ctypes.c_int)]),
     "muond_step_buffer": (ctypes.c_int, [_P, _I64, _P, _P]),
+    "muond_session_last_step_skipped": (ctypes.c_int, [_P]),
     # Checkpoints (DESIGN.md section 7).
     "muond_checkpoint_save": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _PI64, _PI64]),
     "muond_checkpoint_load": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64, _I64,

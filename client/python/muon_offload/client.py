@@ -231,6 +231,14 @@ class Session:
         The memory is mapped read-only: never write to this tensor."""
         return self._view("update", step, dtype)
 
+    @property
+    def last_step_skipped(self):
+        """True when the last step that ended on this session (step_in_place, wait_parts,
+        step_buffer, step_spans) was skipped: the job has "nonfinite": "skip" and some rank's
+        gradients held a NaN or Inf. muond changed nothing and wrote no update (apply mode: no
+        new parameters); the next step is the one after it."""
+        return bool(_native.lib().muond_session_last_step_skipped(self.handle))
+
     def step_in_place(self, step):
         """Submits the gradient view of `step` and waits for the update view."""
         _native.call("muond_step_in_place", self.handle, int(step))

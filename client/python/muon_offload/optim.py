@@ -36,8 +36,15 @@ bfloat16 or float16; on the CPU or a CUDA device). The trainer holds no optimize
 uploads its partition of the parameters before the first step; step() reduce-scatters the
 gradients into muond (muon_offload.apply_mode), sends each group's lr and weight_decay as the
 param_groups hold them then (so LR schedulers work) and a gradient divisor (the loss scale of
-fp16 training: step(grad_divisor=...) or the grad_divisor attribute), and all-gathers the new
-parameters. max_grad_norm clips globally in muond. mode="update" (the default) is the above.
+fp16 training: step(grad_divisor=...), the grad_divisor attribute, or a DynamicLossScaler's
+scale), and all-gathers the new parameters. max_grad_norm clips globally in muond.
+mode="update" (the default) is the above.
+
+Non-finite gradients (fp16 loss scaling): nonfinite="skip" (the default in apply mode with a
+loss_scaler) makes a step whose gradients hold a NaN or Inf on any rank a skipped step: muond
+changes nothing, step() returns normally with every parameter (and in update mode the AdamW
+state) as it was, opt.last_step_skipped is True, the step id advances and the scaler halves its
+scale. nonfinite="refuse" (the default otherwise) raises INVALID_ARGUMENT as below.
 
 Errors: MuondError (code, code_name, message). A step that fails changes nothing: no weight, AdamW
 state or momentum is updated, the step id stays, and the gradients are left as they were.
@@ -121,7 +128,8 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                  process_group=None, zero_stage=None, transport="auto", compute_dtype="float32",
                  reduce_gradients=None, takeover=False, mode="update", max_grad_norm=None,
                  init_from=None, grad_divisor=1.0, fp32_iterations=0, stream=True,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, delay=0, delay_warmup=10, predict=True):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, delay=0, delay_warmup=10, predict=True,
+                 nonfinite=None, loss_scaler=None):
         if backend not in ("muond", "local"):
             raise ValueError(f"backend must be 'muond' or 'local', not '{backend}'")
         if mode not in ("update", "apply"):
@@ -139,6 +147,20 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             raise ValueError(f"delay_warmup must be an integer >= 0, not {delay_warmup!r}")
         if int(bucket_bytes) <= 0:
             raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes!r}")
+        if loss_scaler is not None and (mode != "apply" or delay):
+            raise ValueError("loss_scaler: the gradients are divided by its scale in muond, which "
+                             "takes mode='apply' and delay=0 (the scaler needs each step's "
+                             "outcome at step())")
+        if nonfinite is None:
+            nonfinite = "skip" if loss_scaler is not None else "refuse"
+        if nonfinite not in ("refuse", "skip"):
+            raise ValueError(f"nonfinite must be 'refuse' or 'skip', not {nonfinite!r}")
+        if loss_scaler is not None and nonfinite != "skip":
+            raise ValueError("a loss_scaler needs nonfinite='skip' (an overflowed step is skipped "
+                             "and the scale lowered)")
+        self.nonfinite = nonfinite
+        self.loss_scaler = loss_scaler
+        self.last_step_skipped = False
         self.backend = backend
         self.mode = mode
         self._sealed = False
@@ -197,6 +219,8 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                                        max_grad_norm, init_from)
         else:
             self.spec = self._job_spec()
+        if self.nonfinite == "skip":
+            self.spec["nonfinite"] = "skip"
         self.partitions = job_partitions(self.spec)
         self.partition = self.partitions[self.rank]
         self.dtype = self._job_tensors[0][1].dtype
@@ -623,6 +647,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             self._in_flight = step
             return
         error = new_params = early = None
+        skipped = False
         try:
             if streamed:
                 self._step_hyper = hyper
@@ -641,9 +666,13 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                 st.disarm()
                 new_params = self.offload.push_step(
                     step, [p.grad for _, p in self._job_tensors], hyper)
+            skipped = s.last_step_skipped
         except MuondError as e:
             error = e
         self.ranks.raise_if_any_failed(error)
+        if skipped:  # every rank was told so: none takes part in the all-gather
+            self.last_step_skipped = True
+            return
         if early is None:
             self.offload.pull_params(new_params)
         else:
@@ -681,6 +710,11 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         except MuondError:
             self.step_id = step
             raise
+        if self.session.last_step_skipped:
+            # Nothing to install: the parameters the step applied to stay (without prediction).
+            self.last_step_skipped = True
+            self._drop_prediction()
+            return
         predict = self.predict and not draining
         params = self._predicted_params()
         if self._true is not None:
@@ -747,6 +781,9 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         grad_divisor attribute)."""
         if grad_divisor is not None and self.mode != "apply":
             raise ValueError("grad_divisor applies to mode='apply' only")
+        if grad_divisor is None and self.loss_scaler is not None:
+            grad_divisor = self.loss_scaler.scale
+        self.last_step_skipped = False
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -776,6 +813,8 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             self._steps_taken += 1
             self.last_step_stats = {"seconds": time.perf_counter() - t0}
         self.step_id += 1
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self.last_step_skipped)
         self._arm()
         return loss
 
@@ -795,5 +834,8 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             self._in_flight = step
             return
         update, early = self._muond_updates(step)
+        if self.session.last_step_skipped:  # every rank was told so; AdamW skips it too
+            self.last_step_skipped = True
+            return
         self._install_muon(update, early)
         self._adam_step(adam)

@@ -310,18 +310,25 @@ class EarlyResults:
 
     def run(self):
         """Until the step ended: applies each span as it is announced. Raises the step's error
-        after restoring every span applied."""
+        after restoring every span applied; a skipped step (self.skipped) is undone the same
+        way, without an error."""
+        self.skipped = False
         try:
-            ended = False
-            while not ended:
+            while True:
                 ready, ended = self.session.progress(self.step, -1.0)
+                if ended:
+                    break
                 for k, r in enumerate(ready):
                     if r and not self.done[k]:
-                        self._use(k, early=not ended)
+                        self._use(k, early=True)
             self.session.wait_parts(self.step)
         except BaseException:
             self.undo()
             raise
+        if self.session.last_step_skipped:
+            self.skipped = True
+            self.undo()
+            return
         for k in range(len(self.spans)):
             if not self.done[k]:
                 self._use(k, early=False)
