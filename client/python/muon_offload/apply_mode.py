@@ -8,13 +8,14 @@ ParameterOffload moves one rank's data through one attached session:
     the sum of its partition, written straight into the session's shared-memory gradient buffer
     or a flat buffer for gRPC), go to muond with the step's hyperparameters; the gradient divisor
     turns the sum into the mean there (in fp32: the ranks' sum is rounded once in the gradient
-    dtype, and fp16 gradients must leave room for it: a loss scale that overflows the sum
-    refuses the step as non-finite, as dynamic loss scaling expects);
+    dtype, and fp16 gradients must leave room for it, as dynamic loss scaling expects);
   - pull_params(): the new parameters of the partition, in the param dtype, are all-gathered
     into every rank's parameters.
-Every rank's flat buffer has the same size P, so a "world buffer" of world * P elements (rank r's
-buffer at r * P) is what the collectives exchange; for ZeRO stage 1/2 it is the concatenated
-parameters, for stage 3 each rank's chunks.
+Every rank's flat buffer has the same size P. The collectives exchange windows of it (window w
+of every rank's buffer at once, zero.reduce_scatter_windows and all_gather_windows), so the
+trainer's staging is two buffers of about P elements, whatever the world size: ZeRO's memory, not
+a model-sized world buffer. A loss scale that overflows the sum refuses the step as non-finite, or
+skips it with "nonfinite": "skip".
 
 Parameters on a CUDA device: the session's shared-memory buffers are registered with CUDA
 (cudaHostRegister) so the copies between the device and them are asynchronous DMA; the staging
@@ -28,8 +29,8 @@ import torch
 
 from ._native import CODES, MuondError
 from .cuda_pinning import CudaRuntimeRegistrar, PinnedHostRanges
-from .zero import (all_gather_partition_buffers, copy_from_buffer, copy_into_buffer,
-                   fill_world_buffer, reduce_scatter_partitions, scatter_world_buffer)
+from .zero import (all_gather_windows, copy_from_buffer, copy_into_buffer,
+                   reduce_scatter_windows, window_elements)
 
 DEFAULT_ADAMW = {"betas": (0.9, 0.95), "eps": 1e-10}
 
@@ -93,21 +94,6 @@ def apply_job_spec(job_id, world_size, zero_stage, muon_config, param_groups, na
     return spec
 
 
-def _padding(partitions):
-    """(start, end) runs of a world buffer that no span covers (each rank's padding)."""
-    size = partitions[0].buffer_elements
-    runs = []
-    for part in partitions:
-        at = part.rank * size
-        for _, _, length, rank_offset in sorted(part.spans, key=lambda s: s[3]):
-            if part.rank * size + rank_offset > at:
-                runs.append((at, part.rank * size + rank_offset))
-            at = max(at, part.rank * size + rank_offset + length)
-        if at < (part.rank + 1) * size:
-            runs.append((at, (part.rank + 1) * size))
-    return runs
-
-
 class ParameterOffload:
     """One rank's parameters whose optimizer lives in muond (see the module comment).
 
@@ -136,11 +122,14 @@ class ParameterOffload:
         size = self.partition.buffer_elements
         self._check_param_layout()
         kw = dict(dtype=self.dtype, device=self.device)
-        # Staging (no optimizer state): one world buffer, the reduce-scatter's input and then the
-        # all-gather's output, and on a device the partition that crosses to and from host
-        # memory. The gloo reduce-scatter adds a second world buffer while it runs.
-        self._world = torch.zeros(len(partitions) * size, **kw) if self._dist else None
-        self._world_padding = _padding(partitions) if self._dist else []
+        # Staging (no optimizer state), of the rank's own partition size, not the model's: the
+        # collectives run in windows (zero.reduce_scatter_windows, all_gather_windows) through a
+        # send and a receive buffer of world * window <= P + world elements each; on a device also
+        # the partition that crosses to and from host memory.
+        world = len(partitions)
+        staging = world * window_elements(size, world) if self._dist else 0
+        self._send = torch.zeros(staging, **kw) if self._dist else None
+        self._recv = torch.zeros(staging, **kw) if self._dist else None
         self._device_part = torch.zeros(size, **kw) if self._cuda and self._dist else None
         if session.is_shm:
             self._host_grads = self._host_params = None
@@ -152,7 +141,7 @@ class ParameterOffload:
     def workspace_bytes(self):
         """Bytes of the staging buffers this object allocated (not optimizer state: nothing here
         outlives a step's meaning)."""
-        bufs = (self._world, self._device_part, self._host_grads, self._host_params)
+        bufs = (self._send, self._recv, self._device_part, self._host_grads, self._host_params)
         return sum(b.numel() * b.element_size() for b in bufs if b is not None)
 
     def _check_param_layout(self):
@@ -240,11 +229,9 @@ class ParameterOffload:
         if not self._reduce:
             copy_into_buffer(host, self.partition, grads, non_blocking=self._cuda)
         else:
-            for start, end in self._world_padding:  # the all-gather left parameters there
-                self._world[start:end].zero_()
-            fill_world_buffer(self._world, self.partitions, grads)
             target = self._device_part if self._cuda else host
-            reduce_scatter_partitions(self._world, target, self.group)
+            reduce_scatter_windows(self.partitions, grads, target, self._send, self._recv,
+                                   self.group)
             if self._cuda:
                 host.copy_(target, non_blocking=True)
         self._sync()
@@ -258,6 +245,6 @@ class ParameterOffload:
             mine = new_params
             if self._cuda:
                 mine = self._device_part.copy_(new_params, non_blocking=True)
-            all_gather_partition_buffers(self._world, mine, self.group)
-            scatter_world_buffer(self._world, self.partitions, self.params)
+            all_gather_windows(self.partitions, mine, self.params, self._send, self._recv,
+                               self.group)
         self._sync()

@@ -176,3 +176,88 @@ def all_gather_partitions(buffer, partitions, rank, tensors, group=None):
     for part, received in zip(partitions, gathered):
         if part.rank != rank:
             copy_from_buffer(received, part, tensors)
+
+
+# ----- partition-sized collectives (apply mode's trainer memory, ZeRO's promise) -----
+#
+# reduce_scatter_partitions and all_gather_partition_buffers exchange world buffers (every rank's
+# flat buffer back to back: world * P elements, a model-sized buffer for stage 1/2). The functions
+# below do the same exchanges in windows of the flat buffers: window [a, b) of every rank's buffer
+# at once, world * (b - a) elements in and out, so the staging they need is two windows of at most
+# one partition (P elements) each, whatever the world size. The sums are the same, element for
+# element (rank order on gloo; NCCL's own order on NCCL, as reduce_scatter_partitions).
+
+def window_elements(partition_elements, world):
+    """The window length: world windows of it cover at most one partition (at least 1)."""
+    return max(1, -(-int(partition_elements) // int(world)))
+
+
+def _copy_window(buffer, partition, tensors, start, end, into):
+    """Elements [start, end) of `partition`'s flat buffer <-> `buffer` (end - start elements):
+    into=True writes the tensors' elements there into `buffer` (padding left alone), False the
+    reverse."""
+    for matrix, offset, length, rank_offset in partition.spans:
+        lo, hi = max(start, rank_offset), min(end, rank_offset + length)
+        if lo >= hi:
+            continue
+        flat = tensors[matrix].view(-1)[offset + lo - rank_offset:offset + hi - rank_offset]
+        window = buffer[lo - start:hi - start]
+        if into:
+            window.copy_(flat)
+        else:
+            flat.copy_(window)
+
+
+def reduce_scatter_windows(partitions, tensors, out, send, received, group=None):
+    """Collective: `out` (this rank's P elements) <- the sum over the group's ranks of their
+    `tensors`' elements of this rank's partition (reduce_scatter_partitions' result, element for
+    element), through the staging buffers `send` and `received` (world * window elements each,
+    see window_elements) instead of world buffers."""
+    import torch.distributed as dist
+    world = len(partitions)
+    size = partitions[0].buffer_elements
+    w = send.numel() // world
+    nccl = dist.get_backend(group) == "nccl"
+    for start in range(0, size, w):
+        end = min(size, start + w)
+        n = end - start
+        sv = send[:world * n].view(world, n)
+        sv.zero_()  # padding
+        for part in partitions:
+            _copy_window(sv[part.rank], part, tensors, start, end, into=True)
+        if nccl:
+            dist.reduce_scatter_tensor(out[start:end], sv.view(-1), group=group)
+            continue
+        rv = received[:world * n]
+        dist.all_to_all_single(_wire(rv), _wire(sv.view(-1)), group=group)
+        slots = rv.view(world, n)
+        target = out[start:end]
+        target.copy_(slots[0])
+        for r in range(1, world):
+            target.add_(slots[r])
+
+
+def all_gather_windows(partitions, mine, tensors, send, received, group=None):
+    """Collective: every rank's `mine` (its P-element flat buffer of new values) into every rank's
+    `tensors` (all_gather_partition_buffers then scatter_world_buffer, element for element),
+    through `send` and `received` (world * window elements each) instead of a world buffer. On
+    gloo the window goes out by all-to-all (its all_gather flattens the outputs into a buffer of
+    its own: one more world window)."""
+    import torch.distributed as dist
+    world = len(partitions)
+    size = partitions[0].buffer_elements
+    w = received.numel() // world
+    nccl = dist.get_backend(group) == "nccl"
+    for start in range(0, size, w):
+        end = min(size, start + w)
+        n = end - start
+        rv = received[:world * n]
+        if nccl:
+            dist.all_gather_into_tensor(rv, mine[start:end].contiguous(), group=group)
+        else:
+            sv = send[:world * n].view(world, n)
+            sv.copy_(mine[start:end].expand(world, n))
+            dist.all_to_all_single(_wire(rv), _wire(sv.view(-1)), group=group)
+        slots = rv.view(world, n)
+        for part in partitions:
+            _copy_window(slots[part.rank], part, tensors, start, end, into=False)
