@@ -8,6 +8,8 @@ Usage: state_anytime_test.py MUOND_BIN LIBMUOND_CLIENT [unittest names...]
     job, into a job of another id, and into a job of another ZeRO stage continues the same
     trajectory bit for bit; a state that does not fit the job is refused with the job left as it
     was (its next steps are those it would have taken); update mode's AdamW state travels too.
+  - FrozenTest: parameters with requires_grad=False are not job tensors (apply and update
+    mode): they never change and the others follow the reference of a model without them.
   - SchedulerTest: LambdaLR (cosine with warm-up), OneCycleLR and StepLR on apply mode: the lr
     (and a weight decay changed between steps) each group holds at step() are the ones used,
     against the in-process reference.
@@ -228,6 +230,59 @@ class SchedulerTest(DaemonTest):
         lrs = self.run_with("sched-step", lambda opt: torch.optim.lr_scheduler.StepLR(
             opt, step_size=2, gamma=0.5))
         self.assertEqual(lrs[2], lrs[0] * 0.5)
+
+
+class FrozenTest(DaemonTest):
+    """Parameters with requires_grad=False are not job tensors: the job holds the others only,
+    the frozen ones never change, and the rest follow the reference of a model without them."""
+
+    def run_frozen(self, mode):
+        params, kinds, tensors = optimizer_model(torch.float32)
+        names = list(params)
+        muon_frozen = next(n for n in names if kinds[n] == "muon")
+        adam_frozen = next(n for n in names if kinds[n] == "adamw")
+        for n in (muon_frozen, adam_frozen):
+            params[n].requires_grad_(False)
+        frozen_before = {n: params[n].detach().clone() for n in (muon_frozen, adam_frozen)}
+        if mode == "apply":
+            opt = apply_optimizer(params, kinds, address=self.daemon.address,
+                                  job_id=f"frozen-{mode}")
+            job_names = [t["name"] for t in opt.spec["tensors"]]
+        else:
+            muon = [(n, p) for n, p in params.items() if kinds[n] == "muon"]
+            adam = [(n, p) for n, p in params.items() if kinds[n] == "adamw"]
+            opt = MuonWithAuxAdam([dict(params=muon, use_muon=True, lr=0.02),
+                                   dict(params=adam, use_muon=False, lr=1e-3)],
+                                  address=self.daemon.address, job_id=f"frozen-{mode}")
+            job_names = [m["name"] for m in opt.spec["matrices"]]
+        self.assertNotIn(muon_frozen, job_names)
+        self.assertNotIn(adam_frozen, job_names)
+        live = [t for t in tensors if t["name"] not in frozen_before]
+        ref = h.reference_for(live, init=[t["param"].float() for t in live]) \
+            if mode == "apply" else None
+        lrs = {"group0": GROUPS["muon"]["lr"], "group1": GROUPS["adamw"]["lr"]}
+        wds = {"group0": GROUPS["muon"]["weight_decay"], "group1": GROUPS["adamw"]["weight_decay"]}
+        for step in range(3):
+            grads = h.gradients(tensors, step)
+            for (n, p), g in zip(params.items(), grads):
+                p.grad = None if n in frozen_before else g
+            opt.step()
+            if ref is not None:
+                ref.step([g for t, g in zip(tensors, grads) if t["name"] not in frozen_before],
+                         lrs, wds)
+                for t, m in zip(live, ref.masters):
+                    self.assertLessEqual(h.relative_error(params[t["name"]].detach(), m),
+                                         MASTER_TOLERANCE, f"step {step} {t['name']}")
+        for n, before in frozen_before.items():
+            self.assertTrue(torch.equal(params[n].detach(), before), n)
+        self.assertTrue(all(params[n].requires_grad is False for n in frozen_before))
+        opt.close(delete_job=True)
+
+    def test_apply_mode(self):
+        self.run_frozen("apply")
+
+    def test_update_mode(self):
+        self.run_frozen("update")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ def apply_job_spec(job_id, world_size, zero_stage, muon_config, param_groups, na
     dtypes = set()
     for i, g in enumerate(param_groups):
         for p in g["params"]:
+            if not p.requires_grad:
+                continue  # frozen: not optimized, not a job tensor
             t = {"name": names[p], "shape": list(p.shape), "dtype": dtype_name(p.dtype),
                  "param_dtype": dtype_name(p.dtype),
                  "optimizer": "muon" if g["use_muon"] else "adamw", "group": group_name(i)}

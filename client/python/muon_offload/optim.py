@@ -172,11 +172,16 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         self.rank, self.world_size = self.ranks.rank, self.ranks.size
         self.reduce_gradients = self.world_size > 1 if reduce_gradients is None else reduce_gradients
 
-        self._muon = [(g, p) for g in self.param_groups if g["use_muon"] for p in g["params"]]
-        self._adam = [(g, p) for g in self.param_groups if not g["use_muon"] for p in g["params"]]
-        # The muond job's tensors, in job order: the Muon matrices, or in apply mode everything.
+        # Frozen parameters (requires_grad=False at construction) are not optimized: not job
+        # tensors, no AdamW state; they stay in param_groups, as torch.optim keeps them.
+        self._muon = [(g, p) for g in self.param_groups if g["use_muon"] for p in g["params"]
+                      if p.requires_grad]
+        self._adam = [(g, p) for g in self.param_groups if not g["use_muon"]
+                      for p in g["params"] if p.requires_grad]
+        # The muond job's tensors, in job order: the Muon matrices, or in apply mode everything
+        # that is not frozen.
         self._job_tensors = self._muon if mode == "update" else \
-            [(g, p) for g in self.param_groups for p in g["params"]]
+            [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._names = {}
         for g in self.param_groups:
             for name, p in zip(g["param_names"], g["params"]):
