@@ -32,7 +32,8 @@ from ._native import CODES, MuondError
 
 class DaemonCheckpoints:
     """Checkpoint methods over the optimizer's attributes (ranks, client, session, offload,
-    job_id, token, step_id, backend, _job_tensors, _attach, _checkpoint, _upload_pending)."""
+    job_id, token, spec, step_id, backend, _job_tensors, _attach, _detach, _arm, _checkpoint,
+    _upload_pending)."""
 
 
     def save_checkpoint(self):
@@ -55,14 +56,7 @@ class DaemonCheckpoints:
         (loaded_generation, next_step)."""
         if self.client is None:
             raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
-        if self.session is not None:
-            self.drain()
-        if self.offload is not None:
-            self.offload.close()
-            self.offload = None
-        if self.session is not None:
-            self.session.close()
-            self.session = None
+        self._detach()
         self._checkpoint = None
         self._upload_pending = False  # apply mode: the generation holds the master weights
         self.ranks.barrier()
@@ -164,17 +158,7 @@ class DaemonCheckpoints:
 
     def _import_state(self, by_name):
         """Replaces the job by one of the same spec imported from `by_name` (rank 0's files)."""
-        if self.session is not None:
-            self.drain()
-        if self._stream is not None:
-            self._stream.remove()
-            self._stream = None
-        if self.offload is not None:
-            self.offload.close()
-            self.offload = None
-        if self.session is not None:
-            self.session.close()
-            self.session = None
+        self._detach()
         self._checkpoint = None
         self.ranks.barrier()
 

@@ -407,20 +407,25 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
 
         return _Accumulating()
 
-    def close(self, delete_job=False):
-        """Detaches this rank; with delete_job, rank 0 deletes the job (after all ranks detached).
-        A delayed step in flight is installed first."""
+    def _detach(self):
+        """Installs a delayed step in flight, then ends the rank's session (and its CUDA
+        registrations). The gradient hooks stay: a new attach re-makes them."""
         if self.session is not None:
             self.drain()
-        if self._stream is not None:
-            self._stream.remove()
-            self._stream = None
         if self.offload is not None:
             self.offload.close()
             self.offload = None
         if self.session is not None:
             self.session.close()
             self.session = None
+
+    def close(self, delete_job=False):
+        """Detaches this rank; with delete_job, rank 0 deletes the job (after all ranks detached).
+        A delayed step in flight is installed first."""
+        self._detach()
+        if self._stream is not None:
+            self._stream.remove()
+            self._stream = None
         if delete_job and self.client is not None:
             self.ranks.barrier()
             if self.rank == 0:

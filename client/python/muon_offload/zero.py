@@ -208,6 +208,19 @@ def _copy_window(buffer, partition, tensors, start, end, into):
             flat.copy_(window)
 
 
+def _windows(partitions, staging, group):
+    """(start, end, n, nccl) of each window of the ranks' flat buffers, for staging buffers of
+    `staging` elements (world windows)."""
+    import torch.distributed as dist
+    world = len(partitions)
+    size = partitions[0].buffer_elements
+    w = staging.numel() // world
+    nccl = dist.get_backend(group) == "nccl"
+    for start in range(0, size, w):
+        end = min(size, start + w)
+        yield start, end, end - start, nccl
+
+
 def reduce_scatter_windows(partitions, tensors, out, send, received, group=None):
     """Collective: `out` (this rank's P elements) <- the sum over the group's ranks of their
     `tensors`' elements of this rank's partition (reduce_scatter_partitions' result, element for
@@ -215,12 +228,7 @@ def reduce_scatter_windows(partitions, tensors, out, send, received, group=None)
     see window_elements) instead of world buffers."""
     import torch.distributed as dist
     world = len(partitions)
-    size = partitions[0].buffer_elements
-    w = send.numel() // world
-    nccl = dist.get_backend(group) == "nccl"
-    for start in range(0, size, w):
-        end = min(size, start + w)
-        n = end - start
+    for start, end, n, nccl in _windows(partitions, send, group):
         sv = send[:world * n].view(world, n)
         sv.zero_()  # padding
         for part in partitions:
@@ -245,12 +253,7 @@ def all_gather_windows(partitions, mine, tensors, send, received, group=None):
     its own: one more world window)."""
     import torch.distributed as dist
     world = len(partitions)
-    size = partitions[0].buffer_elements
-    w = received.numel() // world
-    nccl = dist.get_backend(group) == "nccl"
-    for start in range(0, size, w):
-        end = min(size, start + w)
-        n = end - start
+    for start, end, n, nccl in _windows(partitions, received, group):
         rv = received[:world * n]
         if nccl:
             dist.all_gather_into_tensor(rv, mine[start:end].contiguous(), group=group)
