@@ -184,6 +184,16 @@ absl::Status CmdStep(Client& client, const Args& a) {
   if (!out.ok()) {
     return absl::Status(out.status().code(), absl::StrCat(in_path, ": ", out.status().message()));
   }
+  if (out->result.skipped) {
+    // Nothing was computed: no update file is written (an existing one is left as it was).
+    std::printf("step %lld: job %s rank %lld (%s): skipped: a rank's gradients held a NaN or Inf "
+                "(job option nonfinite=skip); nothing changed, no update written, next step "
+                "%lld\n",
+                static_cast<long long>(step), spec.job_id.c_str(), static_cast<long long>(rank),
+                session->transport() == Transport::kShm ? "shm" : "grpc",
+                static_cast<long long>(step + 1));
+    return absl::OkStatus();
+  }
   std::vector<common::TensorRef> refs;
   for (const NamedTensor& u : out->tensors) refs.push_back({u.name, u.dtype, u.shape, u.data});
   RETURN_IF_ERROR(common::WriteSafetensorsFile(

@@ -1,5 +1,9 @@
 // muonctl end to end: job.json in, safetensors gradients in, safetensors updates out, and its exit
 // codes (0 ok, the gRPC code of a failure, 64 usage) with one-line errors on stderr.
+#include <cstring>
+#include <filesystem>
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
@@ -59,6 +63,39 @@ class MuonctlTest : public DaemonSuite {
 
   std::unique_ptr<TempDir> files_;
 };
+
+// A step skipped for a non-finite gradient ("nonfinite": "skip"): exit 0, the line says so and
+// names the next step, no OUT is written, and the next step runs.
+TEST_F(MuonctlTest, SkippedStepWritesNoUpdate) {
+  const std::string id = NewJobId("ctl-skip");
+  WriteWholeFile(File(id + ".json"),
+                 absl::StrCat(R"({"job_id": ")", id, R"(", "nonfinite": "skip", )",
+                              R"("matrices": [{"name": "w", "shape": [64, 256]}]})"));
+  const std::string token_file = File(id + ".token");
+  ProcessResult r = RunMuonctl(
+      address(), {"job", "create", "--spec", File(id + ".json"), "--token-file", token_file});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  client::NamedTensor bad = RefGrad("wide_std", 0, "w");
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(bad.data.data() + 8 * sizeof(float), &nan, sizeof(float));
+  const std::string out = File("update.safetensors");
+  r = Step(id, 0, WriteGrads("bad.safetensors", {bad}), out, token_file);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("step 0: job " + id), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("skipped"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("next step 1"), std::string::npos) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(out)) << "a skipped step wrote " << out;
+  r = Step(id, 1, WriteGrads("good.safetensors", {RefGrad("wide_std", 0, "w")}), out, token_file);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.find("skipped"), std::string::npos) << r.out;
+  auto got = common::SafetensorsFile::ReadFile(out);
+  ASSERT_TRUE(got.ok()) << got.status();
+  const common::TensorInfo* t = got->Find("w");
+  ASSERT_NE(t, nullptr);
+  // The momentum did not see the skipped step: step 1 gives reference step 0's update.
+  EXPECT_TRUE(MatchesReferenceUpdate(ToFloats(t->dtype, std::string(got->Data(*t))), "wide_std",
+                                     0, 1e-4));
+}
 
 TEST_F(MuonctlTest, HealthPrintsServing) {
   const ProcessResult r = RunMuonctl(address(), {"health"});
