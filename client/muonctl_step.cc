@@ -184,13 +184,13 @@ absl::Status CmdStep(Client& client, const Args& a) {
   if (!out.ok()) {
     return absl::Status(out.status().code(), absl::StrCat(in_path, ": ", out.status().message()));
   }
+  const char* via = session->transport() == Transport::kShm ? "shm" : "grpc";
   if (out->result.skipped) {
     // Nothing was computed: no update file is written (an existing one is left as it was).
     std::printf("step %lld: job %s rank %lld (%s): skipped: a rank's gradients held a NaN or Inf "
                 "(job option nonfinite=skip); nothing changed, no update written, next step "
                 "%lld\n",
-                static_cast<long long>(step), spec.job_id.c_str(), static_cast<long long>(rank),
-                session->transport() == Transport::kShm ? "shm" : "grpc",
+                static_cast<long long>(step), spec.job_id.c_str(), static_cast<long long>(rank), via,
                 static_cast<long long>(step + 1));
     return absl::OkStatus();
   }
@@ -202,8 +202,7 @@ absl::Status CmdStep(Client& client, const Args& a) {
   const StepResult& r = out->result;
   std::printf("step %lld: job %s rank %lld (%s): %zu tensors, %llu bytes in, %llu bytes out, "
               "step time %.3f s%s -> %s\n",
-              static_cast<long long>(step), spec.job_id.c_str(), static_cast<long long>(rank),
-              session->transport() == Transport::kShm ? "shm" : "grpc",
+              static_cast<long long>(step), spec.job_id.c_str(), static_cast<long long>(rank), via,
               out->tensors.size(), static_cast<unsigned long long>(r.bytes_in),
               static_cast<unsigned long long>(r.bytes_out), r.compute_seconds,
               r.replayed ? " (replayed)" : "", a.flags.at("out").c_str());

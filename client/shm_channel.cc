@@ -130,6 +130,12 @@ absl::StatusOr<v1::ShmAttachResponse> AcceptedAttach(AttachReply& reply) {
   return response;
 }
 
+// What a completion of code OK says of its step.
+ShmChannel::Ringing RingingOf(const shm::Completion& c) {
+  return ShmChannel::Ringing{c.step, (c.flags & shm::kCompletionReplayed) != 0, c.seconds,
+                             (c.flags & shm::kCompletionSkipped) != 0};
+}
+
 }  // namespace
 
 absl::Status ShmChannel::Connect(const std::string& socket_path) {
@@ -291,8 +297,7 @@ absl::StatusOr<ShmChannel::Ringing> ShmChannel::RingRaw(int64_t step, uint32_t b
         const size_t len = strnlen(c.message, shm::kMessageBytes);
         return absl::Status(static_cast<absl::StatusCode>(c.code), std::string(c.message, len));
       }
-      return Ringing{c.step, (c.flags & shm::kCompletionReplayed) != 0, c.seconds,
-                     (c.flags & shm::kCompletionSkipped) != 0};
+      return RingingOf(c);
     }
     RETURN_IF_ERROR(Poll(-1));
   }
@@ -312,8 +317,7 @@ void ShmChannel::Reap() {
     }
     if (c.seq == last_seq_) {
       part_ended_ = true;
-      part_result_ = Ringing{c.step, (c.flags & shm::kCompletionReplayed) != 0, c.seconds,
-                             (c.flags & shm::kCompletionSkipped) != 0};
+      part_result_ = RingingOf(c);
     }
   }
 }

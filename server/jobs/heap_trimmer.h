@@ -13,8 +13,8 @@
 // trims. What is freed after that trim by threads that are not ours (gRPC's buffers of a
 // cancelled stream, freed after its handler returned, later still on a loaded machine) is caught
 // by kSettleRounds settling trims, kSettle, 3 * kSettle and 9 * kSettle apart, each skipped when
-// an activity began in between (its end starts the series anew). Trimming while a step runs is harmless (it only costs
-// page faults later); this just keeps it out of the way.
+// an activity began in between (its end starts the series anew). Trimming while a step runs is
+// harmless (it only costs page faults later); this just keeps it out of the way.
 #ifndef MUOND_SERVER_JOBS_HEAP_TRIMMER_H_
 #define MUOND_SERVER_JOBS_HEAP_TRIMMER_H_
 

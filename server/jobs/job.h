@@ -417,6 +417,11 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // Nothing changes when the step already ended or its commit began.
   void FailStep(StepState& state, const absl::Status& status, bool fence)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the step for every rank with `result` (shared-memory ranks' completions carry `flags`)
+  // and clears in_flight_ if it is this step; returns what keeps `state` alive until the caller
+  // is done with it.
+  std::shared_ptr<StepState> EndStep(StepState& state, const absl::Status& result, uint32_t flags)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // "nonfinite": "skip": `status` (a non-finite gradient) skips step `step` instead of refusing
   // it: true when it did. The step in flight (`state`, or none yet) ends for every rank with a
   // skipped update, the ranks not in it yet (and any retry of the step) get the same answer,

@@ -183,20 +183,26 @@ void Job::DeviceFailed(StepState& state, const absl::Status& status) {
   FailStep(state, status, /*fence=*/false);
 }
 
+std::shared_ptr<StepState> Job::EndStep(StepState& state, const absl::Status& result,
+                                         uint32_t flags) {
+  // A step whose ranks are all on shared memory is owned by in_flight_ alone (no RankStep holds
+  // it), and in_flight_ is reset below: the caller keeps `state` alive with what this returns.
+  std::shared_ptr<StepState> keep = in_flight_.get() == &state ? in_flight_ : nullptr;
+  state.done = true;
+  state.result = result;
+  state.ready.clear();
+  for (RankInput& in : state.ranks) {
+    if (in.done) std::exchange(in.done, nullptr)(result, flags, 0);
+  }
+  if (in_flight_.get() == &state) in_flight_ = nullptr;
+  return keep;
+}
+
 void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
   // A step whose commit began is committed: nothing may report it as failed.
   if (state.done || state.committing || state.prepared) return;
   if (!fence && SkipStep(&state, state.step, status)) return;
-  // A step whose ranks are all on shared memory is owned by in_flight_ alone (no RankStep holds
-  // it), and in_flight_ is reset below: keep `state` alive until this function returns.
-  const std::shared_ptr<StepState> keep = in_flight_.get() == &state ? in_flight_ : nullptr;
-  state.done = true;
-  state.result = status;
-  state.ready.clear();
-  for (RankInput& in : state.ranks) {
-    if (in.done) std::exchange(in.done, nullptr)(status, 0, 0);
-  }
-  if (in_flight_.get() == &state) in_flight_ = nullptr;
+  const std::shared_ptr<StepState> keep = EndStep(state, status, 0);
   if (fence) {
     ++steps_aborted_;
     fenced_ = true;
@@ -249,16 +255,8 @@ bool Job::SkipStep(StepState* state, int64_t step, const absl::Status& status) {
   refusal_.Clear();
   MUOND_LOG(INFO) << "job '" << id() << "' step " << step << " skipped: " << status.message();
   if (state != nullptr) {
-    const std::shared_ptr<StepState> keep = in_flight_.get() == state ? in_flight_ : nullptr;
-    state->done = true;
-    state->skipped = true;
-    state->result = absl::OkStatus();
-    state->ready.clear();
     state->skipped_update = skipped;
-    for (RankInput& in : state->ranks) {
-      if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), kDoneSkipped, 0);
-    }
-    if (in_flight_.get() == state) in_flight_ = nullptr;
+    const std::shared_ptr<StepState> keep = EndStep(*state, absl::OkStatus(), kDoneSkipped);
     state->cv.SignalAll();
   }
   return true;
@@ -283,7 +281,7 @@ absl::Status Job::AbandonRank(const std::shared_ptr<StepState>& state, int rank,
   }
   if (state->done) {
     if (!state->result.ok()) return state->result;
-    if (state->skipped) {
+    if (state->skipped()) {
       return absl::UnavailableError(absl::StrCat(
           "job '", id(), "' step ", state->step, " rank ", rank, ": ", why, ", but the step was "
           "skipped (a non-finite gradient); ask for step ", state->step, " again to learn so"));

@@ -213,7 +213,7 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
   char* dst = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    if (state.skipped) {
+    if (state.skipped()) {
       // The step was skipped (a non-finite gradient): the rest of its data is not needed, and
       // the rank is told "skipped" when it finishes.
       return bad.ok() || IsNonFiniteGradient(bad) ? absl::OkStatus() : bad;
@@ -232,7 +232,7 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
     if (state.done) return state.result;
     if (!bad.ok()) {
       FailStep(state, bad, /*fence=*/false);
-      return state.skipped ? absl::OkStatus() : bad;
+      return state.skipped() ? absl::OkStatus() : bad;
     }
     ASSIGN_OR_RETURN(dst, ClaimChunk(state, where, rank, span, offset, count));
   }
@@ -297,7 +297,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
   absl::MutexLock lock(&mu_);
   if (state->done) {
     if (!state->result.ok()) return state->result;
-    if (state->skipped) return state->skipped_update;
+    if (state->skipped()) return state->skipped_update;
     return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
   }
   RankInput& in = state->ranks[rank];
@@ -326,7 +326,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
   }
   if (state->prepared) return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
   if (!state->result.ok()) return state->result;
-  if (state->skipped) return state->skipped_update;
+  if (state->skipped()) return state->skipped_update;
   return std::shared_ptr<const RankUpdate>(state->outputs[rank]);
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/shm_protocol.h"
 
 namespace muond::server {
 
@@ -46,10 +47,9 @@ struct RankUpdate {
   bool skipped = false;
 };
 
-// Flags of a shared-memory completion (common/shm_protocol.h's kCompletionReplayed and
-// kCompletionSkipped).
-inline constexpr uint32_t kDoneReplayed = 1;
-inline constexpr uint32_t kDoneSkipped = 2;
+// Flags of a shared-memory completion, as the protocol writes them (Completion.flags).
+inline constexpr uint32_t kDoneReplayed = common::shm::kCompletionReplayed;
+inline constexpr uint32_t kDoneSkipped = common::shm::kCompletionSkipped;
 
 // Called once when a shared-memory submission ends: OK (the update is in the rank's update
 // region, or with kDoneSkipped the step was skipped), or why not. Runs with the job's lock held:

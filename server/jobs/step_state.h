@@ -99,10 +99,10 @@ struct StepState {
   size_t matrices_done = 0;
   double device_seconds = 0;  // the simulated device's clock spent on this step (DrainReady)
   bool done = false;
-  // Ended as a skipped step ("nonfinite": "skip"; done is set, result OK): every rank's answer
-  // is `skipped_update` (`outputs` stay, the pipeline may still be writing them).
-  bool skipped = false;
+  // Set when the step ended as a skipped step ("nonfinite": "skip"; done is set, result OK):
+  // every rank's answer (`outputs` stay, the pipeline may still be writing them).
   std::shared_ptr<const RankUpdate> skipped_update;
+  bool skipped() const { return skipped_update != nullptr; }
   // Set (under the job's lock) when every matrix succeeded and Commit starts changing the store:
   // from then on the step can no longer be aborted or refused; it ends committed (or, if Commit
   // itself finds a changed gradient, fenced). Whoever races with it learns the commit.

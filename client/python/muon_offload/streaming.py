@@ -310,9 +310,8 @@ class EarlyResults:
 
     def run(self):
         """Until the step ended: applies each span as it is announced. Raises the step's error
-        after restoring every span applied; a skipped step (self.skipped) is undone the same
-        way, without an error."""
-        self.skipped = False
+        after restoring every span applied; a skipped step (session.last_step_skipped) is undone
+        the same way, without an error."""
         try:
             while True:
                 ready, ended = self.session.progress(self.step, -1.0)
@@ -326,7 +325,6 @@ class EarlyResults:
             self.undo()
             raise
         if self.session.last_step_skipped:
-            self.skipped = True
             self.undo()
             return
         for k in range(len(self.spans)):
