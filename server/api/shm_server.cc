@@ -326,6 +326,7 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
       refused = spans.status();
     } else {
       part = *std::move(spans);
+      part.continues = !first;
     }
     if (!refused.ok()) {
       if (first && sub.kind == shm::kSubmitStepPart) {

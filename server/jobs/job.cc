@@ -43,6 +43,7 @@ Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
   uploading_.assign(spec_.world_size, false);
   lost_.resize(spec_.world_size);
   last_updates_.resize(spec_.world_size);
+  cut_short_.resize(spec_.world_size);
 }
 
 Job::~Job() {

@@ -258,6 +258,9 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   struct SharedPart {
     std::vector<size_t> spans;
     bool last = true;
+    // A later part of a try the transport saw begin (not the try's first part): it never opens
+    // a try of its own.
+    bool continues = false;
   };
   absl::Status SubmitSharedPart(int rank, uint64_t session, int64_t step, const SharedPart& part,
                                 const std::vector<const char*>& in, const std::vector<char*>& out,
@@ -453,6 +456,9 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The input of `rank` in the step in flight when that step is `step` and the rank sends it
   // through shared-memory `session` and the regions `keepalive`; else null.
+  // The answer to a later part of a try of `step` that ended before the part arrived.
+  absl::Status CutShortPart(int rank, uint64_t session, int64_t step, const std::string& where)
+      const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   RankInput* SharedRankInFlight(int rank, uint64_t session, int64_t step, const void* keepalive)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A shared-memory rank's first part of `step`: EnterStep, then the rank's input and outputs
@@ -533,6 +539,14 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   std::vector<std::vector<std::string>> input_pool_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> transport_copy_bytes_{0};
   StepRefusal refusal_ ABSL_GUARDED_BY(mu_);
+  // Per rank: the try it was sending in parts when that try ended without it (another rank's
+  // refusal, an abort). Its later parts of that try are answered with why it ended.
+  struct CutShort {
+    int64_t step = -1;
+    uint64_t session = 0;
+    absl::Status why;
+  };
+  std::vector<CutShort> cut_short_ ABSL_GUARDED_BY(mu_);
   // Apply mode: per rank, its part of the initial weights is in; an upload in progress.
   std::vector<bool> weights_in_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> uploading_ ABSL_GUARDED_BY(mu_);

@@ -191,8 +191,10 @@ std::shared_ptr<StepState> Job::EndStep(StepState& state, const absl::Status& re
   state.done = true;
   state.result = result;
   state.ready.clear();
-  for (RankInput& in : state.ranks) {
+  for (int r = 0; r < spec_.world_size; ++r) {
+    RankInput& in = state.ranks[r];
     if (in.done) std::exchange(in.done, nullptr)(result, flags, 0);
+    if (!result.ok() && in.parts_open) cut_short_[r] = {state.step, sessions_[r], result};
   }
   if (in_flight_.get() == &state) in_flight_ = nullptr;
   return keep;

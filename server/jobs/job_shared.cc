@@ -50,6 +50,12 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
   RankInput* const open = SharedRankInFlight(rank, session, step, keepalive.get());
   // A later part of the step this rank is sending in parts.
   const bool continuing = open != nullptr && open->parts_open;
+  if (part.continues && open == nullptr && step == next_step_) {
+    // The try these parts belong to ended before this one arrived (another rank's part was
+    // refused, or the step was aborted): opening a new try with it would hold half the rank's
+    // gradients, refuse the other ranks' retry as "missing", and leave them waiting.
+    return CutShortPart(rank, session, step, where);
+  }
   if (!bad.ok()) {
     if (continuing) {
       FailStep(*in_flight_, bad, /*fence=*/false);
@@ -114,6 +120,20 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
   return absl::OkStatus();
 }
 
+absl::Status Job::CutShortPart(int rank, uint64_t session, int64_t step,
+                               const std::string& where) const {
+  const CutShort& cut = cut_short_[rank];
+  if (cut.step != step || cut.session != session) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": a later part of a try of the step that is not in flight; nothing of it is "
+               "applied; send the step again from its first part"));
+  }
+  return absl::Status(
+      cut.why.code(),
+      absl::StrCat(where, ": the step ended before this part arrived (", cut.why.message(),
+                   "); this part and the rest of the try are not applied; send the step again"));
+}
+
 RankInput* Job::SharedRankInFlight(int rank, uint64_t session, int64_t step,
                                    const void* keepalive) {
   if (in_flight_ == nullptr || in_flight_->step != step || sessions_[rank] != session) {
@@ -151,6 +171,7 @@ absl::Status Job::OpenSharedStep(int rank, uint64_t session, int64_t step, bool 
     if (last) done(absl::OkStatus(), kDoneReplayed, replay->compute_seconds);
     return absl::OkStatus();
   }
+  cut_short_[rank] = CutShort{};
   const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
   RankInput& rin = in_flight_->ranks[rank];
   rin.span_in = in;

@@ -7,8 +7,10 @@ Every rank derives every rank's gradients from (step, rank), so the reference ne
 communication: it sums them in rank order in the parameters' dtype, as the package's
 reduce-scatter does, and divides by the world size (the package's gradient divisor).
 """
+import faulthandler
 import json
 import os
+import sys
 import zlib
 
 import torch
@@ -21,7 +23,8 @@ STEPS = 12
 # name, ranks, ZeRO stage, transport, dtype
 CASES = [("w4-s2-shm-bf16", 4, 2, "shm", torch.bfloat16),
          ("w3-s1-grpc-f32", 3, 1, "grpc", torch.float32),
-         ("w2-s3-shm-f32", 2, 3, "shm", torch.float32)]
+         ("w2-s3-shm-f32", 2, 3, "shm", torch.float32),
+         ("w2-s2-shm-mixed", 2, 2, "shm", h.MIXED)]
 CASE_NAMES = [c[0] for c in CASES]
 
 
@@ -35,13 +38,21 @@ def set_lr(opt, step):
              "group1": opt.param_groups[1]["weight_decay"]})
 
 
+def rank_gradients(tensors, step, rank, dtype):
+    if dtype == h.MIXED:
+        return h.param_gradients(tensors, step, rank)
+    return h.gradients(tensors, step, rank, dtype)
+
+
 def set_grads(params, tensors, step, rank, dtype):
-    for p, g in zip(params.values(), h.gradients(tensors, step, rank, dtype)):
+    for p, g in zip(params.values(), rank_gradients(tensors, step, rank, dtype)):
         p.grad = g
 
 
 def reference_step(ref, tensors, step, world, dtype, lr, wd):
-    per_rank = [h.gradients(tensors, step, r, dtype) for r in range(world)]
+    per_rank = [rank_gradients(tensors, step, r, dtype) for r in range(world)]
+    if dtype == h.MIXED:  # the package sums a model of several dtypes in float32
+        per_rank = [[g.float() for g in grads] for grads in per_rank]
     ref.step(h.summed(per_rank), lr, wd, grad_divisor=world)
 
 
@@ -134,6 +145,10 @@ def run_refusals(group, address):
 
 def run(rank, world, address, tmp, lib):
     os.environ["MUOND_CLIENT_LIB"] = lib
+    # A rank still running well past the usual few seconds prints where every thread is, so a
+    # hang shows its stacks in the test's output before ctest's timeout kills it.
+    faulthandler.dump_traceback_later(float(os.environ.get("MUOND_TEST_STACKS_AFTER_S", "120")),
+                                      file=sys.stderr)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world)

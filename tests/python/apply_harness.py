@@ -154,6 +154,11 @@ def gradients(tensors, step, rank=0, dtype=torch.float32, scale=1.0):
     return out
 
 
+def param_gradients(tensors, step, rank=0):
+    """gradients() in each tensor's param dtype (a model of several dtypes)."""
+    return [g.to(t["param"].dtype) for g, t in zip(gradients(tensors, step, rank), tensors)]
+
+
 def summed(per_rank):
     """The sum of the ranks' gradients in rank order, in their dtype (as the package's
     reduce-scatter adds them)."""
@@ -232,10 +237,22 @@ def apply_optimizer(params, kinds, **kw):
         mode="apply", **kw)
 
 
+# optimizer_model's dtype for the common mixed model: bfloat16 weights (Muon and the embedding),
+# float32 norm, bias and scale.
+MIXED = "mixed"
+MIXED_FLOAT32 = ("norm.w", "head.b", "scale")
+
+
 def optimizer_model(dtype):
     """model_tensors as nn.Parameters (num_heads 1: a param group has one num_heads) and the
-    reference tensors in the same (job) order: Muon first, then AdamW."""
-    tensors = [dict(t, num_heads=1) for t in model_tensors(dtype)]
+    reference tensors in the same (job) order: Muon first, then AdamW. dtype MIXED: see there."""
+    if dtype == MIXED:
+        tensors = [dict(t, num_heads=1) for t in model_tensors(torch.float32)]
+        for t in tensors:
+            if t["name"] not in MIXED_FLOAT32:
+                t["param"] = t["param"].to(torch.bfloat16)
+    else:
+        tensors = [dict(t, num_heads=1) for t in model_tensors(dtype)]
     tensors.sort(key=lambda t: t["optimizer"] != "muon")
     params = {t["name"]: torch.nn.Parameter(t["param"].clone()) for t in tensors}
     kinds = {t["name"]: t["optimizer"] for t in tensors}

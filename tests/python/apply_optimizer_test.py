@@ -118,7 +118,10 @@ class OptimizerTest(DaemonTest):
             lrs = {"group0": opt.param_groups[0]["lr"], "group1": opt.param_groups[1]["lr"]}
             wds = {"group0": GROUPS["muon"]["weight_decay"],
                    "group1": GROUPS["adamw"]["weight_decay"]}
-            grads = h.gradients(tensors, step, dtype=dtype, scale=divisor)
+            if dtype == h.MIXED:
+                grads = [g * divisor for g in h.param_gradients(tensors, step)]
+            else:
+                grads = h.gradients(tensors, step, dtype=dtype, scale=divisor)
             for p, g in zip(params.values(), grads):
                 p.grad = g
             opt.step()
@@ -126,7 +129,7 @@ class OptimizerTest(DaemonTest):
             ref.step(grads, lrs, wds, grad_divisor=divisor)
             for t, m in zip(tensors, ref.masters):
                 p = params[t["name"]].detach()
-                tol = MASTER_TOLERANCE if dtype == torch.float32 else 2.0 ** -8
+                tol = MASTER_TOLERANCE if p.dtype == torch.float32 else 2.0 ** -8
                 self.assertLessEqual(h.relative_error(p, m), tol, f"{name} {step} {t['name']}")
         self.assertEqual(opt.step_id, steps)
         self.assertEqual(len(opt.state), 0, "apply mode keeps no optimizer state in the trainer")
@@ -136,7 +139,7 @@ class OptimizerTest(DaemonTest):
         self.assertEqual(set(masters), set(params))
         self.assertMastersMatch(masters, ref, name)
         for n, p in params.items():
-            self.assertTrue(torch.equal(p.detach(), masters[n].to(dtype)), n)
+            self.assertTrue(torch.equal(p.detach(), masters[n].to(p.dtype)), n)
         return opt, params, tensors
 
     def test_float32_shm_with_scheduler(self):
@@ -149,6 +152,20 @@ class OptimizerTest(DaemonTest):
         self.assertFalse(opt.session.is_shm)
         self.assertTrue(all(p.dtype == torch.bfloat16 for p in params.values()))
         opt.close(delete_job=True)
+
+    def test_mixed_dtypes_shm_and_grpc(self):
+        """bfloat16 weights with float32 norms, bias and scale (the common setup): one job whose
+        buffers are float32; every parameter keeps its dtype, the float32 ones are the masters,
+        the bfloat16 ones the masters rounded."""
+        for transport in ("shm", "grpc"):
+            opt, params, _ = self.trajectory(f"opt-mixed-{transport}", h.MIXED, transport,
+                                             divisor=8.0)
+            self.assertEqual(opt.session.is_shm, transport == "shm")
+            self.assertEqual({n: p.dtype for n, p in params.items() if p.dtype == torch.float32},
+                             {n: torch.float32 for n in h.MIXED_FLOAT32})
+            self.assertEqual(opt.spec["tensors"][0]["dtype"], "float32")
+            self.assertEqual(opt.dtype, torch.float32)
+            opt.close(delete_job=True)
 
     def test_refused_step_changes_nothing(self):
         params, kinds, tensors = optimizer_model(torch.bfloat16)

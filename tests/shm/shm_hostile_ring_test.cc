@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <string>
 #include <system_error>
@@ -348,6 +349,68 @@ TEST_F(ShmHostileTest, APartAfterTheRanksLastPartRefusesTheStepUncommitted) {
       << late.status();
   const v1::JobStatus st = Status(spec.job_id, *token);
   EXPECT_EQ(st.next_step(), 0);
+  EXPECT_EQ(st.steps_refused(), 1);
+  EXPECT_FALSE(st.fenced());
+  ExpectStillServing();
+}
+
+// Rank 0 sends its step in parts; before its last part, rank 1's part is refused (a NaN) and
+// the step with it. Rank 0's later parts belong to a try that ended: each is refused with why it
+// ended (INVALID_ARGUMENT, non-finite), none opens a new try of the step. Before, they opened one
+// holding half of rank 0's gradients, its last part refused it as "missing" spans, rank 1's retry
+// was refused with that, and rank 0's retry waited for rank 1 forever. Now both retries commit.
+TEST_F(ShmHostileTest, PartsOfATryThatEndedOpenNoNewTry) {
+  const common::JobSpec spec =
+      MakeSpec(NewJobId("cut-short"), 2, 2,
+               {integration::Matrix("q", {16, 24}), integration::Matrix("o", {24, 32})});
+  auto token = client().CreateJob(spec);
+  ASSERT_TRUE(token.ok()) << token.status();
+  const integration::MatrixBytes grads = integration::MakeGradients(spec.matrices, 1, 7);
+  auto c0 = ShmChannel::Attach(ShmPath(), spec.job_id, 0, *token, false);
+  auto c1 = ShmChannel::Attach(ShmPath(), spec.job_id, 1, *token, false);
+  ASSERT_TRUE(c0.ok()) << c0.status();
+  ASSERT_TRUE(c1.ok()) << c1.status();
+  ShmChannel& r0 = **c0;
+  ShmChannel& r1 = **c1;
+  ASSERT_GE(r0.spans().size(), 2u) << "the test needs rank 0 to have two spans";
+  const std::string flat0 = FlatRankBuffer(spec, 0, grads[0]);
+  const std::string flat1 = FlatRankBuffer(spec, 1, grads[0]);
+  std::memcpy(r0.GradientBuffer(0), flat0.data(), flat0.size());
+  // Rank 0's first span goes out; the step is in flight with rank 0 begun.
+  const client::ShmSpan& first = r0.spans()[0];
+  ASSERT_TRUE(r0.Post(0, first.byte_offset, first.length * 4, /*last=*/false).ok());
+  // Rank 1's whole step, with a NaN: refused, and the step with it.
+  std::memcpy(r1.GradientBuffer(0), flat1.data(), flat1.size());
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(r1.GradientBuffer(0), &nan, sizeof(nan));
+  ASSERT_TRUE(r1.Post(0, 0, r1.buffer_bytes(), /*last=*/true).ok());
+  auto refused1 = r1.WaitStep(0);
+  EXPECT_TRUE(IsError(refused1.status(), absl::StatusCode::kInvalidArgument, "non-finite"))
+      << refused1.status();
+  // Rank 0's other spans, the last one as its last part: the try they belong to ended.
+  for (size_t i = 1; i < r0.spans().size(); ++i) {
+    const client::ShmSpan& span = r0.spans()[i];
+    ASSERT_TRUE(r0.Post(0, span.byte_offset, span.length * 4, i + 1 == r0.spans().size()).ok());
+  }
+  auto refused0 = r0.WaitStep(0);
+  EXPECT_TRUE(IsError(refused0.status(), absl::StatusCode::kInvalidArgument,
+                      "the step ended before this part arrived"))
+      << refused0.status();
+  EXPECT_TRUE(absl::StrContains(refused0.status().message(), "non-finite")) << refused0.status();
+  EXPECT_FALSE(absl::StrContains(refused0.status().message(), "is in no part of the step"))
+      << refused0.status();
+  // Both ranks retry with good gradients, in parts and whole: the step commits.
+  std::memcpy(r1.GradientBuffer(0), flat1.data(), flat1.size());
+  for (size_t i = 0; i < r0.spans().size(); ++i) {
+    const client::ShmSpan& span = r0.spans()[i];
+    ASSERT_TRUE(r0.Post(0, span.byte_offset, span.length * 4, i + 1 == r0.spans().size()).ok());
+  }
+  auto retry1 = r1.Ring(0);
+  EXPECT_TRUE(retry1.ok()) << retry1.status();
+  auto retry0 = r0.WaitStep(0);
+  EXPECT_TRUE(retry0.ok()) << retry0.status();
+  const v1::JobStatus st = Status(spec.job_id, *token);
+  EXPECT_EQ(st.next_step(), 1);
   EXPECT_EQ(st.steps_refused(), 1);
   EXPECT_FALSE(st.fenced());
   ExpectStillServing();

@@ -19,8 +19,13 @@ skips it with "nonfinite": "skip".
 
 Parameters on a CUDA device: the session's shared-memory buffers are registered with CUDA
 (cudaHostRegister) so the copies between the device and them are asynchronous DMA; the staging
-buffers of the collectives live on the device (NCCL). REQUIRES: one dtype for every parameter
-(a stage 1/2 flat buffer holds one dtype), contiguous parameters.
+buffers of the collectives live on the device (NCCL). REQUIRES: contiguous parameters.
+
+Parameters of several dtypes (bfloat16 weights with float32 norms, say): a flat buffer holds one
+dtype, so their gradients and new parameters travel as float32 (wire_dtype), converted on the
+copies into and out of the buffers (exact for gradients; new bfloat16 / float16 parameters are
+rounded to nearest even from the float32 masters, as muond rounds them). The cost is the bytes:
+2x for the half-precision tensors of such a model; a model of one dtype moves in its own.
 
 Thread-safety: none; one step at a time, as the session. Collectives: upload_params() and step()
 are called by every rank of the group in the same order.
@@ -33,6 +38,13 @@ from .zero import (all_gather_windows, copy_from_buffer, copy_into_buffer,
                    reduce_scatter_windows, window_elements)
 
 DEFAULT_ADAMW = {"betas": (0.9, 0.95), "eps": 1e-10}
+
+
+def wire_dtype(params):
+    """The dtype the parameters' gradients and new values travel in: their own when they share
+    one, else float32 (every dtype muond takes converts to it exactly)."""
+    dtypes = {p.dtype for p in params}
+    return next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
 
 
 def group_name(index):
@@ -61,25 +73,26 @@ def apply_job_spec(job_id, world_size, zero_stage, muon_config, param_groups, na
     """The job.json (dict) of an apply-mode job for MuonWithAuxAdam's param_groups: every
     parameter a tensor in group order (optimizer "muon" for use_muon groups, else "adamw"), one
     job group per param group (group_name(i)) with its lr and weight_decay, the AdamW betas/eps
-    (one per job). `names` maps each parameter to its name. ValueError for parameters of several
-    dtypes (one flat buffer of one dtype moves them)."""
+    (one per job). `names` maps each parameter to its name. Every tensor's dtype and param_dtype
+    are wire_dtype() of the parameters (float32 for a model of several dtypes). ValueError for a
+    dtype muond does not take."""
     from .client import dtype_name
     tensors = []
-    dtypes = set()
+    params = []
     for i, g in enumerate(param_groups):
         for p in g["params"]:
             if not p.requires_grad:
                 continue  # frozen: not optimized, not a job tensor
-            t = {"name": names[p], "shape": list(p.shape), "dtype": dtype_name(p.dtype),
-                 "param_dtype": dtype_name(p.dtype),
+            dtype_name(p.dtype)  # ValueError naming a dtype muond does not take
+            t = {"name": names[p], "shape": list(p.shape),
                  "optimizer": "muon" if g["use_muon"] else "adamw", "group": group_name(i)}
             if g["use_muon"] and g["num_heads"] != 1:
                 t["num_heads"] = int(g["num_heads"])
             tensors.append(t)
-            dtypes.add(p.dtype)
-    if len(dtypes) != 1:
-        raise ValueError(f"the parameters have dtypes {sorted(map(str, dtypes))}; apply mode moves "
-                         "them as one flat buffer of one dtype: cast the model to one dtype")
+            params.append(p)
+    wire = dtype_name(wire_dtype(params)) if params else "float32"
+    for t in tensors:
+        t["dtype"] = t["param_dtype"] = wire
     adamw = _adamw_config([g for g in param_groups if not g["use_muon"]])
     spec = {"job_id": job_id, "mode": "apply", "world_size": int(world_size),
             "zero_stage": int(zero_stage), "tensors": tensors,
@@ -104,7 +117,8 @@ class ParameterOffload:
     updated in place); process_group, distributed: the torch.distributed group of the ranks and
     the torch.distributed module (None: one rank without torch.distributed); reduce_gradients:
     sum the ranks' gradients (False: every rank holds the reduced gradients already, e.g. from
-    DistributedDataParallel, and sends its partition of them).
+    DistributedDataParallel, and sends its partition of them). Buffers and collectives are in
+    wire_dtype(params).
     """
 
     def __init__(self, session, partitions, rank, params, process_group=None, distributed=None,
@@ -114,7 +128,7 @@ class ParameterOffload:
         self.partition = partitions[rank]
         self.rank = rank
         self.params = list(params)
-        self.dtype = self.params[0].dtype
+        self.dtype = wire_dtype(self.params)
         self.device = self.params[0].device
         self.group = process_group
         self._dist = distributed if len(partitions) > 1 else None

@@ -57,7 +57,7 @@ import torch
 from . import reference
 from ._native import CODES, MuondError
 from .client import Client, dtype_name
-from .apply_mode import ParameterOffload, apply_job_spec, group_name
+from .apply_mode import ParameterOffload, apply_job_spec, group_name, wire_dtype
 from .checkpoints import DaemonCheckpoints
 from .rank_group import RankGroup
 from .streaming import DEFAULT_BUCKET_BYTES, EarlyResults, GradientStream
@@ -228,7 +228,9 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             self.spec["nonfinite"] = "skip"
         self.partitions = job_partitions(self.spec)
         self.partition = self.partitions[self.rank]
-        self.dtype = self._job_tensors[0][1].dtype
+        # What the buffers hold: apply mode moves a model of several dtypes as float32.
+        self.dtype = wire_dtype([p for _, p in self._job_tensors]) if mode == "apply" \
+            else self._job_tensors[0][1].dtype
         self.client = Client(address)
         self.token = self.ranks.on_rank0(self._create_job)
         self.ranks.all_ranks(lambda: self._attach(takeover))
@@ -358,7 +360,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         params = [p for _, p in self._job_tensors]
         apply = self.mode == "apply"
         self._stream = GradientStream(self.session, self.partitions, self.rank, params,
-                                      self.process_group, self._dist,
+                                      self.process_group, self._dist, dtype=self.dtype,
                                       reduce=self.reduce_gradients, mean=not apply,
                                       bucket_bytes=self.bucket_bytes)
         s = self.session

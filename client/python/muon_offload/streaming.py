@@ -48,11 +48,12 @@ class GradientStream:
     rank; params: the job's tensors in job order; group/distributed: the torch.distributed group
     and module (None: one rank); reduce: sum the ranks' gradients here; mean: divide the sum by
     the world size (update mode; apply mode sends the sum and a divisor); bucket_bytes: the size
-    at which a bucket leaves.
+    at which a bucket leaves; dtype: the buffer's (default: the parameters'; gradients of other
+    dtypes are converted on the copy).
     """
 
     def __init__(self, session, partitions, rank, params, group=None, distributed=None,
-                 reduce=False, mean=False, bucket_bytes=DEFAULT_BUCKET_BYTES):
+                 reduce=False, mean=False, bucket_bytes=DEFAULT_BUCKET_BYTES, dtype=None):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.session = session
@@ -60,7 +61,7 @@ class GradientStream:
         self.rank = rank
         self.world = len(partitions)
         self.params = list(params)
-        self.dtype = self.params[0].dtype
+        self.dtype = dtype or self.params[0].dtype  # the buffers' (converted on the copies)
         self.itemsize = torch.empty(0, dtype=self.dtype).element_size()
         self.group = group
         self._dist = distributed if self.world > 1 else None
@@ -170,7 +171,8 @@ class GradientStream:
             sizes.append(n)
         mine = sizes[self.rank]
         device = self.params[tensors[0]].device
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=self.dtype, device=device)
+        send = torch.cat([p.to(self.dtype) for p in pieces]) if pieces else \
+            torch.empty(0, dtype=self.dtype, device=device)
         received = torch.empty(self.world * mine, dtype=self.dtype, device=device)
         scale = 2 if self.dtype == torch.bfloat16 else 1
         work = self._dist.all_to_all_single(
