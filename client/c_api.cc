@@ -299,6 +299,12 @@ int muond_session_set_hyper(muond_session* session, const char* const* groups, c
   return Report(session->impl->SetHyper(hyper));
 }
 
+int muond_session_set_absent(muond_session* session, const uint32_t* tensors, size_t count) {
+  if (session == nullptr) return NullArgument("session");
+  if (count != 0 && tensors == nullptr) return NullArgument("tensors");
+  return Report(session->impl->SetAbsent(std::vector<uint32_t>(tensors, tensors + count)));
+}
+
 int muond_init_params(muond_session* session, const muond_span* params, size_t num_params,
                       int float32) {
   if (session == nullptr) return NullArgument("session");

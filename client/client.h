@@ -191,6 +191,12 @@ class RankSession {
   // The hyperparameters every later step of this session carries (ResolveStepHyper's checks and
   // errors). Over gRPC in StepBegin; over shared memory written into the step's gradient buffer.
   absl::Status SetHyper(const StepHyper& hyper);
+  // The presence mask every later step of this session carries: the job tensors (indices into
+  // spec.matrices) that have no gradient on any rank (each is skipped: state, step count and
+  // parameters unchanged); empty: every tensor has one. Their gradient spans are still sent
+  // (their bytes are not used; send zeros). INVALID_ARGUMENT for an index out of range or given
+  // twice. Every rank of a step must send the same mask (else the step is refused).
+  absl::Status SetAbsent(const std::vector<uint32_t>& tensors);
 
   // Uploads the rank's part of the initial parameters: `params` must cover the rank's spans
   // exactly, in float32 (`float32`) or each tensor's param_dtype. The daemon installs them only
@@ -251,6 +257,7 @@ class RankSession {
   std::vector<common::ShardSpan> spans_;
   // Apply mode: set by SetHyper, sent with every step.
   std::optional<GroupHyperValues> hyper_;
+  std::vector<uint8_t> absent_;  // SetAbsent: per job tensor, 1 when absent (empty: none)
   std::unique_ptr<ShmChannel> shm_;
   int64_t parts_step_ = -1;  // the step whose parts are being posted (-1: none)
   // gRPC sessions: the WatchSession stream that tells the daemon this process is alive (when

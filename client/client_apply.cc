@@ -188,6 +188,25 @@ absl::Status RankSession::SetHyper(const StepHyper& hyper) {
   return absl::OkStatus();
 }
 
+absl::Status RankSession::SetAbsent(const std::vector<uint32_t>& tensors) {
+  RETURN_IF_ERROR(RequireApply("SetAbsent"));
+  std::vector<uint8_t> mask(tensors.empty() ? 0 : spec_.matrices.size(), 0);
+  for (const uint32_t t : tensors) {
+    if (t >= mask.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("absent tensor index ", t, " of job '",
+                                                     spec_.job_id, "' with ",
+                                                     spec_.matrices.size(), " tensors"));
+    }
+    if (mask[t] != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", spec_.matrices[t].name, "' is named absent twice"));
+    }
+    mask[t] = 1;
+  }
+  absent_ = std::move(mask);
+  return absl::OkStatus();
+}
+
 absl::Status RankSession::CheckStepHyper(int64_t step) const {
   if (!apply() || hyper_) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
@@ -197,7 +216,7 @@ absl::Status RankSession::CheckStepHyper(int64_t step) const {
 }
 
 absl::Status RankSession::WriteSharedHyper(int64_t step) {
-  const size_t bytes = common::shm::HyperBytes(spec_.groups.size());
+  const size_t bytes = common::shm::HyperBytes(spec_.groups.size(), spec_.matrices.size());
   const uint64_t at = shm_->hyper_byte_offset();
   const uint64_t size = shm_->buffer_bytes();
   bool fits = at % alignof(double) == 0 && at <= size && bytes <= size - at;
@@ -217,7 +236,12 @@ absl::Status RankSession::WriteSharedHyper(int64_t step) {
   block.insert(block.end(), hyper_->lr.begin(), hyper_->lr.end());
   block.insert(block.end(), hyper_->weight_decay.begin(), hyper_->weight_decay.end());
   block.push_back(hyper_->grad_divisor);
-  std::memcpy(shm_->GradientBuffer(step) + at, block.data(), bytes);
+  char* dst = shm_->GradientBuffer(step) + at;
+  std::memcpy(dst, block.data(), block.size() * sizeof(double));
+  // The presence mask after the doubles: one byte per tensor, 1 for an absent one.
+  char* mask = dst + block.size() * sizeof(double);
+  std::memset(mask, 0, spec_.matrices.size());
+  if (!absent_.empty()) std::memcpy(mask, absent_.data(), absent_.size());
   return absl::OkStatus();
 }
 

@@ -430,6 +430,9 @@ absl::StatusOr<StepResult> RankSession::StepOverGrpc(int64_t step,
     }
     begin->set_grad_divisor(hyper_->grad_divisor);
   }
+  for (uint32_t t = 0; t < absent_.size(); ++t) {
+    if (absent_[t] != 0) begin->add_absent_tensors(t);
+  }
   WriteGradients(stream.get(), spec_, grads, &req);
   UpdateAssembler assembler(spec_, updates);
   v1::StepResponse resp;

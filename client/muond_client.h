@@ -146,6 +146,13 @@ int muond_session_last_step_skipped(const muond_session* session);
  * value that is not finite and >= 0; for a divisor that is not finite and > 0. */
 int muond_session_set_hyper(muond_session* session, const char* const* groups, const double* lr,
                             const double* weight_decay, size_t num_groups, double grad_divisor);
+/* The presence mask every later step of the session carries: `tensors[0..count)` are the job
+ * tensors (indices in the job's order) without a gradient this step on any rank; each is skipped
+ * (master, optimizer state and step count unchanged, its parameters returned as they were).
+ * count 0: every tensor has a gradient. Their gradient bytes are still sent and not used (send
+ * zeros). Every rank of a step must send the same mask (else 3 INVALID_ARGUMENT for every rank).
+ * 3 INVALID_ARGUMENT for an index out of range or named twice; 9 on an update-mode job. */
+int muond_session_set_absent(muond_session* session, const uint32_t* tensors, size_t count);
 /* The rank's part of the initial parameters: spans that cover the rank's spans exactly, whose
  * elements are float32 (`float32` nonzero) or each tensor's param_dtype. Over shared memory float32
  * values are rounded to the param_dtype on the client. */

@@ -46,8 +46,12 @@ inline constexpr uint32_t kSubmitInitParams = 1;
 
 // Apply mode: the hyperparameters of a step, at ShmAttachResponse.hyper_byte_offset of the step's
 // gradient buffer (8-byte aligned): float64 lr[G], then float64 weight_decay[G], then the float64
-// gradient divisor, with G the job's groups in order. HyperBytes(G) bytes.
-inline constexpr size_t HyperBytes(size_t groups) { return (2 * groups + 1) * sizeof(double); }
+// gradient divisor, with G the job's groups in order; then the presence mask, one byte per job
+// tensor in order: 0 the tensor has a gradient this step, 1 it has none (skipped, DESIGN.md 4b;
+// any other value is refused). HyperBytes(G, T) bytes.
+inline constexpr size_t HyperBytes(size_t groups, size_t tensors) {
+  return (2 * groups + 1) * sizeof(double) + tensors;
+}
 
 // A part of a step (DESIGN.md 5, "parts"): [offset, offset + size) of the step's gradient buffer
 // holds whole spans of the rank, and more parts follow. The rank's last part is a kSubmitStep, so a

@@ -357,11 +357,11 @@ namespace {
 absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepBegin& begin,
                                                  const std::string& where) {
   if (!job.apply()) {
-    if (begin.hyper_size() > 0 || begin.grad_divisor() != 0) {
+    if (begin.hyper_size() > 0 || begin.grad_divisor() != 0 || begin.absent_tensors_size() > 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           where,
-          ": the job is in mode 'update'; a step takes no lr, weight decay or gradient "
-          "divisor there"));
+          ": the job is in mode 'update'; a step takes no lr, weight decay, gradient "
+          "divisor or presence mask there"));
     }
     return std::optional<StepHyper>();
   }
@@ -375,6 +375,19 @@ absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepB
   auto resolved = ResolveStepHyper(job.spec(), values, begin.grad_divisor());
   if (!resolved.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", resolved.status().message()));
+  }
+  const size_t tensors = job.spec().matrices.size();
+  if (begin.absent_tensors_size() > 0) resolved->absent.assign(tensors, 0);
+  for (const uint32_t t : begin.absent_tensors()) {
+    if (t >= tensors) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": absent tensor index ", t,
+                                                     " of a job with ", tensors, " tensors"));
+    }
+    if (resolved->absent[t] != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": tensor '", job.spec().matrices[t].name, "' is named absent twice"));
+    }
+    resolved->absent[t] = 1;
   }
   return std::optional<StepHyper>(*std::move(resolved));
 }

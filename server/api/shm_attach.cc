@@ -154,7 +154,7 @@ absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& 
   if (apply) {
     const uint64_t params = LayOut(spec, rank, spans, true, &session.param_byte_offsets);
     session.hyper_byte_offset = (std::max(bytes, params) + 63) / 64 * 64;
-    buffer = session.hyper_byte_offset + shm::HyperBytes(spec.groups.size());
+    buffer = session.hyper_byte_offset + shm::HyperBytes(spec.groups.size(), spec.matrices.size());
     reply.set_hyper_byte_offset(session.hyper_byte_offset);
   }
   for (size_t i = 0; i < spans.size(); ++i) {

@@ -360,6 +360,8 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
     hyper->lr.assign(values.begin(), values.begin() + groups);
     hyper->weight_decay.assign(values.begin() + groups, values.begin() + 2 * groups);
     hyper->grad_divisor = values[2 * groups];
+    const char* mask = in_base + s->hyper_byte_offset + values.size() * sizeof(double);
+    hyper->absent.assign(mask, mask + s->job->spec().matrices.size());  // checked by the job
   }
   auto channel = s->completions;
   const uint64_t seq = sub.seq;

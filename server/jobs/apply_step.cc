@@ -82,6 +82,18 @@ absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": gradient divisor ", hyper.grad_divisor, " must be finite and > 0"));
   }
+  if (!hyper.absent.empty() && hyper.absent.size() != spec.matrices.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": a presence mask of ",
+                                                   hyper.absent.size(), " tensors for the job's ",
+                                                   spec.matrices.size()));
+  }
+  for (size_t t = 0; t < hyper.absent.size(); ++t) {
+    if (hyper.absent[t] > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": the presence mask byte of tensor '", spec.matrices[t].name, "' is ",
+          hyper.absent[t], "; 0 (has a gradient) or 1 (has none)"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -184,6 +196,23 @@ void ApplyStep::ApplyMuon(StepState& state, uint32_t t, const float* update) {
     a.out = state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize;
     a.out_dtype = ms.param_dtype;
     MuonApply(lr, wd, a, s.length);
+  });
+}
+
+void ApplyStep::Carry(StepState& state, uint32_t t) {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t esize = common::DTypeSize(ms.param_dtype);
+  const int slots = params_->slots(t);
+  const std::vector<JobLayout::OwnerSlice> slices = layout_.OwnerSlices(t, kSlice);
+  common::ParallelFor(slices.size(), ms.numel() * (2 * slots + 1) * sizeof(float), [&](size_t i) {
+    const JobLayout::OwnerSlice& s = slices[i];
+    const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
+    for (int slot = 0; slot < slots; ++slot) {
+      std::memcpy(params_->back(t, slot) + at, params_->front(t, slot) + at,
+                  s.length * sizeof(float));
+    }
+    common::FromFloat32(params_->front(t, ParamStore::kMaster) + at, s.length, ms.param_dtype,
+                        state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize);
   });
 }
 

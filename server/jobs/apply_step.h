@@ -58,6 +58,10 @@ class ApplyStep {
   void ApplyAdamW(StepState& state, uint32_t t, const float* grad);
   // The Muon apply of tensor t from its update U (scaled); writes the owners' output spans.
   void ApplyMuon(StepState& state, uint32_t t, const float* update);
+  // Tensor t is absent this step (the presence mask): its state carried front -> back unchanged
+  // (the commit does not count it a step either), its parameters as they are into the owners'
+  // output spans. Reads no gradient.
+  void Carry(StepState& state, uint32_t t);
 
   // After every tensor is done: the step's gradient norm from the tensors' sums (in tensor order)
   // and the clip coefficient it implies (1 when the job does not clip or the norm is within).

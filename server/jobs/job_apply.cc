@@ -66,6 +66,14 @@ absl::Status Job::AgreeHyper(StepState& state, int rank, const StepHyper& hyper)
                           "': ", hyper.weight_decay[g], " vs ", state.hyper.weight_decay[g]);
     }
   }
+  for (uint32_t t = 0; t < spec_.matrices.size() && what.empty(); ++t) {
+    if (hyper.absent_at(t) != state.hyper.absent_at(t)) {
+      what = absl::StrCat("tensor '", spec_.matrices[t].name, "' has ",
+                          hyper.absent_at(t) ? "no gradient" : "a gradient", " vs ",
+                          state.hyper.absent_at(t) ? "none" : "one",
+                          " (the presence mask; reduce it over the ranks first)");
+    }
+  }
   if (what.empty()) {
     what = absl::StrCat("gradient divisor: ", hyper.grad_divisor, " vs ", state.hyper.grad_divisor);
   }

@@ -55,7 +55,7 @@ void Job::CommitNow(StepState& state) {
     // The step computed the next state into the store's back buffers: it becomes the front.
     // Held to the end, as below.
     ParamStore::Lock store(*params_);
-    store.Flip();
+    store.Flip(state.hyper.absent);
     HoldCommit(id(), state.step);
     state.commit_seconds = absl::ToDoubleSeconds(absl::Now() - commit_start);
     FinishCommit(state, absl::OkStatus());

@@ -26,10 +26,11 @@ ParamStore::ParamStore(const common::JobSpec& spec, device::Device* device)
   steps_.assign(spec.matrices.size(), 0);
 }
 
-void ParamStore::Lock::Flip() {
+void ParamStore::Lock::Flip(const std::vector<uint8_t>& absent) {
   lock_.Flip();
   for (size_t t = 0; t < store_.slots_.size(); ++t) {
-    if (store_.slots_[t] == 3) ++store_.steps_[t];
+    const bool skipped = t < absent.size() && absent[t] != 0;
+    if (store_.slots_[t] == 3 && !skipped) ++store_.steps_[t];
   }
 }
 

@@ -65,8 +65,8 @@ class ParamStore {
     }
     void set_steps(uint32_t t, int64_t steps) { store_.steps_[t] = steps; }
     // Commits the step computed into the back buffers: they become the front; every AdamW
-    // tensor's step count goes up by one.
-    void Flip();
+    // tensor's step count goes up by one, but those `absent` says were skipped (empty: none).
+    void Flip(const std::vector<uint8_t>& absent = {});
     // Zeroes the optimizer state (momentum, moments, step counts); the masters stay.
     void ZeroOptimizerState();
     // Starts the snapshot CopyForSnapshot reads. One at a time.

@@ -59,6 +59,8 @@ class StepPipeline::Run {
         Echo(batch);
         continue;
       }
+      if (status_.ok()) CarryAbsent(batch);
+      if (batch.matrices.empty()) continue;  // every tensor of it was absent
       if (status_.ok()) status_ = Assemble(batch);
       if (status_.ok()) status_ = Enqueue(batch);
       if (!status_.ok()) {
@@ -232,6 +234,20 @@ class StepPipeline::Run {
     for (size_t r = 0; r < touched.size(); ++r) {
       if (touched[r] && state_.outputs[r]->progress.notify) state_.outputs[r]->progress.notify();
     }
+  }
+
+  // Apply mode: the batch's tensors that no rank has a gradient of this step (the presence mask)
+  // leave it, their state carried unchanged and their parameters returned as they are.
+  void CarryAbsent(Batch& batch) {
+    if (p_.apply_ == nullptr || state_.hyper.absent.empty()) return;
+    std::vector<uint32_t> absent, rest;
+    for (uint32_t m : batch.matrices) (state_.hyper.absent_at(m) ? absent : rest).push_back(m);
+    if (absent.empty()) return;
+    for (uint32_t m : absent) p_.apply_->Carry(state_, m);
+    batch.matrices = std::move(rest);
+    Announce(absent);
+    absl::MutexLock lock(p_.job_mu_);
+    state_.matrices_done += absent.size();
   }
 
   // The data-path probe: each owner's span goes back as it came, one copy, no device, in slices

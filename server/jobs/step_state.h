@@ -3,6 +3,7 @@
 #ifndef MUOND_SERVER_JOBS_STEP_STATE_H_
 #define MUOND_SERVER_JOBS_STEP_STATE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <iterator>
 #include <map>
@@ -79,8 +80,20 @@ struct StepHyper {
   std::vector<double> lr;
   std::vector<double> weight_decay;
   double grad_divisor = 1;
+  // The presence mask: per job tensor, 1 when no rank has its gradient this step (it is skipped:
+  // state, step count and parameters unchanged), else 0. Empty: every tensor has one.
+  std::vector<uint8_t> absent;
+  bool absent_at(uint32_t t) const { return t < absent.size() && absent[t] != 0; }
   bool operator==(const StepHyper& o) const {
-    return lr == o.lr && weight_decay == o.weight_decay && grad_divisor == o.grad_divisor;
+    return lr == o.lr && weight_decay == o.weight_decay && grad_divisor == o.grad_divisor &&
+           SameAbsent(o);
+  }
+  bool SameAbsent(const StepHyper& o) const {
+    const size_t n = std::max(absent.size(), o.absent.size());
+    for (uint32_t t = 0; t < n; ++t) {
+      if (absent_at(t) != o.absent_at(t)) return false;
+    }
+    return true;
   }
 };
 

@@ -121,7 +121,9 @@ inline std::vector<std::string> CtlHyperArgs(int t) {
 }
 
 // The masters after each step, in float64: torch.optim.AdamW (decoupled decay, bias correction),
-// the gradient divided by the divisor first.
+// the gradient divided by the divisor first. A tensor `absent` in a step is skipped as
+// torch.optim.AdamW skips a parameter whose grad is None: no decay, no moment update, its step
+// count unchanged.
 class Reference {
  public:
   Reference() {
@@ -132,12 +134,13 @@ class Reference {
       v_[m].assign(w0.size(), 0.0);
     }
   }
-  void Step(int t) {
+  void Step(int t, const std::vector<bool>& absent = {}) {
     const Hyper h = HyperOf(t);
-    ++count_;
-    const double c1 = 1 - std::pow(kBeta1, count_);
-    const double c2 = 1 - std::pow(kBeta2, count_);
     for (int m = 0; m < kTensors; ++m) {
+      if (static_cast<size_t>(m) < absent.size() && absent[m]) continue;
+      const int count = ++count_[m];
+      const double c1 = 1 - std::pow(kBeta1, count);
+      const double c2 = 1 - std::pow(kBeta2, count);
       const std::vector<float> grad = Gradient(m, t);
       for (size_t i = 0; i < grad.size(); ++i) {
         const double g = static_cast<double>(grad[i]) / h.divisor;
@@ -152,7 +155,7 @@ class Reference {
 
  private:
   std::vector<double> w_[kTensors], m_[kTensors], v_[kTensors];
-  int count_ = 0;
+  int count_[kTensors] = {};
 };
 
 // Success when the parameters `got` (widened from `dtype`) of elements [offset, offset +

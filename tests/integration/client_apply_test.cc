@@ -1,7 +1,7 @@
 // The client library in apply mode (DESIGN.md 4b): SetHyper and its checks, the initial
 // parameters (InitParamsTensors, InitParamsBuffer, the shared-memory zero-copy path), steps that
 // return new parameters (StepTensors, StepBuffer, StepInPlace), ExportParams, and the C ABI
-// (muond_session_set_hyper, muond_init_params*, muond_session_param_byte_offset, muond_export).
+// (muond_session_set_hyper, muond_session_set_absent, muond_init_params*, muond_session_param_byte_offset, muond_export).
 // Expected parameters: the float64 AdamW reference of apply_test_model.h.
 //
 // ClientApplyHyperTest needs no daemon (ResolveStepHyper on a parsed spec).
@@ -345,8 +345,14 @@ TEST_F(ClientApplyTest, ZeroCopySharedMemory) {
     auto done = s->StepInPlace(t);
     ASSERT_TRUE(done.ok()) << done.status();
     // The step's hyperparameters are where the protocol says, as float64.
-    double block[2 * am::kTensors + 1];
-    std::memcpy(block, in->data + *hyper_at, common::shm::HyperBytes(am::kTensors));
+    double block[2 * am::kTensors + 1];  // the model has a group per tensor
+    std::memcpy(block, in->data + *hyper_at, sizeof(block));
+    // Then the presence mask: every tensor has a gradient.
+    for (int m = 0; m < am::kTensors; ++m) {
+      EXPECT_EQ(in->data[*hyper_at + sizeof(block) + m], 0) << am::kNames[m];
+    }
+    EXPECT_EQ(sizeof(block) + am::kTensors,
+              common::shm::HyperBytes(spec_.groups.size(), spec_.matrices.size()));
     const am::Hyper h = am::HyperOf(t);
     EXPECT_EQ(block[0], h.lr[0]);
     EXPECT_EQ(block[1], h.lr[1]);
@@ -390,6 +396,13 @@ TEST_F(ClientApplyTest, CAbi) {
   const double lr_three[] = {0.01, 0.01, 0.01};
   EXPECT_EQ(muond_session_set_hyper(s, three, lr_three, nullptr, 3, 1.0), 3);
   EXPECT_NE(std::string(muond_last_error()).find("'bogus'"), std::string::npos);
+  // The presence mask: an index past the tensors, NULL with a count; then none absent.
+  const uint32_t past[] = {2};
+  EXPECT_EQ(muond_session_set_absent(s, past, 1), 3);
+  EXPECT_NE(std::string(muond_last_error()).find("absent tensor index 2"), std::string::npos)
+      << muond_last_error();
+  EXPECT_NE(muond_session_set_absent(s, nullptr, 1), 0);
+  EXPECT_EQ(muond_session_set_absent(s, nullptr, 0), 0) << muond_last_error();
   // A step before any hyperparameters: FAILED_PRECONDITION.
   const uint64_t n = muond_session_buffer_elements(s);
   const std::string grads0 =

@@ -7,7 +7,8 @@ Usage: state_anytime_test.py MUOND_BIN LIBMUOND_CLIENT [unittest names...]
     job's state by tensor name, which torch.save/torch.load keep; loading it back into the same
     job, into a job of another id, and into a job of another ZeRO stage continues the same
     trajectory bit for bit; a state that does not fit the job is refused with the job left as it
-    was (its next steps are those it would have taken); update mode's AdamW state travels too.
+    was (its next steps are those it would have taken); update mode's AdamW state travels too;
+    a world-1 job's state continues in a world-2 job of two gloo ranks.
   - FrozenTest: parameters with requires_grad=False are not job tensors (apply and update
     mode): they never change and the others follow the reference of a model without them.
   - SchedulerTest: LambdaLR (cosine with warm-up), OneCycleLR and StepLR on apply mode: the lr
@@ -108,6 +109,22 @@ class StateDictTest(DaemonTest):
         self.assertEqual(staged.spec["zero_stage"], 3)
         staged.close(delete_job=True)
 
+    def test_another_world_size(self):
+        """A world-1 job's state loaded by two gloo ranks (a world-2 ZeRO-2 job of another id):
+        both ranks give the world-1 gradient, so the mean is the same, and the trajectory goes on
+        bit for bit."""
+        import tempfile
+
+        import torch.multiprocessing as mp
+        opt, at3, sd, after = self.trajectory_then_state("sd-world1")
+        opt.close(delete_job=True)
+        with tempfile.TemporaryDirectory(prefix="sd-world2-") as tmp:
+            torch.save({"at3": at3, "sd": sd, "after": after}, os.path.join(tmp, "in.pt"))
+            mp.spawn(_world2_rank, args=(self.daemon.address, tmp), nprocs=2, join=True)
+            result = torch.load(os.path.join(tmp, "out.pt"))
+        self.assertEqual(result["step_id"], [5, 5])
+        self.assertEqual(result["mismatches"], [], "steps 3-4 differ from the world-1 job's")
+
     def test_a_state_that_does_not_fit_leaves_the_job(self):
         opt, at3, sd, after = self.trajectory_then_state("sd-misfit-src")
         opt.close(delete_job=True)
@@ -183,6 +200,38 @@ def warmup_cosine(warmup, total):
             return (s + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup)))
     return f
+
+
+def _world2_rank(rank, address, tmp):
+    """Rank `rank` of StateDictTest.test_another_world_size."""
+    import torch.distributed as dist
+    os.environ["MUOND_CLIENT_LIB"] = LIB
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    try:
+        data = torch.load(os.path.join(tmp, "in.pt"))
+        params, kinds, tensors = optimizer_model(torch.float32)
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(data["at3"][n])
+        opt = apply_optimizer(params, kinds, address=address, job_id="sd-world2", zero_stage=2)
+        opt.load_state_dict(data["sd"])
+        mismatches = []
+        for i, t in enumerate(range(3, 5)):
+            for p, g in zip(params.values(), h.gradients(tensors, t)):
+                p.grad = g
+            opt.step()
+            mismatches += [f"step {t} {n}" for n, p in params.items()
+                           if not torch.equal(p.detach(), data["after"][i][n])]
+        results = [None, None]
+        dist.all_gather_object(results, (opt.step_id, mismatches))
+        opt.close(delete_job=True)
+        if rank == 0:
+            torch.save({"step_id": [r[0] for r in results],
+                        "mismatches": sum((r[1] for r in results), [])},
+                       os.path.join(tmp, "out.pt"))
+    finally:
+        dist.destroy_process_group()
 
 
 class SchedulerTest(DaemonTest):

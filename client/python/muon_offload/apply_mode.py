@@ -227,7 +227,8 @@ class ParameterOffload:
 
     def push_step(self, step, grads, hyper):
         """Reduce-scatters `grads` (one per job tensor, the parameters' dtype) into this rank's
-        gradient buffer, sends the step with `hyper` = (groups, lr, weight_decay, grad_divisor)
+        gradient buffer, sends the step with `hyper` = (groups, lr, weight_decay, grad_divisor[,
+        absent])
         and returns the flat buffer holding the rank's new parameters. A collective over the
         group up to the muond call; raises MuondError when muond refuses the step (nothing in the
         trainer changed)."""

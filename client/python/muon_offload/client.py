@@ -308,10 +308,13 @@ class Session:
             self._param_offsets = tuple(out)
         return self._param_offsets
 
-    def set_hyper(self, groups, lr, weight_decay=None, grad_divisor=1.0):
+    def set_hyper(self, groups, lr, weight_decay=None, grad_divisor=1.0, absent=None):
         """Apply mode: the hyperparameters of the next step, per job group: `groups` (names),
         `lr` (one per group), `weight_decay` (one per group; None: the groups' job values) and
-        the gradient divisor (the gradients are divided by it before anything else)."""
+        the gradient divisor (the gradients are divided by it before anything else); `absent`
+        (not None): the presence mask, see set_absent."""
+        if absent is not None:
+            self.set_absent(absent)
         n = len(groups)
         if len(lr) != n or (weight_decay is not None and len(weight_decay) != n):
             raise ValueError(f"{n} groups, {len(lr)} lr and "
@@ -322,6 +325,15 @@ class Session:
             (ctypes.c_double * max(n, 1))(*[float(x) for x in weight_decay])
         _native.call("muond_session_set_hyper", self.handle, names, lrs, wds, n,
                      float(grad_divisor))
+
+    def set_absent(self, tensors):
+        """Apply mode: the job tensors (indices) with no gradient on any rank in the next steps:
+        each is skipped (master, optimizer state and step count unchanged, its parameters
+        returned as they were); empty: every tensor has one. Their gradient bytes are still sent
+        (send zeros). Every rank of a step must send the same set."""
+        tensors = [int(t) for t in tensors]
+        arr = (ctypes.c_uint32 * max(len(tensors), 1))(*tensors)
+        _native.call("muond_session_set_absent", self.handle, arr, len(tensors))
 
     def init_view(self, dtype=torch.uint8):
         """Apply mode, shared memory: where this rank's initial parameters go (gradient buffer 0),

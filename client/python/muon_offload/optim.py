@@ -209,6 +209,8 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         self._in_flight = None  # delay=1: the step sent and not yet installed
         self.predict = bool(predict) and self.delay == 1
         self._true = None  # predict: the parameters without the prediction
+        # Apply mode: the last step's presence mask, what a part sent during backward carries.
+        self._absent_guess = ()
         self._steps_taken = 0
         # What the last step cost the caller (seconds): in step(), and waiting for muond.
         self.last_step_stats = {}
@@ -362,7 +364,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         self._stream = GradientStream(self.session, self.partitions, self.rank, params,
                                       self.process_group, self._dist, dtype=self.dtype,
                                       reduce=self.reduce_gradients, mean=not apply,
-                                      bucket_bytes=self.bucket_bytes)
+                                      bucket_bytes=self.bucket_bytes, zero_missing=apply)
         s = self.session
         if s.is_shm:
             view = (lambda t: self.offload._pinned(s.gradient_view(t, self.dtype))) if apply \
@@ -614,13 +616,27 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             lr, wd = (g["lr"], g["weight_decay"]) if hyper is None else hyper[j]
             self._apply(p, m / (v.sqrt() + g["eps"]), lr, wd)
 
-    def _apply_hyper(self, grad_divisor=None):
+    def _apply_hyper(self, grad_divisor=None, absent=None):
+        """(groups, lr, weight_decay, divisor, absent) of Session.set_hyper. absent: the
+        presence mask (default: the last step's, a guess made during backward)."""
         divisor = self.grad_divisor if grad_divisor is None else float(grad_divisor)
         if self.reduce_gradients and self.world_size > 1:
             divisor *= self.world_size  # the ranks' gradients are summed: muond takes the mean
         groups = self.param_groups
         return ([group_name(i) for i in range(len(groups))], [g["lr"] for g in groups],
-                [g["weight_decay"] for g in groups], divisor)
+                [g["weight_decay"] for g in groups], divisor,
+                self._absent_guess if absent is None else absent)
+
+    def _absent_tensors(self):
+        """Apply mode: the job tensors (indices) whose p.grad is None on every rank this step (a
+        collective with a process group). muond skips them as torch.optim.AdamW skips such a
+        parameter; one absent on some ranks only is zeros there, as a reduce takes it."""
+        present = [p.grad is not None for _, p in self._job_tensors]
+        counts = self.ranks.counts(present) if self.world_size > 1 else present
+        return tuple(i for i, c in enumerate(counts) if not c)
+
+    def _grads_or_zeros(self):
+        return [torch.zeros_like(p) if p.grad is None else p.grad for _, p in self._job_tensors]
 
     def _send_hyper(self):
         """Apply mode, before a streamed step's first part: its hyperparameters as they are now
@@ -633,27 +649,29 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             raise MuondError(CODES["FAILED_PRECONDITION"], f"job '{self.job_id}' rank "
                              f"{self.rank}: not attached (closed, or a checkpoint load failed)",
                              "step")
-        self._require_gradients(self._job_tensors, "apply-mode")
+        absent = self._absent_tensors()
+        self._absent_guess = absent
         if self._upload_pending:
             if self._stream.armed and self._stream._posted:
                 self._stream.abandon()  # parts of a step the daemon cannot run yet
             self._stream.disarm()  # the upload goes through gradient buffer 0
             self.upload_params()
-        hyper = self._apply_hyper(grad_divisor)
+        hyper = self._apply_hyper(grad_divisor, absent)
         st, s, step = self._stream, self.offload.session, self.step_id
         streamed = st.armed and st.step == step and s.is_shm
         changed = streamed and self._sent_hyper not in (None, hyper)
         if streamed and self.world_size > 1:
             changed = self.ranks.count(changed) > 0  # every rank takes the same path
         if changed:
-            # lr or the divisor changed after the first part left: drop the parts, send it whole.
+            # lr, the divisor or the presence mask changed after the first part left: drop the
+            # parts, send the step whole.
             st.abandon()
             self.ranks.barrier()
             streamed = False
         if self._delayed():
             self._install_in_flight()
             s.set_hyper(*hyper)
-            self.offload._reduce_gradients([p.grad for _, p in self._job_tensors],
+            self.offload._reduce_gradients(self._grads_or_zeros(),
                                            self.offload._pinned(s.gradient_view(step, self.dtype)))
             self._post_whole(step)
             self._in_flight = step
@@ -676,8 +694,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                     s.wait_parts(step)
             else:
                 st.disarm()
-                new_params = self.offload.push_step(
-                    step, [p.grad for _, p in self._job_tensors], hyper)
+                new_params = self.offload.push_step(step, self._grads_or_zeros(), hyper)
             skipped = s.last_step_skipped
         except MuondError as e:
             error = e

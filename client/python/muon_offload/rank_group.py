@@ -79,6 +79,16 @@ class RankGroup:
         self.dist.all_reduce(t, group=self.group)
         return int(t.item())
 
+    def counts(self, flags):
+        """Element-wise, on how many ranks each of `flags` is true (one all-reduce)."""
+        if self.size == 1:
+            return [int(bool(f)) for f in flags]
+        nccl = self.dist.get_backend(self.group) == "nccl"
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32,
+                         device="cuda" if nccl else "cpu")
+        self.dist.all_reduce(t, group=self.group)
+        return [int(x) for x in t.tolist()]
+
     def raise_if_any_failed(self, error):
         """Raises `error` (a MuondError or None) on this rank, or the first failure of another
         rank on the ranks where it is None; returns when no rank failed. Costs one count() when

@@ -164,9 +164,11 @@ class ApplyReference:
 
     @torch.no_grad()
     def step(self, grads, lr, weight_decay, grad_divisor=1.0):
-        """One step: `grads` one per tensor (any dtype), `lr` and `weight_decay` dicts by group
-        name."""
-        g = [torch.div(x.detach().to(torch.float32), float(grad_divisor)) for x in grads]
+        """One step: `grads` one per tensor (any dtype; None: the tensor has no gradient and is
+        skipped, as torch.optim.AdamW skips it: no decay, no state or step count change), `lr`
+        and `weight_decay` dicts by group name."""
+        g = [None if x is None else torch.div(x.detach().to(torch.float32), float(grad_divisor))
+             for x in grads]
         if self.max_grad_norm:
             for master, gi in zip(self.masters, g):
                 master.grad = gi
@@ -174,6 +176,8 @@ class ApplyReference:
                                                                        self.max_grad_norm))
             g = [master.grad for master in self.masters]
         for i, m in self.momentum.items():
+            if g[i] is None:
+                continue
             t = self.tensors[i]
             u = muon_update(g[i], m, num_heads=t.get("num_heads", 1), **self.muon)
             rate, decay = lr[t["group"]], weight_decay[t["group"]]

@@ -49,11 +49,13 @@ class GradientStream:
     and module (None: one rank); reduce: sum the ranks' gradients here; mean: divide the sum by
     the world size (update mode; apply mode sends the sum and a divisor); bucket_bytes: the size
     at which a bucket leaves; dtype: the buffer's (default: the parameters'; gradients of other
-    dtypes are converted on the copy).
+    dtypes are converted on the copy); zero_missing: a tensor without a gradient (p.grad None)
+    goes as zeros (apply mode's presence mask says whether muond uses it), else it is refused.
     """
 
     def __init__(self, session, partitions, rank, params, group=None, distributed=None,
-                 reduce=False, mean=False, bucket_bytes=DEFAULT_BUCKET_BYTES, dtype=None):
+                 reduce=False, mean=False, bucket_bytes=DEFAULT_BUCKET_BYTES, dtype=None,
+                 zero_missing=False):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.session = session
@@ -62,6 +64,7 @@ class GradientStream:
         self.world = len(partitions)
         self.params = list(params)
         self.dtype = dtype or self.params[0].dtype  # the buffers' (converted on the copies)
+        self.zero_missing = zero_missing
         self.itemsize = torch.empty(0, dtype=self.dtype).element_size()
         self.group = group
         self._dist = distributed if self.world > 1 else None
@@ -155,10 +158,7 @@ class GradientStream:
 
     def _exchange(self, tensors):
         """Starts the all-to-all of the bucket: each rank's spans of its tensors, rank order."""
-        grads = {i: self.params[i].grad for i in tensors}
-        for i, g in grads.items():
-            if g is None:
-                raise MuondError(CODES["INVALID_ARGUMENT"], f"tensor {i} has no gradient", "step")
+        grads = {i: self._grad(i) for i in tensors}
         pieces, sizes = [], []
         for r in range(self.world):
             n = 0
@@ -198,12 +198,20 @@ class GradientStream:
                     at += length
             self._place(tensors, flat)
 
+    def _grad(self, i):
+        g = self.params[i].grad
+        if g is not None:
+            return g
+        if self.zero_missing:
+            return torch.zeros_like(self.params[i])
+        raise MuondError(CODES["INVALID_ARGUMENT"], f"tensor {i} has no gradient", "step")
+
     def _copy_and_post(self, tensors, grads):
         flat = {}
         for i in tensors:
             g = grads[i]
             if g is None:
-                raise MuondError(CODES["INVALID_ARGUMENT"], f"tensor {i} has no gradient", "step")
+                g = self._grad(i)
             g = g.reshape(-1)
             for k in self._mine[i]:
                 _, off, length, _ = self.spans[k]
