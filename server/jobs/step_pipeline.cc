@@ -64,6 +64,7 @@ class StepPipeline::Run {
       if (status_.ok()) status_ = Assemble(batch);
       if (status_.ok()) status_ = Enqueue(batch);
       if (!status_.ok()) {
+        Recycle(batch);
         Abandon();
         continue;
       }
@@ -407,7 +408,7 @@ class StepPipeline::Run {
       } else {
         RETURN_IF_ERROR(
             dev_.copy_in->CopyToDevice(batch.grad[k], 0, batch.staging[i].data(), bytes));
-        CountStaged(true, bytes);
+        CountStaged(true, bytes, p_.StagingPinned(batch.staging[i].data()));
       }
       // The committed momentum, read in place from the (registered) store: it does not change
       // before commit, which waits for this step's device work.
@@ -433,7 +434,7 @@ class StepPipeline::Run {
       std::vector<float>& staging = batch.staging[i];
       RETURN_IF_ERROR(dev_.writeback->CopyToHost(staging.data(), batch.grad[k], 0,
                                                  staging.size() * sizeof(float)));
-      CountStaged(false, staging.size() * sizeof(float));
+      CountStaged(false, staging.size() * sizeof(float), p_.StagingPinned(staging.data()));
     }
     // Update mode: the new momentum (the one the update was computed from) into the store's back
     // buffer, which the commit makes the front (apply mode writes its state on the host).
@@ -496,7 +497,19 @@ class StepPipeline::Run {
       Batch b = std::move(flight_.front());
       flight_.pop_front();
       if (b.written) (void)b.written->Wait();
+      Recycle(b);
     }
+  }
+
+  // A batch that will not retire: its buffers go back to the pools (a registered staging buffer
+  // must never be freed without being unregistered). REQUIRES: none of its copies in flight.
+  void Recycle(Batch& b) {
+    (void)dev_.copy_in->Synchronize();
+    (void)dev_.writeback->Synchronize();
+    for (std::vector<float>& v : b.staging) {
+      if (!v.empty()) p_.GiveBack(std::move(v));
+    }
+    b.staging.clear();
   }
 
   StepPipeline& p_;
@@ -525,7 +538,13 @@ StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
   CountStaged(true, 0);  // declares muond_step_copy_bytes_total before the first scrape
 }
 
-StepPipeline::~StepPipeline() = default;
+StepPipeline::~StepPipeline() {
+  // Every staging buffer is back in the pool (each drain returns what it took).
+  absl::MutexLock lock(&pool_mu_);
+  for (const auto& [data, bytes] : pinned_staging_) {
+    devices_->device->UnregisterHost(const_cast<float*>(data), bytes);
+  }
+}
 
 void StepPipeline::Drain(StepState& state) { Run(*this, state).Go(); }
 

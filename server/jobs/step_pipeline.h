@@ -110,8 +110,12 @@ class StepPipeline {
   // dtype) into the owner's update region.
   absl::Status CopySpansOut(const StepState& state, uint32_t m,
                             const device::DeviceBuffer& src) const;
-  // Counts bytes of the staged path (muond_step_copy_bytes_total{path="staged"}).
-  static void CountStaged(bool to_device, uint64_t bytes);
+  // Counts bytes of the staged path (muond_step_copy_bytes_total): from or into staging that is
+  // registered with the device (path="pinned_staging": DMA in place), else through the device's
+  // bounce buffer (path="staged").
+  static void CountStaged(bool to_device, uint64_t bytes, bool pinned = false);
+  // True when host staging `data` (a buffer of TakeStaging) is registered with the device.
+  bool StagingPinned(const float* data);
   // Matrix m's committed momentum (the update mode store or apply mode's front).
   const float* CommittedMomentum(uint32_t m) const;
   // Where matrix m's new momentum goes (the update mode store's back buffer or apply mode's
@@ -121,7 +125,10 @@ class StepPipeline {
   // Buffers of retired batches kept for the next batches and steps: fresh memory every step costs
   // page faults and the kernel's zeroing of everything assembled (hundreds of megabytes a step for
   // a large model). Same-shape tensors come back every step, so buffers are matched by size. At
-  // most the gather budget is kept idle; more is freed.
+  // most the gather budget is kept idle; more is freed. On a device with direct host copies
+  // (GPUs) a staging buffer that goes into the pool is registered with the device once, so its
+  // copies from then on are DMA without the bounce buffer (apply mode always stages; update mode
+  // stages what cannot go direct); one freed is unregistered first.
   std::vector<float> TakeStaging(size_t n);
   absl::StatusOr<device::DeviceBuffer> TakeDeviceBuffer(size_t bytes);
   void GiveBack(std::vector<float> staging);
@@ -141,6 +148,8 @@ class StepPipeline {
   std::multimap<size_t, std::vector<float>> staging_pool_ ABSL_GUARDED_BY(pool_mu_);
   std::multimap<size_t, device::DeviceBuffer> device_pool_ ABSL_GUARDED_BY(pool_mu_);
   uint64_t pool_bytes_ ABSL_GUARDED_BY(pool_mu_) = 0;
+  // Staging registered with the device (GiveBack), by address: its bytes. In the pool or in use.
+  std::map<const float*, size_t> pinned_staging_ ABSL_GUARDED_BY(pool_mu_);
 };
 
 }  // namespace muond::server

@@ -1,6 +1,7 @@
 // StepPipeline's buffers (step_pipeline.h): what a matrix's assembly costs of the gather budget,
 // the pools of host staging and device buffers kept between steps (at most the gather budget's
 // bytes), and where a step reads the committed momentum and writes the new one.
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -46,10 +47,33 @@ absl::StatusOr<device::DeviceBuffer> StepPipeline::TakeDeviceBuffer(size_t bytes
 
 void StepPipeline::GiveBack(std::vector<float> staging) {
   const size_t bytes = staging.size() * sizeof(float);
+  if (bytes == 0) return;
+  device::Device& dev = *devices_->device;
+  bool keep = false, pinned = false;
+  {
+    absl::MutexLock lock(&pool_mu_);
+    pinned = pinned_staging_.count(staging.data()) > 0;
+    keep = pool_bytes_ + bytes <= gather_budget_bytes_;
+    if (keep) {
+      pool_bytes_ += bytes;
+    } else if (pinned) {
+      pinned_staging_.erase(staging.data());
+    }
+  }
+  if (!keep) {
+    if (pinned) dev.UnregisterHost(staging.data(), bytes);
+    return;  // freed here
+  }
+  // Registered once, outside the lock (it blocks); a device that refuses leaves it pageable.
+  if (!pinned && dev.DirectHostCopies()) pinned = dev.RegisterHost(staging.data(), bytes);
   absl::MutexLock lock(&pool_mu_);
-  if (bytes == 0 || pool_bytes_ + bytes > gather_budget_bytes_) return;  // freed here
-  pool_bytes_ += bytes;
+  if (pinned) pinned_staging_[staging.data()] = bytes;
   staging_pool_.emplace(staging.size(), std::move(staging));
+}
+
+bool StepPipeline::StagingPinned(const float* data) {
+  absl::MutexLock lock(&pool_mu_);
+  return pinned_staging_.count(data) > 0;
 }
 
 void StepPipeline::GiveBack(device::DeviceBuffer buffer) {

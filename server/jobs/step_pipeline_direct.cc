@@ -24,19 +24,22 @@ struct CopyMetrics {
         "muond_step_copy_bytes_total",
         "Gradient bytes copied to the compute device and update bytes copied back, by path: "
         "direct (DMA straight from and to the ranks' registered shared-memory regions, widened "
-        "and narrowed on the device) or staged (through the daemon's fp32 host assembly).");
+        "and narrowed on the device), pinned_staging (the daemon's fp32 host assembly, "
+        "registered with the device: DMA in place) or staged (the host assembly through the "
+        "device's bounce buffer).");
     if (!f.ok()) {
       MUOND_LOG(ERROR) << "metrics: " << f.status();
       return;
     }
-    for (int path = 0; path < 2; ++path) {
+    const char* const kPaths[] = {"staged", "direct", "pinned_staging"};
+    for (int path = 0; path < 3; ++path) {
       for (int to_device = 0; to_device < 2; ++to_device) {
-        bytes[path][to_device] = &(*f)->Add({{"path", path == 1 ? "direct" : "staged"},
+        bytes[path][to_device] = &(*f)->Add({{"path", kPaths[path]},
                                              {"direction", to_device ? "to_device" : "to_host"}});
       }
     }
   }
-  common::Counter* bytes[2][2] = {};  // [direct][to_device]
+  common::Counter* bytes[3][2] = {};  // [staged, direct, pinned_staging][to_device]
 };
 
 CopyMetrics& Metrics() {
@@ -44,14 +47,18 @@ CopyMetrics& Metrics() {
   return *metrics;
 }
 
-void Count(bool direct, bool to_device, uint64_t bytes) {
-  common::Counter* c = Metrics().bytes[direct ? 1 : 0][to_device ? 1 : 0];
+enum Path { kStaged = 0, kDirect = 1, kPinnedStaging = 2 };
+
+void Count(Path path, bool to_device, uint64_t bytes) {
+  common::Counter* c = Metrics().bytes[path][to_device ? 1 : 0];
   if (c != nullptr) c->Increment(static_cast<double>(bytes));
 }
 
 }  // namespace
 
-void StepPipeline::CountStaged(bool to_device, uint64_t bytes) { Count(false, to_device, bytes); }
+void StepPipeline::CountStaged(bool to_device, uint64_t bytes, bool pinned) {
+  Count(pinned ? kPinnedStaging : kStaged, to_device, bytes);
+}
 
 bool StepPipeline::Direct(const StepState& state, uint32_t m) const {
   if (apply_ != nullptr || spec_.transport_probe) return false;
@@ -84,7 +91,7 @@ absl::Status StepPipeline::CopySpansIn(const StepState& state, uint32_t m,
         dst, span.offset * esize, state.ranks[ref.rank].span_in[ref.span], bytes));
     total += bytes;
   }
-  Count(true, true, total);
+  Count(kDirect, true, total);
   return absl::OkStatus();
 }
 
@@ -99,7 +106,7 @@ absl::Status StepPipeline::CopySpansOut(const StepState& state, uint32_t m,
                                                     src, span.offset * esize, bytes));
     total += bytes;
   }
-  Count(true, false, total);
+  Count(kDirect, false, total);
   return absl::OkStatus();
 }
 

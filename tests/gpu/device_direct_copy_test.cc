@@ -5,14 +5,18 @@
 //    between the registered regions and the device, widen and narrow there, and return the same
 //    bytes as the cpu backend's staged path; a registration the device refuses falls back to the
 //    staged path (counted, same bytes); Stream::Convert rounds as the host; registered ranges are
-//    tracked and released;
+//    tracked and released; apply mode's staging is registered once pooled (DMA from the second
+//    step, the same bytes);
 //  - with a CUDA or Level Zero device (CudaDirectCopyTest, LevelZeroDirectCopyTest, skipped with
 //    the reason where there is none; none where this was written, so these did not run here): a
 //    memfd region registered with the device (cudaHostRegister; zexDriverImportExternalPointer)
 //    is copied in place; the Convert kernels match the host bit for bit; steps with registered
 //    regions match the same backend's staged steps bit for bit; and on CUDA the pinned copy rates
 //    and a step's time against the PCIe floor, printed (tests/gpu/run.sh greps them).
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -130,6 +134,65 @@ TEST(DirectCopySimulatedTest, RegistrationRefusedFallsBackToStagingWithTheSameBy
   const double failed_before_off = Registrations("failed");
   ExpectSameUpdates(cpu, RunJobs(HostDevice(true, true), false));
   EXPECT_EQ(Registrations("failed"), failed_before_off);
+}
+
+// Apply mode stages every tensor (the daemon assembles fp32 gradients on the host for the norm,
+// the momentum and AdamW): its staging buffers are registered with the device once they are
+// pooled, so from the second step the Muon tensors' copies go by DMA from registered memory
+// (path "pinned_staging"), not through the bounce buffer, with the same bytes.
+constexpr char kApplyJob[] = R"({"job_id": "apply", "mode": "apply", "world_size": 2,
+  "zero_stage": 3,
+  "tensors": [{"name": "a", "shape": [64, 96], "dtype": "bfloat16", "param_dtype": "bfloat16",
+               "optimizer": "muon", "group": "matrices"},
+              {"name": "n", "shape": [96], "dtype": "float32", "optimizer": "adamw",
+               "group": "vectors"},
+              {"name": "c", "shape": [40, 72], "dtype": "float32", "optimizer": "muon",
+               "group": "matrices"}],
+  "groups": [{"name": "matrices", "lr": 0.02, "weight_decay": 0.1},
+             {"name": "vectors", "lr": 0.01, "weight_decay": 0.0}],
+  "adamw": {"betas": [0.9, 0.95], "eps": 1e-8}})";
+constexpr double kApplyMuonBytes = (64 * 96 + 40 * 72) * 4.0;  // fp32 staging per step
+
+StepResults RunApply(std::unique_ptr<Device> device) {
+  auto daemon = InProcessDaemon::Start(std::move(device), true);
+  EXPECT_TRUE(daemon.ok()) << daemon.status();
+  if (!daemon.ok()) return {};
+  auto token = (*daemon)->CreateJob(kApplyJob);
+  EXPECT_TRUE(token.ok()) << token.status();
+  if (!token.ok()) return {};
+  auto run = RunSteps((*daemon)->shm_path(), "apply", *token, kSteps, 11);
+  EXPECT_TRUE(run.ok()) << run.status();
+  return run.ok() ? *std::move(run) : StepResults{};
+}
+
+TEST(DirectCopySimulatedTest, ApplyModeStagingIsPinnedFromTheSecondStep) {
+  {
+    // The simulated device registers host memory with mlock: a process that may not lock its
+    // staging (RLIMIT_MEMLOCK) cannot run this.
+    std::vector<char> probe(size_t{256} << 10);
+    if (mlock(probe.data(), probe.size()) != 0) {
+      GTEST_SKIP() << "mlock of 256 KiB refused (" << std::strerror(errno)
+                   << "): the simulated device cannot register the staging buffers";
+    }
+    munlock(probe.data(), probe.size());
+  }
+  const StepResults pageable = RunApply(HostDevice(true, false));
+  const double staged = CopyBytes("staged", "to_device");
+  const double pinned = CopyBytes("pinned_staging", "to_device");
+  const double pinned_out = CopyBytes("pinned_staging", "to_host");
+  const StepResults registered = RunApply(HostDevice(true, true));
+  ASSERT_EQ(pageable.updates.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(registered.updates.size(), static_cast<size_t>(kSteps));
+  for (int t = 0; t < kSteps; ++t) {
+    for (size_t r = 0; r < 2; ++r) {
+      EXPECT_FALSE(pageable.updates[t][r].empty());
+      EXPECT_TRUE(pageable.updates[t][r] == registered.updates[t][r]) << "step " << t;
+    }
+  }
+  // Step 0 through fresh (pageable) staging, then every Muon byte from registered staging.
+  EXPECT_EQ(CopyBytes("staged", "to_device") - staged, kApplyMuonBytes);
+  EXPECT_EQ(CopyBytes("pinned_staging", "to_device") - pinned, (kSteps - 1) * kApplyMuonBytes);
+  EXPECT_EQ(CopyBytes("pinned_staging", "to_host") - pinned_out, (kSteps - 1) * kApplyMuonBytes);
 }
 
 // Values that exercise rounding: ties, subnormals, fp16 overflow, signed zeros.

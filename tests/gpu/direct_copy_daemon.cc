@@ -69,7 +69,26 @@ std::vector<float> Gradient(uint32_t matrix, int64_t numel, int64_t step, uint32
 
 namespace {
 
-// One rank's step: its spans' gradients into the step's buffer, the doorbell, its update spans.
+bool Apply(const common::JobSpec& spec) { return spec.mode == common::JobMode::kApply; }
+
+// Apply mode: the rank's initial parameters (a tenth of Gradient(.., step -1, ..)), in each
+// tensor's param dtype at its param offset of gradient buffer 0, then installed.
+absl::Status RankInit(client::ShmChannel& ch, uint32_t seed) {
+  const common::JobSpec& spec = ch.spec();
+  char* init = ch.GradientBuffer(0);
+  for (const client::ShmSpan& span : ch.spans()) {
+    const common::MatrixSpec& ms = spec.matrices[span.matrix];
+    std::vector<float> w = Gradient(span.matrix, ms.numel(), -1, seed);
+    for (float& v : w) v *= 0.1f;
+    common::FromFloat32(w.data() + span.offset, span.length, ms.param_dtype,
+                        init + span.param_byte_offset);
+  }
+  return ch.RingInitParams();
+}
+
+// One rank's step: its spans' gradients into the step's buffer (apply mode: and the step's
+// hyperparameters, every group's job lr and weight decay), the doorbell, its update spans (apply
+// mode: its new parameters).
 absl::Status RankStep(client::ShmChannel& ch, int64_t step, uint32_t seed, std::string* update) {
   const common::JobSpec& spec = ch.spec();
   char* grad = ch.GradientBuffer(step);
@@ -78,13 +97,24 @@ absl::Status RankStep(client::ShmChannel& ch, int64_t step, uint32_t seed, std::
     const std::vector<float> g = Gradient(span.matrix, ms.numel(), step, seed);
     common::FromFloat32(g.data() + span.offset, span.length, ms.dtype, grad + span.byte_offset);
   }
+  if (Apply(spec)) {
+    std::vector<double> hyper;
+    for (const common::ParamGroup& g : spec.groups) hyper.push_back(g.lr);
+    for (const common::ParamGroup& g : spec.groups) hyper.push_back(g.weight_decay);
+    hyper.push_back(1.0);  // the gradient divisor
+    std::memcpy(grad + ch.hyper_byte_offset(), hyper.data(), hyper.size() * sizeof(double));
+    std::memset(grad + ch.hyper_byte_offset() + hyper.size() * sizeof(double), 0,
+                spec.matrices.size());  // the presence mask: every tensor has a gradient
+  }
   auto rung = ch.Ring(step);
   if (!rung.ok()) return rung.status();
   update->clear();
   const char* out = ch.UpdateBuffer(step);
   for (const client::ShmSpan& span : ch.spans()) {
-    const size_t esize = common::DTypeSize(spec.matrices[span.matrix].dtype);
-    update->append(out + span.byte_offset, span.length * esize);
+    const common::MatrixSpec& ms = spec.matrices[span.matrix];
+    const size_t esize = common::DTypeSize(Apply(spec) ? ms.param_dtype : ms.dtype);
+    update->append(out + (Apply(spec) ? span.param_byte_offset : span.byte_offset),
+                   span.length * esize);
   }
   return absl::OkStatus();
 }
@@ -104,6 +134,11 @@ absl::StatusOr<StepResults> RunSteps(const std::string& socket, const std::strin
     if (r + 1 == world) break;
   }
   StepResults results;
+  for (size_t r = 0; r < ranks.size() && Apply(ranks[r]->spec()); ++r) {
+    if (absl::Status s = RankInit(*ranks[r], seed); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("rank ", r, " initial parameters: ", s.message()));
+    }
+  }
   for (int64_t t = 0; t < steps; ++t) {
     std::vector<std::string> updates(ranks.size());
     std::vector<absl::Status> status(ranks.size());
