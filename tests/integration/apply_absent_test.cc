@@ -73,6 +73,19 @@ class ApplyAbsentTest : public DaemonSuite {
     return out;
   }
 
+  // An update-mode job with rank 0 attached over gRPC.
+  void AttachUpdateModeJob(const std::string& prefix, std::string* token,
+                           std::unique_ptr<client::RankSession>* session) {
+    const common::JobSpec update =
+        WholeMatrixJob(NewJobId(prefix), "wide_std", {CaseMatrix("wide_std", "w")});
+    auto t = client().CreateJob(update);
+    ASSERT_TRUE(t.ok()) << t.status();
+    *token = *t;
+    auto u = client().Attach(update.job_id, 0, *token, false, client::Transport::kGrpc);
+    ASSERT_TRUE(u.ok()) << u.status();
+    *session = *std::move(u);
+  }
+
   int64_t NextStep() {
     auto st = client().GetJob(spec_.job_id, token_);
     EXPECT_TRUE(st.ok()) << st.status();
@@ -133,13 +146,10 @@ TEST_F(ApplyAbsentTest, ClientRefusesMalformedMasks) {
   st = s->SetAbsent({1, 1});
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_TRUE(absl::StrContains(st.message(), "'b' is named absent twice")) << st;
-  common::JobSpec update =
-      WholeMatrixJob(NewJobId("absent-upd"), "wide_std", {CaseMatrix("wide_std", "w")});
-  auto token = client().CreateJob(update);
-  ASSERT_TRUE(token.ok()) << token.status();
-  auto u = client().Attach(update.job_id, 0, *token, false, client::Transport::kGrpc);
-  ASSERT_TRUE(u.ok()) << u.status();
-  EXPECT_EQ((*u)->SetAbsent({0}).code(), absl::StatusCode::kFailedPrecondition);
+  std::string token;
+  std::unique_ptr<client::RankSession> u;
+  ASSERT_NO_FATAL_FAILURE(AttachUpdateModeJob("absent-upd", &token, &u));
+  EXPECT_EQ(u->SetAbsent({0}).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 // Two ranks, one says 'b' has no gradient, the other that it has: both are refused
@@ -266,15 +276,12 @@ TEST_F(ApplyAbsentTest, MalformedMasksFromARawPeerAreRefused) {
   EXPECT_TRUE(am::ParamsNear(ToFloats((*tensors)[1]), ref.master(1), DType::kFloat32));
 
   // An update-mode job takes no mask.
-  common::JobSpec update =
-      WholeMatrixJob(NewJobId("absent-raw-upd"), "wide_std", {CaseMatrix("wide_std", "w")});
-  auto token = client().CreateJob(update);
-  ASSERT_TRUE(token.ok()) << token.status();
-  auto u = client().Attach(update.job_id, 0, *token, false, client::Transport::kGrpc);
-  ASSERT_TRUE(u.ok()) << u.status();
-  v1::StepRequest begin = BeginRequest(update.job_id, 0, (*u)->session_id(), 0);
+  std::string token;
+  std::unique_ptr<client::RankSession> u;
+  ASSERT_NO_FATAL_FAILURE(AttachUpdateModeJob("absent-raw-upd", &token, &u));
+  v1::StepRequest begin = BeginRequest(u->spec().job_id, 0, u->session_id(), 0);
   begin.mutable_begin()->add_absent_tensors(0);
-  r = RunRawStep(*stub, &*token, {begin, EndRequest()});
+  r = RunRawStep(*stub, &token, {begin, EndRequest()});
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << r.status.error_message();
   EXPECT_TRUE(absl::StrContains(r.status.error_message(), "presence mask"))
       << r.status.error_message();

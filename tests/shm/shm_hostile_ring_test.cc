@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <memory>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/shm_channel.h"
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "tests/integration/multirank_util.h"
 #include "tests/shm/shm_hostile_fixture.h"
@@ -74,6 +76,26 @@ void ExpectClearErrors(const std::vector<BadDoorbell>& bad, const std::string& j
     EXPECT_TRUE(absl::StrContains(b.got.status().message(), absl::StrCat("job '", job_id, "'")))
         << b.what << ": the error names the job: " << b.got.status();
   }
+}
+
+// A world-2 ZeRO-2 job of `matrices`, both ranks attached over shared memory, and step 0's
+// gradients.
+struct TwoRanks {
+  common::JobSpec spec;
+  std::string token;
+  integration::MatrixBytes grads;
+  std::unique_ptr<ShmChannel> c0, c1;
+};
+absl::StatusOr<TwoRanks> AttachTwoRanks(client::Client& c, const std::string& shm,
+                                        const std::string& job_id,
+                                        std::vector<common::MatrixSpec> matrices) {
+  TwoRanks job;
+  job.spec = MakeSpec(job_id, 2, 2, std::move(matrices));
+  ASSIGN_OR_RETURN(job.token, c.CreateJob(job.spec));
+  job.grads = integration::MakeGradients(job.spec.matrices, 1, 7);
+  ASSIGN_OR_RETURN(job.c0, ShmChannel::Attach(shm, job_id, 0, job.token, false));
+  ASSIGN_OR_RETURN(job.c1, ShmChannel::Attach(shm, job_id, 1, job.token, false));
+  return job;
 }
 
 // Every malformed doorbell field gets its own clear error, the session is not ended, the step is
@@ -325,17 +347,12 @@ TEST_F(ShmHostileTest, CorruptRingOrChattyPeerEndsOnlyThatSession) {
 // that bypasses the client library's check) refuses the step: INVALID_ARGUMENT, nothing
 // committed, not fenced; the part's own completion says why.
 TEST_F(ShmHostileTest, APartAfterTheRanksLastPartRefusesTheStepUncommitted) {
-  const common::JobSpec spec =
-      MakeSpec(NewJobId("late-part"), 2, 2,
-               {integration::Matrix("q", {32, 24}), integration::Matrix("o", {24, 32})});
-  auto token = client().CreateJob(spec);
-  ASSERT_TRUE(token.ok()) << token.status();
-  const integration::MatrixBytes grads = integration::MakeGradients(spec.matrices, 1, 7);
-  auto c0 = ShmChannel::Attach(ShmPath(), spec.job_id, 0, *token, false);
-  auto c1 = ShmChannel::Attach(ShmPath(), spec.job_id, 1, *token, false);
-  ASSERT_TRUE(c0.ok()) << c0.status();
-  ASSERT_TRUE(c1.ok()) << c1.status();
-  ShmChannel& c = **c0;
+  auto job = AttachTwoRanks(client(), ShmPath(), NewJobId("late-part"),
+                            {integration::Matrix("q", {32, 24}), integration::Matrix("o", {24, 32})});
+  ASSERT_TRUE(job.ok()) << job.status();
+  const common::JobSpec& spec = job->spec;
+  const integration::MatrixBytes& grads = job->grads;
+  ShmChannel& c = *job->c0;
   const std::string flat = FlatRankBuffer(spec, 0, grads[0]);
   std::memcpy(c.GradientBuffer(0), flat.data(), flat.size());
   // Rank 0's whole step, in one last part; rank 1 has not sent: the step stays in flight.
@@ -347,7 +364,7 @@ TEST_F(ShmHostileTest, APartAfterTheRanksLastPartRefusesTheStepUncommitted) {
   EXPECT_TRUE(IsError(late.status(), absl::StatusCode::kInvalidArgument,
                       "a part after the rank's last part of the step"))
       << late.status();
-  const v1::JobStatus st = Status(spec.job_id, *token);
+  const v1::JobStatus st = Status(spec.job_id, job->token);
   EXPECT_EQ(st.next_step(), 0);
   EXPECT_EQ(st.steps_refused(), 1);
   EXPECT_FALSE(st.fenced());
@@ -360,18 +377,13 @@ TEST_F(ShmHostileTest, APartAfterTheRanksLastPartRefusesTheStepUncommitted) {
 // holding half of rank 0's gradients, its last part refused it as "missing" spans, rank 1's retry
 // was refused with that, and rank 0's retry waited for rank 1 forever. Now both retries commit.
 TEST_F(ShmHostileTest, PartsOfATryThatEndedOpenNoNewTry) {
-  const common::JobSpec spec =
-      MakeSpec(NewJobId("cut-short"), 2, 2,
-               {integration::Matrix("q", {16, 24}), integration::Matrix("o", {24, 32})});
-  auto token = client().CreateJob(spec);
-  ASSERT_TRUE(token.ok()) << token.status();
-  const integration::MatrixBytes grads = integration::MakeGradients(spec.matrices, 1, 7);
-  auto c0 = ShmChannel::Attach(ShmPath(), spec.job_id, 0, *token, false);
-  auto c1 = ShmChannel::Attach(ShmPath(), spec.job_id, 1, *token, false);
-  ASSERT_TRUE(c0.ok()) << c0.status();
-  ASSERT_TRUE(c1.ok()) << c1.status();
-  ShmChannel& r0 = **c0;
-  ShmChannel& r1 = **c1;
+  auto job = AttachTwoRanks(client(), ShmPath(), NewJobId("cut-short"),
+                            {integration::Matrix("q", {16, 24}), integration::Matrix("o", {24, 32})});
+  ASSERT_TRUE(job.ok()) << job.status();
+  const common::JobSpec& spec = job->spec;
+  const integration::MatrixBytes& grads = job->grads;
+  ShmChannel& r0 = *job->c0;
+  ShmChannel& r1 = *job->c1;
   ASSERT_GE(r0.spans().size(), 2u) << "the test needs rank 0 to have two spans";
   const std::string flat0 = FlatRankBuffer(spec, 0, grads[0]);
   const std::string flat1 = FlatRankBuffer(spec, 1, grads[0]);
@@ -409,7 +421,7 @@ TEST_F(ShmHostileTest, PartsOfATryThatEndedOpenNoNewTry) {
   EXPECT_TRUE(retry1.ok()) << retry1.status();
   auto retry0 = r0.WaitStep(0);
   EXPECT_TRUE(retry0.ok()) << retry0.status();
-  const v1::JobStatus st = Status(spec.job_id, *token);
+  const v1::JobStatus st = Status(spec.job_id, job->token);
   EXPECT_EQ(st.next_step(), 1);
   EXPECT_EQ(st.steps_refused(), 1);
   EXPECT_FALSE(st.fenced());
