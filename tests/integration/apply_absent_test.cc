@@ -245,6 +245,9 @@ TEST_F(ApplyAbsentTest, MalformedMasksFromARawPeerAreRefused) {
                                       /*takeover=*/true);
   ASSERT_TRUE(c.ok()) << c.status();
   client::ShmChannel& ch = **c;
+  // The mask makes the hyperparameter block an odd number of bytes: the buffer is still whole
+  // 64-byte lines, so buffer 1's spans are as aligned as buffer 0's.
+  EXPECT_EQ(ch.buffer_bytes() % 64, 0u) << ch.buffer_bytes();
   char* buf = ch.GradientBuffer(0);
   for (const client::ShmSpan& span : ch.spans()) {
     const std::vector<float> g = am::Gradient(span.matrix, 0);
