@@ -399,6 +399,10 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // of the pipeline unless one is queued.
   void MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix, uint64_t count)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank finished pushing its part: when every matrix is computed already and every rank's part
+  // is in, queues the drain that commits the step.
+  void CommitWhenComplete(const std::shared_ptr<StepState>& state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const RankUpdate>> FinishRank(
       const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled);
   // StepPipeline::Sink.

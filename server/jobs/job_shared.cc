@@ -117,6 +117,7 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
   rin.finished = true;
   // Not done yet: a step that ends (commit or failure) leaves in_flight_ under this lock.
   rin.done = std::move(done);
+  CommitWhenComplete(state);
   return absl::OkStatus();
 }
 

@@ -292,6 +292,13 @@ void Job::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix,
   }
 }
 
+void Job::CommitWhenComplete(const std::shared_ptr<StepState>& state) {
+  if (state->done || state->committing || state->prepared || state->drain_queued) return;
+  if (state->matrices_done != spec_.matrices.size() || !state->all_pushed()) return;
+  state->drain_queued = true;
+  executor_->Submit([self = shared_from_this(), state] { self->pipeline_.Drain(*state); });
+}
+
 absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
     const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled) {
   absl::MutexLock lock(&mu_);
@@ -314,6 +321,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
     }
   }
   in.finished = true;
+  CommitWhenComplete(state);
   while (!state->done && !state->prepared) {
     state->cv.WaitWithTimeout(&mu_, kCancelPoll);
     if (!state->done && !state->prepared && cancelled && cancelled()) {

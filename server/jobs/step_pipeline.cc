@@ -152,7 +152,9 @@ class StepPipeline::Run {
                              absl::StrCat("job '", p_.spec_.job_id, "' step ", state_.step,
                                           " failed on the compute device: ", status_.message())));
     }
-    *commit = status_.ok() && !state_.done && state_.matrices_done == p_.spec_.matrices.size();
+    // A rank whose last part is not in yet commits the step when it comes (CommitWhenComplete).
+    *commit = status_.ok() && !state_.done &&
+              state_.matrices_done == p_.spec_.matrices.size() && state_.all_pushed();
     if (*commit) state_.committing = true;
     state_.device_seconds += dev_.device->SimulatedSeconds() - clock_start_;
     const device::Device::BusySeconds busy = dev_.device->Busy();

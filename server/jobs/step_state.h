@@ -110,6 +110,15 @@ struct StepState {
   std::vector<uint32_t> ready;                       // complete matrices not yet taken
   bool drain_queued = false;                         // a DrainReady task is queued or running
   size_t matrices_done = 0;
+  // Every rank's part of the step is in: its last part (shared memory) or StepEnd (gRPC). Only
+  // then may the step commit, even when every matrix is computed: until its last part a rank may
+  // still drop the step (a part that refuses it), and its other parts are not its word.
+  bool all_pushed() const {
+    for (const RankInput& r : ranks) {
+      if (!r.pushed()) return false;
+    }
+    return true;
+  }
   double device_seconds = 0;  // the simulated device's clock spent on this step (DrainReady)
   bool done = false;
   // Set when the step ended as a skipped step ("nonfinite": "skip"; done is set, result OK):
