@@ -110,12 +110,14 @@ struct StepState {
   std::vector<uint32_t> ready;                       // complete matrices not yet taken
   bool drain_queued = false;                         // a DrainReady task is queued or running
   size_t matrices_done = 0;
-  // Every rank's part of the step is in: its last part (shared memory) or StepEnd (gRPC). Only
-  // then may the step commit, even when every matrix is computed: until its last part a rank may
-  // still drop the step (a part that refuses it), and its other parts are not its word.
+  // No shared-memory rank that began the step still owes its last part. Only then may the step
+  // commit, even when every matrix is computed: until its last part such a rank may still drop
+  // the step (a part that refuses it: DESIGN.md 4d, "nothing of the step committed"). A gRPC rank
+  // does not hold the commit: its step commits once all data is in, and a chunk after that is
+  // answered as part of the committed step (it has no way to drop a step but closing its stream).
   bool all_pushed() const {
     for (const RankInput& r : ranks) {
-      if (!r.pushed()) return false;
+      if (r.keepalive != nullptr && !r.pushed()) return false;
     }
     return true;
   }
