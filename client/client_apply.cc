@@ -18,6 +18,7 @@
 #include "client/span_placement.h"
 #include "common/crc32c.h"
 #include "common/grpc_status.h"
+#include "common/job_spec.h"
 #include "common/job_spec_proto.h"
 #include "common/shm_protocol.h"
 #include "common/status_macros.h"
@@ -190,20 +191,7 @@ absl::Status RankSession::SetHyper(const StepHyper& hyper) {
 
 absl::Status RankSession::SetAbsent(const std::vector<uint32_t>& tensors) {
   RETURN_IF_ERROR(RequireApply("SetAbsent"));
-  std::vector<uint8_t> mask(tensors.empty() ? 0 : spec_.matrices.size(), 0);
-  for (const uint32_t t : tensors) {
-    if (t >= mask.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("absent tensor index ", t, " of job '",
-                                                     spec_.job_id, "' with ",
-                                                     spec_.matrices.size(), " tensors"));
-    }
-    if (mask[t] != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", spec_.matrices[t].name, "' is named absent twice"));
-    }
-    mask[t] = 1;
-  }
-  absent_ = std::move(mask);
+  ASSIGN_OR_RETURN(absent_, common::PresenceMask(spec_, tensors));
   return absl::OkStatus();
 }
 

@@ -422,4 +422,21 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<uint8_t>> PresenceMask(const JobSpec& spec,
+                                                  const std::vector<uint32_t>& absent) {
+  std::vector<uint8_t> mask(absent.empty() ? 0 : spec.matrices.size(), 0);
+  for (const uint32_t t : absent) {
+    if (t >= mask.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("absent tensor index ", t, " of a job with ",
+                                                     spec.matrices.size(), " tensors"));
+    }
+    if (mask[t] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", spec.matrices[t].name, "' is named absent twice"));
+    }
+    mask[t] = 1;
+  }
+  return mask;
+}
+
 }  // namespace muond::common

@@ -192,6 +192,11 @@ absl::Status ValidateApplyMode(const JobSpec& spec);
 absl::Status ValidateMultiNode(const JobSpec& spec);
 // Fills what apply mode defaults: a tensor's group (its optimizer's name). Both parsers call it.
 void FillApplyDefaults(JobSpec* spec);
+// Apply mode's presence mask of a step from the indices of the tensors without a gradient: one
+// byte per tensor of `spec`, 1 for an absent one; empty for no index. INVALID_ARGUMENT for an
+// index past the tensors or one given twice (the client's SetAbsent and the gRPC StepBegin).
+absl::StatusOr<std::vector<uint8_t>> PresenceMask(const JobSpec& spec,
+                                                  const std::vector<uint32_t>& absent);
 
 }  // namespace muond::common
 

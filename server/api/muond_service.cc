@@ -12,6 +12,7 @@
 #include "common/crc32c.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
+#include "common/job_spec.h"
 #include "common/job_spec_proto.h"
 #include "common/logging.h"
 #include "common/names.h"
@@ -376,19 +377,13 @@ absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepB
   if (!resolved.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", resolved.status().message()));
   }
-  const size_t tensors = job.spec().matrices.size();
-  if (begin.absent_tensors_size() > 0) resolved->absent.assign(tensors, 0);
-  for (const uint32_t t : begin.absent_tensors()) {
-    if (t >= tensors) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": absent tensor index ", t,
-                                                     " of a job with ", tensors, " tensors"));
-    }
-    if (resolved->absent[t] != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": tensor '", job.spec().matrices[t].name, "' is named absent twice"));
-    }
-    resolved->absent[t] = 1;
+  // Bounded by the message size gRPC accepted; the mask itself is the job's size.
+  auto mask = common::PresenceMask(
+      job.spec(), std::vector<uint32_t>(begin.absent_tensors().begin(), begin.absent_tensors().end()));
+  if (!mask.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", mask.status().message()));
   }
+  resolved->absent = *std::move(mask);
   return std::optional<StepHyper>(*std::move(resolved));
 }
 

@@ -399,8 +399,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // of the pipeline unless one is queued.
   void MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix, uint64_t count)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A rank finished pushing its part: when every matrix is computed already and every rank's part
-  // is in, queues the drain that commits the step.
+  // A shared-memory rank's last part is in: when every matrix is computed already and no other
+  // rank owes its last part, queues the drain that commits the step.
   void CommitWhenComplete(const std::shared_ptr<StepState>& state)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const RankUpdate>> FinishRank(
@@ -458,11 +458,11 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   absl::Status EnterStep(int rank, uint64_t session, int64_t step, const StepHyper* hyper,
                          std::shared_ptr<const RankUpdate>* replay)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The input of `rank` in the step in flight when that step is `step` and the rank sends it
-  // through shared-memory `session` and the regions `keepalive`; else null.
   // The answer to a later part of a try of `step` that ended before the part arrived.
   absl::Status CutShortPart(int rank, uint64_t session, int64_t step, const std::string& where)
       const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The input of `rank` in the step in flight when that step is `step` and the rank sends it
+  // through shared-memory `session` and the regions `keepalive`; else null.
   RankInput* SharedRankInFlight(int rank, uint64_t session, int64_t step, const void* keepalive)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A shared-memory rank's first part of `step`: EnterStep, then the rank's input and outputs

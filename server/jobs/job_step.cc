@@ -294,7 +294,7 @@ void Job::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix,
 
 void Job::CommitWhenComplete(const std::shared_ptr<StepState>& state) {
   if (state->done || state->committing || state->prepared || state->drain_queued) return;
-  if (state->matrices_done != spec_.matrices.size() || !state->all_pushed()) return;
+  if (state->matrices_done != spec_.matrices.size() || !state->last_parts_in()) return;
   state->drain_queued = true;
   executor_->Submit([self = shared_from_this(), state] { self->pipeline_.Drain(*state); });
 }
@@ -321,7 +321,6 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
     }
   }
   in.finished = true;
-  CommitWhenComplete(state);
   while (!state->done && !state->prepared) {
     state->cv.WaitWithTimeout(&mu_, kCancelPoll);
     if (!state->done && !state->prepared && cancelled && cancelled()) {

@@ -64,8 +64,8 @@ class StepPipeline::Run {
       if (status_.ok()) status_ = Assemble(batch);
       if (status_.ok()) status_ = Enqueue(batch);
       if (!status_.ok()) {
-        Recycle(batch);
         Abandon();
+        Recycle(batch);
         continue;
       }
       HostWork(batch);  // apply mode's AdamW, while the device runs the batch's Newton-Schulz
@@ -154,7 +154,7 @@ class StepPipeline::Run {
     }
     // A rank whose last part is not in yet commits the step when it comes (CommitWhenComplete).
     *commit = status_.ok() && !state_.done &&
-              state_.matrices_done == p_.spec_.matrices.size() && state_.all_pushed();
+              state_.matrices_done == p_.spec_.matrices.size() && state_.last_parts_in();
     if (*commit) state_.committing = true;
     state_.device_seconds += dev_.device->SimulatedSeconds() - clock_start_;
     const device::Device::BusySeconds busy = dev_.device->Busy();
@@ -503,11 +503,10 @@ class StepPipeline::Run {
     }
   }
 
-  // A batch that will not retire: its buffers go back to the pools (a registered staging buffer
-  // must never be freed without being unregistered). REQUIRES: none of its copies in flight.
+  // A batch that will not retire: its staging goes back to the pool (a registered staging buffer
+  // must never be freed without being unregistered). REQUIRES: the streams synchronized (Abandon)
+  // so that none of its copies is in flight.
   void Recycle(Batch& b) {
-    (void)dev_.copy_in->Synchronize();
-    (void)dev_.writeback->Synchronize();
     for (std::vector<float>& v : b.staging) {
       if (!v.empty()) p_.GiveBack(std::move(v));
     }

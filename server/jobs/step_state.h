@@ -115,7 +115,7 @@ struct StepState {
   // the step (a part that refuses it: DESIGN.md 4d, "nothing of the step committed"). A gRPC rank
   // does not hold the commit: its step commits once all data is in, and a chunk after that is
   // answered as part of the committed step (it has no way to drop a step but closing its stream).
-  bool all_pushed() const {
+  bool last_parts_in() const {
     for (const RankInput& r : ranks) {
       if (r.keepalive != nullptr && !r.pushed()) return false;
     }

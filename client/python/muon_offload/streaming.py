@@ -154,7 +154,7 @@ class GradientStream:
             self._exchange(tensors)
             self._finish_exchanges(keep=1)  # sums the previous bucket while this one travels
         else:
-            self._copy_and_post(tensors, {i: self.params[i].grad for i in tensors})
+            self._copy_and_post(tensors, {i: self._grad(i) for i in tensors})
 
     def _exchange(self, tensors):
         """Starts the all-to-all of the bucket: each rank's spans of its tensors, rank order."""
@@ -209,10 +209,7 @@ class GradientStream:
     def _copy_and_post(self, tensors, grads):
         flat = {}
         for i in tensors:
-            g = grads[i]
-            if g is None:
-                g = self._grad(i)
-            g = g.reshape(-1)
+            g = grads[i].reshape(-1)
             for k in self._mine[i]:
                 _, off, length, _ = self.spans[k]
                 flat[k] = g[off:off + length]
