@@ -93,6 +93,7 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const DaemonConfig& 
   StreamGuard::Options streams;
   streams.idle_limit = absl::Seconds(config.stream_idle_seconds);
   streams.max_streams = kMaxStreams;
+  streams.max_watches = kMaxWatches;
   std::unique_ptr<ApiServer> api(new ApiServer(registry, access, streams));
   api->unix_path_ = unix_path;
   if (absl::Status s = api->StartGrpc(config, transport); !s.ok()) return NotUsage(s);
@@ -124,8 +125,8 @@ absl::Status ApiServer::StartGrpc(const DaemonConfig& config, const ServerTransp
                    ? ConnectionListener::BindTcp(config.listen, config.max_connections)
                    : ConnectionListener::BindUnix(unix_path_, config.max_connections);
   if (!bound.ok()) {
-    return absl::Status(bound.status().code(), absl::StrCat("--listen ", config.listen, ": ",
-                                                            bound.status().message()));
+    return absl::Status(bound.status().code(),
+                        absl::StrCat("--listen ", config.listen, ": ", bound.status().message()));
   }
   listener_ = *std::move(bound);
   port_ = listener_->port();
@@ -135,8 +136,8 @@ absl::Status ApiServer::StartGrpc(const DaemonConfig& config, const ServerTransp
         transport.credentials);
   }
   // Each call holds a thread while its handler runs: bounded, so that clients cannot make the
-  // daemon run out of threads (or memory for their stacks). Streams stay below the bound
-  // (StreamGuard), so unary calls and Health always find one.
+  // daemon run out of threads (or memory for their stacks). Streams and session watches stay
+  // below it (StreamGuard), so unary calls and Health always find one.
   grpc::ResourceQuota quota("muond-grpc");
   quota.SetMaxThreads(kMaxServerThreads);
   builder.SetResourceQuota(quota);
@@ -155,8 +156,7 @@ absl::Status ApiServer::StartGrpc(const DaemonConfig& config, const ServerTransp
       a->HandleNewConnection(&p);
     });
   } else {
-    listener_->Start(
-        [s = server_.get()](int, int fd) { grpc::AddInsecureChannelFromFd(s, fd); });
+    listener_->Start([s = server_.get()](int, int fd) { grpc::AddInsecureChannelFromFd(s, fd); });
   }
   return absl::OkStatus();
 }
@@ -174,8 +174,8 @@ absl::Status ApiServer::StartShm(const DaemonConfig& config) {
   limits.max_pending_per_pid = static_cast<size_t>(config.limits.max_shm_pending_per_pid);
   auto started = ShmServer::Start(shm_path_, registry_, limits);
   if (!started.ok()) {
-    return absl::Status(started.status().code(), absl::StrCat("--shm-socket ", shm_path_, ": ",
-                                                              started.status().message()));
+    return absl::Status(started.status().code(),
+                        absl::StrCat("--shm-socket ", shm_path_, ": ", started.status().message()));
   }
   shm_ = *std::move(started);
   return absl::OkStatus();

@@ -19,12 +19,12 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/api/connection_listener.h"
 #include "server/api/muond_service.h"
 #include "server/api/peer_identity.h"
 #include "server/api/shm_server.h"
-#include "server/api/tls_config.h"
-#include "server/api/connection_listener.h"
 #include "server/api/stream_guard.h"
+#include "server/api/tls_config.h"
 #include "server/jobs/job_registry.h"
 #include "server/ops/daemon_config.h"
 
@@ -38,10 +38,13 @@ class ExternalConnectionAcceptor;
 namespace muond::server {
 
 // Threads the gRPC server may run at once (each call holds one while its handler runs), and of
-// them the ones streams may hold (StreamGuard::Options::max_streams). The rest serve unary calls,
-// Health and WatchSession (one per rank attached over gRPC, for the session's life).
+// them the ones streams may hold (StreamGuard::Options::max_streams) and the ones WatchSession
+// calls may hold (one per rank attached over gRPC, for the session's life; max_watches). The
+// rest (128) serve unary calls and Health.
 inline constexpr int kMaxServerThreads = 1024;
 inline constexpr size_t kMaxStreams = 384;
+inline constexpr size_t kMaxWatches = 512;
+static_assert(kMaxStreams + kMaxWatches + 128 <= kMaxServerThreads);
 
 class ApiServer {
  public:

@@ -129,8 +129,7 @@ grpc::Status MuondService::CreateJob(grpc::ServerContext* ctx, const v1::CreateJ
   JobOwner owner;
   if (peer.unix_credentials) owner.uid = peer.unix_credentials->uid;
   owner.description = peer.Describe();
-  auto created =
-      registry_->Create(*std::move(spec), restore, std::move(owner), req->import_dir());
+  auto created = registry_->Create(*std::move(spec), restore, std::move(owner), req->import_dir());
   if (!created.ok()) {
     // A refused spec can be megabytes of parsed request: give it back to the system.
     ::malloc_trim(0);
@@ -169,10 +168,9 @@ grpc::Status MuondService::ListJobs(grpc::ServerContext* ctx, const v1::ListJobs
   const bool admin = uid && (*uid == 0 || *uid == static_cast<int64_t>(::geteuid()));
   const auto& md = ctx->client_metadata();
   const auto token_it = md.find(kTokenMetadataKey);
-  const std::string_view token = token_it == md.end()
-                                     ? std::string_view()
-                                     : std::string_view(token_it->second.data(),
-                                                        token_it->second.size());
+  const std::string_view token =
+      token_it == md.end() ? std::string_view()
+                           : std::string_view(token_it->second.data(), token_it->second.size());
   for (const auto& job : registry_->List()) {
     const JobReport r = job->Report();
     const bool owner = uid && r.owner_uid && *r.owner_uid == *uid;
@@ -295,6 +293,9 @@ grpc::Status MuondService::WatchSession(grpc::ServerContext* ctx,
   if (absl::Status s = (*job)->CheckSession(req->rank(), req->session_id()); !s.ok()) {
     return Logged("WatchSession", s);
   }
+  // Each watch holds a server thread for its session's life: bounded per job and in all.
+  auto lease = streams_.AdmitWatch(ctx, (*job)->id(), (*job)->spec().world_size);
+  if (!lease.ok()) return Logged("WatchSession", lease.status());
   v1::SessionEvent event;
   event.set_event("watching");
   writer->Write(event);
@@ -359,10 +360,10 @@ absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepB
                                                  const std::string& where) {
   if (!job.apply()) {
     if (begin.hyper_size() > 0 || begin.grad_divisor() != 0 || begin.absent_tensors_size() > 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where,
-          ": the job is in mode 'update'; a step takes no lr, weight decay, gradient "
-          "divisor or presence mask there"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where,
+                       ": the job is in mode 'update'; a step takes no lr, weight decay, gradient "
+                       "divisor or presence mask there"));
     }
     return std::optional<StepHyper>();
   }
@@ -378,8 +379,8 @@ absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepB
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", resolved.status().message()));
   }
   // Bounded by the message size gRPC accepted; the mask itself is the job's size.
-  auto mask = common::PresenceMask(
-      job.spec(), std::vector<uint32_t>(begin.absent_tensors().begin(), begin.absent_tensors().end()));
+  auto mask = common::PresenceMask(job.spec(), std::vector<uint32_t>(begin.absent_tensors().begin(),
+                                                                     begin.absent_tensors().end()));
   if (!mask.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", mask.status().message()));
   }
@@ -506,8 +507,8 @@ absl::Status MuondService::RunInitParams(grpc::ServerContext* ctx,
   v1::InitRequest req;
   if (!lease->Await([&] { return reader->Read(&req); }) ||
       req.kind_case() != v1::InitRequest::kBegin) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the first message of InitParams must be InitBegin", lease->HowEnded()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the first message of InitParams must be InitBegin", lease->HowEnded()));
   }
   const v1::InitBegin begin = req.begin();
   ASSIGN_OR_RETURN(job, AuthorizeNamed(ctx, std::move(job), named, begin.job_id()));
@@ -516,10 +517,10 @@ absl::Status MuondService::RunInitParams(grpc::ServerContext* ctx,
                    job->BeginParamUpload(begin.rank(), begin.session_id(), begin.float32()));
   while (true) {
     if (!lease->Await([&] { return reader->Read(&req); })) {
-      return absl::CancelledError(absl::StrCat(
-          "job '", begin.job_id(), "' rank ", begin.rank(),
-          ": the initial-parameter stream closed before InitEnd", lease->HowEnded(),
-          "; nothing changed"));
+      return absl::CancelledError(
+          absl::StrCat("job '", begin.job_id(), "' rank ", begin.rank(),
+                       ": the initial-parameter stream closed before InitEnd", lease->HowEnded(),
+                       "; nothing changed"));
     }
     if (req.kind_case() == v1::InitRequest::kEnd) break;
     if (req.kind_case() != v1::InitRequest::kParams) {
@@ -574,9 +575,9 @@ absl::Status MuondService::RunExportParams(grpc::ServerContext* ctx, const v1::E
       c->set_data(bytes);
       out.set_step(step);
       if (ctx->IsCancelled() || !lease->Await([&] { return writer->Write(out); })) {
-        return absl::CancelledError(absl::StrCat(
-            "job '", req->job_id(), "': the client went away during the export",
-            lease->HowEnded()));
+        return absl::CancelledError(absl::StrCat("job '", req->job_id(),
+                                                 "': the client went away during the export",
+                                                 lease->HowEnded()));
       }
       RecordBytes(Transport::kGrpc, Direction::kOut, bytes.size());
     }

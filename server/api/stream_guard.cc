@@ -55,23 +55,43 @@ absl::StatusOr<std::unique_ptr<StreamGuard::Lease>> StreamGuard::Admit(grpc::Ser
                                                                        const std::string& job_id,
                                                                        int world_size,
                                                                        const std::string& rpc) {
-  const size_t job_bound = 2 * static_cast<size_t>(std::max(world_size, 1)) + kStreamsPerJobSlack;
+  const size_t ranks = static_cast<size_t>(std::max(world_size, 1));
+  return AdmitKind(ctx, job_id, /*watch=*/false, 2 * ranks + kStreamsPerJobSlack,
+                   options_.max_streams,
+                   absl::StrCat("streams (Step, InitParams, exports), as many as a job of ",
+                                world_size, " rank(s) may (2 per rank + ", kStreamsPerJobSlack,
+                                "); end one or wait for the idle ones to be cancelled "
+                                "(--stream-idle-seconds)"),
+                   rpc);
+}
+
+absl::StatusOr<std::unique_ptr<StreamGuard::Lease>> StreamGuard::AdmitWatch(
+    grpc::ServerContext* ctx, const std::string& job_id, int world_size) {
+  const size_t ranks = static_cast<size_t>(std::max(world_size, 1));
+  return AdmitKind(ctx, job_id, /*watch=*/true, ranks + kStreamsPerJobSlack, options_.max_watches,
+                   absl::StrCat("session watches, as many as a job of ", world_size,
+                                " rank(s) may (1 per rank + ", kStreamsPerJobSlack,
+                                "); a rank's session needs one, held by its client library"),
+                   "WatchSession");
+}
+
+absl::StatusOr<std::unique_ptr<StreamGuard::Lease>> StreamGuard::AdmitKind(
+    grpc::ServerContext* ctx, const std::string& job_id, bool watch, size_t job_bound,
+    size_t all_bound, const std::string& bound_rule, const std::string& rpc) {
   absl::MutexLock lock(&mu_);
-  size_t& of_job = per_job_[job_id];
+  std::array<size_t, 2>& of_job = per_job_[job_id];
+  size_t& mine = of_job[watch ? 1 : 0];
+  const size_t all = watch ? watches_ : leases_.size() - watches_;
   std::string refused;
-  if (of_job >= job_bound) {
-    refused = absl::StrCat("job '", job_id, "' holds ", of_job,
-                           " streams (Step, InitParams, exports), as many as a job of ", world_size,
-                           " rank(s) may (2 per rank + ", kStreamsPerJobSlack,
-                           "); end one or wait for the idle ones to be cancelled "
-                           "(--stream-idle-seconds)");
-  } else if (leases_.size() >= options_.max_streams) {
-    refused = absl::StrCat("muond holds ", leases_.size(),
-                           " streams (Step, InitParams, exports) of all jobs, as many as it "
-                           "serves at once; retry later");
+  if (mine >= job_bound) {
+    refused = absl::StrCat("job '", job_id, "' holds ", mine, " ", bound_rule);
+  } else if (all >= all_bound) {
+    refused = absl::StrCat("muond holds ", all,
+                           watch ? " session watches" : " streams (Step, InitParams, exports)",
+                           " of all jobs, as many as it serves at once; retry later");
   }
   if (!refused.empty()) {
-    if (of_job == 0) per_job_.erase(job_id);
+    if (of_job[0] == 0 && of_job[1] == 0) per_job_.erase(job_id);
     ++refused_since_log_;
     const int64_t now = Lease::NowNs();
     if (now - last_refusal_log_ns_ >= kRefusalLogIntervalNs) {
@@ -82,8 +102,10 @@ absl::StatusOr<std::unique_ptr<StreamGuard::Lease>> StreamGuard::Admit(grpc::Ser
     }
     return absl::ResourceExhaustedError(absl::StrCat(rpc, ": ", refused));
   }
-  ++of_job;
+  ++mine;
+  if (watch) ++watches_;
   std::unique_ptr<Lease> lease(new Lease(this, ctx, job_id, rpc, ctx->peer()));
+  lease->watch_ = watch;
   leases_.emplace(lease.get(), true);
   return lease;
 }
@@ -91,8 +113,11 @@ absl::StatusOr<std::unique_ptr<StreamGuard::Lease>> StreamGuard::Admit(grpc::Ser
 void StreamGuard::Release(Lease* lease) {
   absl::MutexLock lock(&mu_);
   leases_.erase(lease);
+  if (lease->watch_) --watches_;
   auto it = per_job_.find(lease->job_id_);
-  if (it != per_job_.end() && --it->second == 0) per_job_.erase(it);
+  if (it == per_job_.end()) return;
+  --it->second[lease->watch_ ? 1 : 0];
+  if (it->second[0] == 0 && it->second[1] == 0) per_job_.erase(it);
 }
 
 void StreamGuard::BeginShutdown() {

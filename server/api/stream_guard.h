@@ -24,6 +24,7 @@
 #ifndef MUOND_SERVER_API_STREAM_GUARD_H_
 #define MUOND_SERVER_API_STREAM_GUARD_H_
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -54,6 +55,9 @@ class StreamGuard {
   struct Options {
     absl::Duration idle_limit = absl::Seconds(60);
     size_t max_streams = 384;  // all jobs together
+    // WatchSession calls of all jobs together (counted apart from the streams above: a watch
+    // holds its thread for its session's life, by design, and is never idle-cancelled).
+    size_t max_watches = 512;
     // Closes the connection of gRPC peer `peer` (ServerContext::peer()); false when it cannot.
     // Empty: cancellation only.
     std::function<bool(const std::string& peer)> close_connection;
@@ -103,6 +107,7 @@ class StreamGuard {
     const std::string job_id_;
     const std::string rpc_;
     const std::string peer_;
+    bool watch_ = false;  // a WatchSession lease (set before it is registered)
     std::atomic<int64_t> waiting_since_ns_{0};
     int64_t cancelled_at_ns_ = 0;     // guarded by the guard's mu_
     bool connection_closed_ = false;  // guarded by the guard's mu_
@@ -120,6 +125,12 @@ class StreamGuard {
   // bound when the job or the daemon holds as many streams as it may. Does not block.
   absl::StatusOr<std::unique_ptr<Lease>> Admit(grpc::ServerContext* ctx, const std::string& job_id,
                                                int world_size, const std::string& rpc);
+  // Admits a WatchSession call on job `job_id`: at most one per rank plus kStreamsPerJobSlack (a
+  // takeover's new watch while the old one ends) per job, and Options::max_watches in all;
+  // RESOURCE_EXHAUSTED naming the bound beyond either. Its lease never counts as idle (the
+  // handler never calls WaitingForClient); CancelAll ends it.
+  absl::StatusOr<std::unique_ptr<Lease>> AdmitWatch(grpc::ServerContext* ctx,
+                                                    const std::string& job_id, int world_size);
   // Cancels every stream that waits for its client (Read or Write) and is not in a step, now.
   void BeginShutdown();
   // Cancels every stream (the server is about to shut down at once): those still blocked
@@ -127,10 +138,17 @@ class StreamGuard {
   void CancelAll();
 
   absl::Duration idle_limit() const { return options_.idle_limit; }
-  size_t active() const;
+  size_t active() const;  // streams and watches
   uint64_t cancelled_idle() const { return cancelled_idle_total_.load(); }
 
  private:
+  // Admits a lease of `rpc` against `job_bound` leases of its kind on the job and `all_bound` in
+  // all; `what` names the kind in the refusal ("streams (Step, InitParams, exports)", ...).
+  absl::StatusOr<std::unique_ptr<Lease>> AdmitKind(grpc::ServerContext* ctx,
+                                                   const std::string& job_id, bool watch,
+                                                   size_t job_bound, size_t all_bound,
+                                                   const std::string& bound_rule,
+                                                   const std::string& rpc);
   void Release(Lease* lease);
   void Watch();
   void Cancel(Lease* lease, bool idle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -138,7 +156,9 @@ class StreamGuard {
   const Options options_;
   mutable absl::Mutex mu_;
   std::map<Lease*, bool> leases_ ABSL_GUARDED_BY(mu_);  // value unused: an ordered set
-  std::map<std::string, size_t> per_job_ ABSL_GUARDED_BY(mu_);
+  // Leases by job, [0] streams and [1] watches; and watches of all jobs.
+  std::map<std::string, std::array<size_t, 2>> per_job_ ABSL_GUARDED_BY(mu_);
+  size_t watches_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   int64_t last_refusal_log_ns_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t refused_since_log_ ABSL_GUARDED_BY(mu_) = 0;

@@ -132,8 +132,7 @@ absl::Status JobRegistry::Reserve(const common::JobSpec& spec, uint64_t bytes) {
         "job '", id, "' needs ", bytes,
         " bytes at most (state, tables, step buffers and shared-memory regions, a save's copy, "
         "gathered matrices); ",
-        state_bytes_,
-        " of --max-state-bytes ", limits_.max_state_bytes, " are in use"));
+        state_bytes_, " of --max-state-bytes ", limits_.max_state_bytes, " are in use"));
   }
   busy_.insert(id);
   state_bytes_ += bytes;
@@ -239,9 +238,15 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
     if (s.ok()) s = durable::RemoveTree(absl::StrCat(JobDir(id), "/", kCreatingMarker));
   } catch (const std::bad_alloc&) {
     load_failed = true;
+    const std::string from = source != nullptr     ? "job '" + restore->job_id + "'s checkpoint"
+                             : !import_dir.empty() ? "import_dir '" + import_dir + "'"
+                                                   : "its init_from file";
     s = absl::ResourceExhaustedError(
-        absl::StrCat("job '", id, "': the system could not allocate its ", bytes, " bytes of state",
-                     job == nullptr ? "" : " (or the memory to read its initial state)"));
+        job == nullptr
+            ? absl::StrCat("job '", id, "': the system could not allocate its ", bytes,
+                           " bytes of state")
+            : absl::StrCat("job '", id, "': the system could not allocate the memory to read its ",
+                           "initial state from ", from, "; the job was not created"));
   }
   if (!s.ok()) {
     if (made_dir) (void)durable::RemoveTree(JobDir(id));
@@ -256,13 +261,12 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
                   << job->spec().matrices.size() << " matrices, " << footprint.state_bytes
                   << (job->apply() ? " bytes of masters and optimizer state (twice), "
                                    : " bytes of momentum, ")
-                  << footprint.table_bytes << " bytes of tables (" << footprint.spans
-                  << " spans), " << footprint.step_bytes + footprint.save_copy_bytes +
-                                        footprint.gather_bytes
+                  << footprint.table_bytes << " bytes of tables (" << footprint.spans << " spans), "
+                  << footprint.step_bytes + footprint.save_copy_bytes + footprint.gather_bytes
                   << " bytes at most of step buffers, shared-memory regions, save copies and "
                      "gathered matrices (all counted against --max-state-bytes), world size "
-                  << job->spec().world_size << ", gather budget "
-                  << job->gather_budget_bytes() << " bytes"
+                  << job->spec().world_size << ", gather budget " << job->gather_budget_bytes()
+                  << " bytes"
                   << (source != nullptr ? absl::StrCat(", momentum from job '", source->id(), "'")
                                         : std::string());
   return Created{std::move(job), std::move(token)};

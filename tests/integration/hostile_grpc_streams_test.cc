@@ -28,6 +28,8 @@ namespace {
 using StepStream = grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>;
 using Clock = std::chrono::steady_clock;
 
+constexpr int kSlack = 8;  // server/api/stream_guard.h kStreamsPerJobSlack
+
 double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
@@ -232,6 +234,74 @@ TEST_F(HostileGrpcStreamsTest, IdleStreamFloodIsBoundedAndCancelled) {
   EXPECT_TRUE(WaitForLog(*daemon_, "(--stream-idle-seconds)", 5)) << daemon_->Log();
   // Idle streams cost nothing once cancelled: the flood's job still steps.
   EXPECT_TRUE(StepOnce(*client_, "flood", *flood_token).ok());
+}
+
+// WatchSession calls hold a server thread for their session's life: a flood of 200 watches of
+// one valid session (the job's token and a live gRPC rank's session id) gets 1 per rank + 8 for
+// the job (the client library's own watch is one of them), the rest RESOURCE_EXHAUSTED at once
+// naming the bound; Health and the rank's steps keep working, and the watches end with the
+// session.
+TEST_F(HostileGrpcStreamsTest, SessionWatchFloodIsBounded) {
+  ASSERT_NO_FATAL_FAILURE(Start({"--stream-idle-seconds", "60"}));
+  auto token = client_->CreateJob(OneMatrixJob("watched"));
+  ASSERT_TRUE(token.ok()) << token.status();
+  auto session = client_->Attach("watched", 0, *token, false, client::Transport::kGrpc);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const pid_t pid = daemon_->pid();
+  const int threads_before = ThreadCount(pid);
+  auto stub = Stub(daemon_->address());
+  struct Watch {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<v1::SessionEvent>> reader;
+  };
+  std::vector<std::unique_ptr<Watch>> watches;
+  int admitted = 0, refused = 0;
+  std::string refusal;
+  for (int i = 0; i < 200; ++i) {
+    auto w = std::make_unique<Watch>();
+    w->ctx.AddMetadata("x-muond-job-token", *token);
+    w->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::WatchSessionRequest req;
+    req.set_job_id("watched");
+    req.set_rank(0);
+    req.set_session_id((*session)->session_id());
+    w->reader = stub->WatchSession(&w->ctx, req);
+    v1::SessionEvent event;
+    if (w->reader->Read(&event)) {
+      EXPECT_EQ(event.event(), "watching");
+      ++admitted;
+      watches.push_back(std::move(w));
+      continue;
+    }
+    const grpc::Status st = w->reader->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    refusal = st.error_message();
+    ++refused;
+  }
+  const int threads_during = ThreadCount(pid);
+  const absl::Status health = client_->Health(5);
+  auto updates = (*session)->StepTensors(0, {RefGrad("wide_std", 0, "w")});
+  std::cout << "200 WatchSession calls on one session: " << admitted << " admitted, " << refused
+            << " refused ('" << refusal << "'); daemon threads " << threads_before << " before, "
+            << threads_during << " during\n";
+  EXPECT_EQ(admitted, 1 + kSlack - 1) << "1 per rank + 8, less the client's own watch";
+  EXPECT_EQ(refused, 200 - admitted);
+  EXPECT_NE(refusal.find("WatchSession: job 'watched' holds 9 session watches, as many as a job "
+                         "of 1 rank(s) may (1 per rank + 8)"),
+            std::string::npos)
+      << refusal;
+  EXPECT_LT(threads_during, threads_before + 64) << "the refused watches held threads";
+  EXPECT_TRUE(health.ok()) << health;
+  EXPECT_TRUE(updates.ok()) << updates.status();
+  // Detaching ends the session: every watch of it ends (OK, with the reason as its last event).
+  ASSERT_TRUE((*session)->Detach().ok());
+  for (auto& w : watches) {
+    v1::SessionEvent event;
+    while (w->reader->Read(&event)) {
+    }
+    const grpc::Status st = w->reader->Finish();
+    EXPECT_TRUE(st.ok()) << st.error_message();
+  }
 }
 
 // SIGTERM with idle streams open: the daemon exits at once, not after the grace period.

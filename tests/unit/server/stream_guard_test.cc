@@ -48,6 +48,56 @@ TEST(StreamGuardTest, BoundsStreamsPerJobAndInAll) {
   EXPECT_EQ(guard.cancelled_idle(), 0u);
 }
 
+// WatchSession calls: 1 per rank + slack per job and max_watches in all, counted apart from the
+// streams (a job's watches do not use up its streams, nor the other way round); never idle.
+TEST(StreamGuardTest, BoundsWatchesApartFromStreams) {
+  StreamGuard::Options options;
+  options.max_streams = 2 * 2 + kStreamsPerJobSlack;
+  options.max_watches = 2 + kStreamsPerJobSlack + 3;
+  options.idle_limit = absl::Milliseconds(50);
+  StreamGuard guard(options);
+  grpc::ServerContext ctx;
+  std::vector<std::unique_ptr<StreamGuard::Lease>> held;
+  for (int i = 0; i < 2 + kStreamsPerJobSlack; ++i) {
+    auto lease = guard.AdmitWatch(&ctx, "a", 2);
+    ASSERT_TRUE(lease.ok()) << i << ": " << lease.status();
+    held.push_back(*std::move(lease));
+  }
+  auto refused = guard.AdmitWatch(&ctx, "a", 2);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find(
+                "WatchSession: job 'a' holds 10 session watches, as many as a job of 2 rank(s) "
+                "may (1 per rank + 8)"),
+            std::string::npos)
+      << refused.status();
+  // The job's streams are untouched by its watches: all 2 x 2 + slack of them.
+  for (int i = 0; i < 2 * 2 + kStreamsPerJobSlack; ++i) {
+    auto lease = guard.Admit(&ctx, "a", 2, "Step");
+    ASSERT_TRUE(lease.ok()) << i << ": " << lease.status();
+    held.push_back(*std::move(lease));
+  }
+  // Another job's watches, up to the bound in all.
+  for (int i = 0; i < 3; ++i) {
+    auto lease = guard.AdmitWatch(&ctx, "b", 4);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    held.push_back(*std::move(lease));
+  }
+  auto full = guard.AdmitWatch(&ctx, "b", 4);
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.status().message().find("muond holds 13 session watches of all jobs"),
+            std::string::npos)
+      << full.status();
+  EXPECT_EQ(guard.active(), options.max_streams + options.max_watches);
+  // A watch waits for nothing from its client: never cancelled as idle.
+  absl::SleepFor(absl::Milliseconds(400));
+  EXPECT_FALSE(held.front()->cancelled());
+  EXPECT_EQ(guard.cancelled_idle(), 0u);
+  held.erase(held.begin());  // a watch of job a ends: its slot is free again
+  EXPECT_TRUE(guard.AdmitWatch(&ctx, "a", 2).ok());
+  held.clear();
+  EXPECT_EQ(guard.active(), 0u);
+}
+
 TEST(StreamGuardTest, WorkingStreamsAreNotIdle) {
   StreamGuard::Options options;
   options.idle_limit = absl::Milliseconds(50);
