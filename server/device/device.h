@@ -42,7 +42,9 @@ class DeviceBuffer {
       : device_(device), data_(data), size_(size) {}
   // A view of host memory the caller owns, for devices that compute in host memory
   // (Device::ComputesInHostMemory): never freed by the buffer.
-  static DeviceBuffer HostView(void* data, size_t size) { return DeviceBuffer(nullptr, data, size); }
+  static DeviceBuffer HostView(void* data, size_t size) {
+    return DeviceBuffer(nullptr, data, size);
+  }
   DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
   DeviceBuffer(const DeviceBuffer&) = delete;
@@ -92,14 +94,17 @@ class Stream {
   // Enqueues a copy of `bytes` from `src` at `offset` to host `dst`.
   virtual absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
                                   size_t bytes) = 0;
-  // Enqueues dst[i] = src[i] converted from `from` to `to` for `elements` values, both buffers
-  // from element 0: widening to float32 is exact; narrowing rounds to nearest even as
-  // common::FromFloat32 does (NaN stays NaN, float16 overflow is +-inf); same dtypes copy.
-  // The step pipeline widens gradients and narrows updates with it where they are copied
-  // straight between the ranks' regions and the device. OUT_OF_RANGE when a buffer is too small;
-  // INVALID_ARGUMENT when neither dtype is float32 and they differ, or src and dst are one buffer.
+  // Enqueues dst[i] = src[i] converted from `from` to `to` and multiplied by `scale` for
+  // `elements` values, both buffers from element 0: the value is widened to float32 (exact),
+  // multiplied in float32 (one rounding, as the host's `g *= scale`; none when scale is 1) and
+  // narrowed to `to` rounding to nearest even as common::FromFloat32 does (NaN stays NaN, float16
+  // overflow is +-inf); same dtypes with scale 1 copy. The step pipeline widens gradients (apply
+  // mode: scaled by the step's divisor and clip coefficient) and narrows updates with it where
+  // they are copied straight between the ranks' regions and the device. OUT_OF_RANGE when a
+  // buffer is too small; INVALID_ARGUMENT when neither dtype is float32 and they differ, or src
+  // and dst are one buffer.
   virtual absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
-                               common::DType to, size_t elements) = 0;
+                               common::DType to, size_t elements, float scale) = 0;
   // Enqueues the Muon update (DESIGN.md 3) of each item with `config`.
   virtual absl::Status Muon(const common::MuonConfig& config,
                             std::vector<MuonKernelItem> items) = 0;

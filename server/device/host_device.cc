@@ -130,7 +130,7 @@ class HostStream final : public Stream {
                             size_t bytes) override;
   absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset, size_t bytes) override;
   absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
-                       common::DType to, size_t elements) override;
+                       common::DType to, size_t elements, float scale) override;
   absl::Status Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) override;
   absl::StatusOr<std::shared_ptr<Event>> Record() override;
   absl::Status WaitFor(std::shared_ptr<Event> event) override;
@@ -345,20 +345,31 @@ absl::Status HostStream::CopyToHost(void* dst, const DeviceBuffer& src, size_t o
 }
 
 absl::Status HostStream::Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
-                                 common::DType to, size_t elements) {
+                                 common::DType to, size_t elements, float scale) {
   if (absl::Status s = CheckConvert(src, from, dst, to, elements); !s.ok()) return s;
   const void* in = src.data();
   void* out = dst.data();
   // Memory-bound work on the "device" (host memory here): not modelled on the simulated clock,
   // as the link is two orders of magnitude slower than a GPU's memory.
   Enqueue(
-      [in, from, out, to, elements] {
-        if (from == to) {
+      [in, from, out, to, elements, scale] {
+        if (from == to && scale == 1.0f) {
           std::memcpy(out, in, elements * common::DTypeSize(from));
-        } else if (to == common::DType::kFloat32) {
+        } else if (scale == 1.0f && to == common::DType::kFloat32) {
           common::ToFloat32(from, in, elements, static_cast<float*>(out));
-        } else {
+        } else if (scale == 1.0f) {
           common::FromFloat32(static_cast<const float*>(in), elements, to, out);
+        } else {
+          // Widen, scale, narrow, a block at a time.
+          constexpr size_t kBlock = 4096;
+          float block[kBlock];
+          const size_t in_size = common::DTypeSize(from), out_size = common::DTypeSize(to);
+          for (size_t at = 0; at < elements; at += kBlock) {
+            const size_t n = std::min(kBlock, elements - at);
+            common::ToFloat32(from, static_cast<const char*>(in) + at * in_size, n, block);
+            for (size_t i = 0; i < n; ++i) block[i] *= scale;
+            common::FromFloat32(block, n, to, static_cast<char*>(out) + at * out_size);
+          }
         }
         return absl::OkStatus();
       },
@@ -374,7 +385,8 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
         (it.momentum_out != nullptr && it.momentum_out->size() < bytes)) {
       return absl::InvalidArgumentError(absl::StrCat("matrix '", it.spec->name,
                                                      "': a buffer of its Muon kernel call holds "
-                                                     "fewer than ", bytes, " bytes"));
+                                                     "fewer than ",
+                                                     bytes, " bytes"));
     }
     flops += MuonFlops(config, *it.spec);
   }
@@ -416,8 +428,8 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
         }
         std::vector<MuonGroup> muon_groups;
         for (const Group& g : groups) {
-          muon_groups.push_back({g.specs.size(), g.specs.data(), g.grads.data(),
-                                 g.momenta.data(), g.updates.data(), g.momenta_in.data()});
+          muon_groups.push_back({g.specs.size(), g.specs.data(), g.grads.data(), g.momenta.data(),
+                                 g.updates.data(), g.momenta_in.data()});
         }
         return MuonUpdateGroups(config, muon_groups.data(), muon_groups.size());
       },

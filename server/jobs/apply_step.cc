@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/parallel_for.h"
+#include "common/status_macros.h"
 #include "server/optim/adamw.h"
 #include "server/optim/grad_norm.h"
 #include "server/optim/muon_apply.h"
@@ -89,9 +90,9 @@ absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
   }
   for (size_t t = 0; t < hyper.absent.size(); ++t) {
     if (hyper.absent[t] > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": the presence mask byte of tensor '", spec.matrices[t].name, "' is ",
-          hyper.absent[t], "; 0 (has a gradient) or 1 (has none)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": the presence mask byte of tensor '", spec.matrices[t].name,
+                       "' is ", hyper.absent[t], "; 0 (has a gradient) or 1 (has none)"));
     }
   }
   return absl::OkStatus();
@@ -106,6 +107,70 @@ ApplyStep::ApplyStep(const common::JobSpec& spec, const JobLayout& layout, Param
   }
 }
 
+absl::Status ApplyStep::CheckSumOfSquares(const StepState& state, uint32_t t, double ss,
+                                          const std::function<int64_t()>& find_bad) const {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const std::string where = absl::StrCat("job '", spec_.job_id, "' step ", state.step);
+  if (!std::isfinite(ss)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": tensor '", ms.name, "' element ", find_bad(),
+        " is not finite when assembled (its gradient memory changed after it was checked); the "
+        "step is refused and nothing changed"));
+  }
+  // Every |g_i| * scale is at most ||g|| * scale: within float32 when that is.
+  if (!(std::sqrt(ss) * static_cast<double>(state.grad_scale) <= FLT_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": tensor '", ms.name, "': gradient divisor ", state.hyper.grad_divisor,
+        " makes its gradient overflow float32 (norm ", std::sqrt(ss), " before the divisor)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyStep::CheckRawGradient(const StepState& state, uint32_t t,
+                                         std::vector<RawPiece> pieces, double* sum_sq) const {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t n = static_cast<size_t>(ms.numel());
+  const size_t esize = common::DTypeSize(ms.dtype);
+  std::sort(pieces.begin(), pieces.end(), [](const RawPiece& a, const RawPiece& b) {
+    return a.at != b.at ? a.at < b.at : a.length < b.length;
+  });
+  uint64_t covered = 0;
+  for (const RawPiece& p : pieces) {
+    if (p.at != covered) break;
+    covered += p.length;
+  }
+  if (covered != n) {
+    return absl::InternalError(absl::StrCat("tensor '", ms.name, "': its owners' spans cover ",
+                                            covered, " of its ", n, " elements in order"));
+  }
+  // PrepareGradient's sums: block b of kNormBlock elements, widened to fp32 from the pieces it
+  // overlaps, summed by SumOfSquares; the blocks added in order.
+  std::vector<double> blocks((n + kNormBlock - 1) / kNormBlock);
+  common::ParallelFor(blocks.size(), n * esize, [&](size_t b) {
+    const uint64_t begin = b * kNormBlock, end = std::min<uint64_t>(n, begin + kNormBlock);
+    std::vector<float> values(end - begin);
+    auto it = std::upper_bound(pieces.begin(), pieces.end(), begin,
+                               [](uint64_t at, const RawPiece& p) { return at < p.at; });
+    for (--it; it != pieces.end() && it->at < end; ++it) {
+      const uint64_t from = std::max(begin, it->at), to = std::min(end, it->at + it->length);
+      common::ToFloat32(ms.dtype, it->data + (from - it->at) * esize, to - from,
+                        values.data() + (from - begin));
+    }
+    blocks[b] = SumOfSquares(values.data(), values.size());
+  });
+  double ss = 0;
+  for (double s : blocks) ss += s;
+  RETURN_IF_ERROR(CheckSumOfSquares(state, t, ss, [&]() -> int64_t {
+    for (const RawPiece& p : pieces) {
+      const int64_t bad = common::FindNonFiniteRaw(ms.dtype, p.data, p.length);
+      if (bad >= 0) return static_cast<int64_t>(p.at) + bad;
+    }
+    return -1;
+  }));
+  *sum_sq = ss;
+  return absl::OkStatus();
+}
+
 absl::Status ApplyStep::PrepareGradient(const StepState& state, uint32_t t, float* grad,
                                         double* sum_sq, bool kernel_writes_momentum) {
   const common::MatrixSpec& ms = spec_.matrices[t];
@@ -117,20 +182,7 @@ absl::Status ApplyStep::PrepareGradient(const StepState& state, uint32_t t, floa
   });
   double ss = 0;
   for (double s : blocks) ss += s;
-  const std::string where = absl::StrCat("job '", spec_.job_id, "' step ", state.step);
-  if (!std::isfinite(ss)) {
-    const int64_t bad = common::FindNonFinite(grad, n);
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": tensor '", ms.name, "' element ", bad,
-        " is not finite when assembled (its gradient memory changed after it was checked); the "
-        "step is refused and nothing changed"));
-  }
-  // Every |g_i| * scale is at most ||g|| * scale: within float32 when that is.
-  if (!(std::sqrt(ss) * static_cast<double>(state.grad_scale) <= FLT_MAX)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": tensor '", ms.name, "': gradient divisor ", state.hyper.grad_divisor,
-        " makes its gradient overflow float32 (norm ", std::sqrt(ss), " before the divisor)"));
-  }
+  RETURN_IF_ERROR(CheckSumOfSquares(state, t, ss, [&] { return common::FindNonFinite(grad, n); }));
   *sum_sq = ss;
   if (state.grad_scale != 1.0f) {
     const float scale = state.grad_scale;

@@ -12,6 +12,7 @@
 #define MUOND_SERVER_JOBS_APPLY_STEP_H_
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -54,6 +55,19 @@ class ApplyStep {
   // was checked) or when the divisor would overflow float32.
   absl::Status PrepareGradient(const StepState& state, uint32_t t, float* grad, double* sum_sq,
                                bool kernel_writes_momentum);
+  // Elements [at, at + length) of a tensor's raw gradient (in its dtype) at `data`.
+  struct RawPiece {
+    uint64_t at = 0;
+    uint64_t length = 0;
+    const char* data = nullptr;
+  };
+  // A gradient that goes to the device without being assembled (the direct path): from the
+  // pieces that tile tensor t, *sum_sq as PrepareGradient computes it from the assembled fp32
+  // gradient (bit for bit: the same blocks, widened, summed in the same order), and the same
+  // refusals (a value not finite, a divisor that overflows). Reads only; the scaling and the
+  // momentum are the device's.
+  absl::Status CheckRawGradient(const StepState& state, uint32_t t, std::vector<RawPiece> pieces,
+                                double* sum_sq) const;
   // AdamW of tensor t from its prepared gradient; writes the owners' output spans.
   void ApplyAdamW(StepState& state, uint32_t t, const float* grad);
   // The Muon apply of tensor t from its update U (scaled); writes the owners' output spans.
@@ -71,6 +85,11 @@ class ApplyStep {
   static float GradScale(float clip, double grad_divisor);
 
  private:
+  // The refusals of a tensor's raw sum of squares `ss` (find_bad: the first element that is not
+  // finite, asked only when ss is not).
+  absl::Status CheckSumOfSquares(const StepState& state, uint32_t t, double ss,
+                                 const std::function<int64_t()>& find_bad) const;
+
   const common::JobSpec& spec_;
   const JobLayout& layout_;
   ParamStore* const params_;

@@ -23,8 +23,8 @@ struct StepPipeline::Batch {
   // receives the new momentum (`grad` is then a view of the staging and `mom` of the committed
   // momentum, read in place: nothing is copied); else empty.
   std::vector<device::DeviceBuffer> mom_out;
-  // Per device matrix: direct with a 16-bit gradient, the gradient as it came (then the update
-  // narrowed for the ranks); else empty.
+  // Per device matrix: direct with a 16-bit gradient (or, in apply mode, a scaled fp32 one), the
+  // gradient as it came (update mode: then the update narrowed for the ranks); else empty.
   std::vector<device::DeviceBuffer> raw;
   std::vector<size_t> on_device;           // the indices into `matrices` that have buffers
   std::shared_ptr<device::Event> written;  // the writeback is complete (null: no device work)
@@ -153,8 +153,8 @@ class StepPipeline::Run {
                                           " failed on the compute device: ", status_.message())));
     }
     // A rank whose last part is not in yet commits the step when it comes (CommitWhenComplete).
-    *commit = status_.ok() && !state_.done &&
-              state_.matrices_done == p_.spec_.matrices.size() && state_.last_parts_in();
+    *commit = status_.ok() && !state_.done && state_.matrices_done == p_.spec_.matrices.size() &&
+              state_.last_parts_in();
     if (*commit) state_.committing = true;
     state_.device_seconds += dev_.device->SimulatedSeconds() - clock_start_;
     const device::Device::BusySeconds busy = dev_.device->Busy();
@@ -292,7 +292,11 @@ class StepPipeline::Run {
       const common::MatrixSpec& ms = p_.spec_.matrices[m];
       const bool direct = p_.Direct(state_, m);
       batch.direct.push_back(direct);
-      if (!direct) RETURN_IF_ERROR(AssembleOnHost(batch, i));
+      if (!direct) {
+        RETURN_IF_ERROR(AssembleOnHost(batch, i));
+      } else if (p_.apply_ != nullptr) {
+        RETURN_IF_ERROR(ReadDirectGradient(batch, i));
+      }
       if (ms.optimizer == common::Optimizer::kAdamW && p_.apply_ != nullptr) continue;
       batch.on_device.push_back(i);
       const size_t n = static_cast<size_t>(ms.numel());
@@ -311,7 +315,8 @@ class StepPipeline::Run {
       auto mo = p_.TakeDeviceBuffer(n * sizeof(float));
       if (!mo.ok()) return mo.status();
       device::DeviceBuffer raw;
-      if (direct && ms.dtype != common::DType::kFloat32) {
+      if (direct && (ms.dtype != common::DType::kFloat32 ||
+                     (p_.apply_ != nullptr && state_.grad_scale != 1.0f))) {
         auto r = p_.TakeDeviceBuffer(n * common::DTypeSize(ms.dtype));
         if (!r.ok()) return r.status();
         raw = *std::move(r);
@@ -363,6 +368,45 @@ class StepPipeline::Run {
         return s;
       }
     }
+    state_.phase_seconds[0] += absl::ToDoubleSeconds(absl::Now() - gather_start);
+    return absl::OkStatus();
+  }
+
+  // Apply mode, a Muon tensor that goes direct (its gradient is copied straight from the ranks'
+  // regions and widened and scaled on the device, which also writes its new momentum back): the
+  // host reads the raw gradient once, without assembling it, for what apply mode needs of it on
+  // the host: its sum of squares (in the order PrepareGradient sums, so the norm and the clip
+  // are the staged path's bit for bit), the finiteness and divisor checks, and under clipping the
+  // CRC32Cs the redo compares. The update comes back into pooled (registered) staging.
+  absl::Status ReadDirectGradient(Batch& batch, size_t i) {
+    const uint32_t m = batch.matrices[i];
+    const common::MatrixSpec& ms = p_.spec_.matrices[m];
+    const size_t n = static_cast<size_t>(ms.numel());
+    const absl::Time gather_start = absl::Now();
+    const std::vector<JobLayout::OwnerSlice> slices = p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
+    const size_t esize = common::DTypeSize(ms.dtype);
+    std::vector<ApplyStep::RawPiece> pieces;
+    pieces.reserve(slices.size());
+    for (const JobLayout::OwnerSlice& s : slices) {
+      const common::ShardSpan& span = p_.layout_.spans(s.ref->rank)[s.ref->span];
+      pieces.push_back({span.offset + s.begin, s.length,
+                        state_.ranks[s.ref->rank].span_in[s.ref->span] + s.begin * esize});
+    }
+    absl::Status s = p_.apply_->CheckRawGradient(state_, m, std::move(pieces), &state_.sum_sq[m]);
+    if (s.ok() && p_.spec_.max_grad_norm > 0) {
+      std::vector<uint32_t> crc(slices.size());
+      common::ParallelFor(slices.size(), n * esize, [&](size_t k) {
+        const JobLayout::SpanRef& ref = *slices[k].ref;
+        crc[k] = common::Crc32c(state_.ranks[ref.rank].span_in[ref.span] + slices[k].begin * esize,
+                                slices[k].length * esize);
+      });
+      s = CheckReread(m, slices, std::move(crc));
+    }
+    if (!s.ok()) {
+      refused_ = true;
+      return s;
+    }
+    batch.staging[i] = p_.TakeStaging(n);  // where the update comes back
     state_.phase_seconds[0] += absl::ToDoubleSeconds(absl::Now() - gather_start);
     return absl::OkStatus();
   }
@@ -429,7 +473,7 @@ class StepPipeline::Run {
     for (size_t k = 0; k < batch.grad.size(); ++k) {
       const size_t i = batch.on_device[k];
       if (InPlace(batch, k)) continue;  // the update is in the staging already
-      if (batch.direct[i]) {
+      if (batch.direct[i] && p_.apply_ == nullptr) {
         RETURN_IF_ERROR(p_.CopySpansOut(state_, batch.matrices[i], RawOrGrad(batch, k)));
         continue;
       }
@@ -438,13 +482,15 @@ class StepPipeline::Run {
                                                  staging.size() * sizeof(float)));
       CountStaged(false, staging.size() * sizeof(float), p_.StagingPinned(staging.data()));
     }
-    // Update mode: the new momentum (the one the update was computed from) into the store's back
-    // buffer, which the commit makes the front (apply mode writes its state on the host).
-    for (size_t k = 0; k < batch.mom.size() && p_.params_ == nullptr; ++k) {
+    // The new momentum (the one the update was computed from) into the store's back buffer,
+    // which the commit makes the front: update mode, and apply mode's direct tensors (apply mode
+    // computes a staged tensor's momentum on the host, PrepareGradient).
+    for (size_t k = 0; k < batch.mom.size(); ++k) {
       if (InPlace(batch, k)) continue;  // written there by the kernel
+      if (p_.params_ != nullptr && !batch.direct[batch.on_device[k]]) continue;
       const uint32_t m = batch.matrices[batch.on_device[k]];
-      RETURN_IF_ERROR(dev_.writeback->CopyToHost(p_.momentum_.next(m), batch.mom[k], 0,
-                                                 p_.momentum_.numel(m) * sizeof(float)));
+      const size_t bytes = static_cast<size_t>(p_.spec_.matrices[m].numel()) * sizeof(float);
+      RETURN_IF_ERROR(dev_.writeback->CopyToHost(p_.NextMomentum(m), batch.mom[k], 0, bytes));
     }
     auto written = dev_.writeback->Record();
     if (!written.ok()) return written.status();
@@ -461,18 +507,22 @@ class StepPipeline::Run {
     return batch.raw[k].size() > 0 ? batch.raw[k] : batch.grad[k];
   }
 
-  // On the compute stream, the direct 16-bit matrices: widens the raw gradients into the fp32
-  // buffers, or narrows the updates into the raw buffers.
+  // On the compute stream, the direct matrices with a raw buffer: widens the raw gradients into
+  // the fp32 buffers (apply mode: scaled by the step's divisor and clip coefficient, as
+  // PrepareGradient scales a staged one), or (update mode) narrows the updates into the raw
+  // buffers. Apply mode's updates go back in fp32 (to the staging).
   absl::Status ConvertRaw(Batch& batch, bool widen) {
+    if (!widen && p_.apply_ != nullptr) return absl::OkStatus();
+    const float scale = p_.apply_ != nullptr ? state_.grad_scale : 1.0f;
     for (size_t k = 0; k < batch.raw.size(); ++k) {
       if (batch.raw[k].size() == 0) continue;
       const common::MatrixSpec& ms = p_.spec_.matrices[batch.matrices[batch.on_device[k]]];
       const common::DType dtype = ms.dtype;
       const size_t n = static_cast<size_t>(ms.numel());
       RETURN_IF_ERROR(widen ? dev_.compute->Convert(batch.raw[k], dtype, batch.grad[k],
-                                                    common::DType::kFloat32, n)
+                                                    common::DType::kFloat32, n, scale)
                             : dev_.compute->Convert(batch.grad[k], common::DType::kFloat32,
-                                                    batch.raw[k], dtype, n));
+                                                    batch.raw[k], dtype, n, 1.0f));
     }
     return absl::OkStatus();
   }

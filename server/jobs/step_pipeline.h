@@ -14,9 +14,12 @@
 // (writeback stream). Such a matrix uses no host staging; on the device it holds the fp32
 // gradient and momentum as before plus, for a 16-bit gradient, its raw copy (2 bytes an element,
 // reused for the narrowed update), so the gather budget still counts 8 bytes an element.
-// Everything else takes the staged path: host devices (cpu, simulated), gRPC ranks, regions whose
-// registration failed, apply mode (its gradient norm, clipping and AdamW run on the host) and the
-// transport probe.
+// Apply mode's Muon tensors go direct the same way in, the gradient widened and scaled (divisor,
+// clip coefficient) on the device; the host only reads their raw gradients (ReadDirectGradient:
+// the norm, the checks, the clipping CRCs), the device writes the new momentum back to the
+// ParamStore's back buffer, and the fp32 update comes back into host staging, where the masters
+// are applied. Everything else takes the staged path: host devices (cpu, simulated), gRPC ranks,
+// regions whose registration failed, apply mode's AdamW tensors and the transport probe.
 //
 // In place (Device::ComputesInHostMemory, the cpu backend): the kernel runs on the host staging
 // itself, reading the committed momentum where it is stored and writing the new momentum straight

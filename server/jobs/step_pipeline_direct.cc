@@ -34,8 +34,8 @@ struct CopyMetrics {
     const char* const kPaths[] = {"staged", "direct", "pinned_staging"};
     for (int path = 0; path < 3; ++path) {
       for (int to_device = 0; to_device < 2; ++to_device) {
-        bytes[path][to_device] = &(*f)->Add({{"path", kPaths[path]},
-                                             {"direction", to_device ? "to_device" : "to_host"}});
+        bytes[path][to_device] = &(*f)->Add(
+            {{"path", kPaths[path]}, {"direction", to_device ? "to_device" : "to_host"}});
       }
     }
   }
@@ -61,9 +61,24 @@ void StepPipeline::CountStaged(bool to_device, uint64_t bytes, bool pinned) {
 }
 
 bool StepPipeline::Direct(const StepState& state, uint32_t m) const {
-  if (apply_ != nullptr || spec_.transport_probe) return false;
+  if (spec_.transport_probe) return false;
   const device::Device& dev = *devices_->device;
   if (!dev.DirectHostCopies()) return false;
+  if (apply_ != nullptr) {
+    // Apply mode: Muon tensors only (AdamW runs on the host). Their momentum is copied from and
+    // back to the (registered) store as update mode's is, and the update comes back to the
+    // host's staging (the masters are applied there), so only the gradients must lie in
+    // registered regions.
+    if (spec_.matrices[m].optimizer != common::Optimizer::kMuon) return false;
+    for (const JobLayout::SpanRef& ref : layout_.owners(m)) {
+      const RankInput& in = state.ranks[ref.rank];
+      if (ref.span >= in.span_in.size() ||
+          !dev.IsHostRegistered(in.span_in[ref.span], layout_.SpanBytes(ref.rank, ref.span))) {
+        return false;
+      }
+    }
+    return true;
+  }
   for (const JobLayout::SpanRef& ref : layout_.owners(m)) {
     const size_t bytes = layout_.SpanBytes(ref.rank, ref.span);
     const RankInput& in = state.ranks[ref.rank];

@@ -203,8 +203,8 @@ TEST(CudaConformanceTest, MatchesCpuAndFloat64WithinBoundsMomentumBitForBit) {
       const Case& got = cases[i];
       EXPECT_TRUE(SameBits(got.new_momentum, host[i].new_momentum)) << got.spec.name;
       const double e_cpu = RelativeError(got.update, host[i].update);
-      const double e_f64 = RelativeError(
-          got.update, ReferenceUpdate(config, got.spec, got.grad, got.momentum));
+      const double e_f64 =
+          RelativeError(got.update, ReferenceUpdate(config, got.spec, got.grad, got.momentum));
       EXPECT_LT(e_cpu, Bound(config.compute_dtype)) << got.spec.name;
       EXPECT_LT(e_f64, Bound(config.compute_dtype)) << got.spec.name;
       vs_cpu = std::max(vs_cpu, e_cpu);
@@ -216,7 +216,8 @@ TEST(CudaConformanceTest, MatchesCpuAndFloat64WithinBoundsMomentumBitForBit) {
   for (const auto& [k, v] : worst) {
     lines.push_back(absl::StrCat(k, ": vs cpu ", v.first, ", vs float64 ", v.second));
   }
-  std::printf("worst rel. error of the cuda backend:\n  %s\n", absl::StrJoin(lines, "\n  ").c_str());
+  std::printf("worst rel. error of the cuda backend:\n  %s\n",
+              absl::StrJoin(lines, "\n  ").c_str());
 }
 
 // Qwen3-like blocks: the sizes where cuBLAS picks its tensor-core kernels.

@@ -63,10 +63,10 @@ TEST(CudaNoDeviceTest, MuondBackendCudaExitsNonZeroWithOneLine) {
   const char* dir = mkdtemp(dir_template);
   ASSERT_NE(dir, nullptr);
   int code = 0;
-  const std::string err = RunAndCaptureStderr(
-      absl::StrCat(MUOND_BINARY, " --backend cuda --threads 1 --state-dir ", dir,
-                   "/state --listen unix://", dir, "/muond.sock"),
-      &code);
+  const std::string err =
+      RunAndCaptureStderr(absl::StrCat(MUOND_BINARY, " --backend cuda --threads 1 --state-dir ",
+                                       dir, "/state --listen unix://", dir, "/muond.sock"),
+                          &code);
   std::system(absl::StrCat("rm -rf ", dir).c_str());
   EXPECT_NE(code, 0) << err;
   ASSERT_FALSE(err.empty());

@@ -195,8 +195,7 @@ TEST(CudaStreamTest, BadCallsAreRefused) {
   MuonConfig no_steps;
   no_steps.ns_steps = 0;
   MatrixSpec fine{"fine", {6, 8}, 1};
-  EXPECT_EQ((*s)->Muon(no_steps, {{&fine, &*g6, &*m6}}).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*s)->Muon(no_steps, {{&fine, &*g6, &*m6}}).code(), absl::StatusCode::kInvalidArgument);
   // An event of another device.
   auto cpu = OpenBackend("cpu", 1, SimulatedOptions{});
   ASSERT_TRUE(cpu.ok());

@@ -27,12 +27,12 @@ inline absl::StatusOr<Device*> SharedCudaDevice() {
 
 // Declares `Device* dev`: the shared CUDA device, or skips the test with the reason. ctest reports
 // a suite skipped by its message, "CUDA backend unavailable: " (tests/gpu/CMakeLists.txt).
-#define MUOND_REQUIRE_CUDA_DEVICE(dev)                                                   \
+#define MUOND_REQUIRE_CUDA_DEVICE(dev)                                                  \
   Device* dev = nullptr;                                                                \
   do {                                                                                  \
     auto muond_opened_ = ::muond::server::device::testing_cuda::SharedCudaDevice();     \
     if (!muond_opened_.ok()) {                                                          \
-      GTEST_SKIP() << "CUDA backend unavailable: " << muond_opened_.status().message();           \
+      GTEST_SKIP() << "CUDA backend unavailable: " << muond_opened_.status().message(); \
     }                                                                                   \
     dev = *muond_opened_;                                                               \
   } while (0)

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/shm_region.h"
 #include "gtest/gtest.h"
@@ -136,10 +137,13 @@ TEST(DirectCopySimulatedTest, RegistrationRefusedFallsBackToStagingWithTheSameBy
   EXPECT_EQ(Registrations("failed"), failed_before_off);
 }
 
-// Apply mode stages every tensor (the daemon assembles fp32 gradients on the host for the norm,
-// the momentum and AdamW): its staging buffers are registered with the device once they are
-// pooled, so from the second step the Muon tensors' copies go by DMA from registered memory
-// (path "pinned_staging"), not through the bounce buffer, with the same bytes.
+// Apply mode: its Muon tensors go direct too. Each rank's gradient is copied straight from its
+// registered region and widened and scaled (divisor, clip coefficient) on the device, which
+// writes the new momentum back to the store; the host only reads the raw gradient for the norm
+// and the checks (StepPipeline ReadDirectGradient), and the update comes back to the host's
+// staging (registered once pooled: DMA from the second step) where the masters are applied.
+// AdamW tensors stay on the host. The same bytes as the staged path, with a divisor and with
+// global clipping (the redo recomputes from the same front).
 constexpr char kApplyJob[] = R"({"job_id": "apply", "mode": "apply", "world_size": 2,
   "zero_stage": 3,
   "tensors": [{"name": "a", "shape": [64, 96], "dtype": "bfloat16", "param_dtype": "bfloat16",
@@ -150,49 +154,88 @@ constexpr char kApplyJob[] = R"({"job_id": "apply", "mode": "apply", "world_size
                "group": "matrices"}],
   "groups": [{"name": "matrices", "lr": 0.02, "weight_decay": 0.1},
              {"name": "vectors", "lr": 0.01, "weight_decay": 0.0}],
-  "adamw": {"betas": [0.9, 0.95], "eps": 1e-8}})";
-constexpr double kApplyMuonBytes = (64 * 96 + 40 * 72) * 4.0;  // fp32 staging per step
+  "adamw": {"betas": [0.9, 0.95], "eps": 1e-8}MAX_GRAD_NORM})";
+constexpr double kApplyMuonBytes = (64 * 96 + 40 * 72) * 4.0;        // fp32 update per step
+constexpr double kApplyMuonGradBytes = 64 * 96 * 2 + 40 * 72 * 4.0;  // raw gradients per step
 
-StepResults RunApply(std::unique_ptr<Device> device) {
+StepResults RunApply(std::unique_ptr<Device> device, double divisor = 1.0,
+                     double max_grad_norm = 0) {
   auto daemon = InProcessDaemon::Start(std::move(device), true);
   EXPECT_TRUE(daemon.ok()) << daemon.status();
   if (!daemon.ok()) return {};
-  auto token = (*daemon)->CreateJob(kApplyJob);
+  std::string json = kApplyJob;
+  json.replace(json.find("MAX_GRAD_NORM"), 13,
+               max_grad_norm > 0 ? absl::StrCat(", \"max_grad_norm\": ", max_grad_norm) : "");
+  auto token = (*daemon)->CreateJob(json);
   EXPECT_TRUE(token.ok()) << token.status();
   if (!token.ok()) return {};
-  auto run = RunSteps((*daemon)->shm_path(), "apply", *token, kSteps, 11);
+  auto run = RunSteps((*daemon)->shm_path(), "apply", *token, kSteps, 11, divisor);
   EXPECT_TRUE(run.ok()) << run.status();
   return run.ok() ? *std::move(run) : StepResults{};
 }
 
-TEST(DirectCopySimulatedTest, ApplyModeStagingIsPinnedFromTheSecondStep) {
-  {
-    // The simulated device registers host memory with mlock: a process that may not lock its
-    // staging (RLIMIT_MEMLOCK) cannot run this.
-    std::vector<char> probe(size_t{256} << 10);
-    if (mlock(probe.data(), probe.size()) != 0) {
-      GTEST_SKIP() << "mlock of 256 KiB refused (" << std::strerror(errno)
-                   << "): the simulated device cannot register the staging buffers";
-    }
-    munlock(probe.data(), probe.size());
-  }
-  const StepResults pageable = RunApply(HostDevice(true, false));
-  const double staged = CopyBytes("staged", "to_device");
-  const double pinned = CopyBytes("pinned_staging", "to_device");
-  const double pinned_out = CopyBytes("pinned_staging", "to_host");
-  const StepResults registered = RunApply(HostDevice(true, true));
-  ASSERT_EQ(pageable.updates.size(), static_cast<size_t>(kSteps));
-  ASSERT_EQ(registered.updates.size(), static_cast<size_t>(kSteps));
+bool CanLockStaging() {
+  // The simulated device registers host memory with mlock: a process that may not lock its
+  // staging (RLIMIT_MEMLOCK) cannot run these.
+  std::vector<char> probe(size_t{256} << 10);
+  if (mlock(probe.data(), probe.size()) != 0) return false;
+  munlock(probe.data(), probe.size());
+  return true;
+}
+
+void ExpectSameApplyUpdates(const StepResults& staged, const StepResults& direct) {
+  ASSERT_EQ(staged.updates.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(direct.updates.size(), static_cast<size_t>(kSteps));
   for (int t = 0; t < kSteps; ++t) {
     for (size_t r = 0; r < 2; ++r) {
-      EXPECT_FALSE(pageable.updates[t][r].empty());
-      EXPECT_TRUE(pageable.updates[t][r] == registered.updates[t][r]) << "step " << t;
+      EXPECT_FALSE(staged.updates[t][r].empty());
+      EXPECT_TRUE(staged.updates[t][r] == direct.updates[t][r]) << "step " << t << " rank " << r;
     }
   }
-  // Step 0 through fresh (pageable) staging, then every Muon byte from registered staging.
-  EXPECT_EQ(CopyBytes("staged", "to_device") - staged, kApplyMuonBytes);
-  EXPECT_EQ(CopyBytes("pinned_staging", "to_device") - pinned, (kSteps - 1) * kApplyMuonBytes);
+}
+
+TEST(DirectCopySimulatedTest, ApplyModeMuonTensorsGoDirectWithTheStagedPathsBytes) {
+  if (!CanLockStaging()) {
+    GTEST_SKIP() << "mlock of 256 KiB refused (" << std::strerror(errno)
+                 << "): the simulated device cannot register the staging buffers";
+  }
+  const StepResults staged = RunApply(HostDevice(true, false));
+  const double direct_in = CopyBytes("direct", "to_device");
+  const double staged_in = CopyBytes("staged", "to_device");
+  const double pinned_in = CopyBytes("pinned_staging", "to_device");
+  const double staged_out = CopyBytes("staged", "to_host");
+  const double pinned_out = CopyBytes("pinned_staging", "to_host");
+  const StepResults direct = RunApply(HostDevice(true, true));
+  ExpectSameApplyUpdates(staged, direct);
+  // Every Muon gradient byte went straight in, as it came (bf16 stays 2 bytes); nothing was
+  // staged in; the updates came back to fresh staging at step 0, then to registered staging.
+  EXPECT_EQ(CopyBytes("direct", "to_device") - direct_in, kSteps * kApplyMuonGradBytes);
+  EXPECT_EQ(CopyBytes("staged", "to_device") - staged_in, 0);
+  EXPECT_EQ(CopyBytes("pinned_staging", "to_device") - pinned_in, 0);
+  EXPECT_EQ(CopyBytes("staged", "to_host") - staged_out, kApplyMuonBytes);
   EXPECT_EQ(CopyBytes("pinned_staging", "to_host") - pinned_out, (kSteps - 1) * kApplyMuonBytes);
+}
+
+TEST(DirectCopySimulatedTest, ApplyModeDirectScalesAndClipsAsTheStagedPath) {
+  if (!CanLockStaging()) {
+    GTEST_SKIP() << "mlock of 256 KiB refused (" << std::strerror(errno)
+                 << "): the simulated device cannot register the staging buffers";
+  }
+  // A divisor that changes every step (the gradients are scaled on the device: unscaled, the
+  // momentum would weigh the steps otherwise) and a clip that triggers every step (the step's
+  // tensors are recomputed with the clip coefficient).
+  for (const auto& [divisor, clip] :
+       {std::pair<double, double>{4.0, 0}, std::pair<double, double>{1.0, 0.5},
+        std::pair<double, double>{3.0, 0.25}}) {
+    SCOPED_TRACE(absl::StrCat("divisor ", divisor, ", max_grad_norm ", clip));
+    const StepResults staged = RunApply(HostDevice(true, false), divisor, clip);
+    const double direct_in = CopyBytes("direct", "to_device");
+    const StepResults direct = RunApply(HostDevice(true, true), divisor, clip);
+    ExpectSameApplyUpdates(staged, direct);
+    // With clipping every tensor is copied twice a step (first pass and redo).
+    EXPECT_EQ(CopyBytes("direct", "to_device") - direct_in,
+              (clip > 0 ? 2 : 1) * kSteps * kApplyMuonGradBytes);
+  }
 }
 
 // Values that exercise rounding: ties, subnormals, fp16 overflow, signed zeros.
@@ -220,23 +263,43 @@ void ExpectConvertLikeTheHost(Device& dev) {
     ASSERT_TRUE(f32.ok() && raw.ok());
     Stream& s = **stream;
     ASSERT_TRUE(s.CopyToDevice(*f32, 0, values.data(), kN * 4).ok());
-    ASSERT_TRUE(s.Convert(*f32, common::DType::kFloat32, *raw, dtype, kN).ok());
+    ASSERT_TRUE(s.Convert(*f32, common::DType::kFloat32, *raw, dtype, kN, 1.0f).ok());
     ASSERT_TRUE(s.CopyToHost(got.data(), *raw, 0, kN * 2).ok());
-    ASSERT_TRUE(s.Convert(*raw, dtype, *f32, common::DType::kFloat32, kN).ok());
+    ASSERT_TRUE(s.Convert(*raw, dtype, *f32, common::DType::kFloat32, kN, 1.0f).ok());
     ASSERT_TRUE(s.CopyToHost(widened_got.data(), *f32, 0, kN * 4).ok());
+    // Widened and scaled (apply mode's gradient scale), from 16 bits and from float32 (into
+    // another buffer): one float32 rounding of the product, as the host's g *= scale.
+    constexpr float kScale = 0.3f;
+    std::vector<float> scaled_want = widened_want, scaled_got(kN), scaled32_want = values,
+                       scaled32_got(kN);
+    for (float& v : scaled_want) v *= kScale;
+    for (float& v : scaled32_want) v *= kScale;
+    auto f32b = dev.Allocate(kN * 4);
+    ASSERT_TRUE(f32b.ok());
+    ASSERT_TRUE(s.Convert(*raw, dtype, *f32b, common::DType::kFloat32, kN, kScale).ok());
+    ASSERT_TRUE(s.CopyToHost(scaled_got.data(), *f32b, 0, kN * 4).ok());
+    ASSERT_TRUE(s.CopyToDevice(*f32, 0, values.data(), kN * 4).ok());
+    ASSERT_TRUE(
+        s.Convert(*f32, common::DType::kFloat32, *f32b, common::DType::kFloat32, kN, kScale).ok());
+    ASSERT_TRUE(s.CopyToHost(scaled32_got.data(), *f32b, 0, kN * 4).ok());
     const absl::Status synced = s.Synchronize();
     ASSERT_TRUE(synced.ok()) << synced;
     EXPECT_TRUE(want == got) << common::DTypeName(dtype) << " narrowing differs from the host";
     EXPECT_EQ(std::memcmp(widened_want.data(), widened_got.data(), kN * 4), 0)
         << common::DTypeName(dtype) << " widening differs from the host";
+    EXPECT_EQ(std::memcmp(scaled_want.data(), scaled_got.data(), kN * 4), 0)
+        << common::DTypeName(dtype) << " scaled widening differs from the host";
+    EXPECT_EQ(std::memcmp(scaled32_want.data(), scaled32_got.data(), kN * 4), 0)
+        << "scaled float32 differs from the host";
     // Refused calls enqueue nothing.
-    EXPECT_EQ(s.Convert(*raw, dtype, *f32, common::DType::kFloat32, kN + 1).code(),
+    EXPECT_EQ(s.Convert(*raw, dtype, *f32, common::DType::kFloat32, kN + 1, 1.0f).code(),
               absl::StatusCode::kOutOfRange);
-    EXPECT_EQ(s.Convert(*f32, common::DType::kFloat32, *f32, dtype, kN).code(),
+    EXPECT_EQ(s.Convert(*f32, common::DType::kFloat32, *f32, dtype, kN, 1.0f).code(),
               absl::StatusCode::kInvalidArgument);
     const common::DType other =
         dtype == common::DType::kBFloat16 ? common::DType::kFloat16 : common::DType::kBFloat16;
-    EXPECT_EQ(s.Convert(*raw, dtype, *f32, other, kN).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(s.Convert(*raw, dtype, *f32, other, kN, 1.0f).code(),
+              absl::StatusCode::kInvalidArgument);
   }
 }
 

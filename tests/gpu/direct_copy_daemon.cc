@@ -89,7 +89,8 @@ absl::Status RankInit(client::ShmChannel& ch, uint32_t seed) {
 // One rank's step: its spans' gradients into the step's buffer (apply mode: and the step's
 // hyperparameters, every group's job lr and weight decay), the doorbell, its update spans (apply
 // mode: its new parameters).
-absl::Status RankStep(client::ShmChannel& ch, int64_t step, uint32_t seed, std::string* update) {
+absl::Status RankStep(client::ShmChannel& ch, int64_t step, uint32_t seed, double grad_divisor,
+                      std::string* update) {
   const common::JobSpec& spec = ch.spec();
   char* grad = ch.GradientBuffer(step);
   for (const client::ShmSpan& span : ch.spans()) {
@@ -101,7 +102,10 @@ absl::Status RankStep(client::ShmChannel& ch, int64_t step, uint32_t seed, std::
     std::vector<double> hyper;
     for (const common::ParamGroup& g : spec.groups) hyper.push_back(g.lr);
     for (const common::ParamGroup& g : spec.groups) hyper.push_back(g.weight_decay);
-    hyper.push_back(1.0);  // the gradient divisor
+    // Step t divides by grad_divisor * (t + 1) when grad_divisor is not 1: a divisor that changes
+    // from step to step weighs the momentum's terms differently (a constant one would cancel in
+    // Muon's orthogonalization).
+    hyper.push_back(grad_divisor == 1.0 ? 1.0 : grad_divisor * static_cast<double>(step + 1));
     std::memcpy(grad + ch.hyper_byte_offset(), hyper.data(), hyper.size() * sizeof(double));
     std::memset(grad + ch.hyper_byte_offset() + hyper.size() * sizeof(double), 0,
                 spec.matrices.size());  // the presence mask: every tensor has a gradient
@@ -122,7 +126,8 @@ absl::Status RankStep(client::ShmChannel& ch, int64_t step, uint32_t seed, std::
 }  // namespace
 
 absl::StatusOr<StepResults> RunSteps(const std::string& socket, const std::string& job_id,
-                                     const std::string& token, int steps, uint32_t seed) {
+                                     const std::string& token, int steps, uint32_t seed,
+                                     double grad_divisor) {
   std::vector<std::unique_ptr<client::ShmChannel>> ranks;
   for (int r = 0;; ++r) {
     auto ch = client::ShmChannel::Attach(socket, job_id, r, token, /*takeover=*/false);
@@ -145,7 +150,8 @@ absl::StatusOr<StepResults> RunSteps(const std::string& socket, const std::strin
     const auto start = std::chrono::steady_clock::now();
     std::vector<std::thread> threads;
     for (size_t r = 0; r < ranks.size(); ++r) {
-      threads.emplace_back([&, r] { status[r] = RankStep(*ranks[r], t, seed, &updates[r]); });
+      threads.emplace_back(
+          [&, r] { status[r] = RankStep(*ranks[r], t, seed, grad_divisor, &updates[r]); });
     }
     for (std::thread& th : threads) th.join();
     results.seconds.push_back(

@@ -56,9 +56,12 @@ struct StepResults {
 
 // Steps [0, steps) of job `job_id`: attaches every rank over `socket`, writes step t's gradients
 // (Gradient(matrix, t, seed), in the matrix dtype) into each rank's buffer and rings, each rank on
-// its own thread. The first error of any rank, naming the rank and step.
+// its own thread; apply mode: with the job's lr and weight decay, and step t's gradient divisor
+// grad_divisor * (t + 1) (1 when grad_divisor is 1). The first error of any rank, naming the
+// rank and step.
 absl::StatusOr<StepResults> RunSteps(const std::string& socket, const std::string& job_id,
-                                     const std::string& token, int steps, uint32_t seed);
+                                     const std::string& token, int steps, uint32_t seed,
+                                     double grad_divisor = 1.0);
 
 // Deterministic gradient values of a whole matrix for a step, in [-1, 1).
 std::vector<float> Gradient(uint32_t matrix, int64_t numel, int64_t step, uint32_t seed);

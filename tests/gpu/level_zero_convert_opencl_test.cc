@@ -56,21 +56,28 @@ TEST(LevelZeroConvertOpenClTest, WidensAndNarrowsAsTheHost) {
         ASSERT_TRUE((*queue)->Write((*f32)->ref(), n * 4, guard.data(), kTail * 4).ok());
         absl::Status s =
             ConvertElements(**queue, (*f32)->ref(), common::DType::kFloat32, (*raw)->ref(), dtype,
-                            static_cast<int64_t>(n), rows_per_launch);
+                            static_cast<int64_t>(n), 1.0f, rows_per_launch);
         ASSERT_TRUE(s.ok()) << s;
         std::vector<char> got((n + kTail) * 2);
         ASSERT_TRUE((*queue)->Read((*raw)->ref(), 0, got.data(), got.size()).ok());
         EXPECT_EQ(std::memcmp(got.data(), want.data(), n * 2), 0)
             << common::DTypeName(dtype) << " n " << n << " narrowing differs from the host";
         EXPECT_EQ(std::memcmp(got.data() + n * 2, guard.data(), kTail * 2), 0);
-        s = ConvertElements(**queue, (*raw)->ref(), dtype, (*f32)->ref(), common::DType::kFloat32,
-                            static_cast<int64_t>(n), rows_per_launch);
-        ASSERT_TRUE(s.ok()) << s;
-        std::vector<float> widened(n + kTail);
-        ASSERT_TRUE((*queue)->Read((*f32)->ref(), 0, widened.data(), widened.size() * 4).ok());
-        EXPECT_EQ(std::memcmp(widened.data(), widened_want.data(), n * 4), 0)
-            << common::DTypeName(dtype) << " n " << n << " widening differs from the host";
-        EXPECT_EQ(std::memcmp(widened.data() + n, guard.data(), kTail * 4), 0);
+        // Widened as is, and widened and scaled (apply mode's divisor and clip coefficient):
+        // the product rounds once in float32, as the host's g *= scale.
+        for (const float scale : {1.0f, 0.3f}) {
+          s = ConvertElements(**queue, (*raw)->ref(), dtype, (*f32)->ref(), common::DType::kFloat32,
+                              static_cast<int64_t>(n), scale, rows_per_launch);
+          ASSERT_TRUE(s.ok()) << s;
+          std::vector<float> widened(n + kTail);
+          ASSERT_TRUE((*queue)->Read((*f32)->ref(), 0, widened.data(), widened.size() * 4).ok());
+          std::vector<float> scaled_want = widened_want;
+          for (float& v : scaled_want) v *= scale;
+          EXPECT_EQ(std::memcmp(widened.data(), scaled_want.data(), n * 4), 0)
+              << common::DTypeName(dtype) << " n " << n << " scale " << scale
+              << ": widening differs from the host";
+          EXPECT_EQ(std::memcmp(widened.data() + n, guard.data(), kTail * 4), 0);
+        }
       }
     }
   }

@@ -175,17 +175,17 @@ cudaError_t Transform(const void* src, void* dst, int64_t batch, int64_t rows, i
 }
 
 template <typename In, typename Out>
-__global__ void ConvertKernel(const In* src, Out* dst, int64_t n) {
+__global__ void ConvertKernel(const In* src, Out* dst, int64_t n, float scale) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dst[i] = FromFloat<Out>(ToFloat(src[i]));
+    dst[i] = FromFloat<Out>(__fmul_rn(ToFloat(src[i]), scale));
   }
 }
 
 template <typename In, typename Out>
-cudaError_t Convert(const void* src, void* dst, int64_t n, cudaStream_t stream) {
+cudaError_t Convert(const void* src, void* dst, int64_t n, float scale, cudaStream_t stream) {
   ConvertKernel<In, Out><<<GridFor(n), kThreads, 0, stream>>>(static_cast<const In*>(src),
-                                                               static_cast<Out*>(dst), n);
+                                                               static_cast<Out*>(dst), n, scale);
   return cudaGetLastError();
 }
 
@@ -256,21 +256,24 @@ cudaError_t LaunchTransform(Elem in, const void* src, Elem out, void* dst, int64
   return cudaErrorInvalidValue;  // 16-bit to 16-bit is not used
 }
 
-cudaError_t LaunchConvert(Elem in, const void* src, Elem out, void* dst, int64_t n,
+cudaError_t LaunchConvert(Elem in, const void* src, Elem out, void* dst, int64_t n, float scale,
                           cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   if (in == Elem::kF32) {
     switch (out) {
       case Elem::kF32:
-        return cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, stream);
+        if (scale == 1.0f) {
+          return cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, stream);
+        }
+        return Convert<float, float>(src, dst, n, scale, stream);
       case Elem::kBf16:
-        return Convert<float, __nv_bfloat16>(src, dst, n, stream);
+        return Convert<float, __nv_bfloat16>(src, dst, n, scale, stream);
       case Elem::kF16:
-        return Convert<float, __half>(src, dst, n, stream);
+        return Convert<float, __half>(src, dst, n, scale, stream);
     }
   } else if (out == Elem::kF32) {
-    return in == Elem::kBf16 ? Convert<__nv_bfloat16, float>(src, dst, n, stream)
-                             : Convert<__half, float>(src, dst, n, stream);
+    return in == Elem::kBf16 ? Convert<__nv_bfloat16, float>(src, dst, n, scale, stream)
+                             : Convert<__half, float>(src, dst, n, scale, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -16,7 +16,8 @@
 namespace muond::server::device::cuda {
 
 // Muon steps 1 and 2 (DESIGN.md 3) for n elements, with the host's Lerp and rounding (no FMA):
-//   m = lerp(momentum, grad, one_minus_beta); momentum = m; update = nesterov ? lerp(grad, m, beta) : m
+//   m = lerp(momentum, grad, one_minus_beta); momentum = m; update = nesterov ? lerp(grad, m, beta)
+//   : m
 // `update` may alias `grad`.
 cudaError_t LaunchMomentum(const float* grad, float* momentum, float* update, int64_t n,
                            float one_minus_beta, float beta, bool nesterov, cudaStream_t stream);
@@ -40,9 +41,10 @@ cudaError_t LaunchTransform(Elem in, const void* src, Elem out, void* dst, int64
                             int64_t rows, int64_t cols, bool transpose, const float* divisor,
                             float scale, int* flag, int flag_code, cudaStream_t stream);
 
-// dst[i] = convert(src[i]) for n elements (also Stream::Convert: the direct path's widening of
-// 16-bit gradients and narrowing of updates, cuda_stream.cc).
-cudaError_t LaunchConvert(Elem in, const void* src, Elem out, void* dst, int64_t n,
+// dst[i] = convert(src[i] * scale) for n elements (also Stream::Convert: the direct path's
+// widening of gradients, scaled in apply mode, and narrowing of updates, cuda_stream.cc). The
+// product is one float32 rounding (none when scale is 1), as the host's.
+cudaError_t LaunchConvert(Elem in, const void* src, Elem out, void* dst, int64_t n, float scale,
                           cudaStream_t stream);
 
 // p[b][i][i] += a for `batch` m x m fp32 blocks (P = a I + B, the polynomial's constant term).

@@ -30,7 +30,6 @@ namespace {
 
 using common::MuonConfig;
 
-
 // The plan's primitive operations on a CUDA stream: cuBLAS and the kernels of cuda_kernels.h.
 class CudaNsOps final : public NsOps {
  public:
@@ -50,7 +49,7 @@ class CudaNsOps final : public NsOps {
   }
   absl::Status Convert(Mat from, Mat to, int64_t elems) override {
     MUOND_CUDA_RETURN_IF_ERROR(
-        LaunchConvert(from.type, from.data, to.type, to.data, elems, launch_.stream));
+        LaunchConvert(from.type, from.data, to.type, to.data, elems, 1.0f, launch_.stream));
     return absl::OkStatus();
   }
   absl::Status AddDiagonal(Mat p, int64_t blocks, int64_t m, float a) override {
@@ -91,8 +90,8 @@ absl::Status RunGroup(const MuonLaunch& launch, const MuonConfig& config,
   int64_t blocks = 0;
   for (const ItemShape& s : group) blocks += s.g.batch;
   if (m > INT_MAX || n > INT_MAX || blocks > INT_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat("matrix '", items[group.front().index].spec->name,
-                                                   "': blocks too large for cuBLAS"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "matrix '", items[group.front().index].spec->name, "': blocks too large for cuBLAS"));
   }
   const NsWorkspace layout(blocks, m, n);
   ASSIGN_OR_RETURN(DeviceBuffer workspace, launch.allocate(layout.total));
@@ -106,10 +105,10 @@ absl::Status RunGroup(const MuonLaunch& launch, const MuonConfig& config,
     const int chunks = NormChunks(rows * cols);
     MUOND_CUDA_RETURN_IF_ERROR(LaunchNormPartials(
         u, s.g.batch, rows * cols, chunks, ns.partials() + offset * kMaxNormChunks, launch.stream));
-    MUOND_CUDA_RETURN_IF_ERROR(LaunchNormFinalize(
-        ns.partials() + offset * kMaxNormChunks, s.g.batch, chunks, k,
-        static_cast<float>(kNsNormEpsilon), ns.denom() + offset, launch.flag,
-        FlagCode(launch.first_seq + s.index, kInputNotFinite), launch.stream));
+    MUOND_CUDA_RETURN_IF_ERROR(
+        LaunchNormFinalize(ns.partials() + offset * kMaxNormChunks, s.g.batch, chunks, k,
+                           static_cast<float>(kNsNormEpsilon), ns.denom() + offset, launch.flag,
+                           FlagCode(launch.first_seq + s.index, kInputNotFinite), launch.stream));
     MUOND_CUDA_RETURN_IF_ERROR(LaunchTransform(
         Elem::kF32, u, first, static_cast<char*>(ns.input()) + offset * m * n * ElemSize(first),
         s.g.batch, rows, cols, transposed, ns.denom() + offset, 1.0f, nullptr, 0, launch.stream));
@@ -150,9 +149,9 @@ absl::Status ValidateMuonItems(const MuonConfig& config, const std::vector<MuonK
     const MatrixGeometry g = GeometryOf(*it.spec);
     const int64_t n = it.spec->numel();
     if (g.batch < 1 || g.rows < 1 || g.cols < 1 || g.batch * g.rows * g.cols != n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("matrix '", it.spec->name, "': shape with num_heads ", it.spec->num_heads,
-                       " is not a Muon matrix"));
+      return absl::InvalidArgumentError(absl::StrCat("matrix '", it.spec->name,
+                                                     "': shape with num_heads ", it.spec->num_heads,
+                                                     " is not a Muon matrix"));
     }
     const size_t bytes = static_cast<size_t>(n) * sizeof(float);
     if (it.grad_update->size() < bytes || it.momentum->size() < bytes ||
@@ -192,8 +191,7 @@ absl::Status EnqueueMuon(const MuonLaunch& launch, const MuonConfig& config,
     std::vector<ItemShape> batch;
     int64_t blocks = 0;
     for (const ItemShape& s : group) {
-      if (!batch.empty() &&
-          NsWorkspace(blocks + s.g.batch, m, n).total > launch.workspace_cap) {
+      if (!batch.empty() && NsWorkspace(blocks + s.g.batch, m, n).total > launch.workspace_cap) {
         RETURN_IF_ERROR(RunGroup(launch, config, items, batch));
         batch.clear();
         blocks = 0;

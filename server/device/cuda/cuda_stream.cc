@@ -181,19 +181,19 @@ class CudaStream final : public Stream {
   // ConvertKernel of cuda_kernels.cu (round to nearest even, as the host), timed as kernels.
   // Not run here (no GPU on the build machine): covered by tests/gpu/device_direct_copy_test.cc.
   absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
-                       common::DType to, size_t elements) override {
+                       common::DType to, size_t elements, float scale) override {
     RETURN_IF_ERROR(CheckConvert(src, from, dst, to, elements));
     RETURN_IF_ERROR(device_->Activate());
     absl::MutexLock lock(&mu_);
     if (!error_.ok() || elements == 0) return absl::OkStatus();
     BeginRun(1);
-    if (from == to) {
+    if (from == to && scale == 1.0f) {
       Fail(CudaStatus(cudaMemcpyAsync(dst.data(), src.data(), elements * common::DTypeSize(from),
                                       cudaMemcpyDeviceToDevice, stream_),
                       "cudaMemcpyAsync(device to device)"));
     } else {
       Fail(CudaStatus(LaunchConvert(ElemOf(from), src.data(), ElemOf(to), dst.data(),
-                                    static_cast<int64_t>(elements), stream_),
+                                    static_cast<int64_t>(elements), scale, stream_),
                       "LaunchConvert"));
     }
     return absl::OkStatus();

@@ -7,9 +7,11 @@
 namespace muond::server::device::level_zero {
 
 absl::Status ConvertElements(KernelQueue& queue, KernelBufferRef src, common::DType from,
-                             KernelBufferRef dst, common::DType to, int64_t elements,
+                             KernelBufferRef dst, common::DType to, int64_t elements, float scale,
                              int64_t rows_per_launch) {
-  if (from == to) return absl::InvalidArgumentError("convert: the dtypes are the same");
+  if (from == to && scale == 1.0f) {
+    return absl::InvalidArgumentError("convert: the dtypes are the same and nothing is scaled");
+  }
   if (rows_per_launch < 1) return absl::InvalidArgumentError("convert: rows_per_launch < 1");
   constexpr int64_t kCols = 1024;
   for (int64_t at = 0; at < elements;) {
@@ -21,7 +23,7 @@ absl::Status ConvertElements(KernelQueue& queue, KernelBufferRef src, common::DT
     }
     const MatrixBatch in{src, at, from, 1, rows, cols};
     const MatrixBatch out{dst, at, to, 1, rows, cols};
-    if (absl::Status s = Convert(queue, in, /*transpose=*/false, nullptr, 1.0f, out); !s.ok()) {
+    if (absl::Status s = Convert(queue, in, /*transpose=*/false, nullptr, scale, out); !s.ok()) {
       return s;
     }
     at += rows * cols;

@@ -15,10 +15,12 @@ namespace muond::server::device::level_zero {
 // Enqueues dst[i] = convert(src[i]) for i < elements, both from element 0: rows of 1024
 // elements, at most `rows_per_launch` rows a launch (small group counts), the remainder as one
 // short row.
-// INVALID_ARGUMENT when from == to (a copy, not a kernel) or src and dst are one buffer.
+// Each value is multiplied by `scale` in float32 before it is narrowed (the kernel's factor).
+// INVALID_ARGUMENT when from == to with scale 1 (a copy, not a kernel) or src and dst are one
+// buffer.
 absl::Status ConvertElements(KernelQueue& queue, KernelBufferRef src, common::DType from,
                              KernelBufferRef dst, common::DType to, int64_t elements,
-                             int64_t rows_per_launch = 65536);
+                             float scale = 1.0f, int64_t rows_per_launch = 65536);
 
 }  // namespace muond::server::device::level_zero
 

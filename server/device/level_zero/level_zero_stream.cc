@@ -114,7 +114,7 @@ class LevelZeroStream final : public Stream, public KernelQueue {
                             size_t bytes) override;
   absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset, size_t bytes) override;
   absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
-                       common::DType to, size_t elements) override;
+                       common::DType to, size_t elements, float scale) override;
   absl::Status Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) override;
   absl::StatusOr<std::shared_ptr<Event>> Record() override;
   absl::Status WaitFor(std::shared_ptr<Event> event) override;
@@ -142,7 +142,7 @@ class LevelZeroStream final : public Stream, public KernelQueue {
   absl::Status AppendInOrder(const char* what, ze_result_t appended);
   // Worker thread: Convert's launches.
   absl::Status AppendConvert(const void* src, common::DType from, void* dst, common::DType to,
-                             int64_t elements);
+                             int64_t elements, float scale);
 
   LevelZeroDevice* const device_;
   ze_command_list_handle_t list_ = nullptr;
@@ -260,27 +260,29 @@ absl::Status LevelZeroStream::CopyToHost(void* dst, const DeviceBuffer& src, siz
 // run on a Level Zero device here (no driver on the build machine); ConvertElements itself runs
 // on PoCL in tests/gpu/level_zero_convert_opencl_test.cc.
 absl::Status LevelZeroStream::Convert(const DeviceBuffer& src, common::DType from,
-                                      DeviceBuffer& dst, common::DType to, size_t elements) {
+                                      DeviceBuffer& dst, common::DType to, size_t elements,
+                                      float scale) {
   RETURN_IF_ERROR(CheckConvert(src, from, dst, to, elements));
   if (elements == 0) return absl::OkStatus();
   const void* in = src.data();
   void* out = dst.data();
   const auto n = static_cast<int64_t>(elements);
-  Enqueue({[this, in, from, out, to, n] { return AppendConvert(in, from, out, to, n); }, nullptr,
-           nullptr});
+  Enqueue(
+      {[this, in, from, out, to, n, scale] { return AppendConvert(in, from, out, to, n, scale); },
+       nullptr, nullptr});
   return absl::OkStatus();
 }
 
 absl::Status LevelZeroStream::AppendConvert(const void* src, common::DType from, void* dst,
-                                            common::DType to, int64_t elements) {
-  if (from == to) {
+                                            common::DType to, int64_t elements, float scale) {
+  if (from == to && scale == 1.0f) {
     return AppendInOrder(
         "zeCommandListAppendMemoryCopy (device to device)",
         zeCommandListAppendMemoryCopy(list_, dst, src,
                                       static_cast<size_t>(elements) * common::DTypeSize(from),
                                       nullptr, 0, nullptr));
   }
-  return ConvertElements(*this, {const_cast<void*>(src)}, from, {dst}, to, elements);
+  return ConvertElements(*this, {const_cast<void*>(src)}, from, {dst}, to, elements, scale);
 }
 
 absl::Status LevelZeroStream::Muon(const common::MuonConfig& config,
