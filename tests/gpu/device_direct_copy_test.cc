@@ -5,14 +5,16 @@
 //    between the registered regions and the device, widen and narrow there, and return the same
 //    bytes as the cpu backend's staged path; a registration the device refuses falls back to the
 //    staged path (counted, same bytes); Stream::Convert rounds as the host; registered ranges are
-//    tracked and released; apply mode's staging is registered once pooled (DMA from the second
-//    step, the same bytes);
+//    tracked and released; apply mode's Muon tensors go direct in (widened and scaled on the
+//    device, momentum written back from it) with the staged path's bytes, their updates back to
+//    staging registered once pooled;
 //  - with a CUDA or Level Zero device (CudaDirectCopyTest, LevelZeroDirectCopyTest, skipped with
 //    the reason where there is none; none where this was written, so these did not run here): a
 //    memfd region registered with the device (cudaHostRegister; zexDriverImportExternalPointer)
 //    is copied in place; the Convert kernels match the host bit for bit; steps with registered
-//    regions match the same backend's staged steps bit for bit; and on CUDA the pinned copy rates
-//    and a step's time against the PCIe floor, printed (tests/gpu/run.sh greps them).
+//    regions match the same backend's staged steps bit for bit (update and apply mode); and on
+//    CUDA the pinned copy rates and a step's time against the PCIe floor, printed
+//    (tests/gpu/run.sh greps them).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -158,9 +160,9 @@ constexpr char kApplyJob[] = R"({"job_id": "apply", "mode": "apply", "world_size
 constexpr double kApplyMuonBytes = (64 * 96 + 40 * 72) * 4.0;        // fp32 update per step
 constexpr double kApplyMuonGradBytes = 64 * 96 * 2 + 40 * 72 * 4.0;  // raw gradients per step
 
-StepResults RunApply(std::unique_ptr<Device> device, double divisor = 1.0,
-                     double max_grad_norm = 0) {
-  auto daemon = InProcessDaemon::Start(std::move(device), true);
+StepResults RunApply(std::unique_ptr<Device> device, double divisor = 1.0, double max_grad_norm = 0,
+                     bool register_with_device = true) {
+  auto daemon = InProcessDaemon::Start(std::move(device), register_with_device);
   EXPECT_TRUE(daemon.ok()) << daemon.status();
   if (!daemon.ok()) return {};
   std::string json = kApplyJob;
@@ -425,6 +427,30 @@ void ExpectStepsDirectLikeStaged(std::unique_ptr<Device> dev, const std::string&
   }
   EXPECT_EQ(CopyBytes("direct", "to_device") - direct_in, kSteps * kStepBytes);
   EXPECT_EQ(Registrations("registered") - registered, 4);
+}
+
+// Apply mode on a GPU: the Muon tensors' direct path (gradients widened and scaled on the device,
+// momentum written back from it) against the same backend's staged path (assembled, scaled and
+// its momentum computed on the host), with a divisor that changes every step and clipping.
+void ExpectApplyDirectLikeStaged(std::unique_ptr<Device> dev, const std::string& backend) {
+  const StepResults staged = RunApply(std::move(dev), 3.0, 0.25, /*register_with_device=*/false);
+  auto again = OpenGpu(backend);
+  ASSERT_TRUE(again.ok()) << again.status();
+  const double direct_in = CopyBytes("direct", "to_device");
+  const StepResults direct = RunApply(*std::move(again), 3.0, 0.25, true);
+  ExpectSameApplyUpdates(staged, direct);
+  std::printf("%s apply mode: %.0f gradient bytes direct over %d steps\n", backend.c_str(),
+              CopyBytes("direct", "to_device") - direct_in, kSteps);
+}
+
+TEST(CudaDirectCopyTest, ApplyModeDirectMatchesTheStagedPathBitForBit) {
+  REQUIRE_CUDA(dev);
+  ExpectApplyDirectLikeStaged(std::move(dev), "cuda");
+}
+
+TEST(LevelZeroDirectCopyTest, ApplyModeDirectMatchesTheStagedPathBitForBit) {
+  REQUIRE_LEVEL_ZERO(dev);
+  ExpectApplyDirectLikeStaged(std::move(dev), "level_zero");
 }
 
 TEST(CudaDirectCopyTest, SharedRegionRegistersAndCopiesInPlace) {
