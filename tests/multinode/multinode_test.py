@@ -218,6 +218,13 @@ class MultiNodeTest(unittest.TestCase):
         self.check_fault("nonfinite", mode="apply", stage=3, code="INVALID_ARGUMENT",
                          phrase="non-finite")
 
+    def test_lr_disagreeing_across_nodes(self):
+        """Node 1's two ranks send twice the lr of node 0's: each daemon sees its own ranks agree,
+        the agreement sees the nodes differ and every rank raises the same INVALID_ARGUMENT
+        naming the group, on no node committed."""
+        self.check_fault("lr_disagree", mode="apply", stage=2, code="INVALID_ARGUMENT",
+                         phrase="the ranks disagree on the group 'group0' lr: from 0.02 to 0.04")
+
     def test_daemon_killed_mid_step(self):
         self.check_fault("daemon_kill", mode="apply", stage=1, phrase="node 1")
 

@@ -174,11 +174,18 @@ def fault(cfg, rank):
     if rank == victim:
         inject(cfg, opt, rank, kind)
     set_grads(params, adam, 3, rank, poison=(kind == "nonfinite" and rank == victim))
+    lrs = [g["lr"] for g in opt.param_groups]
+    if kind == "lr_disagree" and cfg["nodes"][rank] == 1:
+        # Both ranks of node 1 (so its daemon sees its ranks agree) send twice the lr.
+        for g in opt.param_groups:
+            g["lr"] *= 2
     error = None
     try:
         opt.step()
     except MuondError as e:
         error = {"code": e.code_name, "message": e.message}
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
     unchanged = opt.step_id == before
     if kind == "daemon_kill" and rank == victim:
         restart_daemon(cfg, 1)

@@ -24,8 +24,11 @@ e * (P_r + Q_r - 2 S_r) per step. bytes_per_step() reports what the last step pa
 all_to_all_single; expected_bytes() evaluates the formula from the plan.
 
 Atomic steps across nodes (two-phase, job_prepare.cc in the daemon): a node's daemon computes the
-step, returns the results and keeps the step prepared. The ranks then agree (one all-reduce of a
-failure count over the world); when every rank's node succeeded each rank commits its node's job
+step, returns the results and keeps the step prepared. The ranks then agree (one all-reduce over
+the world of a failure flag and, in apply mode, of every group's lr and weight decay and the
+gradient divisor: a node's daemon checks that its own ranks agree on them, and this checks that
+the nodes do; a disagreement refuses the step on every node with INVALID_ARGUMENT naming the group
+and the values); when every rank's node succeeded and the values agree each rank commits its node's job
 (CommitStep; the first commit changes the state, later ones answer OK) before the inverse
 all-to-all; when any failed, every rank aborts its node's step (AbortStep: state bit-identical,
 not fenced) and every rank raises the same MuondError naming the first failing rank and node. A
@@ -281,7 +284,7 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
                 result = self._result
         except MuondError as e:
             error = e
-        self._agree(step, error)
+        self._agree(step, error, hyper)
         self._commit(step)
         back = torch.empty(r.send_elements, dtype=self.dtype)
         try:
@@ -296,18 +299,29 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
         self._bytes = self._moved
         return out
 
-    def _agree(self, step, error):
-        """All ranks learn whether every node's step succeeded; on a failure anywhere each rank
-        aborts its node's step and every rank raises the same error."""
+    def _agree(self, step, error, hyper=None):
+        """All ranks learn whether every node's step succeeded and (apply mode) whether every
+        rank sent the same hyperparameters (`hyper`: group names, lrs, weight decays, divisor);
+        on a failure or a disagreement anywhere each rank aborts its node's step and every rank
+        raises the same error."""
         failed = error is not None
+        names, values = [], []
+        if hyper is not None:
+            group_names, lrs, wds, divisor = hyper
+            names = ([(g, "lr") for g in group_names] + [(g, "weight_decay") for g in group_names]
+                     + [(None, "gradient divisor")])
+            values = [float(v) for v in list(lrs) + list(wds) + [divisor]]
         try:
-            if self.world_size > 1 and self.ranks.count(failed):
+            any_failed, lows, highs = self.ranks.agree(failed, values)
+            if any_failed and self.world_size > 1:
                 mine = None if error is None else (error.code, error.message)
                 errors = [None] * self.world_size
                 self.ranks.dist.all_gather_object(errors, mine, group=self.process_group)
                 q, (code, message) = next((q, e) for q, e in enumerate(errors) if e is not None)
                 error = MuondError(code, f"rank {q} (node {self._routing.node_of[q]}): "
                                    f"{message}", "step")
+            elif not any_failed:
+                error = self._disagreement(names, lows, highs)
         except RuntimeError as e:
             self._lost(step, e)
         if error is None:
@@ -315,6 +329,18 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
         self._abort(step, error.message)
         raise MuondError(error.code, f"global job '{self.global_job_id}' step {step} was "
                          f"committed on no node: {error.message}", "step")
+
+    @staticmethod
+    def _disagreement(names, lows, highs):
+        """The error for the first hyperparameter the ranks disagree on (None when they agree)."""
+        for (group, what), lo, hi in zip(names, lows, highs):
+            if lo != hi:
+                where = f"group '{group}' {what}" if group is not None else what
+                return MuondError(CODES["INVALID_ARGUMENT"],
+                                  f"the ranks disagree on the {where}: from {lo!r} to {hi!r} "
+                                  "across the nodes (every rank must send the same values)",
+                                  "step")
+        return None
 
     def _lost(self, step, cause):
         """A collective failed (a rank died, or the group broke): abort this node's step and

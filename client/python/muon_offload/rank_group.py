@@ -79,6 +79,20 @@ class RankGroup:
         self.dist.all_reduce(t, group=self.group)
         return int(t.item())
 
+    def agree(self, flag, values):
+        """One all-reduce (MAX over float64, on the device NCCL needs): whether `flag` is true on
+        any rank, and element-wise the smallest and largest of `values` (a list of floats of the
+        same length on every rank) over the group."""
+        if self.size == 1:
+            return bool(flag), list(values), list(values)
+        nccl = self.dist.get_backend(self.group) == "nccl"
+        t = torch.tensor([1.0 if flag else 0.0] + [-v for v in values] + list(values),
+                         dtype=torch.float64, device="cuda" if nccl else "cpu")
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
+        got = t.tolist()
+        n = len(values)
+        return got[0] > 0, [-v for v in got[1:1 + n]], got[1 + n:]
+
     def counts(self, flags):
         """Element-wise, on how many ranks each of `flags` is true (one all-reduce)."""
         if self.size == 1:
