@@ -313,6 +313,9 @@ class Client {
   absl::Status ResetJob(const std::string& job_id, const std::string& token, int64_t next_step);
   // Multi-node jobs (DESIGN.md 4c, client_multinode.cc): commit or abort a prepared step.
   absl::Status CommitStep(const std::string& job_id, const std::string& token, int64_t step);
+  // RollbackStep (see the proto); bounded by a deadline like the commit.
+  absl::Status RollbackStep(const std::string& job_id, const std::string& token, int64_t step,
+                            const std::string& reason);
   absl::Status AbortStep(const std::string& job_id, const std::string& token, int64_t step,
                          const std::string& reason);
   absl::StatusOr<v1::JobStatus> GetJob(const std::string& job_id, const std::string& token);

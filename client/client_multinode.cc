@@ -35,7 +35,21 @@ absl::Status Client::AbortStep(const std::string& job_id, const std::string& tok
   req.set_job_id(job_id);
   req.set_step(step);
   req.set_reason(reason);
-  return CallWithToken(*stub_, &v1::Muond::Stub::AbortStep, token, req, "AbortStep").status();
+  // After a failure: a daemon that is gone fails at once, one that hangs is given up on.
+  return CallWithToken(*stub_, &v1::Muond::Stub::AbortStep, token, req, "AbortStep",
+                       absl::ZeroDuration(), kCommitWaitForReady)
+      .status();
+}
+
+absl::Status Client::RollbackStep(const std::string& job_id, const std::string& token,
+                                  int64_t step, const std::string& reason) {
+  v1::RollbackStepRequest req;
+  req.set_job_id(job_id);
+  req.set_step(step);
+  req.set_reason(reason);
+  return CallWithToken(*stub_, &v1::Muond::Stub::RollbackStep, token, req, "RollbackStep",
+                       absl::ZeroDuration(), kCommitWaitForReady)
+      .status();
 }
 
 }  // namespace muond::client
@@ -61,6 +75,15 @@ int muond_step_abort(muond_client* client, const char* job_id, const char* token
   }
   return muond_c_report(
       muond_c_client(client)->AbortStep(job_id, token, step, reason == nullptr ? "" : reason));
+}
+
+int muond_step_rollback(muond_client* client, const char* job_id, const char* token, int64_t step,
+                        const char* reason) {
+  if (client == nullptr || job_id == nullptr || token == nullptr) {
+    return muond_c_report(absl::InvalidArgumentError("client, job_id or token is NULL"));
+  }
+  return muond_c_report(
+      muond_c_client(client)->RollbackStep(job_id, token, step, reason == nullptr ? "" : reason));
 }
 
 int muond_checkpoint_list(muond_client* client, const char* job_id, const char* token,

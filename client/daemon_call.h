@@ -31,17 +31,22 @@ absl::Status Annotate(const absl::Status& s, const std::string& what);
 // the daemon's error prefixed with `what` (the method's name). `wait_for_ready` > 0: a call made
 // while the channel is reconnecting (the daemon was just restarted) waits for it up to that long
 // instead of failing at once with UNAVAILABLE; the deadline then bounds the whole call.
+// `deadline` > 0 (without wait_for_ready): the call fails at once when the daemon cannot be
+// reached, and with DEADLINE_EXCEEDED when it does not answer within that long.
 template <typename Request, typename Response>
 absl::StatusOr<Response> CallWithToken(
     v1::Muond::Stub& stub,
     grpc::Status (v1::Muond::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
     const std::string& token, const Request& req, const std::string& what,
-    absl::Duration wait_for_ready = absl::ZeroDuration()) {
+    absl::Duration wait_for_ready = absl::ZeroDuration(),
+    absl::Duration deadline = absl::ZeroDuration()) {
   grpc::ClientContext ctx;
   SetToken(&ctx, token);
   if (wait_for_ready > absl::ZeroDuration()) {
     ctx.set_wait_for_ready(true);
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + wait_for_ready));
+  } else if (deadline > absl::ZeroDuration()) {
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
   }
   Response resp;
   RETURN_IF_ERROR(Annotate(common::FromGrpcStatus((stub.*method)(&ctx, req, &resp)), what));

@@ -211,6 +211,14 @@ int muond_checkpoint_list(muond_client* client, const char* job_id, const char* 
 int muond_step_commit(muond_client* client, const char* job_id, const char* token, int64_t step);
 int muond_step_abort(muond_client* client, const char* job_id, const char* token, int64_t step,
                      const char* reason);
+/* Undoes committed step `step` of a multi-node job when its commit did not reach every node (the
+ * last step committed, before any later step began or a checkpoint was saved or loaded): the
+ * state before it comes back and the job expects `step` again; a node that never committed it
+ * drops it. 9 FAILED_PRECONDITION when it can no longer be rolled back (load a checkpoint). A commit
+ * waits at most 20 s for a daemon being restarted; an abort or a rollback fails at once when the
+ * daemon cannot be reached, and after 20 s when it does not answer. */
+int muond_step_rollback(muond_client* client, const char* job_id, const char* token, int64_t step,
+                        const char* reason);
 
 #ifdef __cplusplus
 }

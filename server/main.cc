@@ -2,6 +2,7 @@
 // ops (configuration, signals, metrics, service manager), device (the compute backend), jobs (the
 // registry of jobs and their executor) and api (the listeners clients reach). See server/README.md.
 #include <malloc.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -140,6 +141,28 @@ absl::Status ArmCommitHold() {
   }
   SetCommitHoldForTesting(ms);
   MUOND_LOG(WARNING) << "commit hold armed: every commit holds " << ms << " ms";
+  return absl::OkStatus();
+#endif
+}
+
+// The commit-window test's fault, from $MUOND_TEST_COMMIT_FAULT=POINT:SIGNAL:STEP (POINT commit or
+// committed, SIGNAL KILL or TERM; server/api/muond_service.h SetCommitFaultForTesting).
+absl::Status ArmCommitFault() {
+#ifndef MUOND_TEST_HOOKS
+  return absl::OkStatus();  // a release build has no fault hooks
+#else
+  const char* env = std::getenv("MUOND_TEST_COMMIT_FAULT");
+  if (env == nullptr || *env == '\0') return absl::OkStatus();
+  const std::vector<std::string> parts = absl::StrSplit(env, ':');
+  int64_t step = -1;
+  if (parts.size() != 3 || (parts[0] != "commit" && parts[0] != "committed") ||
+      (parts[1] != "KILL" && parts[1] != "TERM") || !absl::SimpleAtoi(parts[2], &step) ||
+      step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", env, "' is not POINT:SIGNAL:STEP (POINT commit|committed, SIGNAL KILL|TERM)"));
+  }
+  SetCommitFaultForTesting(parts[0], parts[1] == "KILL" ? SIGKILL : SIGTERM, step);
+  MUOND_LOG(WARNING) << "commit fault armed: " << env;
   return absl::OkStatus();
 #endif
 }
@@ -305,6 +328,9 @@ int Serve(const DaemonConfig& config) {
   }
   if (absl::Status s = ArmCommitHold(); !s.ok()) {
     return Fail(2, absl::StrCat("MUOND_TEST_COMMIT_HOLD_MS: ", s.message()));
+  }
+  if (absl::Status s = ArmCommitFault(); !s.ok()) {
+    return Fail(2, absl::StrCat("MUOND_TEST_COMMIT_FAULT: ", s.message()));
   }
   if (absl::Status s = ArmStall(); !s.ok()) {
     return Fail(2, absl::StrCat("MUOND_TEST_STALL: ", s.message()));

@@ -33,6 +33,13 @@ inline constexpr char kTokenMetadataKey[] = "x-muond-job-token";
 // before the first message (the client library sends it on Step and InitParams).
 inline constexpr char kJobIdMetadataKey[] = "x-muond-job-id";
 
+// The commit-window test's fault (armed by muond's main from $MUOND_TEST_COMMIT_FAULT in
+// MUOND_TEST_HOOKS builds only): when CommitStep of step `step` reaches `point` ("commit": before
+// the step is committed; "committed": after, before the reply), the daemon raises `signal` on
+// itself (SIGKILL: dies there; SIGTERM: begins its shutdown and the call answers UNAVAILABLE, as a
+// daemon that stops answers). Once.
+void SetCommitFaultForTesting(const std::string& point, int signal, int64_t step);
+
 class MuondService final : public v1::Muond::Service {
  public:
   // `access`: who may create jobs (nullptr: everyone); not owned, outlives the service.
@@ -65,6 +72,8 @@ class MuondService final : public v1::Muond::Service {
                           v1::CommitStepResponse* resp) override;
   grpc::Status AbortStep(grpc::ServerContext* ctx, const v1::AbortStepRequest* req,
                          v1::AbortStepResponse* resp) override;
+  grpc::Status RollbackStep(grpc::ServerContext* ctx, const v1::RollbackStepRequest* req,
+                            v1::RollbackStepResponse* resp) override;
   grpc::Status AttachRank(grpc::ServerContext* ctx, const v1::AttachRankRequest* req,
                           v1::AttachRankResponse* resp) override;
   grpc::Status DetachRank(grpc::ServerContext* ctx, const v1::DetachRankRequest* req,

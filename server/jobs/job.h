@@ -353,6 +353,17 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // OK when no step `step` is in flight and it is the next step (nothing to drop);
   // FAILED_PRECONDITION when it is already committed.
   absl::Status AbortStep(int64_t step, const std::string& reason);
+  // The commit window across nodes: after step `step` committed here but not on every node, the
+  // trainer rolls it back: the store's front becomes what it was before the step (the double
+  // buffer kept it: a two-phase commit flips without reusing the old front), the step counts
+  // drop back and the job expects `step` again. Also drops `step` when it is still prepared
+  // here (this node never committed it). OK when it was rolled back already (another rank of
+  // the node), or when nothing of `step` is here and the job expects it. FAILED_PRECONDITION,
+  // state unchanged, when `step` is not the last step committed, or when something happened
+  // since its commit that the old front does not hold (a later step began, a checkpoint was
+  // saved or loaded, parameters were uploaded, a reset): then only a checkpoint load makes the
+  // nodes agree.
+  absl::Status RollbackStep(int64_t step, const std::string& reason);
 
   // The digest of a rank's gradients (RankUpdate::input_digest): CRC32Cs of the slices of each of
   // its spans, `span_in[k]` holding span k's bytes; over the CPUs for large inputs.
@@ -411,6 +422,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   void Commit(StepState& state) override;
   // Changes the store for a step whose matrices all succeeded, then FinishCommit.
   void CommitNow(StepState& state);
+  // Two-phase: `state`'s commit may be rolled back (RollbackStep) until the store changes again.
+  void NoteRollback(const StepState& state) ABSL_LOCKS_EXCLUDED(mu_);
   // Two-phase: hands the ranks their results and keeps the step prepared (job_prepare.cc).
   void Prepare(StepState& state);
   // Drops a prepared step in flight (not fenced), e.g. before a load or reset; `why` for the log.
@@ -418,6 +431,12 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // The last prepared step dropped and why (a later CommitStep of it says so).
   int64_t dropped_step_ ABSL_GUARDED_BY(mu_) = -1;
   std::string dropped_why_ ABSL_GUARDED_BY(mu_);
+  // The step RollbackStep may still undo (-1: none): set by a two-phase commit, cleared by
+  // anything that writes the store or saves it afterwards (atomic: some of those hold only the
+  // store's lock). With the presence mask of that step, for the step counts.
+  std::atomic<int64_t> rollback_step_{-1};
+  std::vector<uint8_t> rollback_absent_ ABSL_GUARDED_BY(mu_);
+  int64_t rolled_back_step_ ABSL_GUARDED_BY(mu_) = -1;
   // The rest of a commit once the store changed (`changed` OK) or failed to (the job is fenced).
   void FinishCommit(StepState& state, const absl::Status& changed);
   // Ends the step with `status` (refused: not fenced; aborted: fenced).

@@ -146,6 +146,7 @@ absl::StatusOr<uint64_t> Job::InitParams(int rank, uint64_t session,
 
 void Job::InstallParams(ParamStore::Lock& store, int rank, const std::vector<const char*>& in,
                         bool float32) {
+  rollback_step_.store(-1);  // the front's masters change: the old front would lose them
   const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
   for (size_t i = 0; i < spans.size(); ++i) {
     const common::MatrixSpec& ms = spec_.matrices[spans[i].matrix];

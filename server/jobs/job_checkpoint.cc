@@ -40,6 +40,7 @@ absl::StatusOr<checkpoint::GenerationInfo> Job::SaveCheckpoint() {
     RETURN_IF_ERROR(CheckSavable());
     // The store between two commits is the momentum at the boundary of next_step_.
     step = next_step_;
+    rollback_step_.store(-1);  // a generation of the step now exists
     store.BeginSnapshot();
   }
   auto source = [this](size_t m, std::vector<float>* out) -> absl::Status {
@@ -64,6 +65,7 @@ absl::StatusOr<checkpoint::GenerationInfo> Job::SaveApplyCheckpoint(
                        " are not in; there is no model to save yet"));
     }
     step = next_step_;
+    rollback_step_.store(-1);  // a generation of the step now exists
     store.BeginSnapshot();
   }
   // Array a of the payload is (tensor, slot) in StateTensors order.
@@ -168,6 +170,7 @@ absl::StatusOr<Job::LoadResult> Job::InstallLoaded(const checkpoint::Loaded& loa
   absl::MutexLock lock(&mu_);
   DropPrepared("checkpoint load");
   RETURN_IF_ERROR(CheckNoStepInFlight("load"));
+  rollback_step_.store(-1);
   // Everything is checked before the store changes.
   std::vector<int> index;
   RETURN_IF_ERROR(MatchLoaded(loaded, loaded.info.path, &index));

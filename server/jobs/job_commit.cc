@@ -44,6 +44,13 @@ void Job::Commit(StepState& state) {
   CommitNow(state);
 }
 
+void Job::NoteRollback(const StepState& state) {
+  if (!spec_.two_phase()) return;
+  absl::MutexLock lock(&mu_);
+  rollback_absent_ = state.hyper.absent;
+  rollback_step_.store(state.step);
+}
+
 void Job::CommitNow(StepState& state) {
   const absl::Time commit_start = absl::Now();
   // What each rank sent, for replays of this step (they must carry the same gradients). The
@@ -55,7 +62,8 @@ void Job::CommitNow(StepState& state) {
     // The step computed the next state into the store's back buffers: it becomes the front.
     // Held to the end, as below.
     ParamStore::Lock store(*params_);
-    store.Flip(state.hyper.absent);
+    store.Flip(state.hyper.absent, /*keep_back=*/spec_.two_phase());
+    NoteRollback(state);
     HoldCommit(id(), state.step);
     state.commit_seconds = absl::ToDoubleSeconds(absl::Now() - commit_start);
     FinishCommit(state, absl::OkStatus());
@@ -68,7 +76,8 @@ void Job::CommitNow(StepState& state) {
   // Under the store's lock (a save in progress gets the old values first), held to the end: a
   // save cannot begin between the change and the step counter's advance.
   MomentumStore::Lock store(momentum_);
-  if (!spec_.transport_probe) store.Flip();
+  if (!spec_.transport_probe) store.Flip(/*keep_back=*/spec_.two_phase());
+  NoteRollback(state);
   HoldCommit(id(), state.step);
   state.commit_seconds = absl::ToDoubleSeconds(absl::Now() - commit_start);
   FinishCommit(state, absl::OkStatus());
@@ -309,6 +318,7 @@ absl::Status Job::Reset(int64_t next_step) {
   absl::MutexLock lock(&mu_);
   DropPrepared("reset");
   RETURN_IF_ERROR(CheckNoStepInFlight("reset"));
+  rollback_step_.store(-1);
   store.Zero();
   if (params) params->ZeroOptimizerState();
   writer_.Forget();

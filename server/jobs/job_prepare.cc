@@ -12,6 +12,7 @@
 //    the commit flips the store, an abort leaves the front as it was.
 // Memory cost of keeping a step prepared: none beyond the step in flight itself (the stores hold
 // their back buffers anyway; the gradients are not read again).
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -108,6 +109,67 @@ absl::Status Job::AbortStep(int64_t step, const std::string& reason) {
         where, ": the step is already committed (the job expects step ", next_step_, ")"));
   }
   return absl::OkStatus();  // nothing of it here: never begun, refused or dropped already
+}
+
+absl::Status Job::RollbackStep(int64_t step, const std::string& reason) {
+  MomentumStore::Lock store(momentum_);
+  std::optional<ParamStore::Lock> params;
+  if (apply()) params.emplace(*params_);
+  absl::MutexLock lock(&mu_);
+  const std::string where = absl::StrCat("job '", id(), "' rollback of step ", step);
+  if (deleted_) return absl::NotFoundError(absl::StrCat(where, ": the job was deleted"));
+  if (!spec_.two_phase()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": not a multi-node job (its steps commit by themselves)"));
+  }
+  if (in_flight_ != nullptr && in_flight_->step == step) {
+    // Never committed here: dropping the prepared (or still running) step is the rollback.
+    const std::shared_ptr<StepState> state = in_flight_;
+    while (state->committing && !state->done) state->cv.WaitWithTimeout(&mu_, kCancelPoll);
+    if (state->prepared) {
+      DropPrepared(absl::StrCat("rolled back: ", reason));
+      return absl::OkStatus();
+    }
+    if (!state->done) {
+      FailStep(*state,
+               absl::AbortedError(absl::StrCat("job '", id(), "' step ", step,
+                                               " rolled back by the trainer: ", reason,
+                                               "; nothing changed")),
+               /*fence=*/false);
+      return absl::OkStatus();
+    }
+    if (!state->result.ok()) return absl::OkStatus();
+    // Committed just now by another rank's CommitStep: roll it back below.
+  }
+  if (step == next_step_ && (rolled_back_step_ == step || in_flight_ == nullptr)) {
+    return absl::OkStatus();  // rolled back already, or never committed here
+  }
+  if (fenced_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": the job is fenced (", fence_reason_, ")"));
+  }
+  if (step != next_step_ - 1 || rollback_step_.load() != step || in_flight_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": only the last step committed can be rolled back, before a later step begins "
+               "or a checkpoint is saved or loaded (the job expects step ",
+        next_step_, "); load a checkpoint to bring the nodes together"));
+  }
+  if (params) {
+    params->Unflip(rollback_absent_);
+  } else if (!spec_.transport_probe) {
+    store.Unflip();
+  }
+  rollback_step_.store(-1);
+  rolled_back_step_ = step;
+  next_step_ = step;
+  for (auto& u : last_updates_) u = nullptr;  // no replay of the step undone
+  --steps_completed_;
+  ++steps_aborted_;
+  dropped_step_ = step;
+  dropped_why_ = absl::StrCat("rolled back after its commit: ", reason);
+  MUOND_LOG(WARNING) << "job '" << id() << "' step " << step
+                     << " rolled back after its commit: " << reason;
+  return absl::OkStatus();
 }
 
 void Job::DropPrepared(const std::string& why) {

@@ -155,7 +155,10 @@ absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step, const Step
   // other ranks already began the retry.
   if (absl::Status refused = refusal_.Take(rank, step); !refused.ok()) return refused;
   RETURN_IF_ERROR(CheckApplyEntry(step, hyper));
-  if (in_flight_ == nullptr) in_flight_ = NewStepState(step);
+  if (in_flight_ == nullptr) {
+    in_flight_ = NewStepState(step);
+    rollback_step_.store(-1);  // the step writes the store's back: the old front is gone
+  }
   if (in_flight_->ranks[rank].begun) {
     return absl::FailedPreconditionError(
         absl::StrCat("job '", id(), "' rank ", rank, " already has step ", step, " in flight"));

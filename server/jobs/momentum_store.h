@@ -58,7 +58,10 @@ class MomentumStore {
     void Zero();
     // Commits the step whose new momentum was written into next() for every matrix: the back
     // buffers become the front.
-    void Flip() { lock_.Flip(); }
+    // `keep_back`: see StateBuffers::Lock::Flip.
+    void Flip(bool keep_back = false) { lock_.Flip(keep_back); }
+    // Undoes Flip(true).
+    void Unflip() { lock_.Unflip(); }
     // Starts the snapshot a checkpoint writer copies (see CopyForSnapshot). One at a time.
     void BeginSnapshot() { lock_.BeginSnapshot(); }
 

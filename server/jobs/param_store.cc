@@ -26,8 +26,16 @@ ParamStore::ParamStore(const common::JobSpec& spec, device::Device* device)
   steps_.assign(spec.matrices.size(), 0);
 }
 
-void ParamStore::Lock::Flip(const std::vector<uint8_t>& absent) {
-  lock_.Flip();
+void ParamStore::Lock::Unflip(const std::vector<uint8_t>& absent) {
+  lock_.Unflip();
+  for (size_t t = 0; t < store_.slots_.size(); ++t) {
+    const bool skipped = t < absent.size() && absent[t] != 0;
+    if (store_.slots_[t] == 3 && !skipped) --store_.steps_[t];
+  }
+}
+
+void ParamStore::Lock::Flip(const std::vector<uint8_t>& absent, bool keep_back) {
+  lock_.Flip(keep_back);
   for (size_t t = 0; t < store_.slots_.size(); ++t) {
     const bool skipped = t < absent.size() && absent[t] != 0;
     if (store_.slots_[t] == 3 && !skipped) ++store_.steps_[t];

@@ -66,7 +66,10 @@ class ParamStore {
     void set_steps(uint32_t t, int64_t steps) { store_.steps_[t] = steps; }
     // Commits the step computed into the back buffers: they become the front; every AdamW
     // tensor's step count goes up by one, but those `absent` says were skipped (empty: none).
-    void Flip(const std::vector<uint8_t>& absent = {});
+    // `keep_back`: see StateBuffers::Lock::Flip.
+    void Flip(const std::vector<uint8_t>& absent = {}, bool keep_back = false);
+    // Undoes Flip(absent, true) (the step counts too).
+    void Unflip(const std::vector<uint8_t>& absent);
     // Zeroes the optimizer state (momentum, moments, step counts); the masters stay.
     void ZeroOptimizerState();
     // Starts the snapshot CopyForSnapshot reads. One at a time.

@@ -69,9 +69,14 @@ float* StateBuffers::Lock::mutable_front(size_t a) ABSL_NO_THREAD_SAFETY_ANALYSI
   return slot->data.get();
 }
 
-void StateBuffers::Lock::Flip() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void StateBuffers::Lock::Unflip() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  buffers_.parity_ = 1 - buffers_.parity_;
+}
+
+void StateBuffers::Lock::Flip(bool keep_back) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   StateBuffers& s = buffers_;
   s.parity_ = 1 - s.parity_;
+  if (keep_back) return;
   // A spare goes back in place of an unpinned back buffer (whose value the next step overwrites)
   // that the snapshot does not need.
   for (size_t a = 0; a < s.arrays(); ++a) {

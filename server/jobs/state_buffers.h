@@ -72,8 +72,13 @@ class StateBuffers {
     Lock& operator=(const Lock&) = delete;
     // Writable committed value of array a (see above for a snapshot in progress).
     float* mutable_front(size_t a);
-    // The back buffers become the front.
-    void Flip();
+    // The back buffers become the front. `keep_back`: the old front stays the back, untouched,
+    // so that Unflip can restore it (two-phase jobs: a committed step may be rolled back until
+    // the next step writes the back); else an unpinned back may be swapped for a spare.
+    void Flip(bool keep_back = false);
+    // Undoes a Flip(keep_back = true): the front becomes the back again. REQUIRES: nothing wrote
+    // the back since, and no snapshot began.
+    void Unflip();
     // Starts the snapshot of the front. REQUIRES: none in progress.
     void BeginSnapshot();
 

@@ -30,7 +30,7 @@ PYTHON = "/usr/bin/python3"
 class NodeDaemon:
     """One emulated node's muond: its socket and state directory under `root`."""
 
-    def __init__(self, root, name, extra=()):
+    def __init__(self, root, name, extra=(), env=None):
         self.dir = os.path.join(root, name)
         os.makedirs(self.dir)
         self.address = f"unix://{self.dir}/muond.sock"
@@ -39,7 +39,8 @@ class NodeDaemon:
                      os.path.join(self.dir, "state"), "--threads", "1",
                      "--metrics-address", "off", *extra]
         self.log_file = open(self.log, "ab")
-        self.proc = subprocess.Popen(self.argv, stderr=self.log_file)
+        self.proc = subprocess.Popen(self.argv, stderr=self.log_file,
+                                     env=dict(os.environ, **(env or {})))
         deadline = time.time() + 30
         while True:
             try:
@@ -77,18 +78,21 @@ class MultiNodeTest(unittest.TestCase):
     def tearDown(self):
         for d in self.daemons:
             d.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
+        if not os.environ.get("MUOND_TEST_KEEP_ROOT"):
+            shutil.rmtree(self.root, ignore_errors=True)
 
-    def run_world(self, nodes, scenario, node_extra=None, killed=(), **fields):
+    def run_world(self, nodes, scenario, node_extra=None, killed=(), node_env=None, prefix="",
+                  **fields):
         """Starts one daemon per node plus the single daemon (unless running), runs the ranks,
         returns their results (rank order; None for the ranks in `killed`, which must die of
         SIGKILL)."""
         if not self.daemons:
-            single = NodeDaemon(self.root, "single")
+            single = NodeDaemon(self.root, f"{prefix}single")
             self.daemons.append(single)
             for n in range(max(nodes) + 1):
                 extra = (node_extra or {}).get(n, ())
-                self.daemons.append(NodeDaemon(self.root, f"node{n}", extra))
+                self.daemons.append(NodeDaemon(self.root, f"{prefix}node{n}", extra,
+                                               (node_env or {}).get(n)))
         single, node_daemons = self.daemons[0], self.daemons[1:]
         out = os.path.join(self.root, "out")
         os.makedirs(out, exist_ok=True)
@@ -111,9 +115,9 @@ class MultiNodeTest(unittest.TestCase):
                 continue
             with open(os.path.join(out, f"rank{r}.json")) as f:
                 results.append(json.load(f))
-        for r, res in enumerate(results):
-            if res is not None:
-                self.assertNotIn("exception", res, f"rank {r}: {res.get('trace')}")
+        traces = [f"rank {r}: {res.get('trace')}" for r, res in enumerate(results)
+                  if res is not None and "exception" in res]
+        self.assertEqual(traces, [], "\n".join(traces))
         self.assertEqual(codes, [-signal.SIGKILL if r in killed else 0
                                  for r in range(len(nodes))])
         return results
@@ -224,6 +228,54 @@ class MultiNodeTest(unittest.TestCase):
         naming the group, on no node committed."""
         self.check_fault("lr_disagree", mode="apply", stage=2, code="INVALID_ARGUMENT",
                          phrase="the ranks disagree on the group 'group0' lr: from 0.02 to 0.04")
+
+    def check_commit_window(self, mode, stage):
+        """Node 1's daemon dies (SIGKILL) or stops (SIGTERM: it saves and exits, refusing the
+        call) when the first CommitStep of step 3 reaches it, before or after it commits; node 0
+        has committed. Every rank raises the same ABORTED error at once, naming node 1 and each
+        node's state; node 0 is back before step 3 (RollbackStep); after node 1's restart,
+        load_checkpoint() (the newest step every node saved) continues bit-identically."""
+        only = os.environ.get("MUOND_TEST_ONLY_CASE")
+        for point in ("commit", "committed"):
+            for sig in ("KILL", "TERM"):
+                if only and only != f"{point}:{sig}":
+                    continue
+                with self.subTest(point=point, signal=sig):
+                    for d in self.daemons:
+                        d.stop()
+                    self.daemons = []
+                    results = self.run_world(
+                        [0, 0, 1, 1], "fault", fault="commit_window", mode=mode, stage=stage,
+                        prefix=f"{point}-{sig}-",
+                        node_env={1: {"MUOND_TEST_COMMIT_FAULT": f"{point}:{sig}:3"}})
+                    for r, res in enumerate(results):
+                        err = res["error"]
+                        self.assertIsNotNone(err, f"rank {r}")
+                        self.assertEqual(err["code"], "ABORTED", err)
+                        self.assertIn("step 3 did not commit on every node: the commit failed "
+                                      "on node 1", err["message"])
+                        self.assertIn("node 0: back before step 3", err["message"])
+                        self.assertIn("node 1: not rolled back", err["message"])
+                        self.assertIn("load_checkpoint()", err["message"])
+                        self.assertTrue(res["same_error_everywhere"], f"rank {r}")
+                        self.assertTrue(res["unchanged_step"], f"rank {r}")
+                        self.assertLess(res["seconds"], 30, f"rank {r}")
+                        if r == 0:  # node 0, rolled back: it must not hold step 3 (node 1
+                            # may: a daemon stopping with SIGTERM saved its commit first, and
+                            # the error says it was not rolled back)
+                            self.assertNotEqual(res["node_commit_probe"], True,
+                                                "node 0 still holds step 3")
+                        self.assertEqual(res["resumed_at"], res["saved_step"])
+                        self.assertEqual(res["bitwise_after_recovery"], 4, f"rank {r}")
+                    print(f"commit window {mode} {point}/{sig}: {results[0]['error']['message']} "
+                          f"({max(r['seconds'] for r in results):.2f} s); node probes: "
+                          f"{[r['node_commit_probe'] for r in results]}", file=sys.stderr)
+
+    def test_commit_window_update_mode(self):
+        self.check_commit_window("update", 2)
+
+    def test_commit_window_apply_mode(self):
+        self.check_commit_window("apply", 3)
 
     def test_daemon_killed_mid_step(self):
         self.check_fault("daemon_kill", mode="apply", stage=1, phrase="node 1")

@@ -125,8 +125,23 @@ def identical(cfg, rank):
     return result
 
 
+def wait_gone(pid, timeout=60):
+    """Waits until process `pid` has exited (a zombie counts: its parent reaps it later)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"process {pid} did not exit in {timeout} s")
+
+
 def restart_daemon(cfg, node):
     d = cfg["daemons"][node]
+    wait_gone(d["pid"])  # a daemon stopping with SIGTERM saves its state first
     subprocess.Popen(d["argv"], stderr=open(d["log"], "ab"), start_new_session=True)
     deadline = time.time() + 30
     while True:
@@ -180,14 +195,16 @@ def fault(cfg, rank):
         for g in opt.param_groups:
             g["lr"] *= 2
     error = None
+    start = time.time()
     try:
         opt.step()
     except MuondError as e:
         error = {"code": e.code_name, "message": e.message}
+    seconds = time.time() - start
     for g, lr in zip(opt.param_groups, lrs):
         g["lr"] = lr
     unchanged = opt.step_id == before
-    if kind == "daemon_kill" and rank == victim:
+    if kind in ("daemon_kill", "commit_window") and rank == victim:
         restart_daemon(cfg, 1)
     dist.barrier()
     # Did this node's daemon commit the step? A commit of it now answers OK only if it was
@@ -208,6 +225,7 @@ def fault(cfg, rank):
     messages = [None] * dist.get_world_size()
     dist.all_gather_object(messages, error and error["message"])
     result = {"error": error, "same_error_everywhere": len(set(messages)) == 1,
+              "seconds": seconds,
               "node_commit_probe": committed,
               "unchanged_step": unchanged, "resumed_at": next_step,
               "saved_step": saved["next_step"],

@@ -1,9 +1,10 @@
 #!/usr/bin/python3
-"""A two-phase step (a multi-node job's node part, DESIGN.md 4c) that the trainer neither commits
+"""Two-phase steps (a multi-node job's node part, DESIGN.md 4c). A step that the trainer neither commits
 nor aborts is dropped after --prepare-timeout-seconds: the state is unchanged (the job expects the
 step again and computes the same result from it), the job is not fenced, a late CommitStep is
 refused FAILED_PRECONDITION saying the step was dropped by the prepare timeout, and the daemon logs
-it. A step committed in time is not touched by the timeout.
+it. A step committed in time is not touched by the timeout. RollbackStep undoes a committed step
+(RollbackTest).
 
 Usage: prepare_timeout_test.py MUOND_BIN LIBMUOND_CLIENT DATA_DIR [unittest names...]
 """
@@ -30,7 +31,9 @@ def node_job(client, name):
     return client.create_job(spec)
 
 
-class PrepareTimeoutTest(unittest.TestCase):
+class TwoPhaseCase(unittest.TestCase):
+    """A daemon with a short prepare timeout, a client, and the two-phase calls."""
+
     @classmethod
     def setUpClass(cls):
         cls.daemon = base.Daemon(["--prepare-timeout-seconds", str(TIMEOUT_SECONDS)])
@@ -53,6 +56,8 @@ class PrepareTimeoutTest(unittest.TestCase):
         session.step_buffer(step, grads, out)
         return out
 
+
+class PrepareTimeoutTest(TwoPhaseCase):
     def test_prepared_step_dropped_after_the_timeout(self):
         token = node_job(self.client, "prepared-timeout")
         s = self.client.attach("prepared-timeout", 0, token, transport="grpc")
@@ -90,6 +95,89 @@ class PrepareTimeoutTest(unittest.TestCase):
         self.assertEqual(e.exception.code_name, "FAILED_PRECONDITION")
         s.close()
         self.client.delete_job("prepared-in-time", token)
+
+
+class RollbackTest(TwoPhaseCase):
+    """RollbackStep (the commit window across nodes, issue 34): a committed two-phase step is
+    undone (the state before it back from the double buffer; the job expects it again and
+    computes the same result), a prepared one is dropped, and what can no longer be undone is
+    refused FAILED_PRECONDITION with the state unchanged."""
+
+    def rollback(self, job, token, step, reason="test"):
+        _native.call("muond_step_rollback", self.client.handle, job.encode(), token.encode(),
+                     step, reason.encode())
+
+    def refused(self, fn, phrase):
+        with self.assertRaises(MuondError) as e:
+            fn()
+        self.assertEqual(e.exception.code_name, "FAILED_PRECONDITION", e.exception.message)
+        self.assertIn(phrase, e.exception.message)
+
+    def test_committed_step_rolls_back_and_runs_again_the_same(self):
+        job = "rollback-committed"
+        token = node_job(self.client, job)
+        s = self.client.attach(job, 0, token, transport="grpc")
+        g = [torch.randn(s.buffer_elements, generator=torch.Generator().manual_seed(k))
+             for k in range(3)]
+        self.step(s, 0, g[0])
+        self.commit(job, token, 0)
+        first = self.step(s, 1, g[1])
+        self.commit(job, token, 1)
+        self.rollback(job, token, 1, "node 1's commit failed")
+        self.rollback(job, token, 1)  # a second rank of the node: OK, nothing more
+        self.refused(lambda: self.commit(job, token, 1),
+                     "rolled back after its commit: node 1's commit failed")
+        self.refused(lambda: self.rollback(job, token, 0), "only the last step committed")
+        again = self.step(s, 1, g[1])  # the momentum after step 0 again: the same bits
+        self.assertTrue(torch.equal(first, again))
+        self.commit(job, token, 1)
+        after = self.step(s, 2, g[2])
+        self.commit(job, token, 2)
+        # A step prepared here but never committed: the rollback drops it.
+        self.step(s, 3, g[0])
+        self.rollback(job, token, 3)
+        self.refused(lambda: self.commit(job, token, 3), "rolled back")
+        self.step(s, 3, g[0])
+        self.commit(job, token, 3)
+        self.assertFalse(torch.equal(after, first))
+        self.assertIn("step 1 rolled back after its commit: node 1's commit failed",
+                      self.daemon.read_log())
+        s.close()
+        self.client.delete_job(job, token)
+
+    def test_what_cannot_be_undone_is_refused(self):
+        job = "rollback-refused"
+        token = node_job(self.client, job)
+        s = self.client.attach(job, 0, token, transport="grpc")
+        g = torch.randn(s.buffer_elements, generator=torch.Generator().manual_seed(9))
+        self.step(s, 0, g)
+        self.commit(job, token, 0)
+        # A checkpoint of the step was saved: the state on disk holds it.
+        self.client.checkpoint_save(job, token)
+        self.refused(lambda: self.rollback(job, token, 0), "a checkpoint is saved or loaded")
+        # A later step began (it writes the double buffer's other half).
+        self.step(s, 1, g)
+        self.refused(lambda: self.rollback(job, token, 0), "a later step begins")
+        self.commit(job, token, 1)
+        expected = self.step(s, 2, g)  # the state is what the refusals left: steps 0 and 1
+        self.commit(job, token, 2)
+        s.close()
+        self.client.delete_job(job, token)
+        # The same three steps on a fresh job give the same update: nothing was undone.
+        token = node_job(self.client, job)
+        s = self.client.attach(job, 0, token, transport="grpc")
+        for step in range(2):
+            self.step(s, step, g)
+            self.commit(job, token, step)
+        self.assertTrue(torch.equal(self.step(s, 2, g), expected))
+        s.close()
+        self.client.delete_job(job, token)
+        # A job of one node commits by itself: nothing to roll back.
+        plain = self.client.create_job({"job_id": "rollback-plain", "world_size": 1,
+                                        "zero_stage": 0,
+                                        "matrices": [{"name": "a", "shape": [4, 8]}]})
+        self.refused(lambda: self.rollback("rollback-plain", plain, 0), "not a multi-node job")
+        self.client.delete_job("rollback-plain", plain)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,8 @@ _SIGNATURES = {
     "muond_step_commit": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64]),
     "muond_step_abort": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64,
                                         ctypes.c_char_p]),
+    "muond_step_rollback": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64,
+                                           ctypes.c_char_p]),
     "muond_checkpoint_list": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _PI64, _PI64,
                                              ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     # Re-sharding through a full-state export (muonctl checkpoint export, job create --import-dir).

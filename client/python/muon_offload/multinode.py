@@ -285,7 +285,7 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
         except MuondError as e:
             error = e
         self._agree(step, error, hyper)
-        self._commit(step)
+        self._commit_everywhere(step)
         back = torch.empty(r.send_elements, dtype=self.dtype)
         try:
             self._all_to_all(back, result, forward=False)
@@ -329,6 +329,64 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
         self._abort(step, error.message)
         raise MuondError(error.code, f"global job '{self.global_job_id}' step {step} was "
                          f"committed on no node: {error.message}", "step")
+
+    def _commit_everywhere(self, step):
+        """The commit window: each rank commits its node's step, then the ranks learn (one
+        all-reduce) whether every commit succeeded. When one did not (its daemon died, or stopped
+        and refused), each rank rolls its node back (RollbackStep: a node that committed gets the
+        state before the step back from its double buffer, a node that did not drops the step)
+        and every rank raises the same ABORTED error naming the node whose commit failed and the
+        state each node is in now. Each call waits at most 20 s for a daemon being restarted."""
+        error = None
+        try:
+            self._commit(step)
+        except MuondError as e:
+            error = e
+        try:
+            if not self.ranks.count(error is not None):
+                return
+            failures = self._gather(None if error is None else (error.code_name, error.message))
+            q = next(q for q, f in enumerate(failures) if f is not None)
+            failed_node = self._routing.node_of[q]
+            cause = f"the commit failed on node {failed_node} (rank {q}: {failures[q][1]})"
+            try:
+                self._rollback(step, cause)
+                mine = None
+            except MuondError as e:
+                mine = f"{e.code_name}: {e.message}"
+            states = self._gather(mine)
+        except RuntimeError as e:
+            self._lost(step, e)
+        nodes = {}
+        for rank, state in enumerate(states):  # a node is back when any of its ranks got it back
+            node = self._routing.node_of[rank]
+            if nodes.get(node) is None and node in nodes:
+                continue
+            nodes[node] = state
+        back = [n for n in sorted(nodes) if nodes[n] is None]
+        lost = [n for n in sorted(nodes) if nodes[n] is not None]
+        where = "; ".join([f"node {n}: back before step {step}" for n in back]
+                          + [f"node {n}: not rolled back ({nodes[n]})" for n in lost])
+        todo = (f"run step {step} again" if not lost else
+                f"restart the daemon of node(s) {', '.join(map(str, lost))} if it stopped, then "
+                "load_checkpoint() (every node takes the newest step all of them saved)")
+        raise MuondError(CODES["ABORTED"],
+                         f"global job '{self.global_job_id}' step {step} did not commit on every "
+                         f"node: {cause}. Each node now: {where}. To continue: {todo}", "step")
+
+    def _gather(self, value):
+        """`value` of every rank, in rank order (an all_gather_object; this rank's alone when
+        the world is one rank)."""
+        if self.world_size == 1:
+            return [value]
+        out = [None] * self.world_size
+        self.ranks.dist.all_gather_object(out, value, group=self.process_group)
+        return out
+
+    def _rollback(self, step, reason):
+        _native.call("muond_step_rollback", self.client.handle,
+                     self._routing.node_job_id.encode(), self.node_token.encode(), int(step),
+                     reason[:1000].encode())
 
     @staticmethod
     def _disagreement(names, lows, highs):

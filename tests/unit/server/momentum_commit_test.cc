@@ -375,5 +375,72 @@ TEST(ParamStoreSnapshotTest, StepsDuringASnapshotCopyNothingOnTheirThreads) {
   EXPECT_EQ(store.snapshot_cost().change_copied, 0u);
 }
 
+// A two-phase commit flips keeping the old front as the back (Flip(absent, keep_back = true)), so
+// that RollbackStep's Unflip brings back the values and step counts of before the step, also
+// after a snapshot handed buffers over (the plain Flip would swap a spare, of stale values, into
+// the back); a tensor the step skipped (absent) keeps its count.
+TEST(ParamStoreRollbackTest, UnflipAfterAKeptFlipRestoresValuesAndStepCounts) {
+  common::JobSpec spec;
+  spec.job_id = "rollback-apply";
+  spec.mode = common::JobMode::kApply;
+  spec.matrices = {Matrix("w", {64, 96}, DType::kFloat32), Matrix("bias", {1, 96}, DType::kFloat32),
+                   Matrix("gain", {1, 96}, DType::kFloat32)};
+  spec.matrices[1].optimizer = common::Optimizer::kAdamW;
+  spec.matrices[2].optimizer = common::Optimizer::kAdamW;
+  std::unique_ptr<device::Device> device = device::NewHostDevice(1, nullptr);
+  ParamStore store(spec, device.get());
+  const std::vector<uint8_t> gain_absent = {0, 0, 1};
+  auto step = [&store](float base, const std::vector<uint8_t>& absent) {
+    for (uint32_t t = 0; t < store.tensors(); ++t) {
+      for (int s = 0; s < store.slots(t); ++s) {
+        float* d = store.back(t, s);
+        const bool skipped = t < absent.size() && absent[t] != 0;
+        const float* front = store.front(t, s);
+        for (size_t i = 0; i < store.numel(t); ++i) {
+          d[i] = skipped ? front[i] : base + 10.0f * t + s;
+        }
+      }
+    }
+    ParamStore::Lock lock(store);
+    lock.Flip(absent, /*keep_back=*/true);
+  };
+  auto expect_front = [&store](float base, const char* when) {
+    for (uint32_t t = 0; t < store.tensors(); ++t) {
+      for (int s = 0; s < store.slots(t); ++s) {
+        const float want = base + 10.0f * t + s;
+        EXPECT_EQ(std::count(store.front(t, s), store.front(t, s) + store.numel(t), want),
+                  static_cast<long>(store.numel(t)))
+            << when << ": tensor " << t << " slot " << s;
+      }
+    }
+  };
+  step(1, {});
+  {  // a save's snapshot while steps overtake it: buffers are handed over
+    ParamStore::Lock lock(store);
+    lock.BeginSnapshot();
+  }
+  step(2, {});
+  step(3, {});  // writes the snapshot's buffer: handed over, a fresh unpinned one in its place
+  std::vector<float> copied;
+  for (uint32_t t = 0; t < store.tensors(); ++t) {
+    for (int s = 0; s < store.slots(t); ++s) store.CopyForSnapshot(t, s, &copied);
+  }
+  store.EndSnapshot();  // the handed-over buffers become spares
+  step(4, gain_absent);
+  EXPECT_EQ(store.steps(1), 4);
+  EXPECT_EQ(store.steps(2), 3);
+  {
+    ParamStore::Lock lock(store);
+    lock.Unflip(gain_absent);
+  }
+  expect_front(3, "after the rollback of step 4");
+  EXPECT_EQ(store.steps(1), 3);
+  EXPECT_EQ(store.steps(2), 3) << "the absent tensor's count went down";
+  // The step again commits on the restored front.
+  step(5, {});
+  expect_front(5, "after step 4 again");
+  EXPECT_EQ(store.steps(1), 4);
+}
+
 }  // namespace
 }  // namespace muond::server
