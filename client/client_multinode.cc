@@ -41,8 +41,8 @@ absl::Status Client::AbortStep(const std::string& job_id, const std::string& tok
       .status();
 }
 
-absl::Status Client::RollbackStep(const std::string& job_id, const std::string& token,
-                                  int64_t step, const std::string& reason) {
+absl::Status Client::RollbackStep(const std::string& job_id, const std::string& token, int64_t step,
+                                  const std::string& reason) {
   v1::RollbackStepRequest req;
   req.set_job_id(job_id);
   req.set_step(step);

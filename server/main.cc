@@ -114,14 +114,13 @@ absl::Status ArmStall() {
   const std::string spec = env;
   const size_t colon = spec.rfind(':');
   int ms = 0;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(spec.substr(colon + 1), &ms) || ms < 0 || ms > 600000) {
+  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(spec.substr(colon + 1), &ms) ||
+      ms < 0 || ms > 600000) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", spec, "' is not PART:MS (MS a whole number in 0..600000)"));
   }
   common::Heartbeats::Default().ArmStallForTesting(spec.substr(0, colon), absl::Milliseconds(ms));
-  MUOND_LOG(WARNING) << "stall armed: the " << spec.substr(0, colon) << " stops in " << ms
-                     << " ms";
+  MUOND_LOG(WARNING) << "stall armed: the " << spec.substr(0, colon) << " stops in " << ms << " ms";
   return absl::OkStatus();
 #endif
 }

@@ -426,6 +426,13 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   void NoteRollback(const StepState& state) ABSL_LOCKS_EXCLUDED(mu_);
   // Two-phase: hands the ranks their results and keeps the step prepared (job_prepare.cc).
   void Prepare(StepState& state);
+  // NOT_FOUND (deleted) or FAILED_PRECONDITION (not a multi-node job) for a two-phase call.
+  absl::Status CheckTwoPhase(const std::string& where) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Step `step` in flight and not committed: drops it (prepared) or fails it ABORTED ("<verb> by
+  // the trainer: <reason>"), and OK. nullopt when it is not in flight, or committed meanwhile.
+  std::optional<absl::Status> EndUncommitted(int64_t step, const std::string& verb,
+                                             const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops a prepared step in flight (not fenced), e.g. before a load or reset; `why` for the log.
   void DropPrepared(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The last prepared step dropped and why (a later CommitStep of it says so).
@@ -478,8 +485,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
                          std::shared_ptr<const RankUpdate>* replay)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The answer to a later part of a try of `step` that ended before the part arrived.
-  absl::Status CutShortPart(int rank, uint64_t session, int64_t step, const std::string& where)
-      const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CutShortPart(int rank, uint64_t session, int64_t step,
+                            const std::string& where) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The input of `rank` in the step in flight when that step is `step` and the rank sends it
   // through shared-memory `session` and the regions `keepalive`; else null.
   RankInput* SharedRankInFlight(int rank, uint64_t session, int64_t step, const void* keepalive)

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "server/jobs/job.h"
 
 namespace muond::server {
@@ -64,9 +65,9 @@ absl::Status Job::CommitStep(int64_t step) {
       return absl::FailedPreconditionError(
           absl::StrCat(where, ": the job is fenced (", fence_reason_, ")"));
     } else if (step == dropped_step_ && step == next_step_) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          where, ": the step was dropped while prepared (", dropped_why_,
-          "); nothing of it changed the state, and the job expects it again"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, ": the step was dropped while prepared (", dropped_why_,
+                       "); nothing of it changed the state, and the job expects it again"));
     } else {
       return absl::FailedPreconditionError(
           absl::StrCat(where, ": no such step is prepared (the job expects step ", next_step_,
@@ -78,31 +79,41 @@ absl::Status Job::CommitStep(int64_t step) {
   return state->result;
 }
 
-absl::Status Job::AbortStep(int64_t step, const std::string& reason) {
-  absl::MutexLock lock(&mu_);
-  const std::string where = absl::StrCat("job '", id(), "' abort of step ", step);
+absl::Status Job::CheckTwoPhase(const std::string& where) const {
   if (deleted_) return absl::NotFoundError(absl::StrCat(where, ": the job was deleted"));
   if (!spec_.two_phase()) {
     return absl::FailedPreconditionError(
         absl::StrCat(where, ": not a multi-node job (its steps commit by themselves)"));
   }
-  if (in_flight_ != nullptr && in_flight_->step == step) {
-    const std::shared_ptr<StepState> state = in_flight_;
-    while (state->committing && !state->done) state->cv.WaitWithTimeout(&mu_, kCancelPoll);
-    if (state->done && state->result.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(where, ": the step is already committed on this node"));
-    }
-    if (state->prepared) {
-      DropPrepared(reason);
-    } else if (!state->done) {
-      FailStep(*state,
-               absl::AbortedError(absl::StrCat("job '", id(), "' step ", step,
-                                               " aborted by the trainer: ", reason,
-                                               "; nothing changed")),
-               /*fence=*/false);
-    }
-    return absl::OkStatus();
+  return absl::OkStatus();
+}
+
+std::optional<absl::Status> Job::EndUncommitted(int64_t step, const std::string& verb,
+                                                const std::string& reason) {
+  if (in_flight_ == nullptr || in_flight_->step != step) return std::nullopt;
+  const std::shared_ptr<StepState> state = in_flight_;
+  while (state->committing && !state->done) state->cv.WaitWithTimeout(&mu_, kCancelPoll);
+  if (state->done && state->result.ok()) return std::nullopt;  // committed
+  if (state->prepared) {
+    DropPrepared(verb == "aborted" ? reason : absl::StrCat(verb, ": ", reason));
+  } else if (!state->done) {
+    FailStep(*state,
+             absl::AbortedError(absl::StrCat("job '", id(), "' step ", step, " ", verb,
+                                             " by the trainer: ", reason, "; nothing changed")),
+             /*fence=*/false);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Job::AbortStep(int64_t step, const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  const std::string where = absl::StrCat("job '", id(), "' abort of step ", step);
+  RETURN_IF_ERROR(CheckTwoPhase(where));
+  const bool in_flight = in_flight_ != nullptr && in_flight_->step == step;
+  if (std::optional<absl::Status> ended = EndUncommitted(step, "aborted", reason)) return *ended;
+  if (in_flight) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": the step is already committed on this node"));
   }
   if (step < next_step_) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -112,37 +123,23 @@ absl::Status Job::AbortStep(int64_t step, const std::string& reason) {
 }
 
 absl::Status Job::RollbackStep(int64_t step, const std::string& reason) {
+  const std::string where = absl::StrCat("job '", id(), "' rollback of step ", step);
+  {
+    // Never committed here: dropping the prepared (or still running) step is the rollback. (Not
+    // under the stores' locks: a commit in progress takes them.)
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckTwoPhase(where));
+    if (std::optional<absl::Status> ended = EndUncommitted(step, "rolled back", reason)) {
+      return *ended;
+    }
+  }
   MomentumStore::Lock store(momentum_);
   std::optional<ParamStore::Lock> params;
   if (apply()) params.emplace(*params_);
   absl::MutexLock lock(&mu_);
-  const std::string where = absl::StrCat("job '", id(), "' rollback of step ", step);
-  if (deleted_) return absl::NotFoundError(absl::StrCat(where, ": the job was deleted"));
-  if (!spec_.two_phase()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(where, ": not a multi-node job (its steps commit by themselves)"));
-  }
-  if (in_flight_ != nullptr && in_flight_->step == step) {
-    // Never committed here: dropping the prepared (or still running) step is the rollback.
-    const std::shared_ptr<StepState> state = in_flight_;
-    while (state->committing && !state->done) state->cv.WaitWithTimeout(&mu_, kCancelPoll);
-    if (state->prepared) {
-      DropPrepared(absl::StrCat("rolled back: ", reason));
-      return absl::OkStatus();
-    }
-    if (!state->done) {
-      FailStep(*state,
-               absl::AbortedError(absl::StrCat("job '", id(), "' step ", step,
-                                               " rolled back by the trainer: ", reason,
-                                               "; nothing changed")),
-               /*fence=*/false);
-      return absl::OkStatus();
-    }
-    if (!state->result.ok()) return absl::OkStatus();
-    // Committed just now by another rank's CommitStep: roll it back below.
-  }
+  RETURN_IF_ERROR(CheckTwoPhase(where));
   if (step == next_step_ && (rolled_back_step_ == step || in_flight_ == nullptr)) {
-    return absl::OkStatus();  // rolled back already, or never committed here
+    return absl::OkStatus();  // rolled back already (another rank of the node), or never here
   }
   if (fenced_) {
     return absl::FailedPreconditionError(
@@ -150,8 +147,9 @@ absl::Status Job::RollbackStep(int64_t step, const std::string& reason) {
   }
   if (step != next_step_ - 1 || rollback_step_.load() != step || in_flight_ != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
-        where, ": only the last step committed can be rolled back, before a later step begins "
-               "or a checkpoint is saved or loaded (the job expects step ",
+        where,
+        ": only the last step committed can be rolled back, before a later step begins "
+        "or a checkpoint is saved or loaded (the job expects step ",
         next_step_, "); load a checkpoint to bring the nodes together"));
   }
   if (params) {
