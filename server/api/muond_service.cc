@@ -1,7 +1,6 @@
 #include "server/api/muond_service.h"
 
 #include <malloc.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +19,7 @@
 #include "common/names.h"
 #include "common/status_macros.h"
 #include "server/api/job_status_proto.h"
+#include "server/api/logged_rpc_status.h"
 #include "server/jobs/apply_step.h"
 #include "server/jobs/heap_trimmer.h"
 #include "server/ops/daemon_metrics.h"
@@ -28,18 +28,10 @@
 namespace muond::server {
 namespace {
 
-using common::ToGrpcStatus;
-
 // Update chunks sent back carry at most this many bytes.
 constexpr size_t kChunkBytes = size_t{4} << 20;
 
-grpc::Status Logged(const char* rpc, const absl::Status& s) {
-  if (!s.ok()) {
-    MUOND_LOG(DEBUG) << rpc << ": " << s;
-    RecordRpcError(rpc, s.code());
-  }
-  return ToGrpcStatus(s);
-}
+grpc::Status Logged(const char* rpc, const absl::Status& s) { return LoggedRpcStatus(rpc, s); }
 
 void ToProto(const checkpoint::GenerationInfo& info, v1::CheckpointInfo* out) {
   out->set_generation(info.generation);
@@ -193,75 +185,6 @@ grpc::Status MuondService::ResetJob(grpc::ServerContext* ctx, const v1::ResetJob
   auto job = Authorize(ctx, req->job_id());
   if (!job.ok()) return Logged("ResetJob", job.status());
   return Logged("ResetJob", registry_->Reset(*job, req->next_step()));
-}
-
-namespace {
-
-struct CommitFault {
-  absl::Mutex mu;
-  std::string point ABSL_GUARDED_BY(mu);
-  int signal ABSL_GUARDED_BY(mu) = 0;
-  int64_t step ABSL_GUARDED_BY(mu) = -1;
-};
-
-CommitFault& TheCommitFault() {
-  static auto* fault = new CommitFault();
-  return *fault;
-}
-
-// True when the armed fault fired here (after SIGTERM: the call answers UNAVAILABLE).
-bool CommitFaultAt(const char* point, int64_t step) {
-  CommitFault& f = TheCommitFault();
-  int signal = 0;
-  {
-    absl::MutexLock lock(&f.mu);
-    if (f.signal == 0 || f.point != point || f.step != step) return false;
-    signal = std::exchange(f.signal, 0);
-  }
-  MUOND_LOG(WARNING) << "test hook MUOND_TEST_COMMIT_FAULT: signal " << signal << " at '" << point
-                     << "' of step " << step;
-  ::kill(::getpid(), signal);  // to the process (raise() would target this thread alone)
-  return true;
-}
-
-}  // namespace
-
-void SetCommitFaultForTesting(const std::string& point, int signal, int64_t step) {
-  CommitFault& f = TheCommitFault();
-  absl::MutexLock lock(&f.mu);
-  f.point = point;
-  f.signal = signal;
-  f.step = step;
-}
-
-grpc::Status MuondService::CommitStep(grpc::ServerContext* ctx, const v1::CommitStepRequest* req,
-                                      v1::CommitStepResponse*) {
-  auto job = Authorize(ctx, req->job_id());
-  if (!job.ok()) return Logged("CommitStep", job.status());
-  const absl::Status stopping = absl::UnavailableError("muond is shutting down");
-  if (CommitFaultAt("commit", req->step())) return Logged("CommitStep", stopping);
-  const absl::Status s = (*job)->CommitStep(req->step());
-  if (CommitFaultAt("committed", req->step())) return Logged("CommitStep", stopping);
-  return Logged("CommitStep", s);
-}
-
-grpc::Status MuondService::AbortStep(grpc::ServerContext* ctx, const v1::AbortStepRequest* req,
-                                     v1::AbortStepResponse*) {
-  auto job = Authorize(ctx, req->job_id());
-  if (!job.ok()) return Logged("AbortStep", job.status());
-  const std::string reason =
-      req->reason().empty() ? "no reason given" : req->reason().substr(0, 1024);
-  return Logged("AbortStep", (*job)->AbortStep(req->step(), reason));
-}
-
-grpc::Status MuondService::RollbackStep(grpc::ServerContext* ctx,
-                                        const v1::RollbackStepRequest* req,
-                                        v1::RollbackStepResponse*) {
-  auto job = Authorize(ctx, req->job_id());
-  if (!job.ok()) return Logged("RollbackStep", job.status());
-  const std::string reason =
-      req->reason().empty() ? "no reason given" : req->reason().substr(0, 1024);
-  return Logged("RollbackStep", (*job)->RollbackStep(req->step(), reason));
 }
 
 grpc::Status MuondService::SaveCheckpoint(grpc::ServerContext* ctx,

@@ -71,6 +71,7 @@ from .optim import MuonWithAuxAdam
 from .zero import (all_gather_partition_buffers, copy_from_buffer, copy_into_buffer,
                    fill_world_buffer, job_partitions, reduce_scatter_partitions,
                    scatter_world_buffer)
+from .multinode_commit import TwoPhaseSteps
 from .multinode_plan import NodeRouting, node_layout, ownership_plan
 
 
@@ -79,7 +80,7 @@ def _wire(t):
     return t.view(torch.uint8) if t.dtype == torch.bfloat16 else t
 
 
-class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
+class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
     """MuonWithAuxAdam (same arguments and behaviour) over nodes; see the module comment.
     node_map: global rank -> node (None: from GROUP_RANK). Every rank passes its own node's
     daemon as `address`. token: for jobs that exist already (a restarted trainer), the
@@ -298,128 +299,6 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
         r.scatter_back(back, out)
         self._bytes = self._moved
         return out
-
-    def _agree(self, step, error, hyper=None):
-        """All ranks learn whether every node's step succeeded and (apply mode) whether every
-        rank sent the same hyperparameters (`hyper`: group names, lrs, weight decays, divisor);
-        on a failure or a disagreement anywhere each rank aborts its node's step and every rank
-        raises the same error."""
-        failed = error is not None
-        names, values = [], []
-        if hyper is not None:
-            group_names, lrs, wds, divisor = hyper
-            names = ([(g, "lr") for g in group_names] + [(g, "weight_decay") for g in group_names]
-                     + [(None, "gradient divisor")])
-            values = [float(v) for v in list(lrs) + list(wds) + [divisor]]
-        try:
-            any_failed, lows, highs = self.ranks.agree(failed, values)
-            if any_failed and self.world_size > 1:
-                mine = None if error is None else (error.code, error.message)
-                errors = [None] * self.world_size
-                self.ranks.dist.all_gather_object(errors, mine, group=self.process_group)
-                q, (code, message) = next((q, e) for q, e in enumerate(errors) if e is not None)
-                error = MuondError(code, f"rank {q} (node {self._routing.node_of[q]}): "
-                                   f"{message}", "step")
-            elif not any_failed:
-                error = self._disagreement(names, lows, highs)
-        except RuntimeError as e:
-            self._lost(step, e)
-        if error is None:
-            return
-        self._abort(step, error.message)
-        raise MuondError(error.code, f"global job '{self.global_job_id}' step {step} was "
-                         f"committed on no node: {error.message}", "step")
-
-    def _commit_everywhere(self, step):
-        """The commit window: each rank commits its node's step, then the ranks learn (one
-        all-reduce) whether every commit succeeded. When one did not (its daemon died, or stopped
-        and refused), each rank rolls its node back (RollbackStep: a node that committed gets the
-        state before the step back from its double buffer, a node that did not drops the step)
-        and every rank raises the same ABORTED error naming the node whose commit failed and the
-        state each node is in now. Each call waits at most 20 s for a daemon being restarted."""
-        error = None
-        try:
-            self._commit(step)
-        except MuondError as e:
-            error = e
-        try:
-            if not self.ranks.count(error is not None):
-                return
-            failures = self._gather(None if error is None else (error.code_name, error.message))
-            q = next(q for q, f in enumerate(failures) if f is not None)
-            failed_node = self._routing.node_of[q]
-            cause = f"the commit failed on node {failed_node} (rank {q}: {failures[q][1]})"
-            try:
-                self._rollback(step, cause)
-                mine = None
-            except MuondError as e:
-                mine = f"{e.code_name}: {e.message}"
-            states = self._gather(mine)
-        except RuntimeError as e:
-            self._lost(step, e)
-        nodes = {}
-        for rank, state in enumerate(states):  # a node is back when any of its ranks got it back
-            node = self._routing.node_of[rank]
-            if nodes.get(node) is None and node in nodes:
-                continue
-            nodes[node] = state
-        back = [n for n in sorted(nodes) if nodes[n] is None]
-        lost = [n for n in sorted(nodes) if nodes[n] is not None]
-        where = "; ".join([f"node {n}: back before step {step}" for n in back]
-                          + [f"node {n}: not rolled back ({nodes[n]})" for n in lost])
-        todo = (f"run step {step} again" if not lost else
-                f"restart the daemon of node(s) {', '.join(map(str, lost))} if it stopped, then "
-                "load_checkpoint() (every node takes the newest step all of them saved)")
-        raise MuondError(CODES["ABORTED"],
-                         f"global job '{self.global_job_id}' step {step} did not commit on every "
-                         f"node: {cause}. Each node now: {where}. To continue: {todo}", "step")
-
-    def _gather(self, value):
-        """`value` of every rank, in rank order (an all_gather_object; this rank's alone when
-        the world is one rank)."""
-        if self.world_size == 1:
-            return [value]
-        out = [None] * self.world_size
-        self.ranks.dist.all_gather_object(out, value, group=self.process_group)
-        return out
-
-    def _rollback(self, step, reason):
-        _native.call("muond_step_rollback", self.client.handle,
-                     self._routing.node_job_id.encode(), self.node_token.encode(), int(step),
-                     reason[:1000].encode())
-
-    @staticmethod
-    def _disagreement(names, lows, highs):
-        """The error for the first hyperparameter the ranks disagree on (None when they agree)."""
-        for (group, what), lo, hi in zip(names, lows, highs):
-            if lo != hi:
-                where = f"group '{group}' {what}" if group is not None else what
-                return MuondError(CODES["INVALID_ARGUMENT"],
-                                  f"the ranks disagree on the {where}: from {lo!r} to {hi!r} "
-                                  "across the nodes (every rank must send the same values)",
-                                  "step")
-        return None
-
-    def _lost(self, step, cause):
-        """A collective failed (a rank died, or the group broke): abort this node's step and
-        raise the error every survivor raises."""
-        self._abort(step, "a collective of the trainer's process group failed")
-        raise MuondError(CODES["ABORTED"],
-                         f"global job '{self.global_job_id}' step {step} was committed on no "
-                         "node: a rank of the process group failed during the step (a collective "
-                         "broke); restart the lost ranks or daemons and load_checkpoint()",
-                         "step") from cause
-
-    def _abort(self, step, reason):
-        try:
-            _native.call("muond_step_abort", self.client.handle, self._routing.node_job_id.encode(),
-                         self.node_token.encode(), int(step), reason[:1000].encode())
-        except MuondError:
-            pass  # a dead daemon aborted the step by dying; a fenced job needs a load anyway
-
-    def _commit(self, step):
-        _native.call("muond_step_commit", self.client.handle, self._routing.node_job_id.encode(),
-                     self.node_token.encode(), int(step))
 
     def bytes_per_step(self):
         """(sent, received) bytes of this rank's two all-to-alls in the last step (gradients out,
