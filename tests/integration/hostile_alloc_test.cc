@@ -51,6 +51,18 @@ common::JobSpec BigJob(const std::string& id) {
   return WholeMatrixJob(id, "wide_std", {m});
 }
 
+// The address-space cap of the tests: what the daemon maps now, plus what a job of BigJob's spec
+// maps on its own (its stores: measured by creating and deleting one), plus 48 MiB, less than
+// the 128 MiB read buffer of an import or a restore. 0 when the probe job could not be made.
+uint64_t CapAboveOneJob(pid_t pid, client::Client& client, uint64_t* job_alone) {
+  const uint64_t base = StatusBytes(pid, "VmSize:");
+  auto token = client.CreateJob(BigJob("probe"));
+  if (!token.ok()) return 0;
+  *job_alone = StatusBytes(pid, "VmSize:") - base;
+  if (!client.DeleteJob("probe", *token).ok()) return 0;
+  return StatusBytes(pid, "VmSize:") + *job_alone + 48 * kMiB;
+}
+
 TEST(HostileAllocTest, ImportThatCannotAllocateIsRefusedAndReleasesTheJob) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "sanitizer build: its shadow memory makes an address-space limit meaningless";
@@ -71,17 +83,9 @@ TEST(HostileAllocTest, ImportThatCannotAllocateIsRefusedAndReleasesTheJob) {
     ASSERT_TRUE(files.ok()) << files.status();
     ASSERT_TRUE((*client)->DeleteJob("source", *token).ok());
   }
-  // What a job of this spec allocates on its own (its stores), measured here: the cap leaves room
-  // for that and 48 MiB more, less than the import's 128 MiB read buffer.
-  const uint64_t base = StatusBytes(pid, "VmSize:");
   uint64_t job_alone = 0;
-  {
-    auto token = (*client)->CreateJob(BigJob("probe"));
-    ASSERT_TRUE(token.ok()) << token.status();
-    job_alone = StatusBytes(pid, "VmSize:") - base;
-    ASSERT_TRUE((*client)->DeleteJob("probe", *token).ok());
-  }
-  const uint64_t cap = StatusBytes(pid, "VmSize:") + job_alone + 48 * kMiB;
+  const uint64_t cap = CapAboveOneJob(pid, **client, &job_alone);
+  ASSERT_GT(cap, 0u) << "the probe job could not be made";
   const uint64_t rss_before = StatusBytes(pid, "VmRSS:");
   ASSERT_TRUE(LimitAddressSpace(pid, cap)) << "prlimit: " << std::strerror(errno);
   auto refused = (*client)->CreateJobFromExport(BigJob("imported"), exports.path());
@@ -135,15 +139,9 @@ TEST(HostileAllocTest, RestoreThatCannotAllocateIsRefusedAndReleasesTheJob) {
   from.set_job_id("source");
   from.set_token(*source);
 
-  const uint64_t base = StatusBytes(pid, "VmSize:");
   uint64_t job_alone = 0;
-  {
-    auto token = (*client)->CreateJob(BigJob("probe"));
-    ASSERT_TRUE(token.ok()) << token.status();
-    job_alone = StatusBytes(pid, "VmSize:") - base;
-    ASSERT_TRUE((*client)->DeleteJob("probe", *token).ok());
-  }
-  const uint64_t cap = StatusBytes(pid, "VmSize:") + job_alone + 48 * kMiB;
+  const uint64_t cap = CapAboveOneJob(pid, **client, &job_alone);
+  ASSERT_GT(cap, 0u) << "the probe job could not be made";
   ASSERT_TRUE(LimitAddressSpace(pid, cap)) << "prlimit: " << std::strerror(errno);
   auto refused = (*client)->CreateJob(BigJob("restored"), &from);
   const absl::Status health = (*client)->Health(5);
