@@ -55,36 +55,36 @@ absl::StatusOr<std::unique_ptr<StreamGuard::Lease>> StreamGuard::Admit(grpc::Ser
                                                                        const std::string& job_id,
                                                                        int world_size,
                                                                        const std::string& rpc) {
-  const size_t ranks = static_cast<size_t>(std::max(world_size, 1));
-  return AdmitKind(ctx, job_id, /*watch=*/false, 2 * ranks + kStreamsPerJobSlack,
-                   options_.max_streams,
-                   absl::StrCat("streams (Step, InitParams, exports), as many as a job of ",
-                                world_size, " rank(s) may (2 per rank + ", kStreamsPerJobSlack,
-                                "); end one or wait for the idle ones to be cancelled "
-                                "(--stream-idle-seconds)"),
-                   rpc);
+  return AdmitKind(ctx, job_id, world_size, /*watch=*/false, rpc);
 }
 
 absl::StatusOr<std::unique_ptr<StreamGuard::Lease>> StreamGuard::AdmitWatch(
     grpc::ServerContext* ctx, const std::string& job_id, int world_size) {
-  const size_t ranks = static_cast<size_t>(std::max(world_size, 1));
-  return AdmitKind(ctx, job_id, /*watch=*/true, ranks + kStreamsPerJobSlack, options_.max_watches,
-                   absl::StrCat("session watches, as many as a job of ", world_size,
-                                " rank(s) may (1 per rank + ", kStreamsPerJobSlack,
-                                "); a rank's session needs one, held by its client library"),
-                   "WatchSession");
+  return AdmitKind(ctx, job_id, world_size, /*watch=*/true, "WatchSession");
 }
 
 absl::StatusOr<std::unique_ptr<StreamGuard::Lease>> StreamGuard::AdmitKind(
-    grpc::ServerContext* ctx, const std::string& job_id, bool watch, size_t job_bound,
-    size_t all_bound, const std::string& bound_rule, const std::string& rpc) {
+    grpc::ServerContext* ctx, const std::string& job_id, int world_size, bool watch,
+    const std::string& rpc) {
+  const size_t ranks = static_cast<size_t>(std::max(world_size, 1));
+  const size_t job_bound = (watch ? 1 : 2) * ranks + kStreamsPerJobSlack;
+  const size_t all_bound = watch ? options_.max_watches : options_.max_streams;
   absl::MutexLock lock(&mu_);
   std::array<size_t, 2>& of_job = per_job_[job_id];
   size_t& mine = of_job[watch ? 1 : 0];
   const size_t all = watch ? watches_ : leases_.size() - watches_;
   std::string refused;
-  if (mine >= job_bound) {
-    refused = absl::StrCat("job '", job_id, "' holds ", mine, " ", bound_rule);
+  if (mine >= job_bound && watch) {
+    refused =
+        absl::StrCat("job '", job_id, "' holds ", mine, " session watches, as many as a job of ",
+                     world_size, " rank(s) may (1 per rank + ", kStreamsPerJobSlack,
+                     "); a rank's session needs one, held by its client library");
+  } else if (mine >= job_bound) {
+    refused = absl::StrCat("job '", job_id, "' holds ", mine,
+                           " streams (Step, InitParams, exports), as many as a job of ", world_size,
+                           " rank(s) may (2 per rank + ", kStreamsPerJobSlack,
+                           "); end one or wait for the idle ones to be cancelled "
+                           "(--stream-idle-seconds)");
   } else if (all >= all_bound) {
     refused = absl::StrCat("muond holds ", all,
                            watch ? " session watches" : " streams (Step, InitParams, exports)",

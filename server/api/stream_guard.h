@@ -142,13 +142,11 @@ class StreamGuard {
   uint64_t cancelled_idle() const { return cancelled_idle_total_.load(); }
 
  private:
-  // Admits a lease of `rpc` against `job_bound` leases of its kind on the job and `all_bound` in
-  // all; `what` names the kind in the refusal ("streams (Step, InitParams, exports)", ...).
+  // Admits a lease of `rpc`, a stream or (`watch`) a session watch, against the bounds of its
+  // kind for a job of `world_size` ranks and in all (the refusal's text is built only then).
   absl::StatusOr<std::unique_ptr<Lease>> AdmitKind(grpc::ServerContext* ctx,
-                                                   const std::string& job_id, bool watch,
-                                                   size_t job_bound, size_t all_bound,
-                                                   const std::string& bound_rule,
-                                                   const std::string& rpc);
+                                                   const std::string& job_id, int world_size,
+                                                   bool watch, const std::string& rpc);
   void Release(Lease* lease);
   void Watch();
   void Cancel(Lease* lease, bool idle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -28,6 +28,22 @@ double TotalSumSq(const StepState& state) {
   return total;
 }
 
+// A tensor's raw sum of squares in the one order both paths sum it (so the norm, the clip and
+// the grad-norm metric are the same bits whether the gradient was assembled or not): whole
+// blocks of kNormBlock elements, block(begin, end) summing elements [begin, end), the blocks
+// summed over the CPUs and added in block order. `bytes`: what the blocks read, for ParallelFor.
+template <typename Block>
+double BlockSumOfSquares(size_t n, size_t bytes, const Block& block) {
+  std::vector<double> blocks((n + kNormBlock - 1) / kNormBlock);
+  common::ParallelFor(blocks.size(), bytes, [&](size_t b) {
+    const uint64_t begin = b * kNormBlock;
+    blocks[b] = block(begin, std::min<uint64_t>(n, begin + kNormBlock));
+  });
+  double ss = 0;
+  for (double s : blocks) ss += s;
+  return ss;
+}
+
 }  // namespace
 
 absl::StatusOr<StepHyper> ResolveStepHyper(const common::JobSpec& spec,
@@ -143,11 +159,9 @@ absl::Status ApplyStep::CheckRawGradient(const StepState& state, uint32_t t,
     return absl::InternalError(absl::StrCat("tensor '", ms.name, "': its owners' spans cover ",
                                             covered, " of its ", n, " elements in order"));
   }
-  // PrepareGradient's sums: block b of kNormBlock elements, widened to fp32 from the pieces it
-  // overlaps, summed by SumOfSquares; the blocks added in order.
-  std::vector<double> blocks((n + kNormBlock - 1) / kNormBlock);
-  common::ParallelFor(blocks.size(), n * esize, [&](size_t b) {
-    const uint64_t begin = b * kNormBlock, end = std::min<uint64_t>(n, begin + kNormBlock);
+  // PrepareGradient's sums, block by block: each block widened to fp32 from the pieces it
+  // overlaps.
+  const double ss = BlockSumOfSquares(n, n * esize, [&](uint64_t begin, uint64_t end) {
     std::vector<float> values(end - begin);
     auto it = std::upper_bound(pieces.begin(), pieces.end(), begin,
                                [](uint64_t at, const RawPiece& p) { return at < p.at; });
@@ -156,10 +170,8 @@ absl::Status ApplyStep::CheckRawGradient(const StepState& state, uint32_t t,
       common::ToFloat32(ms.dtype, it->data + (from - it->at) * esize, to - from,
                         values.data() + (from - begin));
     }
-    blocks[b] = SumOfSquares(values.data(), values.size());
+    return SumOfSquares(values.data(), values.size());
   });
-  double ss = 0;
-  for (double s : blocks) ss += s;
   RETURN_IF_ERROR(CheckSumOfSquares(state, t, ss, [&]() -> int64_t {
     for (const RawPiece& p : pieces) {
       const int64_t bad = common::FindNonFiniteRaw(ms.dtype, p.data, p.length);
@@ -175,13 +187,9 @@ absl::Status ApplyStep::PrepareGradient(const StepState& state, uint32_t t, floa
                                         double* sum_sq, bool kernel_writes_momentum) {
   const common::MatrixSpec& ms = spec_.matrices[t];
   const size_t n = static_cast<size_t>(ms.numel());
-  // SumOfSquares's order: whole blocks, added in block order (the blocks summed over the CPUs).
-  std::vector<double> blocks((n + kNormBlock - 1) / kNormBlock);
-  common::ParallelFor(blocks.size(), n * sizeof(float), [&](size_t b) {
-    blocks[b] = SumOfSquares(grad + b * kNormBlock, std::min(kNormBlock, n - b * kNormBlock));
+  const double ss = BlockSumOfSquares(n, n * sizeof(float), [&](uint64_t begin, uint64_t end) {
+    return SumOfSquares(grad + begin, end - begin);
   });
-  double ss = 0;
-  for (double s : blocks) ss += s;
   RETURN_IF_ERROR(CheckSumOfSquares(state, t, ss, [&] { return common::FindNonFinite(grad, n); }));
   *sum_sq = ss;
   if (state.grad_scale != 1.0f) {

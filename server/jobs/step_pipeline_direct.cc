@@ -64,32 +64,22 @@ bool StepPipeline::Direct(const StepState& state, uint32_t m) const {
   if (spec_.transport_probe) return false;
   const device::Device& dev = *devices_->device;
   if (!dev.DirectHostCopies()) return false;
-  if (apply_ != nullptr) {
-    // Apply mode: Muon tensors only (AdamW runs on the host). Their momentum is copied from and
-    // back to the (registered) store as update mode's is, and the update comes back to the
-    // host's staging (the masters are applied there), so only the gradients must lie in
-    // registered regions.
-    if (spec_.matrices[m].optimizer != common::Optimizer::kMuon) return false;
-    for (const JobLayout::SpanRef& ref : layout_.owners(m)) {
-      const RankInput& in = state.ranks[ref.rank];
-      if (ref.span >= in.span_in.size() ||
-          !dev.IsHostRegistered(in.span_in[ref.span], layout_.SpanBytes(ref.rank, ref.span))) {
-        return false;
-      }
-    }
-    return true;
-  }
+  // Apply mode: Muon tensors only (AdamW runs on the host). Their momentum is copied from and back
+  // to the (registered) store as update mode's is, and the update comes back to the host's
+  // staging (the masters are applied there), so only the gradients must lie in registered
+  // regions; update mode's updates go straight into the ranks' registered update regions too.
+  if (apply_ != nullptr && spec_.matrices[m].optimizer != common::Optimizer::kMuon) return false;
   for (const JobLayout::SpanRef& ref : layout_.owners(m)) {
     const size_t bytes = layout_.SpanBytes(ref.rank, ref.span);
     const RankInput& in = state.ranks[ref.rank];
-    const std::shared_ptr<RankUpdate>& out = state.outputs[ref.rank];
-    if (ref.span >= in.span_in.size() || out == nullptr || ref.span >= out->spans.size()) {
-      return false;
-    }
-    const UpdateSpan& out_span = out->spans[ref.span];
-    if (out_span.size != bytes || !dev.IsHostRegistered(in.span_in[ref.span], bytes) ||
-        !dev.IsHostRegistered(out_span.data, bytes)) {
+    if (ref.span >= in.span_in.size() || !dev.IsHostRegistered(in.span_in[ref.span], bytes)) {
       return false;  // a gRPC rank, or a region the device could not register
+    }
+    if (apply_ != nullptr) continue;
+    const std::shared_ptr<RankUpdate>& out = state.outputs[ref.rank];
+    if (out == nullptr || ref.span >= out->spans.size() || out->spans[ref.span].size != bytes ||
+        !dev.IsHostRegistered(out->spans[ref.span].data, bytes)) {
+      return false;
     }
   }
   return true;

@@ -24,9 +24,7 @@ class TwoPhaseSteps:
         try:
             any_failed, lows, highs = self.ranks.agree(failed, values)
             if any_failed and self.world_size > 1:
-                mine = None if error is None else (error.code, error.message)
-                errors = [None] * self.world_size
-                self.ranks.dist.all_gather_object(errors, mine, group=self.process_group)
+                errors = self._gather(None if error is None else (error.code, error.message))
                 q, (code, message) = next((q, e) for q, e in enumerate(errors) if e is not None)
                 error = MuondError(code, f"rank {q} (node {self._routing.node_of[q]}): "
                                    f"{message}", "step")
@@ -70,9 +68,8 @@ class TwoPhaseSteps:
         nodes = {}
         for rank, state in enumerate(states):  # a node is back when any of its ranks got it back
             node = self._routing.node_of[rank]
-            if nodes.get(node) is None and node in nodes:
-                continue
-            nodes[node] = state
+            if node not in nodes or state is None:
+                nodes[node] = state
         back = [n for n in sorted(nodes) if nodes[n] is None]
         lost = [n for n in sorted(nodes) if nodes[n] is not None]
         where = "; ".join([f"node {n}: back before step {step}" for n in back]
