@@ -250,8 +250,11 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
     m.step = h.step();
     m.generation = h.generation();
     for (const v1::StateArray& sa : h.arrays()) {
-      m.arrays.push_back({sa.name(), spec.matrices[sa.tensor()].name,
-                          std::vector<int64_t>(sa.shape().begin(), sa.shape().end())});
+      const common::MatrixSpec& t = spec.matrices[sa.tensor()];
+      se::Array a{sa.name(), t.name, std::vector<int64_t>(sa.shape().begin(), sa.shape().end())};
+      a.row_offset = t.row_offset;
+      a.full_rows = t.full_rows;
+      m.arrays.push_back(std::move(a));
     }
     if (m.mode == common::JobMode::kApply) {
       for (size_t t = 0; t < spec.matrices.size(); ++t) {

@@ -121,4 +121,24 @@ int muond_ownership_plan(const char* spec_json, int nodes, int32_t* owner, size_
   return muond_c_report(absl::OkStatus());
 }
 
+int muond_ownership_pieces(const char* spec_json, int nodes, int32_t* tensor, int64_t* row_begin,
+                           int64_t* row_end, int32_t* node, size_t capacity, size_t* total) {
+  if (spec_json == nullptr) {
+    return muond_c_report(absl::InvalidArgumentError("spec_json is NULL"));
+  }
+  auto spec = muond::common::ParseJobSpecJson(spec_json);
+  if (!spec.ok()) return muond_c_report(spec.status());
+  auto plan = muond::client::PlanOwnership(*spec, nodes);
+  if (!plan.ok()) return muond_c_report(plan.status());
+  if (total != nullptr) *total = plan->pieces.size();
+  for (size_t i = 0; i < plan->pieces.size() && i < capacity; ++i) {
+    const muond::client::PlanPiece& p = plan->pieces[i];
+    if (tensor != nullptr) tensor[i] = p.tensor;
+    if (row_begin != nullptr) row_begin[i] = p.row_begin;
+    if (row_end != nullptr) row_end[i] = p.row_end;
+    if (node != nullptr) node[i] = p.node;
+  }
+  return muond_c_report(absl::OkStatus());
+}
+
 }  // extern "C"

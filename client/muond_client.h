@@ -192,13 +192,19 @@ int muond_job_create_from_export(muond_client* client, const char* spec_json,
 
 /* The ownership plan: which of `nodes` nodes owns each tensor of a job.json (the global job: all
  * tensors, any world size and stage). Deterministic (every rank computes the same plan): Muon
- * tensors are placed largest first by Newton-Schulz FLOPs on the node with the fewest so far,
- * then AdamW tensors largest first by bytes of state on the node with the fewest bytes; ties go to
- * the lower node. Writes up to `capacity` owners (job order), *total the tensor count, and per
- * node (arrays of `nodes`, each may be NULL) its Newton-Schulz FLOPs per step and its bytes of
- * fp32 state. 3 INVALID_ARGUMENT for a bad spec or nodes outside 1..65536. */
+ * tensors whole, balanced by Newton-Schulz FLOPs; AdamW tensors by bytes of state, an AdamW
+ * tensor larger than a node's share split by rows across nodes (client/ownership_plan.h). Writes
+ * up to `capacity` owners (job order; a split tensor: the node of its first rows), *total the
+ * tensor count, and per node (arrays of `nodes`, each may be NULL) its FLOPs per step
+ * (Newton-Schulz and AdamW) and its bytes of fp32 state. 3 INVALID_ARGUMENT for a bad spec or
+ * nodes outside 1..65536. */
 int muond_ownership_plan(const char* spec_json, int nodes, int32_t* owner, size_t capacity,
                          size_t* total, double* node_flops, double* node_bytes);
+/* The plan's pieces: rows [row_begin, row_end) of tensor `tensor` (job order) on node `node`, by
+ * tensor then rows; a tensor not split is one piece of all its rows (its first dimension; 0-d: one
+ * row). Writes up to `capacity` pieces (each array may be NULL), *total the count. */
+int muond_ownership_pieces(const char* spec_json, int nodes, int32_t* tensor, int64_t* row_begin,
+                           int64_t* row_end, int32_t* node, size_t capacity, size_t* total);
 /* A multi-node job's two-phase step (the job spec has "multinode"): commit the prepared step
  * `step` (OK when it is committed already), or drop it (a prepared step, or one in flight whose
  * ranks then get ABORTED with `reason`; the daemon's state stays bit-identical and the job expects

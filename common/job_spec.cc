@@ -56,7 +56,8 @@ absl::Status ParseMuon(const Json& muon, MuonConfig* config) {
 absl::Status ParseMatrix(const Json& matrix, const std::string& path, MatrixSpec* spec) {
   if (!matrix.is_object()) return FieldError(path, "expected an object");
   RETURN_IF_ERROR(CheckKnownFields(matrix, path + ".", {"name", "shape", "num_heads", "dtype",
-                                                       "optimizer", "group", "param_dtype"}));
+                                                       "optimizer", "group", "param_dtype",
+                                                       "rows"}));
   if (matrix.find("name") == matrix.end()) return FieldError(path + ".name", "missing");
   RETURN_IF_ERROR(ReadString(matrix, "name", path + ".name", &spec->name));
   const auto shape = matrix.find("shape");
@@ -76,6 +77,7 @@ absl::Status ParseMatrix(const Json& matrix, const std::string& path, MatrixSpec
   if (!shape_ok) return FieldError(path + ".shape", "expected an array of positive integers");
   RETURN_IF_ERROR(ReadInt64(matrix, "num_heads", path + ".num_heads", &spec->num_heads));
   RETURN_IF_ERROR(ReadEnum(matrix, "dtype", path + ".dtype", ParseDType, &spec->dtype));
+  RETURN_IF_ERROR(json_fields::ParseTensorRowsField(matrix, path, spec));
   return json_fields::ParseTensorApplyFields(matrix, path, spec);
 }
 
@@ -304,6 +306,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
                         {"shape", m.shape},
                         {"num_heads", m.num_heads},
                         {"dtype", DTypeName(m.dtype)}});
+    json_fields::WriteTensorRowsField(m, &matrices.back());
   }
   root["matrices"] = std::move(matrices);
   root["gather_budget_bytes"] = spec.gather_budget_bytes;

@@ -22,7 +22,9 @@
 //   "eps": 1e-8}, "max_grad_norm": x (0 or absent: no clipping), "init_from": "path.safetensors".
 // Many nodes (DESIGN.md 4c; job_spec_multinode.cc): "multinode": {"global_job_id": str,
 //   "node": n, "nodes": N}: this job is node n's part of a job over N nodes; its steps commit in
-//   two phases (prepared, then CommitStep / AbortStep from the trainer).
+//   two phases (prepared, then CommitStep / AbortStep from the trainer). An AdamW tensor of such
+//   a job may be rows of the trainer's tensor, split across nodes by the ownership plan:
+//   "rows": {"offset": first row, "of": the trainer's tensor's rows} (shape: the rows held here).
 // Plain value types; thread-compatible.
 #ifndef MUOND_COMMON_JOB_SPEC_H_
 #define MUOND_COMMON_JOB_SPEC_H_
@@ -80,6 +82,11 @@ struct MatrixSpec {
   Optimizer optimizer = Optimizer::kMuon;
   std::string group = {};
   DType param_dtype = DType::kFloat32;
+  // Many nodes, apply mode, AdamW tensors only: this job holds rows [row_offset, row_offset +
+  // shape[0]) of the trainer's tensor `name`, which has full_rows rows (the rest of its shape as
+  // here); 0: the whole tensor. job.json "rows": {"offset": row_offset, "of": full_rows}.
+  int64_t row_offset = 0;
+  int64_t full_rows = 0;
 
   int64_t numel() const;
 };
@@ -188,7 +195,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec);
 // kMaxInitFromBytes; ZeRO 1/2 partitions of one parameter dtype as well.
 absl::Status ValidateApplyMode(const JobSpec& spec);
 // The "multinode" block: global_job_id a valid job id, 0 <= node < nodes <= kMaxNodes (when
-// present). INVALID_ARGUMENT naming the field.
+// present); a tensor's "rows" only on an AdamW tensor of an apply-mode multi-node job, with at
+// least one dimension, 0 <= offset, offset + shape[0] <= of, and at most kMaxMatrixElements elements
+// in the whole tensor. INVALID_ARGUMENT naming the field.
 absl::Status ValidateMultiNode(const JobSpec& spec);
 // Fills what apply mode defaults: a tensor's group (its optimizer's name). Both parsers call it.
 void FillApplyDefaults(JobSpec* spec);

@@ -194,6 +194,8 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
           absl::StrCat("matrices[", i, "].dtype: ", dtype.status().message()));
     }
     ms.dtype = *dtype;
+    ms.row_offset = pm.row_offset();
+    ms.full_rows = pm.full_rows();
     RETURN_IF_ERROR(TensorApplyFieldsFromProto(pm, i, &ms));
     spec.matrices.push_back(std::move(ms));
   }
@@ -258,6 +260,8 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
     for (int64_t d : ms.shape) pm->add_shape(d);
     pm->set_num_heads(ms.num_heads);
     pm->set_dtype(DTypeToProto(ms.dtype));
+    pm->set_row_offset(ms.row_offset);
+    pm->set_full_rows(ms.full_rows);
     if (spec.mode == JobMode::kApply) {
       pm->set_optimizer(ms.optimizer == Optimizer::kAdamW ? v1::OPTIMIZER_ADAMW
                                                           : v1::OPTIMIZER_MUON);

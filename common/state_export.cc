@@ -121,6 +121,19 @@ absl::Status ParseArray(const Json& t, const std::string& where, size_t i, Array
   a->end = t["data_offsets"][1].get<uint64_t>();
   if (crc > 0xffffffffu) return BadKey(t, where, at, "crc32c", "a CRC32C (32 bits)");
   a->crc32c = static_cast<uint32_t>(crc);
+  if (t.contains("rows")) {
+    const Json& rows = t["rows"];
+    if (!rows.is_object()) return BadKey(t, where, at, "rows", "an object {offset, of}");
+    const std::string rat = at + "rows.";
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    RETURN_IF_ERROR(GetInt(rows, where, rat, "offset", 0, kMax, &a->row_offset));
+    RETURN_IF_ERROR(GetInt(rows, where, rat, "of", 1, kMax, &a->full_rows));
+    if (a->shape.empty() || a->row_offset > a->full_rows - a->shape[0]) {
+      return Damaged(where, absl::StrCat("key '", at, "rows': tensor '", a->name, "': rows [",
+                                         a->row_offset, ", +", a->shape.empty() ? 0 : a->shape[0],
+                                         ") are not within its ", a->full_rows, " rows"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -203,6 +216,9 @@ std::string ManifestToJson(const Manifest& m) {
                             {"shape", a.shape},
                             {"data_offsets", {a.begin, a.end}},
                             {"crc32c", a.crc32c}});
+    if (a.full_rows > 0) {
+      j["tensors"].back()["rows"] = {{"offset", a.row_offset}, {"of", a.full_rows}};
+    }
   }
   if (m.mode == JobMode::kApply) j["tensor_steps"] = m.tensor_steps;
   j["checksum"] = Checksum(j);

@@ -15,7 +15,10 @@
 //                      "generation": the checkpoint generation exported (0: the live state),
 //                      "payload": "J.safetensors", "payload_bytes",
 //                      "tensors": [{"name", "tensor", "dtype": "float32", "shape",
-//                                   "data_offsets": [begin, end] (after the header), "crc32c"}],
+//                                   "data_offsets": [begin, end] (after the header), "crc32c",
+//                                   "rows": {"offset", "of"} (only for rows of a tensor split
+//                                   across nodes: the array holds rows [offset, offset +
+//                                   shape[0]) of the tensor's `of` rows)}],
 //                      "tensor_steps": {tensor: AdamW step count} (apply mode),
 //                      "checksum": CRC32C of this JSON without "checksum" (compact dump)}.
 // The manifest is written last: a directory entry J.manifest.json means J's export is complete.
@@ -50,6 +53,8 @@ struct Array {
   uint64_t begin = 0;  // data offsets after the payload header
   uint64_t end = 0;
   uint32_t crc32c = 0;
+  int64_t row_offset = 0;  // rows [row_offset, row_offset + shape[0]) of full_rows (0: whole)
+  int64_t full_rows = 0;
   uint64_t numel() const;
 };
 
@@ -78,8 +83,8 @@ std::string PayloadHeader(const Manifest& m);
 std::string ManifestToJson(const Manifest& m);
 // Parses and checks a manifest read from `where` (a path, for messages): format, version,
 // checksum, field types, the file names (no '/'), shapes (positive, numel without overflow),
-// data offsets (packed in order, end - begin = numel * 4, inside payload_bytes), no array named
-// twice, apply mode's step count of every tensor. DATA_LOSS (a damaged file) or INVALID_ARGUMENT
+// data offsets (packed in order, end - begin = numel * 4, inside payload_bytes), rows within
+// their tensor's, no array named twice, apply mode's step count of every tensor. DATA_LOSS (a damaged file) or INVALID_ARGUMENT
 // (well-formed but not a state export of this format), naming `where` and what.
 absl::StatusOr<Manifest> ParseManifest(std::string_view text, const std::string& where);
 

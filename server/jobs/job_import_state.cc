@@ -5,10 +5,13 @@
 // the creator could read: the directory and every file in it owned by the creator's uid or open
 // to everyone, no symbolic link followed in any component, each checked on the descriptor opened
 // (creator_path.h). Every check runs before the job's state changes: the manifests (format,
-// checksum, one step and the job's mode in all of them, no tensor in two files), each tensor the
-// job needs (present, shape), each payload's size and header against its manifest, each array's
-// CRC32C and finiteness. Memory: one copy of the job's state while it is read (as a checkpoint
-// load), allocated from the job's own shapes after the manifests matched.
+// checksum, one step and the job's mode in all of them, no rows of a tensor in two files), each
+// tensor the job needs (present, shape, every row of it), each payload's size and header against
+// its manifest, each array's CRC32C and finiteness. Rows of a tensor split across nodes (the
+// ownership plan) are taken from whichever arrays hold them: an export of N nodes imports into M.
+// Memory: one copy of the job's state while it is read (as a checkpoint load), allocated from the
+// job's own shapes after the manifests matched, plus one 16 MiB read buffer for an array of which
+// only some rows are taken (its CRC32C still covers all of it).
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -18,6 +21,7 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -135,11 +139,30 @@ absl::StatusOr<std::vector<ExportFile>> ReadManifests(const std::string& where,
   return files;
 }
 
-// Where each state array is: (file, array) by name. Refuses files of another step or mode than
-// the first's and a name found in two files.
-absl::StatusOr<std::map<std::string, std::pair<size_t, size_t>>> IndexArrays(
+// An array's rows within its trainer tensor: [begin, end) of `of` (a whole array: all of them;
+// a 0-d array has one row).
+struct RowRange {
+  int64_t begin = 0, end = 0, of = 0;
+};
+
+RowRange RowsOf(const std::vector<int64_t>& shape, int64_t row_offset, int64_t full_rows) {
+  const int64_t rows = shape.empty() ? 1 : shape[0];
+  if (full_rows > 0) return {row_offset, row_offset + rows, full_rows};
+  return {0, rows, rows};
+}
+
+std::vector<int64_t> RowShape(const std::vector<int64_t>& shape) {
+  return shape.empty() ? shape : std::vector<int64_t>(shape.begin() + 1, shape.end());
+}
+
+using ArrayRef = std::pair<size_t, size_t>;  // (file, array)
+
+// Where each state array is: by name, the arrays holding it (one, or rows of a tensor split
+// across nodes, by first row). Refuses files of another step or mode than the first's and rows
+// of a name found in two files.
+absl::StatusOr<std::map<std::string, std::vector<ArrayRef>>> IndexArrays(
     const std::string& where, const std::vector<ExportFile>& files, common::JobMode mode) {
-  std::map<std::string, std::pair<size_t, size_t>> index;
+  std::map<std::string, std::vector<ArrayRef>> index;
   for (size_t f = 0; f < files.size(); ++f) {
     const se::Manifest& m = files[f].manifest;
     if (m.mode != mode) {
@@ -154,71 +177,185 @@ absl::StatusOr<std::map<std::string, std::pair<size_t, size_t>>> IndexArrays(
                        " step ", files[0].manifest.step, ", ", files[f].manifest_path, " step ",
                        m.step, " (export every node at the same step)"));
     }
-    for (size_t a = 0; a < m.arrays.size(); ++a) {
-      auto [it, fresh] = index.try_emplace(m.arrays[a].name, f, a);
-      if (!fresh) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": tensor '", m.arrays[a].name, "' is in both ",
-                         files[it->second.first].manifest_path, " and ", files[f].manifest_path));
+    for (size_t a = 0; a < m.arrays.size(); ++a) index[m.arrays[a].name].push_back({f, a});
+  }
+  const auto array = [&](const ArrayRef& r) -> const se::Array& {
+    return files[r.first].manifest.arrays[r.second];
+  };
+  const auto rows = [&](const ArrayRef& r) {
+    return RowsOf(array(r).shape, array(r).row_offset, array(r).full_rows);
+  };
+  for (auto& [name, refs] : index) {
+    std::stable_sort(refs.begin(), refs.end(), [&](const ArrayRef& x, const ArrayRef& y) {
+      return rows(x).begin < rows(y).begin;
+    });
+    for (size_t k = 1; k < refs.size(); ++k) {
+      const RowRange a = rows(refs[k - 1]), b = rows(refs[k]);
+      if (a.end > b.begin || a.of != b.of || array(refs[k - 1]).full_rows == 0 ||
+          array(refs[k]).full_rows == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": tensor '", name, "' is in both ", files[refs[k - 1].first].manifest_path,
+            " and ", files[refs[k].first].manifest_path, " (rows [", a.begin, ", ", a.end, ") of ",
+            a.of, " and [", b.begin, ", ", b.end, ") of ", b.of, ")"));
       }
     }
   }
   return index;
 }
 
-// Reads the arrays at `where_is` (per array of the job: file, array) into loaded->data, after
-// checking each payload's size and header against its manifest; then each array's CRC32C and
-// values.
+// What a job array takes from one export array: rows [begin, end) of the trainer's tensor.
+struct Source {
+  ArrayRef ref;
+  int64_t begin = 0, end = 0;
+};
+
+// The export arrays that hold `want` (job tensor `t`'s state array), each with the rows taken
+// from it: every row of the job's range covered, each by one array of the same row shape and
+// tensor rows. INVALID_ARGUMENT naming what is missing or different.
+absl::StatusOr<std::vector<Source>> FindSources(
+    const std::string& where, const std::string& job_id, const std::vector<ExportFile>& files,
+    const std::map<std::string, std::vector<ArrayRef>>& index,
+    const checkpoint::StateTensor& want, const common::MatrixSpec& t) {
+  const auto it = index.find(want.name);
+  if (it == index.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": no file there holds tensor '",
+                                                   want.name, "' of the job (", files.size(),
+                                                   " manifests, ", index.size(), " tensors)"));
+  }
+  const RowRange need = RowsOf(want.shape, t.row_offset, t.full_rows);
+  std::vector<Source> sources;
+  int64_t next = need.begin;
+  for (const ArrayRef& ref : it->second) {
+    const se::Array& a = files[ref.first].manifest.arrays[ref.second];
+    const RowRange has = RowsOf(a.shape, a.row_offset, a.full_rows);
+    if (has.of != need.of || RowShape(a.shape) != RowShape(want.shape)) {
+      std::vector<int64_t> whole = RowShape(want.shape), theirs = RowShape(a.shape);
+      whole.insert(whole.begin(), need.of);
+      theirs.insert(theirs.begin(), has.of);
+      return absl::InvalidArgumentError(
+          absl::StrCat(files[ref.first].manifest_path, ": tensor '", want.name, "' has shape [",
+                       absl::StrJoin(theirs, ", "), "], job '", job_id, "' has [",
+                       absl::StrJoin(whole, ", "), "]",
+                       t.full_rows > 0 || a.full_rows > 0 ? " (whole tensors)" : ""));
+    }
+    if (has.end <= next || has.begin >= need.end) continue;
+    if (has.begin > next) break;  // a gap: reported below
+    sources.push_back({ref, next, std::min(has.end, need.end)});
+    next = sources.back().end;
+    if (next == need.end) break;
+  }
+  if (next != need.end) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": no file there holds rows [", next, ", ", need.end, ") of tensor '", want.name,
+        "' (", need.of, " rows; the job holds [", need.begin, ", ", need.end, "))"));
+  }
+  return sources;
+}
+
+struct Payload {
+  std::unique_ptr<Fd> fd;
+  uint64_t header_bytes = 0;
+};
+
+// Opens file f's payload once, checking its size and header against its manifest.
+absl::StatusOr<const Payload*> OpenPayload(const std::string& dir, int dirfd, int64_t uid,
+                                           const ExportFile& file, size_t f,
+                                           std::map<size_t, Payload>* open) {
+  auto it = open->find(f);
+  if (it != open->end()) return &it->second;
+  const se::Manifest& m = file.manifest;
+  const std::string path = absl::StrCat(dir, "/", m.payload);
+  Payload p;
+  uint64_t size = 0;
+  ASSIGN_OR_RETURN(p.fd, OpenFile(dirfd, path, m.payload, uid, &size));
+  if (size != m.payload_bytes) {
+    return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes, its manifest ",
+                                            file.manifest_path, " says ", m.payload_bytes));
+  }
+  const std::string want = se::PayloadHeader(m);
+  std::string got(want.size(), '\0');
+  RETURN_IF_ERROR(ReadAt(p.fd->get(), path, got.data(), got.size(), 0));
+  if (got != want) {
+    return absl::DataLossError(absl::StrCat(path, ": its header does not match its manifest ",
+                                            file.manifest_path,
+                                            " (damaged, or not of that export)"));
+  }
+  p.header_bytes = want.size();
+  return &open->emplace(f, std::move(p)).first->second;
+}
+
+// The bytes read at once from an array of which only some rows are taken.
+constexpr uint64_t kPieceReadBytes = uint64_t{16} << 20;
+
+// Reads one export array, checks its CRC32C and that its values are finite, and copies its rows
+// [src.begin, src.end) to `dst` (the job array's first row is `first_row`). An array taken whole
+// is read straight into place; otherwise in kPieceReadBytes reads.
+absl::Status ReadSource(const std::string& path, const Payload& p, const se::Array& a,
+                        const Source& src, int64_t first_row, float* dst) {
+  const RowRange has = RowsOf(a.shape, a.row_offset, a.full_rows);
+  const uint64_t row = a.numel() / static_cast<uint64_t>(has.end - has.begin);
+  const uint64_t base = p.header_bytes + a.begin;
+  float* into = dst + static_cast<uint64_t>(src.begin - first_row) * row;
+  const auto check = [&](const float* data, uint64_t count, uint64_t at) -> absl::Status {
+    const int64_t bad = common::FindNonFiniteRaw(
+        common::DType::kFloat32, reinterpret_cast<const char*>(data), static_cast<int64_t>(count));
+    if (bad >= 0) {
+      return absl::DataLossError(absl::StrCat(path, ": tensor '", a.name, "' element ",
+                                              at + static_cast<uint64_t>(bad), " is not finite"));
+    }
+    return absl::OkStatus();
+  };
+  uint32_t crc = 0;
+  if (src.begin == has.begin && src.end == has.end) {
+    RETURN_IF_ERROR(ReadAt(p.fd->get(), path, reinterpret_cast<char*>(into), se::ArrayBytes(a),
+                           base));
+    crc = common::Crc32c(into, se::ArrayBytes(a));
+    if (crc == a.crc32c) RETURN_IF_ERROR(check(into, a.numel(), 0));
+  } else {
+    const uint64_t take_from = static_cast<uint64_t>(src.begin - has.begin) * row;
+    const uint64_t take_to = static_cast<uint64_t>(src.end - has.begin) * row;
+    std::vector<float> chunk(std::min<uint64_t>(a.numel(), kPieceReadBytes / sizeof(float)));
+    for (uint64_t at = 0; at < a.numel(); at += chunk.size()) {
+      const uint64_t n = std::min<uint64_t>(chunk.size(), a.numel() - at);
+      RETURN_IF_ERROR(ReadAt(p.fd->get(), path, reinterpret_cast<char*>(chunk.data()),
+                             n * sizeof(float), base + at * sizeof(float)));
+      crc = common::Crc32cExtend(crc, chunk.data(), n * sizeof(float));
+      const uint64_t lo = std::max(at, take_from), hi = std::min(at + n, take_to);
+      if (lo < hi) {
+        RETURN_IF_ERROR(check(chunk.data() + (lo - at), hi - lo, lo));
+        std::copy(chunk.data() + (lo - at), chunk.data() + (hi - at), into + (lo - take_from));
+      }
+    }
+  }
+  if (crc != a.crc32c) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": tensor '", a.name, "': CRC32C mismatch (damaged)"));
+  }
+  return absl::OkStatus();
+}
+
+// Reads the job's arrays (per array: its sources) into loaded->data, after checking each
+// payload's size and header against its manifest; then each array's CRC32C and values.
 absl::Status ReadArrays(const std::string& dir, int dirfd, int64_t uid,
                         const std::vector<ExportFile>& files,
-                        const std::vector<std::pair<size_t, size_t>>& where_is,
+                        const std::vector<checkpoint::StateTensor>& wants,
+                        const std::vector<int64_t>& first_rows,
+                        const std::vector<std::vector<Source>>& sources,
                         checkpoint::Loaded* loaded, OperationProgress::Handle* progress) {
-  struct Payload {
-    std::unique_ptr<Fd> fd;
-    uint64_t header_bytes = 0;
-  };
   std::map<size_t, Payload> open;  // per file used
-  loaded->data.resize(where_is.size());
-  for (size_t i = 0; i < where_is.size(); ++i) {
-    const auto [f, a] = where_is[i];
-    const se::Manifest& m = files[f].manifest;
-    const std::string path = absl::StrCat(dir, "/", m.payload);
-    auto it = open.find(f);
-    if (it == open.end()) {
-      Payload p;
-      uint64_t size = 0;
-      ASSIGN_OR_RETURN(p.fd, OpenFile(dirfd, path, m.payload, uid, &size));
-      if (size != m.payload_bytes) {
-        return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes, its manifest ",
-                                                files[f].manifest_path, " says ", m.payload_bytes));
-      }
-      const std::string want = se::PayloadHeader(m);
-      std::string got(want.size(), '\0');
-      RETURN_IF_ERROR(ReadAt(p.fd->get(), path, got.data(), got.size(), 0));
-      if (got != want) {
-        return absl::DataLossError(absl::StrCat(path, ": its header does not match its manifest ",
-                                                files[f].manifest_path,
-                                                " (damaged, or not of that export)"));
-      }
-      p.header_bytes = want.size();
-      it = open.emplace(f, std::move(p)).first;
-    }
-    const se::Array& arr = m.arrays[a];
+  loaded->data.resize(sources.size());
+  for (size_t i = 0; i < sources.size(); ++i) {
+    uint64_t numel = 1;
+    for (int64_t d : wants[i].shape) numel *= static_cast<uint64_t>(d);
     std::vector<float>& data = loaded->data[i];
-    data.resize(arr.numel());
-    RETURN_IF_ERROR(ReadAt(it->second.fd->get(), path, reinterpret_cast<char*>(data.data()),
-                           se::ArrayBytes(arr), it->second.header_bytes + arr.begin));
-    progress->Advance(se::ArrayBytes(arr));
-    if (common::Crc32c(data.data(), se::ArrayBytes(arr)) != arr.crc32c) {
-      return absl::DataLossError(
-          absl::StrCat(path, ": tensor '", arr.name, "': CRC32C mismatch (damaged)"));
-    }
-    const int64_t bad = common::FindNonFiniteRaw(common::DType::kFloat32,
-                                                 reinterpret_cast<const char*>(data.data()),
-                                                 static_cast<int64_t>(arr.numel()));
-    if (bad >= 0) {
-      return absl::DataLossError(
-          absl::StrCat(path, ": tensor '", arr.name, "' element ", bad, " is not finite"));
+    data.resize(numel);
+    for (const Source& src : sources[i]) {
+      const auto [f, a] = src.ref;
+      const se::Manifest& m = files[f].manifest;
+      ASSIGN_OR_RETURN(const Payload* p, OpenPayload(dir, dirfd, uid, files[f], f, &open));
+      RETURN_IF_ERROR(ReadSource(absl::StrCat(dir, "/", m.payload), *p, m.arrays[a], src,
+                                 first_rows[i], data.data()));
+      progress->Advance(se::ArrayBytes(m.arrays[a]));
     }
   }
   return absl::OkStatus();
@@ -246,38 +383,44 @@ absl::Status Job::ImportState(const std::string& dir, int64_t peer_uid) {
   loaded.info.step = files[0].manifest.step;
   loaded.info.generation = 0;
   loaded.info.path = dir;
-  std::vector<std::pair<size_t, size_t>> where_is;
-  for (const checkpoint::StateTensor& want : checkpoint::StateTensors(spec_)) {
-    auto it = index.find(want.name);
-    if (it == index.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": no file there holds tensor '",
-                                                     want.name, "' of the job (", files.size(),
-                                                     " manifests, ", index.size(), " tensors)"));
-    }
-    const se::Array& a = files[it->second.first].manifest.arrays[it->second.second];
-    if (a.shape != want.shape) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(files[it->second.first].manifest_path, ": tensor '", want.name,
-                       "' has shape [", absl::StrJoin(a.shape, ", "), "], job '", id(), "' has [",
-                       absl::StrJoin(want.shape, ", "), "]"));
-    }
+  const std::vector<checkpoint::StateTensor> wants = checkpoint::StateTensors(spec_);
+  std::vector<std::vector<Source>> sources;
+  std::vector<int64_t> first_rows;
+  for (const checkpoint::StateTensor& want : wants) {
+    const common::MatrixSpec& t = spec_.matrices[want.tensor];
+    ASSIGN_OR_RETURN(std::vector<Source> from, FindSources(where, id(), files, index, want, t));
+    sources.push_back(std::move(from));
+    first_rows.push_back(t.full_rows > 0 ? t.row_offset : 0);
     loaded.names.push_back(want.name);
-    where_is.push_back(it->second);
   }
   if (apply()) {
+    size_t at = 0;  // the tensor's master array (its first) says which files hold it
     for (const common::MatrixSpec& t : spec_.matrices) {
-      // The tensor's master array says which file holds it.
-      const auto [f, a] = index.at(checkpoint::StateArrayName(t, 0));
-      loaded.tensor_steps.push_back(
-          files[f].manifest.tensor_steps.at(files[f].manifest.arrays[a].tensor));
+      while (wants[at].name != checkpoint::StateArrayName(t, 0)) ++at;
+      std::optional<int64_t> steps;
+      for (const Source& src : sources[at]) {
+        const se::Manifest& m = files[src.ref.first].manifest;
+        const int64_t s = m.tensor_steps.at(m.arrays[src.ref.second].tensor);
+        if (steps.has_value() && *steps != s) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              files[src.ref.first].manifest_path, ": tensor '", t.name, "' has taken ", s,
+              " AdamW steps there and ", *steps, " in another file of the export"));
+        }
+        steps = s;
+      }
+      loaded.tensor_steps.push_back(*steps);
     }
   }
   // Shown like saves and loads (GetProgress, the status page): the bytes of the arrays read.
   uint64_t total = 0;
-  for (const auto& [f, a] : where_is) total += se::ArrayBytes(files[f].manifest.arrays[a]);
+  for (const auto& from : sources) {
+    for (const Source& src : from) {
+      total += se::ArrayBytes(files[src.ref.first].manifest.arrays[src.ref.second]);
+    }
+  }
   const auto progress = OperationProgress::Default().Begin(id(), "import", id(), total);
-  absl::Status read = ReadArrays(dir, dirfd.get(), peer_uid, files, where_is, &loaded,
-                                 progress.get());
+  absl::Status read = ReadArrays(dir, dirfd.get(), peer_uid, files, wants, first_rows, sources,
+                                 &loaded, progress.get());
   progress->End(read);
   RETURN_IF_ERROR(read);
   CheckpointWriter::Exclusive exclusive(writer_);

@@ -77,6 +77,7 @@ struct Loaded {
 struct StateTensor {
   std::string name;
   std::vector<int64_t> shape;
+  uint32_t tensor = 0;  // its job tensor (index into spec.matrices)
 };
 // The arrays a generation of `spec` holds, in payload order (see above). Apply mode: slot 0 is the
 // master, slot 1 the momentum (Muon) or exp_avg (AdamW), slot 2 exp_avg_sq.

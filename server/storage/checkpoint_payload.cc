@@ -197,13 +197,14 @@ std::string StateArrayName(const common::MatrixSpec& tensor, int slot) {
 
 std::vector<StateTensor> StateTensors(const common::JobSpec& spec) {
   std::vector<StateTensor> out;
-  for (const common::MatrixSpec& m : spec.matrices) {
+  for (uint32_t t = 0; t < spec.matrices.size(); ++t) {
+    const common::MatrixSpec& m = spec.matrices[t];
     if (spec.mode != common::JobMode::kApply) {
-      out.push_back({m.name, m.shape});
+      out.push_back({m.name, m.shape, t});
       continue;
     }
     const int slots = m.optimizer == common::Optimizer::kAdamW ? 3 : 2;
-    for (int s = 0; s < slots; ++s) out.push_back({StateArrayName(m, s), m.shape});
+    for (int s = 0; s < slots; ++s) out.push_back({StateArrayName(m, s), m.shape, t});
   }
   return out;
 }

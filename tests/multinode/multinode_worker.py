@@ -41,14 +41,18 @@ STEPS = 10
 SHAPES = {"attn.q": (48, 32), "attn.o": (32, 48), "mlp.up": (64, 32), "mlp.down": (32, 64),
           "attn.k": (16, 32), "head.w": (24, 40)}
 ADAM_SHAPES = {"embed": (40, 32), "norm": (32,), "bias": (64,)}
+# An embedding whose AdamW state (6.3 MB) is more than a node's share: the ownership plan splits it
+# by rows across the nodes (at least 1 MiB of state per piece).
+BIG_EMBED = (1024, 512)
 
 
-def model(mode, dtype=torch.float32):
+def model(mode, dtype=torch.float32, big=False):
     g = torch.Generator().manual_seed(11)
     params = {n: torch.nn.Parameter((torch.randn(s, generator=g) * 0.2).to(dtype))
               for n, s in SHAPES.items()}
+    shapes = dict(ADAM_SHAPES, embed=BIG_EMBED) if big else ADAM_SHAPES
     adam = {n: torch.nn.Parameter((torch.randn(s, generator=g) * 0.2).to(dtype))
-            for n, s in ADAM_SHAPES.items()}
+            for n, s in shapes.items()}
     return params, adam
 
 
@@ -74,8 +78,8 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def make(cfg, rank, stage, mode, multinode, job_id, dtype=torch.float32, **kw):
-    params, adam = model(mode, dtype)
+def make(cfg, rank, stage, mode, multinode, job_id, dtype=torch.float32, big=False, **kw):
+    params, adam = model(mode, dtype, big)
     args = dict(zero_stage=stage, mode=mode, transport="shm", job_id=job_id)
     args.update(kw)
     if multinode:
@@ -106,17 +110,24 @@ def job_show(cfg, opt):
 
 def identical(cfg, rank):
     result = {}
-    cases = [(stage, mode, torch.float32) for stage in (1, 2, 3) for mode in ("update", "apply")]
+    cases = [(stage, mode, torch.float32, False) for stage in (1, 2, 3)
+             for mode in ("update", "apply")]
     if cfg.get("bf16"):
-        cases.append((2, "apply", torch.bfloat16))
-    for stage, mode, dtype in cases:
-        name = f"s{stage}-{mode}" + ("-bf16" if dtype == torch.bfloat16 else "")
-        opt, params, adam = make(cfg, rank, stage, mode, False, f"single-{name}", dtype)
+        cases.append((2, "apply", torch.bfloat16, False))
+    # The embedding split by rows across the nodes (apply mode: AdamW in the daemons)
+    cases += [(stage, "apply", torch.float32, True) for stage in (1, 3)]
+    for stage, mode, dtype, big in cases:
+        name = (f"s{stage}-{mode}" + ("-bf16" if dtype == torch.bfloat16 else "")
+                + ("-split" if big else ""))
+        opt, params, adam = make(cfg, rank, stage, mode, False, f"single-{name}", dtype, big)
         want = run_steps(opt, params, adam, rank, range(STEPS))
         opt.close(delete_job=True)
-        opt, params, adam = make(cfg, rank, stage, mode, True, f"multi-{name}", dtype)
+        opt, params, adam = make(cfg, rank, stage, mode, True, f"multi-{name}", dtype, big)
         got = run_steps(opt, params, adam, rank, range(STEPS))
         result[name] = {"bitwise_steps": sum(same(a, b) for a, b in zip(got, want)),
+                        "split": [opt._routing.spec["tensors"][t]["name"]
+                                  for t in opt._routing.split_tensors()]
+                        if mode == "apply" else [],
                         "bytes": list(opt.bytes_per_step()),
                         "expected_bytes": list(opt.expected_bytes()),
                         "nodes": opt.nodes, "global_job": opt.global_job_id,
@@ -283,6 +294,13 @@ RESHARD_STEPS, RESHARD_AT = 8, 4
 RESHARD_CASES = [(2, "update"), (3, "apply")]
 
 
+def _pieces(opt):
+    """The embedding's row ranges by node: [[first row, end row, node]]."""
+    r = opt._routing
+    names = [t["name"] for t in r.spec.get("tensors", r.spec.get("matrices"))]
+    return [[b, e, n] for t, b, e, n in r.units if names[t] == "embed"]
+
+
 def reshard(cfg, rank):
     """Phase 1 of re-sharding (2 nodes x 2 ranks): the reference (one daemon, 8 steps
     uninterrupted), then the nodes for 4 steps, export_state into one directory per case, the
@@ -291,19 +309,20 @@ def reshard(cfg, rank):
     result = {}
     for stage, mode in RESHARD_CASES:
         name = f"s{stage}-{mode}"
+        big = mode == "apply"  # the embedding split by rows: 2 pieces here, 3 after
         opt, params, adam = make(cfg, rank, stage, mode, False, f"ref-reshard-{name}",
-                                 reduce_gradients=False)
+                                 big=big, reduce_gradients=False)
         want = run_steps(opt, params, adam, 0, range(RESHARD_STEPS))
         opt.close(delete_job=True)
         opt, params, adam = make(cfg, rank, stage, mode, True, f"reshard2-{name}",
-                                 reduce_gradients=False)
+                                 big=big, reduce_gradients=False)
         got = run_steps(opt, params, adam, 0, range(RESHARD_AT))
         exported = opt.export_state(os.path.join(cfg["export_root"], name))
         torch.save({"want": want, "sd": copy.deepcopy(opt.state_dict()),
                     "trainer": snapshot(params, adam)},
                    os.path.join(cfg["out"], f"reshard-{name}-{rank}.pt"))
         result[name] = {"bitwise_before": sum(same(a, b) for a, b in zip(got, want)),
-                        "exported": exported}
+                        "exported": exported, "pieces": _pieces(opt)}
         opt.close(delete_job=True)  # the export stands on its own
     return result
 
@@ -317,12 +336,13 @@ def reshard_resume(cfg, rank):
         saved = torch.load(os.path.join(cfg["out"], f"reshard-{name}-{rank % 4}.pt"))
         export_dir = os.path.join(cfg["export_root"], name)
         opt, params, adam = make(cfg, rank, stage, mode, True, f"reshard3-{name}",
-                                 reduce_gradients=False, import_dir=export_dir)
+                                 big=mode == "apply", reduce_gradients=False,
+                                 import_dir=export_dir)
         for p, t in zip(list(params.values()) + list(adam.values()), saved["trainer"]):
             p.data.copy_(t)
         resumed = opt.load_state_dict(saved["sd"])
         got = run_steps(opt, params, adam, 0, range(RESHARD_AT, RESHARD_STEPS))
-        result[name] = {"resumed_at": resumed, "nodes": opt.nodes,
+        result[name] = {"resumed_at": resumed, "nodes": opt.nodes, "pieces": _pieces(opt),
                         "files": sorted(os.listdir(export_dir)),
                         "bitwise_after": sum(same(a, b) for a, b in
                                              zip(got, saved["want"][RESHARD_AT:]))}

@@ -10,11 +10,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <map>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "common/crc32c.h"
 #include "common/job_spec.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_fixture.h"
@@ -299,6 +301,137 @@ TEST_F(StateExportTest, MuonctlExportsAndCreatesFromTheExport) {
   EXPECT_EQ(r.exit_code, 3) << r.err;
 }
 
+// A hand-made export file of job `job`: AdamW tensor "e" (rows [offset, offset + rows) of 8, 2
+// columns; full 0: the whole tensor), its three arrays filled with (row * 10 + column + slot / 4),
+// and `steps` AdamW steps.
+void WriteRowsExport(const std::string& dir, const std::string& job, int64_t offset,
+                     int64_t rows, int64_t full, int64_t steps = 3) {
+  se::Manifest m;
+  m.job_id = job;
+  m.mode = common::JobMode::kApply;
+  m.step = 5;
+  m.payload = job + se::kPayloadSuffix;
+  std::string data;
+  int slot = 0;
+  for (const char* name : {"master/e", "exp_avg/e", "exp_avg_sq/e"}) {
+    se::Array a{name, "e", {rows, 2}};
+    a.row_offset = full > 0 ? offset : 0;
+    a.full_rows = full;
+    std::vector<float> v;
+    for (int64_t r = offset; r < offset + rows; ++r) {
+      for (int c = 0; c < 2; ++c) v.push_back(static_cast<float>(r * 10 + c) + slot / 4.0f);
+    }
+    a.crc32c = common::Crc32c(v.data(), v.size() * sizeof(float));
+    data.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+    m.arrays.push_back(a);
+    ++slot;
+  }
+  m.tensor_steps = {{"e", steps}};
+  se::LayOut(&m);
+  std::filesystem::create_directories(dir);
+  WriteWholeFile(dir + "/" + m.payload, se::PayloadHeader(m) + data);
+  WriteWholeFile(dir + "/" + job + se::kManifestSuffix, se::ManifestToJson(m));
+}
+
+// The job spec of a node job holding rows [offset, offset + rows) of "e" (full 0: all 8 rows).
+common::JobSpec RowsJob(const std::string& id, int64_t offset, int64_t rows, int64_t full) {
+  auto spec = common::ParseJobSpecJson(absl::StrCat(
+      R"({"job_id": ")", id, R"(", "mode": "apply", "world_size": 1, "zero_stage": 0,
+          "tensors": [{"name": "e", "shape": [)", rows, R"(, 2], "optimizer": "adamw")",
+      full > 0 ? absl::StrCat(R"(, "rows": {"offset": )", offset, R"(, "of": )", full, "}") : "",
+      R"(}], "groups": [{"name": "adamw", "lr": 0.001}],
+          "multinode": {"global_job_id": "g", "node": 0, "nodes": 2}})"));
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return *spec;
+}
+
+// Rows of a tensor split across nodes (the ownership plan) are taken from whichever files hold
+// them: a job holding rows [2, 6) takes [2, 4) of one file's [0, 4) and [4, 6) of another's
+// [4, 8); a whole tensor is put together from the pieces. A gap, an overlap, a damaged piece
+// (even where no row of it is taken) and step counts that differ are refused naming the tensor,
+// the rows and the files, and create nothing.
+TEST_F(StateExportTest, RowsOfASplitTensorImportFromOtherCuts) {
+  WriteRowsExport(Dir("cut"), "g.node0", 0, 4, 8);
+  WriteRowsExport(Dir("cut"), "g.node1", 4, 4, 8);
+  const auto expect_rows = [&](const std::string& job, const std::string& token, int64_t first,
+                               int64_t rows) {
+    auto out = client::ExportStateToDir(*client_, job, token, 0, -1, Dir("check-" + job));
+    ASSERT_TRUE(out.ok()) << out.status();
+    auto m = se::ParseManifest(ReadWholeFile(out->manifest), out->manifest);
+    ASSERT_TRUE(m.ok()) << m.status();
+    const std::string payload = ReadWholeFile(out->payload);
+    const size_t header = se::PayloadHeader(*m).size();
+    ASSERT_EQ(m->arrays.size(), 3u);
+    for (size_t slot = 0; slot < 3; ++slot) {
+      const se::Array& a = m->arrays[slot];
+      EXPECT_EQ(a.shape, (std::vector<int64_t>{rows, 2}));
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int c = 0; c < 2; ++c) {
+          float v = 0;
+          std::memcpy(&v, payload.data() + header + a.begin + ((r * 2 + c) * sizeof(float)), 4);
+          EXPECT_EQ(v, static_cast<float>((first + r) * 10 + c) + slot / 4.0f)
+              << job << " " << a.name << " row " << first + r;
+        }
+      }
+    }
+  };
+  auto token = client_->CreateJobFromExport(RowsJob("middle", 2, 4, 8), Dir("cut"));
+  ASSERT_TRUE(token.ok()) << token.status();
+  expect_rows("middle", *token, 2, 4);
+  token = client_->CreateJobFromExport(RowsJob("whole", 0, 8, 0), Dir("cut"));
+  ASSERT_TRUE(token.ok()) << token.status();
+  expect_rows("whole", *token, 0, 8);
+  // The export of a job holding rows writes them as rows of the whole tensor.
+  auto exported = se::ParseManifest(ReadWholeFile(Dir("check-middle/middle.manifest.json")), "M");
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_EQ(exported->arrays[0].row_offset, 2);
+  EXPECT_EQ(exported->arrays[0].full_rows, 8);
+
+  struct Bad {
+    std::string dir;
+    absl::StatusCode code;
+    std::string phrase;
+  };
+  WriteRowsExport(Dir("gap"), "g.node0", 0, 4, 8);
+  WriteRowsExport(Dir("overlap"), "g.node0", 0, 4, 8);
+  WriteRowsExport(Dir("overlap"), "g.node1", 3, 5, 8);
+  WriteRowsExport(Dir("whole-and-rows"), "a.node0", 0, 8, 0);
+  WriteRowsExport(Dir("whole-and-rows"), "b.node1", 4, 4, 8);
+  WriteRowsExport(Dir("steps"), "g.node0", 0, 4, 8, 3);
+  WriteRowsExport(Dir("steps"), "g.node1", 4, 4, 8, 4);
+  WriteRowsExport(Dir("other-rows"), "g.node0", 0, 4, 9);
+  WriteRowsExport(Dir("other-rows"), "g.node1", 4, 5, 9);
+  CopyExport(Dir("cut"), Dir("damaged"));
+  {
+    std::string p = ReadWholeFile(Dir("damaged/g.node1.safetensors"));
+    p[p.size() - 1] ^= 1;  // the last row of exp_avg_sq/e: row 7, which the job does not take
+    WriteWholeFile(Dir("damaged/g.node1.safetensors"), p);
+  }
+  const Bad bad[] = {
+      {Dir("gap"), absl::StatusCode::kInvalidArgument,
+       "no file there holds rows [4, 6) of tensor 'master/e' (8 rows; the job holds [2, 6))"},
+      {Dir("overlap"), absl::StatusCode::kInvalidArgument,
+       "tensor 'exp_avg/e' is in both " + Dir("overlap/g.node0.manifest.json") + " and " +
+           Dir("overlap/g.node1.manifest.json") + " (rows [0, 4) of 8 and [3, 8) of 8)"},
+      {Dir("whole-and-rows"), absl::StatusCode::kInvalidArgument, "tensor 'exp_avg/e' is in both"},
+      {Dir("steps"), absl::StatusCode::kInvalidArgument,
+       "tensor 'e' has taken 4 AdamW steps there and 3 in another file"},
+      {Dir("other-rows"), absl::StatusCode::kInvalidArgument,
+       "tensor 'master/e' has shape [9, 2], job 'refused' has [8, 2] (whole tensors)"},
+      {Dir("damaged"), absl::StatusCode::kDataLoss,
+       "g.node1.safetensors: tensor 'exp_avg_sq/e': CRC32C mismatch"},
+  };
+  for (const Bad& b : bad) {
+    auto s = client_->CreateJobFromExport(RowsJob("refused", 2, 4, 8), b.dir).status();
+    EXPECT_EQ(s.code(), b.code) << s;
+    EXPECT_NE(std::string(s.message()).find(b.phrase), std::string::npos)
+        << s.message() << "\n(wanted: " << b.phrase << ")";
+  }
+  auto jobs = client_->ListJobs();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  for (const auto& j : *jobs) EXPECT_NE(j.spec().job_id(), "refused");
+}
+
 TEST(StateExportManifestTest, RoundTripAndDamage) {
   se::Manifest m;
   m.job_id = "g.node1";
@@ -336,6 +469,20 @@ TEST(StateExportManifestTest, RoundTripAndDamage) {
   edited.arrays[1].name = "master/w";
   s = se::ParseManifest(se::ManifestToJson(edited), "M").status();
   EXPECT_NE(std::string(s.message()).find("listed twice"), std::string::npos) << s.message();
+  // Rows of a tensor split across nodes: written, read back; outside the tensor's rows: damaged.
+  edited = m;
+  edited.arrays[0].row_offset = edited.arrays[1].row_offset = 4;
+  edited.arrays[0].full_rows = edited.arrays[1].full_rows = 6;
+  back = se::ParseManifest(se::ManifestToJson(edited), "M");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->arrays[1].row_offset, 4);
+  EXPECT_EQ(back->arrays[1].full_rows, 6);
+  EXPECT_EQ(back->arrays[0].full_rows, 6);
+  EXPECT_EQ(se::ParseManifest(se::ManifestToJson(m), "M")->arrays[0].full_rows, 0);
+  edited.arrays[1].row_offset = 5;  // rows [5, 7) of 6
+  s = se::ParseManifest(se::ManifestToJson(edited), "M").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(std::string(s.message()).find("are not within its 6 rows"), std::string::npos) << s;
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ from .loss_scaler import DynamicLossScaler
 from .apply_mode import ParameterOffload, apply_job_spec
 from .flat_shard import FlatShardOptimizer
 from .multinode import MultiNodeMuonWithAuxAdam
-from .multinode_plan import ownership_plan
+from .multinode_plan import ownership_pieces, ownership_plan
 from .reference import ApplyReference, muon_update, newton_schulz
 from .zero import (Partition, all_gather_partition_buffers, all_gather_partitions,
                    copy_from_buffer, copy_into_buffer, fill_world_buffer, group_partition,
@@ -31,7 +31,7 @@ from .zero import (Partition, all_gather_partition_buffers, all_gather_partition
 
 __all__ = [
     "CODE_NAMES", "CODES", "MuondError", "library_path", "Client", "Session", "layout_spans",
-    "MuonWithAuxAdam", "DynamicLossScaler", "FlatShardOptimizer", "MultiNodeMuonWithAuxAdam", "ownership_plan", "ParameterOffload", "apply_job_spec", "ApplyReference", "muon_update",
+    "MuonWithAuxAdam", "DynamicLossScaler", "FlatShardOptimizer", "MultiNodeMuonWithAuxAdam", "ownership_plan", "ownership_pieces", "ParameterOffload", "apply_job_spec", "ApplyReference", "muon_update",
     "newton_schulz", "Partition", "all_gather_partition_buffers", "all_gather_partitions",
     "copy_from_buffer", "copy_into_buffer", "fill_world_buffer", "group_partition",
     "group_rank_and_size", "job_partitions", "reduce_scatter_partitions",

@@ -72,7 +72,7 @@ from .zero import (all_gather_partition_buffers, copy_from_buffer, copy_into_buf
                    fill_world_buffer, job_partitions, reduce_scatter_partitions,
                    scatter_world_buffer)
 from .multinode_commit import TwoPhaseSteps
-from .multinode_plan import NodeRouting, node_layout, ownership_plan
+from .multinode_plan import NodeRouting, node_layout, ownership_pieces, ownership_plan
 
 
 def _wire(t):
@@ -132,9 +132,11 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
             raise ValueError("MultiNodeMuonWithAuxAdam: every tensor of the job must have one "
                              "dtype (the all-to-all moves flat buffers)")
         node_of = node_layout(self.ranks, self._node_map_arg)
-        plan = ownership_plan(self.spec, max(node_of) + 1)
+        nodes = max(node_of) + 1
+        plan = ownership_plan(self.spec, nodes)
         self.global_job_id = self.job_id
-        self._routing = NodeRouting(self.spec, self.partitions, node_of, plan, self.rank)
+        self._routing = NodeRouting(self.spec, self.partitions, node_of, plan, self.rank,
+                                    ownership_pieces(self.spec, nodes))
         r = self._routing
         r.node_job_id = f"{self.global_job_id}.node{r.node}"
         self.nodes = r.nodes

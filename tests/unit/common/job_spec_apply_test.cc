@@ -124,5 +124,53 @@ TEST(JobSpecApplyTest, BadApplyInputsNameWhatIsWrong) {
   ExpectInvalid(Edit(R"("zero_stage": 3)", R"("zero_stage": 2)"), "flat buffer of one dtype");
 }
 
+// Rows of an AdamW tensor split across nodes (the ownership plan): "rows" {"offset", "of"} on an
+// AdamW tensor of an apply-mode multi-node job, written back in the canonical form; everywhere
+// else, or out of range, INVALID_ARGUMENT naming the tensor.
+TEST(JobSpecApplyTest, RowsOfATensorSplitAcrossNodes) {
+  const std::string multinode =
+      R"("multinode": {"global_job_id": "g", "node": 1, "nodes": 3}, "max_grad_norm")";
+  const auto with = [&](const std::string& rows, const std::string& tensor = "\"group\": \"embed\",") {
+    std::string json = Edit("\"max_grad_norm\"", multinode);
+    const size_t at = json.find(tensor);
+    return json.replace(at, tensor.size(), tensor + " " + rows + ",");
+  };
+  auto spec = ParseJobSpecJson(with(R"("rows": {"offset": 50, "of": 300})"));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->matrices[1].row_offset, 50);
+  EXPECT_EQ(spec->matrices[1].full_rows, 300);
+  EXPECT_EQ(spec->matrices[0].full_rows, 0);
+  auto again = ParseJobSpecJson(JobSpecToJson(*spec));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->matrices[1].row_offset, 50);
+  EXPECT_EQ(again->matrices[1].full_rows, 300);
+  EXPECT_EQ(JobSpecToJson(*again), JobSpecToJson(*spec));
+  // The last rows exactly: [200, 300).
+  EXPECT_TRUE(ParseJobSpecJson(with(R"("rows": {"offset": 200, "of": 300})")).ok());
+  const std::pair<std::string, std::string> bad[] = {
+      {with(R"("rows": {"offset": 201, "of": 300})"), "rows [201, 201 + 100) are not within"},
+      {with(R"("rows": {"offset": 0, "of": 99})"), "are not within the tensor's 99 rows"},
+      {with(R"("rows": {"offset": -1, "of": 300})"), "are not within"},
+      {with(R"("rows": {"offset": 0, "of": 0})"), "rows.of: 0 is not >= 1"},
+      {with(R"("rows": {"offset": 0})"), "rows.of: missing"},
+      {with(R"("rows": {"offset": 0, "of": 300, "x": 1})"), "rows.x"},
+      {with(R"("rows": [0, 300])"), "expected an object"},
+      {with(R"("rows": {"offset": 0, "of": 300})", "\"name\": \"wq\","),
+       "tensor 'wq': rows: only an AdamW tensor"},
+      {with(R"("rows": {"offset": 0, "of": 300})", "\"name\": \"scale\","),
+       "a 0-d tensor has no rows"},
+      {with(R"("rows": {"offset": 0, "of": 9223372036854775807})"), "more than"},
+      {Edit("\"group\": \"embed\",", R"("group": "embed", "rows": {"offset": 0, "of": 300},)"),
+       "tensor 'embed': rows: only an AdamW tensor of an apply-mode multi-node job"},
+  };
+  for (const auto& [json, phrase] : bad) {
+    auto s = ParseJobSpecJson(json);
+    ASSERT_FALSE(s.ok()) << phrase;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+    EXPECT_NE(std::string(s.status().message()).find(phrase), std::string::npos)
+        << s.status() << " (wanted: " << phrase << ")";
+  }
+}
+
 }  // namespace
 }  // namespace muond::common
