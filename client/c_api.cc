@@ -16,9 +16,13 @@ struct muond_session {
   std::unique_ptr<muond::client::RankSession> impl;
   // The last step that ended OK through this handle was skipped (muond_session_last_step_skipped).
   bool last_skipped = false;
+  double last_sum_sq = 0;  // muond_session_last_step_sum_sq
   // Records the outcome of a step call and returns its status.
   absl::Status Ended(const absl::StatusOr<muond::client::StepResult>& r) {
-    if (r.ok()) last_skipped = r->skipped;
+    if (r.ok()) {
+      last_skipped = r->skipped;
+      last_sum_sq = r->grad_sum_sq;
+    }
     return r.status();
   }
 };
@@ -219,6 +223,15 @@ int muond_step_wait(muond_session* session, int64_t step, int* replayed) {
 
 int muond_session_last_step_skipped(const muond_session* session) {
   return session != nullptr && session->last_skipped ? 1 : 0;
+}
+
+double muond_session_last_step_sum_sq(const muond_session* session) {
+  return session != nullptr ? session->last_sum_sq : 0;
+}
+
+int muond_session_set_global_clip(muond_session* session, int mode, double sum_sq) {
+  if (session == nullptr) return Report(absl::InvalidArgumentError("session is NULL"));
+  return Report(session->impl->SetGlobalClip(mode, sum_sq));
 }
 
 int64_t muond_session_next_step(const muond_session* session) {

@@ -79,6 +79,9 @@ struct StepResult {
   // shared update region, were not written); the job's next step is step + 1.
   bool skipped = false;
   double compute_seconds = 0;
+  // Apply mode: the raw sum of squares of the step's gradients on the daemon (before the
+  // divisor): a node's share of the global norm.
+  double grad_sum_sq = 0;
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;
 };
@@ -197,6 +200,12 @@ class RankSession {
   // (their bytes are not used; send zeros). INVALID_ARGUMENT for an index out of range or given
   // twice. Every rank of a step must send the same mask (else the step is refused).
   absl::Status SetAbsent(const std::vector<uint32_t>& tensors);
+  // Apply mode, a node of a multi-node job with max_grad_norm: the global clip every later step of
+  // this session carries (the gradient norm spans the nodes; DESIGN.md 4c): mode 0 none (what
+  // such a job refuses), 1 compute with clip 1 and report the node's raw sum of squares
+  // (StepResult::grad_sum_sq), 2 clip by `sum_sq`, the raw sum of squares over every node.
+  // INVALID_ARGUMENT for another mode, or a sum that is not finite and >= 0 with mode 2.
+  absl::Status SetGlobalClip(int mode, double sum_sq);
 
   // Uploads the rank's part of the initial parameters: `params` must cover the rank's spans
   // exactly, in float32 (`float32`) or each tensor's param_dtype. The daemon installs them only
@@ -258,6 +267,8 @@ class RankSession {
   // Apply mode: set by SetHyper, sent with every step.
   std::optional<GroupHyperValues> hyper_;
   std::vector<uint8_t> absent_;  // SetAbsent: per job tensor, 1 when absent (empty: none)
+  int global_clip_mode_ = 0;     // SetGlobalClip
+  double global_sum_sq_ = 0;
   std::unique_ptr<ShmChannel> shm_;
   int64_t parts_step_ = -1;  // the step whose parts are being posted (-1: none)
   // gRPC sessions: the WatchSession stream that tells the daemon this process is alive (when

@@ -189,6 +189,21 @@ absl::Status RankSession::SetHyper(const StepHyper& hyper) {
   return absl::OkStatus();
 }
 
+absl::Status RankSession::SetGlobalClip(int mode, double sum_sq) {
+  RETURN_IF_ERROR(RequireApply("SetGlobalClip"));
+  if (mode < 0 || mode > 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "global clip mode ", mode, " (0: none, 1: speculate with clip 1, 2: clip by a global sum)"));
+  }
+  if (mode == 2 && (!std::isfinite(sum_sq) || sum_sq < 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("global clip: the sum of squares ", sum_sq, " must be finite and >= 0"));
+  }
+  global_clip_mode_ = mode;
+  global_sum_sq_ = mode == 2 ? sum_sq : 0;
+  return absl::OkStatus();
+}
+
 absl::Status RankSession::SetAbsent(const std::vector<uint32_t>& tensors) {
   RETURN_IF_ERROR(RequireApply("SetAbsent"));
   ASSIGN_OR_RETURN(absent_, common::PresenceMask(spec_, tensors));
@@ -220,10 +235,12 @@ absl::Status RankSession::WriteSharedHyper(int64_t step) {
         " bytes at byte ", at, " of a ", size, "-byte gradient buffer, clear of the gradients)"));
   }
   std::vector<double> block;
-  block.reserve(2 * spec_.groups.size() + 1);
+  block.reserve(2 * spec_.groups.size() + 3);
   block.insert(block.end(), hyper_->lr.begin(), hyper_->lr.end());
   block.insert(block.end(), hyper_->weight_decay.begin(), hyper_->weight_decay.end());
   block.push_back(hyper_->grad_divisor);
+  block.push_back(global_clip_mode_);
+  block.push_back(global_sum_sq_);
   char* dst = shm_->GradientBuffer(step) + at;
   std::memcpy(dst, block.data(), block.size() * sizeof(double));
   // The presence mask after the doubles: one byte per tensor, 1 for an absent one.

@@ -66,6 +66,7 @@ class UpdateAssembler {
       result_.replayed = resp.done().replayed();
       result_.skipped = resp.done().skipped();
       result_.compute_seconds = resp.done().compute_seconds();
+      result_.grad_sum_sq = resp.done().grad_sum_sq();
       result_.bytes_in = resp.done().bytes_in();
       result_.bytes_out = resp.done().bytes_out();
       done_ = true;
@@ -308,6 +309,7 @@ absl::StatusOr<StepResult> SharedResult(const absl::StatusOr<ShmChannel::Ringing
   result.replayed = r->replayed;
   result.skipped = r->skipped;
   result.compute_seconds = r->seconds;
+  result.grad_sum_sq = r->grad_sum_sq;
   result.bytes_in = buffer_bytes;
   result.bytes_out = r->skipped ? 0 : buffer_bytes;
   return result;
@@ -429,6 +431,10 @@ absl::StatusOr<StepResult> RankSession::StepOverGrpc(int64_t step,
       h->set_weight_decay(hyper_->weight_decay[g]);
     }
     begin->set_grad_divisor(hyper_->grad_divisor);
+    if (global_clip_mode_ != 0) {
+      begin->mutable_global_clip()->set_speculate(global_clip_mode_ == 1);
+      begin->mutable_global_clip()->set_sum_sq(global_sum_sq_);
+    }
   }
   for (uint32_t t = 0; t < absent_.size(); ++t) {
     if (absent_[t] != 0) begin->add_absent_tensors(t);

@@ -135,6 +135,15 @@ int muond_step_buffer(muond_session* session, int64_t step, const void* grads, v
  * gradients held a NaN or Inf. Nothing in the daemon changed, the update (apply mode: the new
  * parameters) was not written, and the job's next step is the one after it. 0 otherwise. */
 int muond_session_last_step_skipped(const muond_session* session);
+/* Apply mode: the raw sum of squares of the gradients (before the divisor) of the last step that
+ * ended OK through this handle, on its daemon (a node's share of a multi-node job's norm). */
+double muond_session_last_step_sum_sq(const muond_session* session);
+/* Apply mode, a node of a multi-node job with max_grad_norm: the global clip the session's later
+ * steps carry. mode 0: none (such a job refuses the step: FAILED_PRECONDITION), 1: compute with
+ * clip 1 and report the node's sum of squares, 2: clip by `sum_sq`, the raw sum of squares over
+ * every node (the coordinating client's all-reduce). 3 INVALID_ARGUMENT for another mode or a bad
+ * sum. */
+int muond_session_set_global_clip(muond_session* session, int mode, double sum_sq);
 
 /* ---- Apply mode (DESIGN.md 4b): the daemon holds the fp32 master weights and the optimizer
  * state and returns new parameters. On an update-mode job these return 9 FAILED_PRECONDITION. */

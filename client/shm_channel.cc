@@ -133,7 +133,7 @@ absl::StatusOr<v1::ShmAttachResponse> AcceptedAttach(AttachReply& reply) {
 // What a completion of code OK says of its step.
 ShmChannel::Ringing RingingOf(const shm::Completion& c) {
   return ShmChannel::Ringing{c.step, (c.flags & shm::kCompletionReplayed) != 0, c.seconds,
-                             (c.flags & shm::kCompletionSkipped) != 0};
+                             (c.flags & shm::kCompletionSkipped) != 0, c.grad_sum_sq};
 }
 
 }  // namespace

@@ -40,6 +40,7 @@ class ShmChannel {
     bool replayed = false;
     double seconds = 0;
     bool skipped = false;  // the step was skipped: the update region was not written
+    double grad_sum_sq = 0;  // apply mode: the daemon's raw sum of squares of the step
   };
 
   // Errors carry the daemon's code (NOT_FOUND, UNAUTHENTICATED, ALREADY_EXISTS, ...); UNAVAILABLE

@@ -30,7 +30,7 @@
 namespace muond::common::shm {
 
 inline constexpr uint32_t kRingMagic = 0x6d756f6e;  // "muon"
-inline constexpr uint32_t kRingVersion = 2;
+inline constexpr uint32_t kRingVersion = 3;
 inline constexpr uint32_t kRingSlots = 8;
 inline constexpr size_t kMessageBytes = 240;
 inline constexpr int kNumFds = 5;
@@ -48,9 +48,11 @@ inline constexpr uint32_t kSubmitInitParams = 1;
 // gradient buffer (8-byte aligned): float64 lr[G], then float64 weight_decay[G], then the float64
 // gradient divisor, with G the job's groups in order; then the presence mask, one byte per job
 // tensor in order: 0 the tensor has a gradient this step, 1 it has none (skipped, DESIGN.md 4b;
-// any other value is refused). HyperBytes(G, T) bytes.
+// any other value is refused); the mask starts after two more float64: the global clip's mode
+// (0: none, 1: speculate, 2: clip by the global sum; server/jobs/step_state.h ClipSource) and the
+// global raw sum of squares. HyperBytes(G, T) bytes.
 inline constexpr size_t HyperBytes(size_t groups, size_t tensors) {
-  return (2 * groups + 1) * sizeof(double) + tensors;
+  return (2 * groups + 3) * sizeof(double) + tensors;
 }
 
 // A part of a step (DESIGN.md 5, "parts"): [offset, offset + size) of the step's gradient buffer
@@ -85,6 +87,7 @@ struct Completion {
   int32_t code;
   uint32_t flags;  // kCompletionReplayed | kCompletionSkipped (with code 0)
   double seconds;
+  double grad_sum_sq;  // apply mode: RankUpdate::grad_sum_sq (a node's raw sum of squares)
   char message[kMessageBytes];
 };
 

@@ -337,7 +337,8 @@ namespace {
 absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepBegin& begin,
                                                  const std::string& where) {
   if (!job.apply()) {
-    if (begin.hyper_size() > 0 || begin.grad_divisor() != 0 || begin.absent_tensors_size() > 0) {
+    if (begin.hyper_size() > 0 || begin.grad_divisor() != 0 || begin.absent_tensors_size() > 0 ||
+        begin.has_global_clip()) {
       return absl::InvalidArgumentError(
           absl::StrCat(where,
                        ": the job is in mode 'update'; a step takes no lr, weight decay, gradient "
@@ -363,6 +364,11 @@ absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepB
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", mask.status().message()));
   }
   resolved->absent = *std::move(mask);
+  if (begin.has_global_clip()) {
+    resolved->clip_source =
+        begin.global_clip().speculate() ? ClipSource::kSpeculate : ClipSource::kGlobal;
+    resolved->global_sum_sq = begin.global_clip().sum_sq();
+  }
   return std::optional<StepHyper>(*std::move(resolved));
 }
 
@@ -458,6 +464,7 @@ absl::Status MuondService::RunStep(
   done->set_replayed(rank_step->replay() && !update->skipped);
   done->set_skipped(update->skipped);
   done->set_compute_seconds(update->compute_seconds);
+  done->set_grad_sum_sq(update->grad_sum_sq);
   done->set_bytes_in(rank_step->bytes_in());
   done->set_bytes_out(bytes_out);
   lease->Await([&] { return stream->Write(resp); });

@@ -354,12 +354,20 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
   if (apply) {
     // Copied out of the peer's memory once: it may change them.
     const size_t groups = s->job->spec().groups.size();
-    std::vector<double> values(2 * groups + 1);
+    std::vector<double> values(2 * groups + 3);
     std::memcpy(values.data(), in_base + s->hyper_byte_offset, values.size() * sizeof(double));
     hyper.emplace();
     hyper->lr.assign(values.begin(), values.begin() + groups);
     hyper->weight_decay.assign(values.begin() + groups, values.begin() + 2 * groups);
     hyper->grad_divisor = values[2 * groups];
+    // The global clip's mode as a float64 (checked by the job: 0, 1 or 2; anything else, a NaN
+    // included, becomes a value it refuses).
+    const double mode = values[2 * groups + 1];
+    hyper->clip_source = mode == 0 ? ClipSource::kLocal
+                         : mode == 1 ? ClipSource::kSpeculate
+                         : mode == 2 ? ClipSource::kGlobal
+                                     : static_cast<ClipSource>(255);
+    hyper->global_sum_sq = values[2 * groups + 2];
     const char* mask = in_base + s->hyper_byte_offset + values.size() * sizeof(double);
     hyper->absent.assign(mask, mask + s->job->spec().matrices.size());  // checked by the job
   }
@@ -368,12 +376,12 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
   const int64_t step = sub.step;
   const uint64_t buffer_bytes = s->buffer_bytes;
   SharedDone done = [channel, seq, step, buffer_bytes](const absl::Status& status, uint32_t flags,
-                                                       double seconds) {
+                                                       double seconds, double grad_sum_sq) {
     if (status.ok() && (flags & kDoneSkipped) == 0) {  // the whole buffer in, the update out
       RecordBytes(Transport::kShm, Direction::kIn, buffer_bytes);
       RecordBytes(Transport::kShm, Direction::kOut, buffer_bytes);
     }
-    channel->Complete(seq, step, status, flags, seconds);
+    channel->Complete(seq, step, status, flags, seconds, grad_sum_sq);
   };
   SharedProgress progress;
   progress.words = reinterpret_cast<int64_t*>(s->regions->out.data() + s->progress_byte_offset);

@@ -64,7 +64,7 @@ class CompletionChannel {
   }
 
   void Complete(uint64_t seq, int64_t step, const absl::Status& status, uint32_t flags,
-                double seconds) {
+                double seconds, double grad_sum_sq = 0) {
     namespace shm = common::shm;
     absl::MutexLock lock(&mu_);
     shm::RingHeader& h = ring()->header;
@@ -80,6 +80,7 @@ class CompletionChannel {
     c.code = static_cast<int32_t>(status.code());
     c.flags = flags;
     c.seconds = seconds;
+    c.grad_sum_sq = grad_sum_sq;
     const size_t n = std::min(status.message().size(), shm::kMessageBytes - 1);
     // An OK status's message is empty with a null data(): memcpy from null is undefined even for
     // 0 bytes (UBSan stopped the daemon at the first shared-memory step).

@@ -111,6 +111,36 @@ absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
                        "' is ", hyper.absent[t], "; 0 (has a gradient) or 1 (has none)"));
     }
   }
+  return CheckClipSource(spec, hyper, where);
+}
+
+absl::Status CheckClipSource(const common::JobSpec& spec, const StepHyper& hyper,
+                             const std::string& where) {
+  const bool global = spec.two_phase() && spec.max_grad_norm > 0;
+  if (hyper.clip_source == ClipSource::kLocal) {
+    if (!global) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": the job is node ", spec.multinode.node, " of multi-node job '",
+        spec.multinode.global_job_id, "' with max_grad_norm ", spec.max_grad_norm,
+        ": its gradient norm spans the nodes, so a step needs a coordinating client that sends "
+        "the global clip (MultiNodeMuonWithAuxAdam; muond_session_set_global_clip); this one sent "
+        "none and the step is refused, nothing changed"));
+  }
+  if (!global) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": a global clip was sent, but the job is not a multi-node job with max_grad_norm "
+        "(it clips by its own norm, or not at all)"));
+  }
+  if (hyper.clip_source != ClipSource::kSpeculate && hyper.clip_source != ClipSource::kGlobal) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": unknown global clip mode ", static_cast<int>(hyper.clip_source),
+        " (1: speculate with clip 1, 2: clip by the global sum of squares)"));
+  }
+  if (hyper.clip_source == ClipSource::kGlobal &&
+      (!std::isfinite(hyper.global_sum_sq) || hyper.global_sum_sq < 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": the global sum of squares ", hyper.global_sum_sq, " must be finite and >= 0"));
+  }
   return absl::OkStatus();
 }
 
@@ -275,6 +305,8 @@ void ApplyStep::Carry(StepState& state, uint32_t t) {
                         state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize);
   });
 }
+
+double ApplyStep::SumSq(const StepState& state) { return TotalSumSq(state); }
 
 double ApplyStep::GradNorm(const StepState& state) {
   return std::sqrt(TotalSumSq(state)) / state.hyper.grad_divisor;

@@ -41,6 +41,11 @@ absl::StatusOr<StepHyper> ResolveStepHyper(const common::JobSpec& spec,
 // finite and >= 0, and the divisor is finite and > 0.
 absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
                             const std::string& where);
+// Part of CheckStepHyper: a multi-node job with max_grad_norm needs a global clip (kSpeculate or
+// kGlobal with a finite sum >= 0; FAILED_PRECONDITION without one: no coordinating client), and
+// no other job takes one (INVALID_ARGUMENT).
+absl::Status CheckClipSource(const common::JobSpec& spec, const StepHyper& hyper,
+                             const std::string& where);
 
 class ApplyStep {
  public:
@@ -80,6 +85,9 @@ class ApplyStep {
   // After every tensor is done: the step's gradient norm from the tensors' sums (in tensor order)
   // and the clip coefficient it implies (1 when the job does not clip or the norm is within).
   static double GradNorm(const StepState& state);
+  // The raw sum of squares of the step's gradients on this daemon (before the divisor), tensor by
+  // tensor in order; complete when every tensor is done.
+  static double SumSq(const StepState& state);
   float ClipCoefficient(const StepState& state) const;
   // The scale gradients are multiplied by for `clip` and the step's divisor.
   static float GradScale(float clip, double grad_divisor);

@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "server/jobs/apply_step.h"
 #include "server/jobs/job.h"
+#include "server/optim/grad_norm.h"
 
 namespace muond::server {
 namespace {
@@ -52,7 +53,11 @@ absl::Status Job::AgreeHyper(StepState& state, int rank, const StepHyper& hyper)
   if (state.hyper_rank < 0) {
     state.hyper = hyper;
     state.hyper_rank = rank;
-    state.grad_scale = ApplyStep::GradScale(1.0f, hyper.grad_divisor);
+    if (hyper.clip_source == ClipSource::kGlobal) {  // the nodes' norm, known before the step
+      const double d = hyper.grad_divisor;
+      state.clip = ClipCoefficient(hyper.global_sum_sq / (d * d), spec_.max_grad_norm);
+    }
+    state.grad_scale = ApplyStep::GradScale(state.clip, hyper.grad_divisor);
     return absl::OkStatus();
   }
   if (state.hyper == hyper) return absl::OkStatus();
@@ -73,6 +78,13 @@ absl::Status Job::AgreeHyper(StepState& state, int rank, const StepHyper& hyper)
                           state.hyper.absent_at(t) ? "none" : "one",
                           " (the presence mask; reduce it over the ranks first)");
     }
+  }
+  if (what.empty() && (hyper.clip_source != state.hyper.clip_source ||
+                       hyper.global_sum_sq != state.hyper.global_sum_sq)) {
+    what = absl::StrCat("global clip: mode ", static_cast<int>(hyper.clip_source), " sum ",
+                        hyper.global_sum_sq, " vs mode ",
+                        static_cast<int>(state.hyper.clip_source), " sum ",
+                        state.hyper.global_sum_sq);
   }
   if (what.empty()) {
     what = absl::StrCat("gradient divisor: ", hyper.grad_divisor, " vs ", state.hyper.grad_divisor);

@@ -156,8 +156,10 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
     FailStep(state, changed, /*fence=*/true);
     return;
   }
+  const double sum_sq = apply() ? ApplyStep::SumSq(state) : 0;
   for (auto& out : state.outputs) {
     out->compute_seconds = seconds;
+    out->grad_sum_sq = sum_sq;
     // Every result is in: a rank's progress words say so before its completion does (a clipped
     // step announces nothing earlier; step_pipeline.cc).
     if (out->progress.words == nullptr) continue;
@@ -179,7 +181,7 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
   last_grad_norm_ = state.grad_norm;
   if (in_flight_.get() == &state) in_flight_ = nullptr;
   for (RankInput& in : state.ranks) {
-    if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), 0, seconds);
+    if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), 0, seconds, sum_sq);
   }
   state.cv.SignalAll();
   if (spec_.checkpoint_every_steps > 0 && !spec_.transport_probe &&
@@ -202,7 +204,7 @@ std::shared_ptr<StepState> Job::EndStep(StepState& state, const absl::Status& re
   state.ready.clear();
   for (int r = 0; r < spec_.world_size; ++r) {
     RankInput& in = state.ranks[r];
-    if (in.done) std::exchange(in.done, nullptr)(result, flags, 0);
+    if (in.done) std::exchange(in.done, nullptr)(result, flags, 0, 0);
     if (!result.ok() && in.parts_open) cut_short_[r] = {state.step, sessions_[r], result};
   }
   if (in_flight_.get() == &state) in_flight_ = nullptr;

@@ -30,9 +30,13 @@ void Job::Prepare(StepState& state) {
   if (state.done) return;  // cannot happen (FailStep leaves a committing step alone); defensive
   state.prepared = true;
   state.prepared_at = absl::Now();
-  for (auto& out : state.outputs) out->compute_seconds = seconds;
+  const double sum_sq = apply() ? ApplyStep::SumSq(state) : 0;
+  for (auto& out : state.outputs) {
+    out->compute_seconds = seconds;
+    out->grad_sum_sq = sum_sq;
+  }
   for (RankInput& in : state.ranks) {
-    if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), false, seconds);
+    if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), 0, seconds, sum_sq);
   }
   state.cv.SignalAll();
 }

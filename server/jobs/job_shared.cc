@@ -66,7 +66,7 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     // part (the parts after this one are answered as parts of the skipped step).
     if (const auto& last = last_updates_[rank];
         last != nullptr && last->skipped && last->step == step) {
-      if (part.last) done(absl::OkStatus(), kDoneSkipped, 0);
+      if (part.last) done(absl::OkStatus(), kDoneSkipped, 0, 0);
       return absl::OkStatus();
     }
     return bad;
@@ -155,7 +155,7 @@ absl::Status Job::OpenSharedStep(int rank, uint64_t session, int64_t step, bool 
     // A skipped step (its own late ranks, or a retry of it) is answered "skipped", whatever the
     // gradients: nothing was computed from them.
     if (replay->skipped) {
-      if (last) done(absl::OkStatus(), kDoneSkipped, 0);
+      if (last) done(absl::OkStatus(), kDoneSkipped, 0, 0);
       return absl::OkStatus();
     }
     // A replay must carry the gradients the step was computed from: checked when the whole step
@@ -169,7 +169,9 @@ absl::Status Job::OpenSharedStep(int rank, uint64_t session, int64_t step, bool 
         CountTransportCopy(replay->spans[i].size);
       }
     }
-    if (last) done(absl::OkStatus(), kDoneReplayed, replay->compute_seconds);
+    if (last) {
+      done(absl::OkStatus(), kDoneReplayed, replay->compute_seconds, replay->grad_sum_sq);
+    }
     return absl::OkStatus();
   }
   cut_short_[rank] = CutShort{};

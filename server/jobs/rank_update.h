@@ -35,6 +35,9 @@ struct RankUpdate {
   int64_t step = -1;
   std::vector<UpdateSpan> spans;  // in the order of common::RankSpans
   double compute_seconds = 0;
+  // Apply mode: the raw sum of squares of the step's gradients on this daemon (before the divisor;
+  // a node of a multi-node job reports it for the global norm).
+  double grad_sum_sq = 0;
   std::vector<std::string> storage;       // owned span bytes (gRPC ranks)
   std::shared_ptr<const void> keepalive;  // the shared region the spans point into (shm ranks)
   SharedProgress progress;                // shm ranks: where finished spans are announced
@@ -52,10 +55,10 @@ inline constexpr uint32_t kDoneReplayed = common::shm::kCompletionReplayed;
 inline constexpr uint32_t kDoneSkipped = common::shm::kCompletionSkipped;
 
 // Called once when a shared-memory submission ends: OK (the update is in the rank's update
-// region, or with kDoneSkipped the step was skipped), or why not. Runs with the job's lock held:
-// it must not call back into the Job.
-using SharedDone =
-    std::function<void(const absl::Status& status, uint32_t flags, double seconds)>;
+// region, or with kDoneSkipped the step was skipped), or why not; `grad_sum_sq` as
+// RankUpdate::grad_sum_sq. Runs with the job's lock held: it must not call back into the Job.
+using SharedDone = std::function<void(const absl::Status& status, uint32_t flags, double seconds,
+                                      double grad_sum_sq)>;
 
 }  // namespace muond::server
 

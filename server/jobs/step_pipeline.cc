@@ -1,6 +1,7 @@
 #include "server/jobs/step_pipeline.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -126,7 +127,11 @@ class StepPipeline::Run {
       return false;
     }
     state_.grad_norm = ApplyStep::GradNorm(state_);
-    if (state_.clip_redo) return false;
+    // A node of a multi-node job: its clip came with the step (clip 1 while speculating).
+    if (state_.hyper.clip_source == ClipSource::kGlobal) {
+      state_.grad_norm = std::sqrt(state_.hyper.global_sum_sq) / state_.hyper.grad_divisor;
+    }
+    if (state_.clip_redo || state_.hyper.clip_source != ClipSource::kLocal) return false;
     const float clip = p_.apply_->ClipCoefficient(state_);
     if (clip >= 1.0f) return false;
     state_.clip = clip;

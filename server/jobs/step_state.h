@@ -76,17 +76,30 @@ struct RankInput {
 
 // Apply mode (DESIGN.md 4b): a step's hyperparameters, per group in the job's order. Every rank
 // of a step sends them; the first rank's are the step's, and a rank whose differ refuses the step.
+// Many nodes, apply mode with max_grad_norm (DESIGN.md 4c): where a node's step takes its clip
+// coefficient from. The gradient norm spans the nodes, so a node job never clips by its own norm:
+// the coordinating client first has every node compute with clip 1 and report its raw sum of
+// squares (kSpeculate); when the sum over the nodes calls for clipping, each node computes the
+// step again with that global sum (kGlobal).
+enum class ClipSource : uint8_t {
+  kLocal = 0,      // the job's own norm (a job on one node)
+  kSpeculate = 1,  // clip 1; report the node's sum of squares
+  kGlobal = 2,     // the clip of `global_sum_sq`, the raw sum of squares over every node
+};
+
 struct StepHyper {
   std::vector<double> lr;
   std::vector<double> weight_decay;
   double grad_divisor = 1;
+  ClipSource clip_source = ClipSource::kLocal;
+  double global_sum_sq = 0;  // kGlobal
   // The presence mask: per job tensor, 1 when no rank has its gradient this step (it is skipped:
   // state, step count and parameters unchanged), else 0. Empty: every tensor has one.
   std::vector<uint8_t> absent;
   bool absent_at(uint32_t t) const { return t < absent.size() && absent[t] != 0; }
   bool operator==(const StepHyper& o) const {
     return lr == o.lr && weight_decay == o.weight_decay && grad_divisor == o.grad_divisor &&
-           SameAbsent(o);
+           clip_source == o.clip_source && global_sum_sq == o.global_sum_sq && SameAbsent(o);
   }
   bool SameAbsent(const StepHyper& o) const {
     const size_t n = std::max(absent.size(), o.absent.size());

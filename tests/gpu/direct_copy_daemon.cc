@@ -106,6 +106,8 @@ absl::Status RankStep(client::ShmChannel& ch, int64_t step, uint32_t seed, doubl
     // from step to step weighs the momentum's terms differently (a constant one would cancel in
     // Muon's orthogonalization).
     hyper.push_back(grad_divisor == 1.0 ? 1.0 : grad_divisor * static_cast<double>(step + 1));
+    hyper.push_back(0.0);  // the global clip: mode 0 (none), sum 0
+    hyper.push_back(0.0);
     std::memcpy(grad + ch.hyper_byte_offset(), hyper.data(), hyper.size() * sizeof(double));
     std::memset(grad + ch.hyper_byte_offset() + hyper.size() * sizeof(double), 0,
                 spec.matrices.size());  // the presence mask: every tensor has a gradient

@@ -253,7 +253,8 @@ TEST_F(ApplyAbsentTest, MalformedMasksFromARawPeerAreRefused) {
     const std::vector<float> g = am::Gradient(span.matrix, 0);
     std::memcpy(buf + span.byte_offset, g.data() + span.offset, span.length * sizeof(float));
   }
-  const double block[2 * am::kTensors + 1] = {0.01, 0.01, 0.05, 0.0, 1.0};
+  // lr, weight decay, divisor, then the global clip (mode 0, sum 0): the protocol's block.
+  const double block[2 * am::kTensors + 3] = {0.01, 0.01, 0.05, 0.0, 1.0, 0.0, 0.0};
   std::memcpy(buf + ch.hyper_byte_offset(), block, sizeof(block));
   char* mask = buf + ch.hyper_byte_offset() + sizeof(block);
   mask[0] = 0;

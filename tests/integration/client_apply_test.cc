@@ -345,7 +345,9 @@ TEST_F(ClientApplyTest, ZeroCopySharedMemory) {
     auto done = s->StepInPlace(t);
     ASSERT_TRUE(done.ok()) << done.status();
     // The step's hyperparameters are where the protocol says, as float64.
-    double block[2 * am::kTensors + 1];  // the model has a group per tensor
+    // The model has a group per tensor: lr, weight decay, then the divisor and the global clip
+    // (mode 0: none, sum 0).
+    double block[2 * am::kTensors + 3];
     std::memcpy(block, in->data + *hyper_at, sizeof(block));
     // Then the presence mask: every tensor has a gradient.
     for (int m = 0; m < am::kTensors; ++m) {
@@ -359,6 +361,8 @@ TEST_F(ClientApplyTest, ZeroCopySharedMemory) {
     EXPECT_EQ(block[2], h.wd[0]);
     EXPECT_EQ(block[3], h.wd[1]);
     EXPECT_EQ(block[4], h.divisor);
+    EXPECT_EQ(block[5], 0.0);
+    EXPECT_EQ(block[6], 0.0);
     auto out = s->UpdateView(t);
     ASSERT_TRUE(out.ok()) << out.status();
     for (size_t i = 0; i < 2; ++i) {

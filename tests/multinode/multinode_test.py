@@ -133,8 +133,10 @@ class MultiNodeTest(unittest.TestCase):
                                                  "two-phase)"], f"rank {r} {case}")
                 self.assertEqual(c["bytes"], c["expected_bytes"], f"rank {r} {case}")
                 # The big embedding's AdamW state is more than a node's share: split by rows.
-                self.assertEqual(c["split"], ["embed"] if case.endswith("-split") else [],
+                self.assertEqual(c["split"], ["embed"] if "-split" in case else [],
                                  f"rank {r} {case}")
+                self.assertEqual(c["route_device"], "cpu" if case.endswith("-route-cpu")
+                                 else "None", f"rank {r} {case}")
         for case in results[0]:  # a rank may hold only what its own node owns; not all of them
             self.assertGreater(sum(res[case]["bytes"][0] for res in results), 0, case)
         print(json.dumps({case: [res[case]["bytes"][0] for res in results]
@@ -171,6 +173,55 @@ class MultiNodeTest(unittest.TestCase):
                 if case.endswith("apply"):
                     self.assertEqual(sorted(p[2] for p in c["pieces"]), [0, 1, 2], c["pieces"])
                     self.assertEqual(c["pieces"][-1][1], 1024)
+
+    def test_global_clipping_across_nodes(self):
+        """max_grad_norm over 2 nodes x 2 ranks (apply mode, stages 2 and 3, the embedding split
+        by rows): the steps whose global norm exceeds it are recomputed on every node with the
+        global clip; the result matches torch.nn.utils.clip_grad_norm_ over the whole model
+        (ApplyReference) and one daemon clipping by itself. A node job with max_grad_norm refuses
+        a step without the global clip (FAILED_PRECONDITION), and a job of one node refuses a
+        global clip (INVALID_ARGUMENT)."""
+        results = self.run_world([0, 0, 1, 1], "clip")
+        for r, res in enumerate(results):
+            for case in ("s2", "s3"):
+                c = res[case]
+                self.assertEqual(c["clipped_steps"], 3, f"rank {r} {case}")
+                self.assertEqual(c["split"], ["embed"])
+                for got, want in zip(c["norms"], c["ref_norms"]):
+                    self.assertAlmostEqual(got, want, delta=1e-5 * want, msg=f"rank {r} {case}")
+                self.assertLess(c["max_diff_ref"], 2e-5, f"rank {r} {case}")
+                self.assertLess(c["max_diff_single"], 2e-6, f"rank {r} {case}")
+        refusals = results[0]["refusals"]
+        for transport in ("shm", "grpc"):
+            code, message = refusals[f"no_coordinator-{transport}"]
+            self.assertEqual(code, "FAILED_PRECONDITION", message)
+            self.assertIn("needs a coordinating client that sends the global clip", message)
+            code, message = refusals[f"not_a_node-{transport}"]
+            self.assertEqual(code, "INVALID_ARGUMENT", message)
+            self.assertIn("not a multi-node job with max_grad_norm", message)
+            # A NaN sum is refused by the client library before anything is sent.
+            code, message = refusals[f"bad_sum-{transport}"]
+            self.assertEqual(code, "INVALID_ARGUMENT", message)
+            self.assertIn("must be finite and >= 0", message)
+        print(json.dumps({case: {k: results[0][case][k] for k in
+                                 ("max_diff_ref", "max_diff_single", "bitwise_single", "norms")}
+                          for case in ("s2", "s3")}), file=sys.stderr)
+
+    def test_nccl_routing_on_gpus(self):
+        """An NCCL world routes on the GPU (reduce-scatter, both all-to-alls and the all-gather
+        on CUDA tensors, one copy into and out of each node's region) with the bits of the gloo
+        route. Needs 2 CUDA devices (NCCL puts one rank on each); skipped otherwise."""
+        import torch
+        import torch.distributed as dist
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < 2 or not dist.is_nccl_available():
+            reason = f"NCCL routing needs 2 CUDA devices and NCCL (found {found} device(s))"
+            print(reason, file=sys.stderr)
+            self.skipTest(reason)
+        results = self.run_world([0, 1], "nccl", backend="nccl")
+        for r, res in enumerate(results):
+            self.assertEqual(res["bitwise_steps"], 10, f"rank {r}")
+            self.assertEqual(res["route_devices"], ["None", f"cuda:{r}"])
 
     def test_spec_and_plan_checks(self):
         """No daemon: the "multinode" block's checks and the plan's, through the client library."""

@@ -239,6 +239,19 @@ class Session:
         new parameters); the next step is the one after it."""
         return bool(_native.lib().muond_session_last_step_skipped(self.handle))
 
+    def last_step_sum_sq(self):
+        """Apply mode: the raw sum of squares of the gradients (before the divisor) of the last
+        step that ended on this session, on its daemon: a node's share of a multi-node job's
+        gradient norm."""
+        return float(_native.lib().muond_session_last_step_sum_sq(self.handle))
+
+    def set_global_clip(self, mode, sum_sq=0.0):
+        """Apply mode, a node of a multi-node job with max_grad_norm: the global clip of the next
+        steps. mode 1: compute with clip 1 and report the node's sum of squares
+        (last_step_sum_sq); 2: clip by `sum_sq`, the raw sum of squares over every node; 0: none
+        (what such a job refuses)."""
+        _native.call("muond_session_set_global_clip", self.handle, int(mode), float(sum_sq))
+
     def step_in_place(self, step):
         """Submits the gradient view of `step` and waits for the update view."""
         _native.call("muond_step_in_place", self.handle, int(step))

@@ -53,14 +53,25 @@ Finding the local daemon: `address` is this process's node-local daemon (None: i
 socket). The node of each rank: `node_map` (list, global rank -> node) or torchrun's GROUP_RANK
 (LOCAL_RANK, when set, must agree with the rank's place among its node's ranks in rank order).
 
-Limits: one dtype for every job tensor; apply mode without max_grad_norm (a global norm would
-need the nodes' partial sums before any node computes) and without init_from; CPU parameters in
-update mode, as MuonWithAuxAdam. The all-to-alls move host tensors (they read and write the
-shared-memory buffers directly), so the process group must be one that moves CPU tensors (gloo):
-an NCCL trainer passes a gloo group of the same ranks (dist.new_group(backend="gloo")) as
-process_group.
+Global clipping (apply mode, max_grad_norm): the norm spans the nodes, so no node clips by its own
+(a node job with max_grad_norm refuses a step that does not carry the global clip). Each node
+computes the step with clip 1 and returns its raw sum of squares; the agreement adds them up (one
+slot per node in its all-reduce, summed in node order, so every rank gets the same bits); when
+the global norm calls for clipping, every node recomputes the step with the global sum before
+anything commits (_clip_globally), at the cost of a second pass on those steps only.
+
+Routing on the collective's device: with a gloo process group the all-to-alls move host tensors
+straight into and out of the node's shared-memory buffers. With an NCCL group (CUDA trainers) the
+ZeRO reduce-scatter, both all-to-alls and the all-gather run on the GPU (route_device, by
+default the current CUDA device): the received pieces are copied from the GPU into the node's
+region, and the results from the region to the GPU, one copy each way. route_device="cpu" stages
+the same way on the host with gloo (how that path is tested without GPUs).
+
+Limits: one dtype for every job tensor; no init_from; CPU parameters in update mode, as
+MuonWithAuxAdam.
 """
 import ctypes
+import math
 
 import torch
 
@@ -86,17 +97,23 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
     daemon as `address`. token: for jobs that exist already (a restarted trainer), the
     node_tokens dict ({node: token}) of the optimizer that created them, with its job_id."""
 
-    def __init__(self, param_groups, *, node_map=None, import_dir=None, **kw):
+    def __init__(self, param_groups, *, node_map=None, import_dir=None, route_device=None,
+                 **kw):
         self._node_map_arg = node_map
         self._import_dir = import_dir
+        self._route_device_arg = route_device
         self._routing = None
         if kw.get("delay"):
             raise ValueError("MultiNodeMuonWithAuxAdam: delay=1 is not supported over several "
                              "nodes (each step is routed and committed on every node in step())")
         kw.setdefault("stream", False)  # steps are routed whole between the nodes
-        if kw.get("max_grad_norm") is not None or kw.get("init_from") is not None:
-            raise ValueError("MultiNodeMuonWithAuxAdam: max_grad_norm and init_from are not "
-                             "supported over several nodes (a global norm spans the nodes)")
+        if kw.get("init_from") is not None:
+            raise ValueError("MultiNodeMuonWithAuxAdam: init_from is not supported over several "
+                             "nodes (each node's job holds only its tensors; upload_params "
+                             "sends the trainer's parameters)")
+        mgn = kw.get("max_grad_norm")
+        self._max_grad_norm = float(mgn) if mgn else 0.0
+        self.last_grad_norm = None
         super().__init__(param_groups, **kw)
         if self.backend == "muond" and self._job_tensors:
             self._setup_nodes(kw.get("takeover", False))
@@ -131,6 +148,7 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
         if len({p.dtype for _, p in self._job_tensors}) != 1:
             raise ValueError("MultiNodeMuonWithAuxAdam: every tensor of the job must have one "
                              "dtype (the all-to-all moves flat buffers)")
+        self._route_device = self._pick_route_device(self._route_device_arg)
         node_of = node_layout(self.ranks, self._node_map_arg)
         nodes = max(node_of) + 1
         plan = ownership_plan(self.spec, nodes)
@@ -153,6 +171,53 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
         self._upload_pending = (self.mode == "apply" and self.step_id == 0
                                 and self._import_dir is None)
         self._bytes = self._moved = (0, 0)
+        self._clipped_steps = 0
+
+    def _pick_route_device(self, wanted):
+        """Where the routing's all-to-alls run: None (host tensors, straight into and out of the
+        node's shared-memory region: gloo), or a device whose buffers are copied into and out of
+        the region (NCCL: the GPU). `wanted`: None picks by the process group's backend; "cpu"
+        stages on the host anyway (what a test of the staged path on gloo uses); "cuda" or a
+        torch.device needs an NCCL group."""
+        nccl = self.world_size > 1 and self.ranks.dist.get_backend(self.process_group) == "nccl"
+        if wanted is None:
+            return torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        device = torch.device(wanted)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if nccl != (device.type == "cuda") and self.world_size > 1:
+            raise ValueError(f"MultiNodeMuonWithAuxAdam: route_device {device} with a "
+                             f"{self.ranks.dist.get_backend(self.process_group)} process group "
+                             "(NCCL moves CUDA tensors, gloo host tensors)")
+        return device
+
+    def _partition_buffer(self, elements):
+        """A zeroed flat buffer of the job's dtype where this rank's partition is routed from."""
+        return torch.zeros(elements, dtype=self.dtype, device=self._route_device or "cpu")
+
+    def _route_forward(self, recv, part):
+        """The forward all-to-all: this rank's pieces of `part` to the owners' local ranks, this
+        rank's received pieces into `recv` (its node region's view): directly (host routing), or
+        into a buffer on the route device and then copied into the region (NCCL)."""
+        send = self._routing.gather_send(part)
+        if self._route_device is None:
+            self._all_to_all(recv, send, forward=True)
+            return
+        staged = torch.empty(recv.numel(), dtype=self.dtype, device=self._route_device)
+        self._all_to_all(staged, send, forward=True)
+        recv.copy_(staged)
+
+    def _route_back(self, result):
+        """The inverse all-to-all: `result` (this rank's results, in its node region) back to the
+        ranks whose partitions they belong to; returns them in this rank's send order, on the
+        route device."""
+        r = self._routing
+        device = self._route_device or "cpu"
+        if self._route_device is not None:
+            result = result.to(device)
+        back = torch.empty(r.send_elements, dtype=self.dtype, device=device)
+        self._all_to_all(back, result, forward=False)
+        return back
 
     def _node_job_token(self, r):
         if self.token is not None:  # a restarted trainer: the jobs exist
@@ -196,9 +261,9 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
         self._require_gradients(self._muon, "Muon")
         adam = self._adam_gradients()
         grads = [p.grad for _, p in self._muon]
-        part = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
+        part = self._partition_buffer(self.partition.buffer_elements)
         if self.reduce_gradients and self.world_size > 1:
-            world = torch.zeros(self.world_size * part.numel(), dtype=self.dtype)
+            world = self._partition_buffer(self.world_size * part.numel())
             fill_world_buffer(world, self.partitions, grads)
             reduce_scatter_partitions(world, part, self.process_group)
             part.mul_(1.0 / self.world_size)
@@ -213,10 +278,10 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
             self.upload_params()
         divisor = self.grad_divisor if grad_divisor is None else float(grad_divisor)
         grads = [p.grad for _, p in self._job_tensors]
-        part = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
+        part = self._partition_buffer(self.partition.buffer_elements)
         if self.reduce_gradients and self.world_size > 1:
             divisor *= self.world_size  # summed over the ranks: muond takes the mean
-            world = torch.zeros(self.world_size * part.numel(), dtype=self.dtype)
+            world = self._partition_buffer(self.world_size * part.numel())
             fill_world_buffer(world, self.partitions, grads)
             reduce_scatter_partitions(world, part, self.process_group)
         else:
@@ -227,7 +292,7 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
         new = self._route_step(part, hyper)
         params = [p for _, p in self._job_tensors]
         if self.world_size > 1:
-            world = torch.zeros(self.world_size * part.numel(), dtype=self.dtype)
+            world = self._partition_buffer(self.world_size * part.numel())
             all_gather_partition_buffers(world, new, self.process_group)
             scatter_world_buffer(world, self.partitions, params)
         else:
@@ -236,11 +301,11 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
     def upload_params(self):
         """Apply mode, a collective: every rank's partition of the parameters goes to the local
         ranks of the owner nodes (the forward all-to-all) and becomes the masters there."""
-        part = torch.zeros(self.partition.buffer_elements, dtype=self.dtype)
+        part = self._partition_buffer(self.partition.buffer_elements)
         copy_into_buffer(part, self.partition, [p for _, p in self._job_tensors])
         s = self.session
         recv = s.init_view(self.dtype)[:s.buffer_elements] if s.is_shm else self._recv
-        self._all_to_all(recv, self._routing.gather_send(part), forward=True)
+        self._route_forward(recv, part)
 
         def upload():
             if s.is_shm:
@@ -272,26 +337,27 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
         self._moved = (0, 0)
         try:
             recv = s.gradient_view(step, self.dtype) if s.is_shm else self._recv
-            self._all_to_all(recv, r.gather_send(part), forward=True)
+            self._route_forward(recv, part)
         except RuntimeError as e:
             self._lost(step, e)
+        clips = hyper is not None and self._max_grad_norm > 0
         error = result = None
+        node_sum = 0.0
         try:
             if hyper is not None:
                 s.set_hyper(*hyper)
-            if s.is_shm:
-                s.step_in_place(step)
-                result = s.update_view(step, self.dtype)
-            else:
-                s.step_buffer(step, recv, self._result)
-                result = self._result
+                if clips:
+                    s.set_global_clip(1)  # speculate: clip 1, report the node's sum of squares
+            result = self._node_step(step, recv)
+            node_sum = s.last_step_sum_sq()
         except MuondError as e:
             error = e
-        self._agree(step, error, hyper)
+        total = self._agree(step, error, hyper, node_sum if clips else None)
+        if clips:
+            result = self._clip_globally(step, hyper, recv, total, node_sum, result)
         self._commit_everywhere(step)
-        back = torch.empty(r.send_elements, dtype=self.dtype)
         try:
-            self._all_to_all(back, result, forward=False)
+            back = self._route_back(result)
         except RuntimeError as e:  # committed everywhere already: only this rank's copy is lost
             raise MuondError(CODES["UNAVAILABLE"],
                              f"global job '{self.global_job_id}' step {step} committed on every "
@@ -301,6 +367,56 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
         r.scatter_back(back, out)
         self._bytes = self._moved
         return out
+
+    def _node_step(self, step, recv):
+        """Runs this rank's part of `step` on its node's daemon (prepared, not committed) and
+        returns where its results are."""
+        s = self.session
+        if s.is_shm:
+            s.step_in_place(step)
+            return s.update_view(step, self.dtype)
+        s.step_buffer(step, recv, self._result)
+        return self._result
+
+    def _clip_globally(self, step, hyper, recv, total, node_sum, result):
+        """Global clipping over the nodes (apply mode, max_grad_norm): every node prepared the
+        step with clip 1 and reported its raw sum of squares; `total` is their sum (the
+        agreement's). When the norm it gives is within max_grad_norm the speculation was right;
+        otherwise each node's local rank 0 drops its prepared step, and after a barrier every
+        rank runs the step again with the global sum (the daemon then clips by it, with the
+        coefficient of one node's clipping: max_grad_norm / (norm + 1e-6)). The gradients are
+        still in place; a node whose sum differs the second time fails the step everywhere."""
+        divisor = float(hyper[3])
+        self.last_grad_norm = math.sqrt(total) / divisor
+        if self._max_grad_norm / (math.sqrt(total / (divisor * divisor)) + 1e-6) >= 1.0:
+            return result
+        s, r = self.session, self._routing
+        if r.local_rank == 0:
+            self._abort(step, "the global gradient norm calls for clipping: recomputed with it")
+        try:
+            self.ranks.barrier()
+        except RuntimeError as e:
+            self._lost(step, e)
+        error = None
+        try:
+            s.set_global_clip(2, total)
+            result = self._node_step(step, recv)
+            if s.last_step_sum_sq() != node_sum:
+                error = MuondError(CODES["INVALID_ARGUMENT"],
+                                   f"node {r.node}'s gradients changed between the two passes "
+                                   f"of global clipping (sum of squares {node_sum!r}, then "
+                                   f"{s.last_step_sum_sq()!r})", "step")
+        except MuondError as e:
+            error = e
+        finally:
+            s.set_global_clip(1)
+        self._agree(step, error, hyper)
+        self._clipped_steps += 1
+        return result
+
+    def clipped_steps(self):
+        """Steps that global clipping recomputed on every node (apply mode, max_grad_norm)."""
+        return self._clipped_steps
 
     def bytes_per_step(self):
         """(sent, received) bytes of this rank's two all-to-alls in the last step (gradients out,

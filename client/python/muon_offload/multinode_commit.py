@@ -9,11 +9,12 @@ from ._native import CODES, MuondError
 
 
 class TwoPhaseSteps:
-    def _agree(self, step, error, hyper=None):
+    def _agree(self, step, error, hyper=None, node_sum=None):
         """All ranks learn whether every node's step succeeded and (apply mode) whether every
         rank sent the same hyperparameters (`hyper`: group names, lrs, weight decays, divisor);
         on a failure or a disagreement anywhere each rank aborts its node's step and every rank
-        raises the same error."""
+        raises the same error. `node_sum` (global clipping): this rank's node's raw sum of
+        squares; returns their sum over the nodes (one slot per node, added in node order)."""
         failed = error is not None
         names, values = [], []
         if hyper is not None:
@@ -21,6 +22,10 @@ class TwoPhaseSteps:
             names = ([(g, "lr") for g in group_names] + [(g, "weight_decay") for g in group_names]
                      + [(None, "gradient divisor")])
             values = [float(v) for v in list(lrs) + list(wds) + [divisor]]
+        compared = len(values)
+        if node_sum is not None:  # each node's slot: its ranks' sum (>= 0), 0 from the others
+            values += [float(node_sum) if n == self._routing.node else 0.0
+                       for n in range(self._routing.nodes)]
         try:
             any_failed, lows, highs = self.ranks.agree(failed, values)
             if any_failed and self.world_size > 1:
@@ -29,11 +34,11 @@ class TwoPhaseSteps:
                 error = MuondError(code, f"rank {q} (node {self._routing.node_of[q]}): "
                                    f"{message}", "step")
             elif not any_failed:
-                error = self._disagreement(names, lows, highs)
+                error = self._disagreement(names, lows[:compared], highs[:compared])
         except RuntimeError as e:
             self._lost(step, e)
         if error is None:
-            return
+            return sum(highs[compared:]) if node_sum is not None else None
         self._abort(step, error.message)
         raise MuondError(error.code, f"global job '{self.global_job_id}' step {step} was "
                          f"committed on no node: {error.message}", "step")

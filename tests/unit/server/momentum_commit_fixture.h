@@ -142,7 +142,7 @@ class CommitFixture : public ::testing::TestWithParam<bool> {
     }
     return job_->SubmitShared(
         rank, sessions_[rank], step, in, out, nullptr,
-        [outcome](const absl::Status& s, bool, double) {
+        [outcome](const absl::Status& s, uint32_t, double, double) {
           outcome->status = s;
           outcome->ended.Notify();
         },
