@@ -117,8 +117,8 @@ def identical(cfg, rank):
     result = {}
     cases = [(stage, mode, torch.float32, False) for stage in (1, 2, 3)
              for mode in ("update", "apply")]
-    if cfg.get("bf16"):
-        cases.append((2, "apply", torch.bfloat16, False))
+    if cfg.get("bf16"):  # gloo moves no bfloat16: every collective sends its bytes
+        cases += [(2, "apply", torch.bfloat16, False), (2, "update", torch.bfloat16, False)]
     # The embedding split by rows across the nodes (apply mode: AdamW in the daemons)
     cases += [(stage, "apply", torch.float32, True) for stage in (1, 3)]
     cases = [c + (None,) for c in cases]

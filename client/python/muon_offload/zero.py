@@ -90,17 +90,24 @@ def copy_from_buffer(buffer, partition, tensors, non_blocking=False):
 def all_reduce_mean(grads, group=None):
     """Collective: the mean over the group's ranks of each of `grads` (new tensors; the inputs are
     left as they were), one flat all-reduce per dtype (gloo has no reduce-scatter; the sum is the
-    same) scaled by 1/N."""
+    same) scaled by 1/N. gloo sums no bfloat16: there the sum is taken in float32 and rounded to
+    bfloat16 once."""
     import torch.distributed as dist
     world = dist.get_world_size(group)
+    widen = dist.get_backend(group) != "nccl"
     by_dtype = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     reduced = {}
-    for same in by_dtype.values():
+    for dtype, same in by_dtype.items():
         flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        flat.mul_(1.0 / world)
+        if widen and dtype == torch.bfloat16:
+            wide = flat.float()
+            dist.all_reduce(wide, group=group)
+            flat = wide.mul_(1.0 / world).to(dtype)
+        else:
+            dist.all_reduce(flat, group=group)
+            flat.mul_(1.0 / world)
         at = 0
         for g in same:
             reduced[id(g)] = flat[at:at + g.numel()].view(g.shape)
@@ -172,7 +179,7 @@ def all_gather_partitions(buffer, partitions, rank, tensors, group=None):
     size and dtype (true of muond layouts)."""
     import torch.distributed as dist
     gathered = [torch.empty_like(buffer) for _ in partitions]
-    dist.all_gather(gathered, buffer, group=group)
+    dist.all_gather([_wire(g) for g in gathered], _wire(buffer), group=group)
     for part, received in zip(partitions, gathered):
         if part.rank != rank:
             copy_from_buffer(received, part, tensors)
