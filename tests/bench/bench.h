@@ -36,6 +36,8 @@ int RunAdamWBench(int argc, char** argv);
 int RunApplyBench(int argc, char** argv);
 // `muond-bench peer`: muond's Muon step against the usual in-process LibTorch Muon (speed, error).
 int RunPeerBench(int argc, char** argv);
+// bench_multinode.cc: emulated nodes in network namespaces (runs multinode_netns_bench.py).
+int RunMultinodeBench(int argc, char** argv);
 // `muond-bench gpu` (built with the CUDA backend): the CUDA device against cuBLAS and copy peaks.
 int RunGpuBench(int argc, char** argv);
 

@@ -35,6 +35,8 @@ constexpr Subcommand kSubcommands[] = {
      RunApplyBench},
     {"peer", "muond vs the usual in-process LibTorch Muon (DeepSpeed's NS): s/step, float64 error",
      RunPeerBench},
+    {"multinode", "emulated nodes (netns, tbf links): step time at 1/2/4 nodes vs the model",
+     RunMultinodeBench},
 #ifdef MUOND_HAVE_CUDA
     {"gpu", "CUDA: Newton-Schulz vs cuBLAS GEMM peak, pinned vs pageable copies, Muon apply",
      RunGpuBench},

@@ -71,7 +71,6 @@ Limits: one dtype for every job tensor; no init_from; CPU parameters in update m
 MuonWithAuxAdam.
 """
 import ctypes
-import math
 
 import torch
 
@@ -80,8 +79,7 @@ from ._native import CODES, MuondError
 from .apply_mode import group_name
 from .optim import MuonWithAuxAdam
 from .zero import (all_gather_partition_buffers, copy_from_buffer, copy_into_buffer,
-                   fill_world_buffer, job_partitions, reduce_scatter_partitions,
-                   scatter_world_buffer)
+                   fill_world_buffer, reduce_scatter_partitions, scatter_world_buffer)
 from .multinode_commit import TwoPhaseSteps
 from .multinode_plan import NodeRouting, node_layout, ownership_pieces, ownership_plan
 
@@ -174,11 +172,9 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
         self._clipped_steps = 0
 
     def _pick_route_device(self, wanted):
-        """Where the routing's all-to-alls run: None (host tensors, straight into and out of the
-        node's shared-memory region: gloo), or a device whose buffers are copied into and out of
-        the region (NCCL: the GPU). `wanted`: None picks by the process group's backend; "cpu"
-        stages on the host anyway (what a test of the staged path on gloo uses); "cuda" or a
-        torch.device needs an NCCL group."""
+        """Where the all-to-alls run: None (gloo: host tensors straight into and out of the node's
+        region) or a device staged through (NCCL: the GPU). `wanted` None: by the backend; "cpu"
+        stages on the host with gloo (the tests' staged path); CUDA needs NCCL."""
         nccl = self.world_size > 1 and self.ranks.dist.get_backend(self.process_group) == "nccl"
         if wanted is None:
             return torch.device("cuda", torch.cuda.current_device()) if nccl else None
@@ -377,46 +373,6 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
             return s.update_view(step, self.dtype)
         s.step_buffer(step, recv, self._result)
         return self._result
-
-    def _clip_globally(self, step, hyper, recv, total, node_sum, result):
-        """Global clipping over the nodes (apply mode, max_grad_norm): every node prepared the
-        step with clip 1 and reported its raw sum of squares; `total` is their sum (the
-        agreement's). When the norm it gives is within max_grad_norm the speculation was right;
-        otherwise each node's local rank 0 drops its prepared step, and after a barrier every
-        rank runs the step again with the global sum (the daemon then clips by it, with the
-        coefficient of one node's clipping: max_grad_norm / (norm + 1e-6)). The gradients are
-        still in place; a node whose sum differs the second time fails the step everywhere."""
-        divisor = float(hyper[3])
-        self.last_grad_norm = math.sqrt(total) / divisor
-        if self._max_grad_norm / (math.sqrt(total / (divisor * divisor)) + 1e-6) >= 1.0:
-            return result
-        s, r = self.session, self._routing
-        if r.local_rank == 0:
-            self._abort(step, "the global gradient norm calls for clipping: recomputed with it")
-        try:
-            self.ranks.barrier()
-        except RuntimeError as e:
-            self._lost(step, e)
-        error = None
-        try:
-            s.set_global_clip(2, total)
-            result = self._node_step(step, recv)
-            if s.last_step_sum_sq() != node_sum:
-                error = MuondError(CODES["INVALID_ARGUMENT"],
-                                   f"node {r.node}'s gradients changed between the two passes "
-                                   f"of global clipping (sum of squares {node_sum!r}, then "
-                                   f"{s.last_step_sum_sq()!r})", "step")
-        except MuondError as e:
-            error = e
-        finally:
-            s.set_global_clip(1)
-        self._agree(step, error, hyper)
-        self._clipped_steps += 1
-        return result
-
-    def clipped_steps(self):
-        """Steps that global clipping recomputed on every node (apply mode, max_grad_norm)."""
-        return self._clipped_steps
 
     def bytes_per_step(self):
         """(sent, received) bytes of this rank's two all-to-alls in the last step (gradients out,

@@ -1,9 +1,13 @@
 """The two-phase step of a multi-node job, on the trainer's side (DESIGN.md 4c; the protocol is
 described in multinode.py): the agreement after every node prepared its step (failures and the
-hyperparameters), the commits and their own agreement (the commit window), and the rollback,
-abort and errors that follow a failure. A mixin of MultiNodeMuonWithAuxAdam: it uses its ranks,
-world_size, process_group, client, node_token, global_job_id and _routing.
+hyperparameters, and the nodes' sums of squares for global clipping, with the recomputation it
+may call for), the commits and their own agreement (the commit window), and the rollback, abort
+and errors that follow a failure. A mixin of MultiNodeMuonWithAuxAdam: it uses its ranks,
+world_size, process_group, client, node_token, global_job_id, _routing, session, _node_step,
+_max_grad_norm and _clipped_steps.
 """
+import math
+
 from . import _native
 from ._native import CODES, MuondError
 
@@ -42,6 +46,46 @@ class TwoPhaseSteps:
         self._abort(step, error.message)
         raise MuondError(error.code, f"global job '{self.global_job_id}' step {step} was "
                          f"committed on no node: {error.message}", "step")
+
+    def _clip_globally(self, step, hyper, recv, total, node_sum, result):
+        """Global clipping over the nodes (apply mode, max_grad_norm): every node prepared the
+        step with clip 1 and reported its raw sum of squares; `total` is their sum (the
+        agreement's). When the norm it gives is within max_grad_norm the speculation was right;
+        otherwise each node's local rank 0 drops its prepared step, and after a barrier every
+        rank runs the step again with the global sum (the daemon then clips by it, with the
+        coefficient of one node's clipping: max_grad_norm / (norm + 1e-6)). The gradients are
+        still in place; a node whose sum differs the second time fails the step everywhere."""
+        divisor = float(hyper[3])
+        self.last_grad_norm = math.sqrt(total) / divisor
+        if self._max_grad_norm / (math.sqrt(total / (divisor * divisor)) + 1e-6) >= 1.0:
+            return result
+        s, r = self.session, self._routing
+        if r.local_rank == 0:
+            self._abort(step, "the global gradient norm calls for clipping: recomputed with it")
+        try:
+            self.ranks.barrier()
+        except RuntimeError as e:
+            self._lost(step, e)
+        error = None
+        try:
+            s.set_global_clip(2, total)
+            result = self._node_step(step, recv)
+            if s.last_step_sum_sq() != node_sum:
+                error = MuondError(CODES["INVALID_ARGUMENT"],
+                                   f"node {r.node}'s gradients changed between the two passes "
+                                   f"of global clipping (sum of squares {node_sum!r}, then "
+                                   f"{s.last_step_sum_sq()!r})", "step")
+        except MuondError as e:
+            error = e
+        finally:
+            s.set_global_clip(1)
+        self._agree(step, error, hyper)
+        self._clipped_steps += 1
+        return result
+
+    def clipped_steps(self):
+        """Steps that global clipping recomputed on every node (apply mode, max_grad_norm)."""
+        return self._clipped_steps
 
     def _commit_everywhere(self, step):
         """The commit window: each rank commits its node's step, then the ranks learn (one
