@@ -101,14 +101,21 @@ int muond_checkpoint_list(muond_client* client, const char* job_id, const char* 
   return muond_c_report(absl::OkStatus());
 }
 
+namespace {
+
+// The plan of a job.json over `nodes` nodes (what both C functions below report).
+absl::StatusOr<muond::client::OwnershipPlan> PlanOf(const char* spec_json, int nodes) {
+  if (spec_json == nullptr) return absl::InvalidArgumentError("spec_json is NULL");
+  auto spec = muond::common::ParseJobSpecJson(spec_json);
+  if (!spec.ok()) return spec.status();
+  return muond::client::PlanOwnership(*spec, nodes);
+}
+
+}  // namespace
+
 int muond_ownership_plan(const char* spec_json, int nodes, int32_t* owner, size_t capacity,
                          size_t* total, double* node_flops, double* node_bytes) {
-  if (spec_json == nullptr) {
-    return muond_c_report(absl::InvalidArgumentError("spec_json is NULL"));
-  }
-  auto spec = muond::common::ParseJobSpecJson(spec_json);
-  if (!spec.ok()) return muond_c_report(spec.status());
-  auto plan = muond::client::PlanOwnership(*spec, nodes);
+  auto plan = PlanOf(spec_json, nodes);
   if (!plan.ok()) return muond_c_report(plan.status());
   if (total != nullptr) *total = plan->owner.size();
   for (size_t i = 0; i < plan->owner.size() && i < capacity && owner != nullptr; ++i) {
@@ -123,12 +130,7 @@ int muond_ownership_plan(const char* spec_json, int nodes, int32_t* owner, size_
 
 int muond_ownership_pieces(const char* spec_json, int nodes, int32_t* tensor, int64_t* row_begin,
                            int64_t* row_end, int32_t* node, size_t capacity, size_t* total) {
-  if (spec_json == nullptr) {
-    return muond_c_report(absl::InvalidArgumentError("spec_json is NULL"));
-  }
-  auto spec = muond::common::ParseJobSpecJson(spec_json);
-  if (!spec.ok()) return muond_c_report(spec.status());
-  auto plan = muond::client::PlanOwnership(*spec, nodes);
+  auto plan = PlanOf(spec_json, nodes);
   if (!plan.ok()) return muond_c_report(plan.status());
   if (total != nullptr) *total = plan->pieces.size();
   for (size_t i = 0; i < plan->pieces.size() && i < capacity; ++i) {
