@@ -246,6 +246,25 @@ class MultiNodeTest(unittest.TestCase):
         with self.assertRaises(MuondError) as e:
             mo.ownership_plan(spec, 3)
         self.assertIn("2 tensors for 3 nodes", e.exception.message)
+        # An AdamW tensor larger than a node's share is split by rows: the pieces (tensor, rows,
+        # node) cover it once, and muonctl plan prints them.
+        big = {"job_id": "b", "mode": "apply", "groups": [{"name": "g", "lr": 0.1}],
+               "tensors": [{"name": f"w{i}", "shape": [512, 512], "group": "g"}
+                           for i in range(4)]
+               + [{"name": "embed", "shape": [20000, 256], "optimizer": "adamw", "group": "g"}]}
+        pieces = mo.ownership_pieces(big, 3)
+        embed = [p for p in pieces if p[0] == 4]
+        self.assertEqual([(p[1], p[2]) for p in embed], [(0, 6894), (6894, 13788), (13788, 20000)])
+        self.assertEqual(sorted(p[3] for p in embed), [0, 1, 2])
+        self.assertEqual([p[1:3] for p in pieces if p[0] < 4], [(0, 512)] * 4)
+        path = os.path.join(self.root, "big.json")
+        with open(path, "w") as f:
+            json.dump(big, f)
+        out = subprocess.run([os.path.join(os.path.dirname(MUOND), "muonctl"), "plan", path, "3"],
+                             capture_output=True, text=True, check=True).stdout
+        self.assertIn("nodes: 3 (5 tensors)", out)
+        self.assertIn("tensor 'embed' split by rows: node ", out)
+        self.assertIn("rows [13788, 20000)", out)
 
     def test_three_nodes_of_two_ranks_bit_identical(self):
         self.check_identical([0, 0, 1, 1, 2, 2])
