@@ -17,7 +17,8 @@ set -euo pipefail
 # PoCL. python3-matplotlib: the training example plots its loss curves. libclang-rt-14-dev:
 # libFuzzer and clang's sanitizer runtimes for the fuzz targets (tests/fuzz/run.sh; gcc's ASan,
 # UBSan and TSan runtimes for tests/sanitize/run.sh come with build-essential). chromium: the
-# status page test loads the daemon's page in a headless browser.
+# status page test loads the daemon's page in a headless browser. iproute2: `ip` and `tc` for the
+# emulated nodes of `muond-bench multinode` (network namespaces, veth pairs, tbf).
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
@@ -27,7 +28,7 @@ PACKAGES=(
   python3 python3-numpy python3-torch
   python3-yaml systemd
   libze-dev clang-14 llvm-spirv-14 pocl-opencl-icd ocl-icd-opencl-dev opencl-headers
-  python3-matplotlib libclang-rt-14-dev chromium
+  python3-matplotlib libclang-rt-14-dev chromium iproute2
 )
 
 missing=()
