@@ -234,6 +234,20 @@ void ExportManifestSeeds(const std::vector<muond::common::JobSpec>& specs) {
     Put("export_manifest", "seed-" + std::to_string(n++), std::string(1, '\1') + text);
   }
   Put("export_manifest", "seed-format-1", std::string(1, '\1') + R"({"format": 1})");
+  // Rows of a tensor split across nodes (the "rows" field; the harness fixes the checksum).
+  se::Manifest rows;
+  rows.job_id = "g.node1";
+  rows.mode = muond::common::JobMode::kApply;
+  rows.payload = "g.node1.safetensors";
+  for (const char* name : {"master/embed", "exp_avg/embed", "exp_avg_sq/embed"}) {
+    se::Array a{name, "embed", {4, 3}};
+    a.row_offset = 2;
+    a.full_rows = 9;
+    rows.arrays.push_back(a);
+  }
+  rows.tensor_steps["embed"] = 5;
+  se::LayOut(&rows);
+  Put("export_manifest", "seed-rows", std::string(1, '\1') + se::ManifestToJson(rows));
 }
 
 // Job records as JobRegistry::Persist writes them (fix-up byte: the directory is named after the
