@@ -192,8 +192,9 @@ absl::Status RankSession::SetHyper(const StepHyper& hyper) {
 absl::Status RankSession::SetGlobalClip(int mode, double sum_sq) {
   RETURN_IF_ERROR(RequireApply("SetGlobalClip"));
   if (mode < 0 || mode > 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "global clip mode ", mode, " (0: none, 1: speculate with clip 1, 2: clip by a global sum)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("global clip mode ", mode,
+                     " (0: none, 1: speculate with clip 1, 2: clip by a global sum)"));
   }
   if (mode == 2 && (!std::isfinite(sum_sq) || sum_sq < 0)) {
     return absl::InvalidArgumentError(

@@ -2,6 +2,7 @@
 // computed locally as every rank computes it (no daemon involved).
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -29,20 +30,22 @@ absl::Status CmdPlan(const Args& a) {
     }
     ASSIGN_OR_RETURN(const OwnershipPlan plan, PlanOwnership(spec, nodes));
     std::printf("nodes: %d (%zu tensors)\n", nodes, spec.matrices.size());
+    std::vector<int> tensors(nodes, 0);
+    for (const PlanPiece& p : plan.pieces) ++tensors[p.node];
     for (int n = 0; n < nodes; ++n) {
-      int tensors = 0;
-      for (const PlanPiece& p : plan.pieces) tensors += p.node == n ? 1 : 0;
-      std::printf("  node %d: %d tensors, %.1f GFLOP/step, %.3f GiB state\n", n, tensors,
+      std::printf("  node %d: %d tensors, %.1f GFLOP/step, %.3f GiB state\n", n, tensors[n],
                   plan.node_flops[n] / 1e9, plan.node_bytes[n] / (1024.0 * 1024 * 1024));
     }
-    for (size_t t = 0; t < spec.matrices.size(); ++t) {
-      if (!plan.Split(t)) continue;
+    // The pieces come by tensor then rows: a run of more than one is a split tensor.
+    for (size_t first = 0, end = 0; first < plan.pieces.size(); first = end) {
+      const int32_t t = plan.pieces[first].tensor;
       std::string where;
-      for (const PlanPiece& p : plan.pieces) {
-        if (static_cast<size_t>(p.tensor) != t) continue;
+      for (end = first; end < plan.pieces.size() && plan.pieces[end].tensor == t; ++end) {
+        const PlanPiece& p = plan.pieces[end];
         absl::StrAppend(&where, where.empty() ? "" : ", ", "node ", p.node, " rows [", p.row_begin,
                         ", ", p.row_end, ")");
       }
+      if (end - first < 2) continue;
       std::printf("  tensor '%s' split by rows: %s\n", spec.matrices[t].name.c_str(),
                   where.c_str());
     }

@@ -84,6 +84,52 @@ double WaterLevel(std::vector<double> load, double amount) {
   return load.back();
 }
 
+// Step 2's split tensors (`deferred`, `deferred_bytes` of state in all), in that order: their rows
+// onto the nodes below the water level, the node with the most room first, each piece at least
+// kMinPieceBytes or the tensor's remainder; rounding's rest joins the tensor's last piece. Fills
+// split[i] and plan->owner[i] of each, and the nodes' FLOPs and bytes.
+void PourByRows(const common::JobSpec& spec, const std::vector<size_t>& deferred,
+                double deferred_bytes, const std::vector<double>& flops,
+                const std::vector<double>& bytes, OwnershipPlan* plan,
+                std::vector<std::vector<PlanPiece>>* split) {
+  const double level = WaterLevel(plan->node_bytes, deferred_bytes);
+  std::vector<int> order(plan->node_bytes.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return plan->node_bytes[a] < plan->node_bytes[b]; });
+  size_t at = 0;  // the node of `order` being filled
+  for (size_t i : deferred) {
+    std::vector<PlanPiece>& pieces = (*split)[i];
+    const int64_t rows = Rows(spec.matrices[i]);
+    const double row_bytes = bytes[i] / static_cast<double>(rows);
+    const double row_flops = flops[i] / static_cast<double>(rows);
+    const auto add = [&](int node, int64_t count) {
+      plan->node_bytes[node] += count * row_bytes;
+      plan->node_flops[node] += count * row_flops;
+    };
+    int64_t next = 0;
+    for (; at < order.size() && next < rows; ++at) {
+      const int node = order[at];
+      const double room = level - plan->node_bytes[node];
+      const int64_t take = std::min<int64_t>(
+          rows - next, static_cast<int64_t>(std::floor(std::max(0.0, room) / row_bytes)));
+      if (take < rows - next && take * row_bytes < kMinPieceBytes) continue;  // too little room
+      pieces.push_back({static_cast<int32_t>(i), next, next + take, node});
+      add(node, take);
+      next += take;
+      if (next == rows && take * row_bytes < room - kMinPieceBytes) break;  // room left here
+    }
+    if (next < rows) {  // rounding: the rest joins the tensor's last piece, or goes whole
+      if (pieces.empty()) {
+        pieces.push_back({static_cast<int32_t>(i), 0, 0, LeastLoaded(plan->node_bytes)});
+      }
+      add(pieces.back().node, rows - next);
+      pieces.back().row_end = rows;
+    }
+    plan->owner[i] = pieces.front().node;
+  }
+}
+
 }  // namespace
 
 double OwnershipPlan::FlopsImbalance() const { return Imbalance(node_flops); }
@@ -180,42 +226,7 @@ absl::StatusOr<OwnershipPlan> PlanOwnership(const common::JobSpec& spec, int nod
     deferred_bytes += bytes[i];
   }
   std::vector<std::vector<PlanPiece>> split(n);
-  if (!deferred.empty()) {
-    const double level = WaterLevel(plan.node_bytes, deferred_bytes);
-    std::vector<int> order(nodes);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int a, int b) { return plan.node_bytes[a] < plan.node_bytes[b]; });
-    size_t at = 0;  // the node of `order` being filled
-    for (size_t i : deferred) {
-      const int64_t rows = Rows(spec.matrices[i]);
-      const double row_bytes = bytes[i] / static_cast<double>(rows);
-      int64_t next = 0;
-      for (; at < order.size() && next < rows; ++at) {
-        const int node = order[at];
-        const double room = level - plan.node_bytes[node];
-        const int64_t take = std::min<int64_t>(
-            rows - next, static_cast<int64_t>(std::floor(std::max(0.0, room) / row_bytes)));
-        if (take < rows - next && take * row_bytes < kMinPieceBytes) continue;  // too little room
-        split[i].push_back({static_cast<int32_t>(i), next, next + take, node});
-        plan.node_bytes[node] += take * row_bytes;
-        plan.node_flops[node] += take * (flops[i] / static_cast<double>(rows));
-        next += take;
-        if (next == rows && take * row_bytes < room - kMinPieceBytes) break;  // room left here
-      }
-      if (next < rows) {  // rounding: the rest joins the tensor's last piece, or goes whole
-        if (split[i].empty()) {
-          const int node = LeastLoaded(plan.node_bytes);
-          split[i].push_back({static_cast<int32_t>(i), 0, 0, node});
-        }
-        PlanPiece& last = split[i].back();
-        plan.node_bytes[last.node] += (rows - next) * row_bytes;
-        plan.node_flops[last.node] += (rows - next) * (flops[i] / static_cast<double>(rows));
-        last.row_end = rows;
-      }
-      plan.owner[i] = split[i].front().node;
-    }
-  }
+  if (!deferred.empty()) PourByRows(spec, deferred, deferred_bytes, flops, bytes, &plan, &split);
   for (size_t i = 0; i < n; ++i) {
     if (split[i].empty()) {
       plan.pieces.push_back({static_cast<int32_t>(i), 0, Rows(spec.matrices[i]), plan.owner[i]});

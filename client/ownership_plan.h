@@ -5,8 +5,8 @@
 //
 // Cost model, per tensor and step:
 // - time: a Muon tensor costs its Newton-Schulz FLOPs (standard iteration: per block of m x n,
-//   m <= n, 4 m^2 n + 2 m^3 per iteration, times ns_steps; blocks are heads and experts as DESIGN.md
-//   3 views them); an AdamW tensor kAdamWFlopsPerElement per element (elementwise);
+//   m <= n, 4 m^2 n + 2 m^3 per iteration, times ns_steps; blocks are heads and experts as
+//   DESIGN.md 3 views them); an AdamW tensor kAdamWFlopsPerElement per element (elementwise);
 // - memory: its bytes of fp32 state (update mode: the momentum, 4 B per element; apply mode:
 //   masters and momentum 8 B, masters and AdamW moments 12 B).
 // Placement, deterministic (ties go to the lower node, then job order):
@@ -31,12 +31,13 @@
 
 namespace muond::client {
 
-inline constexpr double kAdamWFlopsPerElement = 16;  // moments, bias corrections, sqrt, divide, decay
+// AdamW per element: the moments, bias corrections, sqrt, divide and decay.
+inline constexpr double kAdamWFlopsPerElement = 16;
 inline constexpr double kMinPieceBytes = double{1 << 20};
 inline constexpr int kMaxImprovements = 4096;
 
-// Rows [row_begin, row_end) of tensor `tensor` (job order) held by node `node`. A tensor that is not
-// split has one piece with all its rows (rows: its first dimension; a 0-d tensor has one row).
+// Rows [row_begin, row_end) of tensor `tensor` (job order) held by node `node`. A tensor that is
+// not split has one piece with all its rows (rows: its first dimension; a 0-d tensor has one).
 struct PlanPiece {
   int32_t tensor = 0;
   int64_t row_begin = 0;

@@ -196,8 +196,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec);
 absl::Status ValidateApplyMode(const JobSpec& spec);
 // The "multinode" block: global_job_id a valid job id, 0 <= node < nodes <= kMaxNodes (when
 // present); a tensor's "rows" only on an AdamW tensor of an apply-mode multi-node job, with at
-// least one dimension, 0 <= offset, offset + shape[0] <= of, and at most kMaxMatrixElements elements
-// in the whole tensor. INVALID_ARGUMENT naming the field.
+// least one dimension, 0 <= offset, offset + shape[0] <= of, and at most kMaxMatrixElements
+// elements in the whole tensor. INVALID_ARGUMENT naming the field.
 absl::Status ValidateMultiNode(const JobSpec& spec);
 // Fills what apply mode defaults: a tensor's group (its optimizer's name). Both parsers call it.
 void FillApplyDefaults(JobSpec* spec);

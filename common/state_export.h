@@ -84,8 +84,9 @@ std::string ManifestToJson(const Manifest& m);
 // Parses and checks a manifest read from `where` (a path, for messages): format, version,
 // checksum, field types, the file names (no '/'), shapes (positive, numel without overflow),
 // data offsets (packed in order, end - begin = numel * 4, inside payload_bytes), rows within
-// their tensor's, no array named twice, apply mode's step count of every tensor. DATA_LOSS (a damaged file) or INVALID_ARGUMENT
-// (well-formed but not a state export of this format), naming `where` and what.
+// their tensor's, no array named twice, apply mode's step count of every tensor. DATA_LOSS (a
+// damaged file) or INVALID_ARGUMENT (well-formed but not a state export of this format), naming
+// `where` and what.
 absl::StatusOr<Manifest> ParseManifest(std::string_view text, const std::string& where);
 
 }  // namespace muond::common::state_export

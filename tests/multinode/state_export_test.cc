@@ -347,9 +347,7 @@ common::JobSpec RowsJob(const std::string& id, int64_t offset, int64_t rows, int
 
 // Rows of a tensor split across nodes (the ownership plan) are taken from whichever files hold
 // them: a job holding rows [2, 6) takes [2, 4) of one file's [0, 4) and [4, 6) of another's
-// [4, 8); a whole tensor is put together from the pieces. A gap, an overlap, a damaged piece
-// (even where no row of it is taken) and step counts that differ are refused naming the tensor,
-// the rows and the files, and create nothing.
+// [4, 8); a whole tensor is put together from the pieces.
 TEST_F(StateExportTest, RowsOfASplitTensorImportFromOtherCuts) {
   WriteRowsExport(Dir("cut"), "g.node0", 0, 4, 8);
   WriteRowsExport(Dir("cut"), "g.node1", 4, 4, 8);
@@ -386,7 +384,14 @@ TEST_F(StateExportTest, RowsOfASplitTensorImportFromOtherCuts) {
   ASSERT_TRUE(exported.ok()) << exported.status();
   EXPECT_EQ(exported->arrays[0].row_offset, 2);
   EXPECT_EQ(exported->arrays[0].full_rows, 8);
+}
 
+// Rows a job cannot take: a gap, an overlap, a whole array beside rows of it, step counts that
+// differ, another tensor's rows and a damaged piece (even where no row of it is taken) are
+// refused naming the tensor, the rows and the files, and create nothing.
+TEST_F(StateExportTest, RowsOfASplitTensorRefusedImports) {
+  WriteRowsExport(Dir("cut"), "g.node0", 0, 4, 8);
+  WriteRowsExport(Dir("cut"), "g.node1", 4, 4, 8);
   struct Bad {
     std::string dir;
     absl::StatusCode code;

@@ -70,11 +70,12 @@ class TwoPhaseSteps:
         try:
             s.set_global_clip(2, total)
             result = self._node_step(step, recv)
-            if s.last_step_sum_sq() != node_sum:
+            again = s.last_step_sum_sq()
+            if again != node_sum:
                 error = MuondError(CODES["INVALID_ARGUMENT"],
                                    f"node {r.node}'s gradients changed between the two passes "
                                    f"of global clipping (sum of squares {node_sum!r}, then "
-                                   f"{s.last_step_sum_sq()!r})", "step")
+                                   f"{again!r})", "step")
         except MuondError as e:
             error = e
         finally:

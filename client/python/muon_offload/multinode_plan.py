@@ -2,8 +2,8 @@
 on (node_layout), which node owns each tensor or, for an AdamW tensor split by rows, each row
 range (ownership_plan and ownership_pieces: the client library's muond_ownership_plan and
 muond_ownership_pieces), and the routing of the world's ZeRO partitions to the owners' local
-ranks (NodeRouting, see multinode.py). Pure functions of the global job spec and the node map, except
-node_layout, which may gather the ranks' GROUP_RANK (a collective).
+ranks (NodeRouting, see multinode.py). Pure functions of the global job spec and the node map,
+except node_layout, which may gather the ranks' GROUP_RANK (a collective).
 """
 import ctypes
 import os
