@@ -19,12 +19,13 @@ set -euo pipefail
 # UBSan and TSan runtimes for tests/sanitize/run.sh come with build-essential). chromium: the
 # status page test loads the daemon's page in a headless browser. iproute2: `ip` and `tc` for the
 # emulated nodes of `muond-bench multinode` (network namespaces, veth pairs, tbf).
+# prometheus-cpp-dev: the daemon's metrics registry, families and text exposition.
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libtorch-dev libdnnl-dev libopenblas0-pthread libblas-dev nlohmann-json3-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  prometheus openssl
+  prometheus prometheus-cpp-dev openssl
   python3 python3-numpy python3-torch
   python3-yaml systemd
   libze-dev clang-14 llvm-spirv-14 pocl-opencl-icd ocl-icd-opencl-dev opencl-headers

@@ -70,7 +70,7 @@ constexpr const char* kReasons[] = {"session_limit",     "attach_timeout", "out_
 // The server's own metrics, declared next to the code that updates them.
 struct ShmMetrics {
   ShmMetrics() {
-    common::Registry& r = common::DefaultRegistry();
+    common::MetricsRegistry& r = common::DefaultRegistry();
     auto f = r.AddCounter("muond_shm_connections_refused_total",
                           "Shared-memory connections answered with an error (or dropped) before "
                           "a session was attached, by reason.");

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <limits>
 #include <set>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -38,10 +39,36 @@ T* Must(absl::StatusOr<T*> family) {
   return *family;
 }
 
+// The buckets of the duration histograms (prometheus-cpp gives them to each child).
+const Histogram::BucketBoundaries& StepBuckets() {
+  static const auto* buckets = new Histogram::BucketBoundaries(common::ExponentialBuckets(0.001, 2, 16));
+  return *buckets;
+}
+const Histogram::BucketBoundaries& PhaseBuckets() {
+  static const auto* buckets =
+      new Histogram::BucketBoundaries(common::ExponentialBuckets(0.0001, 2, 18));
+  return *buckets;
+}
+const Histogram::BucketBoundaries& CheckpointBuckets() {
+  static const auto* buckets = new Histogram::BucketBoundaries(common::ExponentialBuckets(0.001, 2, 18));
+  return *buckets;
+}
+
+// Removes the series of `labels` from `family`, if it has one.
+template <typename T>
+void RemoveSeries(Family<T>* family, const Labels& labels) {
+  if (!family->Has(labels)) return;
+  if constexpr (std::is_same_v<T, Histogram>) {
+    family->Remove(&family->Add(labels, Histogram::BucketBoundaries{}));
+  } else {
+    family->Remove(&family->Add(labels));
+  }
+}
+
 // Every family of the daemon, registered once in the default registry on first use.
 struct Families {
   Families() {
-    common::Registry& r = common::DefaultRegistry();
+    common::MetricsRegistry& r = common::DefaultRegistry();
     build_info = Must(r.AddGauge("muond_build_info",
                                  "The running muond: version, compute backend and CPU math path "
                                  "(cpu_isa: the widest ISA the optimizer math uses; cpu_bf16: "
@@ -104,11 +131,9 @@ struct Families {
         "(gRPC chunks and updates, shared-memory replays)."));
 
     step_seconds = Must(r.AddHistogram("muond_step_duration_seconds",
-                                       "Wall time of a committed step, first gradient to commit.",
-                                       common::ExponentialBuckets(0.001, 2, 16)));
-    phase_seconds = Must(r.AddHistogram("muond_step_phase_duration_seconds",
-                                        "Wall time of each phase of a step.",
-                                        common::ExponentialBuckets(0.0001, 2, 18)));
+                                       "Wall time of a committed step, first gradient to commit."));
+    phase_seconds = Must(
+        r.AddHistogram("muond_step_phase_duration_seconds", "Wall time of each phase of a step."));
     Family<Counter>* transfer = Must(r.AddCounter(
         "muond_transfer_bytes_total", "Gradient (in) and update (out) bytes, by transport."));
     for (Transport t : {Transport::kGrpc, Transport::kShm}) {
@@ -124,9 +149,9 @@ struct Families {
                                          "Checkpoint saves of the job, by result (ok, error)."));
     checkpoint_bytes = Must(r.AddCounter("muond_checkpoint_written_bytes_total",
                                          "Bytes of checkpoint payload written durably."));
-    checkpoint_seconds = Must(r.AddHistogram("muond_checkpoint_save_duration_seconds",
-                                             "Wall time of a checkpoint save, snapshot to durable.",
-                                             common::ExponentialBuckets(0.001, 2, 18)));
+    checkpoint_seconds = Must(r.AddHistogram(
+        "muond_checkpoint_save_duration_seconds",
+        "Wall time of a checkpoint save, snapshot to durable."));
   }
 
   // Removes every series of `job` from the per-job families.
@@ -135,20 +160,20 @@ struct Families {
     for (Family<Gauge>* f :
          {job_world_size, job_ranks_attached, job_next_step, job_fenced, job_momentum,
           job_gather_budget, job_gather_peak, job_checkpoint_age}) {
-      f->Remove(&f->Add(labels));
+      RemoveSeries(f, labels);
     }
     for (Family<Counter>* f : {steps_completed, steps_refused, steps_skipped, steps_aborted,
                                transport_copy, checkpoint_bytes, clip_redo}) {
-      f->Remove(&f->Add(labels));
+      RemoveSeries(f, labels);
     }
     for (const char* result : {"ok", "error"}) {
-      checkpoint_saves->Remove(&checkpoint_saves->Add({{kJobLabel, job}, {"result", result}}));
+      RemoveSeries(checkpoint_saves, {{kJobLabel, job}, {"result", result}});
     }
-    step_seconds->Remove(&step_seconds->Add(labels));
-    checkpoint_seconds->Remove(&checkpoint_seconds->Add(labels));
+    RemoveSeries(step_seconds, labels);
+    RemoveSeries(checkpoint_seconds, labels);
     for (StepPhase p : {StepPhase::kAssembly, StepPhase::kCopyIn, StepPhase::kNewtonSchulz,
                         StepPhase::kWriteback, StepPhase::kReturn, StepPhase::kCommit}) {
-      phase_seconds->Remove(&phase_seconds->Add({{kJobLabel, job}, {"phase", StepPhaseName(p)}}));
+      RemoveSeries(phase_seconds, {{kJobLabel, job}, {"phase", StepPhaseName(p)}});
     }
   }
 
@@ -207,7 +232,7 @@ void RecordStepCompleted(const std::string& job, double seconds) {
   Families& f = F();
   absl::MutexLock lock(&f.job_series_mu);
   f.recorded_jobs.insert(job);
-  f.step_seconds->Add({{kJobLabel, job}}).Observe(seconds);
+  f.step_seconds->Add({{kJobLabel, job}}, StepBuckets()).Observe(seconds);
 }
 
 void RecordClipRedo(const std::string& job) {
@@ -223,7 +248,7 @@ void RecordCheckpointSave(const std::string& job, bool ok, double seconds, uint6
   f.recorded_jobs.insert(job);
   f.checkpoint_saves->Add({{kJobLabel, job}, {"result", ok ? "ok" : "error"}}).Increment();
   if (ok) {
-    f.checkpoint_seconds->Add({{kJobLabel, job}}).Observe(seconds);
+    f.checkpoint_seconds->Add({{kJobLabel, job}}, CheckpointBuckets()).Observe(seconds);
     f.checkpoint_bytes->Add({{kJobLabel, job}}).Increment(static_cast<double>(bytes));
   }
 }
@@ -232,7 +257,8 @@ void RecordPhase(const std::string& job, StepPhase phase, double seconds) {
   Families& f = F();
   absl::MutexLock lock(&f.job_series_mu);
   f.recorded_jobs.insert(job);
-  f.phase_seconds->Add({{kJobLabel, job}, {"phase", StepPhaseName(phase)}}).Observe(seconds);
+  f.phase_seconds->Add({{kJobLabel, job}, {"phase", StepPhaseName(phase)}}, PhaseBuckets())
+      .Observe(seconds);
 }
 
 void RecordBytes(Transport transport, Direction direction, uint64_t bytes) {
@@ -348,7 +374,7 @@ void DaemonMetricsCollector::Collect() {
   }
   for (const std::string& id : gone) {
     if (auto it = seen_.find(id); it != seen_.end() && !it->second.multinode.empty()) {
-      f.job_multinode->Remove(&f.job_multinode->Add(it->second.multinode));
+      RemoveSeries(f.job_multinode, it->second.multinode);
     }
     f.RemoveJob(id);
     seen_.erase(id);

@@ -120,7 +120,7 @@ class DaemonMetricsCollector {
 
   const JobRegistry* const jobs_;
   const ShmServer* const shm_;
-  common::Registry::CallbackId callback_id_ = 0;
+  common::MetricsRegistry::CallbackId callback_id_ = 0;
   absl::Mutex mu_;
   std::map<std::string, Seen> seen_ ABSL_GUARDED_BY(mu_);
 };

@@ -150,7 +150,7 @@ constexpr uint64_t EpollTag(uint64_t id, int fd) { return (id << 32) | static_ca
 class MetricsServer::EventLoop {
  public:
   // Takes ownership of `listen_fd`.
-  EventLoop(common::Registry* registry, const MetricsServerOptions& options, int listen_fd,
+  EventLoop(common::MetricsRegistry* registry, const MetricsServerOptions& options, int listen_fd,
             http::BoundAddress bound)
       : registry_(registry),
         options_(options),
@@ -442,7 +442,7 @@ class MetricsServer::EventLoop {
   }
 
   common::Heartbeat heartbeat_{"metrics http loop"};
-  common::Registry* const registry_;
+  common::MetricsRegistry* const registry_;
   const MetricsServerOptions options_;
   const http::BoundAddress bound_;
   const Clock::duration timeout_;
@@ -462,7 +462,7 @@ class MetricsServer::EventLoop {
 };
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
-    const std::string& address, common::Registry* registry, const MetricsServerOptions& options) {
+    const std::string& address, common::MetricsRegistry* registry, const MetricsServerOptions& options) {
   absl::StatusOr<ListenAddress> listen_address = ParseListenAddress(address);
   if (!listen_address.ok()) return listen_address.status();
   if (options.max_connections < 1 || options.max_request_bytes < 64 ||

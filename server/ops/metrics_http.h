@@ -1,6 +1,6 @@
 // MetricsServer: the HTTP endpoint Prometheus scrapes. Serves `GET /metrics` (and HEAD) from a
-// common::Registry in text format 0.0.4, on one thread of its own (an epoll loop over non-blocking
-// sockets), so a slow scraper never touches the daemon's gRPC threads and no other client of the
+// common::MetricsRegistry (prometheus-cpp's text serialization, format 0.0.4), on one thread of
+// its own (an epoll loop over non-blocking sockets), so a slow scraper never touches the daemon's gRPC threads and no other client of the
 // port can keep a scrape from being answered.
 //
 //   /metrics, GET or HEAD -> 200, Content-Type "text/plain; version=0.0.4; charset=utf-8"
@@ -21,7 +21,7 @@
 //
 // Thread-safety: Start and the destructor are called from one thread; port(), address() and
 // stats() are thread-safe. Requests are served on the server's thread, each scrape calling
-// Registry::Serialize() there.
+// MetricsRegistry::Serialize() there.
 #ifndef MUOND_SERVER_OPS_METRICS_HTTP_H_
 #define MUOND_SERVER_OPS_METRICS_HTTP_H_
 
@@ -93,7 +93,7 @@ class MetricsServer {
   // Errors name the address: INVALID_ARGUMENT for an address that does not parse or options out of
   // range, UNAVAILABLE when it cannot be bound (port in use, address not on this host, permission).
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
-      const std::string& address, common::Registry* registry,
+      const std::string& address, common::MetricsRegistry* registry,
       const MetricsServerOptions& options = MetricsServerOptions());
 
   // Stops listening, closes every connection and joins the server's thread (a scrape in progress

@@ -129,7 +129,7 @@ bool HostNamesServer(std::string_view value, const BoundAddress& bound) {
 }
 
 // The response to one request head.
-std::string Answer(std::string_view head, const common::Registry& registry,
+std::string Answer(std::string_view head, const common::MetricsRegistry& registry,
                    const std::vector<MetricsPage>& pages, const BoundAddress& bound) {
   RequestHead request;
   if (!ParseHead(head, &request)) {

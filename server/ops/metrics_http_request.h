@@ -35,7 +35,7 @@ bool HostNamesServer(std::string_view host_header, const BoundAddress& bound);
 // malformed head, 404 for another path, 405 for another method, 413 for a request with a body.
 // `pages` are answered as /metrics is (GET/HEAD 200, other methods 405), with their own bodies;
 // one with check_host gets 421 unless its Host header names `bound`.
-std::string Answer(std::string_view head, const common::Registry& registry,
+std::string Answer(std::string_view head, const common::MetricsRegistry& registry,
                    const std::vector<MetricsPage>& pages = {},
                    const BoundAddress& bound = BoundAddress());
 

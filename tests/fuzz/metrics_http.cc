@@ -19,9 +19,9 @@ namespace http = muond::server::http;
 
 namespace {
 
-const muond::common::Registry& TestRegistry() {
+const muond::common::MetricsRegistry& TestRegistry() {
   static auto* registry = [] {
-    auto* r = new muond::common::Registry();
+    auto* r = new muond::common::MetricsRegistry();
     r->AddCounter("muond_fuzz_total", "A counter.")
         .value()
         ->Add({{"job", "a\"b\\c\n"}})

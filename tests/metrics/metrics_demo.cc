@@ -23,7 +23,7 @@ using muond::common::ExponentialBuckets;
 using muond::common::Family;
 using muond::common::Gauge;
 using muond::common::Histogram;
-using muond::common::Registry;
+using muond::common::MetricsRegistry;
 
 template <typename T>
 T* Must(absl::StatusOr<T*> family) {
@@ -34,7 +34,7 @@ T* Must(absl::StatusOr<T*> family) {
   return *family;
 }
 
-void Populate(Registry& r) {
+void Populate(MetricsRegistry& r) {
   Must(r.AddGauge("muond_build_info", "Build of the running muond; the value is always 1."))
       ->Add({{"version", "0.1.0"}, {"compiler", "gcc"}})
       .Set(1);
@@ -58,16 +58,16 @@ void Populate(Registry& r) {
       ->Add({{"job", "demo"}})
       .Increment(1);
 
-  Family<Histogram>* step = Must(r.AddHistogram(
-      "muond_step_duration_seconds", "Wall time of a step.", ExponentialBuckets(0.001, 2, 14)));
+  Family<Histogram>* step =
+      Must(r.AddHistogram("muond_step_duration_seconds", "Wall time of a step."));
   Family<Histogram>* phase =
-      Must(r.AddHistogram("muond_step_phase_duration_seconds", "Wall time of each step phase.",
-                          ExponentialBuckets(0.0001, 4, 10)));
+      Must(r.AddHistogram("muond_step_phase_duration_seconds", "Wall time of each step phase."));
   const char* phases[] = {"assembly", "copy_in", "newton_schulz", "writeback", "return"};
   for (int s = 0; s < 42; ++s) {
-    step->Add({{"job", "demo"}}).Observe(0.02 + 0.001 * s);
+    step->Add({{"job", "demo"}}, ExponentialBuckets(0.001, 2, 14)).Observe(0.02 + 0.001 * s);
     for (int p = 0; p < 5; ++p) {
-      phase->Add({{"job", "demo"}, {"phase", phases[p]}}).Observe(0.0002 * (p + 1) * (1 + s % 5));
+      phase->Add({{"job", "demo"}, {"phase", phases[p]}}, ExponentialBuckets(0.0001, 4, 10))
+          .Observe(0.0002 * (p + 1) * (1 + s % 5));
     }
   }
 
@@ -84,9 +84,8 @@ void Populate(Registry& r) {
   Must(r.AddGauge("muond_gather_budget_bytes", "Gather buffer budget."))->Add({}).Set(2147483648.0);
   Must(r.AddGauge("muond_gather_used_bytes", "Gather buffer in use."))->Add({}).Set(0);
 
-  Must(r.AddHistogram("muond_checkpoint_save_duration_seconds", "Wall time of checkpoint saves.",
-                      ExponentialBuckets(0.01, 2, 12)))
-      ->Add({})
+  Must(r.AddHistogram("muond_checkpoint_save_duration_seconds", "Wall time of checkpoint saves."))
+      ->Add({}, ExponentialBuckets(0.01, 2, 12))
       .Observe(0.8);
   Must(r.AddCounter("muond_checkpoint_bytes_total", "Checkpoint bytes written and read."))
       ->Add({{"direction", "out"}})
@@ -119,7 +118,7 @@ int main(int argc, char** argv) {
   // Blocked before any thread starts, so only sigwait below sees them.
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  Registry registry;
+  MetricsRegistry registry;
   Populate(registry);
   auto server = muond::server::MetricsServer::Start(address, &registry);
   if (!server.ok()) {

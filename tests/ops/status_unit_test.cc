@@ -243,7 +243,7 @@ class StatusPagesTest : public ::testing::Test {
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
   }
-  common::Registry registry_;
+  common::MetricsRegistry registry_;
   std::unique_ptr<MetricsServer> server_;
 };
 

@@ -134,7 +134,7 @@ class MetricsHttpHostileTest : public ::testing::Test {
     }
   }
 
-  common::Registry registry_;
+  common::MetricsRegistry registry_;
   std::unique_ptr<MetricsServer> server_;
   std::vector<int> clients_;
 };

@@ -24,7 +24,7 @@ class MetricsHttpTest : public ::testing::Test {
     server_ = std::move(*server);
   }
 
-  common::Registry registry_;
+  common::MetricsRegistry registry_;
   std::unique_ptr<MetricsServer> server_;
 };
 
@@ -95,7 +95,7 @@ TEST_F(MetricsHttpTest, StopReleasesThePort) {
 }
 
 TEST(MetricsHttpAddressTest, BadAddressesRefused) {
-  common::Registry registry;
+  common::MetricsRegistry registry;
   for (const char* address :
        {"", "127.0.0.1", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:65536", "127.0.0.1:-1",
         "999.0.0.1:0", "example.com:9000", "::1:0", "[::1:0", "[nonsense]:0", ":9000"}) {
@@ -108,7 +108,7 @@ TEST(MetricsHttpAddressTest, BadAddressesRefused) {
 }
 
 TEST(MetricsHttpAddressTest, UnbindableAddressRefused) {
-  common::Registry registry;
+  common::MetricsRegistry registry;
   // 192.0.2.0/24 is TEST-NET-1: not an address of this host.
   auto server = MetricsServer::Start("192.0.2.1:0", &registry);
   ASSERT_FALSE(server.ok());
@@ -117,7 +117,7 @@ TEST(MetricsHttpAddressTest, UnbindableAddressRefused) {
 }
 
 TEST(MetricsHttpAddressTest, LocalhostMeansLoopback) {
-  common::Registry registry;
+  common::MetricsRegistry registry;
   auto server = MetricsServer::Start("localhost:0", &registry);
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_EQ((*server)->address(), "127.0.0.1:" + std::to_string((*server)->port()));
@@ -126,7 +126,7 @@ TEST(MetricsHttpAddressTest, LocalhostMeansLoopback) {
 
 // A host without IPv6 (a container without ::1) refuses clearly, naming the address.
 TEST(MetricsHttpAddressTest, Ipv6LoopbackServesOrIsRefusedClearly) {
-  common::Registry registry;
+  common::MetricsRegistry registry;
   auto server = MetricsServer::Start("[::1]:0", &registry);
   if (!server.ok()) {
     EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable);
