@@ -74,14 +74,6 @@ HostRegistration::~HostRegistration() {
 
 namespace {
 
-// Modelled Newton-Schulz FLOPs of one matrix (per iteration 4 m^2 n + 2 m^3 per block, m <= n).
-double MuonFlops(const common::MuonConfig& config, const common::MatrixSpec& spec) {
-  const MatrixGeometry g = GeometryOf(spec);
-  const double m = static_cast<double>(std::min(g.rows, g.cols));
-  const double n = static_cast<double>(std::max(g.rows, g.cols));
-  return static_cast<double>(g.batch) * config.ns_steps * (4 * m * m * n + 2 * m * m * m);
-}
-
 class HostDevice;
 
 class HostEvent final : public Event {
@@ -388,7 +380,7 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
                                                      "fewer than ",
                                                      bytes, " bytes"));
     }
-    flops += MuonFlops(config, *it.spec);
+    flops += NewtonSchulzFlops(config, *it.spec);
   }
   HostDevice* device = device_;
   Enqueue(

@@ -56,6 +56,13 @@ MatrixGeometry GeometryOf(const common::MatrixSpec& spec) {
 // expert), not of the whole tensor: the block is the matrix Muon treats as a unit, so its aspect
 // ratio is what the scale corrects for, and the reference vectors (tests/data/muon_v1, case
 // per_head) are generated that way.
+double NewtonSchulzFlops(const common::MuonConfig& config, const common::MatrixSpec& spec) {
+  const MatrixGeometry g = GeometryOf(spec);
+  const double m = static_cast<double>(std::min(g.rows, g.cols));
+  const double n = static_cast<double>(std::max(g.rows, g.cols));
+  return static_cast<double>(g.batch) * config.ns_steps * (4 * m * m * n + 2 * m * m * m);
+}
+
 double MuonScale(common::ScaleMode mode, int64_t rows, int64_t cols) {
   switch (mode) {
     case common::ScaleMode::kOriginal:

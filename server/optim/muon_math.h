@@ -33,6 +33,10 @@ struct MatrixGeometry {
 // REQUIRES: spec passed common::ValidateJobSpec.
 MatrixGeometry GeometryOf(const common::MatrixSpec& spec);
 
+// Newton-Schulz FLOPs of one matrix as modelled for cost (per iteration 4 m^2 n + 2 m^3 per block,
+// m <= n): the simulated device's clock and the attribution of device time to matrices.
+double NewtonSchulzFlops(const common::MuonConfig& config, const common::MatrixSpec& spec);
+
 // The scale s of DESIGN.md 3 step 4 for one block of rows x cols.
 double MuonScale(common::ScaleMode mode, int64_t rows, int64_t cols);
 
