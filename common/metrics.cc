@@ -1,9 +1,11 @@
 #include "common/metrics.h"
 
+#include <cstdlib>
 #include <exception>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "prometheus/check_names.h"
 #include "prometheus/text_serializer.h"
 
@@ -75,6 +77,11 @@ auto Register(Builder builder, prometheus::Registry& registry, std::string_view 
 }
 
 }  // namespace
+
+void AbortOnMetricsError(const absl::Status& status) {
+  MUOND_LOG(ERROR) << "metrics: " << status;
+  std::abort();
+}
 
 Histogram::BucketBoundaries ExponentialBuckets(double start, double factor, int count) {
   Histogram::BucketBoundaries bounds;

@@ -30,6 +30,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -91,6 +92,28 @@ class MetricsRegistry {
   std::map<CallbackId, std::function<void()>> callbacks_ ABSL_GUARDED_BY(callbacks_mu_);
   CallbackId next_callback_id_ ABSL_GUARDED_BY(callbacks_mu_) = 1;
 };
+
+// Logs `status` and aborts: see MustRegister.
+[[noreturn]] void AbortOnMetricsError(const absl::Status& status);
+
+// The family a daemon cannot run without: a failure to add it is a programming error (a bad name,
+// or declared twice), so it aborts at the first scrape or update rather than exporting less.
+template <typename T>
+T* MustRegister(absl::StatusOr<T*> family) {
+  if (!family.ok()) AbortOnMetricsError(family.status());
+  return *family;
+}
+
+// Removes the series of `labels` from `family`, if it has one (a reference to it dangles after).
+template <typename T>
+void RemoveSeries(Family<T>* family, const Labels& labels) {
+  if (!family->Has(labels)) return;
+  if constexpr (std::is_same_v<T, Histogram>) {
+    family->Remove(&family->Add(labels, Histogram::BucketBoundaries{}));
+  } else {
+    family->Remove(&family->Add(labels));
+  }
+}
 
 // The process-wide registry that the daemon serves; never destroyed.
 MetricsRegistry& DefaultRegistry();

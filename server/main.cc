@@ -30,6 +30,7 @@
 #include "server/device/device_streams.h"
 #include "server/jobs/compute_executor.h"
 #include "server/jobs/job_registry.h"
+#include "server/jobs/step_observer.h"
 #include "server/ops/daemon_config.h"
 #include "server/ops/daemon_metrics.h"
 #include "server/ops/metrics_http.h"
@@ -401,6 +402,7 @@ int Run(int argc, char** argv) {
   if (absl::Status s = ConfigureCpuIsa(config->cpu_isa); !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
+  SetOrthogonalityEvery(config->orthogonality_every);
   return Serve(*config);
 }
 

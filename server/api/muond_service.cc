@@ -467,7 +467,7 @@ absl::Status MuondService::RunStep(
   done->set_grad_sum_sq(update->grad_sum_sq);
   done->set_bytes_in(rank_step->bytes_in());
   done->set_bytes_out(bytes_out);
-  lease->Await([&] { return stream->Write(resp); });
+  if (lease->Await([&] { return stream->Write(resp); })) job->UpdateSent(update->step);
   return absl::OkStatus();
 }
 

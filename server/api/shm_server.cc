@@ -133,6 +133,7 @@ ShmServer::Usage ShmServer::usage() const {
   for (const auto& [conn, session] : sessions_) {
     ++u.sessions;
     u.pinned_bytes += session->pinned_bytes;
+    if (session->job != nullptr) u.pinned_bytes_by_job[session->job->id()] += session->pinned_bytes;
   }
   return u;
 }

@@ -36,7 +36,8 @@ Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
                   : nullptr),
       writer_(std::move(checkpoint_dir), spec_.checkpoint_keep),
       pipeline_(spec_, layout_, momentum_, params_.get(), devices, gather_budget_bytes, &mu_,
-                this) {
+                this),
+      trainer_clock_(spec_.job_id) {
   absl::MutexLock lock(&mu_);
   sessions_.assign(spec_.world_size, 0);
   weights_in_.assign(spec_.world_size, false);
@@ -199,6 +200,32 @@ void Job::MarkDeleted() {
   OperationProgress::Default().Forget(id());
 }
 
+void Job::ReportObservations(JobReport& r) const {
+  r.gather_in_use_bytes = pipeline_.gather_in_use_bytes();
+  r.pinned_staging_bytes = pipeline_.pinned_staging_bytes();
+  if (params_ != nullptr) {
+    const ParamStore::Pinned p = params_->pinned_bytes();
+    r.pinned_masters_bytes = p.masters;
+    r.pinned_momentum_bytes = p.momentum;
+    r.pinned_moments_bytes = p.moments;
+  } else {
+    r.pinned_momentum_bytes = momentum_.pinned_bytes();
+  }
+  for (const StepObserver::ShapeTime& t : pipeline_.observer().ShapeTimes()) {
+    r.newton_schulz.push_back({t.shape, t.per_step, t.matrices, t.seconds});
+  }
+  if (const auto o = pipeline_.observer().LastOrthogonality()) {
+    r.orthogonality_step = o->step;
+    r.orthogonality = o->value;
+    r.orthogonality_matrices = o->matrices;
+  }
+  if (const auto t = trainer_clock_.last()) {
+    r.trainer_step = t->step;
+    r.trainer_visible_seconds = t->visible_seconds;
+    r.trainer_wait_seconds = t->wait_seconds;
+  }
+}
+
 JobReport Job::Report() const {
   JobReport r;
   r.spec = spec_;
@@ -216,7 +243,9 @@ JobReport Job::Report() const {
   if (owner_.uid >= 0) r.owner_uid = owner_.uid;
   r.owner = owner_.description;
   r.step_timeout_seconds = static_cast<int32_t>(absl::ToInt64Seconds(step_timeout_));
+  ReportObservations(r);
   absl::MutexLock lock(&mu_);
+  if (in_flight_ != nullptr) r.matrices_waiting = in_flight_->ready.size();
   r.next_step = next_step_;
   r.steps_completed = steps_completed_;
   r.steps_refused = steps_refused_;

@@ -57,6 +57,7 @@
 #include "server/jobs/param_store.h"
 #include "server/jobs/rank_update.h"
 #include "server/jobs/step_pipeline.h"
+#include "server/jobs/trainer_clock.h"
 #include "server/jobs/step_state.h"
 #include "server/storage/checkpoint.h"
 
@@ -307,6 +308,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // rank's region. (Assembly and return of whole matrices are the step's own work, not counted;
   // a shared-memory step adds nothing.)
   void CountTransportCopy(uint64_t bytes) { transport_copy_bytes_.fetch_add(bytes); }
+  // A gRPC rank was sent the last byte of its update of `step` (trainer_clock.h).
+  void UpdateSent(int64_t step) { trainer_clock_.Sent(step); }
 
   // Zeroes the momentum (apply mode: the momentum, AdamW moments and step counts; the masters
   // stay), clears a fence and sets the next step. FAILED_PRECONDITION while a step is in flight.
@@ -391,6 +394,11 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   JobReport Report() const;
 
  private:
+  // The report's pipeline pressure, pinned memory, Newton-Schulz times, orthogonality and trainer
+  // times (each source takes its own lock; not the job's).
+  void ReportObservations(JobReport& r) const;
+  // The step's results go to its ranks now: starts timing their delivery (trainer_clock.h).
+  void ReleaseResults(const StepState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   friend class RankStep;
   friend class ParamUpload;
 
@@ -549,6 +557,7 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
 
   mutable absl::Mutex mu_;
   StepPipeline pipeline_;
+  TrainerClock trainer_clock_;
   std::vector<uint64_t> sessions_ ABSL_GUARDED_BY(mu_);  // per rank; 0 = not attached
   // Per rank: why its session ended without a detach ("" while fine); cleared when it attaches.
   std::vector<std::string> lost_ ABSL_GUARDED_BY(mu_);

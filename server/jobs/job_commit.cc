@@ -168,6 +168,7 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
     }
   }
   last_step_device_seconds_ = state.device_seconds;
+  if (!spec_.two_phase()) ReleaseResults(state);  // a two-phase step released them when prepared
   last_updates_.assign(state.outputs.begin(), state.outputs.end());
   state.done = true;
   state.result = absl::OkStatus();
@@ -188,6 +189,14 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
       static_cast<uint64_t>(steps_completed_) % spec_.checkpoint_every_steps == 0) {
     SaveCheckpointInBackground();
   }
+}
+
+void Job::ReleaseResults(const StepState& state) {
+  int grpc_ranks = 0;
+  for (const RankInput& in : state.ranks) {
+    if (in.begun && in.keepalive == nullptr) ++grpc_ranks;  // its update goes out in messages
+  }
+  trainer_clock_.Released(state.step, state.start, state.last_input, grpc_ranks);
 }
 
 void Job::DeviceFailed(StepState& state, const absl::Status& status) {

@@ -35,6 +35,7 @@ void Job::Prepare(StepState& state) {
     out->compute_seconds = seconds;
     out->grad_sum_sq = sum_sq;
   }
+  ReleaseResults(state);
   for (RankInput& in : state.ranks) {
     if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), 0, seconds, sum_sq);
   }

@@ -52,6 +52,29 @@ struct JobReport {
   std::optional<int64_t> step_in_flight;
   std::optional<int64_t> step_prepared;  // two-phase jobs: computed, awaiting commit or abort
   std::vector<RankReport> ranks;
+
+  // What operators see beyond the counters (server/jobs/step_observer.h, trainer_clock.h).
+  uint64_t matrices_waiting = 0;  // complete matrices of the step in flight not yet on the device
+  uint64_t gather_in_use_bytes = 0;
+  // Host memory pinned for the job by kind (the sessions' regions are the shared-memory
+  // server's, not the job's: the daemon's collector adds them).
+  uint64_t pinned_momentum_bytes = 0;
+  uint64_t pinned_masters_bytes = 0;
+  uint64_t pinned_moments_bytes = 0;
+  uint64_t pinned_staging_bytes = 0;
+  struct ShapeTime {
+    std::string shape;
+    uint64_t per_step = 0;
+    uint64_t matrices = 0;
+    double seconds = 0;
+  };
+  std::vector<ShapeTime> newton_schulz;  // by shape class, since the job was created
+  std::optional<int64_t> orthogonality_step;
+  double orthogonality = 0;
+  int orthogonality_matrices = 0;
+  std::optional<int64_t> trainer_step;  // the newest step timed as its trainer saw it
+  double trainer_visible_seconds = 0;
+  double trainer_wait_seconds = 0;
 };
 
 }  // namespace muond::server

@@ -287,6 +287,7 @@ absl::StatusOr<char*> Job::ClaimChunk(StepState& state, const std::string& where
 void Job::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix, uint64_t count) {
   state->matrix_received[matrix] += count;
   if (state->matrix_received[matrix] == static_cast<uint64_t>(spec_.matrices[matrix].numel())) {
+    state->last_input = absl::Now();
     state->ready.push_back(matrix);
     if (!state->drain_queued) {
       state->drain_queued = true;

@@ -44,6 +44,12 @@ class MomentumStore {
   // Flip makes it the committed one. REQUIRES: the step in flight is the only writer.
   float* next(uint32_t m) { return buffers_.back(m); }
   size_t numel(uint32_t m) const { return buffers_.numel(m); }
+  // Bytes of the momentum registered (pinned) with the device, all matrices.
+  uint64_t pinned_bytes() const {
+    uint64_t bytes = 0;
+    for (size_t m = 0; m < buffers_.arrays(); ++m) bytes += buffers_.pinned_bytes(m);
+    return bytes;
+  }
   // What the snapshots cost so far (see StateBuffers::SnapshotCost).
   StateBuffers::SnapshotCost snapshot_cost() const { return buffers_.snapshot_cost(); }
 

@@ -26,6 +26,17 @@ ParamStore::ParamStore(const common::JobSpec& spec, device::Device* device)
   steps_.assign(spec.matrices.size(), 0);
 }
 
+ParamStore::Pinned ParamStore::pinned_bytes() const {
+  Pinned p;
+  for (uint32_t t = 0; t < first_.size(); ++t) {
+    p.masters += buffers_.pinned_bytes(first_[t] + kMaster);
+    for (int slot = 1; slot < slots_[t]; ++slot) {
+      (slots_[t] == 2 ? p.momentum : p.moments) += buffers_.pinned_bytes(first_[t] + slot);
+    }
+  }
+  return p;
+}
+
 void ParamStore::Lock::Unflip(const std::vector<uint8_t>& absent) {
   lock_.Unflip();
   for (size_t t = 0; t < store_.slots_.size(); ++t) {

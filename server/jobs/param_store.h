@@ -51,6 +51,14 @@ class ParamStore {
   float* back(uint32_t t, int slot) { return buffers_.back(first_[t] + slot); }
   // The committed AdamW step count of tensor t (0 for Muon tensors).
   int64_t steps(uint32_t t) const { return steps_[t]; }
+  // Bytes registered (pinned) with the device, by kind: the masters, Muon's momentum, AdamW's m
+  // and v.
+  struct Pinned {
+    uint64_t masters = 0;
+    uint64_t momentum = 0;
+    uint64_t moments = 0;
+  };
+  Pinned pinned_bytes() const;
   // What the snapshots cost so far (see StateBuffers::SnapshotCost).
   StateBuffers::SnapshotCost snapshot_cost() const { return buffers_.snapshot_cost(); }
 

@@ -26,6 +26,15 @@ StateBuffers::StateBuffers(const std::vector<size_t>& numel, device::Device* dev
 
 StateBuffers::~StateBuffers() = default;
 
+uint64_t StateBuffers::pinned_bytes(size_t a) const {
+  absl::MutexLock lock(&mu_);
+  uint64_t bytes = 0;
+  for (const Buffer* b : {buf_[0][a].get(), buf_[1][a].get(), spare_[a].get()}) {
+    if (b != nullptr && b->registered != nullptr) bytes += b->n * sizeof(float);
+  }
+  return bytes;
+}
+
 bool StateBuffers::SnapshotNeeds(size_t a, const Buffer& buffer) const {
   return snapshot_ != nullptr && !snapshot_->copied[a] && snapshot_->handed[a] == nullptr &&
          snapshot_->data[a] == buffer.data.get();

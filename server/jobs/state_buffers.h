@@ -62,6 +62,8 @@ class StateBuffers {
     uint64_t step_handed_over = 0;
   };
   SnapshotCost snapshot_cost() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Bytes of array a's buffers (front, back and spare) registered (pinned) with the device.
+  uint64_t pinned_bytes(size_t a) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Exclusive access for a change of the front, a flip, or the start of a snapshot.
   class ABSL_SCOPED_LOCKABLE Lock {

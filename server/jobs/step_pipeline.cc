@@ -45,12 +45,16 @@ class StepPipeline::Run {
     while (true) {
       Batch batch;
       bool commit = false;
-      if (!Take(&batch, &commit)) return;
+      if (!Take(&batch, &commit)) {
+        p_.gather_in_use_bytes_.store(0);
+        return;
+      }
       if (batch.matrices.empty()) {
         if (!flight_.empty()) {
           Retire();
           continue;
         }
+        p_.gather_in_use_bytes_.store(0);
         p_.sink_->Commit(state_);
         absl::MutexLock lock(p_.job_mu_);
         state_.drain_queued = false;
@@ -107,6 +111,7 @@ class StepPipeline::Run {
       ++taken;
     }
     state_.ready.erase(state_.ready.begin(), state_.ready.begin() + taken);
+    p_.gather_in_use_bytes_.store(in_flight + batch_bytes);
     if (!p_.spec_.transport_probe) {
       uint64_t peak = p_.gather_peak_bytes_.load();
       while (peak < in_flight + batch_bytes &&
@@ -176,7 +181,14 @@ class StepPipeline::Run {
     flight_.pop_front();
     absl::Status s = b.written != nullptr ? b.written->Wait() : absl::OkStatus();
     if (!s.ok() && status_.ok()) status_ = s;
+    uint64_t assembled = 0;
+    for (uint32_t m : b.matrices) assembled += p_.AssembledBytes(m);
+    uint64_t in_use = p_.gather_in_use_bytes_.load();
+    while (!p_.gather_in_use_bytes_.compare_exchange_weak(
+        in_use, in_use - std::min(in_use, assembled))) {
+    }
     if (!status_.ok()) return;
+    Observe(b);
     const absl::Time scatter_start = absl::Now();
     // Update mode: every owner's span of the batch, cut into slices for the CPUs (the narrowing
     // to bf16 or fp16 is a pass over the whole model each step).
@@ -223,6 +235,22 @@ class StepPipeline::Run {
     Announce(b.matrices);
     absl::MutexLock lock(p_.job_mu_);
     state_.matrices_done += b.matrices.size();
+  }
+
+  // What the operators see of a retired batch (step_observer.h): its device compute time shared
+  // among its Muon matrices, and the orthogonality of the sampled ones whose update is in the
+  // host staging in fp32 (before apply mode applies it to the masters).
+  void Observe(const Batch& b) {
+    const double compute = dev_.device->Busy().compute;
+    std::vector<uint32_t> muon;
+    for (size_t i : b.on_device) muon.push_back(b.matrices[i]);
+    p_.observer_.Attribute(muon, compute - compute_seen_);
+    compute_seen_ = compute;
+    for (size_t i : b.on_device) {
+      const uint32_t m = b.matrices[i];
+      if (b.direct[i] || b.staging[i].empty() || !p_.observer_.Samples(state_.step, m)) continue;
+      p_.observer_.Measure(state_.step, m, b.staging[i].data());
+    }
   }
 
   // The owners' results of `matrices` are in place: their shared-memory ranks may use them now
@@ -577,6 +605,8 @@ class StepPipeline::Run {
   // The simulated clock this call spends (every call drains what it enqueued before returning).
   const double clock_start_;
   const device::Device::BusySeconds busy_start_;
+  // The device's compute busy seconds when the previous batch retired (Observe).
+  double compute_seen_ = busy_start_.compute;
 };
 
 StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
@@ -590,7 +620,8 @@ StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
       devices_(devices),
       gather_budget_bytes_(gather_budget_bytes),
       job_mu_(job_mu),
-      sink_(sink) {
+      sink_(sink),
+      observer_(spec, devices->device->name()) {
   CountStaged(true, 0);  // declares muond_step_copy_bytes_total before the first scrape
 }
 

@@ -61,6 +61,7 @@
 #include "server/jobs/job_layout.h"
 #include "server/jobs/momentum_store.h"
 #include "server/jobs/param_store.h"
+#include "server/jobs/step_observer.h"
 #include "server/jobs/step_state.h"
 
 namespace muond::server {
@@ -94,6 +95,12 @@ class StepPipeline {
   uint64_t gather_budget_bytes() const { return gather_budget_bytes_; }
   // The most bytes assembled at once so far.
   uint64_t gather_peak_bytes() const { return gather_peak_bytes_.load(); }
+  // Bytes of the gather budget in batches being assembled or in flight now.
+  uint64_t gather_in_use_bytes() const { return gather_in_use_bytes_.load(); }
+  // Bytes of host staging registered (pinned) with the device, in the pool or in use.
+  uint64_t pinned_staging_bytes() const ABSL_LOCKS_EXCLUDED(pool_mu_);
+  // Newton-Schulz time by shape class and the orthogonality samples (step_observer.h).
+  const StepObserver& observer() const { return observer_; }
 
  private:
   struct Batch;
@@ -147,7 +154,9 @@ class StepPipeline {
   absl::Mutex* const job_mu_;
   Sink* const sink_;
   std::atomic<uint64_t> gather_peak_bytes_{0};
-  absl::Mutex pool_mu_;
+  std::atomic<uint64_t> gather_in_use_bytes_{0};
+  StepObserver observer_;
+  mutable absl::Mutex pool_mu_;
   std::multimap<size_t, std::vector<float>> staging_pool_ ABSL_GUARDED_BY(pool_mu_);
   std::multimap<size_t, device::DeviceBuffer> device_pool_ ABSL_GUARDED_BY(pool_mu_);
   uint64_t pool_bytes_ ABSL_GUARDED_BY(pool_mu_) = 0;

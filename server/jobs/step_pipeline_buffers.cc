@@ -71,6 +71,13 @@ void StepPipeline::GiveBack(std::vector<float> staging) {
   staging_pool_.emplace(staging.size(), std::move(staging));
 }
 
+uint64_t StepPipeline::pinned_staging_bytes() const {
+  absl::MutexLock lock(&pool_mu_);
+  uint64_t bytes = 0;
+  for (const auto& [data, n] : pinned_staging_) bytes += n;
+  return bytes;
+}
+
 bool StepPipeline::StagingPinned(const float* data) {
   absl::MutexLock lock(&pool_mu_);
   return pinned_staging_.count(data) > 0;

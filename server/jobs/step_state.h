@@ -116,7 +116,8 @@ struct StepHyper {
 struct StepState {
   HeapTrimmer::Activity activity;  // the heap is trimmed when no step is in flight
   int64_t step = 0;
-  absl::Time start;
+  absl::Time start;       // the step's first gradient byte in (its first rank began)
+  absl::Time last_input;  // its last gradient byte in: the last matrix became complete
   std::vector<RankInput> ranks;
   std::vector<std::shared_ptr<RankUpdate>> outputs;  // per rank, set when the rank begins
   std::vector<uint64_t> matrix_received;             // elements, all ranks

@@ -140,6 +140,14 @@ absl::Status SetGatherBudget(const Option& o, DaemonConfig& c) {
   return absl::OkStatus();
 }
 
+absl::Status SetOrthogonalityEvery(const Option& o, DaemonConfig& c) {
+  if (!absl::SimpleAtoi(o.value, &c.orthogonality_every) || c.orthogonality_every < 0 ||
+      c.orthogonality_every > 1000000000) {
+    return o.Invalid("expected a step count in [0, 1000000000] (0: never)");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SetSimFailKernel(const Option& o, DaemonConfig& c) {
   if (!absl::SimpleAtoi(o.value, &c.simulated.fail_kernel) || c.simulated.fail_kernel < 0) {
     return o.Invalid("expected an integer >= 0");
@@ -169,6 +177,7 @@ const std::map<std::string, OptionSetter>& OptionSetters() {
       {"threads", SetThreads},
       {"gather-budget-bytes", SetGatherBudget},
       {"serial-schedule", [](O o, C c) { return SetBool(o, &c.serial_schedule); }},
+      {"orthogonality-every", SetOrthogonalityEvery},
       {"sim-copy-gbps",
        [](O o, C c) { return SetSimulatedNumber(o, false, &c.simulated.copy_gbps); }},
       {"sim-compute-gflops",
@@ -262,6 +271,11 @@ std::string DaemonUsage() {
       "  --sim-fail-kernel N     simulated backend, for fault tests: the N-th kernel fails.\n"
       "  --serial-schedule true|false  run each batch's copy-in, compute and writeback to the\n"
       "                          end before the next (no overlap; for comparison). Default: false\n"
+      "  --orthogonality-every N  on steps that are multiples of N, measure ||U U^T - I||_F /\n"
+      "                          sqrt(r) of the orthogonalized update of a sample of up to 4 Muon\n"
+      "                          matrices (a different sample each time; metric\n"
+      "                          muond_update_orthogonality, the status page). 0: never.\n"
+      "                          Default: 100\n"
       "  --config FILE           read options from FILE ('key = value' lines, '#' comments);\n"
       "                          flags given on the command line override it.\n"
       "  --threads N             CPU compute threads; 0 = one per CPU. Default: 0\n"

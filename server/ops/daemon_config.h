@@ -40,6 +40,9 @@ struct DaemonConfig {
   std::string metrics_address;
   device::SimulatedOptions simulated;  // --backend simulated
   bool serial_schedule = false;        // run each batch to completion before the next
+  // Steps that are multiples of this measure the orthogonality of a sample of updates
+  // (server/jobs/step_observer.h); 0: never.
+  int64_t orthogonality_every = 100;
   // Who may do what (server/api/peer_identity.h, server/api/tls_config.h). Comma-separated ids or names;
   // "" = everyone who can reach the socket may create jobs.
   std::string allow_uids;

@@ -7,7 +7,6 @@
 #include <fstream>
 #include <limits>
 #include <set>
-#include <type_traits>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -16,6 +15,7 @@
 #include "common/logging.h"
 #include "server/api/shm_server.h"
 #include "server/jobs/job_registry.h"
+#include "server/ops/optimizer_metrics.h"
 
 namespace muond::server {
 namespace {
@@ -25,19 +25,9 @@ using common::Family;
 using common::Gauge;
 using common::Histogram;
 using common::Labels;
+using common::MustRegister;
 
 constexpr char kJobLabel[] = "muond_job";
-
-// A family the daemon cannot run without: a failure here is a programming error (bad name, or
-// declared twice), so it aborts at the first scrape or update rather than exporting less.
-template <typename T>
-T* Must(absl::StatusOr<T*> family) {
-  if (!family.ok()) {
-    MUOND_LOG(ERROR) << "metrics: " << family.status();
-    std::abort();
-  }
-  return *family;
-}
 
 // The buckets of the duration histograms (prometheus-cpp gives them to each child).
 const Histogram::BucketBoundaries& StepBuckets() {
@@ -54,87 +44,76 @@ const Histogram::BucketBoundaries& CheckpointBuckets() {
   return *buckets;
 }
 
-// Removes the series of `labels` from `family`, if it has one.
-template <typename T>
-void RemoveSeries(Family<T>* family, const Labels& labels) {
-  if (!family->Has(labels)) return;
-  if constexpr (std::is_same_v<T, Histogram>) {
-    family->Remove(&family->Add(labels, Histogram::BucketBoundaries{}));
-  } else {
-    family->Remove(&family->Add(labels));
-  }
-}
-
 // Every family of the daemon, registered once in the default registry on first use.
 struct Families {
   Families() {
     common::MetricsRegistry& r = common::DefaultRegistry();
-    build_info = Must(r.AddGauge("muond_build_info",
+    build_info = MustRegister(r.AddGauge("muond_build_info",
                                  "The running muond: version, compute backend and CPU math path "
                                  "(cpu_isa: the widest ISA the optimizer math uses; cpu_bf16: "
                                  "native or emulated bf16 products); always 1."));
     device_info =
-        Must(r.AddGauge("muond_device_info", "The compute device in use, by backend; always 1."));
-    start_time = Must(r.AddGauge("muond_start_time_seconds",
+        MustRegister(r.AddGauge("muond_device_info", "The compute device in use, by backend; always 1."));
+    start_time = MustRegister(r.AddGauge("muond_start_time_seconds",
                                  "When this muond started, in seconds since the Unix epoch."));
-    jobs = Must(r.AddGauge("muond_jobs", "Jobs that exist on this daemon."));
-    ranks_attached = Must(r.AddGauge("muond_ranks_attached", "Rank sessions attached, all jobs."));
-    momentum = Must(r.AddGauge("muond_momentum_bytes", "fp32 momentum held, all jobs."));
-    momentum_limit = Must(
+    jobs = MustRegister(r.AddGauge("muond_jobs", "Jobs that exist on this daemon."));
+    ranks_attached = MustRegister(r.AddGauge("muond_ranks_attached", "Rank sessions attached, all jobs."));
+    momentum = MustRegister(r.AddGauge("muond_momentum_bytes", "fp32 momentum held, all jobs."));
+    momentum_limit = MustRegister(
         r.AddGauge("muond_momentum_limit_bytes", "--max-momentum-bytes (absent when unlimited)."));
-    limit = Must(r.AddGauge("muond_limit",
+    limit = MustRegister(r.AddGauge("muond_limit",
                             "A limit in force (muond --help, Limits): its value by key; "
                             "max_state_bytes 0 means unlimited."));
-    queue_depth = Must(
+    queue_depth = MustRegister(
         r.AddGauge("muond_compute_queue_depth", "Compute tasks waiting for the compute thread."));
-    shm_sessions = Must(r.AddGauge("muond_shm_sessions", "Shared-memory rank sessions attached."));
-    pinned = Must(
+    shm_sessions = MustRegister(r.AddGauge("muond_shm_sessions", "Shared-memory rank sessions attached."));
+    pinned = MustRegister(
         r.AddGauge("muond_pinned_bytes", "Host memory locked (mlock) for shared-memory sessions."));
     memlock_limit =
-        Must(r.AddGauge("muond_memlock_limit_bytes",
+        MustRegister(r.AddGauge("muond_memlock_limit_bytes",
                         "This process's RLIMIT_MEMLOCK soft limit (+Inf when unlimited; root with "
                         "CAP_IPC_LOCK is not bound by it)."));
 
-    job_world_size = Must(r.AddGauge("muond_job_world_size", "Ranks in the job's world."));
+    job_world_size = MustRegister(r.AddGauge("muond_job_world_size", "Ranks in the job's world."));
     job_ranks_attached =
-        Must(r.AddGauge("muond_job_ranks_attached", "Ranks of the job with a session."));
-    job_next_step = Must(r.AddGauge("muond_job_next_step", "The step the job expects next."));
-    job_fenced = Must(r.AddGauge("muond_job_fenced",
+        MustRegister(r.AddGauge("muond_job_ranks_attached", "Ranks of the job with a session."));
+    job_next_step = MustRegister(r.AddGauge("muond_job_next_step", "The step the job expects next."));
+    job_fenced = MustRegister(r.AddGauge("muond_job_fenced",
                                  "1 while the job is fenced (an aborted step; needs a reset)."));
-    job_momentum = Must(r.AddGauge("muond_job_momentum_bytes", "fp32 momentum the job holds."));
-    job_gather_budget = Must(r.AddGauge("muond_job_gather_budget_bytes",
+    job_momentum = MustRegister(r.AddGauge("muond_job_momentum_bytes", "fp32 momentum the job holds."));
+    job_gather_budget = MustRegister(r.AddGauge("muond_job_gather_budget_bytes",
                                         "Bytes of whole matrices the job may assemble at once."));
-    job_gather_peak = Must(
+    job_gather_peak = MustRegister(
         r.AddGauge("muond_job_gather_peak_bytes", "The most bytes the job has assembled at once."));
-    job_multinode = Must(r.AddGauge(
+    job_multinode = MustRegister(r.AddGauge(
         "muond_job_multinode_info",
         "A multi-node job's part on this daemon (DESIGN.md 4c): its global job id and node; 1."));
-    job_checkpoint_age = Must(r.AddGauge(
+    job_checkpoint_age = MustRegister(r.AddGauge(
         "muond_checkpoint_newest_age_seconds",
         "Seconds since the newest checkpoint generation this daemon wrote or loaded for the job."));
     steps_completed =
-        Must(r.AddCounter("muond_steps_completed_total", "Optimizer steps committed."));
-    steps_refused = Must(r.AddCounter("muond_steps_refused_total",
+        MustRegister(r.AddCounter("muond_steps_completed_total", "Optimizer steps committed."));
+    steps_refused = MustRegister(r.AddCounter("muond_steps_refused_total",
                                       "Steps refused (bad input; momentum left unchanged)."));
-    steps_skipped = Must(r.AddCounter(
+    steps_skipped = MustRegister(r.AddCounter(
         "muond_steps_skipped_total",
         "Steps skipped for a non-finite gradient on some rank (job option nonfinite=skip: the "
         "step number advanced, nothing in the job's state changed)."));
-    steps_aborted = Must(r.AddCounter("muond_steps_aborted_total",
+    steps_aborted = MustRegister(r.AddCounter("muond_steps_aborted_total",
                                       "Steps aborted after they started (the job is fenced)."));
-    clip_redo = Must(r.AddCounter(
+    clip_redo = MustRegister(r.AddCounter(
         "muond_clip_redo_steps_total",
         "Apply-mode steps recomputed because global gradient clipping triggered (max_grad_norm)."));
-    transport_copy = Must(r.AddCounter(
+    transport_copy = MustRegister(r.AddCounter(
         "muond_transport_copy_bytes_total",
         "Bytes a transport copied on the host between its buffers and the job's, per job "
         "(gRPC chunks and updates, shared-memory replays)."));
 
-    step_seconds = Must(r.AddHistogram("muond_step_duration_seconds",
+    step_seconds = MustRegister(r.AddHistogram("muond_step_duration_seconds",
                                        "Wall time of a committed step, first gradient to commit."));
-    phase_seconds = Must(
+    phase_seconds = MustRegister(
         r.AddHistogram("muond_step_phase_duration_seconds", "Wall time of each phase of a step."));
-    Family<Counter>* transfer = Must(r.AddCounter(
+    Family<Counter>* transfer = MustRegister(r.AddCounter(
         "muond_transfer_bytes_total", "Gradient (in) and update (out) bytes, by transport."));
     for (Transport t : {Transport::kGrpc, Transport::kShm}) {
       for (Direction d : {Direction::kIn, Direction::kOut}) {
@@ -143,13 +122,13 @@ struct Families {
                             {"direction", d == Direction::kIn ? "in" : "out"}});
       }
     }
-    rpc_errors = Must(
+    rpc_errors = MustRegister(
         r.AddCounter("muond_rpc_errors_total", "RPCs that ended with an error, by gRPC code."));
-    checkpoint_saves = Must(r.AddCounter("muond_checkpoint_saves_total",
+    checkpoint_saves = MustRegister(r.AddCounter("muond_checkpoint_saves_total",
                                          "Checkpoint saves of the job, by result (ok, error)."));
-    checkpoint_bytes = Must(r.AddCounter("muond_checkpoint_written_bytes_total",
+    checkpoint_bytes = MustRegister(r.AddCounter("muond_checkpoint_written_bytes_total",
                                          "Bytes of checkpoint payload written durably."));
-    checkpoint_seconds = Must(r.AddHistogram(
+    checkpoint_seconds = MustRegister(r.AddHistogram(
         "muond_checkpoint_save_duration_seconds",
         "Wall time of a checkpoint save, snapshot to durable."));
   }
@@ -160,20 +139,20 @@ struct Families {
     for (Family<Gauge>* f :
          {job_world_size, job_ranks_attached, job_next_step, job_fenced, job_momentum,
           job_gather_budget, job_gather_peak, job_checkpoint_age}) {
-      RemoveSeries(f, labels);
+      common::RemoveSeries(f, labels);
     }
     for (Family<Counter>* f : {steps_completed, steps_refused, steps_skipped, steps_aborted,
                                transport_copy, checkpoint_bytes, clip_redo}) {
-      RemoveSeries(f, labels);
+      common::RemoveSeries(f, labels);
     }
     for (const char* result : {"ok", "error"}) {
-      RemoveSeries(checkpoint_saves, {{kJobLabel, job}, {"result", result}});
+      common::RemoveSeries(checkpoint_saves, {{kJobLabel, job}, {"result", result}});
     }
-    RemoveSeries(step_seconds, labels);
-    RemoveSeries(checkpoint_seconds, labels);
+    common::RemoveSeries(step_seconds, labels);
+    common::RemoveSeries(checkpoint_seconds, labels);
     for (StepPhase p : {StepPhase::kAssembly, StepPhase::kCopyIn, StepPhase::kNewtonSchulz,
                         StepPhase::kWriteback, StepPhase::kReturn, StepPhase::kCommit}) {
-      RemoveSeries(phase_seconds, {{kJobLabel, job}, {"phase", StepPhaseName(p)}});
+      common::RemoveSeries(phase_seconds, {{kJobLabel, job}, {"phase", StepPhaseName(p)}});
     }
   }
 
@@ -311,8 +290,9 @@ void DaemonMetricsCollector::Collect() {
   f.jobs->Add({}).Set(static_cast<double>(jobs.size()));
   f.momentum->Add({}).Set(static_cast<double>(jobs_->momentum_bytes()));
   f.queue_depth->Add({}).Set(static_cast<double>(jobs_->compute_queue_depth()));
+  ShmServer::Usage usage;
   if (shm_ != nullptr) {
-    const ShmServer::Usage usage = shm_->usage();
+    usage = shm_->usage();
     f.shm_sessions->Add({}).Set(static_cast<double>(usage.sessions));
     f.pinned->Add({}).Set(static_cast<double>(usage.pinned_bytes));
   } else {
@@ -361,7 +341,19 @@ void DaemonMetricsCollector::Collect() {
     Advance(f.steps_skipped->Add(labels), st.steps_skipped, &seen.skipped);
     Advance(f.steps_aborted->Add(labels), st.steps_aborted, &seen.aborted);
     Advance(f.transport_copy->Add(labels), st.transport_copy_bytes, &seen.transport_copy_bytes);
+    JobPressure pressure;
+    pressure.matrices_waiting = st.matrices_waiting;
+    pressure.gather_in_use_bytes = st.gather_in_use_bytes;
+    pressure.momentum_bytes = st.pinned_momentum_bytes;
+    pressure.masters_bytes = st.pinned_masters_bytes;
+    pressure.moments_bytes = st.pinned_moments_bytes;
+    pressure.staging_bytes = st.pinned_staging_bytes;
+    if (auto it = usage.pinned_bytes_by_job.find(id); it != usage.pinned_bytes_by_job.end()) {
+      pressure.session_region_bytes = it->second;
+    }
+    SetJobPressure(id, pressure);
   }
+  RemoveJobsNotIn(present);
   f.ranks_attached->Add({}).Set(static_cast<double>(ranks_total));
   // Jobs deleted since the last scrape: their series go.
   absl::MutexLock series_lock(&f.job_series_mu);
@@ -374,7 +366,7 @@ void DaemonMetricsCollector::Collect() {
   }
   for (const std::string& id : gone) {
     if (auto it = seen_.find(id); it != seen_.end() && !it->second.multinode.empty()) {
-      RemoveSeries(f.job_multinode, it->second.multinode);
+      common::RemoveSeries(f.job_multinode, it->second.multinode);
     }
     f.RemoveJob(id);
     seen_.erase(id);

@@ -10,6 +10,9 @@
 #   (b) `promtool check metrics` on it exits 0 with no output at all;
 #   (c) a real prometheus server scrapes it; its HTTP API reports the target up and
 #       muond_steps_completed_total{muond_job="live"} = 3;
+#       and the series of server/ops/optimizer_metrics.h: Newton-Schulz time of shape class 64x128
+#       (3 matrices), the orthogonality of step 0's update, the trainer-visible and wait times of
+#       the 3 steps, nothing waiting, the pinned momentum;
 #   (d) after `muonctl job delete`, the job's series are gone and muond_jobs is 0;
 #   (e) SIGTERM: muond exits 0.
 # Usage: muond_live_test.sh PATH/TO/muond PATH/TO/muonctl
@@ -71,7 +74,36 @@ want = {
     'muond_transfer_bytes_total{direction="out",transport="shm"}': 64 * 128 * 4,
     'muond_rpc_errors_total{code="FAILED_PRECONDITION",rpc="Step"}': 1,
 }
+# The series no other optimizer has (server/ops/optimizer_metrics.h). Every step's one matrix is
+# one Newton-Schulz observation of its shape class; step 0 is a multiple of the default
+# --orthogonality-every (100), so its one Muon matrix was measured; every step was timed as its
+# trainer saw it (2 over gRPC, 1 over shared memory); nothing waits or is in use after the steps;
+# the momentum (front and back buffers) is pinned (mlock), nothing else of the job is.
+ns = 'muond_newton_schulz_seconds_count{backend="cpu",dtype="float32",muond_job="live",shape="64x128"}'
+want.update({
+    ns: 3,
+    'muond_orthogonality_checks_total{muond_job="live"}': 1,
+    'muond_step_trainer_visible_seconds_count{muond_job="live"}': 3,
+    'muond_step_trainer_wait_seconds_count{muond_job="live"}': 3,
+    'muond_job_matrices_waiting{muond_job="live"}': 0,
+    'muond_job_gather_in_use_bytes{muond_job="live"}': 0,
+    'muond_job_pinned_bytes{kind="momentum",muond_job="live"}': 2 * 64 * 128 * 4,
+    'muond_job_pinned_bytes{kind="masters",muond_job="live"}': 0,
+    'muond_job_pinned_bytes{kind="moments",muond_job="live"}': 0,
+    'muond_job_pinned_bytes{kind="session_regions",muond_job="live"}': 0,
+    'muond_job_pinned_bytes{kind="staging",muond_job="live"}': 0,
+})
 bad = [f"{k} = {samples.get(k)!r}, wanted {v}" for k, v in want.items() if samples.get(k) != v]
+orth = samples.get('muond_update_orthogonality{muond_job="live"}')
+if orth is None or not 0 < orth < 0.5:
+    bad.append(f"muond_update_orthogonality = {orth!r}, wanted in (0, 0.5)")
+ns_sum = samples.get(ns.replace("_count", "_sum"))
+visible = samples.get('muond_step_trainer_visible_seconds_sum{muond_job="live"}')
+wait = samples.get('muond_step_trainer_wait_seconds_sum{muond_job="live"}')
+if not (ns_sum and ns_sum > 0):
+    bad.append(f"Newton-Schulz seconds sum {ns_sum!r}, wanted > 0")
+if not (visible and wait is not None and 0 <= wait <= visible):
+    bad.append(f"trainer visible {visible!r} s, wait {wait!r} s: wanted 0 <= wait <= visible")
 for prefix in ('muond_build_info{backend="', 'muond_device_info{backend="',
                'muond_steps_refused_total{muond_job="live"}',
                'muond_steps_aborted_total{muond_job="live"}',
