@@ -74,7 +74,44 @@ Json RecentStepsJson(const std::string& job_id) {
   return steps;
 }
 
-Json JobJson(const JobReport& r, const SharedSessions& shared, int64_t now_ms) {
+// What the operators see beyond the counters (server/ops/optimizer_metrics.h): Newton-Schulz time
+// by shape class, the newest orthogonality sample, the trainer's view of the newest step, and the
+// pipeline's pressure.
+Json ObservationsJson(const JobReport& r, uint64_t session_region_bytes) {
+  Json shapes = Json::array();
+  for (const JobReport::ShapeTime& t : r.newton_schulz) {
+    shapes.push_back({{"shape", t.shape},
+                      {"per_step", t.per_step},
+                      {"matrices", t.matrices},
+                      {"seconds", t.seconds},
+                      {"mean_seconds", t.matrices > 0 ? t.seconds / t.matrices : 0.0}});
+  }
+  Json o = {{"newton_schulz", std::move(shapes)},
+            {"orthogonality", nullptr},
+            {"trainer", nullptr},
+            {"matrices_waiting", r.matrices_waiting},
+            {"gather_in_use_bytes", r.gather_in_use_bytes},
+            {"pinned_bytes",
+             {{"momentum", r.pinned_momentum_bytes},
+              {"masters", r.pinned_masters_bytes},
+              {"moments", r.pinned_moments_bytes},
+              {"session_regions", session_region_bytes},
+              {"staging", r.pinned_staging_bytes}}}};
+  if (r.orthogonality_step) {
+    o["orthogonality"] = {{"step", *r.orthogonality_step},
+                          {"value", r.orthogonality},
+                          {"matrices", r.orthogonality_matrices}};
+  }
+  if (r.trainer_step) {
+    o["trainer"] = {{"step", *r.trainer_step},
+                    {"visible_seconds", r.trainer_visible_seconds},
+                    {"wait_seconds", r.trainer_wait_seconds}};
+  }
+  return o;
+}
+
+Json JobJson(const JobReport& r, const SharedSessions& shared, uint64_t session_region_bytes,
+             int64_t now_ms) {
   const bool apply = r.spec.mode == common::JobMode::kApply;
   int attached = 0;
   for (const RankReport& rank : r.ranks) attached += rank.attached ? 1 : 0;
@@ -98,7 +135,8 @@ Json JobJson(const JobReport& r, const SharedSessions& shared, int64_t now_ms) {
             {"state_bytes", r.momentum_bytes},
             {"state_kind", apply ? "masters + optimizer state" : "momentum"},
             {"checkpoint", nullptr},
-            {"recent_steps", RecentStepsJson(r.spec.job_id)}};
+            {"recent_steps", RecentStepsJson(r.spec.job_id)},
+            {"optimizer", ObservationsJson(r, session_region_bytes)}};
   if (r.step_in_flight) j["step_in_flight"] = *r.step_in_flight;
   if (r.last_checkpoint_step) {
     j["checkpoint"] = {
@@ -143,12 +181,16 @@ std::string StatusSource::Render() const {
   }
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
   const SharedSessions shared = shm_ != nullptr ? shm_->shared_sessions() : SharedSessions();
+  const std::map<std::string, uint64_t> regions =
+      shm_ != nullptr ? shm_->usage().pinned_bytes_by_job : std::map<std::string, uint64_t>();
   Json jobs = Json::array();
   std::set<std::string> present;
   for (const auto& job : jobs_->List()) {
     const JobReport r = job->Report();
     present.insert(r.spec.job_id);
-    jobs.push_back(JobJson(r, shared, now_ms));
+    const auto region = regions.find(r.spec.job_id);
+    jobs.push_back(
+        JobJson(r, shared, region != regions.end() ? region->second : uint64_t{0}, now_ms));
   }
   StepHistory::Default().Prune(present);
   OperationProgress::Default().Prune(present);

@@ -228,6 +228,50 @@ function stepLine(job) {
   return g;
 }
 
+// The optimizer's own series (server/ops/optimizer_metrics.h) in a job's card: facts, and the
+// Newton-Schulz time by shape class as a table with each class's share of the time.
+function optimizerFacts(dl, o) {
+  fact(dl, 'Orthogonality', o.orthogonality
+       ? '||UU\u1d40 \u2212 I||/\u221ar ' + o.orthogonality.value.toFixed(4) + ' at step ' +
+         o.orthogonality.step + ' (' + o.orthogonality.matrices +
+         (o.orthogonality.matrices === 1 ? ' matrix' : ' matrices') + ' sampled)'
+       : 'not sampled yet');
+  fact(dl, 'Trainer view', o.trainer
+       ? 'step ' + o.trainer.step + ': ' + dur(o.trainer.visible_seconds) + ' first gradient to last update, ' +
+         dur(o.trainer.wait_seconds) + ' after the last gradient'
+       : 'no step yet');
+  fact(dl, 'Pipeline', o.matrices_waiting + ' matrices waiting for the device, ' +
+       bytes(o.gather_in_use_bytes) + ' of the gather budget in use');
+  fact(dl, 'Pinned', Object.keys(o.pinned_bytes).map(function (k) {
+    return k.replace('_', ' ') + ' ' + bytes(o.pinned_bytes[k]);
+  }).join(', '));
+}
+
+function shapeTable(o) {
+  var div = el('div', {'class': 'chart ns-shapes'});
+  div.appendChild(el('h3', {}, 'Newton\u2013Schulz time by shape'));
+  if (!o.newton_schulz.length) { div.appendChild(el('p', {'class': 'empty'}, 'no Muon matrix')); return div; }
+  var total = o.newton_schulz.reduce(function (a, t) { return a + t.seconds; }, 0);
+  var table = el('table', {});
+  var head = el('tr', {});
+  ['Shape', 'Per step', 'Per matrix', 'Share'].forEach(function (h) { head.appendChild(el('th', {}, h)); });
+  table.appendChild(head);
+  o.newton_schulz.forEach(function (t) {
+    var tr = el('tr', {'class': 'ns-shape', 'data-shape': t.shape});
+    tr.appendChild(el('td', {}, t.shape));
+    tr.appendChild(el('td', {}, String(t.per_step)));
+    tr.appendChild(el('td', {}, t.matrices ? dur(t.mean_seconds) : '\u2013'));
+    var frac = total > 0 ? t.seconds / total : 0;
+    var cell = el('td', {}), bar = el('div', {'class': 'bar', title: (100 * frac).toFixed(1) + '%'});
+    bar.appendChild(el('div', {style: 'width:' + (100 * frac).toFixed(1) + '%'}));
+    cell.appendChild(bar);
+    tr.appendChild(cell);
+    table.appendChild(tr);
+  });
+  div.appendChild(table);
+  return div;
+}
+
 function renderJobCards(s) {
   var cards = clear(document.getElementById('job-cards'));
   s.jobs.forEach(function (j) {
@@ -240,6 +284,7 @@ function renderJobCards(s) {
     fact(dl, 'Ranks', j.ranks.map(function (r) {
       return r.rank + ':' + (r.attached ? r.transport : 'detached');
     }).join('  '));
+    optimizerFacts(dl, j.optimizer);
     card.appendChild(dl);
     var charts = el('div', {'class': 'charts'});
     var a = el('div', {'class': 'chart'});
@@ -251,6 +296,7 @@ function renderJobCards(s) {
     b.appendChild(stepLine(j));
     charts.appendChild(a);
     charts.appendChild(b);
+    charts.appendChild(shapeTable(j.optimizer));
     card.appendChild(charts);
     cards.appendChild(card);
   });

@@ -6,6 +6,8 @@
 #     data-refreshes >= 1, and no console error in chromium's log;
 #   - a job row for the job, its phase bars (one rect per phase per step kept, including
 #     newton_schulz) and its step-time line;
+#   - the optimizer's own series in the job's card: Newton-Schulz time by shape class, the
+#     orthogonality of step 0's update, the trainer's view of a step, pipeline and pinned memory;
 #   - no job token anywhere (the DOM and /api/v1/status).
 # Saves the screenshot and the DOM under OUT_DIR (status_page.png, status_page.dom.html).
 # Usage: status_page_browser_test.sh MUOND MUONCTL OUT_DIR
@@ -109,8 +111,32 @@ s = json.loads(status)
 job = next((j for j in s["jobs"] if j["id"] == "browser"), None)
 if job is None or job["checkpoint"] is None or job["checkpoint"]["step"] != 6:
     bad.append(f"JSON: job checkpoint {job and job['checkpoint']}, expected step 6")
+# The optimizer's own series in the job's card: the Newton-Schulz table has the job's one shape
+# class (96x256) with a time per matrix; step 0 (a multiple of --orthogonality-every 100) was
+# sampled; the trainer's view and the pinned momentum are facts; the JSON agrees.
+opt = (job or {}).get("optimizer") or {}
+shapes = opt.get("newton_schulz") or []
+if [t.get("shape") for t in shapes] != ["96x256"] or not shapes[0].get("matrices"):
+    bad.append(f"JSON: optimizer.newton_schulz {shapes!r}, expected one class 96x256 with matrices")
+if not re.search(r'<tr class="ns-shape" data-shape="96x256"><td>96x256</td><td>1</td><td>[0-9.]+ ?[mµu]?s</td>', dom):
+    bad.append("no Newton-Schulz row for shape 96x256 with its time per matrix")
+orth = opt.get("orthogonality") or {}
+if orth.get("step") != 0 or not 0 < orth.get("value", -1) < 0.5:
+    bad.append(f"JSON: optimizer.orthogonality {orth!r}, expected step 0 with a value in (0, 0.5)")
+elif f"{orth['value']:.4f} at step 0" not in dom:
+    bad.append("the page shows no orthogonality fact")
+if not (opt.get("trainer") or {}).get("visible_seconds"):
+    bad.append(f"JSON: optimizer.trainer {opt.get('trainer')!r}")
+elif "first gradient to last update" not in dom:
+    bad.append("the page shows no trainer view")
+if (opt.get("pinned_bytes") or {}).get("momentum") != 2 * 96 * 256 * 4:
+    bad.append(f"JSON: optimizer.pinned_bytes {opt.get('pinned_bytes')!r}, momentum 2 x 96x256 fp32")
+elif "matrices waiting for the device" not in dom or "momentum 192" not in dom:
+    bad.append("the page shows no pipeline or pinned fact")
 if bad:
     sys.exit("FAIL:\n  " + "\n  ".join(bad))
+print(f"optimizer: shape 96x256 {shapes[0]['matrices']} matrices, orthogonality {orth['value']:.4f} "
+      f"at step 0, trainer view {opt['trainer']}")
 print(f"DOM: data-errors 0, {attrs['data-refreshes']} refreshes, job row, {steps} steps x 6 phase rects, "
       f"step-time line; no token; screenshot {len(png)} bytes")
 PYEOF
