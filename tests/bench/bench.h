@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/client.h"
+#include "common/job_spec.h"
 
 namespace muond::bench {
 
@@ -38,8 +39,15 @@ int RunApplyBench(int argc, char** argv);
 int RunPeerBench(int argc, char** argv);
 // bench_multinode.cc: emulated nodes in network namespaces (runs multinode_netns_bench.py).
 int RunMultinodeBench(int argc, char** argv);
+// `muond-bench orthogonality`: what --orthogonality-every costs against the step time.
+int RunOrthogonalityBench(int argc, char** argv);
 // `muond-bench gpu` (built with the CUDA backend): the CUDA device against cuBLAS and copy peaks.
 int RunGpuBench(int argc, char** argv);
+
+// `layers` Qwen3-0.6B-like layers of Muon matrices (hidden 1024, intermediate 3072, 16 q heads and
+// 8 kv heads of head_dim 128; 7 matrices a layer), gradients and compute in `dtype`
+// (bench_step.cc).
+common::JobSpec Qwen3LikeLayers(int layers, common::DType dtype);
 
 // The clock every benchmark times with, the seconds since `t0` on it, and the median of `v` (the
 // mean of the middle two when even; `v` must not be empty).

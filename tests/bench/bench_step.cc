@@ -39,30 +39,6 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-common::JobSpec LayerSet(int layers, common::DType dtype) {
-  common::JobSpec spec;
-  spec.muon.compute_dtype = dtype;
-  const int64_t hidden = 1024, inter = 3072, q = 16 * 128, kv = 8 * 128;
-  for (int l = 0; l < layers; ++l) {
-    const std::string p = absl::StrCat("layers.", l, ".");
-    for (auto [name, rows, cols] :
-         std::vector<std::tuple<std::string, int64_t, int64_t>>{{"self_attn.q_proj", q, hidden},
-                                                                {"self_attn.k_proj", kv, hidden},
-                                                                {"self_attn.v_proj", kv, hidden},
-                                                                {"self_attn.o_proj", hidden, q},
-                                                                {"mlp.gate_proj", inter, hidden},
-                                                                {"mlp.up_proj", inter, hidden},
-                                                                {"mlp.down_proj", hidden, inter}}) {
-      common::MatrixSpec m;
-      m.name = p + name;
-      m.shape = {rows, cols};
-      m.dtype = dtype;
-      spec.matrices.push_back(m);
-    }
-  }
-  return spec;
-}
-
 // The flags of `muond-bench step`.
 struct StepOptions {
   std::vector<int64_t> ranks;
@@ -207,6 +183,30 @@ std::optional<double> DaemonStepSeconds(client::Client& client, const std::strin
 
 }  // namespace
 
+common::JobSpec Qwen3LikeLayers(int layers, common::DType dtype) {
+  common::JobSpec spec;
+  spec.muon.compute_dtype = dtype;
+  const int64_t hidden = 1024, inter = 3072, q = 16 * 128, kv = 8 * 128;
+  for (int l = 0; l < layers; ++l) {
+    const std::string p = absl::StrCat("layers.", l, ".");
+    for (auto [name, rows, cols] :
+         std::vector<std::tuple<std::string, int64_t, int64_t>>{{"self_attn.q_proj", q, hidden},
+                                                                {"self_attn.k_proj", kv, hidden},
+                                                                {"self_attn.v_proj", kv, hidden},
+                                                                {"self_attn.o_proj", hidden, q},
+                                                                {"mlp.gate_proj", inter, hidden},
+                                                                {"mlp.up_proj", inter, hidden},
+                                                                {"mlp.down_proj", hidden, inter}}) {
+      common::MatrixSpec m;
+      m.name = p + name;
+      m.shape = {rows, cols};
+      m.dtype = dtype;
+      spec.matrices.push_back(m);
+    }
+  }
+  return spec;
+}
+
 int RunStepBench(int argc, char** argv) {
   StepOptions options;
   if (const int exit_code = ParseStepOptions(argc, argv, &options); exit_code >= 0) {
@@ -214,7 +214,7 @@ int RunStepBench(int argc, char** argv) {
   }
   const common::DType dtype = options.dtype;
   const int steps = options.steps;
-  common::JobSpec spec = LayerSet(options.layers, dtype);
+  common::JobSpec spec = Qwen3LikeLayers(options.layers, dtype);
   uint64_t total = 0;
   for (const auto& m : spec.matrices) total += static_cast<uint64_t>(m.numel());
   const size_t esize = common::DTypeSize(dtype);

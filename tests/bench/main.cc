@@ -35,6 +35,8 @@ constexpr Subcommand kSubcommands[] = {
      RunApplyBench},
     {"peer", "muond vs the usual in-process LibTorch Muon (DeepSpeed's NS): s/step, float64 error",
      RunPeerBench},
+    {"orthogonality", "--orthogonality-every: the measurement's cost vs the step time",
+     RunOrthogonalityBench},
     {"multinode", "emulated nodes (netns, tbf links): step time at 1/2/4 nodes vs the model",
      RunMultinodeBench},
 #ifdef MUOND_HAVE_CUDA
@@ -47,7 +49,7 @@ void PrintUsage(std::FILE* out) {
   std::fprintf(out,
                "usage: muond-bench <subcommand> [flags]\n"
                "       muond-bench <subcommand> --help\n\nsubcommands:\n");
-  for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-10s %s\n", s.name, s.summary);
+  for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-13s %s\n", s.name, s.summary);
 }
 
 }  // namespace
