@@ -104,6 +104,27 @@ TEST(DaemonConfigTest, StreamIdleSeconds) {
   EXPECT_NE(DaemonUsage().find("--stream-idle-seconds S"), std::string::npos);
 }
 
+TEST(DaemonConfigTest, OrthogonalityEvery) {
+  auto defaults = Parse({});
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->orthogonality_every, 100);
+  auto off = Parse({"--orthogonality-every", "0"});
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ(off->orthogonality_every, 0);  // never measured
+  auto file = Parse({"--config", WriteConfig("orthogonality-every = 7\n")});
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(file->orthogonality_every, 7);
+  // Refused, naming the flag and the range: negative, not a count, past the cap, empty.
+  for (const char* bad : {"-1", "1.5", "ten", "1000000001", ""}) {
+    auto r = Parse({"--orthogonality-every", bad});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << "'" << bad << "'";
+    EXPECT_NE(r.status().message().find("--orthogonality-every"), std::string::npos)
+        << r.status();
+    EXPECT_NE(r.status().message().find("[0, 1000000000]"), std::string::npos) << r.status();
+  }
+  EXPECT_NE(DaemonUsage().find("--orthogonality-every N"), std::string::npos);
+}
+
 TEST(DaemonConfigTest, RejectsBadInputNamingIt) {
   auto unknown = Parse({"--frobnicate", "1"});
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
