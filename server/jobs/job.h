@@ -398,6 +398,7 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   // times (each source takes its own lock; not the job's).
   void ReportObservations(JobReport& r) const;
   // The step's results go to its ranks now: starts timing their delivery (trainer_clock.h).
+  // REQUIRES: before the shared-memory ranks' completions are posted.
   void ReleaseResults(const StepState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   friend class RankStep;
   friend class ParamUpload;

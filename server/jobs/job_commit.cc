@@ -194,7 +194,9 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
 void Job::ReleaseResults(const StepState& state) {
   int grpc_ranks = 0;
   for (const RankInput& in : state.ranks) {
-    if (in.begun && in.keepalive == nullptr) ++grpc_ranks;  // its update goes out in messages
+    // A shared-memory rank's completion is still to be posted (below); a gRPC rank has none: its
+    // update goes out in messages after this.
+    if (in.begun && in.done == nullptr) ++grpc_ranks;
   }
   trainer_clock_.Released(state.step, state.start, state.last_input, grpc_ranks);
 }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "server/jobs/step_observer.h"
 #include "tests/unit/server/momentum_commit_fixture.h"
 
 namespace muond::server {
@@ -162,6 +163,52 @@ TEST_P(ApplyCommitTest, ClipRedoRefusesAGradientRewrittenAfterItWasRead) {
 
 TEST_P(ApplyCommitTest, ClipRedoOfAnUnchangedGradientCommits) {
   ExpectClipRedo(JobId("clip-same"), /*rewrite=*/false);
+}
+
+// What operators see of an apply-mode job (step_observer.h, trainer_clock.h): the Newton-Schulz
+// time of each shape class, every step's sample measured (--orthogonality-every 1) before the
+// masters are applied, the trainer's view of the newest step (shared-memory ranks: timed at the
+// commit), and the pinned masters and momentum, with nothing waiting between steps.
+TEST_P(ApplyCommitTest, OperatorsSeeShapeTimesOrthogonalityAndTrainerTime) {
+  SetOrthogonalityEvery(1);
+  std::mt19937 rng(29);
+  const common::JobSpec spec = StartApplyJob(JobId("apply-observed"), /*max_grad_norm=*/0, rng);
+  ASSERT_NE(job_, nullptr);
+  StepHyper hyper;
+  hyper.lr = {1e-3};
+  hyper.weight_decay = {0.0};
+  for (int64_t step = 0; step < 2; ++step) {
+    ASSERT_NO_FATAL_FAILURE(StepAll(spec, step, RandomGradients(spec, rng), &hyper));
+  }
+  SetOrthogonalityEvery(100);
+  const JobReport r = job_->Report();
+  uint64_t matrices = 0, per_step = 0;
+  for (const JobReport::ShapeTime& t : r.newton_schulz) {
+    matrices += t.matrices;
+    per_step += t.per_step;
+    EXPECT_GT(t.seconds, 0) << t.shape;
+  }
+  EXPECT_EQ(per_step, spec.matrices.size());
+  EXPECT_EQ(matrices, 2 * spec.matrices.size());
+  ASSERT_TRUE(r.orthogonality_step.has_value());
+  EXPECT_EQ(*r.orthogonality_step, 1);
+  EXPECT_GT(r.orthogonality, 0.0);
+  EXPECT_LT(r.orthogonality, 0.6);
+  EXPECT_EQ(r.orthogonality_matrices, static_cast<int>(spec.matrices.size()));
+  ASSERT_TRUE(r.trainer_step.has_value());
+  EXPECT_EQ(*r.trainer_step, 1);
+  EXPECT_GE(r.trainer_visible_seconds, r.trainer_wait_seconds);
+  EXPECT_GE(r.trainer_wait_seconds, 0);
+  EXPECT_EQ(r.matrices_waiting, 0u);
+  EXPECT_EQ(r.gather_in_use_bytes, 0u);
+  uint64_t elements = 0;
+  for (const common::MatrixSpec& m : spec.matrices) elements += m.numel();
+  // Both buffers of each array, where mlock allowed them (RLIMIT_MEMLOCK): all or nothing here.
+  EXPECT_TRUE(r.pinned_masters_bytes == 0 || r.pinned_masters_bytes == 2 * 4 * elements)
+      << r.pinned_masters_bytes;
+  EXPECT_TRUE(r.pinned_momentum_bytes == 0 || r.pinned_momentum_bytes == 2 * 4 * elements)
+      << r.pinned_momentum_bytes;
+  EXPECT_EQ(r.pinned_moments_bytes, 0u);  // every tensor is Muon
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, ApplyCommitTest, ::testing::Values(true, false),
