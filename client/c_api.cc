@@ -318,6 +318,18 @@ int muond_session_set_absent(muond_session* session, const uint32_t* tensors, si
   return Report(session->impl->SetAbsent(std::vector<uint32_t>(tensors, tensors + count)));
 }
 
+int muond_session_set_max_logits(muond_session* session, const float* logits, size_t count) {
+  if (session == nullptr) return NullArgument("session");
+  if (count != 0 && logits == nullptr) return NullArgument("logits");
+  // Bounded before the copy: the job's pairs have at most this many query heads.
+  if (count > muond::common::kMaxQkClipLogits) {
+    return Report(absl::InvalidArgumentError(
+        absl::StrCat("muond_session_set_max_logits: ", count, " values; at most ",
+                     muond::common::kMaxQkClipLogits)));
+  }
+  return Report(session->impl->SetMaxLogits(std::vector<float>(logits, logits + count)));
+}
+
 int muond_init_params(muond_session* session, const muond_span* params, size_t num_params,
                       int float32) {
   if (session == nullptr) return NullArgument("session");

@@ -206,6 +206,13 @@ class RankSession {
   // (StepResult::grad_sum_sq), 2 clip by `sum_sq`, the raw sum of squares over every node.
   // INVALID_ARGUMENT for another mode, or a sum that is not finite and >= 0 with mode 2.
   absl::Status SetGlobalClip(int mode, double sum_sq);
+  // Apply mode, a job with qk_clip (DESIGN.md 4e): the largest pre-softmax attention logit of each
+  // query head that this rank saw in the step's forward, pair after pair in the job's order
+  // (q_heads values each), which every later step of this session carries until set again (set
+  // it before each step; the daemon takes the maximum over the ranks). INVALID_ARGUMENT naming
+  // the pair for a wrong count or a value that is not finite; FAILED_PRECONDITION on a job
+  // without qk_clip. A step of a qk_clip job before any is set is refused here.
+  absl::Status SetMaxLogits(std::vector<float> logits);
 
   // Uploads the rank's part of the initial parameters: `params` must cover the rank's spans
   // exactly, in float32 (`float32`) or each tensor's param_dtype. The daemon installs them only
@@ -268,6 +275,7 @@ class RankSession {
   std::optional<GroupHyperValues> hyper_;
   std::vector<uint8_t> absent_;  // SetAbsent: per job tensor, 1 when absent (empty: none)
   int global_clip_mode_ = 0;     // SetGlobalClip
+  std::vector<float> max_logits_;  // SetMaxLogits (empty: none yet)
   double global_sum_sq_ = 0;
   std::unique_ptr<ShmChannel> shm_;
   int64_t parts_step_ = -1;  // the step whose parts are being posted (-1: none)

@@ -205,6 +205,17 @@ absl::Status RankSession::SetGlobalClip(int mode, double sum_sq) {
   return absl::OkStatus();
 }
 
+absl::Status RankSession::SetMaxLogits(std::vector<float> logits) {
+  RETURN_IF_ERROR(RequireApply("SetMaxLogits"));
+  if (!spec_.qk_clip.enabled()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetMaxLogits: job '", spec_.job_id, "' has no qk_clip pairs (job.json \"qk_clip\")"));
+  }
+  RETURN_IF_ERROR(common::CheckMaxLogits(spec_, logits, "SetMaxLogits"));
+  max_logits_ = std::move(logits);
+  return absl::OkStatus();
+}
+
 absl::Status RankSession::SetAbsent(const std::vector<uint32_t>& tensors) {
   RETURN_IF_ERROR(RequireApply("SetAbsent"));
   ASSIGN_OR_RETURN(absent_, common::PresenceMask(spec_, tensors));
@@ -212,6 +223,13 @@ absl::Status RankSession::SetAbsent(const std::vector<uint32_t>& tensors) {
 }
 
 absl::Status RankSession::CheckStepHyper(int64_t step) const {
+  if (apply() && hyper_ && spec_.qk_clip.enabled() && max_logits_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step ", step, ": job '", spec_.job_id, "' has QK-Clip: set the step's max attention "
+        "logits first (RankSession::SetMaxLogits, muond_session_set_max_logits, muonctl step "
+        "--max-logits), starting with pair q='",
+        spec_.qk_clip.pairs[0].q, "'"));
+  }
   if (!apply() || hyper_) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "step ", step, ": job '", spec_.job_id,
@@ -220,7 +238,8 @@ absl::Status RankSession::CheckStepHyper(int64_t step) const {
 }
 
 absl::Status RankSession::WriteSharedHyper(int64_t step) {
-  const size_t bytes = common::shm::HyperBytes(spec_.groups.size(), spec_.matrices.size());
+  const size_t bytes = common::shm::HyperBytes(spec_.groups.size(), spec_.matrices.size(),
+                                               spec_.qk_clip.logits());
   const uint64_t at = shm_->hyper_byte_offset();
   const uint64_t size = shm_->buffer_bytes();
   bool fits = at % alignof(double) == 0 && at <= size && bytes <= size - at;
@@ -248,6 +267,10 @@ absl::Status RankSession::WriteSharedHyper(int64_t step) {
   char* mask = dst + block.size() * sizeof(double);
   std::memset(mask, 0, spec_.matrices.size());
   if (!absent_.empty()) std::memcpy(mask, absent_.data(), absent_.size());
+  if (!max_logits_.empty()) {
+    std::memcpy(dst + common::shm::MaxLogitsOffset(spec_.groups.size(), spec_.matrices.size()),
+                max_logits_.data(), max_logits_.size() * sizeof(float));
+  }
   return absl::OkStatus();
 }
 

@@ -439,6 +439,7 @@ absl::StatusOr<StepResult> RankSession::StepOverGrpc(int64_t step,
   for (uint32_t t = 0; t < absent_.size(); ++t) {
     if (absent_[t] != 0) begin->add_absent_tensors(t);
   }
+  for (float v : max_logits_) begin->add_max_logits(v);
   WriteGradients(stream.get(), spec_, grads, &req);
   UpdateAssembler assembler(spec_, updates);
   v1::StepResponse resp;

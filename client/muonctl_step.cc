@@ -6,7 +6,9 @@
 //     (ceil(numel / world_size) elements, padded).
 // OUT has the same names, shapes and dtypes; padding is zero. Apply-mode jobs (DESIGN.md 4b):
 // the step carries --lr GROUP=VALUE for every group (--wd, --grad-divisor optional), and OUT holds
-// the rank's new parameters, laid out the same but in each tensor's param dtype.
+// the rank's new parameters, laid out the same but in each tensor's param dtype. A job with
+// qk_clip (DESIGN.md 4e) also takes --max-logits FILE: one float32 tensor per pair, named by the
+// pair's q tensor, with the largest attention logit of each of its q_heads query heads.
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -143,6 +145,48 @@ absl::StatusOr<std::optional<StepHyper>> HyperForJob(const common::JobSpec& spec
   return hyper;
 }
 
+// QK-Clip (DESIGN.md 4e): the per-head maxima of --max-logits FILE, one float32 tensor per pair
+// of `spec` named by its q tensor with q_heads values (normative), in pair order. Without the
+// flag: empty (a qk_clip job's step is then refused by the session, naming --max-logits).
+absl::StatusOr<std::vector<float>> MaxLogitsForJob(const common::JobSpec& spec, const Args& a) {
+  const auto flag = a.flags.find("max-logits");
+  if (flag == a.flags.end()) return std::vector<float>();
+  if (!spec.qk_clip.enabled()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-logits: job '", spec.job_id, "' has no qk_clip pairs (job.json \"qk_clip\")"));
+  }
+  ASSIGN_OR_RETURN(common::SafetensorsFile file, common::SafetensorsFile::ReadFile(flag->second));
+  std::vector<float> logits;
+  std::map<std::string, bool> names;
+  for (const common::QkClipPair& p : spec.qk_clip.pairs) names[p.q] = true;
+  for (const common::TensorInfo& t : file.tensors()) {
+    if (names.count(t.name) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag->second, ": tensor '", t.name, "' is not the q tensor of a QK-Clip pair of job '",
+          spec.job_id, "'"));
+    }
+  }
+  for (const common::QkClipPair& p : spec.qk_clip.pairs) {
+    const common::TensorInfo* t = file.Find(p.q);
+    if (t == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag->second, ": no tensor '", p.q, "' (the max attention logit of each of the pair's ",
+          p.q_heads, " query heads, float32); the file holds ", Names(file)));
+    }
+    if (absl::Status e = Expect1D(*t, static_cast<uint64_t>(p.q_heads), common::DType::kFloat32,
+                                  "one value per query head");
+        !e.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(flag->second, ": ", e.message()));
+    }
+    const std::string_view data = file.Data(*t);
+    const size_t at = logits.size();
+    logits.resize(at + static_cast<size_t>(p.q_heads));
+    std::memcpy(logits.data() + at, data.data(), static_cast<size_t>(p.q_heads) * sizeof(float));
+  }
+  RETURN_IF_ERROR(common::CheckMaxLogits(spec, logits, "--max-logits " + flag->second));
+  return logits;
+}
+
 }  // namespace
 
 absl::Status CmdStep(Client& client, const Args& a) {
@@ -167,11 +211,13 @@ absl::Status CmdStep(Client& client, const Args& a) {
   ASSIGN_OR_RETURN(const v1::JobStatus status, client.GetJob(a.flags.at("job"), token));
   ASSIGN_OR_RETURN(const common::JobSpec job_spec, common::JobSpecFromProto(status.spec()));
   ASSIGN_OR_RETURN(const std::optional<StepHyper> hyper, HyperForJob(job_spec, hyper_flags));
+  ASSIGN_OR_RETURN(std::vector<float> max_logits, MaxLogitsForJob(job_spec, a));
   // Each muonctl run is a new process acting for the rank: it takes the rank over (a previous
   // muonctl for it has exited) and detaches when done.
   ASSIGN_OR_RETURN(auto session, client.Attach(a.flags.at("job"), static_cast<int>(rank), token,
                                                /*takeover=*/true, transport));
   if (hyper) RETURN_IF_ERROR(session->SetHyper(*hyper));
+  if (!max_logits.empty()) RETURN_IF_ERROR(session->SetMaxLogits(std::move(max_logits)));
   const common::JobSpec& spec = session->spec();
   absl::StatusOr<StepOutput> out;
   if (!spec.explicit_layout.empty() || spec.zero_stage == 1 || spec.zero_stage == 2) {

@@ -28,7 +28,7 @@ constexpr const char* kKnownFlags[] = {
     "transport", "json", "iterations", "interval", "metrics-address", "generation",
     "restore-from", "restore-token-file", "restore-generation", "restore-step",
     "tls-ca", "tls-cert", "tls-key", "params", "lr", "wd", "grad-divisor", "dtype", "dir",
-    "import-dir"};
+    "import-dir", "max-logits"};
 // clang-format on
 constexpr const char* kRepeatable[] = {"lr", "wd"};
 

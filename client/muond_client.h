@@ -162,6 +162,13 @@ int muond_session_set_hyper(muond_session* session, const char* const* groups, c
  * zeros). Every rank of a step must send the same mask (else 3 INVALID_ARGUMENT for every rank).
  * 3 INVALID_ARGUMENT for an index out of range or named twice; 9 on an update-mode job. */
 int muond_session_set_absent(muond_session* session, const uint32_t* tensors, size_t count);
+/* QK-Clip (DESIGN.md 4e), a job with qk_clip pairs: the largest pre-softmax attention logit of each
+ * query head this rank saw in the step's forward, `logits[0..count)` pair after pair in the job's
+ * order (q_heads values each), carried by every later step of the session until set again (set it
+ * before each step; the daemon takes the maximum over the ranks). 3 INVALID_ARGUMENT naming the
+ * pair for a wrong count or a value that is not finite; 9 on a job without qk_clip. A step of a
+ * qk_clip job before any is set: 3. */
+int muond_session_set_max_logits(muond_session* session, const float* logits, size_t count);
 /* The rank's part of the initial parameters: spans that cover the rank's spans exactly, whose
  * elements are float32 (`float32` nonzero) or each tensor's param_dtype. Over shared memory float32
  * values are rounded to the param_dtype on the client. */

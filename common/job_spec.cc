@@ -227,7 +227,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
                                    "gather_budget_bytes", "transport_probe", "checkpoint_every_steps",
                                    "checkpoint_keep", "step_timeout_seconds", "mode", "tensors",
                                    "groups", "adamw", "max_grad_norm", "init_from",
-                                   "multinode", "nonfinite"}));
+                                   "multinode", "nonfinite", "qk_clip"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -239,6 +239,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   }
   RETURN_IF_ERROR(json_fields::ParseApplyFields(root, &spec));
   RETURN_IF_ERROR(json_fields::ParseMultiNodeField(root, &spec));
+  RETURN_IF_ERROR(json_fields::ParseQkClipField(root, &spec));
   // "tensors" (apply mode's name) or "matrices": one of the two.
   const char* key = root.find("tensors") != root.end() ? "tensors" : "matrices";
   if (root.find("tensors") != root.end() && root.find("matrices") != root.end()) {
@@ -332,6 +333,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
   }
   json_fields::WriteApplyFields(spec, &root);
   json_fields::WriteMultiNodeField(spec, &root);
+  json_fields::WriteQkClipField(spec, &root);
   // `replace` keeps this total for unvalidated specs (invalid UTF-8 in a name becomes U+FFFD);
   // a validated spec has none.
   return root.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
@@ -421,6 +423,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   RETURN_IF_ERROR(ValidateApplyMode(spec));
   RETURN_IF_ERROR(ValidateMultiNode(spec));
+  RETURN_IF_ERROR(ValidateQkClip(spec));
   if (!spec.explicit_layout.empty()) RETURN_IF_ERROR(ValidateExplicitLayout(spec));
   return absl::OkStatus();
 }

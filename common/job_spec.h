@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -127,6 +128,30 @@ struct LayoutSpan {
   }
 };
 
+// QK-Clip (MuonClip, DESIGN.md 4e): one attention's query and key projections. `q` is
+// [q_heads * head_dim, in] and `k` [kv_heads * head_dim, in], rows grouped by head; query head h
+// uses key head h / (q_heads / kv_heads).
+struct QkClipPair {
+  std::string q;
+  std::string k;
+  int64_t q_heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+};
+
+struct QkClip {
+  double threshold = 0;  // tau, > 0
+  double alpha = 0.5;    // in [0, 1]
+  std::vector<QkClipPair> pairs;  // empty: no QK-Clip
+  bool enabled() const { return !pairs.empty(); }
+  // The per-head maxima a step carries: the sum of q_heads over the pairs, in pair order.
+  size_t logits() const {
+    size_t n = 0;
+    for (const QkClipPair& p : pairs) n += static_cast<size_t>(p.q_heads);
+    return n;
+  }
+};
+
 struct JobSpec {
   std::string job_id;
   int world_size = 1;
@@ -160,6 +185,8 @@ struct JobSpec {
   double max_grad_norm = 0;
   // Initial parameters from this safetensors file on the daemon's host ("": uploaded by ranks).
   std::string init_from;
+  // QK-Clip on the masters (DESIGN.md 4e); apply mode only.
+  QkClip qk_clip;
   // Many nodes: which node's part of which global job this is (nodes 0: a single-node job).
   MultiNode multinode;
   // Steps are prepared and committed on the trainer's word (CommitStep), as multi-node jobs do.
@@ -176,6 +203,9 @@ inline constexpr int64_t kMaxMatrixElements = int64_t{1} << 34;
 inline constexpr size_t kMaxParamGroups = 1024;
 inline constexpr size_t kMaxInitFromBytes = 4096;
 inline constexpr int kMaxNodes = 65536;
+inline constexpr size_t kMaxQkClipPairs = 4096;
+// Per-head maxima a QK-Clip step carries, all pairs (4 bytes each in the step's hyper block).
+inline constexpr size_t kMaxQkClipLogits = size_t{1} << 20;
 
 // Parses job.json. INVALID_ARGUMENT naming the field (e.g. "matrices[2].shape") for malformed JSON,
 // wrong types, unknown enum values and unknown fields. Runs ValidateJobSpec on the result.
@@ -199,6 +229,21 @@ absl::Status ValidateApplyMode(const JobSpec& spec);
 // least one dimension, 0 <= offset, offset + shape[0] <= of, and at most kMaxMatrixElements
 // elements in the whole tensor. INVALID_ARGUMENT naming the field.
 absl::Status ValidateMultiNode(const JobSpec& spec);
+// The "qk_clip" block (DESIGN.md 4e): apply mode, not a multi-node job; threshold finite and > 0;
+// alpha in [0, 1]; 1..kMaxQkClipPairs pairs whose q and k name distinct Muon tensors of the job,
+// no tensor in two pairs, q_heads, kv_heads, head_dim >= 1 with kv_heads dividing q_heads, q of
+// shape [q_heads * head_dim, in] and k of [kv_heads * head_dim, in] (2-D, the same in, one head
+// each: num_heads 1), and at most kMaxQkClipLogits query heads in all. INVALID_ARGUMENT naming the
+// field ("qk_clip.pairs[1].k") and the value. An update-mode spec carries no pair.
+absl::Status ValidateQkClip(const JobSpec& spec);
+// Per pair, the indices of its q and k tensors in spec.matrices. REQUIRES: ValidateQkClip passed.
+std::vector<std::pair<uint32_t, uint32_t>> QkClipTensors(const JobSpec& spec);
+// The per-head maxima of a step (`logits`: spec.qk_clip.logits() values, pair after pair) are
+// finite: OK, else INVALID_ARGUMENT naming the pair's q tensor and the head (prefixed `where`).
+// A wrong count: INVALID_ARGUMENT naming the first pair without its values.
+absl::Status CheckMaxLogits(const JobSpec& spec, const std::vector<float>& logits,
+                            const std::string& where);
+
 // Fills what apply mode defaults: a tensor's group (its optimizer's name). Both parsers call it.
 void FillApplyDefaults(JobSpec* spec);
 // Apply mode's presence mask of a step from the indices of the tensors without a gradient: one

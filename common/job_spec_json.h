@@ -105,6 +105,9 @@ namespace json_fields {
 absl::Status ParseApplyFields(const Json& root, JobSpec* spec);
 absl::Status ParseTensorApplyFields(const Json& tensor, const std::string& path, MatrixSpec* spec);
 void WriteApplyFields(const JobSpec& spec, Json* root);
+// QK-Clip (job_spec_qk_clip.cc): the "qk_clip" block, written only when it has pairs.
+absl::Status ParseQkClipField(const Json& root, JobSpec* spec);
+void WriteQkClipField(const JobSpec& spec, Json* root);
 // Many nodes (job_spec_multinode.cc): the "multinode" block, written only when present.
 absl::Status ParseMultiNodeField(const Json& root, JobSpec* spec);
 void WriteMultiNodeField(const JobSpec& spec, Json* root);

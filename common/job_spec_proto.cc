@@ -231,6 +231,18 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
     spec.multinode = {proto.multinode().global_job_id(), proto.multinode().node(),
                       proto.multinode().nodes()};
   }
+  if (proto.has_qk_clip()) {
+    const v1::QkClip& q = proto.qk_clip();
+    if (static_cast<size_t>(q.pairs_size()) > kMaxQkClipPairs) {
+      return absl::InvalidArgumentError(absl::StrCat("qk_clip.pairs: ", q.pairs_size(),
+                                                     " pairs; at most ", kMaxQkClipPairs));
+    }
+    spec.qk_clip.threshold = q.threshold();
+    if (q.has_alpha()) spec.qk_clip.alpha = q.alpha();
+    for (const v1::QkClipPair& p : q.pairs()) {
+      spec.qk_clip.pairs.push_back({p.q(), p.k(), p.q_heads(), p.kv_heads(), p.head_dim()});
+    }
+  }
   for (const v1::RankLayout& rank : proto.layout()) {
     std::vector<LayoutSpan> spans;
     for (const v1::Span& s : rank.spans())
@@ -280,6 +292,19 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
     proto.mutable_multinode()->set_global_job_id(spec.multinode.global_job_id);
     proto.mutable_multinode()->set_node(spec.multinode.node);
     proto.mutable_multinode()->set_nodes(spec.multinode.nodes);
+  }
+  if (spec.qk_clip.enabled()) {
+    v1::QkClip* q = proto.mutable_qk_clip();
+    q->set_threshold(spec.qk_clip.threshold);
+    q->set_alpha(spec.qk_clip.alpha);
+    for (const QkClipPair& p : spec.qk_clip.pairs) {
+      v1::QkClipPair* pp = q->add_pairs();
+      pp->set_q(p.q);
+      pp->set_k(p.k);
+      pp->set_q_heads(p.q_heads);
+      pp->set_kv_heads(p.kv_heads);
+      pp->set_head_dim(p.head_dim);
+    }
   }
   for (const auto& rank : spec.explicit_layout) {
     v1::RankLayout* pr = proto.add_layout();

@@ -50,9 +50,15 @@ inline constexpr uint32_t kSubmitInitParams = 1;
 // tensor in order: 0 the tensor has a gradient this step, 1 it has none (skipped, DESIGN.md 4b;
 // any other value is refused); the mask starts after two more float64: the global clip's mode
 // (0: none, 1: speculate, 2: clip by the global sum; server/jobs/step_state.h ClipSource) and the
-// global raw sum of squares. HyperBytes(G, T) bytes.
-inline constexpr size_t HyperBytes(size_t groups, size_t tensors) {
-  return (2 * groups + 3) * sizeof(double) + tensors;
+// global raw sum of squares. Then, for a job with QK-Clip (DESIGN.md 4e), at
+// MaxLogitsOffset(G, T) (4-byte aligned), L float32: the rank's largest attention logit of each
+// query head, pair after pair (L = QkClip::logits()). HyperBytes(G, T, L) bytes.
+inline constexpr size_t MaxLogitsOffset(size_t groups, size_t tensors) {
+  return ((2 * groups + 3) * sizeof(double) + tensors + 3) / 4 * 4;
+}
+inline constexpr size_t HyperBytes(size_t groups, size_t tensors, size_t logits = 0) {
+  return logits == 0 ? (2 * groups + 3) * sizeof(double) + tensors
+                     : MaxLogitsOffset(groups, tensors) + logits * sizeof(float);
 }
 
 // A part of a step (DESIGN.md 5, "parts"): [offset, offset + size) of the step's gradient buffer

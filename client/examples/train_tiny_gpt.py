@@ -30,10 +30,16 @@ Usage: train_tiny_gpt.py [--steps N] [--address ADDR] [--plot PNG] [--json OUT]
          [--mode update|apply] [--param-dtype float32|bfloat16|float16] [--max-grad-norm X]
          [--save-at N --checkpoint DIR] [--stop-after N] [--resume DIR]
          [--inject-nonfinite-at N] [--muonctl PATH] [--node-addresses A0,A1]
+         [--qk-clip TAU] [--qk-lr-mult X]
 --save-at writes a trainer checkpoint after N steps (models, AdamW state, and a muond checkpoint
 generation of the job); --resume continues from one (also after a daemon restart).
 --inject-nonfinite-at puts a NaN into rank 1's gradient at step N, shows muond refusing the step,
 and recomputes the gradients: the trajectory is unchanged.
+--qk-clip TAU (apply mode) gives each block separate query and key projections, names them as
+muond's QK-Clip pairs (DESIGN.md 4e) and sends each step's largest attention logit per head; muond
+rescales the heads over TAU on its masters, and the reference does the same to its own. Each
+step's largest logit (over heads, blocks and ranks) is printed; --qk-lr-mult X raises the query
+and key projections' lr to make the logits grow (with it and without --qk-clip they run over).
 --delay 1 runs muond's one-step delayed update (after --delay-warmup synchronous steps, default
 10), with the next forward on predicted parameters (--no-predict: on the installed ones); the
 in-process reference stays synchronous, and the loss at the end (the mean of the last 10 steps'
@@ -73,11 +79,20 @@ TEXT = "/usr/share/common-licenses/GPL-3"
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, block_size):
+    def __init__(self, d, heads, block_size, split_qk=False):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        # QK-Clip (--qk-clip) names the query and key projections as tensors of their own; the
+        # block then records each forward's largest attention logit per head (max_logits).
+        self.split_qk = split_qk
+        self.max_logits = None
+        if split_qk:
+            self.q = nn.Linear(d, d, bias=False)
+            self.k = nn.Linear(d, d, bias=False)
+            self.v = nn.Linear(d, d, bias=False)
+        else:
+            self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, 4 * d, bias=False)
@@ -87,21 +102,25 @@ class Block(nn.Module):
 
     def forward(self, x):
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        h = self.ln1(x)
+        q, k, v = (self.q(h), self.k(h), self.v(h)) if self.split_qk else self.qkv(h).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
+        if self.split_qk:  # per head, the largest pre-softmax logit of this forward
+            self.max_logits = att.detach().float().amax(dim=(0, 2, 3))
+        att = att.softmax(dim=-1)
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab, d=128, layers=2, heads=4, block_size=64):
+    def __init__(self, vocab, d=128, layers=2, heads=4, block_size=64, split_qk=False):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(block_size, d)
-        self.blocks = nn.ModuleList(Block(d, heads, block_size) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, block_size, split_qk) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -114,14 +133,23 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
-def param_groups(model, muon_lr, adam_lr, weight_decay):
-    """MuonWithAuxAdam groups: the blocks' 2-D weights to Muon, everything else to AdamW."""
+def param_groups(model, muon_lr, adam_lr, weight_decay, qk_lr_mult=1.0):
+    """MuonWithAuxAdam groups: the blocks' 2-D weights to Muon, everything else to AdamW;
+    qk_lr_mult != 1 puts the query and key projections (split_qk) in a Muon group of their own
+    with that multiple of the Muon lr (attention logits then grow fast: what QK-Clip is for)."""
     hidden = [(n, p) for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() >= 2]
+    qk = [(n, p) for n, p in hidden if n.endswith((".q.weight", ".k.weight"))] \
+        if qk_lr_mult != 1.0 else []
+    qk_ids = {id(p) for _, p in qk}
     hidden_ids = {id(p) for _, p in hidden}
     other = [(n, p) for n, p in model.named_parameters() if id(p) not in hidden_ids]
-    return [dict(params=hidden, use_muon=True, lr=muon_lr, weight_decay=weight_decay),
-            dict(params=other, use_muon=False, lr=adam_lr, betas=(0.9, 0.95),
-                 weight_decay=weight_decay)]
+    groups = [dict(params=[(n, p) for n, p in hidden if id(p) not in qk_ids], use_muon=True,
+                   lr=muon_lr, weight_decay=weight_decay)]
+    if qk:
+        groups.append(dict(params=qk, use_muon=True, lr=muon_lr * qk_lr_mult,
+                           weight_decay=weight_decay))
+    return groups + [dict(params=other, use_muon=False, lr=adam_lr, betas=(0.9, 0.95),
+                          weight_decay=weight_decay)]
 
 
 def load_text():
@@ -180,12 +208,13 @@ class ApplyModeReference:
     def __init__(self, groups, trainer, max_grad_norm):
         self.trainer = trainer
         self.params, tensors = [], []
-        for kind, group in zip(("muon", "adamw"), groups):
+        for i, group in enumerate(groups):
+            kind = "muon" if group["use_muon"] else "adamw"
             for name, p in group["params"]:
                 self.params.append(p)
-                tensors.append({"name": name, "param": p, "optimizer": kind, "group": kind})
-        self.lr = {"muon": groups[0]["lr"], "adamw": groups[1]["lr"]}
-        self.wd = {"muon": groups[0]["weight_decay"], "adamw": groups[1]["weight_decay"]}
+                tensors.append({"name": name, "param": p, "optimizer": kind, "group": f"g{i}"})
+        self.lr = {f"g{i}": g["lr"] for i, g in enumerate(groups)}
+        self.wd = {f"g{i}": g["weight_decay"] for i, g in enumerate(groups)}
         self.ref = muon_offload.ApplyReference(tensors, betas=ADAM_BETAS, eps=ADAM_EPS,
                                                max_grad_norm=max_grad_norm)
 
@@ -210,6 +239,21 @@ class ApplyModeReference:
         for p, m in zip(self.params, self.ref.params(dtype)):
             p.copy_(m)
         return sensitivity
+
+    @torch.no_grad()
+    def qk_clip(self, pairs, threshold, alpha, max_logits):
+        """QK-Clip (DESIGN.md 4e) of the reference's masters, written here from the formula:
+        `pairs` [(q, k, heads)] of the reference model's parameters, `max_logits` per pair the
+        step's per-head maxima over the ranks."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for (q, k, heads), s in zip(pairs, max_logits):
+            s = s.double()
+            gamma = torch.where(s > threshold, threshold / s, torch.ones_like(s))
+            rows = q.shape[0] // heads
+            for w, factor in ((q, gamma ** alpha), (k, gamma ** (1 - alpha))):
+                m = self.ref.masters[index[id(w)]]
+                m.copy_((m.double() * factor.repeat_interleave(rows)[:, None]).float())
+                w.copy_(m.to(w.dtype))
 
     def state_dict(self):
         return self.ref.state_dict()
@@ -264,12 +308,22 @@ def make_optimizers(model, reference, args, job_id=None, token=None):
         opt = optimizer(param_groups(model, *groups), **job)
         return opt, MuonWithAuxAdam(param_groups(reference, *groups), backend="local"), None
     job.update(mode="apply", max_grad_norm=args.max_grad_norm)
+    groups = groups + (args.qk_lr_mult,)
+    if args.qk_clip is not None:  # every block's attention is a pair (MHA: kv_heads = q_heads)
+        job["qk_clip"] = {"threshold": args.qk_clip, "alpha": QK_ALPHA, "pairs": [
+            {"q": b.q.weight, "k": b.k.weight, "q_heads": b.heads, "kv_heads": b.heads,
+             "head_dim": b.q.weight.shape[0] // b.heads} for b in model.blocks]}
     opt = optimizer(param_groups(model, *groups), **job)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps))
     trainer = [p for g in param_groups(model, *groups) for _, p in g["params"]]
     ref = ApplyModeReference(param_groups(reference, *groups), trainer, args.max_grad_norm)
     return opt, ref, scheduler
 
+
+# --qk-clip / --qk-lr-mult: per step, the largest attention logit of any head over the ranks, seen
+# in the step's forward (before the step's update and clip).
+MAX_LOGITS = []
+QK_ALPHA = 0.5
 
 # Seconds each step() took, per optimizer: muond's is what the trainer waits for after backward
 # (the gradients streamed during backward; with --delay 1 the update itself runs during the next
@@ -290,6 +344,8 @@ def train_step(step, model, reference, opt, opt_ref, scheduler, x, y, rank, worl
     opt.zero_grad()
     with record:
         loss = model(x, y)
+    if args.qk_clip is not None:  # this rank's maxima; muond takes the maximum over the ranks
+        opt.set_max_logits({b.q.weight: b.max_logits for b in model.blocks})
     loss.backward()
     activations = record.norm(world) if bounded else 0.0
     if step == args.inject_nonfinite_at:
@@ -307,8 +363,16 @@ def train_step(step, model, reference, opt, opt_ref, scheduler, x, y, rank, worl
                 print(f"  step {step}: refused as expected: {e}", flush=True)
         opt.zero_grad()
         model(x, y).backward()
+    max_logits = None
+    if model.blocks[0].split_qk:  # the step's per-head maxima over the ranks, per block
+        max_logits = torch.stack([b.max_logits for b in model.blocks])
+        dist.all_reduce(max_logits, op=dist.ReduceOp.MAX)
+        MAX_LOGITS.append(max_logits.max().item())
     t = time.perf_counter()
     params = opt_ref.step(lr_factor(step, args.steps), world) if apply else 0.0
+    if args.qk_clip is not None:
+        opt_ref.qk_clip([(b.q.weight, b.k.weight, b.heads) for b in reference.blocks],
+                        args.qk_clip, QK_ALPHA, max_logits)
     ref_seconds = time.perf_counter() - t
     t = time.perf_counter()
     opt.step()
@@ -364,7 +428,8 @@ def run_rank(rank, world, args, store_path, result_path):
                             world_size=world)
     data, vocab = load_text()
     torch.manual_seed(args.seed)
-    model = TinyGPT(vocab, d=args.d, layers=args.layers, block_size=args.block_size)
+    model = TinyGPT(vocab, d=args.d, layers=args.layers, block_size=args.block_size,
+                    split_qk=args.qk_clip is not None or args.qk_lr_mult != 1.0)
     model.to(DTYPES[args.param_dtype])
     reference = copy.deepcopy(model)
     resume = torch.load(checkpoint_path(args.resume, rank)) if args.resume else None
@@ -397,7 +462,8 @@ def run_rank(rank, world, args, store_path, result_path):
               flush=True)
         ref_name = "in-process" if args.mode == "update" else "reference"
         print(f"{'step':>5} {'loss (muond)':>14} {'loss (' + ref_name + ')':>18} {'|diff|':>10}"
-              + (f" {'bound':>10}" if eps is not None else ""), flush=True)
+              + (f" {'bound':>10}" if eps is not None else "")
+              + (f" {'max logit':>10}" if model.blocks[0].split_qk else ""), flush=True)
     refusals = []
     t0 = time.time()
     for step in range(start, args.steps):
@@ -409,7 +475,8 @@ def run_rank(rank, world, args, store_path, result_path):
         bounds.append(eps * sensitivity if eps is not None else None)
         if rank == 0:
             print(f"{step:>5} {loss:>14.6f} {ref_loss:>18.6f} {abs(loss - ref_loss):>10.2e}"
-                  + (f" {bounds[-1]:>10.2e}" if eps is not None else ""), flush=True)
+                  + (f" {bounds[-1]:>10.2e}" if eps is not None else "")
+                  + (f" {MAX_LOGITS[-1]:>10.3f}" if MAX_LOGITS else ""), flush=True)
         if args.save_at is not None and step + 1 == args.save_at:
             opt.save_checkpoint()  # a durable muond generation, which opt.state_dict() refers to
             state = {"model": model.state_dict(), "reference": reference.state_dict(),
@@ -453,7 +520,7 @@ def run_rank(rank, world, args, store_path, result_path):
             json.dump({"losses": losses, "ref_losses": ref_losses, "bounds": bounds,
                        "start": start, "job_id": opt.job_id, "refusals": refusals,
                        "seconds": seconds, "steps_run": len(losses) - start,
-                       "exposed_seconds": exposed,
+                       "exposed_seconds": exposed, "max_logits": MAX_LOGITS,
                        "state_bytes": report}, f)
     dist.destroy_process_group()
 
@@ -511,6 +578,13 @@ def parse_args(argv=None):
                     help="the model's parameter dtype (apply mode)")
     ap.add_argument("--max-grad-norm", type=float, default=None,
                     help="global gradient clipping in muond (apply mode)")
+    ap.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
+                    help="apply mode: QK-Clip (MuonClip) of every block's query and key "
+                    "projections on muond's masters at threshold TAU (the reference clips its "
+                    "own masters the same way); prints each step's largest attention logit")
+    ap.add_argument("--qk-lr-mult", type=float, default=1.0,
+                    help="the query and key projections' Muon lr as a multiple of --muon-lr "
+                    "(> 1 makes the attention logits grow: a run to show QK-Clip on)")
     ap.add_argument("--node-addresses", default=None,
                     help="A0,A1: one muond per node (rank r on node r), the job's tensors split "
                     "between them by the ownership plan (DESIGN.md 4c); --address is then unused")
@@ -523,6 +597,11 @@ def parse_args(argv=None):
         ap.error("--save-at needs --checkpoint")
     if args.mode == "update" and (args.param_dtype != "float32" or args.max_grad_norm):
         ap.error("--param-dtype other than float32 and --max-grad-norm need --mode apply")
+    if args.qk_clip is not None and (args.mode != "apply" or args.node_addresses or
+                                     not args.qk_clip > 0):
+        ap.error("--qk-clip TAU needs --mode apply, one node and TAU > 0")
+    if args.qk_lr_mult != 1.0 and args.mode != "apply":
+        ap.error("--qk-lr-mult needs --mode apply")
     return args
 
 
@@ -555,6 +634,13 @@ def main(argv=None):
     else:
         within, reason = bound_verdict(args, diffs, out["bounds"], start, worst)
     print(line + reason)
+    if out.get("max_logits"):
+        top = max(out["max_logits"])
+        tau = args.qk_clip
+        print(f"largest attention logit over the run: {top:.3f} (step "
+              f"{out['max_logits'].index(top) + start}); " +
+              (f"QK-Clip at tau {tau:g}: {'at or under' if top <= tau else 'over'} tau"
+               if tau is not None else "no QK-Clip"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)

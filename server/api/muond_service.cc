@@ -338,11 +338,11 @@ absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepB
                                                  const std::string& where) {
   if (!job.apply()) {
     if (begin.hyper_size() > 0 || begin.grad_divisor() != 0 || begin.absent_tensors_size() > 0 ||
-        begin.has_global_clip()) {
+        begin.has_global_clip() || begin.max_logits_size() > 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(where,
                        ": the job is in mode 'update'; a step takes no lr, weight decay, gradient "
-                       "divisor or presence mask there"));
+                       "divisor, presence mask or max attention logits there"));
     }
     return std::optional<StepHyper>();
   }
@@ -364,6 +364,13 @@ absl::StatusOr<std::optional<StepHyper>> HyperOf(const Job& job, const v1::StepB
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", mask.status().message()));
   }
   resolved->absent = *std::move(mask);
+  // QK-Clip's per-head maxima: counted against the job's heads (CheckStepHyper), bounded first.
+  if (static_cast<size_t>(begin.max_logits_size()) > common::kMaxQkClipLogits) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", begin.max_logits_size(),
+                                                   " max attention logits; at most ",
+                                                   common::kMaxQkClipLogits));
+  }
+  resolved->max_logits.assign(begin.max_logits().begin(), begin.max_logits().end());
   if (begin.has_global_clip()) {
     resolved->clip_source =
         begin.global_clip().speculate() ? ClipSource::kSpeculate : ClipSource::kGlobal;

@@ -371,6 +371,15 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
     hyper->global_sum_sq = values[2 * groups + 2];
     const char* mask = in_base + s->hyper_byte_offset + values.size() * sizeof(double);
     hyper->absent.assign(mask, mask + s->job->spec().matrices.size());  // checked by the job
+    // QK-Clip's per-head maxima (checked by the job: every one finite).
+    const common::JobSpec& spec = s->job->spec();
+    if (const size_t logits = spec.qk_clip.logits(); logits > 0) {
+      hyper->max_logits.resize(logits);
+      std::memcpy(hyper->max_logits.data(),
+                  in_base + s->hyper_byte_offset +
+                      common::shm::MaxLogitsOffset(groups, spec.matrices.size()),
+                  logits * sizeof(float));
+    }
   }
   auto channel = s->completions;
   const uint64_t seq = sub.seq;

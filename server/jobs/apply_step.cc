@@ -13,6 +13,7 @@
 #include "server/optim/grad_norm.h"
 #include "server/optim/muon_apply.h"
 #include "server/optim/muon_math.h"
+#include "server/optim/qk_clip.h"
 
 namespace muond::server {
 namespace {
@@ -104,6 +105,7 @@ absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
                                                    hyper.absent.size(), " tensors for the job's ",
                                                    spec.matrices.size()));
   }
+  RETURN_IF_ERROR(common::CheckMaxLogits(spec, hyper.max_logits, where));
   for (size_t t = 0; t < hyper.absent.size(); ++t) {
     if (hyper.absent[t] > 1) {
       return absl::InvalidArgumentError(
@@ -151,6 +153,7 @@ ApplyStep::ApplyStep(const common::JobSpec& spec, const JobLayout& layout, Param
     while (g < spec.groups.size() && spec.groups[g].name != m.group) ++g;
     group_of_.push_back(g);  // validated: every tensor's group exists
   }
+  if (spec.qk_clip.enabled()) qk_tensors_ = common::QkClipTensors(spec);
 }
 
 absl::Status ApplyStep::CheckSumOfSquares(const StepState& state, uint32_t t, double ss,
@@ -286,6 +289,40 @@ void ApplyStep::ApplyMuon(StepState& state, uint32_t t, const float* update) {
     a.out = state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize;
     a.out_dtype = ms.param_dtype;
     MuonApply(lr, wd, a, s.length);
+  });
+}
+
+void ApplyStep::QkClip(StepState& state) {
+  const common::QkClip& clip = spec_.qk_clip;
+  if (!clip.enabled()) return;
+  const std::vector<float>& logits = state.hyper.max_logits;
+  size_t at = 0;
+  for (size_t i = 0; i < clip.pairs.size(); ++i) {
+    const common::QkClipPair& pair = clip.pairs[i];
+    const auto [q, k] = qk_tensors_[i];
+    const QkClipFactors f = ComputeQkClipFactors(clip, pair, logits.data() + at);
+    for (int64_t h = 0; h < pair.q_heads; ++h) {
+      state.qk_max_logit = std::max(state.qk_max_logit, logits[at + h]);
+    }
+    at += static_cast<size_t>(pair.q_heads);
+    state.qk_heads_clipped += f.heads_clipped;
+    if (f.heads_clipped == 0) continue;
+    const int64_t in = spec_.matrices[q].shape[1];
+    ScaleHeadRows(params_->back(q, ParamStore::kMaster), pair.head_dim, in, f.q);
+    ScaleHeadRows(params_->back(k, ParamStore::kMaster), pair.head_dim, in, f.k);
+    for (uint32_t t : {q, k}) WriteParameters(state, t);
+  }
+}
+
+void ApplyStep::WriteParameters(StepState& state, uint32_t t) {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t esize = common::DTypeSize(ms.param_dtype);
+  const std::vector<JobLayout::OwnerSlice> slices = layout_.OwnerSlices(t, kSlice);
+  common::ParallelFor(slices.size(), ms.numel() * (sizeof(float) + esize), [&](size_t i) {
+    const JobLayout::OwnerSlice& s = slices[i];
+    const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
+    common::FromFloat32(params_->back(t, ParamStore::kMaster) + at, s.length, ms.param_dtype,
+                        state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize);
   });
 }
 

@@ -15,6 +15,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -82,6 +83,13 @@ class ApplyStep {
   // output spans. Reads no gradient.
   void Carry(StepState& state, uint32_t t);
 
+  // QK-Clip (DESIGN.md 4e), once every tensor is done and before the commit: each pair's query
+  // and key heads of the new masters (the store's back) rescaled from the step's per-head maxima
+  // (state.hyper.max_logits, the maximum over the ranks), and the clipped parameters written into
+  // those tensors' owners' output spans again. Adds to state.qk_heads_clipped and
+  // state.qk_max_logit. Nothing when the job has no qk_clip.
+  void QkClip(StepState& state);
+
   // After every tensor is done: the step's gradient norm from the tensors' sums (in tensor order)
   // and the clip coefficient it implies (1 when the job does not clip or the norm is within).
   static double GradNorm(const StepState& state);
@@ -93,6 +101,8 @@ class ApplyStep {
   static float GradScale(float clip, double grad_divisor);
 
  private:
+  // Tensor t's new masters (the store's back) into its owners' output spans, in param_dtype.
+  void WriteParameters(StepState& state, uint32_t t);
   // The refusals of a tensor's raw sum of squares `ss` (find_bad: the first element that is not
   // finite, asked only when ss is not).
   absl::Status CheckSumOfSquares(const StepState& state, uint32_t t, double ss,
@@ -102,6 +112,7 @@ class ApplyStep {
   const JobLayout& layout_;
   ParamStore* const params_;
   std::vector<size_t> group_of_;
+  std::vector<std::pair<uint32_t, uint32_t>> qk_tensors_;  // per QK-Clip pair: q, k
 };
 
 }  // namespace muond::server

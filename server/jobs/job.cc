@@ -246,6 +246,8 @@ JobReport Job::Report() const {
   ReportObservations(r);
   absl::MutexLock lock(&mu_);
   if (in_flight_ != nullptr) r.matrices_waiting = in_flight_->ready.size();
+  r.qk_heads_clipped = qk_heads_clipped_;
+  r.qk_max_logit = last_qk_max_logit_;
   r.next_step = next_step_;
   r.steps_completed = steps_completed_;
   r.steps_refused = steps_refused_;

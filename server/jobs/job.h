@@ -592,6 +592,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   std::vector<bool> uploading_ ABSL_GUARDED_BY(mu_);
   int64_t clip_redo_steps_ ABSL_GUARDED_BY(mu_) = 0;
   double last_grad_norm_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t qk_heads_clipped_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<double> last_qk_max_logit_ ABSL_GUARDED_BY(mu_);
   DeletionHooks deletion_hooks_;  // its own lock; fired by MarkDeleted without mu_
 };
 

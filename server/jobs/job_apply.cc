@@ -60,7 +60,15 @@ absl::Status Job::AgreeHyper(StepState& state, int rank, const StepHyper& hyper)
     state.grad_scale = ApplyStep::GradScale(state.clip, hyper.grad_divisor);
     return absl::OkStatus();
   }
-  if (state.hyper == hyper) return absl::OkStatus();
+  if (state.hyper == hyper) {
+    // QK-Clip: the step's per-head maxima are the maximum over its ranks'. Validated (count and
+    // finiteness) by CheckStepHyper before.
+    std::vector<float>& merged = state.hyper.max_logits;
+    for (size_t i = 0; i < merged.size() && i < hyper.max_logits.size(); ++i) {
+      merged[i] = std::max(merged[i], hyper.max_logits[i]);
+    }
+    return absl::OkStatus();
+  }
   std::string what;
   for (size_t g = 0; g < spec_.groups.size() && what.empty(); ++g) {
     if (hyper.lr[g] != state.hyper.lr[g]) {

@@ -16,6 +16,7 @@
 #include "server/jobs/gradient_check.h"
 #include "server/jobs/job.h"
 #include "server/ops/daemon_metrics.h"
+#include "server/ops/optimizer_metrics.h"
 #include "server/ops/status_history.h"
 
 namespace muond::server {
@@ -149,6 +150,7 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
          {state.phase_seconds[0], state.phase_seconds[1], state.phase_seconds[2],
           state.phase_seconds[3], state.phase_seconds[4], state.commit_seconds}});
     if (state.clip_redo) RecordClipRedo(id());
+    if (spec_.qk_clip.enabled()) RecordQkClip(id(), state.qk_heads_clipped, state.qk_max_logit);
   }
   absl::MutexLock lock(&mu_);
   state.committing = false;
@@ -180,6 +182,10 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
   ++steps_completed_;
   if (state.clip_redo) ++clip_redo_steps_;
   last_grad_norm_ = state.grad_norm;
+  if (spec_.qk_clip.enabled()) {
+    qk_heads_clipped_ += state.qk_heads_clipped;
+    last_qk_max_logit_ = state.qk_max_logit;
+  }
   if (in_flight_.get() == &state) in_flight_ = nullptr;
   for (RankInput& in : state.ranks) {
     if (in.done) std::exchange(in.done, nullptr)(absl::OkStatus(), 0, seconds, sum_sq);

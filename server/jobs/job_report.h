@@ -72,6 +72,10 @@ struct JobReport {
   std::optional<int64_t> orthogonality_step;
   double orthogonality = 0;
   int orthogonality_matrices = 0;
+  // QK-Clip jobs: query heads clipped over the committed steps, and the newest committed step's
+  // largest per-head max logit.
+  int64_t qk_heads_clipped = 0;
+  std::optional<double> qk_max_logit;
   std::optional<int64_t> trainer_step;  // the newest step timed as its trainer saw it
   double trainer_visible_seconds = 0;
   double trainer_wait_seconds = 0;

@@ -55,6 +55,8 @@ class StepPipeline::Run {
           continue;
         }
         p_.gather_in_use_bytes_.store(0);
+        // QK-Clip rescales the new masters of its pairs before they are released (DESIGN.md 4e).
+        if (p_.apply_ != nullptr) p_.apply_->QkClip(state_);
         p_.sink_->Commit(state_);
         absl::MutexLock lock(p_.job_mu_);
         state_.drain_queued = false;
@@ -260,6 +262,7 @@ class StepPipeline::Run {
     if (p_.spec_.max_grad_norm > 0) return;
     std::vector<bool> touched(state_.outputs.size(), false);
     for (uint32_t m : matrices) {
+      if (p_.qk_withheld_[m]) continue;  // QK-Clip rescales it before the commit
       for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
         const RankUpdate* out = state_.outputs[ref.rank].get();
         if (out == nullptr || out->progress.words == nullptr) continue;
@@ -621,7 +624,11 @@ StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
       gather_budget_bytes_(gather_budget_bytes),
       job_mu_(job_mu),
       sink_(sink),
-      observer_(spec, devices->device->name()) {
+      observer_(spec, devices->device->name()),
+      qk_withheld_(spec.matrices.size(), false) {
+  if (spec.qk_clip.enabled()) {
+    for (const auto& [q, k] : common::QkClipTensors(spec)) qk_withheld_[q] = qk_withheld_[k] = true;
+  }
   CountStaged(true, 0);  // declares muond_step_copy_bytes_total before the first scrape
 }
 

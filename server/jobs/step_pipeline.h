@@ -156,6 +156,9 @@ class StepPipeline {
   std::atomic<uint64_t> gather_peak_bytes_{0};
   std::atomic<uint64_t> gather_in_use_bytes_{0};
   StepObserver observer_;
+  // Per matrix: a tensor of a QK-Clip pair, whose results are announced only at the commit (the
+  // clip rescales them once every tensor is done).
+  std::vector<bool> qk_withheld_;
   mutable absl::Mutex pool_mu_;
   std::multimap<size_t, std::vector<float>> staging_pool_ ABSL_GUARDED_BY(pool_mu_);
   std::multimap<size_t, device::DeviceBuffer> device_pool_ ABSL_GUARDED_BY(pool_mu_);

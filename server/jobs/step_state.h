@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -96,6 +97,10 @@ struct StepHyper {
   // The presence mask: per job tensor, 1 when no rank has its gradient this step (it is skipped:
   // state, step count and parameters unchanged), else 0. Empty: every tensor has one.
   std::vector<uint8_t> absent;
+  // QK-Clip jobs (DESIGN.md 4e): the largest attention logit of each query head, pair after pair
+  // (QkClip::logits() values). Not agreed but merged: the step's are the maximum over its ranks'
+  // (Job::AgreeHyper), so operator== leaves them out.
+  std::vector<float> max_logits;
   bool absent_at(uint32_t t) const { return t < absent.size() && absent[t] != 0; }
   bool operator==(const StepHyper& o) const {
     return lr == o.lr && weight_decay == o.weight_decay && grad_divisor == o.grad_divisor &&
@@ -176,6 +181,9 @@ struct StepState {
   // any changed (a peer that rewrote its region before the step ended). Executor thread only.
   std::vector<std::vector<uint32_t>> read_crc;
   double grad_norm = 0;  // after the divisor, before clipping; known when every tensor is done
+  // QK-Clip (ApplyStep::QkClip): query heads clipped, and the largest max logit of the step.
+  int qk_heads_clipped = 0;
+  float qk_max_logit = -std::numeric_limits<float>::infinity();
 };
 
 // The last refused step: ranks that had not begun it when it was refused get the refusal once

@@ -54,14 +54,21 @@ struct Families {
     gather_in_use = MustRegister(r.AddGauge(
         "muond_job_gather_in_use_bytes",
         "Bytes of the job's gather budget in batches being assembled or in flight."));
+    qk_clipped = MustRegister(r.AddCounter(
+        "muond_qk_clip_heads_clipped_total",
+        "Query heads whose master weights QK-Clip rescaled (max attention logit over the "
+        "threshold), summed over the committed steps."));
+    qk_max_logit = MustRegister(r.AddGauge(
+        "muond_qk_max_logit",
+        "The largest per-head max attention logit of the newest committed QK-Clip step."));
     pinned = MustRegister(r.AddGauge("muond_job_pinned_bytes",
                              "Host memory the job holds pinned (locked, registered with the "
                              "device), by kind."));
   }
 
   Family<Histogram>*newton_schulz, *visible, *wait;
-  Family<Gauge>*orthogonality, *waiting, *gather_in_use, *pinned;
-  Family<Counter>*orthogonality_seconds, *orthogonality_checks;
+  Family<Gauge>*orthogonality, *waiting, *gather_in_use, *pinned, *qk_max_logit;
+  Family<Counter>*orthogonality_seconds, *orthogonality_checks, *qk_clipped;
   absl::Mutex mu;
   // Per job, the label sets of its Newton-Schulz series (their number is bounded by the job's
   // shape classes).
@@ -117,6 +124,15 @@ void RecordTrainerTime(const std::string& job, double visible_seconds, double wa
   f.wait->Add(labels, StepBuckets()).Observe(std::max(0.0, wait_seconds));
 }
 
+void RecordQkClip(const std::string& job, int heads_clipped, double max_logit) {
+  Families& f = F();
+  const Labels labels{{kJobLabel, job}};
+  absl::MutexLock lock(&f.mu);
+  f.jobs.insert(job);
+  f.qk_clipped->Add(labels).Increment(std::max(0, heads_clipped));
+  if (std::isfinite(max_logit)) f.qk_max_logit->Add(labels).Set(max_logit);
+}
+
 void SetJobPressure(const std::string& job, const JobPressure& p) {
   Families& f = F();
   const Labels labels{{kJobLabel, job}};
@@ -142,8 +158,10 @@ void RemoveJobsNotIn(const std::set<std::string>& present) {
       continue;
     }
     const Labels labels{{kJobLabel, job}};
-    for (Family<Gauge>* g : {f.orthogonality, f.waiting, f.gather_in_use}) RemoveSeries(g, labels);
-    for (Family<Counter>* c : {f.orthogonality_seconds, f.orthogonality_checks}) {
+    for (Family<Gauge>* g : {f.orthogonality, f.waiting, f.gather_in_use, f.qk_max_logit}) {
+      RemoveSeries(g, labels);
+    }
+    for (Family<Counter>* c : {f.orthogonality_seconds, f.orthogonality_checks, f.qk_clipped}) {
       RemoveSeries(c, labels);
     }
     RemoveSeries(f.visible, labels);

@@ -34,6 +34,11 @@ void RecordOrthogonality(const std::string& job, double value, double seconds);
 // gradient byte arrived (muond_step_trainer_wait_seconds{muond_job}).
 void RecordTrainerTime(const std::string& job, double visible_seconds, double wait_seconds);
 
+// A committed step of a QK-Clip job (DESIGN.md 4e): the query heads it clipped
+// (muond_qk_clip_heads_clipped_total{muond_job}) and its largest per-head max attention logit
+// (muond_qk_max_logit{muond_job}).
+void RecordQkClip(const std::string& job, int heads_clipped, double max_logit);
+
 // What is waiting and held in the job's pipeline at a scrape.
 struct JobPressure {
   uint64_t matrices_waiting = 0;     // complete matrices not yet taken by the device

@@ -102,6 +102,13 @@ Json ObservationsJson(const JobReport& r, uint64_t session_region_bytes) {
                           {"value", r.orthogonality},
                           {"matrices", r.orthogonality_matrices}};
   }
+  o["qk_clip"] = nullptr;
+  if (r.spec.qk_clip.enabled()) {
+    o["qk_clip"] = {{"threshold", r.spec.qk_clip.threshold},
+                    {"pairs", r.spec.qk_clip.pairs.size()},
+                    {"heads_clipped", r.qk_heads_clipped},
+                    {"max_logit", r.qk_max_logit ? Json(*r.qk_max_logit) : Json(nullptr)}};
+  }
   if (r.trainer_step) {
     o["trainer"] = {{"step", *r.trainer_step},
                     {"visible_seconds", r.trainer_visible_seconds},

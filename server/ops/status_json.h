@@ -18,6 +18,8 @@
 //                                               "mean_seconds"}],
 //                            "orthogonality": null | {"step", "value", "matrices"},
 //                            "trainer": null | {"step", "visible_seconds", "wait_seconds"},
+//                            "qk_clip": null | {"threshold", "pairs", "heads_clipped",
+//                                               "max_logit" (null: no step yet)},
 //                            "matrices_waiting", "gather_in_use_bytes",
 //                            "pinned_bytes": {"momentum", "masters", "moments",
 //                                             "session_regions", "staging"}}}],

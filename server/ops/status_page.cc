@@ -240,6 +240,11 @@ function optimizerFacts(dl, o) {
        ? 'step ' + o.trainer.step + ': ' + dur(o.trainer.visible_seconds) + ' first gradient to last update, ' +
          dur(o.trainer.wait_seconds) + ' after the last gradient'
        : 'no step yet');
+  if (o.qk_clip) {
+    fact(dl, 'QK-Clip', o.qk_clip.pairs + ' attention pairs at threshold ' + o.qk_clip.threshold +
+         ': ' + o.qk_clip.heads_clipped + ' query heads clipped; newest largest logit ' +
+         (o.qk_clip.max_logit === null ? 'none yet' : o.qk_clip.max_logit.toFixed(2)));
+  }
   fact(dl, 'Pipeline', o.matrices_waiting + ' matrices waiting for the device, ' +
        bytes(o.gather_in_use_bytes) + ' of the gather budget in use');
   fact(dl, 'Pinned', Object.keys(o.pinned_bytes).map(function (k) {

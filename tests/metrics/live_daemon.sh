@@ -123,3 +123,57 @@ PROMEOF
     --web.listen-address="127.0.0.1:$prom_port" --log.level=warn >"$tmp/prometheus.log" 2>&1 &
   prom_pid=$!
 }
+
+# write_tensors FILE NAME:D0xD1:SEED ... : a safetensors file of float32 tensors of random values
+# (NAME:D0:=V1,V2,...: a 1-D tensor of the given values instead).
+write_tensors() {
+  "$PY" - "$@" <<'PYEOF'
+import json, random, struct, sys
+path, header, blobs, at = sys.argv[1], {}, [], 0
+for spec in sys.argv[2:]:
+    name, shape, how = spec.split(":", 2)
+    dims = [int(d) for d in shape.split("x")]
+    n = 1
+    for d in dims:
+        n *= d
+    if how.startswith("="):
+        values = [float(v) for v in how[1:].split(",")]
+    else:
+        rng = random.Random(int(how))
+        values = [rng.uniform(-1, 1) for _ in range(n)]
+    blob = struct.pack(f"<{n}f", *values)
+    header[name] = {"dtype": "F32", "shape": dims, "data_offsets": [at, at + len(blob)]}
+    blobs.append(blob)
+    at += len(blob)
+text = json.dumps(header).encode()
+text += b" " * (-len(text) % 8)
+with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+PYEOF
+}
+
+# qk_job ID STEPS [muonctl step options]: an apply-mode job with QK-Clip (DESIGN.md 4e): a query projection "q" of 2
+# heads of dim 4 and a key projection "k" of 1 head over input 6, threshold 10; its weights
+# uploaded and STEPS steps of rank 0, each with max logits 50 (clipped) and 3 (not).
+qk_job() {
+  local id=$1 n=$2
+  shift 2
+  cat >"$tmp/$id.json" <<QKEOF
+{"job_id": "$id", "mode": "apply", "tensors": [{"name": "q", "shape": [8, 6]},
+ {"name": "k", "shape": [4, 6]}], "groups": [{"name": "muon", "lr": 0.01}],
+ "qk_clip": {"threshold": 10, "pairs": [{"q": "q", "k": "k", "q_heads": 2, "kv_heads": 1,
+ "head_dim": 4}]}}
+QKEOF
+  "$MUONCTL" job create --spec "$tmp/$id.json" --token-file "$tmp/$id.token" >/dev/null ||
+    fail "muonctl job create $id (qk_clip)"
+  write_tensors "$tmp/$id.params.safetensors" q:8x6:1 k:4x6:2
+  "$MUONCTL" params init --job "$id" --rank 0 --params "$tmp/$id.params.safetensors" \
+    --token-file "$tmp/$id.token" >/dev/null || fail "muonctl params init $id"
+  write_tensors "$tmp/$id.logits.safetensors" "q:2:=50,3"
+  for t in $(seq 0 $((n - 1))); do
+    write_tensors "$tmp/$id.g$t.safetensors" "q:8x6:$((10 + t))" "k:4x6:$((20 + t))"
+    "$MUONCTL" step --job "$id" --rank 0 --step "$t" --grads "$tmp/$id.g$t.safetensors" \
+      --out "$tmp/$id.u$t.safetensors" --token-file "$tmp/$id.token" --lr muon=0.01 \
+      --max-logits "$tmp/$id.logits.safetensors" "$@" >/dev/null || fail "muonctl step $id $t"
+  done
+}

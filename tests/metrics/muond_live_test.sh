@@ -13,7 +13,8 @@
 #       and the series of server/ops/optimizer_metrics.h: Newton-Schulz time of shape class 64x128
 #       (3 matrices), the orthogonality of step 0's update, the trainer-visible and wait times of
 #       the 3 steps, nothing waiting, the pinned momentum;
-#   (d) after `muonctl job delete`, the job's series are gone and muond_jobs is 0;
+#       and a QK-Clip job (muonctl step --max-logits): its heads clipped and largest logit;
+#   (d) after `muonctl job delete`, the jobs' series are gone and muond_jobs is 0;
 #   (e) SIGTERM: muond exits 0.
 # Usage: muond_live_test.sh PATH/TO/muond PATH/TO/muonctl
 # Exits 77 (ctest: skipped) when promtool or prometheus is not installed (deploy/install-deps.sh).
@@ -45,6 +46,10 @@ rc=$?
 set -e
 [ "$rc" -eq 9 ] || fail "out-of-order step: exit $rc (wanted 9, FAILED_PRECONDITION): $(cat "$tmp/step7.err")"
 
+# QK-Clip (DESIGN.md 4e): 2 steps of a job whose head 0 is over the threshold each step, over
+# gRPC (its 288 bytes of gradients in and of parameters out per step).
+qk_job liveqk 2 --transport grpc
+
 # --- (a) values ----------------------------------------------------------------------------------
 scrape "$tmp/scrape.txt"
 "$PY" - "$tmp/scrape.txt" <<'PYEOF'
@@ -58,18 +63,18 @@ for line in open(sys.argv[1]):
     samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
 want = {
     'muond_steps_completed_total{muond_job="live"}': 3,
-    'muond_jobs': 1,
+    'muond_jobs': 2,
     'muond_job_world_size{muond_job="live"}': 1,
     'muond_job_ranks_attached{muond_job="live"}': 0,
     'muond_job_next_step{muond_job="live"}': 3,
     'muond_job_fenced{muond_job="live"}': 0,
     'muond_job_momentum_bytes{muond_job="live"}': 64 * 128 * 4,
-    'muond_momentum_bytes': 64 * 128 * 4,
+    'muond_momentum_bytes': 64 * 128 * 4 + 2 * 2 * (8 + 4) * 6 * 4,
     'muond_ranks_attached': 0,
     'muond_shm_sessions': 0,
     'muond_compute_queue_depth': 0,
-    'muond_transfer_bytes_total{direction="in",transport="grpc"}': 2 * 64 * 128 * 4,
-    'muond_transfer_bytes_total{direction="out",transport="grpc"}': 2 * 64 * 128 * 4,
+    'muond_transfer_bytes_total{direction="in",transport="grpc"}': 2 * 64 * 128 * 4 + 2 * 288,
+    'muond_transfer_bytes_total{direction="out",transport="grpc"}': 2 * 64 * 128 * 4 + 2 * 288,
     'muond_transfer_bytes_total{direction="in",transport="shm"}': 64 * 128 * 4,
     'muond_transfer_bytes_total{direction="out",transport="shm"}': 64 * 128 * 4,
     'muond_rpc_errors_total{code="FAILED_PRECONDITION",rpc="Step"}': 1,
@@ -92,6 +97,9 @@ want.update({
     'muond_job_pinned_bytes{kind="moments",muond_job="live"}': 0,
     'muond_job_pinned_bytes{kind="session_regions",muond_job="live"}': 0,
     'muond_job_pinned_bytes{kind="staging",muond_job="live"}': 0,
+    'muond_qk_clip_heads_clipped_total{muond_job="liveqk"}': 2,
+    'muond_qk_max_logit{muond_job="liveqk"}': 50,
+    'muond_steps_completed_total{muond_job="liveqk"}': 2,
 })
 bad = [f"{k} = {samples.get(k)!r}, wanted {v}" for k, v in want.items() if samples.get(k) != v]
 orth = samples.get('muond_update_orthogonality{muond_job="live"}')
@@ -161,8 +169,10 @@ prom_pid=""
 
 # --- (d) a deleted job's series go -----------------------------------------------------------
 "$MUONCTL" job delete --job live --token-file "$tmp/live.token" >/dev/null || fail "job delete"
+"$MUONCTL" job delete --job liveqk --token-file "$tmp/liveqk.token" >/dev/null ||
+  fail "job delete liveqk"
 scrape "$tmp/after.txt"
-if grep -q 'muond_job="live"' "$tmp/after.txt"; then
+if grep -Eq 'muond_job="live(qk)?"' "$tmp/after.txt"; then
   grep 'muond_job="live"' "$tmp/after.txt" | head -5
   fail "series of the deleted job are still exported"
 fi

@@ -64,6 +64,8 @@ if "$MUONCTL" step --job dash --rank 0 --step 9 --grads "$tmp/dash.g5.safetensor
   >/dev/null 2>&1; then
   fail "an out-of-order step was accepted"
 fi
+# A QK-Clip job (muonctl step --max-logits) for the QK-Clip panel.
+qk_job dashqk 2
 "$MUONCTL" checkpoint save --job dash --token-file "$tmp/dash.token" >/dev/null 2>&1 ||
   fail "muonctl checkpoint save"
 wait_scraped 'muond_checkpoint_newest_age_seconds{instance="'"$metrics"'"}'

@@ -264,7 +264,7 @@ def optimizer_model(dtype):
 # ----- an apply-mode job through sessions -----
 
 def job_spec(job_id, tensors, dtype, world=1, stage=0, layout=None, max_grad_norm=None,
-             param_dtypes=None):
+             param_dtypes=None, qk_clip=None):
     """The job.json of an apply-mode job of `tensors` (model_tensors) with the module's groups,
     Muon config and AdamW betas/eps. param_dtypes: per tensor (default: `dtype` for all)."""
     names = mo.client.DTYPE_NAMES
@@ -285,6 +285,8 @@ def job_spec(job_id, tensors, dtype, world=1, stage=0, layout=None, max_grad_nor
         del spec["zero_stage"]
     if max_grad_norm is not None:
         spec["max_grad_norm"] = max_grad_norm
+    if qk_clip is not None:
+        spec["qk_clip"] = qk_clip
     return spec
 
 
@@ -326,14 +328,15 @@ class SessionJob:
     the flat buffers."""
 
     def __init__(self, address, job_id, tensors, dtype, world=1, stage=0, transports=("grpc",),
-                 layout=None, max_grad_norm=None, param_dtypes=None, spans_api=False):
+                 layout=None, max_grad_norm=None, param_dtypes=None, spans_api=False,
+                 qk_clip=None):
         self.tensors = tensors
         self.dtype = dtype
         self.world = world
         self.dtypes = list(param_dtypes) if param_dtypes else [dtype] * len(tensors)
         self.spans_api = spans_api
         self.spec = job_spec(job_id, tensors, dtype, world, stage, layout, max_grad_norm,
-                             param_dtypes)
+                             param_dtypes, qk_clip)
         self.job_id = job_id
         self.admin = mo.Client(address)
         self.token = self.admin.create_job(self.spec)
@@ -385,9 +388,10 @@ class SessionJob:
         chosen = set(ranks)
         return run_ranks(lambda r: init(r) if r in chosen else None, self.world)
 
-    def step(self, grads_of_rank, lr, weight_decay, grad_divisor=1.0):
+    def step(self, grads_of_rank, lr, weight_decay, grad_divisor=1.0, max_logits_of_rank=None):
         """One step: rank r sends its spans of grads_of_rank(r) (full tensors) with the
-        hyperparameters lr/weight_decay ({group: value}, or a function of the rank giving one).
+        hyperparameters lr/weight_decay ({group: value}, or a function of the rank giving one)
+        and, for a QK-Clip job, max_logits_of_rank(r) (the per-head maxima, pair after pair).
         Returns the ranks' errors; on success every rank's new parameters are in self.params and
         the step id advances."""
         out = [None] * self.world
@@ -398,6 +402,8 @@ class SessionJob:
             lr_r = lr(r) if callable(lr) else lr
             s.set_hyper(groups, [lr_r[g] for g in groups], [weight_decay[g] for g in groups],
                         grad_divisor)
+            if max_logits_of_rank is not None:
+                s.set_max_logits(max_logits_of_rank(r))
             grads = [g.contiguous() for g in grads_of_rank(r)]
             if self.spans_api:
                 ins = [(m, o, grads[m].reshape(-1)[o:o + n].contiguous()) for m, o, n, _ in s.spans]

@@ -12,7 +12,8 @@ Modules: client (Client, Session, layout_spans over the C ABI of libmuond_client
 CUDA), apply_mode (the
 trainer side of apply mode), checkpoints (its daemon-side checkpoints), rank_group (collectives
 that fail on every rank), zero (ZeRO partitions and their collectives for torch.distributed
-ranks), multinode (MultiNodeMuonWithAuxAdam: one daemon per node, DESIGN.md 4c), reference (the Muon update of DESIGN.md section 3 in PyTorch, and ApplyReference).
+ranks), multinode (MultiNodeMuonWithAuxAdam: one daemon per node, DESIGN.md 4c), qk_clip
+(QK-Clip on the masters in apply mode: MaxLogitRecorder, head_max_logits), reference (the Muon update of DESIGN.md section 3 in PyTorch, and ApplyReference).
 Errors: MuondError with the gRPC code and message.
 """
 from ._native import CODE_NAMES, CODES, MuondError, library_path
@@ -23,6 +24,7 @@ from .apply_mode import ParameterOffload, apply_job_spec
 from .flat_shard import FlatShardOptimizer
 from .multinode import MultiNodeMuonWithAuxAdam
 from .multinode_plan import ownership_pieces, ownership_plan
+from .qk_clip import MaxLogitRecorder, head_max_logits
 from .reference import ApplyReference, muon_update, newton_schulz
 from .zero import (Partition, all_gather_partition_buffers, all_gather_partitions,
                    copy_from_buffer, copy_into_buffer, fill_world_buffer, group_partition,
@@ -35,5 +37,5 @@ __all__ = [
     "newton_schulz", "Partition", "all_gather_partition_buffers", "all_gather_partitions",
     "copy_from_buffer", "copy_into_buffer", "fill_world_buffer", "group_partition",
     "group_rank_and_size", "job_partitions", "reduce_scatter_partitions",
-    "scatter_world_buffer", "stage12_spec",
+    "scatter_world_buffer", "stage12_spec", "MaxLogitRecorder", "head_max_logits",
 ]

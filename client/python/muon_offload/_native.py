@@ -103,6 +103,8 @@ _SIGNATURES = {
                                                ctypes.c_double]),
     "muond_session_set_absent": (ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_uint32),
                                                 ctypes.c_size_t]),
+    "muond_session_set_max_logits": (ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_float),
+                                                     ctypes.c_size_t]),
     "muond_init_params": (ctypes.c_int, [_P, ctypes.POINTER(Span), ctypes.c_size_t, ctypes.c_int]),
     "muond_init_params_buffer": (ctypes.c_int, [_P, _P, ctypes.c_int]),
     "muond_session_init_view": (ctypes.c_int, [_P, ctypes.POINTER(_P),

@@ -348,6 +348,17 @@ class Session:
         arr = (ctypes.c_uint32 * max(len(tensors), 1))(*tensors)
         _native.call("muond_session_set_absent", self.handle, arr, len(tensors))
 
+    def set_max_logits(self, values):
+        """QK-Clip (DESIGN.md 4e), a job with qk_clip pairs: the largest pre-softmax attention
+        logit of each query head this rank saw in the next step's forward, pair after pair in
+        the job's order (q_heads values each); a sequence of floats or a tensor. The daemon takes
+        the maximum over the ranks. Set it before each step."""
+        if isinstance(values, torch.Tensor):
+            values = values.detach().to("cpu", torch.float32).reshape(-1).tolist()
+        values = [float(v) for v in values]
+        arr = (ctypes.c_float * max(len(values), 1))(*values)
+        _native.call("muond_session_set_max_logits", self.handle, arr, len(values))
+
     def init_view(self, dtype=torch.uint8):
         """Apply mode, shared memory: where this rank's initial parameters go (gradient buffer 0),
         each span's in its param_dtype at param_offsets(); then init_params_in_place(). A 1-D

@@ -59,6 +59,7 @@ from ._native import CODES, MuondError
 from .client import Client, dtype_name
 from .apply_mode import ParameterOffload, apply_job_spec, group_name, wire_dtype
 from .checkpoints import DaemonCheckpoints
+from .qk_clip import flatten_max_logits as qk_flatten_max_logits, job_block as qk_clip_job_block
 from .rank_group import RankGroup
 from .streaming import DEFAULT_BUCKET_BYTES, EarlyResults, GradientStream
 from .zero import all_gather_partitions, all_reduce_mean, copy_into_buffer, job_partitions
@@ -129,7 +130,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
                  reduce_gradients=None, takeover=False, mode="update", max_grad_norm=None,
                  init_from=None, grad_divisor=1.0, fp32_iterations=0, stream=True,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, delay=0, delay_warmup=10, predict=True,
-                 nonfinite=None, loss_scaler=None):
+                 nonfinite=None, loss_scaler=None, qk_clip=None):
         if backend not in ("muond", "local"):
             raise ValueError(f"backend must be 'muond' or 'local', not '{backend}'")
         if mode not in ("update", "apply"):
@@ -137,8 +138,9 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         if mode == "apply" and backend != "muond":
             raise ValueError("mode='apply' runs the optimizer in muond; the in-process reference "
                              "of apply mode is muon_offload.reference.ApplyReference")
-        if mode == "update" and (max_grad_norm is not None or init_from is not None):
-            raise ValueError("max_grad_norm and init_from apply to mode='apply' only")
+        if mode == "update" and (max_grad_norm is not None or init_from is not None or
+                                 qk_clip is not None):
+            raise ValueError("max_grad_norm, init_from and qk_clip apply to mode='apply' only")
         if token is not None and not job_id:
             raise ValueError("a token was given without the job_id it belongs to")
         if delay not in (0, 1):
@@ -211,6 +213,10 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         self._true = None  # predict: the parameters without the prediction
         # Apply mode: the last step's presence mask, what a part sent during backward carries.
         self._absent_guess = ()
+        # QK-Clip (qk_clip.py): the pairs' (q, heads) in job order; the next step's per-head
+        # maxima (set_max_logits) and what the step's first part carried.
+        self._qk_order = ()
+        self._max_logits = self._sent_max_logits = None
         self._steps_taken = 0
         # What the last step cost the caller (seconds): in step(), and waiting for muond.
         self.last_step_stats = {}
@@ -228,6 +234,8 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             self.spec = self._job_spec()
         if self.nonfinite == "skip":
             self.spec["nonfinite"] = "skip"
+        if qk_clip is not None:
+            self.spec["qk_clip"], self._qk_order = qk_clip_job_block(qk_clip, self._names)
         self.partitions = job_partitions(self.spec)
         self.partition = self.partitions[self.rank]
         # What the buffers hold: apply mode moves a model of several dtypes as float32.
@@ -386,7 +394,10 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             return
         delayed = self.delay and self._steps_taken >= self.delay_warmup
         # Apply mode: nothing streams before the initial weights are in (step() uploads them).
-        if delayed or self._accumulating or self._upload_pending:
+        # QK-Clip: a step's first part carries its max logits, so it streams only once they are
+        # set (set_max_logits after the forward).
+        qk_waiting = self._qk_order and self._max_logits is None
+        if delayed or self._accumulating or self._upload_pending or qk_waiting:
             st.disarm()
         else:
             st.arm(self.step_id, shm=self.session.is_shm)
@@ -643,6 +654,21 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         (during backward), or step()'s when the first part leaves in step()."""
         self._sent_hyper = self._step_hyper or self._apply_hyper()
         self.offload.session.set_hyper(*self._sent_hyper)
+        if self._qk_order:
+            self._sent_max_logits = self._max_logits
+            self.offload.session.set_max_logits(self._max_logits)
+
+    def set_max_logits(self, max_logits):
+        """QK-Clip (qk_clip=...): this rank's largest attention logit of each query head in the
+        coming step's forward, {q parameter (or name): H values}; muond takes the maximum over
+        the ranks. Called after the forward, it lets the backward stream the step; step()'s
+        max_logits argument does the same later. ValueError naming the pair for missing, extra
+        or non-finite values."""
+        if not self._qk_order:
+            raise ValueError("set_max_logits: the optimizer has no qk_clip pairs")
+        self._max_logits = qk_flatten_max_logits(self._qk_order, self._names, max_logits)
+        if self._stream is not None and not self._stream.armed:
+            self._arm()
 
     def _apply_mode_step(self, grad_divisor):
         if self.offload is None:
@@ -658,8 +684,14 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
             self.upload_params()
         hyper = self._apply_hyper(grad_divisor, absent)
         st, s, step = self._stream, self.offload.session, self.step_id
+        if self._qk_order:
+            if self._max_logits is None:
+                raise ValueError("the job has qk_clip pairs: pass step(max_logits={q parameter: "
+                                 "per-head maxima}) or call set_max_logits() after the forward")
+            s.set_max_logits(self._max_logits)
         streamed = st.armed and st.step == step and s.is_shm
-        changed = streamed and self._sent_hyper not in (None, hyper)
+        changed = streamed and (self._sent_hyper not in (None, hyper) or
+                                self._sent_max_logits not in (None, self._max_logits))
         if streamed and self.world_size > 1:
             changed = self.ranks.count(changed) > 0  # every rank takes the same path
         if changed:
@@ -802,14 +834,17 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         self.ranks.barrier()
         self.ranks.on_rank0(lambda: self.client.export(self.job_id, self.token, path, dtype))
 
-    def step(self, closure=None, grad_divisor=None):
+    def step(self, closure=None, grad_divisor=None, max_logits=None):
         """One optimizer step (a collective with a process group). Raises MuondError, with nothing
         updated, when a gradient muond needs is missing or muond refuses the step (e.g.
         INVALID_ARGUMENT for a non-finite gradient on any rank, naming the tensor and rank, on
         every rank). grad_divisor (apply mode): divides this step's gradients (default: the
-        grad_divisor attribute)."""
+        grad_divisor attribute). max_logits (qk_clip): the step's per-head maxima, as
+        set_max_logits takes them (needed unless set_max_logits was called for the step)."""
         if grad_divisor is not None and self.mode != "apply":
             raise ValueError("grad_divisor applies to mode='apply' only")
+        if max_logits is not None:
+            self.set_max_logits(max_logits)
         if grad_divisor is None and self.loss_scaler is not None:
             grad_divisor = self.loss_scaler.scale
         self.last_step_skipped = False
@@ -844,6 +879,7 @@ class MuonWithAuxAdam(DaemonCheckpoints, torch.optim.Optimizer):
         self.step_id += 1
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.last_step_skipped)
+        self._max_logits = self._sent_max_logits = None  # each step carries its own
         self._arm()
         return loss
 

@@ -5,6 +5,7 @@
 //  - Over three steps the committed momentum of every tensor is bit for bit the serial EMA of the
 //    gradients, and the masters move.
 //  - Global clipping's redo refuses a gradient rewritten after it was read, and commits otherwise.
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -27,7 +28,8 @@ class ApplyCommitTest : public commit_test::CommitFixture {
  protected:
   // An apply-mode TwoRankSpec job, every tensor Muon in group "all", bf16 parameters back, the
   // initial masters random; `max_grad_norm` > 0 clips.
-  common::JobSpec StartApplyJob(const std::string& id, double max_grad_norm, std::mt19937& rng);
+  common::JobSpec StartApplyJob(const std::string& id, double max_grad_norm, std::mt19937& rng,
+                                const common::QkClip& qk_clip = {});
   // The masters at a step boundary, per tensor.
   std::vector<std::vector<float>> Masters();
   // A step whose global clipping recomputes it, with or without a peer that rewrote a gradient
@@ -36,11 +38,12 @@ class ApplyCommitTest : public commit_test::CommitFixture {
 };
 
 common::JobSpec ApplyCommitTest::StartApplyJob(const std::string& id, double max_grad_norm,
-                                               std::mt19937& rng) {
+                                               std::mt19937& rng, const common::QkClip& qk_clip) {
   common::JobSpec spec = TwoRankSpec(id);
   spec.mode = common::JobMode::kApply;
   spec.groups = {{"all", 1e-3, 0.0}};
   spec.max_grad_norm = max_grad_norm;
+  spec.qk_clip = qk_clip;
   for (common::MatrixSpec& m : spec.matrices) {
     m.group = "all";
     m.param_dtype = DType::kBFloat16;  // new parameters come back in the regions' update size
@@ -209,6 +212,93 @@ TEST_P(ApplyCommitTest, OperatorsSeeShapeTimesOrthogonalityAndTrainerTime) {
   EXPECT_TRUE(r.pinned_momentum_bytes == 0 || r.pinned_momentum_bytes == 2 * 4 * elements)
       << r.pinned_momentum_bytes;
   EXPECT_EQ(r.pinned_moments_bytes, 0u);  // every tensor is Muon
+}
+
+// QK-Clip (DESIGN.md 4e) in the daemon: the same step on a twin job without qk_clip gives the
+// unclipped masters; the clipped job's query and key heads are those masters times each head's
+// factor (float64 product, rounded once: bit for bit), the other tensors and heads at or under the
+// threshold bit-identical, the factors from the maximum of the two ranks' logits. A step without
+// logits is refused naming the pair, and changes nothing.
+TEST_P(ApplyCommitTest, QkClipScalesTheHeadsOverTheThresholdBitForBit) {
+  common::QkClip qk;
+  qk.threshold = 10;
+  qk.alpha = 0.25;
+  qk.pairs = {{"a", "b", 16, 16, 4}};  // a: q [16 heads x 4, 2000]; b: k, one key head per query
+  StepHyper hyper;
+  hyper.lr = {1e-3};
+  hyper.weight_decay = {0.0};
+  std::mt19937 twin_rng(41), rng(41);
+  const common::JobSpec twin = StartApplyJob(JobId("qk-twin"), 0, twin_rng);
+  ASSERT_NE(job_, nullptr);
+  const std::vector<std::vector<float>> grads = RandomGradients(twin, twin_rng);
+  ASSERT_NO_FATAL_FAILURE(StepAll(twin, 0, grads, &hyper));
+  const std::vector<std::vector<float>> unclipped = Masters();
+
+  const common::JobSpec spec = StartApplyJob(JobId("qk-clip"), 0, rng, qk);
+  ASSERT_NE(job_, nullptr);
+  (void)RandomGradients(spec, rng);  // the same draws as the twin's
+  const std::vector<std::vector<float>> before = Masters();
+  // No logits: refused by the daemon (the hyper check both transports use), naming the pair.
+  {
+    RankRegion r0 = FillRegion(spec, 0, grads);
+    Outcome out0;
+    const absl::Status s = Submit(0, 0, r0, &out0, &hyper);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("QK-Clip pair q='a' needs its 16"), std::string::npos) << s;
+    EXPECT_EQ(Masters(), before);
+  }
+  // Heads 0-3 over the threshold on one rank or the other (the maximum counts), head 4 at it
+  // (untouched), the rest under.
+  StepHyper h0 = hyper, h1 = hyper;
+  h0.max_logits.assign(16, 1.0f);
+  h1.max_logits.assign(16, -3.0f);
+  h0.max_logits[0] = 40;  // gamma 1/4
+  h1.max_logits[1] = 12.5;
+  h0.max_logits[2] = 11;
+  h1.max_logits[2] = 20;  // the larger wins: gamma 1/2
+  h0.max_logits[3] = 1e6;
+  h1.max_logits[4] = 10;
+  std::vector<RankRegion> regions = {FillRegion(spec, 0, grads), FillRegion(spec, 1, grads)};
+  Outcome out0, out1;
+  ASSERT_TRUE(Submit(0, 0, regions[0], &out0, &h0).ok());
+  ASSERT_TRUE(Submit(1, 0, regions[1], &out1, &h1).ok());
+  for (Outcome* o : {&out0, &out1}) {
+    o->ended.WaitForNotification();
+    ASSERT_TRUE(o->status.ok()) << o->status;
+  }
+  const std::vector<std::vector<float>> clipped = Masters();
+  const double gammas[] = {10.0 / 40, 10.0 / 12.5, 10.0 / 20, 10.0 / 1e6};
+  uint64_t changed = 0;
+  for (size_t t = 0; t < spec.matrices.size(); ++t) {
+    const double alpha = t == 0 ? qk.alpha : t == 1 ? 1 - qk.alpha : 0;
+    for (size_t i = 0; i < clipped[t].size(); ++i) {
+      const size_t head = i / (4 * 2000);
+      float want = unclipped[t][i];
+      if (t < 2 && head < 4) {
+        want = static_cast<float>(static_cast<double>(unclipped[t][i]) *
+                                  std::pow(gammas[head], alpha));
+        changed += want != unclipped[t][i];
+      }
+      ASSERT_EQ(std::memcmp(&clipped[t][i], &want, sizeof(float)), 0)
+          << spec.matrices[t].name << " element " << i << ": " << clipped[t][i] << " vs "
+          << want;
+    }
+  }
+  EXPECT_GT(changed, 0u);
+  // The ranks received the clipped parameters (bf16, rounded from the clipped masters).
+  for (int r = 0; r < 2; ++r) {
+    for (size_t k = 0; k < regions[r].spans.size(); ++k) {
+      const common::ShardSpan& span = regions[r].spans[k];
+      std::string want(span.length * 2, '\0');
+      common::FromFloat32(clipped[span.matrix].data() + span.offset, span.length,
+                          DType::kBFloat16, want.data());
+      EXPECT_EQ(regions[r].out[k], want) << "rank " << r << " span " << k;
+    }
+  }
+  const JobReport report = job_->Report();
+  EXPECT_EQ(report.qk_heads_clipped, 4);
+  ASSERT_TRUE(report.qk_max_logit.has_value());
+  EXPECT_EQ(*report.qk_max_logit, 1e6f);
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, ApplyCommitTest, ::testing::Values(true, false),
