@@ -38,8 +38,9 @@ and recomputes the gradients: the trajectory is unchanged.
 --qk-clip TAU (apply mode) gives each block separate query and key projections, names them as
 muond's QK-Clip pairs (DESIGN.md 4e) and sends each step's largest attention logit per head; muond
 rescales the heads over TAU on its masters, and the reference does the same to its own. Each
-step's largest logit (over heads, blocks and ranks) is printed; --qk-lr-mult X raises the query
-and key projections' lr to make the logits grow (with it and without --qk-clip they run over).
+step's largest logit (over heads, blocks and ranks) is printed, and at the end the largest logit
+of a step's batch at the parameters the step returned; --qk-lr-mult X raises the query and key
+projections' lr to make the logits grow (without --qk-clip they then run away).
 --delay 1 runs muond's one-step delayed update (after --delay-warmup synchronous steps, default
 10), with the next forward on predicted parameters (--no-predict: on the installed ones); the
 in-process reference stays synchronous, and the loss at the end (the mean of the last 10 steps'
@@ -323,6 +324,8 @@ def make_optimizers(model, reference, args, job_id=None, token=None):
 # --qk-clip / --qk-lr-mult: per step, the largest attention logit of any head over the ranks, seen
 # in the step's forward (before the step's update and clip).
 MAX_LOGITS = []
+# ... and the same batch's at the parameters the step returned (after muond's clip).
+MAX_LOGITS_AFTER = []
 QK_ALPHA = 0.5
 
 # Seconds each step() took, per optimizer: muond's is what the trainer waits for after backward
@@ -377,6 +380,13 @@ def train_step(step, model, reference, opt, opt_ref, scheduler, x, y, rank, worl
     t = time.perf_counter()
     opt.step()
     STEP_SECONDS["muond"].append(time.perf_counter() - t)
+    if model.blocks[0].split_qk:
+        # The same batch's largest logit at the parameters muond returned (after its clip).
+        with torch.no_grad():
+            model(x, y)
+        after = torch.stack([b.max_logits for b in model.blocks])
+        dist.all_reduce(after, op=dist.ReduceOp.MAX)
+        MAX_LOGITS_AFTER.append(after.max().item())
     if scheduler is not None:
         scheduler.step()
     if not apply:
@@ -521,6 +531,7 @@ def run_rank(rank, world, args, store_path, result_path):
                        "start": start, "job_id": opt.job_id, "refusals": refusals,
                        "seconds": seconds, "steps_run": len(losses) - start,
                        "exposed_seconds": exposed, "max_logits": MAX_LOGITS,
+                       "max_logits_after": MAX_LOGITS_AFTER,
                        "state_bytes": report}, f)
     dist.destroy_process_group()
 
@@ -635,12 +646,15 @@ def main(argv=None):
         within, reason = bound_verdict(args, diffs, out["bounds"], start, worst)
     print(line + reason)
     if out.get("max_logits"):
-        top = max(out["max_logits"])
+        top, after = max(out["max_logits"]), max(out["max_logits_after"])
         tau = args.qk_clip
-        print(f"largest attention logit over the run: {top:.3f} (step "
-              f"{out['max_logits'].index(top) + start}); " +
-              (f"QK-Clip at tau {tau:g}: {'at or under' if top <= tau else 'over'} tau"
-               if tau is not None else "no QK-Clip"))
+        print(f"largest attention logit over the run: {top:.3f} in a step's forward (step "
+              f"{out['max_logits'].index(top) + start}), {after:.3f} on a step's batch at the "
+              "parameters the step returned; " +
+              (f"QK-Clip at tau {tau:g}: after each step {after / tau:.3f} x tau at most (the "
+               "clip is computed from the forward's logits, so the step's own update can add "
+               "to them; the next step's clip takes that back)" if tau is not None
+               else "no QK-Clip"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)
