@@ -329,7 +329,7 @@ class SessionJob:
 
     def __init__(self, address, job_id, tensors, dtype, world=1, stage=0, transports=("grpc",),
                  layout=None, max_grad_norm=None, param_dtypes=None, spans_api=False,
-                 qk_clip=None):
+                 qk_clip=None, token=None, first_step=0):
         self.tensors = tensors
         self.dtype = dtype
         self.world = world
@@ -339,7 +339,8 @@ class SessionJob:
                              param_dtypes, qk_clip)
         self.job_id = job_id
         self.admin = mo.Client(address)
-        self.token = self.admin.create_job(self.spec)
+        # token: attach to the job as it exists (a restarted daemon's), at step first_step.
+        self.token = token or self.admin.create_job(self.spec)
         self.clients = [mo.Client(address) for _ in range(world)]
         self.sessions = []
         for r in range(world):
@@ -347,7 +348,7 @@ class SessionJob:
             self.sessions.append(self.clients[r].attach(job_id, r, self.token,
                                                         transport=transport))
         self.params = [t["param"].to(d).clone() for t, d in zip(tensors, self.dtypes)]
-        self.step_id = 0
+        self.step_id = first_step
 
     def close(self, delete=True):
         for s in self.sessions:

@@ -10,6 +10,8 @@ Usage: qk_clip_test.py MUOND_BIN LIBMUOND_CLIENT [unittest names...]
     rank (the daemon takes the maximum). ZeRO stages 0/1/2/3, worlds 1/2/4, both transports. The
     daemon's masters (export) and every rank's returned parameters match the reference within the
     fp32 bound (1e-6 relative per tensor); the heads clipped and the largest logit are counted.
+  - RestartTest: 10 steps, the daemon stopped and started again on its state directory, 10 more:
+    the masters bit-identical to 20 steps without the restart.
   - RefusalTest: a step without max logits, with a wrong count or a non-finite value, each
     refused naming the pair (the client refuses before sending; the daemon's own check is in
     tests/unit/common/job_spec_qk_clip_test.cc and the job tests); jobs the daemon refuses to
@@ -159,6 +161,72 @@ class TrajectoryTest(DaemonTest):
                 clipped = self.run_case(world, stage, transports)
                 print(f"world {world} stage {stage} {'/'.join(transports)}: {STEPS} steps, "
                       f"{clipped} query heads clipped, masters within {MASTER_TOLERANCE:g}")
+
+
+class RestartTest(unittest.TestCase):
+    """Checkpoints hold the clipped masters: 10 steps, SIGTERM (the daemon saves at shutdown),
+    a new daemon on the same state directory, 10 more steps; the masters are bit-identical to 20
+    steps without the restart."""
+
+    def start(self, state):
+        d = h.Daemon.__new__(h.Daemon)  # a Daemon on a state directory that outlives it
+        d.tmp = tempfile.TemporaryDirectory(prefix="muond-qk-restart-")
+        d.address = f"unix://{d.tmp.name}/muond.sock"
+        d.log_path = os.path.join(d.tmp.name, "muond.log")
+        d.log = open(d.log_path, "ab")
+        d.proc = h.subprocess.Popen([MUOND, "--listen", d.address, "--state-dir", state,
+                                     "--threads", "1", "--metrics-address", "off"],
+                                    stderr=d.log)
+        deadline = h.time.time() + 20
+        while True:
+            try:
+                with h.mo.Client(d.address) as c:
+                    c.health(0.5)
+                return d
+            except MuondError:
+                if d.proc.poll() is not None or h.time.time() > deadline:
+                    raise RuntimeError(f"muond did not start:\n{d.read_log()}")
+                h.time.sleep(0.1)
+
+    def steps(self, job, first, last):
+        for step in range(first, last):
+            lr, wd = h.lr_at(step)
+            grads = gradients(job.tensors, step)
+            self.assertRanksOk(job.step(lambda r: grads, lr, wd,
+                                        max_logits_of_rank=lambda r: rank_logits(step, r, 2)))
+
+    def assertRanksOk(self, errors):
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise AssertionError(f"a rank failed: {failed[0]}") from failed[0]
+
+    def test_a_restarted_daemon_continues_bit_identically(self):
+        with tempfile.TemporaryDirectory(prefix="muond-qk-state-") as state:
+            d = self.start(state)
+            whole = SessionJob(d.address, "qk-whole", tensors(), torch.float32, 2, 2, ("shm",),
+                               qk_clip=QK_CLIP)
+            cut = SessionJob(d.address, "qk-cut", tensors(), torch.float32, 2, 2, ("shm",),
+                             qk_clip=QK_CLIP)
+            for job in (whole, cut):
+                self.assertRanksOk(job.upload())
+            self.steps(whole, 0, STEPS)
+            want = whole.export(os.path.join(state, "whole.safetensors"))
+            self.steps(cut, 0, STEPS // 2)
+            token = cut.token
+            cut.close(delete=False)
+            whole.close()
+            self.assertEqual(d.stop(), 0)
+            d = self.start(state)
+            cut = SessionJob(d.address, "qk-cut", tensors(), torch.float32, 2, 2, ("shm",),
+                             qk_clip=QK_CLIP, token=token, first_step=STEPS // 2)
+            self.steps(cut, STEPS // 2, STEPS)
+            got = cut.export(os.path.join(state, "cut.safetensors"))
+            cut.close()
+            self.assertEqual(d.stop(), 0)
+        for name in want:
+            self.assertTrue(torch.equal(want[name], got[name]), name)
+        print(f"restart after step {STEPS // 2 - 1}: {len(want)} masters bit-identical after "
+              f"{STEPS} steps")
 
 
 class RefusalTest(DaemonTest):
