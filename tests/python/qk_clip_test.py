@@ -4,6 +4,8 @@ here from the formula (not from the product's code).
 
 Usage: qk_clip_test.py MUOND_BIN LIBMUOND_CLIENT [unittest names...]
   - ReferenceClipTest (no daemon): the reference's clip of hand-computed cases.
+  - HelpersTest (no daemon): head_max_logits (GQA, causal), the MultiheadAttention hook (its
+    logits softmax to the module's own attention weights), MaxLogitRecorder.
   - TrajectoryTest: 20 steps of a model with a GQA pair (H=8, G=2), an MHA pair (H=G=4), a Muon
     matrix outside any pair and an AdamW vector; the max logits cross the threshold on some heads
     at some steps, equal it on others (not clipped) and stay under it elsewhere, and differ by
@@ -122,6 +124,54 @@ class ReferenceClipTest(unittest.TestCase):
         self.assertAlmostEqual(k[D, 0].item(), math.sqrt(0.8), places=6)
         self.assertTrue(torch.equal(masters[2], torch.ones(4 * D, IN)))
         self.assertTrue(torch.equal(masters[3], torch.ones(4 * D, IN)))
+
+
+class HelpersTest(unittest.TestCase):
+    """The trainer-side helpers of muon_offload.qk_clip against attention computed by torch."""
+
+    def test_head_max_logits_grouped_and_causal(self):
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(2, 8, 5, 4, generator=g)
+        k = torch.randn(2, 2, 5, 4, generator=g)
+        got = h.mo.head_max_logits(q, k, scale=0.5, causal=True)
+        for head in range(8):
+            kk = k[:, head // 4]
+            logits = (q[:, head] @ kk.transpose(-1, -2)) * 0.5
+            logits = logits.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -1e9)
+            self.assertAlmostEqual(got[head].item(), logits.max().item(), places=5)
+
+    def test_multihead_attention_hook_sees_the_logits_softmax_takes(self):
+        torch.manual_seed(3)
+        mha = torch.nn.MultiheadAttention(16, 4, kdim=12, vdim=12, batch_first=True)
+        rec = h.mo.MaxLogitRecorder()
+        handle = h.mo.watch_multihead_attention(mha, rec)
+        x, kv = torch.randn(2, 6, 16), torch.randn(2, 7, 12)
+        pad = torch.zeros(2, 7, dtype=torch.bool)
+        pad[1, 5:] = True
+        _, weights = mha(x, kv, kv, key_padding_mask=pad, need_weights=True,
+                         average_attn_weights=False)
+        handle.remove()
+        maxima = rec.take()[mha.q_proj_weight]
+        # The hook's logits, recomputed the same way, softmax to the module's own weights.
+        d = mha.head_dim
+        q = torch.nn.functional.linear(x, mha.q_proj_weight, mha.in_proj_bias[:16])
+        k = torch.nn.functional.linear(kv, mha.k_proj_weight, mha.in_proj_bias[16:32])
+        q, k = q.view(2, 6, 4, d).transpose(1, 2), k.view(2, 7, 4, d).transpose(1, 2)
+        logits = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+        logits = logits.masked_fill(pad[:, None, None, :], float("-inf"))
+        self.assertTrue(torch.allclose(logits.softmax(-1), weights, atol=1e-6))
+        self.assertTrue(torch.allclose(maxima, logits.amax(dim=(0, 2, 3)), atol=1e-6))
+        pair = h.mo.multihead_attention_pair(mha)
+        self.assertEqual((pair["q_heads"], pair["kv_heads"], pair["head_dim"]), (4, 4, 4))
+        with self.assertRaises(ValueError):
+            h.mo.multihead_attention_pair(torch.nn.MultiheadAttention(16, 4))
+
+    def test_recorder_keeps_the_maximum_until_taken(self):
+        rec = h.mo.MaxLogitRecorder()
+        rec.record("a", torch.tensor([1.0, 5.0]))
+        rec.record("a", torch.tensor([3.0, 2.0]))
+        self.assertEqual(rec.take()["a"].tolist(), [3.0, 5.0])
+        self.assertEqual(rec.take(), {})
 
 
 class TrajectoryTest(DaemonTest):

@@ -24,7 +24,8 @@ from .apply_mode import ParameterOffload, apply_job_spec
 from .flat_shard import FlatShardOptimizer
 from .multinode import MultiNodeMuonWithAuxAdam
 from .multinode_plan import ownership_pieces, ownership_plan
-from .qk_clip import MaxLogitRecorder, head_max_logits
+from .qk_clip import (MaxLogitRecorder, head_max_logits, multihead_attention_pair,
+                      watch_multihead_attention)
 from .reference import ApplyReference, muon_update, newton_schulz
 from .zero import (Partition, all_gather_partition_buffers, all_gather_partitions,
                    copy_from_buffer, copy_into_buffer, fill_world_buffer, group_partition,
@@ -38,4 +39,5 @@ __all__ = [
     "copy_from_buffer", "copy_into_buffer", "fill_world_buffer", "group_partition",
     "group_rank_and_size", "job_partitions", "reduce_scatter_partitions",
     "scatter_world_buffer", "stage12_spec", "MaxLogitRecorder", "head_max_logits",
+    "multihead_attention_pair", "watch_multihead_attention",
 ]

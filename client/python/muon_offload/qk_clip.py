@@ -18,7 +18,11 @@ maximum exceeded the threshold; the parameters every rank receives are the clipp
 
 head_max_logits computes the per-head maxima of q kᵀ * scale (grouped-query attention: query head
 h reads key head h // (H / G)); MaxLogitRecorder keeps the elementwise maximum of what one
-forward recorded per attention (several micro-batches, several calls).
+forward recorded per attention (several micro-batches, several calls). For
+torch.nn.MultiheadAttention with separate projections (kdim or vdim given, so q_proj_weight and
+k_proj_weight are parameters of their own; a fused in_proj_weight cannot be a pair),
+multihead_attention_pair gives the pair and watch_multihead_attention records each forward's
+maxima by wrapping its forward.
 """
 
 import math
@@ -119,6 +123,80 @@ def head_max_logits(q, k, scale=None, causal=False):
             mask = torch.ones(t, tk, dtype=torch.bool, device=q.device).tril(tk - t)
             logits = logits.masked_fill(~mask, float("-inf"))
         return logits.amax(dim=(0, 2, 3)).to("cpu", torch.float32)
+
+
+def multihead_attention_pair(mha):
+    """The QK-Clip pair of a torch.nn.MultiheadAttention whose query and key projections are
+    parameters of their own (built with kdim/vdim): {"q", "k", "q_heads", "kv_heads",
+    "head_dim"}. ValueError for the fused in_proj_weight (q and k rows of one tensor)."""
+    if getattr(mha, "_qkv_same_embed_dim", True) or mha.q_proj_weight is None:
+        raise ValueError("this MultiheadAttention projects q, k and v with one in_proj_weight; "
+                         "QK-Clip needs q and k as tensors of their own (build it with kdim=/vdim=)")
+    return {"q": mha.q_proj_weight, "k": mha.k_proj_weight, "q_heads": mha.num_heads,
+            "kv_heads": mha.num_heads, "head_dim": mha.head_dim}
+
+
+def watch_multihead_attention(mha, recorder, key=None):
+    """Records, at every forward of `mha` (a torch.nn.MultiheadAttention with separate q and k
+    projections), its per-head largest pre-softmax logit into `recorder` under `key` (default its
+    q_proj_weight), honouring attn_mask (bool: True is masked; float: added), key_padding_mask
+    and is_causal. Returns a handle whose remove() stops it."""
+    pair = multihead_attention_pair(mha)
+    key = pair["q"] if key is None else key
+
+    def record(module, args, kwargs):
+        query = args[0] if args else kwargs["query"]
+        keys = args[1] if len(args) > 1 else kwargs["key"]
+        with torch.no_grad():
+            if not module.batch_first and query.dim() == 3:
+                query, keys = query.transpose(0, 1), keys.transpose(0, 1)
+            if query.dim() == 2:
+                query, keys = query.unsqueeze(0), keys.unsqueeze(0)
+            b, t, _ = query.shape
+            h, d = module.num_heads, module.head_dim
+            bias = module.in_proj_bias
+            bq, bk = (None, None) if bias is None else (bias[:h * d], bias[h * d:2 * h * d])
+            q = torch.nn.functional.linear(query, module.q_proj_weight, bq)
+            k = torch.nn.functional.linear(keys, module.k_proj_weight, bk)
+            q = q.view(b, t, h, d).transpose(1, 2)
+            k = k.view(b, keys.shape[1], h, d).transpose(1, 2)
+            logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(d)
+            mask = kwargs.get("attn_mask", args[5] if len(args) > 5 else None)
+            if mask is not None:
+                mask = mask.view(-1, h, t, keys.shape[1]) if mask.dim() == 3 else mask
+                logits = logits.masked_fill(mask, float("-inf")) if mask.dtype == torch.bool \
+                    else logits + mask.float()
+            padding = kwargs.get("key_padding_mask", args[3] if len(args) > 3 else None)
+            if padding is not None:
+                logits = logits.masked_fill(padding.bool()[:, None, None, :], float("-inf"))
+            if kwargs.get("is_causal", False):
+                causal = torch.ones(t, keys.shape[1], dtype=torch.bool,
+                                    device=logits.device).tril()
+                logits = logits.masked_fill(~causal, float("-inf"))
+            recorder.record(key, logits.amax(dim=(0, 2, 3)))
+
+    # torch 1.13's forward pre-hooks do not see keyword arguments (masks, is_causal): the forward
+    # is wrapped on the instance instead.
+    original = mha.forward
+
+    def forward(*args, **kwargs):
+        record(mha, args, kwargs)
+        return original(*args, **kwargs)
+
+    mha.forward = forward
+    return _Unwatch(mha, original)
+
+
+class _Unwatch:
+    """What watch_multihead_attention returns: remove() restores the module's forward."""
+
+    def __init__(self, module, original):
+        self._module, self._original = module, original
+
+    def remove(self):
+        if self._module is not None:
+            self._module.forward = self._original
+            self._module = None
 
 
 class MaxLogitRecorder:
