@@ -8,6 +8,7 @@
 #     newton_schulz) and its step-time line;
 #   - the optimizer's own series in the job's card: Newton-Schulz time by shape class, the
 #     orthogonality of step 0's update, the trainer's view of a step, pipeline and pinned memory;
+#   - a QK-Clip job's heads clipped and largest logit;
 #   - no job token anywhere (the DOM and /api/v1/status).
 # Saves the screenshot and the DOM under OUT_DIR (status_page.png, status_page.dom.html).
 # Usage: status_page_browser_test.sh MUOND MUONCTL OUT_DIR
@@ -36,6 +37,7 @@ stop_stepper() {
 trap 'rc=$?; stop_stepper; (exit $rc); cleanup' EXIT
 
 start_daemon
+qk_job browserqk 2  # QK-Clip: 2 steps, head 0 over the threshold in each
 create_job browser 96 256
 run_steps browser 96 256 6 --transport grpc
 "$MUONCTL" checkpoint save --job browser --token-file "$tmp/browser.token" >/dev/null 2>&1 ||
@@ -83,8 +85,12 @@ if int(attrs.get("data-refreshes", "0")) < 1:
     bad.append(f"data-refreshes={attrs.get('data-refreshes')!r}: the page never drew the status")
 if not re.search(r'<tr class="job-row" data-job="browser">', dom):
     bad.append("no job row for job 'browser'")
-bars = re.search(r'<svg class="phase-bars"[^>]*data-steps="(\d+)"', dom)
-rects = re.findall(r'<rect class="phase phase-([a-z_]+)"', dom)
+# The browser job's card (the page also has the QK-Clip job's).
+start = dom.find('<section class="card job-card" data-job="browser">')
+end = dom.find('<section', start + 1)
+card = dom[start:end if end > 0 else len(dom)] if start >= 0 else ""
+bars = re.search(r'<svg class="phase-bars"[^>]*data-steps="(\d+)"', card)
+rects = re.findall(r'<rect class="phase phase-([a-z_]+)"', card)
 steps = int(bars.group(1)) if bars else 0
 if steps < 6:
     bad.append(f"phase bars of {steps} steps, expected at least 6")
@@ -133,6 +139,11 @@ if (opt.get("pinned_bytes") or {}).get("momentum") != 2 * 96 * 256 * 4:
     bad.append(f"JSON: optimizer.pinned_bytes {opt.get('pinned_bytes')!r}, momentum 2 x 96x256 fp32")
 elif "matrices waiting for the device" not in dom or "momentum 192" not in dom:
     bad.append("the page shows no pipeline or pinned fact")
+qk = next((j for j in s["jobs"] if j["id"] == "browserqk"), {}).get("optimizer", {}).get("qk_clip")
+if not qk or qk.get("heads_clipped") != 2 or qk.get("max_logit") != 50:
+    bad.append(f"JSON: browserqk optimizer.qk_clip {qk!r}, expected 2 heads clipped, max logit 50")
+elif "1 attention pairs at threshold 10: 2 query heads clipped; newest largest logit 50.00" not in dom:
+    bad.append("the page shows no QK-Clip fact for job browserqk")
 if bad:
     sys.exit("FAIL:\n  " + "\n  ".join(bad))
 print(f"optimizer: shape 96x256 {shapes[0]['matrices']} matrices, orthogonality {orth['value']:.4f} "
