@@ -63,6 +63,11 @@ const char* const kSpecs[] = {
     R"({"job_id": "mn", "world_size": 2, "zero_stage": 1,
         "multinode": {"global_job_id": "g", "node": 1, "nodes": 2},
         "matrices": [{"name": "w", "shape": [16, 16]}]})",
+    R"({"job_id": "qk", "mode": "apply", "world_size": 2, "zero_stage": 2,
+        "tensors": [{"name": "q", "shape": [32, 24]}, {"name": "k", "shape": [8, 24]}],
+        "groups": [{"name": "muon", "lr": 0.02}],
+        "qk_clip": {"threshold": 100, "alpha": 0.5, "pairs": [
+          {"q": "q", "k": "k", "q_heads": 8, "kv_heads": 2, "head_dim": 4}]}})",
 };
 
 std::vector<muond::common::JobSpec> Specs() {
