@@ -50,6 +50,39 @@ set -e
 # gRPC (its 288 bytes of gradients in and of parameters out per step).
 qk_job liveqk 2 --transport grpc
 
+# muonctl step --max-logits refusals (exit 3, INVALID_ARGUMENT, nothing sent): no tensor for the
+# pair's q, a tensor that is no pair's q, the wrong count, and any file on a job without qk_clip.
+expect_refused() {
+  local what=$1 phrase=$2
+  shift 2
+  set +e
+  "$MUONCTL" step --rank 0 --token-file "$tmp/liveqk.token" --job liveqk --step 2 \
+    --grads "$tmp/liveqk.g1.safetensors" --out "$tmp/refused.safetensors" --lr muon=0.01 "$@" \
+    >/dev/null 2>"$tmp/refused.err"
+  local rc=$?
+  set -e
+  [ "$rc" -eq 3 ] || fail "$what: exit $rc, wanted 3: $(cat "$tmp/refused.err")"
+  grep -q "$phrase" "$tmp/refused.err" || fail "$what: no '$phrase' in: $(cat "$tmp/refused.err")"
+}
+write_tensors "$tmp/nologits.safetensors" "k:2:=1,2"
+expect_refused "logits of another tensor" "tensor 'k' is not the q tensor" \
+  --max-logits "$tmp/nologits.safetensors"
+write_tensors "$tmp/short.safetensors" "q:3:=1,2,3"
+expect_refused "three values for two heads" "expected \[2\]" --max-logits "$tmp/short.safetensors"
+write_tensors "$tmp/empty.safetensors" "other:1:=1"
+expect_refused "no tensor for the pair" "'other' is not the q tensor" \
+  --max-logits "$tmp/empty.safetensors"
+expect_refused "no --max-logits" "set the step's max attention logits first"
+set +e
+"$MUONCTL" step --job live --rank 0 --step 3 --grads "$tmp/live.g2.safetensors" \
+  --out "$tmp/refused.safetensors" --token-file "$tmp/live.token" \
+  --max-logits "$tmp/liveqk.logits.safetensors" >/dev/null 2>"$tmp/refused.err"
+rc=$?
+set -e
+[ "$rc" -eq 3 ] && grep -q "has no qk_clip pairs" "$tmp/refused.err" ||
+  fail "--max-logits on a job without qk_clip: exit $rc: $(cat "$tmp/refused.err")"
+echo "muonctl step --max-logits: 5 bad uses refused with exit 3, naming what is wrong"
+
 # --- (a) values ----------------------------------------------------------------------------------
 scrape "$tmp/scrape.txt"
 "$PY" - "$tmp/scrape.txt" <<'PYEOF'
