@@ -323,9 +323,9 @@ int muond_session_set_max_logits(muond_session* session, const float* logits, si
   if (count != 0 && logits == nullptr) return NullArgument("logits");
   // Bounded before the copy: the job's pairs have at most this many query heads.
   if (count > muond::common::kMaxQkClipLogits) {
-    return Report(absl::InvalidArgumentError(
-        absl::StrCat("muond_session_set_max_logits: ", count, " values; at most ",
-                     muond::common::kMaxQkClipLogits)));
+    return Report(absl::InvalidArgumentError(absl::StrCat("muond_session_set_max_logits: ", count,
+                                                          " values; at most ",
+                                                          muond::common::kMaxQkClipLogits)));
   }
   return Report(session->impl->SetMaxLogits(std::vector<float>(logits, logits + count)));
 }

@@ -225,7 +225,8 @@ absl::Status RankSession::SetAbsent(const std::vector<uint32_t>& tensors) {
 absl::Status RankSession::CheckStepHyper(int64_t step) const {
   if (apply() && hyper_ && spec_.qk_clip.enabled() && max_logits_.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "step ", step, ": job '", spec_.job_id, "' has QK-Clip: set the step's max attention "
+        "step ", step, ": job '", spec_.job_id,
+        "' has QK-Clip: set the step's max attention "
         "logits first (RankSession::SetMaxLogits, muond_session_set_max_logits, muonctl step "
         "--max-logits), starting with pair q='",
         spec_.qk_clip.pairs[0].q, "'"));
@@ -238,8 +239,8 @@ absl::Status RankSession::CheckStepHyper(int64_t step) const {
 }
 
 absl::Status RankSession::WriteSharedHyper(int64_t step) {
-  const size_t bytes = common::shm::HyperBytes(spec_.groups.size(), spec_.matrices.size(),
-                                               spec_.qk_clip.logits());
+  const size_t bytes =
+      common::shm::HyperBytes(spec_.groups.size(), spec_.matrices.size(), spec_.qk_clip.logits());
   const uint64_t at = shm_->hyper_byte_offset();
   const uint64_t size = shm_->buffer_bytes();
   bool fits = at % alignof(double) == 0 && at <= size && bytes <= size - at;

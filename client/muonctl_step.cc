@@ -161,9 +161,9 @@ absl::StatusOr<std::vector<float>> MaxLogitsForJob(const common::JobSpec& spec, 
   for (const common::QkClipPair& p : spec.qk_clip.pairs) names[p.q] = true;
   for (const common::TensorInfo& t : file.tensors()) {
     if (names.count(t.name) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          flag->second, ": tensor '", t.name, "' is not the q tensor of a QK-Clip pair of job '",
-          spec.job_id, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag->second, ": tensor '", t.name,
+                       "' is not the q tensor of a QK-Clip pair of job '", spec.job_id, "'"));
     }
   }
   for (const common::QkClipPair& p : spec.qk_clip.pairs) {

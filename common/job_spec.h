@@ -140,8 +140,8 @@ struct QkClipPair {
 };
 
 struct QkClip {
-  double threshold = 0;  // tau, > 0
-  double alpha = 0.5;    // in [0, 1]
+  double threshold = 0;           // tau, > 0
+  double alpha = 0.5;             // in [0, 1]
   std::vector<QkClipPair> pairs;  // empty: no QK-Clip
   bool enabled() const { return !pairs.empty(); }
   // The per-head maxima a step carries: the sum of q_heads over the pairs, in pair order.

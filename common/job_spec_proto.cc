@@ -234,8 +234,8 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
   if (proto.has_qk_clip()) {
     const v1::QkClip& q = proto.qk_clip();
     if (static_cast<size_t>(q.pairs_size()) > kMaxQkClipPairs) {
-      return absl::InvalidArgumentError(absl::StrCat("qk_clip.pairs: ", q.pairs_size(),
-                                                     " pairs; at most ", kMaxQkClipPairs));
+      return absl::InvalidArgumentError(
+          absl::StrCat("qk_clip.pairs: ", q.pairs_size(), " pairs; at most ", kMaxQkClipPairs));
     }
     spec.qk_clip.threshold = q.threshold();
     if (q.has_alpha()) spec.qk_clip.alpha = q.alpha();

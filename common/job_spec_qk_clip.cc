@@ -34,8 +34,7 @@ absl::Status ParseQkClipField(const Json& root, JobSpec* spec) {
     const std::string path = absl::StrCat("qk_clip.pairs[", i, "]");
     const Json& p = (*pairs)[i];
     if (!p.is_object()) return FieldError(path, "expected an object");
-    RETURN_IF_ERROR(
-        CheckKnownFields(p, path + ".", {"q", "k", "q_heads", "kv_heads", "head_dim"}));
+    RETURN_IF_ERROR(CheckKnownFields(p, path + ".", {"q", "k", "q_heads", "kv_heads", "head_dim"}));
     QkClipPair pair;
     for (const char* key : {"q", "k", "q_heads", "kv_heads", "head_dim"}) {
       if (p.find(key) == p.end()) return FieldError(absl::StrCat(path, ".", key), "missing");
@@ -94,9 +93,9 @@ absl::Status CheckPairTensor(const JobSpec& spec, const std::map<std::string, ui
     std::string shape;
     for (size_t d = 0; d < m.shape.size(); ++d) absl::StrAppend(&shape, d ? ", " : "", m.shape[d]);
     return Invalid(path, absl::StrCat("tensor ", Quoted(name), " has shape [", shape, "]",
-                                      m.num_heads != 1 ? " and num_heads > 1" : "",
-                                      "; expected [", heads_key, " * head_dim, in] = [", heads,
-                                      " * ", head_dim, ", in] with num_heads 1"));
+                                      m.num_heads != 1 ? " and num_heads > 1" : "", "; expected [",
+                                      heads_key, " * head_dim, in] = [", heads, " * ", head_dim,
+                                      ", in] with num_heads 1"));
   }
   *index = it->second;
   *in = m.shape[1];
@@ -117,15 +116,14 @@ absl::Status ValidateQkClip(const JobSpec& spec) {
                    "key tensors may be owned by different nodes); run it on one node");
   }
   if (!std::isfinite(c.threshold) || c.threshold <= 0) {
-    return Invalid("qk_clip.threshold",
-                   absl::StrCat(c.threshold, " must be finite and > 0"));
+    return Invalid("qk_clip.threshold", absl::StrCat(c.threshold, " must be finite and > 0"));
   }
   if (!(c.alpha >= 0 && c.alpha <= 1)) {
     return Invalid("qk_clip.alpha", absl::StrCat(c.alpha, " must be in [0, 1]"));
   }
   if (c.pairs.size() > kMaxQkClipPairs) {
-    return Invalid("qk_clip.pairs", absl::StrCat(c.pairs.size(), " pairs; at most ",
-                                                 kMaxQkClipPairs));
+    return Invalid("qk_clip.pairs",
+                   absl::StrCat(c.pairs.size(), " pairs; at most ", kMaxQkClipPairs));
   }
   std::map<std::string, uint32_t> by_name;
   for (uint32_t t = 0; t < spec.matrices.size(); ++t) by_name.emplace(spec.matrices[t].name, t);
@@ -139,8 +137,8 @@ absl::Status ValidateQkClip(const JobSpec& spec) {
                                         " and head_dim ", p.head_dim, " must be >= 1"));
     }
     if (p.q_heads % p.kv_heads != 0) {
-      return Invalid(path, absl::StrCat("kv_heads ", p.kv_heads, " does not divide q_heads ",
-                                        p.q_heads));
+      return Invalid(path,
+                     absl::StrCat("kv_heads ", p.kv_heads, " does not divide q_heads ", p.q_heads));
     }
     if (p.q == p.k) return Invalid(path, absl::StrCat("q and k are the same tensor ", Quoted(p.q)));
     uint32_t q = 0, k = 0;
@@ -157,15 +155,15 @@ absl::Status ValidateQkClip(const JobSpec& spec) {
                                   std::pair<uint32_t, std::string>{k, path + ".k"}}) {
       const auto [at, fresh] = used.emplace(t, role);
       if (!fresh) {
-        return Invalid(role, absl::StrCat("tensor ", Quoted(spec.matrices[t].name),
-                                          " is already in ", at->second,
-                                          "; a tensor may be in one pair only"));
+        return Invalid(role,
+                       absl::StrCat("tensor ", Quoted(spec.matrices[t].name), " is already in ",
+                                    at->second, "; a tensor may be in one pair only"));
       }
     }
     logits += static_cast<size_t>(p.q_heads);
     if (logits > kMaxQkClipLogits) {
-      return Invalid("qk_clip.pairs", absl::StrCat("more than ", kMaxQkClipLogits,
-                                                   " query heads in all"));
+      return Invalid("qk_clip.pairs",
+                     absl::StrCat("more than ", kMaxQkClipLogits, " query heads in all"));
     }
   }
   return absl::OkStatus();
@@ -184,23 +182,23 @@ absl::Status CheckMaxLogits(const JobSpec& spec, const std::vector<float>& logit
   const QkClip& c = spec.qk_clip;
   if (!c.enabled()) {
     if (logits.empty()) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": the step carries ", logits.size(),
-        " max attention logits, but the job has no qk_clip pairs"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": the step carries ", logits.size(),
+                     " max attention logits, but the job has no qk_clip pairs"));
   }
   size_t at = 0;
   for (const QkClipPair& p : c.pairs) {
     if (logits.size() < at + static_cast<size_t>(p.q_heads)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": the step carries ", logits.size(), " max attention logits; QK-Clip pair q=",
-          Quoted(p.q), " needs its ", p.q_heads, " per-head values (", c.logits(),
-          " in all, pair after pair)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": the step carries ", logits.size(),
+                       " max attention logits; QK-Clip pair q=", Quoted(p.q), " needs its ",
+                       p.q_heads, " per-head values (", c.logits(), " in all, pair after pair)"));
     }
     for (int64_t h = 0; h < p.q_heads; ++h, ++at) {
       if (!std::isfinite(logits[at])) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": the max attention logit of head ", h, " of QK-Clip pair q=", Quoted(p.q),
-            " is not finite (", logits[at], ")"));
+        return absl::InvalidArgumentError(absl::StrCat(where, ": the max attention logit of head ",
+                                                       h, " of QK-Clip pair q=", Quoted(p.q),
+                                                       " is not finite (", logits[at], ")"));
       }
     }
   }

@@ -52,9 +52,9 @@ absl::Status CheckFamily(std::string_view name, std::string_view help, Kind kind
   if (kind != Kind::kHistogram) {
     for (std::string_view suffix : {"_bucket", "_sum", "_count"}) {
       if (EndsWith(name, suffix)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(KindName(kind), " name ", Quoted(name), " ends in ", Quoted(suffix),
-                         ", which is reserved for histogram series"));
+        return absl::InvalidArgumentError(absl::StrCat(KindName(kind), " name ", Quoted(name),
+                                                       " ends in ", Quoted(suffix),
+                                                       ", which is reserved for histogram series"));
       }
     }
   }
@@ -93,21 +93,21 @@ Histogram::BucketBoundaries ExponentialBuckets(double start, double factor, int 
 }
 
 MetricsRegistry::MetricsRegistry()
-    : registry_(std::make_shared<prometheus::Registry>(prometheus::Registry::InsertBehavior::Throw)) {
-}
+    : registry_(
+          std::make_shared<prometheus::Registry>(prometheus::Registry::InsertBehavior::Throw)) {}
 
 absl::StatusOr<Family<Counter>*> MetricsRegistry::AddCounter(std::string_view name,
-                                                            std::string_view help) {
+                                                             std::string_view help) {
   return Register(prometheus::BuildCounter(), *registry_, name, help, Kind::kCounter);
 }
 
 absl::StatusOr<Family<Gauge>*> MetricsRegistry::AddGauge(std::string_view name,
-                                                        std::string_view help) {
+                                                         std::string_view help) {
   return Register(prometheus::BuildGauge(), *registry_, name, help, Kind::kGauge);
 }
 
 absl::StatusOr<Family<Histogram>*> MetricsRegistry::AddHistogram(std::string_view name,
-                                                                std::string_view help) {
+                                                                 std::string_view help) {
   return Register(prometheus::BuildHistogram(), *registry_, name, help, Kind::kHistogram);
 }
 

@@ -5,8 +5,9 @@
 //
 //  - promtool's naming conventions, checked when a family is added (prometheus-cpp checks only the
 //    character set): counter names end in `_total`, no family other than a histogram ends in
-//    `_bucket`, `_sum` or `_count`, and every family has help text. prometheus-cpp 1.0.1 writes help
-//    text unescaped, so a backslash or a newline in it is refused rather than corrupting a scrape.
+//    `_bucket`, `_sum` or `_count`, and every family has help text. prometheus-cpp 1.0.1 writes
+//    help text unescaped, so a backslash or a newline in it is refused rather than corrupting a
+//    scrape.
 //  - collect callbacks, run at the start of every Serialize(), for values read at scrape time
 //    (queue depths, memory in use) instead of being updated continuously.
 //
@@ -15,7 +16,8 @@
 //   Counter& job_steps = steps->Add({{"job", "a"}});   // declare once, keep the reference
 //   job_steps.Increment();                              // then update from anywhere
 //   // Histogram children take their bucket bounds when added:
-//   registry.AddHistogram("muond_x_seconds", "X.").value()->Add({}, ExponentialBuckets(1e-3, 2, 8));
+//   registry.AddHistogram("muond_x_seconds", "X.").value()->Add({}, ExponentialBuckets(1e-3, 2,
+//   8));
 //
 // Thread-safety: every method is thread-safe (prometheus-cpp's families and registry lock
 // internally; the callbacks have their own mutex). Ownership: the MetricsRegistry owns its families

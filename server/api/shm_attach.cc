@@ -156,10 +156,10 @@ absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& 
     session.hyper_byte_offset = (std::max(bytes, params) + 63) / 64 * 64;
     // Whole 64-byte lines: buffer 1 starts where buffer 0 ends, and its spans must stay as
     // aligned as buffer 0's (the presence mask makes the block an odd number of bytes).
-    buffer = (session.hyper_byte_offset +
-              shm::HyperBytes(spec.groups.size(), spec.matrices.size(),
-                              spec.qk_clip.logits()) +
-              63) / 64 * 64;
+    buffer =
+        (session.hyper_byte_offset +
+         shm::HyperBytes(spec.groups.size(), spec.matrices.size(), spec.qk_clip.logits()) + 63) /
+        64 * 64;
     reply.set_hyper_byte_offset(session.hyper_byte_offset);
   }
   for (size_t i = 0; i < spans.size(); ++i) {

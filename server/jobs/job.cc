@@ -35,8 +35,7 @@ Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
                   ? std::make_unique<ParamStore>(spec_, devices->device.get())
                   : nullptr),
       writer_(std::move(checkpoint_dir), spec_.checkpoint_keep),
-      pipeline_(spec_, layout_, momentum_, params_.get(), devices, gather_budget_bytes, &mu_,
-                this),
+      pipeline_(spec_, layout_, momentum_, params_.get(), devices, gather_budget_bytes, &mu_, this),
       trainer_clock_(spec_.job_id) {
   absl::MutexLock lock(&mu_);
   sessions_.assign(spec_.world_size, 0);

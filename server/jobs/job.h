@@ -57,8 +57,8 @@
 #include "server/jobs/param_store.h"
 #include "server/jobs/rank_update.h"
 #include "server/jobs/step_pipeline.h"
-#include "server/jobs/trainer_clock.h"
 #include "server/jobs/step_state.h"
+#include "server/jobs/trainer_clock.h"
 #include "server/storage/checkpoint.h"
 
 namespace muond::server {

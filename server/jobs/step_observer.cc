@@ -20,7 +20,9 @@ std::atomic<int64_t> orthogonality_every{100};
 
 }  // namespace
 
-void SetOrthogonalityEvery(int64_t every) { orthogonality_every.store(std::max<int64_t>(0, every)); }
+void SetOrthogonalityEvery(int64_t every) {
+  orthogonality_every.store(std::max<int64_t>(0, every));
+}
 int64_t OrthogonalityEvery() { return orthogonality_every.load(); }
 
 StepObserver::StepObserver(const common::JobSpec& spec, std::string backend)
@@ -46,9 +48,9 @@ StepObserver::StepObserver(const common::JobSpec& spec, std::string backend)
   }
   // The kMaxShapeClasses heaviest shapes keep their own class, in the job's order.
   std::vector<std::string> heaviest = order;
-  std::stable_sort(heaviest.begin(), heaviest.end(), [&](const std::string& a, const std::string& b) {
-    return flops_of[a] > flops_of[b];
-  });
+  std::stable_sort(
+      heaviest.begin(), heaviest.end(),
+      [&](const std::string& a, const std::string& b) { return flops_of[a] > flops_of[b]; });
   if (heaviest.size() > kMaxShapeClasses) heaviest.resize(kMaxShapeClasses);
   std::map<std::string, size_t> index;
   for (const std::string& s : order) {

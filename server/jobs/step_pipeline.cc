@@ -186,8 +186,8 @@ class StepPipeline::Run {
     uint64_t assembled = 0;
     for (uint32_t m : b.matrices) assembled += p_.AssembledBytes(m);
     uint64_t in_use = p_.gather_in_use_bytes_.load();
-    while (!p_.gather_in_use_bytes_.compare_exchange_weak(
-        in_use, in_use - std::min(in_use, assembled))) {
+    while (!p_.gather_in_use_bytes_.compare_exchange_weak(in_use,
+                                                          in_use - std::min(in_use, assembled))) {
     }
     if (!status_.ok()) return;
     Observe(b);

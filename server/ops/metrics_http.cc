@@ -462,7 +462,8 @@ class MetricsServer::EventLoop {
 };
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
-    const std::string& address, common::MetricsRegistry* registry, const MetricsServerOptions& options) {
+    const std::string& address, common::MetricsRegistry* registry,
+    const MetricsServerOptions& options) {
   absl::StatusOr<ListenAddress> listen_address = ParseListenAddress(address);
   if (!listen_address.ok()) return listen_address.status();
   if (options.max_connections < 1 || options.max_request_bytes < 64 ||

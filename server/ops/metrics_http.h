@@ -1,7 +1,7 @@
 // MetricsServer: the HTTP endpoint Prometheus scrapes. Serves `GET /metrics` (and HEAD) from a
 // common::MetricsRegistry (prometheus-cpp's text serialization, format 0.0.4), on one thread of
-// its own (an epoll loop over non-blocking sockets), so a slow scraper never touches the daemon's gRPC threads and no other client of the
-// port can keep a scrape from being answered.
+// its own (an epoll loop over non-blocking sockets), so a slow scraper never touches the daemon's
+// gRPC threads and no other client of the port can keep a scrape from being answered.
 //
 //   /metrics, GET or HEAD -> 200, Content-Type "text/plain; version=0.0.4; charset=utf-8"
 //   /metrics, any other method -> 405 with "Allow: GET, HEAD"

@@ -37,11 +37,11 @@ struct Families {
         "muond_update_orthogonality",
         "||U U^T - I||_F / sqrt(r) of the orthogonalized update direction, worst of the newest "
         "sampled step's matrices (--orthogonality-every)."));
-    orthogonality_seconds = MustRegister(r.AddCounter(
-        "muond_orthogonality_check_seconds_total",
-        "Seconds the daemon spent measuring the orthogonality of updates."));
-    orthogonality_checks = MustRegister(r.AddCounter("muond_orthogonality_checks_total",
-                                             "Matrices whose update orthogonality was measured."));
+    orthogonality_seconds = MustRegister(
+        r.AddCounter("muond_orthogonality_check_seconds_total",
+                     "Seconds the daemon spent measuring the orthogonality of updates."));
+    orthogonality_checks = MustRegister(r.AddCounter(
+        "muond_orthogonality_checks_total", "Matrices whose update orthogonality was measured."));
     visible = MustRegister(r.AddHistogram(
         "muond_step_trainer_visible_seconds",
         "A committed step from its first gradient byte in to its last update byte out."));
@@ -49,11 +49,12 @@ struct Families {
         "muond_step_trainer_wait_seconds",
         "The part of a committed step after its last gradient byte arrived: what the trainer "
         "waits for."));
-    waiting = MustRegister(r.AddGauge("muond_job_matrices_waiting",
-                              "Complete matrices of the step in flight waiting for the device."));
-    gather_in_use = MustRegister(r.AddGauge(
-        "muond_job_gather_in_use_bytes",
-        "Bytes of the job's gather budget in batches being assembled or in flight."));
+    waiting =
+        MustRegister(r.AddGauge("muond_job_matrices_waiting",
+                                "Complete matrices of the step in flight waiting for the device."));
+    gather_in_use = MustRegister(
+        r.AddGauge("muond_job_gather_in_use_bytes",
+                   "Bytes of the job's gather budget in batches being assembled or in flight."));
     qk_clipped = MustRegister(r.AddCounter(
         "muond_qk_clip_heads_clipped_total",
         "Query heads whose master weights QK-Clip rescaled (max attention logit over the "
@@ -61,9 +62,10 @@ struct Families {
     qk_max_logit = MustRegister(r.AddGauge(
         "muond_qk_max_logit",
         "The largest per-head max attention logit of the newest committed QK-Clip step."));
-    pinned = MustRegister(r.AddGauge("muond_job_pinned_bytes",
-                             "Host memory the job holds pinned (locked, registered with the "
-                             "device), by kind."));
+    pinned =
+        MustRegister(r.AddGauge("muond_job_pinned_bytes",
+                                "Host memory the job holds pinned (locked, registered with the "
+                                "device), by kind."));
   }
 
   Family<Histogram>*newton_schulz, *visible, *wait;
@@ -111,7 +113,8 @@ void RecordOrthogonality(const std::string& job, double value, double seconds) {
   f.jobs.insert(job);
   f.orthogonality->Add(labels).Set(value);
   f.orthogonality_checks->Add(labels).Increment();
-  if (std::isfinite(seconds) && seconds > 0) f.orthogonality_seconds->Add(labels).Increment(seconds);
+  if (std::isfinite(seconds) && seconds > 0)
+    f.orthogonality_seconds->Add(labels).Increment(seconds);
 }
 
 void RecordTrainerTime(const std::string& job, double visible_seconds, double wait_seconds) {
@@ -166,7 +169,8 @@ void RemoveJobsNotIn(const std::set<std::string>& present) {
     }
     RemoveSeries(f.visible, labels);
     RemoveSeries(f.wait, labels);
-    for (const char* kind : kPinnedKinds) RemoveSeries(f.pinned, {{kJobLabel, job}, {"kind", kind}});
+    for (const char* kind : kPinnedKinds)
+      RemoveSeries(f.pinned, {{kJobLabel, job}, {"kind", kind}});
     for (const Labels& l : f.shapes[job]) RemoveSeries(f.newton_schulz, l);
     f.shapes.erase(job);
     it = f.jobs.erase(it);

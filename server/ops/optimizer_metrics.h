@@ -44,11 +44,11 @@ struct JobPressure {
   uint64_t matrices_waiting = 0;     // complete matrices not yet taken by the device
   uint64_t gather_in_use_bytes = 0;  // of the gather budget, in batches assembled or in flight
   // Host memory pinned for the job, by kind.
-  uint64_t momentum_bytes = 0;         // update mode's momentum, apply mode's Muon momentum
-  uint64_t masters_bytes = 0;          // apply mode's fp32 master weights
-  uint64_t moments_bytes = 0;          // apply mode's AdamW m and v
-  uint64_t session_region_bytes = 0;   // the job's shared-memory sessions' regions (mlock)
-  uint64_t staging_bytes = 0;          // the pipeline's staging registered with the device
+  uint64_t momentum_bytes = 0;        // update mode's momentum, apply mode's Muon momentum
+  uint64_t masters_bytes = 0;         // apply mode's fp32 master weights
+  uint64_t moments_bytes = 0;         // apply mode's AdamW m and v
+  uint64_t session_region_bytes = 0;  // the job's shared-memory sessions' regions (mlock)
+  uint64_t staging_bytes = 0;         // the pipeline's staging registered with the device
 };
 // muond_job_matrices_waiting, muond_job_gather_in_use_bytes and muond_job_pinned_bytes{kind}.
 void SetJobPressure(const std::string& job, const JobPressure& pressure);

@@ -23,16 +23,14 @@ double GramDeviationSquared(const float* x, int64_t rows, int64_t cols, float al
     const int64_t b = std::min(kBlock, r - i0);
     if (wide) {
       // G[i0:i0+b, :] = X[i0:i0+b, :] Xᵀ
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(b),
-                  static_cast<int>(r), static_cast<int>(k), alpha, x + i0 * cols,
-                  static_cast<int>(cols), x, static_cast<int>(cols), 0.0f, work.data(),
-                  static_cast<int>(r));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(b), static_cast<int>(r),
+                  static_cast<int>(k), alpha, x + i0 * cols, static_cast<int>(cols), x,
+                  static_cast<int>(cols), 0.0f, work.data(), static_cast<int>(r));
     } else {
       // G[i0:i0+b, :] = (X[:, i0:i0+b])ᵀ X
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(b),
-                  static_cast<int>(r), static_cast<int>(k), alpha, x + i0,
-                  static_cast<int>(cols), x, static_cast<int>(cols), 0.0f, work.data(),
-                  static_cast<int>(r));
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(b), static_cast<int>(r),
+                  static_cast<int>(k), alpha, x + i0, static_cast<int>(cols), x,
+                  static_cast<int>(cols), 0.0f, work.data(), static_cast<int>(r));
     }
     for (int64_t i = 0; i < b; ++i) {
       const float* row = work.data() + i * r;

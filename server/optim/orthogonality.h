@@ -1,6 +1,6 @@
 // How far an orthogonalized Muon direction is from orthogonal: for each block X (rows x cols,
-// r = min(rows, cols)), the Gram matrix on its short side (X Xᵀ when rows <= cols, else Xᵀ X, r x r)
-// against the identity, ||G - I||_F / sqrt(r), combined over the blocks as the root mean square.
+// r = min(rows, cols)), the Gram matrix on its short side (X Xᵀ when rows <= cols, else Xᵀ X, r x
+// r) against the identity, ||G - I||_F / sqrt(r), combined over the blocks as the root mean square.
 // 0 for an exactly orthogonal direction; Muon's quintic Newton-Schulz leaves the singular values in
 // a band around 1 by design (about [0.7, 1.2] for the Keller Jordan coefficients), so a healthy
 // update reads a steady value of a few tenths, and a precision plan that is too loose for a model

@@ -94,9 +94,9 @@ int RunOrthogonalityBench(int argc, char** argv) {
   const std::string dir = MakeTempDir("muond-bench-orthogonality");
   const std::string metrics = absl::StrCat("127.0.0.1:", FreePort());
   std::string address;
-  const pid_t daemon = StartDaemon(dir, o.threads, &address,
-                                   {"--backend", "cpu", "--metrics-address", metrics,
-                                    "--orthogonality-every", "1"});
+  const pid_t daemon =
+      StartDaemon(dir, o.threads, &address,
+                  {"--backend", "cpu", "--metrics-address", metrics, "--orthogonality-every", "1"});
   auto stop = [&] { StopDaemon(daemon, dir); };
   auto client = client::Client::Connect(address);
   if (!client.ok() || !WaitHealthy(**client)) {
@@ -113,10 +113,11 @@ int RunOrthogonalityBench(int argc, char** argv) {
     stop();
     return Fail(std::string(session.status().message()));
   }
-  std::printf("muond-bench orthogonality: %zu matrices (%d layers), %llu elements, %s, %d threads, "
-              "%d timed steps\n",
-              spec.matrices.size(), o.layers, static_cast<unsigned long long>(total),
-              std::string(common::DTypeName(o.dtype)).c_str(), o.threads, o.steps);
+  std::printf(
+      "muond-bench orthogonality: %zu matrices (%d layers), %llu elements, %s, %d threads, "
+      "%d timed steps\n",
+      spec.matrices.size(), o.layers, static_cast<unsigned long long>(total),
+      std::string(common::DTypeName(o.dtype)).c_str(), o.threads, o.steps);
   // The warm-up step (0) is sampled too; its numbers are taken out by reading the metrics before
   // and after the timed steps.
   auto read = [&](double* check, double* checks, double* step, double* count) {

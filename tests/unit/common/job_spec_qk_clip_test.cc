@@ -73,7 +73,8 @@ TEST(JobSpecQkClipTest, RefusesEachBadBlockNamingTheField) {
       {R"("q_heads": 8)", R"("q_heads": 0)", "must be >= 1"},
       {R"("head_dim": 4})", R"("head_dim": 4, "rope": 1})", "qk_clip.pairs[0].rope"},
       {R"("q": "gqa.q")", R"("q": "nope")", "qk_clip.pairs[0].q: tensor 'nope' is not a tensor"},
-      {R"("k": "gqa.k")", R"("k": "norm")", "qk_clip.pairs[0].k: tensor 'norm' is optimized by AdamW"},
+      {R"("k": "gqa.k")", R"("k": "norm")",
+       "qk_clip.pairs[0].k: tensor 'norm' is optimized by AdamW"},
       {R"("k": "gqa.k")", R"("k": "gqa.q")", "q and k are the same tensor"},
       {R"("q": "mha.q", "k": "mha.k", "q_heads": 4)", R"("q": "gqa.q", "k": "mha.k", "q_heads": 8)",
        "qk_clip.pairs[1].q: tensor 'gqa.q' is already in qk_clip.pairs[0].q"},
@@ -128,8 +129,7 @@ TEST(JobSpecQkClipTest, MaxLogitsOfAStep) {
     v[9] = bad;
     absl::Status s = CheckMaxLogits(*spec, v, "s");
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(s.message().find("head 1 of QK-Clip pair q='mha.q' is not finite"),
-              std::string::npos)
+    EXPECT_NE(s.message().find("head 1 of QK-Clip pair q='mha.q' is not finite"), std::string::npos)
         << s;
   }
   // Negative logits are logits: accepted.

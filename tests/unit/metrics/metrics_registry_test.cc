@@ -2,10 +2,9 @@
 // family is added, collect callbacks run at each scrape, and the exposition being
 // prometheus-cpp's. prometheus-cpp's own behaviour is its project's to test; what is asserted
 // here is what muond relies on from it (label escaping, histogram series, empty families left out).
-#include "common/metrics.h"
-
 #include <string>
 
+#include "common/metrics.h"
 #include "gtest/gtest.h"
 
 namespace muond::common {
@@ -77,12 +76,12 @@ TEST(MetricsRegistryTest, HistogramChildrenTakeTheirBucketsWhenAdded) {
   // The same labels give the same child (the bounds passed the second time are not used).
   h->Add({{"phase", "a"}}, Histogram::BucketBoundaries{}).Observe(0.0005);
   const std::string text = r.Serialize();
-  for (const char* line : {"muond_x_seconds_bucket{phase=\"a\",le=\"0.001\"} 1\n",
-                           "muond_x_seconds_bucket{phase=\"a\",le=\"0.01\"} 2\n",
-                           "muond_x_seconds_bucket{phase=\"a\",le=\"0.1\"} 2\n",
-                           "muond_x_seconds_bucket{phase=\"a\",le=\"+Inf\"} 3\n",
-                           "muond_x_seconds_count{phase=\"a\"} 3\n",
-                           "muond_x_seconds_sum{phase=\"a\"} 2.0055\n"}) {
+  for (const char* line :
+       {"muond_x_seconds_bucket{phase=\"a\",le=\"0.001\"} 1\n",
+        "muond_x_seconds_bucket{phase=\"a\",le=\"0.01\"} 2\n",
+        "muond_x_seconds_bucket{phase=\"a\",le=\"0.1\"} 2\n",
+        "muond_x_seconds_bucket{phase=\"a\",le=\"+Inf\"} 3\n",
+        "muond_x_seconds_count{phase=\"a\"} 3\n", "muond_x_seconds_sum{phase=\"a\"} 2.0055\n"}) {
     EXPECT_TRUE(Contains(text, line)) << line << " in\n" << text;
   }
   h->Remove(&child);

@@ -280,8 +280,7 @@ TEST_P(ApplyCommitTest, QkClipScalesTheHeadsOverTheThresholdBitForBit) {
         changed += want != unclipped[t][i];
       }
       ASSERT_EQ(std::memcmp(&clipped[t][i], &want, sizeof(float)), 0)
-          << spec.matrices[t].name << " element " << i << ": " << clipped[t][i] << " vs "
-          << want;
+          << spec.matrices[t].name << " element " << i << ": " << clipped[t][i] << " vs " << want;
     }
   }
   EXPECT_GT(changed, 0u);
@@ -290,8 +289,8 @@ TEST_P(ApplyCommitTest, QkClipScalesTheHeadsOverTheThresholdBitForBit) {
     for (size_t k = 0; k < regions[r].spans.size(); ++k) {
       const common::ShardSpan& span = regions[r].spans[k];
       std::string want(span.length * 2, '\0');
-      common::FromFloat32(clipped[span.matrix].data() + span.offset, span.length,
-                          DType::kBFloat16, want.data());
+      common::FromFloat32(clipped[span.matrix].data() + span.offset, span.length, DType::kBFloat16,
+                          want.data());
       EXPECT_EQ(regions[r].out[k], want) << "rank " << r << " span " << k;
     }
   }

@@ -118,8 +118,7 @@ TEST(DaemonConfigTest, OrthogonalityEvery) {
   for (const char* bad : {"-1", "1.5", "ten", "1000000001", ""}) {
     auto r = Parse({"--orthogonality-every", bad});
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << "'" << bad << "'";
-    EXPECT_NE(r.status().message().find("--orthogonality-every"), std::string::npos)
-        << r.status();
+    EXPECT_NE(r.status().message().find("--orthogonality-every"), std::string::npos) << r.status();
     EXPECT_NE(r.status().message().find("[0, 1000000000]"), std::string::npos) << r.status();
   }
   EXPECT_NE(DaemonUsage().find("--orthogonality-every N"), std::string::npos);

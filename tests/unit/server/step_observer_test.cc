@@ -52,14 +52,15 @@ TEST(StepObserverTest, ShapeClassesAreTheJobsShapesUpToTheCap) {
   // 40 distinct shapes: the 32 with the most FLOPs keep a class, the 8 lightest share "other".
   common::JobSpec many;
   many.job_id = "obs-many";
-  for (int i = 1; i <= 40; ++i) many.matrices.push_back(Matrix("m" + std::to_string(i), {8 * i, 64}));
+  for (int i = 1; i <= 40; ++i)
+    many.matrices.push_back(Matrix("m" + std::to_string(i), {8 * i, 64}));
   StepObserver capped(many, "cpu");
   const std::vector<StepObserver::ShapeTime> c = capped.ShapeTimes();
   ASSERT_EQ(c.size(), StepObserver::kMaxShapeClasses + 1);
   EXPECT_EQ(c.back().shape, "other");
   EXPECT_EQ(c.back().per_step, 8u);
-  EXPECT_EQ(capped.ShapeClassOf(0), "other");      // 8x64: among the lightest
-  EXPECT_EQ(capped.ShapeClassOf(39), "320x64");    // the heaviest
+  EXPECT_EQ(capped.ShapeClassOf(0), "other");    // 8x64: among the lightest
+  EXPECT_EQ(capped.ShapeClassOf(39), "320x64");  // the heaviest
 }
 
 TEST(StepObserverTest, ABatchsTimeIsSharedByNewtonSchulzFlops) {
