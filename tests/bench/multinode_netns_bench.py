@@ -104,376 +104,28 @@ import argparse
 import atexit
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
-SCRIPT = os.path.abspath(__file__)
+# What runs inside the node namespaces (its hidden sub-commands).
+PROCS = os.path.join(HERE, "multinode_bench_procs.py")
 PYTHON = "/usr/bin/python3"
-PREFIX = "muondbench"
-IFNAME = "mbeth"
-SUBNET = "10.200.0"
 TARGET = 1.2
 SKIP = 77
-# Qwen3-0.6B-like dimensions: hidden, query (16 heads of 128), key/value (8 heads of 128), MLP.
-HIDDEN, Q_DIM, KV_DIM, MLP_DIM = 1024, 2048, 1024, 3072
-CALIBRATION_SHAPE = (MLP_DIM, HIDDEN)
-CALIBRATION_STEPS = 3
 
-
-def layer_shapes(layers):
-    out = []
-    for layer in range(layers):
-        p = f"layers.{layer}."
-        out += [(p + "q", (Q_DIM, HIDDEN)), (p + "k", (KV_DIM, HIDDEN)),
-                (p + "v", (KV_DIM, HIDDEN)), (p + "o", (HIDDEN, Q_DIM)),
-                (p + "gate", (MLP_DIM, HIDDEN)), (p + "up", (MLP_DIM, HIDDEN)),
-                (p + "down", (HIDDEN, MLP_DIM))]
-    return out
-
-
-def import_client():
-    sys.path.insert(0, os.path.join(ROOT, "client", "python"))
-    import muon_offload
-    return muon_offload
-
-
-# ----------------------------------------------------------------------------------------------
-# Helper processes (run inside the namespaces by the driver; hidden sub-commands)
-# ----------------------------------------------------------------------------------------------
-
-def tcp_receive(host, port):
-    """Accepts one connection, reads to EOF; prints {"bytes", "seconds"} (first byte to EOF)."""
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((host, port))
-    srv.listen(1)
-    print("ready", flush=True)
-    conn, _ = srv.accept()
-    total, first = 0, None
-    buf = bytearray(1 << 20)
-    while True:
-        n = conn.recv_into(buf)
-        if not n:
-            break
-        if first is None:
-            first = time.perf_counter()
-        total += n
-    end = time.perf_counter()
-    print(json.dumps({"bytes": total, "seconds": end - first}), flush=True)
-
-
-def tcp_send(host, port, nbytes):
-    conn = socket.create_connection((host, port), timeout=60)
-    chunk = b"\0" * (1 << 20)
-    left = nbytes
-    while left > 0:
-        conn.sendall(chunk[:min(left, len(chunk))])
-        left -= min(left, len(chunk))
-    conn.shutdown(socket.SHUT_WR)
-    conn.recv(1)  # the receiver closes after reading everything
-    conn.close()
-
-
-def calibration_client(address, job_id, dtype_name):
-    """One single-rank job of one CALIBRATION_SHAPE matrix on the daemon at `address`. Protocol
-    on stdin/stdout: prints "ready" after a warm-up step; each "go N" line runs N steps and
-    prints their times (JSON list); "quit" deletes the job."""
-    import torch
-    mo = import_client()
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(5)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-    w = torch.nn.Parameter(torch.randn(CALIBRATION_SHAPE, generator=g).to(dtype))
-    grad = torch.randn(CALIBRATION_SHAPE, generator=g).to(dtype)
-    opt = mo.MuonWithAuxAdam([dict(params=[("w", w)], use_muon=True, lr=0.02,
-                                   weight_decay=0.01)],
-                             address=address, job_id=job_id, transport="shm", stream=False)
-    w.grad = grad
-    opt.step()
-    print("ready", flush=True)
-    for line in sys.stdin:
-        cmd = line.split()
-        if not cmd or cmd[0] == "quit":
-            break
-        times = []
-        for _ in range(int(cmd[1])):
-            w.grad = grad
-            t0 = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - t0)
-        print(json.dumps(times), flush=True)
-    opt.close(delete_job=True)
-
-
-def rank_main(cfg_path, rank):
-    """One rank of the gloo world (inside its node's namespace): writes OUT/rank<R>.json."""
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    out = os.path.join(cfg["out"], f"rank{rank}.json")
-    try:
-        result = run_rank(cfg, rank)
-    except Exception as e:  # reported to the driver, then the rank fails
-        result = {"exception": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
-    with open(out, "w") as f:
-        json.dump(result, f)
-    sys.exit(0 if "exception" not in result else 1)
-
-
-def run_rank(cfg, rank):
-    from datetime import timedelta
-    import torch
-    import torch.distributed as dist
-    mo = import_client()
-    import muon_offload.optim as optim_module
-
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = cfg["master_addr"]
-    os.environ["MASTER_PORT"] = str(cfg["port"])
-    dist.init_process_group("gloo", rank=rank, world_size=cfg["world"],
-                            timeout=timedelta(seconds=300))
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg["dtype"]]
-    node_of = cfg["node_map"]
-    g = torch.Generator().manual_seed(1234)  # the same weights on every rank
-    params = [(n, torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(dtype)))
-              for n, s in layer_shapes(cfg["layers"])]
-    g.manual_seed(100 + rank)  # each rank's own (already reduced) gradients
-    grads = [torch.randn(p.shape, generator=g).to(dtype) for _, p in params]
-    opt = mo.MultiNodeMuonWithAuxAdam(
-        [dict(params=params, use_muon=True, lr=0.02, weight_decay=0.01)],
-        node_map=node_of, address=cfg["addresses"][node_of[rank]], zero_stage=2,
-        mode="update", transport="shm", job_id=cfg["job_id"], reduce_gradients=False)
-
-    # Phase timers (instrumentation only: the same calls, timed).
-    phases = {}
-
-    def timed(name, fn):
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-        return wrapper
-
-    real_a2a = opt._all_to_all
-    opt._all_to_all = lambda out, inp, forward: timed(
-        "alltoall_forward" if forward else "alltoall_inverse", real_a2a)(out, inp, forward)
-    opt.session.step_in_place = timed("daemon_step", opt.session.step_in_place)
-    optim_module.all_gather_partitions = timed("zero_allgather",
-                                               optim_module.all_gather_partitions)
-
-    daemon_pid = cfg["daemon_pids"][node_of[rank]]
-    # The step's data exchanges alone, one repetition after each measured step (so that both
-    # see the same conditions on the machine).
-    exchanges = standalone_collectives(cfg, opt, real_a2a, params) if cfg["world"] > 1 else None
-    steps, collectives = [], []
-    for i in range(cfg["warmup"] + cfg["steps"]):
-        for (_, p), grad in zip(params, grads):
-            p.grad = grad
-        dist.barrier()
-        phases.clear()
-        cpu0, daemon0 = time.process_time(), process_cpu_seconds(daemon_pid)
-        t0 = time.perf_counter()
-        opt.step()
-        total = time.perf_counter() - t0
-        if i >= cfg["warmup"]:
-            # CPU seconds of this rank and of its node's daemon during the step (the daemon's
-            # counts every local rank's share: the same number on each of them)
-            steps.append(dict(phases, total=total, rank_cpu=time.process_time() - cpu0,
-                              daemon_cpu=process_cpu_seconds(daemon_pid) - daemon0))
-            if exchanges is not None:
-                collectives.append(exchanges())
-
-    r = opt._routing
-    e = torch.empty(0, dtype=dtype).element_size()
-    bytes_per_step = list(opt.bytes_per_step())
-    cross_send = sum(n for q, n in enumerate(r.send_splits) if node_of[q] != r.node)
-    cross_recv = sum(n for q, n in enumerate(r.recv_splits) if node_of[q] != r.node)
-    result = {"rank": rank, "node": r.node, "steps": steps, "collectives": collectives,
-              "element_bytes": e,
-              "bytes_per_step": bytes_per_step,
-              "expected_bytes": list(opt.expected_bytes()),
-              "forward_cross_node_bytes": [e * cross_send, e * cross_recv],
-              "partition_buffer_elements": opt.partition.buffer_elements,
-              "elements": sum(p.numel() for _, p in params)}
-    if rank == 0:
-        owner, flops, _ = mo.ownership_plan(opt.spec, r.nodes)
-        result["node_flops"] = list(flops)
-        result["tensors_per_node"] = [owner.count(n) for n in range(r.nodes)]
-    opt.close(delete_job=True)
-    dist.destroy_process_group()
-    return result
-
-
-def process_cpu_seconds(pid):
-    """User + system CPU seconds of process `pid` (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def standalone_collectives(cfg, opt, real_all_to_all, params):
-    """Returns a function that runs the step's three data exchanges alone, over the same world
-    and links, through the same library calls with the step's sizes (a collective: every rank
-    calls it): the forward all-to-all (with gathering the routed pieces of the partition), the
-    inverse one (with scattering the results back into partition order) and ZeRO's all-gather
-    of the parameters (with copying them into the tensors). Each after an idle pause, as in a
-    step where they follow the compute. It returns this rank's seconds in each, and its CPU
-    seconds in the three ("cpu")."""
-    import torch
-    import torch.distributed as dist
-    from muon_offload.zero import all_gather_partitions, copy_into_buffer
-    r = opt._routing
-    tensors = [p for _, p in params]
-    part = torch.zeros(opt.partition.buffer_elements, dtype=opt.dtype)
-    recv = torch.empty(sum(r.recv_splits), dtype=opt.dtype)
-    back = torch.empty(r.send_elements, dtype=opt.dtype)
-    out = torch.zeros_like(part)
-    cpu = []
-
-    def timed(fn):
-        dist.barrier()
-        time.sleep(cfg["idle"])
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        fn()
-        cpu.append(time.process_time() - cpu0)
-        return time.perf_counter() - t0
-
-    def forward():
-        real_all_to_all(recv, r.gather_send(part), forward=True)
-
-    def inverse():
-        real_all_to_all(back, recv, forward=False)
-        r.scatter_back(back, out)
-
-    def allgather():
-        with torch.no_grad():  # as in opt.step()
-            all_gather_partitions(part, opt.partitions, opt.rank, tensors, opt.process_group)
-
-    def once():
-        # the current parameters: the all-gather writes back the values they have
-        copy_into_buffer(part, opt.partition, tensors)
-        cpu.clear()
-        rep = {"alltoall_forward": timed(forward), "alltoall_inverse": timed(inverse),
-               "zero_allgather": timed(allgather)}
-        rep["cpu"] = sum(cpu)
-        return rep
-    return once
-
-
-# ----------------------------------------------------------------------------------------------
-# The driver (root namespace)
-# ----------------------------------------------------------------------------------------------
-
-class Skip(Exception):
-    pass
-
-
-def run(cmd, check=True):
-    """Runs a short command; returns its CompletedProcess; raises with its stderr on failure."""
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if check and p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()}")
-    return p
-
-
-def netns_names():
-    p = run(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
-
-
-def is_our_run(pid):
-    """Is `pid` a live process of this script (a concurrent run that owns its namespaces)?"""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return os.path.basename(SCRIPT).encode() in f.read()
-    except OSError:
-        return False
-
-
-def delete_namespace(name):
-    """Kills what still runs in namespace `name` (processes an earlier run of this script
-    started there) and deletes it (its veth ends and bridge go with it)."""
-    for pid in run(["ip", "netns", "pids", name], check=False).stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
-    run(["ip", "netns", "del", name], check=False)
-
-
-def remove_leftovers():
-    """Namespaces and temporary directories of earlier runs whose process is gone (or of this
-    pid: a reused one)."""
-    pattern = re.compile(rf"^{PREFIX}-(\d+)-")
-    stale = []
-    for name in netns_names():
-        m = pattern.match(name)
-        if m and (int(m.group(1)) == os.getpid() or not is_our_run(int(m.group(1)))):
-            stale.append(name)
-    for name in stale:
-        delete_namespace(name)
-    for name in os.listdir(tempfile.gettempdir()):  # their temporary directories
-        m = pattern.match(name)
-        if m and (int(m.group(1)) == os.getpid() or not is_our_run(int(m.group(1)))):
-            shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
-            stale.append(name)
-    if stale:
-        print(f"removed what an earlier run left (namespaces, temporary directories): "
-              f"{', '.join(stale)}", file=sys.stderr)
-
-
-class Topology:
-    """Node namespaces on a bridge in a switch namespace, every link tbf-shaped both ways."""
-
-    def __init__(self, nodes, rate_mbit):
-        tag = f"{PREFIX}-{os.getpid()}"
-        self.switch = f"{tag}-sw"
-        self.ns = [f"{tag}-{n}" for n in range(nodes)]
-        self.ip = [f"{SUBNET}.{n + 1}" for n in range(nodes)]
-        self.rate_mbit = rate_mbit
-        self.created = []
-
-    def _add(self, name):
-        run(["ip", "netns", "add", name])
-        self.created.append(name)
-        run(["ip", "-n", name, "link", "set", "lo", "up"])
-
-    def shape(self, ns, dev):
-        # burst: at least 64 KiB (a GSO packet), or 2 ms of the rate; latency bounds the queue.
-        burst = max(64 * 1024, int(self.rate_mbit * 1e6 / 8 * 0.002))
-        run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-             "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "20ms"])
-
-    def create(self):
-        self._add(self.switch)
-        run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
-        run(["ip", "-n", self.switch, "link", "set", "br0", "up"])
-        for n, (ns, ip) in enumerate(zip(self.ns, self.ip)):
-            self._add(ns)
-            port = f"port{n}"
-            run(["ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", port,
-                 "netns", self.switch])
-            run(["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"])
-            run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", IFNAME])
-            run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
-            self.shape(ns, IFNAME)            # what node n sends
-            self.shape(self.switch, port)     # what node n receives
-
-    def destroy(self):
-        for name in reversed(self.created):
-            delete_namespace(name)
-        self.created = []
+sys.path.insert(0, HERE)
+from multinode_bench_model import (collective_cpu_seconds, median_step, model,  # noqa: E402
+                                   step_cpu_seconds)
+from multinode_bench_procs import (CALIBRATION_STEPS, import_client, layer_shapes,  # noqa: E402
+                                   process_cpu_seconds)
+from multinode_netns import IFNAME, PREFIX, Skip, Topology, remove_leftovers, run  # noqa: E402
 
 
 class Bench:
@@ -526,12 +178,12 @@ class Bench:
         port = 5201
         receivers = []
         for dst in (1, 0):
-            p = self.spawn(self.in_ns(dst, [PYTHON, SCRIPT, "--_tcp-recv", self.topo.ip[dst],
+            p = self.spawn(self.in_ns(dst, [PYTHON, PROCS, "--_tcp-recv", self.topo.ip[dst],
                                             str(port)]), stdout=subprocess.PIPE, text=True)
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError("the TCP receiver did not start")
             receivers.append(p)
-        senders = [self.spawn(self.in_ns(src, [PYTHON, SCRIPT, "--_tcp-send", self.topo.ip[dst],
+        senders = [self.spawn(self.in_ns(src, [PYTHON, PROCS, "--_tcp-send", self.topo.ip[dst],
                                                str(port), str(nbytes)]))
                    for src, dst in ((0, 1), (1, 0))]
         rates = []
@@ -578,7 +230,7 @@ class Bench:
         daemons 0..kmax-1, idle until measure_contention."""
         self.calibration = []
         for n in range(kmax):
-            p = self.spawn([PYTHON, SCRIPT, "--_calibrate", self.daemons[n][1], f"calib{n}",
+            p = self.spawn([PYTHON, PROCS, "--_calibrate", self.daemons[n][1], f"calib{n}",
                             self.args.dtype],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -629,7 +281,7 @@ class Bench:
         with open(path, "w") as f:
             json.dump(cfg, f)
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=IFNAME)
-        procs = [self.spawn(self.in_ns(node_map[r], [PYTHON, SCRIPT, "--_rank", path, str(r)]),
+        procs = [self.spawn(self.in_ns(node_map[r], [PYTHON, PROCS, "--_rank", path, str(r)]),
                             env=env) for r in range(world)]
         # Wait for every rank; once one has failed, the others get 10 s to report before they
         # are killed (they would otherwise wait in a collective for gloo's timeout).
@@ -660,97 +312,6 @@ class Bench:
         if errors:
             raise RuntimeError(f"{nodes} nodes:\n" + "\n".join(errors))
         return results
-
-
-def median_step(results):
-    """Median over the measured steps of the slowest rank's time, and the per-phase medians
-    (each phase: the slowest rank's)."""
-    per_step = list(zip(*[res["steps"] for res in results]))
-    totals = [max(s["total"] for s in step) for step in per_step]
-    names = sorted({k for step in per_step for s in step for k in s} - {"total", "rank_cpu"})
-    phases = {k: statistics.median(max(s.get(k, 0.0) for s in step) for step in per_step)
-              for k in names}
-    return statistics.median(totals), phases
-
-
-def shared_makespan(loads, speed):
-    """When the last of `loads` (seconds alone) ends if the ones still running, k of them,
-    each progress at speed[k] (processor sharing)."""
-    left = sorted(x for x in loads if x > 0)
-    t = 0.0
-    while left:
-        k = len(left)
-        s = speed[min(k, max(speed))]
-        dt = left[0] / s
-        t += dt
-        done = left[0]
-        left = [x - done for x in left[1:]]
-    return t
-
-
-def collective_medians(results):
-    """The standalone collectives: per repetition the slowest rank's time, median over the
-    repetitions, per collective."""
-    reps = list(zip(*[res["collectives"] for res in results]))
-    if not reps:
-        return {}
-    return {k: statistics.median(max(x[k] for x in rep) for rep in reps) for k in reps[0][0]
-            if k != "cpu"}
-
-
-def collective_cpu_seconds(results):
-    """The ranks' CPU seconds in the standalone collectives (slowest rank, median)."""
-    reps = list(zip(*[res["collectives"] for res in results]))
-    return statistics.median(max(x["cpu"] for x in rep) for rep in reps) if reps else 0.0
-
-
-def step_cpu_seconds(results):
-    """CPU seconds of one step: per measured step the busiest node's daemon plus its slowest
-    rank, the median over the steps."""
-    per_step = list(zip(*[res["steps"] for res in results]))
-    return statistics.median(max(s["daemon_cpu"] + s["rank_cpu"] for s in step)
-                             for step in per_step)
-
-
-def model(nodes, results, t1_cpu, contention, link):
-    rate = link["bytes_per_second"]
-    rank0 = results[0]
-    flops = rank0["node_flops"]
-    # Node n's work: its FLOPs share of the 1-node step's CPU seconds; while k nodes compute,
-    # each gets the CPU share s(k) measured around the run (the mean of before and after).
-    loads = [t1_cpu * f / sum(flops) for f in flops]
-    speed = {k: c["share"] for k, c in contention.items()}
-    compute = shared_makespan(loads, speed)
-    egress = [0] * nodes
-    ingress = [0] * nodes
-    for res in results:
-        s, r = res["forward_cross_node_bytes"]
-        egress[res["node"]] += s
-        ingress[res["node"]] += r
-    a2a_bytes = max(max(e, i) for e, i in zip(egress, ingress))  # one all-to-all, busiest node
-    world = len(results)
-    e = rank0["element_bytes"]
-    allgather_bytes = (world - 1) * rank0["partition_buffer_elements"] * e if nodes > 1 else 0
-    link_a2a = 2 * a2a_bytes / rate
-    link_allgather = allgather_bytes / rate
-    alone = collective_medians(results)
-    gloo_a2a = alone.get("alltoall_forward", 0.0) + alone.get("alltoall_inverse", 0.0)
-    gloo_allgather = alone.get("zero_allgather", 0.0)
-    # The rate gloo's collectives reach on these links (bytes of the busiest node link / time).
-    rate_a2a = 2 * a2a_bytes / gloo_a2a if gloo_a2a else None
-    rate_allgather = allgather_bytes / gloo_allgather if gloo_allgather else None
-    return {"compute": compute, "compute_cpu_seconds": loads, "cpu_share": speed,
-            "max_mean_flops": max(flops) / (sum(flops) / len(flops)),
-            "node_link_bytes_alltoall": 2 * a2a_bytes,
-            "node_link_bytes_allgather": allgather_bytes,
-            "network_link": link_a2a + link_allgather,
-            "network_link_alltoall": link_a2a, "network_link_allgather": link_allgather,
-            "modelled_link": compute + link_a2a + link_allgather,
-            "network": gloo_a2a + gloo_allgather,
-            "network_alltoall": gloo_a2a, "network_allgather": gloo_allgather,
-            "gloo_rate_alltoall": rate_a2a, "gloo_rate_allgather": rate_allgather,
-            "collectives_alone": alone,
-            "modelled": compute + gloo_a2a + gloo_allgather}
 
 
 def drive(args, bench):
@@ -896,15 +457,6 @@ def preflight(args):
 
 
 def main(argv):
-    if argv[:1] == ["--_tcp-recv"]:
-        return tcp_receive(argv[1], int(argv[2]))
-    if argv[:1] == ["--_tcp-send"]:
-        return tcp_send(argv[1], int(argv[2]), int(argv[3]))
-    if argv[:1] == ["--_calibrate"]:
-        return calibration_client(argv[1], argv[2], argv[3])
-    if argv[:1] == ["--_rank"]:
-        return rank_main(argv[1], int(argv[2]))
-
     args = parse_args(argv)
     bench = None
 
