@@ -30,7 +30,7 @@ int LeastLoaded(const std::vector<double>& load) {
   return static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
 }
 
-int64_t Rows(const common::MatrixSpec& m) { return m.shape.empty() ? 1 : m.shape[0]; }
+int64_t Rows(const common::MatrixSpec& m) { return common::TensorRows(m.shape); }
 
 // Step 1's second half: while some move of one tensor off the busiest node, or swap of one of
 // its tensors with a cheaper one elsewhere, lowers the larger of the two nodes' FLOPs below the

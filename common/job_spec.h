@@ -152,6 +152,13 @@ struct QkClip {
   }
 };
 
+// The rows of a tensor of this shape, as a tensor split across nodes counts them (DESIGN.md 4c,
+// "rows"): its first dimension; a 0-d tensor has one row. Shared by the client's ownership plan
+// and the daemon's import of rows.
+inline int64_t TensorRows(const std::vector<int64_t>& shape) {
+  return shape.empty() ? 1 : shape[0];
+}
+
 struct JobSpec {
   std::string job_id;
   int world_size = 1;

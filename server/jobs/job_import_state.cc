@@ -146,7 +146,7 @@ struct RowRange {
 };
 
 RowRange RowsOf(const std::vector<int64_t>& shape, int64_t row_offset, int64_t full_rows) {
-  const int64_t rows = shape.empty() ? 1 : shape[0];
+  const int64_t rows = common::TensorRows(shape);
   if (full_rows > 0) return {row_offset, row_offset + rows, full_rows};
   return {0, rows, rows};
 }
