@@ -3,7 +3,6 @@
 #include <sys/resource.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <set>
@@ -12,7 +11,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
-#include "common/logging.h"
 #include "server/api/shm_server.h"
 #include "server/jobs/job_registry.h"
 #include "server/ops/optimizer_metrics.h"

@@ -1,14 +1,14 @@
 #include "server/ops/optimizer_metrics.h"
 
+#include <algorithm>
 #include <cmath>
-#include <cstdlib>
+#include <iterator>
 #include <map>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "common/logging.h"
 #include "common/metrics.h"
 
 namespace muond::server {
