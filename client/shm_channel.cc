@@ -310,7 +310,10 @@ void ShmChannel::Reap() {
     if (ring->header.comp_head.load(std::memory_order_acquire) <= tail) return;
     const shm::Completion c = ring->comps[tail % shm::kRingSlots];
     ring->header.comp_tail.store(tail + 1, std::memory_order_release);
-    if (c.step != part_step_) continue;
+    // Completions of another step, or of an earlier try of this one (a refused or dropped try
+    // whose parts are still being answered), say nothing of this try.
+    if (c.step != part_step_ || c.seq < first_seq_) continue;
+    if (c.seq == first_seq_ && c.code == 0) opened_ = true;
     if (c.code != 0 && part_error_.ok()) {
       const size_t len = strnlen(c.message, shm::kMessageBytes);
       part_error_ = absl::Status(static_cast<absl::StatusCode>(c.code), std::string(c.message, len));
@@ -333,6 +336,8 @@ absl::Status ShmChannel::Post(int64_t step, uint64_t offset, uint64_t size, bool
     if (part_step_ >= 0 && !part_ended_) RETURN_IF_ERROR(WaitStep(part_step_).status());
     part_step_ = step;
     last_seq_ = UINT64_MAX;
+    first_seq_ = next_seq_;  // the sequence this try's first part will get
+    opened_ = false;
     part_ended_ = false;
     part_error_ = absl::OkStatus();
   } else if (last_seq_ != UINT64_MAX) {
@@ -380,6 +385,10 @@ absl::StatusOr<ShmChannel::Ringing> ShmChannel::WaitStep(int64_t step) {
 
 bool ShmChannel::SpanReady(size_t span, int64_t step) const {
   if (progress_byte_offset_ == 0 || span >= spans_.size()) return false;
+  // The words are this try's only once the daemon answered its first part: it clears them when
+  // the try opens (server/jobs/job_shared.cc), so a word an earlier try of the step set is never
+  // taken for a result of this one.
+  if (step != part_step_ || !opened_) return false;
   const auto* words = reinterpret_cast<const int64_t*>(out_.data() + progress_byte_offset_);
   return __atomic_load_n(&words[span], __ATOMIC_ACQUIRE) == step + 1;
 }

@@ -129,6 +129,10 @@ class ShmChannel {
   // whether that completed and how, and the first refusal among its parts.
   int64_t part_step_ = -1;
   uint64_t last_seq_ = UINT64_MAX;
+  // The try of part_step_ now being sent: the sequence of its first part, and whether the daemon
+  // answered it (its progress words are this try's from then on).
+  uint64_t first_seq_ = 0;
+  bool opened_ = false;
   bool part_ended_ = false;
   Ringing part_result_;
   absl::Status part_error_;

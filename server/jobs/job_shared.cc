@@ -184,6 +184,15 @@ absl::Status Job::OpenSharedStep(int rank, uint64_t session, int64_t step, bool 
   update->step = step;
   update->keepalive = std::move(keepalive);
   update->progress = std::move(progress);
+  // The try owns the rank's progress words from here: a refused, dropped or aborted try of this
+  // step may have set some (its pipeline announces nothing once it ended: step_pipeline.cc), and
+  // none of them may read as this try's. The rank trusts the words only after the completion of
+  // this try's first part, which this lock orders after the clearing (client/shm_channel.cc).
+  if (update->progress.words != nullptr) {
+    for (size_t i = 0; i < spans.size(); ++i) {
+      __atomic_store_n(&update->progress.words[i], int64_t{0}, __ATOMIC_RELEASE);
+    }
+  }
   for (size_t i = 0; i < spans.size(); ++i) {
     // Apply mode returns the new parameters, in the tensor's param dtype.
     const size_t out_bytes = apply() ? layout_.ParamSpanBytes(rank, i) : layout_.SpanBytes(rank, i);

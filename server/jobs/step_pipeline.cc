@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -258,21 +259,33 @@ class StepPipeline::Run {
   // The owners' results of `matrices` are in place: their shared-memory ranks may use them now
   // (progress words, then a wake-up per rank). Not with clipping: a clipped step recomputes every
   // result once the norm is known, so its words are set at the commit (Job::FinishCommit).
+  // A try that ended before its commit (refused, dropped by its rank, aborted) announces
+  // nothing: the words are the rank's, and its next try of the same step may have opened
+  // already (Job::OpenSharedStep clears them under the job's lock; this writes under it too, so
+  // a word of an ended try is never read as the new try's).
   void Announce(const std::vector<uint32_t>& matrices) {
     if (p_.spec_.max_grad_norm > 0) return;
-    std::vector<bool> touched(state_.outputs.size(), false);
-    for (uint32_t m : matrices) {
-      if (p_.qk_withheld_[m]) continue;  // QK-Clip rescales it before the commit
-      for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
-        const RankUpdate* out = state_.outputs[ref.rank].get();
-        if (out == nullptr || out->progress.words == nullptr) continue;
-        __atomic_store_n(&out->progress.words[ref.span], state_.step + 1, __ATOMIC_RELEASE);
-        touched[ref.rank] = true;
+    std::vector<std::function<void()>> notify;
+    {
+      absl::MutexLock lock(p_.job_mu_);
+      if (state_.done) return;
+      std::vector<bool> touched(state_.outputs.size(), false);
+      for (uint32_t m : matrices) {
+        if (p_.qk_withheld_[m]) continue;  // QK-Clip rescales it before the commit
+        for (const JobLayout::SpanRef& ref : p_.layout_.owners(m)) {
+          const RankUpdate* out = state_.outputs[ref.rank].get();
+          if (out == nullptr || out->progress.words == nullptr) continue;
+          __atomic_store_n(&out->progress.words[ref.span], state_.step + 1, __ATOMIC_RELEASE);
+          touched[ref.rank] = true;
+        }
+      }
+      for (size_t r = 0; r < touched.size(); ++r) {
+        if (touched[r] && state_.outputs[r]->progress.notify) {
+          notify.push_back(state_.outputs[r]->progress.notify);
+        }
       }
     }
-    for (size_t r = 0; r < touched.size(); ++r) {
-      if (touched[r] && state_.outputs[r]->progress.notify) state_.outputs[r]->progress.notify();
-    }
+    for (const std::function<void()>& wake : notify) wake();  // eventfd writes, after the lock
   }
 
   // Apply mode: the batch's tensors that no rank has a gradient of this step (the presence mask)

@@ -482,5 +482,62 @@ TEST_F(ShmHostileTest, AStepCommitsOnlyWithEveryRanksLastPart) {
   ExpectStillServing();
 }
 
+// A try owns its progress words: rank 0's spans were all announced in a try that its last part
+// then refused; in the retry, before any matrix can be computed (rank 1 has sent nothing of it),
+// none of them reads as ready, once the daemon answered the retry's first part as well as
+// before. Before, the refused try's words said "step 0 ready" and the retry used its results.
+TEST_F(ShmHostileTest, ARetryDoesNotReadTheRefusedTrysProgress) {
+  auto job = AttachTwoRanks(client(), ShmPath(), NewJobId("retry-words"),
+                            {integration::Matrix("q", {16, 24}), integration::Matrix("o", {24, 32})});
+  ASSERT_TRUE(job.ok()) << job.status();
+  ShmChannel& r0 = *job->c0;
+  ShmChannel& r1 = *job->c1;
+  const std::string flat0 = FlatRankBuffer(job->spec, 0, job->grads[0]);
+  const std::string flat1 = FlatRankBuffer(job->spec, 1, job->grads[0]);
+  std::memcpy(r0.GradientBuffer(0), flat0.data(), flat0.size());
+  std::memcpy(r1.GradientBuffer(0), flat1.data(), flat1.size());
+  ASSERT_TRUE(r1.Post(0, 0, r1.buffer_bytes(), /*last=*/true).ok());
+  for (const client::ShmSpan& span : r0.spans()) {
+    ASSERT_TRUE(r0.Post(0, span.byte_offset, span.length * 4, /*last=*/false).ok());
+  }
+  ASSERT_GE(r0.spans().size(), 2u) << "the test needs rank 0 to have two spans";
+  auto ready = [&](size_t i) { return r0.SpanReady(i, 0); };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  auto all_ready = [&] {
+    for (size_t i = 0; i < r0.spans().size(); ++i) {
+      if (!ready(i)) return false;
+    }
+    return true;
+  };
+  while (!all_ready() && std::chrono::steady_clock::now() < deadline) {
+    ASSERT_TRUE(r0.WaitProgress(100).ok());
+  }
+  ASSERT_TRUE(all_ready()) << "rank 0's results were never announced";
+  const client::ShmSpan& first = r0.spans()[0];
+  ASSERT_TRUE(r0.Post(0, first.byte_offset, first.length * 4, /*last=*/true).ok());
+  ASSERT_FALSE(r0.WaitStep(0).ok());
+  ASSERT_FALSE(r1.WaitStep(0).ok());
+  // The retry's first part: nothing of the step can be computed before rank 1 sends again.
+  ASSERT_TRUE(r0.Post(0, first.byte_offset, first.length * 4, /*last=*/false).ok());
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_TRUE(r0.WaitProgress(10).ok());
+    for (size_t k = 0; k < r0.spans().size(); ++k) {
+      EXPECT_FALSE(ready(k)) << "span " << k << " reads as ready in the retry (the refused try's "
+                                "word)";
+    }
+  }
+  for (size_t k = 1; k < r0.spans().size(); ++k) {
+    const client::ShmSpan& span = r0.spans()[k];
+    ASSERT_TRUE(r0.Post(0, span.byte_offset, span.length * 4, k + 1 == r0.spans().size()).ok());
+  }
+  std::thread other([&] { EXPECT_TRUE(r1.Ring(0).ok()); });
+  auto again = r0.WaitStep(0);
+  other.join();
+  EXPECT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(all_ready());
+  EXPECT_EQ(Status(job->spec.job_id, job->token).next_step(), 1);
+  ExpectStillServing();
+}
+
 }  // namespace
 }  // namespace muond::shmtest

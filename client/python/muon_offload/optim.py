@@ -54,6 +54,7 @@ optim_delay.py (DelayedUpdates); both are mixins of MuonWithAuxAdam.
 """
 import time
 import uuid
+import warnings
 
 import torch
 
@@ -222,7 +223,12 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
         # maxima (set_max_logits) and what the step's first part carried.
         self._qk_order = ()
         self._max_logits = self._sent_max_logits = None
-        self._steps_taken = 0
+        self._steps_taken = 0  # committed steps (delay_warmup counts them)
+        # Streamed steps sent whole at step() because a gradient was edited after it left
+        # (GradientStream.edited); the warning naming the first such tensor is given once.
+        self.stream_fallbacks = 0
+        self._edit_warned = False
+        self._ddp_routed = ()  # stream_ddp(): the job tensors DDP's hook streams
         # What the last step cost the caller (seconds): in step(), and waiting for muond.
         self.last_step_stats = {}
         if backend == "local" or not self._job_tensors:
@@ -294,6 +300,15 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
                 if p.device.type != "cpu" and not apply:
                     raise ValueError(f"parameter '{name}' is on {p.device}: this optimizer "
                                      "updates CPU parameters (mode='apply' takes CUDA ones)")
+        for name, p in zip(names, params):
+            flat = p if getattr(p, "_fsdp_flattened", False) else getattr(p, "_base", None)
+            if flat is not None and getattr(flat, "_fsdp_flattened", False):
+                raise ValueError(
+                    f"parameter '{name}' belongs to a FullyShardedDataParallel FlatParameter: "
+                    "FSDP is not supported (it flattens and shards the weight matrices itself, "
+                    "where muond needs each whole matrix and its gradient as backward produces "
+                    "it); shard with MuonWithAuxAdam's own zero_stage (1, 2 or 3), optionally "
+                    "under DistributedDataParallel (README, \"Streaming and gradient edits\")")
         if group["use_muon"] or apply:
             for name, p in zip(names, params):
                 if not p.is_contiguous():
@@ -386,6 +401,7 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
             view = (lambda t: self.offload._host_grads) if apply else \
                 (lambda t: self._grad_buffers)
         self._stream.set_buffer(view)
+        self._stream.route(self._ddp_routed)
         self._stream.on_first_post = self._send_hyper if apply else None
         if self.stream:
             self._stream.install()
@@ -406,6 +422,48 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
             st.disarm()
         else:
             st.arm(self.step_id, shm=self.session.is_shm)
+
+    def stream_ddp(self, ddp_model):
+        """The DDP route: streams the gradients DistributedDataParallel reduced, as each of its
+        buckets is reduced during backward, instead of each rank's local gradient (which DDP
+        rewrites at the end of backward, so that streaming it always falls back). Registers a
+        communication hook on `ddp_model` that reduces as DDP's default hook does (the bucket
+        divided by the group's size, then all-reduced) and hands the reduced bucket to the
+        stream; gradient_as_bucket_view True or False. Needs reduce_gradients=False (DDP
+        reduces). Under no_sync() no hook fires and nothing streams: the step goes whole at
+        step(). Call once, before the first backward; every rank calls it."""
+        ddp = torch.nn.parallel.DistributedDataParallel
+        if not isinstance(ddp_model, ddp):
+            raise TypeError(f"stream_ddp takes a DistributedDataParallel model, not "
+                            f"{type(ddp_model).__name__}")
+        if self.reduce_gradients:
+            raise ValueError("stream_ddp: DistributedDataParallel reduces the gradients; create "
+                             "the optimizer with reduce_gradients=False")
+        mine = {id(p) for p in ddp_model.module.parameters()}
+        self._ddp_routed = [i for i, (_, p) in enumerate(self._job_tensors) if id(p) in mine]
+        ddp_model.register_comm_hook(ddp_model.process_group, self._ddp_comm_hook)
+        if self._stream is not None:
+            self._stream.route(self._ddp_routed)
+
+    def _ddp_comm_hook(self, process_group, bucket):
+        """DDP's default all-reduce hook, and the reduced bucket into the gradient stream."""
+        group = process_group if process_group is not None else \
+            torch.distributed.group.WORLD
+        tensor = bucket.buffer()
+        tensor.div_(group.size())
+        params = bucket.parameters()
+        stream = self._stream
+
+        def reduced(fut):
+            flat = fut.value()[0]
+            if stream is not None:
+                try:
+                    stream.arrived_reduced(params, flat)
+                except Exception as e:  # the step falls back; backward goes on
+                    stream.fault(e)
+            return flat
+        return torch.distributed.all_reduce(tensor, group=group, async_op=True) \
+            .get_future().then(reduced)
 
     def accumulating(self):
         """Context manager: backward passes inside it accumulate gradients without streaming them
@@ -507,24 +565,21 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
         return self.delay == 1 and self._steps_taken >= self.delay_warmup and \
             self._session().is_shm
 
-    def _send_gradients(self, step):
+    def _send_gradients(self, step, checked=False):
         """This rank's partition of the job tensors' gradients into the step's buffer (reduced
         over the ranks when asked), sent in parts as backward produced them when the stream was
-        armed; returns True when the step went in parts (its last part posted)."""
+        armed and every streamed gradient is still what left (checked: the caller made sure);
+        returns True when the step went in parts (its last part posted)."""
         st = self._stream
-        parts = st.armed and st.step == step and self.session.is_shm
-        if not st.armed or st.step != step:
+        streamed = st.armed and st.step == step  # copied (shm: and posted) during backward
+        parts = streamed and self.session.is_shm
+        if streamed and not checked and self._stream_edited(st):
+            self._fall_back(st)
+            streamed = parts = False
+        if not streamed:
             st.arm(step, shm=False)
         try:
             st.finish()
-            late = st.late_tensors()
-            if late and parts:
-                names = ", ".join(repr(self._names[self._job_tensors[i][1]]) for i in late[:4])
-                raise MuondError(CODES["FAILED_PRECONDITION"],
-                                 f"the gradients of {names} changed after they were streamed to "
-                                 "muond (a second backward before step()?); use "
-                                 "opt.accumulating() for all backward passes but the last; the "
-                                 "step was dropped, nothing changed", "step")
         except BaseException:
             if parts:
                 st.abandon()
@@ -532,6 +587,38 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
         if parts:
             st.post_last()
         return parts
+
+    def _stream_edited(self, st, also=False):
+        """Whether a streamed step must be sent whole, on every rank alike (one all-reduce with a
+        process group): a gradient streamed during backward was edited before step() on some
+        rank (GradientStream.edited), or `also` (another reason of this rank's) holds. Counts
+        the fallback (stream_fallbacks) and warns once per run naming the first edited tensor."""
+        edited = st.edited()
+        mine = bool(edited) or bool(also)
+        agreed = self.ranks.count(mine) > 0 if self.world_size > 1 else mine
+        if edited and not self._edit_warned:
+            self._edit_warned = True
+            name = self._names[self._job_tensors[edited[0]][1]]
+            warnings.warn(
+                f"muon_offload: the gradient of {name!r} changed between backward and step() "
+                f"after it was streamed to muond ({len(edited)} tensor(s) this step; e.g. "
+                "clip_grad_norm_, an unscale, DistributedDataParallel's reduction, p.grad = ..., "
+                "a second backward): the step is sent whole at step() instead, exact but not "
+                "overlapped with backward; opt.stream_fallbacks counts such steps. To keep "
+                "streaming, edit gradients through the optimizer's routes (README, \"Streaming "
+                "and gradient edits\"): a DynamicLossScaler, max_grad_norm, "
+                "opt.stream_ddp(ddp_model) under DistributedDataParallel, opt.accumulating() "
+                "for earlier micro-batches",
+                RuntimeWarning, stacklevel=4)
+        if agreed:
+            self.stream_fallbacks += 1
+        return agreed
+
+    def _fall_back(self, st):
+        """Every rank drops the parts it streamed of the armed step together (the daemon refuses
+        that try, nothing of it commits) before any sends the step whole."""
+        st.abandon(everyone=True)
+        self.ranks.barrier()
 
     def _post_whole(self, step):
         """Sends the step's whole gradient buffer without waiting (delayed mode)."""
@@ -632,13 +719,26 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
             lr, wd = (g["lr"], g["weight_decay"]) if hyper is None else hyper[j]
             self._apply(p, m / (v.sqrt() + g["eps"]), lr, wd)
 
-    def step(self, closure=None, grad_divisor=None, max_logits=None):
+    # torch.cuda.amp.GradScaler calls step(grad_scaler=scaler) on an optimizer that says this, in
+    # place of its own unscale and inf check: refused there (step() below), not run unscaled.
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_divisor=None, max_logits=None, grad_scaler=None):
         """One optimizer step (a collective with a process group). Raises MuondError, with nothing
         updated, when a gradient muond needs is missing or muond refuses the step (e.g.
         INVALID_ARGUMENT for a non-finite gradient on any rank, naming the tensor and rank, on
         every rank). grad_divisor (apply mode): divides this step's gradients (default: the
         grad_divisor attribute). max_logits (qk_clip): the step's per-head maxima, as
         set_max_logits takes them (needed unless set_max_logits was called for the step)."""
+        if grad_scaler is not None:
+            raise TypeError(
+                "MuonWithAuxAdam does not take torch.cuda.amp.GradScaler (scaler.step(opt)): its "
+                "unscale and inf check would edit the gradients after they were streamed to "
+                "muond, and its skipped steps would not reach the daemon. Use "
+                "muon_offload.DynamicLossScaler: MuonWithAuxAdam(..., mode='apply', "
+                "loss_scaler=scaler), scaler.backward(loss) (or (loss * scaler.scale)."
+                "backward()), opt.step(); muond divides by the scale and skips overflowed steps. "
+                "Nothing of this step was applied")
         if grad_divisor is not None and self.mode != "apply":
             raise ValueError("grad_divisor applies to mode='apply' only")
         if max_logits is not None:
@@ -672,8 +772,9 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
             self._arm()
             raise
         finally:
-            self._steps_taken += 1
             self.last_step_stats = {"seconds": time.perf_counter() - t0}
+        if not self.last_step_skipped:
+            self._steps_taken += 1  # committed steps only: delay_warmup counts them
         self.step_id += 1
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.last_step_skipped)

@@ -18,6 +18,8 @@ class ApplyModeSteps:
     def _apply_hyper(self, grad_divisor=None, absent=None):
         """(groups, lr, weight_decay, divisor, absent) of Session.set_hyper. absent: the
         presence mask (default: the last step's, a guess made during backward)."""
+        if grad_divisor is None and self.loss_scaler is not None:
+            grad_divisor = self.loss_scaler.scale  # what the loss being backpropagated was scaled by
         divisor = self.grad_divisor if grad_divisor is None else float(grad_divisor)
         if self.reduce_gradients and self.world_size > 1:
             divisor *= self.world_size  # the ranks' gradients are summed: muond takes the mean
@@ -78,15 +80,13 @@ class ApplyModeSteps:
                                  "per-head maxima}) or call set_max_logits() after the forward")
             s.set_max_logits(self._max_logits)
         streamed = st.armed and st.step == step and s.is_shm
-        changed = streamed and (self._sent_hyper not in (None, hyper) or
-                                self._sent_max_logits not in (None, self._max_logits))
-        if streamed and self.world_size > 1:
-            changed = self.ranks.count(changed) > 0  # every rank takes the same path
-        if changed:
-            # lr, the divisor or the presence mask changed after the first part left: drop the
-            # parts, send the step whole.
-            st.abandon()
-            self.ranks.barrier()
+        # lr, the divisor, the presence mask or the max logits changed after the first part
+        # left, or a streamed gradient was edited after it left: every rank drops its parts and
+        # sends the step whole (one agreement over the ranks for both reasons).
+        if streamed and self._stream_edited(
+                st, also=self._sent_hyper not in (None, hyper) or
+                self._sent_max_logits not in (None, self._max_logits)):
+            self._fall_back(st)
             streamed = False
         if self._delayed():
             self._install_in_flight()
@@ -102,7 +102,7 @@ class ApplyModeSteps:
             if streamed:
                 self._step_hyper = hyper
                 try:
-                    self._send_gradients(step)
+                    self._send_gradients(step, checked=True)
                 finally:
                     self._step_hyper = None
                 new_params = self.offload._pinned(s.update_view(step, self.dtype), read_only=True)

@@ -29,6 +29,10 @@ every rank (as DistributedDataParallel's buckets assume), so that every rank's b
 Thread-safety: the hooks run on autograd's threads, one at a time per backward; step() runs after
 backward returned.
 """
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from ._native import CODES, MuondError
@@ -39,6 +43,49 @@ DEFAULT_BUCKET_BYTES = 32 << 20
 def _wire(t):
     # gloo (torch 1.13) does not move bfloat16: it travels as bytes (data movement only).
     return t.view(torch.uint8) if t.dtype == torch.bfloat16 else t
+
+
+_WEIGHTS = {}  # (device, n): the position weights of _device_fingerprint, made once
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _device_fingerprint(t):
+    """Two int64 sums over the tensor's words (integers of its element's size), computed where
+    it lives (no copy to the host): the plain sum, which any change of a single word moves, and
+    a sum weighted by position (mod 65521, plus 1), which a swap of two words or a change that
+    keeps the plain sum moves. Returns a 2-element int64 tensor on the tensor's device."""
+    flat = t.detach().contiguous().view(-1)
+    words = flat.view(_WORD[flat.element_size()])
+    n = words.numel()
+    key = (str(words.device), n)
+    weights = _WEIGHTS.get(key)
+    if weights is None:
+        weights = (torch.arange(n, device=words.device, dtype=torch.int64) % 65521 + 1).to(
+            torch.int32)
+        if len(_WEIGHTS) > 256:
+            _WEIGHTS.clear()
+        _WEIGHTS[key] = weights
+    return torch.stack([words.sum(dtype=torch.int64),
+                        (words * weights).sum(dtype=torch.int64)])
+
+
+def fingerprint(t):
+    """A fingerprint of the tensor's bytes as they are now: CRC-32 of its bytes for a CPU tensor
+    (one pass, no copy), _device_fingerprint elsewhere (no host copy; compared where it was
+    taken). Equal fingerprints of the same tensor mean unchanged bytes, up to a CRC collision."""
+    if t.device.type == "cpu":
+        flat = t.detach().contiguous().view(-1)
+        if flat.numel() == 0:
+            return 0
+        return zlib.crc32(memoryview(flat.view(torch.uint8).numpy()))
+    return _device_fingerprint(t)
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+            bool(torch.equal(a, b))
+    return a == b
 
 
 class GradientStream:
@@ -87,6 +134,12 @@ class GradientStream:
         self._shm = False
         self.on_first_post = None  # called before the step's first part leaves (apply: hyper)
         self.buckets_sent = 0
+        self._pool = None  # threads for the fingerprints at step() (zlib releases the GIL)
+        # The DDP route (route()): tensors whose reduced gradient DistributedDataParallel's
+        # communication hook hands over (on its own thread); their AccumulateGrad hooks stay
+        # quiet. The lock orders the hook threads' sends.
+        self._routed = frozenset()
+        self._lock = threading.Lock()
         self._reset(None)
 
     # ----- hooks -----
@@ -102,9 +155,40 @@ class GradientStream:
 
     def _hook_for(self, i):
         def hook(*_):
-            if self._active:
-                self._arrived(i)
+            if self._active and i not in self._routed:
+                with self._lock:
+                    self._arrived(i)
         return hook
+
+    def route(self, indices):
+        """The tensors `indices` stream through arrived_reduced (the DDP route) from now on."""
+        self._routed = frozenset(indices)
+
+    def arrived_reduced(self, params, flat):
+        """The DDP route, on the communication hook's thread: `flat` holds the reduced gradients
+        of `params` (a DDP bucket's parameters, in its order, one after the other), the bytes
+        DDP then leaves in p.grad (a view of them, or a copy at the end of backward). Routed job
+        tensors among them are sent as one bucket; what step() checks of each is the
+        fingerprint of these bytes and the p.grad tensor they belong to."""
+        with self._lock:
+            if not self._active:
+                return
+            values, at = {}, 0
+            for p in params:
+                n = p.numel()
+                i = self._index.get(id(p))
+                if i is not None and i in self._routed:
+                    if i in self._sent:
+                        self._late.append(i)
+                    else:
+                        values[i] = flat[at:at + n]
+                at += n
+            if not values:
+                return
+            for i, v in values.items():
+                self._left[i] = (self.params[i].grad, fingerprint(v))
+            self._sent.update(values)
+            self._copy_and_post(list(values), values)
 
     def remove(self):
         """Stops streaming for good (the hooks stay registered but do nothing)."""
@@ -120,6 +204,10 @@ class GradientStream:
         self._posted = 0          # parts posted
         self._inflight = []       # (work, received, tensors) of all-to-alls not yet summed
         self._late = []           # tensors whose gradient changed after they were sent
+        # Per tensor sent while armed: (the gradient tensor it was read from, or None for zeros,
+        # its fingerprint then). step() checks both before the parts may stand (edited()).
+        self._left = {}
+        self._fault = None        # an error of the DDP route's sends (fault())
 
     def arm(self, step, shm):
         """The next backward streams step `step` (shm: parts go out at once; else recorded)."""
@@ -150,6 +238,10 @@ class GradientStream:
         if not tensors:
             return
         self._sent.update(tensors)
+        if self._active:
+            for i in tensors:  # what leaves now: step() checks it is still what p.grad holds
+                g = self.params[i].grad
+                self._left[i] = (g, None if g is None else fingerprint(g))
         if self.reduce:
             self._exchange(tensors)
             self._finish_exchanges(keep=1)  # sums the previous bucket while this one travels
@@ -282,14 +374,57 @@ class GradientStream:
     def late_tensors(self):
         return sorted(set(self._late))
 
-    def abandon(self):
+    def fault(self, error):
+        """A send on the DDP hook's thread failed: the step falls back (every tensor counts as
+        edited), and step() says why in the warning."""
+        self._fault = error
+
+    def edited(self):
+        """The tensors (indices) whose gradient is not, at step(), what was streamed of it during
+        backward: a second backward into it, p.grad replaced (p.grad = ..., set to None, or
+        set where there was none), or its bytes changed in place (clip_grad_norm_, an unscale,
+        DistributedDataParallel's reduction, p.grad.data.mul_(): none of which torch 1.13's
+        version counter reliably shows, so the bytes are fingerprinted). Sorted; empty when
+        every streamed byte is still the gradient's."""
+        if self._fault is not None:
+            return list(range(len(self.params)))
+        edited = set(self._late)
+        checks = []
+        for i, (g, fp) in self._left.items():
+            if i in edited:
+                continue
+            now = self.params[i].grad
+            if now is not g:  # identity by reference: id() and data_ptr() get reused
+                edited.add(i)
+            elif g is not None:
+                checks.append((i, g, fp))
+        cpu = [c for c in checks if c[1].device.type == "cpu"]
+        if len(cpu) > 1 and torch.get_num_threads() > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=torch.get_num_threads())
+            now = list(self._pool.map(lambda c: fingerprint(c[1]), cpu))
+        else:
+            now = [fingerprint(g) for _, g, _ in cpu]
+        for (i, _, fp), n in zip(cpu, now):
+            if n != fp:
+                edited.add(i)
+        for i, g, fp in checks:
+            if g.device.type != "cpu" and not _same(fingerprint(g), fp):
+                edited.add(i)
+        return sorted(edited)
+
+    def abandon(self, everyone=False):
         """Drops a step whose parts went out (an error before its last part): the daemon refuses
-        it, nothing commits. Collective work in flight is waited for (every rank does the same)."""
+        it, nothing commits. Collective work in flight is waited for (every rank does the same).
+        everyone: every rank of the job drops the step together (a fallback they agreed on), so
+        this rank sends its refusing last part even when none of its parts left yet: the
+        refusal the daemon owes a rank that had not begun the step is taken here, not by the
+        step's whole send that follows."""
         self._active = False
         for work, *_ in self._inflight:
             work.wait()
         self._inflight = []
-        if self._shm and self._posted:
+        if self._shm and (self._posted or everyone):
             try:
                 self.post_last(poison=True)
             except MuondError:
