@@ -167,6 +167,26 @@ absl::Status ArmCommitFault() {
 #endif
 }
 
+// The load_state_dict test's kill, from $MUOND_TEST_IMPORT_FAULT=KILL:N: the N-th job creation
+// that reads an import_dir SIGKILLs the daemon in the middle (server/jobs/job_registry.h
+// SetImportKillForTesting).
+absl::Status ArmImportFault() {
+#ifndef MUOND_TEST_HOOKS
+  return absl::OkStatus();  // a release build has no fault hooks
+#else
+  const char* env = std::getenv("MUOND_TEST_IMPORT_FAULT");
+  if (env == nullptr || *env == '\0') return absl::OkStatus();
+  const std::vector<std::string> parts = absl::StrSplit(env, ':');
+  int nth = 0;
+  if (parts.size() != 2 || parts[0] != "KILL" || !absl::SimpleAtoi(parts[1], &nth) || nth < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("'", env, "' is not KILL:N (N >= 1)"));
+  }
+  JobRegistry::SetImportKillForTesting(nth);
+  MUOND_LOG(WARNING) << "import fault armed: " << env;
+  return absl::OkStatus();
+#endif
+}
+
 // The compute device and its streams for `config` (DESIGN.md section 6).
 absl::StatusOr<std::unique_ptr<DeviceStreams>> OpenDevice(const DaemonConfig& config, int threads) {
   // cpu and simulated are always built; GPU backends plug in via OpenBackend.
@@ -334,6 +354,9 @@ int Serve(const DaemonConfig& config) {
   }
   if (absl::Status s = ArmStall(); !s.ok()) {
     return Fail(2, absl::StrCat("MUOND_TEST_STALL: ", s.message()));
+  }
+  if (absl::Status s = ArmImportFault(); !s.ok()) {
+    return Fail(2, absl::StrCat("MUOND_TEST_IMPORT_FAULT: ", s.message()));
   }
   if (absl::Status s = registry.Restore(); !s.ok()) {
     return Fail(1, absl::StrCat("--state-dir ", config.state_dir, ": ", s.message()));

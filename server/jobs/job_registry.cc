@@ -2,11 +2,13 @@
 
 #include <dirent.h>
 #include <malloc.h>
+#include <signal.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -34,7 +36,25 @@ bool Exists(const std::string& path) {
   return ::lstat(path.c_str(), &st) == 0;
 }
 
+// The import kill of job_registry.h (SetImportKillForTesting): which import dies, and how many
+// have begun.
+std::atomic<int> import_kill_nth{0};
+std::atomic<int> imports_begun{0};
+
+void KillIfImportFault(int ordinal, const std::string& id) {
+  if (ordinal <= 0 || import_kill_nth.load() != ordinal) return;
+  import_kill_nth.store(0);
+  MUOND_LOG(WARNING) << "test hook MUOND_TEST_IMPORT_FAULT: SIGKILL in import " << ordinal
+                     << " (job '" << id << "': state read, directory made, no generation yet)";
+  ::kill(::getpid(), SIGKILL);  // to the process (raise() would target this thread alone)
+}
+
 }  // namespace
+
+void JobRegistry::SetImportKillForTesting(int nth) {
+  import_kill_nth.store(nth);
+  imports_begun.store(0);
+}
 
 absl::StatusOr<std::string> NewJobToken() {
   unsigned char raw[32];
@@ -223,12 +243,17 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
   try {
     job = NewJob(std::move(spec), common::Sha256(token), std::move(owner));
     if (source != nullptr) s = job->LoadCheckpointFrom(source, restore->selector).status();
-    if (s.ok() && !import_dir.empty()) s = job->ImportState(import_dir, job->owner().uid);
+    int import_ordinal = 0;  // this create's place among imports (the test hook's count)
+    if (s.ok() && !import_dir.empty()) {
+      import_ordinal = imports_begun.fetch_add(1) + 1;
+      s = job->ImportState(import_dir, job->owner().uid);
+    }
     if (s.ok() && source == nullptr && !job->spec().init_from.empty()) {
       s = job->InitFromFile(job->owner().uid);  // read before the job is visible to anyone
     }
     load_failed = !s.ok();
     if (s.ok()) made_dir = (s = Persist(*job)).ok();
+    if (s.ok()) KillIfImportFault(import_ordinal, id);
     if (s.ok() && (source != nullptr || !import_dir.empty())) {
       // The restored (or imported) momentum exists only in memory until the job has a generation
       // of its own: a restart before its first save would bring it back empty (the marker makes a

@@ -83,6 +83,13 @@ class JobRegistry {
   absl::StatusOr<Created> Create(common::JobSpec spec,
                                  const std::optional<RestoreFrom>& restore = std::nullopt,
                                  JobOwner owner = {}, const std::string& import_dir = "");
+  // Test hook (muond arms it from $MUOND_TEST_IMPORT_FAULT=KILL:N in a build with
+  // MUOND_TEST_HOOKS): the N-th Create that begins reading an import_dir (counted from 1 in this
+  // process) SIGKILLs the daemon once that state was read and the job's directory made, before its
+  // first generation is written: a daemon that dies in the middle of an import (its restart removes
+  // the half-made job). An import refused before that point spends its turn without firing. Once;
+  // 0 disarms it.
+  static void SetImportKillForTesting(int nth);
   // Deletes `job` (taken from the caller, who keeps no reference). Steps in flight on the job fail
   // with NOT_FOUND; its shared-memory sessions end, its gRPC streams and exports are cancelled
   // (Job::MarkDeleted), and the job's memory is returned to the system before this returns, unless

@@ -12,7 +12,12 @@ apply mode also the master weights and the AdamW state) lives in the daemon.
   - load_state_dict(): a reference loads that generation of this job; a state by tensor name is
     imported into a new job of this optimizer's spec and id, which replaces the job (as
     DeepSpeed's universal checkpoint: the state may come from a job of another id, world size or
-    ZeRO stage; tensors are matched by name and shape).
+    ZeRO stage; tensors are matched by name and shape). All or nothing: torch's part (state,
+    param_groups) is checked first (a mismatch touches no job) and installed, with step_id, only
+    once the daemon took its part; a refusal leaves both as they were. The state a by-name load
+    replaces stays restorable until the new one is in: rank 0 exports it to a backup directory
+    first, and a refused import re-creates the job from it; when that fails too (the daemon
+    died), the backup is kept and the error names it and how to create the job from it.
 
 Apply mode: the state holds the master weights too; the model's parameters come back from the
 trainer's own checkpoint (they are the masters in the param dtype), or from export().
@@ -20,8 +25,9 @@ trainer's own checkpoint (they are the masters in the param dtype), or from expo
 Collectives, as the optimizer: save_checkpoint(), load_checkpoint(), state_dict() and
 load_state_dict() are called by every rank of the group in the same order (state_dict()'s export
 runs on rank 0, whose dict holds the state; the other ranks' refer to rank 0's). The temporary
-export directory is made for the daemon's user to read (0711, files 0644, a random name) and
-removed at once. Errors: MuondError.
+directories (muon-state-*, under tempfile.gettempdir()) are made for the daemon's user to read
+(0711, files 0644, a random name) and removed once used, but for a backup that the error of a
+failed restore names. Errors: MuondError.
 """
 import os
 import shutil
@@ -57,11 +63,21 @@ class DaemonCheckpoints:
         if self.client is None:
             raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
         self._detach()
+        self.ranks.barrier()
+        try:
+            loaded, next_step = self.ranks.on_rank0(
+                lambda: self.client.checkpoint_load(self.job_id, self.token, generation, step))
+        except MuondError:
+            # Refused (no such generation, a damaged one): the job kept its state; attach again
+            # so the optimizer is as it was (when the daemon is gone, the load's error stands).
+            try:
+                self.ranks.all_ranks(lambda: self._attach(takeover=False))
+                self._arm()
+            except MuondError:
+                pass
+            raise
         self._checkpoint = None
         self._upload_pending = False  # apply mode: the generation holds the master weights
-        self.ranks.barrier()
-        loaded, next_step = self.ranks.on_rank0(
-            lambda: self.client.checkpoint_load(self.job_id, self.token, generation, step))
         self.ranks.barrier()
         self.ranks.all_ranks(lambda: self._attach(takeover=False))
         if self.step_id != next_step:
@@ -109,9 +125,8 @@ class DaemonCheckpoints:
     def _export_state_bytes(self):
         """Rank 0: the job's live state exported by the daemon into a temporary directory and read
         back as bytes (the directory is removed)."""
-        tmp = tempfile.mkdtemp(prefix="muon-state-")
+        tmp = _private_dir("muon-state-export-")
         try:
-            os.chmod(tmp, 0o711)  # the daemon's user enters it without listing it
             step = self.client.export_state(self.job_id, self.token, tmp)
             files = {}
             for name in sorted(os.listdir(tmp)):
@@ -129,7 +144,9 @@ class DaemonCheckpoints:
         """Restores the in-process part and, for muond, the job's state: a generation of this job
         ("muond"), or a state by tensor name ("muond_state", of any job id, world size or ZeRO
         stage), which replaces this optimizer's job by a job imported from it (a new token). A
-        collective with a process group."""
+        collective with a process group. All or nothing: torch's part (state, param_groups) is
+        checked first and installed only once the daemon took its part; a refusal raises with
+        both as they were (see _import_state for the one case where the job cannot be put back)."""
         state_dict = dict(state_dict)
         muond = state_dict.pop("muond", None)
         by_name = state_dict.pop("muond_state", None)
@@ -142,40 +159,91 @@ class DaemonCheckpoints:
                                  f"'{muond['job_id']}', this optimizer drives job "
                                  f"'{self.job_id}'; a state by tensor name (state_dict() with "
                                  "the daemon on this host) loads into any job")
-        super().load_state_dict(state_dict)
+        staged = self._staged_torch_state(state_dict)
         if not self._offloaded():
             self.step_id = step_id
         elif by_name is not None:
             self._import_state(by_name)
         else:
-            _, next_step = self.load_checkpoint(generation=muond["generation"])
-            if next_step != muond["next_step"]:
-                raise MuondError(CODES["DATA_LOSS"],
-                                 f"job '{self.job_id}' generation {muond['generation']} resumes "
-                                 f"at step {next_step}, the state_dict at step "
-                                 f"{muond['next_step']}", "load_state_dict")
-            self._checkpoint = dict(muond)
+            self._load_generation(muond)
+        self._install_torch_state(*staged)
+
+    def _staged_torch_state(self, state_dict):
+        """(state, param_groups) that torch.optim.Optimizer.load_state_dict makes of `state_dict`
+        (its checks, deep copy and casts), this optimizer left as it was. Raises ValueError as
+        torch does, and when a group's use_muon differs (the job's tensors are fixed)."""
+        saved = state_dict.get("param_groups")
+        if isinstance(saved, (list, tuple)) and len(saved) == len(self.param_groups):
+            for i, (g, sg) in enumerate(zip(self.param_groups, saved)):
+                if isinstance(sg, dict) and "use_muon" in sg and \
+                        bool(sg["use_muon"]) != bool(g["use_muon"]):
+                    raise ValueError(f"loaded state dict's group {i} has use_muon="
+                                     f"{sg['use_muon']}, this optimizer's {g['use_muon']}")
+        kept = self.__dict__["state"], self.__dict__["param_groups"]
+        try:
+            super().load_state_dict(state_dict)  # builds new objects; the old ones stay intact
+            return self.state, self.param_groups
+        finally:
+            self.state, self.param_groups = kept
+
+    def _install_torch_state(self, state, param_groups):
+        """What _staged_torch_state made, installed. The group dicts are updated in place: the
+        optimizer's (group, param) pairs keep seeing the groups' hyperparameters."""
+        for group, loaded in zip(self.param_groups, param_groups):
+            group.clear()
+            group.update(loaded)
+        self.state = state
+
+    def _load_generation(self, muond):
+        """The muond part of a state_dict that names a generation of this job."""
+        _, next_step = self.load_checkpoint(generation=muond["generation"])
+        if next_step != muond["next_step"]:
+            raise MuondError(CODES["DATA_LOSS"],
+                             f"job '{self.job_id}' generation {muond['generation']} resumes "
+                             f"at step {next_step}, the state_dict at step "
+                             f"{muond['next_step']}; the trainer's part was not loaded",
+                             "load_state_dict")
+        self._checkpoint = dict(muond)
 
     def _import_state(self, by_name):
-        """Replaces the job by one of the same spec imported from `by_name` (rank 0's files)."""
-        self._detach()
-        self._checkpoint = None
-        self.ranks.barrier()
+        """Replaces the job by one of the same spec imported from `by_name` (rank 0's files).
 
-        def recreate():
-            """Rank 0: (token, error, fresh): the job imported from `by_name`; when the import is
-            refused, the job as it was (imported from its own state, saved first; a fresh job when
-            it had none yet) and why."""
-            files = by_name.get("files")
-            if not isinstance(files, dict) or not files:
-                raise MuondError(CODES["INVALID_ARGUMENT"],
-                                 "rank 0's state_dict holds no muond state by name (a state_dict "
-                                 "of another rank? every rank loads its own)", "load_state_dict")
-            tmp = tempfile.mkdtemp(prefix="muon-state-")
-            backup = tempfile.mkdtemp(prefix="muon-state-")
+        Until the import is in, the job's state stays restorable: rank 0 exports it into a backup
+        directory (muon-state-backup-<job>-* under tempfile.gettempdir(), 0711, for the daemon's
+        user) before the job is deleted. A refused import re-creates the job from that backup
+        (the error says "restored"); when that re-create fails too (the daemon died), the backup
+        is kept and the error names it and how to create the job from it; every other way out
+        removes it. A refusal before the job is deleted (a bad file entry, a failed export)
+        leaves the job as it was, attached again."""
+        self._detach()
+        self.ranks.barrier()
+        outcome = self.ranks.on_rank0(lambda: self._replace_job(by_name))
+        token, error, replaced, fresh = outcome
+        if replaced:
+            self.token = token
+            self._checkpoint = None  # the old job's generations went with it
+            # The imported state holds the master weights; a fresh job takes the trainer's.
+            self._upload_pending = fresh and self.mode == "apply" and "init_from" not in self.spec
+        self.ranks.all_ranks(lambda: self._attach(takeover=False))
+        self._arm()
+        if error is not None:
+            raise MuondError(*error)
+
+    def _replace_job(self, by_name):
+        """Rank 0 of _import_state: (token, error, replaced, fresh). error: why the import was
+        refused (None: it is in); replaced: the job was deleted and re-made (token is new);
+        fresh: a new job without state (it had none to back up). Raises, naming the kept backup,
+        when neither the import nor the restore made a job."""
+        tmp = backup = None
+        try:
             try:
-                for d in (tmp, backup):
-                    os.chmod(d, 0o711)  # the daemon's user enters them without listing them
+                files = by_name.get("files") if isinstance(by_name, dict) else None
+                if not isinstance(files, dict) or not files:
+                    raise MuondError(CODES["INVALID_ARGUMENT"],
+                                     "rank 0's state_dict holds no muond state by name (a "
+                                     "state_dict of another rank? every rank loads its own)",
+                                     "load_state_dict")
+                tmp = _private_dir("muon-state-import-")
                 for name, data in files.items():
                     if not isinstance(name, str) or os.path.basename(name) != name or \
                             name.startswith(".") or not isinstance(data, (bytes, bytearray)):
@@ -186,32 +254,89 @@ class DaemonCheckpoints:
                     with open(path, "wb") as f:
                         f.write(data)
                     os.chmod(path, 0o644)
-                spec = dict(self.spec)
-                spec.pop("init_from", None)  # the imported state holds the master weights
+                backup = _private_dir(f"muon-state-backup-{self.job_id}-")
                 try:
                     self.client.export_state(self.job_id, self.token, backup)
-                except MuondError:
-                    if self.step_id != 0:
-                        raise
-                    backup = None  # a new job (e.g. apply mode before its weights): no state
-                self.client.delete_job(self.job_id, self.token)
-                try:
-                    return self.client.create_job(spec, import_dir=tmp), None, False
+                    _readable(backup)
                 except MuondError as e:
-                    token = self.client.create_job(spec if backup else self.spec,
-                                                   import_dir=backup)
-                    return token, (e.code, f"{e.message}; the job was restored to the state it "
-                                   "had before load_state_dict()", "load_state_dict"), \
-                        backup is None
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if backup is not None:
-                    shutil.rmtree(backup, ignore_errors=True)
+                    _remove(backup)
+                    backup = None
+                    if self.step_id != 0:
+                        raise MuondError(e.code, f"{e.message} (backing up the job's state)",
+                                         "load_state_dict")
+                    # A new job (apply mode before its weights): no state, nothing to lose.
+            except OSError as e:  # the temporary directories
+                _remove(backup)
+                return self.token, (CODES["UNKNOWN"], f"{e}; the job was left as it was",
+                                    "load_state_dict"), False, False
+            except MuondError as e:
+                return self.token, (e.code, f"{e.message}; the job was left as it was",
+                                    e.operation), False, False
+            try:
+                self.client.delete_job(self.job_id, self.token)
+            except MuondError as e:
+                return self._restore_from(backup, e, deleted=False)
+            spec = dict(self.spec)
+            spec.pop("init_from", None)  # the imported state holds the master weights
+            try:
+                token = self.client.create_job(spec, import_dir=tmp)
+            except MuondError as e:
+                return self._restore_from(backup, e, deleted=True)
+            _remove(backup)
+            backup = None
+            return token, None, True, False
+        finally:
+            _remove(tmp)
 
-        self.token, error, fresh = self.ranks.on_rank0(recreate)
-        # The imported state holds the master weights; a fresh job takes the trainer's.
-        self._upload_pending = fresh and self.mode == "apply" and "init_from" not in self.spec
-        self.ranks.all_ranks(lambda: self._attach(takeover=False))
-        self._arm()
-        if error is not None:
-            raise MuondError(*error)
+    def _restore_from(self, backup, refused, deleted):
+        """Rank 0: the job re-created from `backup` (None: as a new job from its spec) after
+        `refused` (of the delete when not `deleted`, else of the import); the outcome as
+        _replace_job returns it. Keeps the backup and raises when the job cannot be re-created."""
+        spec = dict(self.spec)
+        if backup is not None:
+            spec.pop("init_from", None)
+        try:
+            token = self.client.create_job(spec, import_dir=backup)
+        except MuondError as e:
+            if not deleted and e.code_name == "ALREADY_EXISTS":
+                _remove(backup)  # the delete was refused: the job is there as it was
+                return self.token, (refused.code, refused.message, refused.operation), False, \
+                    False
+            if backup is None:
+                raise MuondError(e.code, f"{refused.message}; re-creating the job (it had no "
+                                 f"state yet) failed too: {e.message}", "load_state_dict")
+            raise MuondError(
+                e.code, f"{refused.message}; restoring job '{self.job_id}' from its backup "
+                f"failed too ({e.code_name}: {e.message}), so this optimizer has no job (the "
+                "trainer's part of the state_dict was not loaded). The job's state from before "
+                f"load_state_dict() is kept in {backup}: re-create the job from it with "
+                f"`muonctl job create --spec SPEC.json --import-dir {backup}` (SPEC.json: this "
+                "optimizer's .spec without init_from) or muon_offload.Client(address)."
+                f"create_job(spec, import_dir={backup!r}), then construct the optimizer with "
+                "that job_id and token; remove the directory afterwards", "load_state_dict")
+        _remove(backup)
+        return token, (refused.code, f"{refused.message}; the job was restored to the state it "
+                       "had before load_state_dict()", "load_state_dict"), True, backup is None
+
+
+def _private_dir(prefix):
+    """A new directory under tempfile.gettempdir() that the daemon's user enters without listing
+    it (0711, a random name)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    os.chmod(path, 0o711)
+    return path
+
+
+def _readable(path):
+    """The files in `path` (an export the daemon wrote) readable by everyone, so that a daemon
+    importing them as this user may (those the daemon owns it made so already)."""
+    for name in os.listdir(path):
+        try:
+            os.chmod(os.path.join(path, name), 0o644)
+        except OSError:
+            pass
+
+
+def _remove(path):
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
