@@ -25,13 +25,22 @@ Configurations, per mode of --modes ("update", "apply"):
   streaming   muond, stream=True, bucket_bytes (default: one block's Muon matrices, so each
               block's gradients leave as they are produced during backward);
   delayed     muond, stream=True, delay=1, delay_warmup=1.
+and in apply mode the fp16 recipe through the routes that keep streaming:
+  fp16        muond, stream=True, a DynamicLossScaler (the loss scaled by 2^16 before backward,
+              the scale sent as the step's divisor while backward streams) and max_grad_norm in
+              muond, its threshold twice the largest global gradient norm the emulated trainer
+              produces (clipping on, not triggering: steady-state training);
+  fp16-clip   the same with a threshold a quarter of the smallest norm: every step clips, so muond
+              recomputes the step with the clip coefficient once every tensor's norm is known
+              (the speculative redo), reported without a target.
 Each runs on a fresh copy of the model (same seed): --warmup unmeasured steps, then --steps
 measured ones. Step time: from the start of forward to the return of step(); exposed = mean step
 time - T_fb, the part of the optimizer the trainer waited for.
 
-Output: a table, then (last two lines)
+Output: a table, then (last lines)
   result: critical_path ratio=<exposed(streaming) / T_opt> target=0.25
   result: delayed ratio=<exposed(delayed) / T_opt> target=0.05
+  result: critical_path_fp16 ratio=<exposed(fp16) / T_opt> target=0.10   (with apply mode)
 each the worst (largest) over the modes run, clamped at 0. Exit 0 when the run completed (met
 targets or not), 1 on errors (then no result lines are printed).
 """
@@ -49,8 +58,10 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 VOCAB = 256
 BATCH = 8  # rows of the emulated activations (their size does not matter: nothing is computed)
 SEED = 1234
-TARGETS = {"critical_path": 0.25, "delayed": 0.05}
-CONFIGS = ("in-process", "sync", "streaming", "delayed")
+TARGETS = {"critical_path": 0.25, "delayed": 0.05, "critical_path_fp16": 0.10}
+CONFIGS = ("in-process", "sync", "streaming", "delayed", "fp16", "fp16-clip")
+APPLY_ONLY = ("fp16", "fp16-clip")
+LOSS_SCALE = 2.0 ** 16
 
 
 def parse_args():
@@ -109,6 +120,7 @@ class Sleeps:
     """The emulated kernel times (seconds), set by the calibration."""
     fwd = 0.0        # per block
     bwd = 0.0        # per block
+    loss_scale = 1.0  # the fp16 recipe's: the emulated gradients carry it, as real ones do
 
 
 def _gpu(seconds):
@@ -119,7 +131,7 @@ def _gpu(seconds):
 def _grads(bases, g_out):
     # A scalar of the incoming gradient (different every step, since the input is) times a fixed
     # random tensor per weight: real, finite gradients that cost the host next to nothing.
-    s = 1.0 + torch.tanh(g_out.sum())
+    s = (1.0 + torch.tanh(g_out.sum() / Sleeps.loss_scale)) * Sleeps.loss_scale
     return tuple(b * s for b in bases)
 
 
@@ -218,14 +230,14 @@ class Model:
         return [dict(params=list(self.muon), use_muon=True, lr=0.02, weight_decay=0.01),
                 dict(params=list(self.adam), use_muon=False, lr=3e-4, weight_decay=0.0)]
 
-    def forward_backward(self, step):
+    def forward_backward(self, step, loss_scale=1.0):
         x0 = torch.randn((BATCH, self.hidden), generator=torch.Generator().manual_seed(step))
         x = Embed.apply(x0, self.emb, self.bases["embed"])
         for ws, bases in zip(self.blocks, self._block_bases):
             x = Block.apply(x, bases, *ws)
         y = Head.apply(x, self._head_bases, self.norm, self.head)
         loss = (y * y).mean()
-        loss.backward()
+        (loss * loss_scale).backward()  # the fp16 recipe's scaled loss (1: the others)
         return loss
 
 
@@ -280,11 +292,25 @@ class Daemon:
 
 # ----- measurements -----
 
+def grad_norm_bounds(model):
+    """The smallest and largest global norm of the emulated (unscaled) gradients: each is its
+    base times 1 + tanh(x), in (0, 2) times the bases' norm."""
+    norm = sum(float(b.double().square().sum()) for b in model.bases.values()) ** 0.5
+    return 0.0, 2.0 * norm
+
+
 def make_optimizer(model, config, mode, address, bucket_bytes):
     groups = model.groups()
     if config == "in-process":
         return MuonWithAuxAdam(groups, backend="local")
     kw = dict(address=address, mode=mode, compute_dtype="float32", bucket_bytes=bucket_bytes)
+    if config in APPLY_ONLY:
+        _, high = grad_norm_bounds(model)
+        # Every step's gradient has 1 + tanh(x) >= 1 - tanh(|x|) > 0.5 of the bases' norm here
+        # (|x| small: the loss's gradient is tiny), so a quarter of it clips every step.
+        clip = 2.0 * high if config == "fp16" else 0.25 * high / 2.0
+        return MuonWithAuxAdam(groups, stream=True, max_grad_norm=clip,
+                               loss_scaler=mo.DynamicLossScaler(init_scale=LOSS_SCALE), **kw)
     if config == "sync":
         return MuonWithAuxAdam(groups, stream=False, **kw)
     if config == "streaming":
@@ -329,22 +355,31 @@ def run_config(args, bases, config, mode, address):
     """Mean step time (forward start to step() return) over the measured steps."""
     model = Model(args.layers, args.hidden, bases)
     opt = make_optimizer(model, config, mode, address, args.bucket_bytes)
+    Sleeps.loss_scale = LOSS_SCALE if config in APPLY_ONLY else 1.0
+    stats = {"fallbacks": 0, "skipped": 0}
     try:
         times = []
         for i in range(args.warmup + args.steps):
             opt.zero_grad()
             t0 = time.perf_counter()
-            model.forward_backward(i)
+            model.forward_backward(i, Sleeps.loss_scale)
             opt.step()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+            stats["skipped"] += int(opt.last_step_skipped)
         if config == "delayed":
             opt.drain()  # not timed
         for _, p in model.muon + model.adam:
             if not torch.isfinite(p).all():
                 raise RuntimeError(f"{config}/{mode}: non-finite parameters after the steps")
+        stats["fallbacks"] = getattr(opt, "stream_fallbacks", 0)
+        if config in APPLY_ONLY and (stats["fallbacks"] or stats["skipped"]):
+            raise RuntimeError(f"{config}/{mode}: {stats['fallbacks']} step(s) fell back to a "
+                               f"whole send, {stats['skipped']} skipped: the recipe's routes "
+                               "must keep every step streamed")
     finally:
         opt.close(delete_job=True)
+        Sleeps.loss_scale = 1.0
     return statistics.mean(times)
 
 
@@ -373,6 +408,8 @@ def main():
         baseline = None
         for mode in args.modes:
             for config in CONFIGS:
+                if config in APPLY_ONLY and mode != "apply":
+                    continue
                 if config == "in-process" and baseline is not None:
                     results[(mode, config)] = baseline  # the same local optimizer
                     continue
@@ -396,6 +433,8 @@ def main():
           f"{'exposed/T_opt':>14}")
     for mode in args.modes:
         for config in CONFIGS:
+            if config in APPLY_ONLY and mode != "apply":
+                continue
             step = results.get((mode, config))
             if step is None:
                 print(f"{mode:<8} {config:<12} {'ERROR':>8}")
@@ -422,6 +461,10 @@ def main():
     print(f"result: critical_path ratio={worst('streaming'):.3f} "
           f"target={TARGETS['critical_path']}")
     print(f"result: delayed ratio={worst('delayed'):.3f} target={TARGETS['delayed']}")
+    if "apply" in args.modes:
+        fp16 = max((results[("apply", "fp16")] - t_fb) / t_opt, 0.0)
+        print(f"result: critical_path_fp16 ratio={fp16:.3f} "
+              f"target={TARGETS['critical_path_fp16']}")
     return 0
 
 

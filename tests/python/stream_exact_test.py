@@ -14,7 +14,10 @@ against the same loop with stream=False:
     falls back, the parts leave during backward;
   - a try refused for a NaN in the gradient backward produces last (after a pause in which the
     earlier matrices are computed and announced) and a dropped try (update mode: a Muon gradient
-    missing at step()), each retried with another batch, 20 times;
+    missing at step(); apply mode: a divisor changed at step() and refused), each retried with
+    another batch, 20 times; again on a device slower than backward (SlowDeviceRetryTest: the
+    retry's step() comes before its matrices are computed again, where the failed try's
+    progress words were once read as the retry's);
   - torch.cuda.amp.GradScaler refused at scaler.step(opt) naming DynamicLossScaler, nothing
     applied; an FSDP FlatParameter refused at construction;
   - delay_warmup counts committed steps only.
@@ -238,25 +241,51 @@ def dropped(t, model, opt, tokens):
     opt.step()
 
 
+def dropped_apply(t, model, opt, tokens):
+    """Apply mode: every part leaves during backward, then step() is given a divisor the daemon
+    refuses: the streamed try is dropped (its hyperparameters changed) and the whole send
+    refused."""
+    sew.loss_of(model, tokens).backward()
+    opt.step(grad_divisor=0.0)
+
+
 class RetryTest(StreamExactCase):
     """A refused or dropped streamed try, retried with another batch: nothing of it is used."""
 
-    def retried(self, mode, tries, steps=20):
+    def retried(self, mode, tries, steps=20, fallbacks=0):
         ref, ref_stats = run(self.daemon.address, mode, False, tries=tries, steps=steps)
         got, stats = run(self.daemon.address, mode, True, tries=tries, steps=steps)
         self.assertEqual(ref_stats["refused"], steps)
         self.assertEqual(stats["refused"], steps)
         self.assert_identical(got, ref, mode)
-        self.assertEqual(stats["fallbacks"], 0, stats)
+        self.assertEqual(stats["fallbacks"], fallbacks, stats)
         self.assertEqual(stats["steps_taken"], steps, "failed tries are not committed steps")
 
     def test_refused_try(self):
         for mode in ("update", "apply"):
             with self.subTest(mode=mode):
-                self.retried(mode, nan_last(0.25))
+                self.retried(mode, nan_last(self.PAUSE))
 
     def test_dropped_try(self):
         self.retried("update", dropped)
+        # Step 0 uploads the weights and does not stream: 19 streamed tries dropped.
+        self.retried("apply", dropped_apply, fallbacks=19)
+
+    PAUSE = 0.25
+
+
+class SlowDeviceRetryTest(RetryTest):
+    """RetryTest on a device slower than the trainer's backward (the simulated backend spending
+    its modelled time, 0.1 GFLOP/s: about 65 ms a matrix): at the retry's step() the earlier
+    matrices are not computed again yet, so a word left by the failed try would be read."""
+
+    PAUSE = 0.6
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = base.Daemon(["--backend", "simulated", "--sim-sleep", "true",
+                                  "--sim-compute-gflops", "0.1"])
+        cls.tmp = base.tempfile.TemporaryDirectory(prefix=cls.TMP_PREFIX)
 
 
 class RouteTest(StreamExactCase):

@@ -3,6 +3,7 @@
 // session only.
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -517,8 +518,15 @@ TEST_F(ShmHostileTest, ARetryDoesNotReadTheRefusedTrysProgress) {
   ASSERT_TRUE(r0.Post(0, first.byte_offset, first.length * 4, /*last=*/true).ok());
   ASSERT_FALSE(r0.WaitStep(0).ok());
   ASSERT_FALSE(r1.WaitStep(0).ok());
-  // The retry's first part: nothing of the step can be computed before rank 1 sends again.
-  ASSERT_TRUE(r0.Post(0, first.byte_offset, first.length * 4, /*last=*/false).ok());
+  // The retry's first part: rank 0's last span, of a matrix rank 1 holds a part of too, so
+  // nothing of the step can be computed before rank 1 sends again (rank 0's other spans are not
+  // in this try yet).
+  const size_t n = r0.spans().size();
+  const client::ShmSpan& last = r0.spans()[n - 1];
+  ASSERT_TRUE(std::any_of(r1.spans().begin(), r1.spans().end(),
+                          [&](const client::ShmSpan& s) { return s.matrix == last.matrix; }))
+      << "the test needs rank 0's last span in a matrix rank 1 holds a part of";
+  ASSERT_TRUE(r0.Post(0, last.byte_offset, last.length * 4, /*last=*/false).ok());
   for (int i = 0; i < 20; ++i) {
     ASSERT_TRUE(r0.WaitProgress(10).ok());
     for (size_t k = 0; k < r0.spans().size(); ++k) {
@@ -526,9 +534,9 @@ TEST_F(ShmHostileTest, ARetryDoesNotReadTheRefusedTrysProgress) {
                                 "word)";
     }
   }
-  for (size_t k = 1; k < r0.spans().size(); ++k) {
+  for (size_t k = 0; k + 1 < n; ++k) {
     const client::ShmSpan& span = r0.spans()[k];
-    ASSERT_TRUE(r0.Post(0, span.byte_offset, span.length * 4, k + 1 == r0.spans().size()).ok());
+    ASSERT_TRUE(r0.Post(0, span.byte_offset, span.length * 4, k + 2 == n).ok());
   }
   std::thread other([&] { EXPECT_TRUE(r1.Ring(0).ok()); });
   auto again = r0.WaitStep(0);

@@ -478,13 +478,16 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
             if muond["next_step"] != self.step_id:
                 raise ValueError(f"the state_dict is of the export at step {muond['next_step']}; "
                                  f"global job '{self.global_job_id}' expects step {self.step_id}")
-            torch.optim.Optimizer.load_state_dict(self, state_dict)
+            self._install_torch_state(*self._staged_torch_state(state_dict))
             self._checkpoint = dict(muond)
             return self.step_id
         if muond is None or muond.get("global_job_id") != self.global_job_id:
             raise ValueError(f"this state_dict is not of multi-node job '{self.global_job_id}'")
-        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        # torch's part is checked first and installed only once the node jobs loaded theirs: a
+        # refused load leaves both as they were (checkpoints.py).
+        staged = self._staged_torch_state(state_dict)
         _, next_step = self.load_checkpoint(step=muond["next_step"])
+        self._install_torch_state(*staged)
         self._checkpoint = dict(muond)
         return next_step
 

@@ -105,7 +105,10 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
       iterations muond runs in fp32 (default 0: every iteration in the compute dtype, as the usual
       implementations do; 2 gives DESIGN.md 3's tighter bound).
     reduce_gradients: average gradients over the group in step() (default: True for more than one
-      rank); False when the caller has reduced them already (e.g. DistributedDataParallel).
+      rank); False when the caller has reduced them already: under DistributedDataParallel pass
+      False and call stream_ddp(ddp_model), which streams DDP's reduced buckets (without it,
+      each step falls back to a whole send at step(), since DDP rewrites the gradients after
+      they streamed: exact, not overlapped).
     takeover: attach even when the rank is attached elsewhere (a restarted trainer).
     mode: "update" (default) or "apply" (see the module comment); apply mode only:
       max_grad_norm: global gradient clipping in muond (None: off);

@@ -24,6 +24,14 @@ Over gRPC, and for a job that is not attached through shared memory, nothing is 
 buckets are recorded and step() sends the step whole (the gRPC step stream carries it chunk by
 chunk). The result is the same bits either way.
 
+What left must still be the gradient at step(): each tensor sent while armed keeps a reference to
+the p.grad it was read from and a fingerprint of its bytes (fingerprint(): CRC-32 on the CPU, two
+int64 sums on a device), and edited() names the tensors for which either changed (clipping, an
+unscale, DDP's reduction, p.grad replaced, a second backward). The optimizer then drops the
+streamed parts on every rank and sends the step whole (optim.py). The DDP route (route(),
+arrived_reduced()) streams DistributedDataParallel's reduced buckets from its communication hook
+instead of the local gradients; it fingerprints the reduced bytes DDP leaves in p.grad.
+
 REQUIRES with several ranks: backward produces the job tensors' gradients in the same order on
 every rank (as DistributedDataParallel's buckets assume), so that every rank's buckets match.
 Thread-safety: the hooks run on autograd's threads, one at a time per backward; step() runs after
