@@ -2,7 +2,7 @@
 """MuonWithAuxAdam.load_state_dict() is all or nothing and never loses the job's state: a small
 nn.Module trained with a real backward, one rank over shared memory, update and apply mode.
 
-Usage: load_state_dict_test.py MUOND_BIN LIBMUOND_CLIENT [unittest names...]
+Usage: load_state_dict_test.py MUOND_BIN LIBMUOND_CLIENT DATA_DIR [unittest names...]
   - RefusedLoadTest (a daemon for the class): a state by name that is refused (a damaged
     payload: DATA_LOSS; tensors of other shapes; a bad file name, refused before the job is
     touched) leaves opt.state (the same tensor objects, the same values), param_groups and
@@ -30,15 +30,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
-MUOND, LIB = sys.argv[1], sys.argv[2]
-MUONCTL = os.path.join(os.path.dirname(MUOND), "muonctl")
-os.environ["MUOND_CLIENT_LIB"] = LIB
-ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import muon_offload_test as base  # noqa: E402  (parses MUOND_BIN LIBMUOND_CLIENT DATA_DIR)
+from muon_offload_test import Daemon  # noqa: E402
+
+MUONCTL = os.path.join(os.path.dirname(base.MUOND), "muonctl")
 
 import torch  # noqa: E402
 
@@ -47,51 +45,6 @@ from apply_harness import read_safetensors  # noqa: E402
 from muon_offload import MuondError, MuonWithAuxAdam  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-class Daemon:
-    """A muond on a private socket (metrics off); `env` adds to its environment; restartable on
-    the same state directory."""
-
-    def __init__(self, env=None):
-        self.tmp = tempfile.TemporaryDirectory(prefix="muond-lsd-")
-        self.address = f"unix://{self.tmp.name}/muond.sock"
-        self.state = os.path.join(self.tmp.name, "state")
-        self.log_path = os.path.join(self.tmp.name, "muond.log")
-        self.start(env)
-
-    def start(self, env=None):
-        self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([MUOND, "--listen", self.address, "--state-dir", self.state,
-                                      "--threads", "1", "--metrics-address", "off"],
-                                     stderr=self.log, env={**os.environ, **(env or {})})
-        deadline = time.time() + 20
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"muond exited {self.proc.returncode}:\n{self.read_log()}")
-            try:
-                with mo.Client(self.address) as c:
-                    c.health(0.5)
-                return
-            except MuondError:
-                if time.time() > deadline:
-                    self.proc.kill()
-                    raise RuntimeError(f"muond did not become healthy:\n{self.read_log()}")
-                time.sleep(0.1)
-
-    def read_log(self):
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def stop(self):
-        """SIGTERM; the exit code (the log goes to stderr unless it is 0)."""
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=60)
-        self.log.close()
-        if code != 0:
-            sys.stderr.write(self.read_log())
-        self.tmp.cleanup()
-        return code
 
 
 class Net(torch.nn.Module):
@@ -225,7 +178,7 @@ class RefusedLoadTest(LoadCase):
 
     @classmethod
     def tearDownClass(cls):
-        assert cls.daemon.stop() == 0, "muond did not exit 0 on SIGTERM"
+        cls.daemon.close(unittest.TestCase())
 
     def source_state(self, mode, job_id, hidden=32):
         """A state_dict by name after 3 steps on other batches (AdamW moments and momentum that
@@ -368,7 +321,7 @@ class DaemonKilledTest(LoadCase):
         with MUOND_TEST_IMPORT_FAULT=`fault`: both creates fail; the job comes back on a restarted
         daemon from the backup the error names (created with `restore_with`: "muonctl" or
         "python")."""
-        daemon = Daemon({"MUOND_TEST_IMPORT_FAULT": fault})
+        daemon = Daemon(env={"MUOND_TEST_IMPORT_FAULT": fault})
         try:
             # What the victim would do without the load: a twin's steps 2 and 3.
             twin_model, twin = make(daemon, mode, f"twin-{mode}")
@@ -418,7 +371,7 @@ class DaemonKilledTest(LoadCase):
             adam_state = torch.optim.Optimizer.state_dict(opt)
             opt.close()
 
-            daemon.start()  # the same state directory, no fault
+            daemon.start(env={})  # the same state directory, no fault
             if restore_with == "muonctl":  # as the error says
                 spec_path = os.path.join(self.tmpdir, "spec.json")
                 with open(spec_path, "w") as f:
@@ -442,7 +395,7 @@ class DaemonKilledTest(LoadCase):
             shutil.rmtree(backup)
         finally:
             if daemon.proc.poll() is None:
-                self.assertEqual(daemon.stop(), 0, "muond did not exit 0 on SIGTERM")
+                daemon.close(self)
             else:
                 daemon.tmp.cleanup()
 
@@ -454,4 +407,4 @@ class DaemonKilledTest(LoadCase):
 
 
 if __name__ == "__main__":
-    unittest.main(argv=[sys.argv[0]] + sys.argv[3:], verbosity=2)
+    unittest.main(argv=[sys.argv[0]] + sys.argv[4:], verbosity=2)

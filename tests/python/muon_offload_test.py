@@ -35,10 +35,12 @@ CPU_ISA = os.environ.get("MUOND_TEST_CPU_ISA", "")
 
 
 class Daemon:
-    """A muond on a private socket; restartable on the same state directory."""
+    """A muond on a private socket; restartable on the same state directory. `env` adds to its
+    environment (test hooks: MUOND_TEST_*); start(env) replaces it for that start."""
 
-    def __init__(self, extra_args=()):
+    def __init__(self, extra_args=(), env=None):
         self.extra_args = list(extra_args)
+        self.env = dict(env or {})
         self.tmp = tempfile.TemporaryDirectory(prefix="muond-pytest-")
         self.address = f"unix://{self.tmp.name}/muond.sock"
         self.state = os.path.join(self.tmp.name, "state")
@@ -46,13 +48,15 @@ class Daemon:
         self.proc = None
         self.start()
 
-    def start(self):
+    def start(self, env=None):
+        if env is not None:
+            self.env = dict(env)
         self.log = open(self.log_path, "ab")
         extra = ["--cpu-isa", CPU_ISA] if CPU_ISA else []
         self.proc = subprocess.Popen([MUOND, "--listen", self.address, "--state-dir", self.state,
                                       "--threads", "1", "--metrics-address", "off", *extra,
                                       *self.extra_args],
-                                     stderr=self.log)
+                                     stderr=self.log, env={**os.environ, **self.env})
         deadline = time.time() + 20
         while True:
             if self.proc.poll() is not None:

@@ -39,7 +39,6 @@ import muon_offload_test as base  # noqa: F401  (parses the same arguments, star
 from muon_offload_test import DaemonCase
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 from muon_offload import DynamicLossScaler, MuondError, MuonWithAuxAdam  # noqa: E402
 

@@ -431,26 +431,19 @@ TEST_F(ShmHostileTest, PartsOfATryThatEndedOpenNoNewTry) {
   ExpectStillServing();
 }
 
-// Every span of rank 0 is in and computed (its results announced) but its last part is not:
-// the step does not commit before it. A last part that then refuses the step (a span sent twice,
-// what the client library sends to drop a step it streamed) refuses it for both ranks, nothing
-// committed. Before, such a step committed as soon as its data was in, and the refusing part was
-// answered as part of a committed step: the trainer believed the step dropped while it had run.
-TEST_F(ShmHostileTest, AStepCommitsOnlyWithEveryRanksLastPart) {
-  auto job = AttachTwoRanks(client(), ShmPath(), NewJobId("last-part"),
-                            {integration::Matrix("q", {16, 24}), integration::Matrix("o", {24, 32})});
-  ASSERT_TRUE(job.ok()) << job.status();
-  ShmChannel& r0 = *job->c0;
-  ShmChannel& r1 = *job->c1;
-  const std::string flat0 = FlatRankBuffer(job->spec, 0, job->grads[0]);
-  const std::string flat1 = FlatRankBuffer(job->spec, 1, job->grads[0]);
+// Step 0 of a two-rank job: rank 1 sends it whole, rank 0 every span as a part but not its last
+// part; returns once each of rank 0's spans is announced (every matrix is computed).
+void AnnounceRankZeroWithoutItsLastPart(TwoRanks& job) {
+  ShmChannel& r0 = *job.c0;
+  ShmChannel& r1 = *job.c1;
+  const std::string flat0 = FlatRankBuffer(job.spec, 0, job.grads[0]);
+  const std::string flat1 = FlatRankBuffer(job.spec, 1, job.grads[0]);
   std::memcpy(r0.GradientBuffer(0), flat0.data(), flat0.size());
   std::memcpy(r1.GradientBuffer(0), flat1.data(), flat1.size());
   ASSERT_TRUE(r1.Post(0, 0, r1.buffer_bytes(), /*last=*/true).ok());
   for (const client::ShmSpan& span : r0.spans()) {
     ASSERT_TRUE(r0.Post(0, span.byte_offset, span.length * 4, /*last=*/false).ok());
   }
-  // Wait until rank 0's results are announced: every matrix is computed.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   auto all_ready = [&] {
     for (size_t i = 0; i < r0.spans().size(); ++i) {
@@ -462,6 +455,21 @@ TEST_F(ShmHostileTest, AStepCommitsOnlyWithEveryRanksLastPart) {
     ASSERT_TRUE(r0.WaitProgress(100).ok());
   }
   ASSERT_TRUE(all_ready()) << "rank 0's results were never announced";
+}
+
+// Every span of rank 0 is in and computed (its results announced) but its last part is not:
+// the step does not commit before it. A last part that then refuses the step (a span sent twice,
+// what the client library sends to drop a step it streamed) refuses it for both ranks, nothing
+// committed. Before, such a step committed as soon as its data was in, and the refusing part was
+// answered as part of a committed step: the trainer believed the step dropped while it had run.
+TEST_F(ShmHostileTest, AStepCommitsOnlyWithEveryRanksLastPart) {
+  auto job = AttachTwoRanks(client(), ShmPath(), NewJobId("last-part"),
+                            {integration::Matrix("q", {16, 24}), integration::Matrix("o", {24, 32})});
+  ASSERT_TRUE(job.ok()) << job.status();
+  ShmChannel& r0 = *job->c0;
+  ShmChannel& r1 = *job->c1;
+  AnnounceRankZeroWithoutItsLastPart(*job);
+  if (HasFatalFailure()) return;
   EXPECT_EQ(Status(job->spec.job_id, job->token).next_step(), 0) << "committed without rank 0's "
                                                                      "last part";
   // The last part repeats the first span: the step is refused for both ranks.
@@ -493,27 +501,16 @@ TEST_F(ShmHostileTest, ARetryDoesNotReadTheRefusedTrysProgress) {
   ASSERT_TRUE(job.ok()) << job.status();
   ShmChannel& r0 = *job->c0;
   ShmChannel& r1 = *job->c1;
-  const std::string flat0 = FlatRankBuffer(job->spec, 0, job->grads[0]);
-  const std::string flat1 = FlatRankBuffer(job->spec, 1, job->grads[0]);
-  std::memcpy(r0.GradientBuffer(0), flat0.data(), flat0.size());
-  std::memcpy(r1.GradientBuffer(0), flat1.data(), flat1.size());
-  ASSERT_TRUE(r1.Post(0, 0, r1.buffer_bytes(), /*last=*/true).ok());
-  for (const client::ShmSpan& span : r0.spans()) {
-    ASSERT_TRUE(r0.Post(0, span.byte_offset, span.length * 4, /*last=*/false).ok());
-  }
   ASSERT_GE(r0.spans().size(), 2u) << "the test needs rank 0 to have two spans";
+  AnnounceRankZeroWithoutItsLastPart(*job);
+  if (HasFatalFailure()) return;
   auto ready = [&](size_t i) { return r0.SpanReady(i, 0); };
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   auto all_ready = [&] {
     for (size_t i = 0; i < r0.spans().size(); ++i) {
       if (!ready(i)) return false;
     }
     return true;
   };
-  while (!all_ready() && std::chrono::steady_clock::now() < deadline) {
-    ASSERT_TRUE(r0.WaitProgress(100).ok());
-  }
-  ASSERT_TRUE(all_ready()) << "rank 0's results were never announced";
   const client::ShmSpan& first = r0.spans()[0];
   ASSERT_TRUE(r0.Post(0, first.byte_offset, first.length * 4, /*last=*/true).ok());
   ASSERT_FALSE(r0.WaitStep(0).ok());
