@@ -464,7 +464,7 @@ def main():
     if "apply" in args.modes:
         fp16 = max((results[("apply", "fp16")] - t_fb) / t_opt, 0.0)
         print(f"result: critical_path_fp16 ratio={fp16:.3f} "
-              f"target={TARGETS['critical_path_fp16']}")
+              f"target={TARGETS['critical_path_fp16']:.2f}")
     return 0
 
 

@@ -202,6 +202,9 @@ class GradientStream:
         """Stops streaming for good (the hooks stay registered but do nothing)."""
         self._active = False
         self._hooks.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     # ----- a step -----
 
