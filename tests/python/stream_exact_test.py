@@ -319,6 +319,42 @@ class RouteTest(StreamExactCase):
             MuonWithAuxAdam(sew.groups(model), address=self.daemon.address)
 
 
+class FingerprintTest(unittest.TestCase):
+    """streaming.fingerprint (CRC-32 for CPU tensors) and the device path (_device_fingerprint:
+    plain and position-weighted int64 sums of the words, run here on CPU tensors) see every edit
+    the check relies on, in every dtype a gradient has, and nothing else."""
+
+    def edits(self, t):
+        swapped = t.clone()
+        swapped[[3, 7]] = swapped[[7, 3]]
+        flipped = t.clone()
+        flipped.view(-1).view(torch.uint8)[5] ^= 1  # one bit
+        halved = t.clone()
+        halved.mul_(0.5)
+        zeroed = t.clone()
+        zeroed[11] = 0
+        return {"swap": swapped, "bit": flipped, "mul": halved, "zero": zeroed}
+
+    def test_every_edit_changes_both_fingerprints(self):
+        from muon_offload import streaming
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            t = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype) + 0.25
+            for fp, same in ((streaming.fingerprint, lambda a, b: a == b),
+                             (streaming._device_fingerprint, streaming._same)):
+                with self.subTest(dtype=dtype, path=fp.__name__):
+                    self.assertTrue(same(fp(t), fp(t.clone())), "equal bytes, equal prints")
+                    for name, edited in self.edits(t).items():
+                        self.assertFalse(same(fp(t), fp(edited)), name)
+
+    def test_non_contiguous_and_empty(self):
+        from muon_offload import streaming
+        t = torch.randn(8, 6).t()  # a transposed view: fingerprinted as its values in order
+        self.assertEqual(streaming.fingerprint(t), streaming.fingerprint(t.contiguous()))
+        self.assertTrue(streaming._same(streaming._device_fingerprint(t),
+                                        streaming._device_fingerprint(t.contiguous())))
+        self.assertEqual(streaming.fingerprint(torch.empty(0)), 0)
+
+
 class WorldTest(StreamExactCase):
     """Two gloo ranks (stream_exact_worker.py): DDP with gradient_as_bucket_view False and True
     (reduce_gradients=False), and an edit on rank 0 only; both modes, bit for bit against
