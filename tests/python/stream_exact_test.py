@@ -263,14 +263,15 @@ class RetryTest(StreamExactCase):
     def test_refused_try(self):
         for mode in ("update", "apply"):
             with self.subTest(mode=mode):
-                self.retried(mode, nan_last(self.PAUSE))
+                self.retried(mode, nan_last(self.PAUSE), steps=self.TRIES)
 
     def test_dropped_try(self):
-        self.retried("update", dropped)
-        # Step 0 uploads the weights and does not stream: 19 streamed tries dropped.
-        self.retried("apply", dropped_apply, fallbacks=19)
+        self.retried("update", dropped, steps=self.TRIES)
+        # Step 0 uploads the weights and does not stream: every later try streamed and dropped.
+        self.retried("apply", dropped_apply, steps=self.TRIES, fallbacks=self.TRIES - 1)
 
     PAUSE = 0.25
+    TRIES = 20
 
 
 class SlowDeviceRetryTest(RetryTest):
@@ -279,6 +280,7 @@ class SlowDeviceRetryTest(RetryTest):
     matrices are not computed again yet, so a word left by the failed try would be read."""
 
     PAUSE = 0.6
+    TRIES = 6  # each try waits for the slow device; 6 fail every case without the fix
 
     @classmethod
     def setUpClass(cls):
