@@ -235,9 +235,7 @@ class StepPipeline::Run {
     for (device::DeviceBuffer& d : b.mom) p_.GiveBack(std::move(d));
     for (device::DeviceBuffer& d : b.raw) p_.GiveBack(std::move(d));
     // mom_out holds views only.
-    Announce(b.matrices);
-    absl::MutexLock lock(p_.job_mu_);
-    state_.matrices_done += b.matrices.size();
+    MarkDone(b.matrices);
   }
 
   // What the operators see of a retired batch (step_observer.h): its device compute time shared
@@ -256,19 +254,19 @@ class StepPipeline::Run {
     }
   }
 
-  // The owners' results of `matrices` are in place: their shared-memory ranks may use them now
-  // (progress words, then a wake-up per rank). Not with clipping: a clipped step recomputes every
-  // result once the norm is known, so its words are set at the commit (Job::FinishCommit).
-  // A try that ended before its commit (refused, dropped by its rank, aborted) announces
-  // nothing: the words are the rank's, and its next try of the same step may have opened
-  // already (Job::OpenSharedStep clears them under the job's lock; this writes under it too, so
-  // a word of an ended try is never read as the new try's).
-  void Announce(const std::vector<uint32_t>& matrices) {
-    if (p_.spec_.max_grad_norm > 0) return;
+  // `matrices` are done, their owners' results in place: counted, and their shared-memory ranks
+  // may use them now (progress words, then a wake-up per rank, after the lock). Not with
+  // clipping: a clipped step recomputes every result once the norm is known, so its words are
+  // set at the commit (Job::FinishCommit). A try that ended before its commit (refused, dropped
+  // by its rank, aborted) announces nothing: the words are the rank's, and its next try of the
+  // same step may have opened already (Job::OpenSharedStep clears them under the job's lock;
+  // they are written under it here, so a word of an ended try is never read as the new try's).
+  void MarkDone(const std::vector<uint32_t>& matrices) {
     std::vector<std::function<void()>> notify;
     {
       absl::MutexLock lock(p_.job_mu_);
-      if (state_.done) return;
+      state_.matrices_done += matrices.size();
+      if (state_.done || p_.spec_.max_grad_norm > 0) return;
       std::vector<bool> touched(state_.outputs.size(), false);
       for (uint32_t m : matrices) {
         if (p_.qk_withheld_[m]) continue;  // QK-Clip rescales it before the commit
@@ -285,7 +283,7 @@ class StepPipeline::Run {
         }
       }
     }
-    for (const std::function<void()>& wake : notify) wake();  // eventfd writes, after the lock
+    for (const std::function<void()>& wake : notify) wake();  // eventfd writes
   }
 
   // Apply mode: the batch's tensors that no rank has a gradient of this step (the presence mask)
@@ -297,9 +295,7 @@ class StepPipeline::Run {
     if (absent.empty()) return;
     for (uint32_t m : absent) p_.apply_->Carry(state_, m);
     batch.matrices = std::move(rest);
-    Announce(absent);
-    absl::MutexLock lock(p_.job_mu_);
-    state_.matrices_done += absent.size();
+    MarkDone(absent);
   }
 
   // The data-path probe: each owner's span goes back as it came, one copy, no device, in slices
@@ -327,9 +323,7 @@ class StepPipeline::Run {
     common::ParallelFor(slices.size(), total, [&](size_t i) {
       std::memcpy(slices[i].dst, slices[i].src, slices[i].bytes);
     });
-    Announce(batch.matrices);
-    absl::MutexLock lock(p_.job_mu_);
-    state_.matrices_done += batch.matrices.size();
+    MarkDone(batch.matrices);
   }
 
   // Each matrix of the batch: assembled whole on the host (fp32), unless it goes direct; and its

@@ -191,9 +191,12 @@ class RefusedLoadTest(LoadCase):
         sd["param_groups"][1]["lr"] = 0.25
         return sd
 
-    def refused_changes_nothing(self, mode, bad_sd, code_name):
-        model, opt = make(self.daemon, mode, f"victim-{mode}-{code_name.lower()}")
-        twin_model, twin = make(self.daemon, mode, f"twin-{mode}-{code_name.lower()}")
+    def refused_load(self, mode, tag, bad_sd, code_name):
+        """A victim and its twin train 2 steps; the victim's load_state_dict(bad_sd) is refused
+        with `code_name`, its torch side as it was, step_id 2 and no temporary directory left.
+        Returns (the error, the victim's token before, model, opt, twin_model, twin)."""
+        model, opt = make(self.daemon, mode, f"victim-{tag}")
+        twin_model, twin = make(self.daemon, mode, f"twin-{tag}")
         train(model, opt, range(2))
         train(twin_model, twin, range(2))
         token = opt.token
@@ -203,16 +206,25 @@ class RefusedLoadTest(LoadCase):
         with self.assertRaises(MuondError) as e:
             opt.load_state_dict(bad_sd)
         self.assertEqual(e.exception.code_name, code_name, e.exception.message)
-        self.assertIn("restored to the state it had", e.exception.message)
-        self.assertNotEqual(opt.token, token)  # the job was re-made from its backup
         self.assertEqual(opt.step_id, 2)
         self.assertSameTorchSide(before, opt)
         self.assertEqual(self.leftovers(), [])
+        return e.exception, token, model, opt, twin_model, twin
+
+    def continues_as_twin(self, model, opt, twin_model, twin, what):
+        """Steps 2 and 3 of the victim equal its twin's, bit for bit; both jobs are deleted."""
         got, want = train(model, opt, range(2, 4)), train(twin_model, twin, range(2, 4))
         for i in range(2):
-            self.assertSameParams(got[i], want[i], f"{mode} step {2 + i}")
+            self.assertSameParams(got[i], want[i], f"{what} step {2 + i}")
         opt.close(delete_job=True)
         twin.close(delete_job=True)
+
+    def refused_changes_nothing(self, mode, bad_sd, code_name):
+        error, token, model, opt, twin_model, twin = self.refused_load(
+            mode, f"{mode}-{code_name.lower()}", bad_sd, code_name)
+        self.assertIn("restored to the state it had", error.message)
+        self.assertNotEqual(opt.token, token)  # the job was re-made from its backup
+        self.continues_as_twin(model, opt, twin_model, twin, mode)
 
     def test_damaged_payload_refused_update_mode(self):
         sd = self.source_state("update", "src-update-damaged")
@@ -234,27 +246,13 @@ class RefusedLoadTest(LoadCase):
         files = dict(sd["muond_state"]["files"])
         files["../escape.json"] = b"{}"
         sd["muond_state"] = dict(sd["muond_state"], files=files)
-        model, opt = make(self.daemon, "update", "victim-update-entry")
-        twin_model, twin = make(self.daemon, "update", "twin-update-entry")
-        train(model, opt, range(2))
-        train(twin_model, twin, range(2))
-        token = opt.token
-        before = torch_side_copy(opt)
-        with self.assertRaises(MuondError) as e:
-            opt.load_state_dict(sd)
-        self.assertEqual(e.exception.code_name, "INVALID_ARGUMENT")
-        self.assertIn("bad file entry '../escape.json'", e.exception.message)
-        self.assertIn("left as it was", e.exception.message)
+        error, token, model, opt, twin_model, twin = self.refused_load(
+            "update", "update-entry", sd, "INVALID_ARGUMENT")
+        self.assertIn("bad file entry '../escape.json'", error.message)
+        self.assertIn("left as it was", error.message)
         self.assertEqual(opt.token, token)
         self.assertIsNotNone(opt.session)
-        self.assertEqual(opt.step_id, 2)
-        self.assertSameTorchSide(before, opt)
-        self.assertEqual(self.leftovers(), [])
-        got, want = train(model, opt, range(2, 4)), train(twin_model, twin, range(2, 4))
-        for i in range(2):
-            self.assertSameParams(got[i], want[i], f"step {2 + i}")
-        opt.close(delete_job=True)
-        twin.close(delete_job=True)
+        self.continues_as_twin(model, opt, twin_model, twin, "update")
 
     def test_torch_side_refusal_touches_no_daemon(self):
         for mode in ("update", "apply"):

@@ -335,15 +335,20 @@ class FingerprintTest(unittest.TestCase):
         halved.mul_(0.5)
         zeroed = t.clone()
         zeroed[11] = 0
-        return {"swap": swapped, "bit": flipped, "mul": halved, "zero": zeroed}
+        last = t.clone()
+        last[-1] = 0
+        return {"swap": swapped, "bit": flipped, "mul": halved, "zero": zeroed, "last": last}
 
     def test_every_edit_changes_both_fingerprints(self):
         from muon_offload import streaming
-        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            t = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype) + 0.25
+        # 1000 words: a partial period of the position weights only; 3 periods and 17 words:
+        # the per-class sums of whole periods and a tail.
+        for dtype, n in [(d, n) for d in (torch.float32, torch.bfloat16, torch.float16,
+                                          torch.float64) for n in (1000, 3 * 65521 + 17)]:
+            t = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(dtype) + 0.25
             for fp, same in ((streaming.fingerprint, lambda a, b: a == b),
                              (streaming._device_fingerprint, streaming._same)):
-                with self.subTest(dtype=dtype, path=fp.__name__):
+                with self.subTest(dtype=dtype, n=n, path=fp.__name__):
                     self.assertTrue(same(fp(t), fp(t.clone())), "equal bytes, equal prints")
                     for name, edited in self.edits(t).items():
                         self.assertFalse(same(fp(t), fp(edited)), name)

@@ -272,7 +272,7 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
         self._require_gradients(self._job_tensors, "apply-mode")
         if self._upload_pending:
             self.upload_params()
-        divisor = self.grad_divisor if grad_divisor is None else float(grad_divisor)
+        divisor = self._step_divisor(grad_divisor)
         grads = [p.grad for _, p in self._job_tensors]
         part = self._partition_buffer(self.partition.buffer_elements)
         if self.reduce_gradients and self.world_size > 1:

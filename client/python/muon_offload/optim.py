@@ -602,11 +602,14 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
         if edited and not self._edit_warned:
             self._edit_warned = True
             name = self._names[self._job_tensors[edited[0]][1]]
+            what = f"streaming from the DDP hook failed ({st.fault_error!r})" \
+                if st.fault_error is not None else \
+                (f"the gradient of {name!r} changed between backward and step() after it was "
+                 f"streamed to muond ({len(edited)} tensor(s) this step; e.g. clip_grad_norm_, "
+                 "an unscale, DistributedDataParallel's reduction, p.grad = ..., a second "
+                 "backward)")
             warnings.warn(
-                f"muon_offload: the gradient of {name!r} changed between backward and step() "
-                f"after it was streamed to muond ({len(edited)} tensor(s) this step; e.g. "
-                "clip_grad_norm_, an unscale, DistributedDataParallel's reduction, p.grad = ..., "
-                "a second backward): the step is sent whole at step() instead, exact but not "
+                f"muon_offload: {what}: the step is sent whole at step() instead, exact but not "
                 "overlapped with backward; opt.stream_fallbacks counts such steps. To keep "
                 "streaming, edit gradients through the optimizer's routes (README, \"Streaming "
                 "and gradient edits\"): a DynamicLossScaler, max_grad_norm, "
@@ -746,8 +749,6 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
             raise ValueError("grad_divisor applies to mode='apply' only")
         if max_logits is not None:
             self.set_max_logits(max_logits)
-        if grad_divisor is None and self.loss_scaler is not None:
-            grad_divisor = self.loss_scaler.scale
         self.last_step_skipped = False
         loss = None
         if closure is not None:

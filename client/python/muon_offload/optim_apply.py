@@ -15,12 +15,18 @@ from .streaming import EarlyResults
 class ApplyModeSteps:
     """The apply-mode half of MuonWithAuxAdam's step (see the module comment)."""
 
+    def _step_divisor(self, grad_divisor=None):
+        """The divisor of a step's gradients: step(grad_divisor=...), else the loss scaler's
+        scale (what the loss being backpropagated was scaled by, also while backward streams),
+        else the grad_divisor attribute."""
+        if grad_divisor is None and self.loss_scaler is not None:
+            grad_divisor = self.loss_scaler.scale
+        return self.grad_divisor if grad_divisor is None else float(grad_divisor)
+
     def _apply_hyper(self, grad_divisor=None, absent=None):
         """(groups, lr, weight_decay, divisor, absent) of Session.set_hyper. absent: the
         presence mask (default: the last step's, a guess made during backward)."""
-        if grad_divisor is None and self.loss_scaler is not None:
-            grad_divisor = self.loss_scaler.scale  # what the loss being backpropagated was scaled by
-        divisor = self.grad_divisor if grad_divisor is None else float(grad_divisor)
+        divisor = self._step_divisor(grad_divisor)
         if self.reduce_gradients and self.world_size > 1:
             divisor *= self.world_size  # the ranks' gradients are summed: muond takes the mean
         groups = self.param_groups

@@ -53,28 +53,30 @@ def _wire(t):
     return t.view(torch.uint8) if t.dtype == torch.bfloat16 else t
 
 
-_WEIGHTS = {}  # (device, n): the position weights of _device_fingerprint, made once
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_PERIOD = 65521  # the position weights repeat with this period (a prime)
+_WEIGHTS = {}  # device: int64 weights 1.._PERIOD, made once per device
 
 
 def _device_fingerprint(t):
     """Two int64 sums over the tensor's words (integers of its element's size), computed where
-    it lives (no copy to the host): the plain sum, which any change of a single word moves, and
-    a sum weighted by position (mod 65521, plus 1), which a swap of two words or a change that
-    keeps the plain sum moves. Returns a 2-element int64 tensor on the tensor's device."""
+    it lives (no copy to the host) in one read: the plain sum, which any change of a single word
+    moves, and a sum weighted by position (k mod 65521, plus 1), which a swap of two words or a
+    change that keeps the plain sum moves. The words are summed per position class first (a
+    [rows, 65521] view summed over rows), so the weights are 65521 numbers per device. Returns
+    a 2-element int64 tensor on the tensor's device."""
     flat = t.detach().contiguous().view(-1)
     words = flat.view(_WORD[flat.element_size()])
-    n = words.numel()
-    key = (str(words.device), n)
-    weights = _WEIGHTS.get(key)
+    weights = _WEIGHTS.get(str(words.device))
     if weights is None:
-        weights = (torch.arange(n, device=words.device, dtype=torch.int64) % 65521 + 1).to(
-            torch.int32)
-        if len(_WEIGHTS) > 256:
-            _WEIGHTS.clear()
-        _WEIGHTS[key] = weights
-    return torch.stack([words.sum(dtype=torch.int64),
-                        (words * weights).sum(dtype=torch.int64)])
+        weights = torch.arange(1, _PERIOD + 1, device=words.device, dtype=torch.int64)
+        _WEIGHTS[str(words.device)] = weights
+    full = words.numel() // _PERIOD * _PERIOD
+    classes = words[:full].view(-1, _PERIOD).sum(dim=0, dtype=torch.int64)
+    tail = words[full:].to(torch.int64)
+    plain = classes.sum() + tail.sum()
+    weighted = (classes * weights).sum() + (tail * weights[:tail.numel()]).sum()
+    return torch.stack([plain, weighted])
 
 
 def fingerprint(t):
@@ -382,13 +384,14 @@ class GradientStream:
         else:
             self.session.post_part(self.step, 0, 0, last=True)
 
-    def late_tensors(self):
-        return sorted(set(self._late))
-
     def fault(self, error):
         """A send on the DDP hook's thread failed: the step falls back (every tensor counts as
-        edited), and step() says why in the warning."""
+        edited), and step()'s warning names the error (fault_error)."""
         self._fault = error
+
+    @property
+    def fault_error(self):
+        return self._fault
 
     def edited(self):
         """The tensors (indices) whose gradient is not, at step(), what was streamed of it during
