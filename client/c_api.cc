@@ -234,6 +234,11 @@ int muond_session_set_global_clip(muond_session* session, int mode, double sum_s
   return Report(session->impl->SetGlobalClip(mode, sum_sq));
 }
 
+int muond_session_set_outside_sum_sq(muond_session* session, double sum_sq) {
+  if (session == nullptr) return Report(absl::InvalidArgumentError("session is NULL"));
+  return Report(session->impl->SetOutsideSumSq(sum_sq));
+}
+
 int64_t muond_session_next_step(const muond_session* session) {
   return session == nullptr ? -1 : session->impl->next_step_at_attach();
 }

@@ -214,6 +214,18 @@ class RankSession {
   // without qk_clip. A step of a qk_clip job before any is set is refused here.
   absl::Status SetMaxLogits(std::vector<float> logits);
 
+  // Update mode, a job with max_grad_norm (FAILED_PRECONDITION otherwise): the sum of squares of
+  // this rank's gradients outside the job (the tensors the trainer updates itself, e.g. its
+  // in-process AdamW tensors; 0 when it has none), which every later step of this session carries
+  // with its last part until set again; the daemon clips by the norm over the job's matrices and
+  // every rank's share, and returns that whole raw sum of squares (StepResult::grad_sum_sq), by
+  // which the caller clips its own tensors (ClipCoefficient). Ranks that hold the same tensors
+  // (replicated AdamW) must count them once: one rank sends their sum, the others 0.
+  // INVALID_ARGUMENT for a negative value. A NaN or infinity (a non-finite gradient among those
+  // tensors) is sent: the daemon refuses the step for every rank, or skips it ("nonfinite":
+  // "skip"), as for a non-finite gradient of its own.
+  absl::Status SetOutsideSumSq(double sum_sq);
+
   // Uploads the rank's part of the initial parameters: `params` must cover the rank's spans
   // exactly, in float32 (`float32`) or each tensor's param_dtype. The daemon installs them only
   // when every span arrived whole and finite (INVALID_ARGUMENT naming the tensor otherwise) and
@@ -258,6 +270,9 @@ class RankSession {
   absl::Status CheckStepHyper(int64_t step) const;
   // Writes the hyperparameters into step t's shared-memory gradient buffer (apply mode).
   absl::Status WriteSharedHyper(int64_t step);
+  // Update mode with max_grad_norm: writes SetOutsideSumSq's value into step t's shared-memory
+  // gradient buffer (before the step's last part); OK and nothing otherwise.
+  absl::Status WriteSharedOutsideSumSq(int64_t step);
   // InitParams over each transport, after the checks of the spans' matrix indices.
   absl::Status InitParamsShared(const std::vector<GradientSpan>& params, bool float32);
   absl::Status InitParamsOverGrpc(const std::vector<GradientSpan>& params, bool float32);
@@ -274,6 +289,7 @@ class RankSession {
   // Apply mode: set by SetHyper, sent with every step.
   std::optional<GroupHyperValues> hyper_;
   std::vector<uint8_t> absent_;  // SetAbsent: per job tensor, 1 when absent (empty: none)
+  double outside_sum_sq_ = 0;    // SetOutsideSumSq
   int global_clip_mode_ = 0;     // SetGlobalClip
   std::vector<float> max_logits_;  // SetMaxLogits (empty: none yet)
   double global_sum_sq_ = 0;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <thread>
@@ -24,11 +25,17 @@ using common::FromGrpcStatus;
 
 using StepStream = grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>;
 
+// Update mode with max_grad_norm: steps carry the rank's outside sum of squares.
+bool ClipsOutside(const common::JobSpec& spec) {
+  return spec.mode == common::JobMode::kUpdate && spec.max_grad_norm > 0;
+}
+
 // Writes `req` (holding the StepBegin), then the gradient spans in chunks of at most kChunkBytes
 // with a CRC32C each, then the StepEnd. Stops at the first failed write: the stream's status then
 // says why.
 void WriteGradients(StepStream* stream, const common::JobSpec& spec,
-                    const std::vector<GradientSpan>& grads, v1::StepRequest* req) {
+                    const std::vector<GradientSpan>& grads, v1::StepRequest* req,
+                    double outside_sum_sq) {
   bool open = stream->Write(*req);
   for (size_t i = 0; open && i < grads.size(); ++i) {
     const GradientSpan& g = grads[i];
@@ -46,7 +53,7 @@ void WriteGradients(StepStream* stream, const common::JobSpec& spec,
     }
   }
   if (open) {
-    req->mutable_end();
+    req->mutable_end()->set_outside_sum_sq(outside_sum_sq);
     open = stream->Write(*req);
   }
   stream->WritesDone();
@@ -321,6 +328,7 @@ absl::StatusOr<StepResult> RankSession::StepInPlace(int64_t step) {
   if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
   RETURN_IF_ERROR(CheckStepHyper(step));
   if (apply() && step >= 0) RETURN_IF_ERROR(WriteSharedHyper(step));  // Ring refuses step < 0
+  if (step >= 0) RETURN_IF_ERROR(WriteSharedOutsideSumSq(step));
   return SharedResult(shm_->Ring(step), step, shm_->buffer_bytes());
 }
 
@@ -336,9 +344,47 @@ absl::Status RankSession::PostPart(int64_t step, uint64_t byte_offset, uint64_t 
     RETURN_IF_ERROR(CheckStepHyper(step));
     if (apply()) RETURN_IF_ERROR(WriteSharedHyper(step));
   }
+  if (last) RETURN_IF_ERROR(WriteSharedOutsideSumSq(step));  // read with the last part
   absl::Status posted = shm_->Post(step, byte_offset, bytes, last);
   if (!posted.ok()) return Annotate(posted, absl::StrCat("step ", step));
   parts_step_ = last ? -1 : step;
+  return absl::OkStatus();
+}
+
+absl::Status RankSession::SetOutsideSumSq(double sum_sq) {
+  if (!ClipsOutside(spec_)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetOutsideSumSq: job '", spec_.job_id,
+        "' does not clip in mode 'update' (max_grad_norm 0, or mode 'apply', where the daemon "
+        "holds every tensor)"));
+  }
+  // A non-finite sum is a non-finite gradient: the daemon applies the job's rule to it (refuse,
+  // or "skip" the step on every rank).
+  if (sum_sq < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SetOutsideSumSq: the sum of squares ", sum_sq, " must be >= 0"));
+  }
+  outside_sum_sq_ = sum_sq;
+  return absl::OkStatus();
+}
+
+absl::Status RankSession::WriteSharedOutsideSumSq(int64_t step) {
+  if (!ClipsOutside(spec_)) return absl::OkStatus();
+  const uint64_t at = shm_->hyper_byte_offset();
+  const uint64_t size = shm_->buffer_bytes();
+  bool fits = at % alignof(double) == 0 && at <= size &&
+              common::shm::kOutsideSumSqBytes <= size - at;
+  for (const ShmSpan& r : shm_->spans()) {
+    const uint64_t begin = r.byte_offset;
+    const uint64_t end = begin + r.length * common::DTypeSize(spec_.matrices[r.matrix].dtype);
+    if (at < end && begin < at + common::shm::kOutsideSumSqBytes) fits = false;
+  }
+  if (!fits) {
+    return absl::InternalError(absl::StrCat(
+        "the daemon's shared-memory layout has no room for the step's outside sum of squares "
+        "(8 bytes at byte ", at, " of a ", size, "-byte gradient buffer, clear of the gradients)"));
+  }
+  std::memcpy(shm_->GradientBuffer(step) + at, &outside_sum_sq_, sizeof(double));
   return absl::OkStatus();
 }
 
@@ -440,7 +486,8 @@ absl::StatusOr<StepResult> RankSession::StepOverGrpc(int64_t step,
     if (absent_[t] != 0) begin->add_absent_tensors(t);
   }
   for (float v : max_logits_) begin->add_max_logits(v);
-  WriteGradients(stream.get(), spec_, grads, &req);
+  WriteGradients(stream.get(), spec_, grads, &req,
+                 ClipsOutside(spec_) ? outside_sum_sq_ : 0);
   UpdateAssembler assembler(spec_, updates);
   v1::StepResponse resp;
   while (stream->Read(&resp)) assembler.Add(resp);

@@ -222,6 +222,11 @@ void PrintStatus(const v1::JobStatus& st) {
                   std::string(common::DTypeName(ms.dtype)).c_str(), apply_fields.c_str());
     }
     if (apply) PrintApplyStatus(st, *spec_or);
+    if (!apply && spec_or->max_grad_norm > 0) {  // update mode's clipping
+      std::printf("max_grad_norm: %g\nlast_grad_norm: %g\nclip_redo_steps: %llu\n",
+                  spec_or->max_grad_norm, st.last_grad_norm(),
+                  static_cast<unsigned long long>(st.clip_redo_steps()));
+    }
   }
   for (const v1::RankStatus& r : st.ranks()) {
     std::printf("rank: %d attached=%s elements=%llu%s\n", r.rank(), r.attached() ? "yes" : "no",

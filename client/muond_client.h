@@ -136,7 +136,8 @@ int muond_step_buffer(muond_session* session, int64_t step, const void* grads, v
  * parameters) was not written, and the job's next step is the one after it. 0 otherwise. */
 int muond_session_last_step_skipped(const muond_session* session);
 /* Apply mode: the raw sum of squares of the gradients (before the divisor) of the last step that
- * ended OK through this handle, on its daemon (a node's share of a multi-node job's norm). */
+ * ended OK through this handle, on its daemon (a node's share of a multi-node job's norm). Update
+ * mode with max_grad_norm: the step's whole raw sum of squares (muond_session_set_outside_sum_sq). */
 double muond_session_last_step_sum_sq(const muond_session* session);
 /* Apply mode, a node of a multi-node job with max_grad_norm: the global clip the session's later
  * steps carry. mode 0: none (such a job refuses the step: FAILED_PRECONDITION), 1: compute with
@@ -144,6 +145,15 @@ double muond_session_last_step_sum_sq(const muond_session* session);
  * every node (the coordinating client's all-reduce). 3 INVALID_ARGUMENT for another mode or a bad
  * sum. */
 int muond_session_set_global_clip(muond_session* session, int mode, double sum_sq);
+/* Update mode, a job with max_grad_norm: the sum of squares of this rank's gradients outside the
+ * job (the tensors the trainer updates itself; count tensors held by several ranks once), which
+ * the session's later steps carry with their last part. The daemon clips by the norm over the
+ * job's matrices and every rank's share, and muond_session_last_step_sum_sq then returns that
+ * whole raw sum of squares: clip the trainer's own tensors by
+ * min(1, max_grad_norm / (sqrt(sum) + 1e-6)) as float32. 9 FAILED_PRECONDITION on a job that does
+ * not clip in update mode, 3 INVALID_ARGUMENT for a negative value (a NaN or infinity is sent: the
+ * daemon refuses, or under "nonfinite": "skip" skips, the step as for a non-finite gradient). */
+int muond_session_set_outside_sum_sq(muond_session* session, double sum_sq);
 
 /* ---- Apply mode (DESIGN.md 4b): the daemon holds the fp32 master weights and the optimizer
  * state and returns new parameters. On an update-mode job these return 9 FAILED_PRECONDITION. */

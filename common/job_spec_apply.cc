@@ -105,7 +105,11 @@ absl::Status ParseTensorApplyFields(const Json& tensor, const std::string& path,
 }
 
 void WriteApplyFields(const JobSpec& spec, Json* root) {
-  if (spec.mode != JobMode::kApply) return;
+  if (spec.mode != JobMode::kApply) {
+    // Update mode clips too (the norm over the job's matrices and the trainer's share).
+    if (spec.max_grad_norm != 0) (*root)["max_grad_norm"] = spec.max_grad_norm;
+    return;
+  }
   (*root)["mode"] = std::string(JobModeName(spec.mode));
   Json tensors = std::move((*root)["matrices"]);
   root->erase("matrices");
@@ -146,8 +150,17 @@ absl::Status ValidateUpdateMode(const JobSpec& spec) {
                                   ": optimizer and group apply to mode 'apply' only"));
     }
   }
-  if (!spec.groups.empty() || spec.max_grad_norm != 0 || !spec.init_from.empty()) {
-    return Invalid("groups, max_grad_norm and init_from apply to mode 'apply' only");
+  if (!spec.groups.empty() || !spec.init_from.empty()) {
+    return Invalid("groups and init_from apply to mode 'apply' only");
+  }
+  if (!std::isfinite(spec.max_grad_norm) || spec.max_grad_norm < 0) {
+    return Invalid(absl::StrCat("max_grad_norm ", spec.max_grad_norm, " must be finite and >= 0"));
+  }
+  if (spec.max_grad_norm > 0 && spec.two_phase()) {
+    // The norm spans the nodes; only apply mode has the global clip of many nodes (DESIGN.md 4c).
+    return Invalid(
+        "max_grad_norm in mode 'update' clips by the norm on one node: a multi-node job clips "
+        "globally in mode 'apply' only");
   }
   return absl::OkStatus();
 }

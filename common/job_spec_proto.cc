@@ -282,6 +282,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
     }
   }
   if (spec.mode == JobMode::kApply) ApplyFieldsToProto(spec, &proto);
+  if (spec.mode == JobMode::kUpdate) proto.set_max_grad_norm(spec.max_grad_norm);  // clips too
   proto.set_gather_budget_bytes(spec.gather_budget_bytes);
   proto.set_transport_probe(spec.transport_probe);
   proto.set_nonfinite(spec.nonfinite_skip ? v1::NONFINITE_SKIP : v1::NONFINITE_REFUSE);

@@ -61,6 +61,14 @@ inline constexpr size_t HyperBytes(size_t groups, size_t tensors, size_t logits 
                      : MaxLogitsOffset(groups, tensors) + logits * sizeof(float);
 }
 
+// Update mode with max_grad_norm: at ShmAttachResponse.hyper_byte_offset of the step's gradient
+// buffer (8-byte aligned), one float64: the rank's sum of squares of its gradients outside the job
+// (the tensors the trainer updates itself), which the step's norm adds to the job's matrices'.
+// Read with the rank's last part (a whole-buffer step's one submission); finite and >= 0, else the
+// step is refused (a non-finite one as a non-finite gradient). The step's completion carries the
+// whole norm's raw sum of squares (Completion::grad_sum_sq).
+inline constexpr size_t kOutsideSumSqBytes = sizeof(double);
+
 // A part of a step (DESIGN.md 5, "parts"): [offset, offset + size) of the step's gradient buffer
 // holds whole spans of the rank, and more parts follow. The rank's last part is a kSubmitStep, so a
 // whole-buffer kSubmitStep (offset 0, size buffer_bytes) is a step in one part. Every span lies in
@@ -93,7 +101,9 @@ struct Completion {
   int32_t code;
   uint32_t flags;  // kCompletionReplayed | kCompletionSkipped (with code 0)
   double seconds;
-  double grad_sum_sq;  // apply mode: RankUpdate::grad_sum_sq (a node's raw sum of squares)
+  // Apply mode: RankUpdate::grad_sum_sq (a node's raw sum of squares); update mode with
+  // max_grad_norm: the step's whole raw sum of squares (the trainer clips its own tensors by it).
+  double grad_sum_sq;
   char message[kMessageBytes];
 };
 

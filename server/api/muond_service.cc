@@ -416,6 +416,7 @@ absl::Status MuondService::RunStep(
   // Gradients until StepEnd. Returning early destroys rank_step: a step that was not finished is
   // aborted for every rank, unless it was already refused.
   bool ended = false;
+  double outside_sum_sq = 0;  // update mode with max_grad_norm: StepEnd's
   while (!ended) {
     if (!lease->Await([&] { return stream->Read(&req); })) {
       return rank_step->Abandon(
@@ -431,6 +432,7 @@ absl::Status MuondService::RunStep(
       }
       case v1::StepRequest::kEnd:
         ended = true;
+        outside_sum_sq = req.end().outside_sum_sq();
         break;
       default:
         return absl::InvalidArgumentError(
@@ -438,7 +440,7 @@ absl::Status MuondService::RunStep(
     }
   }
   ASSIGN_OR_RETURN(std::shared_ptr<const RankUpdate> update,
-                   rank_step->Finish([ctx] { return ctx->IsCancelled(); }));
+                   rank_step->Finish([ctx] { return ctx->IsCancelled(); }, outside_sum_sq));
   const common::JobSpec& spec = job->spec();
   uint64_t bytes_out = 0;
   v1::StepResponse resp;

@@ -381,6 +381,13 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
                   logits * sizeof(float));
     }
   }
+  // Update mode with max_grad_norm: the rank's share of the norm from the tensors outside the
+  // job, read with its last part (copied out once; checked by the job).
+  double outside_sum_sq = 0;
+  if (!apply && s->job->spec().max_grad_norm > 0 && (!in_parts || part.last)) {
+    std::memcpy(&outside_sum_sq, in_base + s->hyper_byte_offset, sizeof(double));
+    part.outside_sum_sq = outside_sum_sq;
+  }
   auto channel = s->completions;
   const uint64_t seq = sub.seq;
   const int64_t step = sub.step;
@@ -399,7 +406,7 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
   absl::Status st;
   if (!in_parts) {
     st = s->job->SubmitShared(s->rank, s->session_id, step, in, out, s->regions, std::move(done),
-                              hyper ? &*hyper : nullptr, std::move(progress));
+                              hyper ? &*hyper : nullptr, std::move(progress), outside_sum_sq);
   } else {
     st = s->job->SubmitSharedPart(s->rank, s->session_id, step, part, in, out, s->regions,
                                   std::move(done), hyper ? &*hyper : nullptr, std::move(progress));

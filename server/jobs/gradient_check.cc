@@ -1,6 +1,7 @@
 #include "server/jobs/gradient_check.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -26,6 +27,26 @@ absl::Status NonFinite(const std::string& where, const common::MatrixSpec& ms, u
 
 bool IsNonFiniteGradient(const absl::Status& status) {
   return status.GetPayload(kNonFinitePayload).has_value();
+}
+
+absl::Status CheckOutsideSumSq(const std::string& where, double sum_sq) {
+  if (std::isnan(sum_sq) || std::isinf(sum_sq)) {
+    // The trainer's own tensors hold a non-finite gradient: the step's norm is not finite, the
+    // non-finite rule's case ("nonfinite": "skip" skips the step).
+    absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+        where, ": the sum of squares of the rank's gradients outside the job (the tensors the "
+               "trainer updates itself, max_grad_norm's share) is ",
+        sum_sq, ", a non-finite gradient; the step is refused for every rank and the momentum "
+                "is unchanged"));
+    s.SetPayload(kNonFinitePayload, absl::Cord("1"));
+    return s;
+  }
+  if (sum_sq < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": the sum of squares of the rank's gradients outside the job is ", sum_sq,
+        "; a sum of squares is >= 0 (the step is refused for every rank, nothing changed)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckFiniteChunk(const std::string& where, const common::MatrixSpec& ms,

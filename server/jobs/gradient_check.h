@@ -40,6 +40,11 @@ absl::Status CheckGradientChunk(const std::string& where, const common::JobSpec&
 // True for the error of the checks above about a non-finite gradient value (the others: malformed
 // input), which a job with "nonfinite": "skip" turns into a skipped step.
 bool IsNonFiniteGradient(const absl::Status& status);
+// Update mode with max_grad_norm: a rank's sum of squares of its gradients outside the job (the
+// tensors the trainer updates in-process), which the step's norm adds to the job's. Non-finite:
+// refused as a non-finite gradient (IsNonFiniteGradient; "skip" skips the step); negative:
+// INVALID_ARGUMENT. `where` names the job, step and rank.
+absl::Status CheckOutsideSumSq(const std::string& where, double sum_sq);
 
 }  // namespace muond::server
 

@@ -271,6 +271,8 @@ JobReport Job::Report() const {
   if (apply()) {
     r.ranks_missing_weights = RanksMissingWeights();
     r.weights_complete = r.ranks_missing_weights.empty();
+  }
+  if (apply() || spec_.max_grad_norm > 0) {  // update mode clips too
     r.clip_redo_steps = clip_redo_steps_;
     r.last_grad_norm = last_grad_norm_;
   }

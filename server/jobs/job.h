@@ -89,7 +89,10 @@ class RankStep {
   // The rank has sent everything. Blocks until the step committed or failed; `cancelled` is polled
   // while waiting (true: the rank went away, the step is aborted). On success returns the rank's
   // update, valid as long as the caller holds it.
-  absl::StatusOr<std::shared_ptr<const RankUpdate>> Finish(const std::function<bool()>& cancelled);
+  // `outside_sum_sq`: update mode with max_grad_norm, the rank's share of the norm from the
+  // tensors the trainer updates itself (Job::ClipsWithOutsideShare; CheckOutsideSumSq's refusals).
+  absl::StatusOr<std::shared_ptr<const RankUpdate>> Finish(const std::function<bool()>& cancelled,
+                                                           double outside_sum_sq = 0);
   // The rank's stream ended before StepEnd. The answer tells the truth about the commit: ABORTED
   // when this aborted the step (the job is fenced); when the step's commit had already begun (all
   // data was in), UNAVAILABLE saying the step is committed, which the rank receives by asking
@@ -248,7 +251,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   absl::Status SubmitShared(int rank, uint64_t session, int64_t step,
                             const std::vector<const char*>& in, const std::vector<char*>& out,
                             std::shared_ptr<const void> keepalive, SharedDone done,
-                            const StepHyper* hyper = nullptr, SharedProgress progress = {});
+                            const StepHyper* hyper = nullptr, SharedProgress progress = {},
+                            double outside_sum_sq = 0);
   // A part of a shared-memory submission (common/shm_protocol.h kSubmitStepPart): `part.spans`
   // (indices into RankSpans) are in, each checked finite first; `in`/`out` as above for every
   // span. The first part enters the step (as SubmitShared: replays, order, fence; apply mode's
@@ -262,6 +266,9 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
     // A later part of a try the transport saw begin (not the try's first part): it never opens
     // a try of its own.
     bool continues = false;
+    // The last part, update mode with max_grad_norm: the rank's sum of squares of its gradients
+    // outside the job (RankStep::Finish's `outside_sum_sq`).
+    double outside_sum_sq = 0;
   };
   absl::Status SubmitSharedPart(int rank, uint64_t session, int64_t step, const SharedPart& part,
                                 const std::vector<const char*>& in, const std::vector<char*>& out,
@@ -275,6 +282,9 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
 
   // ---- Apply mode (DESIGN.md 4b).
   bool apply() const { return spec_.mode == common::JobMode::kApply; }
+  // Update mode with max_grad_norm: the step's norm spans the job's matrices and every rank's
+  // share from the tensors outside the job, which comes with the rank's last part.
+  bool ClipsWithOutsideShare() const { return !apply() && spec_.max_grad_norm > 0; }
   // `rank`'s initial parameters: in[i] holds span i of RankSpans, float32 or (float32 false) the
   // tensor's param dtype. Checked whole (finite) before the masters change; FAILED_PRECONDITION
   // on an update-mode job, for a session that is not the rank's or while a step is in flight.
@@ -424,7 +434,8 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
   void CommitWhenComplete(const std::shared_ptr<StepState>& state)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const RankUpdate>> FinishRank(
-      const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled);
+      const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled,
+      double outside_sum_sq);
   // StepPipeline::Sink.
   void DeviceFailed(StepState& state, const absl::Status& status) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -158,7 +158,11 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
     FailStep(state, changed, /*fence=*/true);
     return;
   }
-  const double sum_sq = apply() ? ApplyStep::SumSq(state) : 0;
+  // Apply mode: the step's raw sum of squares (a node's share of a global norm); update mode with
+  // max_grad_norm: the whole norm's, with which the trainer clips the tensors it updates itself.
+  const double sum_sq = apply()                  ? ApplyStep::SumSq(state)
+                        : spec_.max_grad_norm > 0 ? UpdateSumSq(state)
+                                                  : 0;
   for (auto& out : state.outputs) {
     out->compute_seconds = seconds;
     out->grad_sum_sq = sum_sq;

@@ -15,9 +15,11 @@ namespace muond::server {
 absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
                                const std::vector<const char*>& in, const std::vector<char*>& out,
                                std::shared_ptr<const void> keepalive, SharedDone done,
-                               const StepHyper* hyper, SharedProgress progress) {
+                               const StepHyper* hyper, SharedProgress progress,
+                               double outside_sum_sq) {
   RETURN_IF_ERROR(CheckRank(rank));
   SharedPart whole;
+  whole.outside_sum_sq = outside_sum_sq;
   whole.spans.resize(layout_.spans(rank).size());
   for (size_t i = 0; i < whole.spans.size(); ++i) whole.spans[i] = i;
   return SubmitSharedPart(rank, session, step, whole, in, out, std::move(keepalive),
@@ -112,6 +114,17 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
         spans[i].offset, " (", spans[i].length, " elements) is in no part of the step"));
     FailStep(*state, missing, /*fence=*/false);
     return missing;
+  }
+  if (ClipsWithOutsideShare()) {
+    if (absl::Status bad = CheckOutsideSumSq(where, part.outside_sum_sq); !bad.ok()) {
+      FailStep(*state, bad, /*fence=*/false);
+      if (state->skipped()) {  // "nonfinite": "skip"
+        done(absl::OkStatus(), kDoneSkipped, 0, 0);
+        return absl::OkStatus();
+      }
+      return bad;
+    }
+    rin.outside_sum_sq = part.outside_sum_sq;
   }
   rin.parts_open = false;
   rin.finished = true;

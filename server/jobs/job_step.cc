@@ -74,7 +74,7 @@ absl::Status RankStep::Abandon(const std::string& why) {
 }
 
 absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
-    const std::function<bool()>& cancelled) {
+    const std::function<bool()>& cancelled, double outside_sum_sq) {
   if (done_) return absl::FailedPreconditionError("the step already ended for this rank");
   done_ = true;
   if (replay_ != nullptr) {
@@ -97,7 +97,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
     RETURN_IF_ERROR(job_->CheckReplayInput(rank_, *replay_, span_in));
     return replay_;
   }
-  return job_->FinishRank(state_, rank_, cancelled);
+  return job_->FinishRank(state_, rank_, cancelled, outside_sum_sq);
 }
 
 absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t session, int64_t step,
@@ -178,7 +178,7 @@ std::shared_ptr<StepState> Job::NewStepState(int64_t step) {
   for (int r = 0; r < spec_.world_size; ++r) {
     state->ranks[r].span_received.assign(layout_.spans(r).size(), 0);
   }
-  if (apply()) state->sum_sq.assign(spec_.matrices.size(), 0.0);
+  if (apply() || spec_.max_grad_norm > 0) state->sum_sq.assign(spec_.matrices.size(), 0.0);
   return state;
 }
 
@@ -299,12 +299,14 @@ void Job::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix,
 void Job::CommitWhenComplete(const std::shared_ptr<StepState>& state) {
   if (state->done || state->committing || state->prepared || state->drain_queued) return;
   if (state->matrices_done != spec_.matrices.size() || !state->last_parts_in()) return;
+  if (ClipsWithOutsideShare() && !state->every_rank_pushed()) return;
   state->drain_queued = true;
   executor_->Submit([self = shared_from_this(), state] { self->pipeline_.Drain(*state); });
 }
 
 absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
-    const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled) {
+    const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled,
+    double outside_sum_sq) {
   absl::MutexLock lock(&mu_);
   if (state->done) {
     if (!state->result.ok()) return state->result;
@@ -324,7 +326,28 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
       return s;
     }
   }
+  if (!ClipsWithOutsideShare() && outside_sum_sq != 0) {
+    absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+        "job '", id(), "' step ", state->step, " rank ", rank,
+        ": StepEnd carries a sum of squares outside the job (", outside_sum_sq,
+        "), but the job does not clip in mode 'update' (max_grad_norm 0, or mode 'apply'); the "
+        "step is refused, nothing changed"));
+    FailStep(*state, s, /*fence=*/false);
+    return s;
+  }
+  if (ClipsWithOutsideShare()) {
+    absl::Status bad = CheckOutsideSumSq(
+        absl::StrCat("job '", id(), "' step ", state->step, " rank ", rank), outside_sum_sq);
+    if (!bad.ok()) {
+      FailStep(*state, bad, /*fence=*/false);
+      if (state->skipped()) return state->skipped_update;
+      return bad;
+    }
+    in.outside_sum_sq = outside_sum_sq;
+  }
   in.finished = true;
+  // Update mode with max_grad_norm: the step's norm waited for this rank's share.
+  if (ClipsWithOutsideShare()) CommitWhenComplete(state);
   while (!state->done && !state->prepared) {
     state->cv.WaitWithTimeout(&mu_, kCancelPoll);
     if (!state->done && !state->prepared && cancelled && cancelled()) {

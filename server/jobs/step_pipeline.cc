@@ -12,8 +12,31 @@
 #include "common/dtype.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
+#include "server/optim/grad_norm.h"
 
 namespace muond::server {
+
+namespace {
+
+// SumOfSquares(g, n), its blocks summed over the CPUs and added in block order (the same bits).
+double BlockedSumOfSquares(const float* g, size_t n) {
+  std::vector<double> blocks((n + kNormBlock - 1) / kNormBlock);
+  common::ParallelFor(blocks.size(), n * sizeof(float), [&](size_t b) {
+    const size_t begin = b * kNormBlock;
+    blocks[b] = SumOfSquares(g + begin, std::min(kNormBlock, n - begin));
+  });
+  double ss = 0;
+  for (double v : blocks) ss += v;
+  return ss;
+}
+
+}  // namespace
+
+double UpdateSumSq(const StepState& state) {
+  double total = 0;
+  for (double ss : state.sum_sq) total += ss;
+  return total + state.outside_sum_sq();
+}
 
 struct StepPipeline::Batch {
   std::vector<uint32_t> matrices;
@@ -126,14 +149,15 @@ class StepPipeline::Run {
     return Finish(commit);
   }
 
-  // Under the job's lock, every tensor of an apply-mode step done: when global clipping
-  // triggers, queues every tensor again with the clip coefficient (the state's front is
-  // unchanged, so the recomputation is the serial computation bit for bit). True when it did.
+  // Under the job's lock, every tensor of the step done: when global clipping triggers, queues
+  // every tensor again with the clip coefficient (the state's front is unchanged, so the
+  // recomputation is the serial computation bit for bit). True when it did. The first pass is
+  // speculative (clip 1): most steps do not clip, and their results stand.
   bool RedoForClipping() {
-    if (p_.apply_ == nullptr || !status_.ok() || state_.done ||
-        state_.matrices_done != p_.spec_.matrices.size()) {
+    if (!status_.ok() || state_.done || state_.matrices_done != p_.spec_.matrices.size()) {
       return false;
     }
+    if (p_.apply_ == nullptr) return RedoUpdateForClipping();
     state_.grad_norm = ApplyStep::GradNorm(state_);
     // A node of a multi-node job: its clip came with the step (clip 1 while speculating).
     if (state_.hyper.clip_source == ClipSource::kGlobal) {
@@ -145,6 +169,26 @@ class StepPipeline::Run {
     state_.clip = clip;
     state_.clip_redo = true;
     state_.grad_scale = ApplyStep::GradScale(clip, state_.hyper.grad_divisor);
+    state_.matrices_done = 0;
+    state_.ready.clear();
+    for (uint32_t m = 0; m < p_.spec_.matrices.size(); ++m) state_.ready.push_back(m);
+    return true;
+  }
+
+  // Update mode with max_grad_norm: the norm spans the job's matrices and every rank's share of
+  // the tensors outside the job, which comes with the rank's last part; until every rank's is in
+  // nothing is decided (the commit waits too: Finish, Job::CommitWhenComplete).
+  bool RedoUpdateForClipping() {
+    if (p_.spec_.max_grad_norm <= 0 || state_.clip_redo || !state_.every_rank_pushed()) {
+      return false;
+    }
+    const double total = UpdateSumSq(state_);
+    state_.grad_norm = std::sqrt(total);
+    const float clip = server::ClipCoefficient(total, p_.spec_.max_grad_norm);
+    if (clip >= 1.0f) return false;
+    state_.clip = clip;
+    state_.clip_redo = true;
+    state_.grad_scale = clip;
     state_.matrices_done = 0;
     state_.ready.clear();
     for (uint32_t m = 0; m < p_.spec_.matrices.size(); ++m) state_.ready.push_back(m);
@@ -167,7 +211,8 @@ class StepPipeline::Run {
     }
     // A rank whose last part is not in yet commits the step when it comes (CommitWhenComplete).
     *commit = status_.ok() && !state_.done && state_.matrices_done == p_.spec_.matrices.size() &&
-              state_.last_parts_in();
+              state_.last_parts_in() &&
+              (p_.apply_ != nullptr || p_.spec_.max_grad_norm <= 0 || state_.every_rank_pushed());
     if (*commit) state_.committing = true;
     state_.device_seconds += dev_.device->SimulatedSeconds() - clock_start_;
     const device::Device::BusySeconds busy = dev_.device->Busy();
@@ -382,23 +427,32 @@ class StepPipeline::Run {
     batch.staging[i] = p_.TakeStaging(n);
     const std::vector<JobLayout::OwnerSlice> slices = p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
     const size_t esize = common::DTypeSize(ms.dtype);
-    // Apply mode with clipping: the redo reads every gradient a second time, so the first pass
-    // notes what it read and the redo checks that it reads the same (CheckReread).
-    const bool crcs = p_.apply_ != nullptr && p_.spec_.max_grad_norm > 0;
+    // With clipping the redo reads every gradient a second time, so the first pass notes what it
+    // read and the redo checks that it reads the same (CheckReread).
+    const bool crcs = p_.spec_.max_grad_norm > 0;
+    // Update mode's redo scales the gradient by the clip (apply mode: PrepareGradient).
+    const float scale = p_.apply_ == nullptr && state_.clip_redo ? state_.grad_scale : 1.0f;
     std::vector<uint32_t> crc(crcs ? slices.size() : 0);
     common::ParallelFor(slices.size(), n * (esize + sizeof(float)), [&](size_t k) {
       const JobLayout::SpanRef& ref = *slices[k].ref;
       const common::ShardSpan& span = p_.layout_.spans(ref.rank)[ref.span];
       const char* raw = state_.ranks[ref.rank].span_in[ref.span] + slices[k].begin * esize;
       if (crcs) crc[k] = common::Crc32c(raw, slices[k].length * esize);
-      common::ToFloat32(ms.dtype, raw, slices[k].length,
-                        batch.staging[i].data() + span.offset + slices[k].begin);
+      float* dst = batch.staging[i].data() + span.offset + slices[k].begin;
+      common::ToFloat32(ms.dtype, raw, slices[k].length, dst);
+      if (scale != 1.0f) {
+        for (uint64_t j = 0; j < slices[k].length; ++j) dst[j] *= scale;
+      }
     });
     if (crcs) {
       if (absl::Status s = CheckReread(m, slices, std::move(crc)); !s.ok()) {
         refused_ = true;
         return s;
       }
+    }
+    if (crcs && p_.apply_ == nullptr && !state_.clip_redo) {
+      // Update mode: the matrix's share of the norm, from the first (unscaled) pass.
+      state_.sum_sq[m] = BlockedSumOfSquares(batch.staging[i].data(), n);
     }
     if (p_.apply_ != nullptr) {
       // A device computing in host memory writes a Muon tensor's new momentum into the back

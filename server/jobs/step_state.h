@@ -70,6 +70,9 @@ struct RankInput {
   bool begun = false;
   bool finished = false;
   bool parts_open = false;  // shared memory: the rank sends the step in parts, the last not in
+  // Update mode with max_grad_norm: the rank's sum of squares of its gradients outside the job
+  // (the tensors the trainer updates itself), which came with its last part (gRPC: StepEnd).
+  double outside_sum_sq = 0;
   // The rank has sent its whole part: a gRPC rank's StepEnd, a shared-memory rank's submission
   // (its done callback is set).
   bool pushed() const { return finished || done != nullptr; }
@@ -140,6 +143,20 @@ struct StepState {
     }
     return true;
   }
+  // Update mode with max_grad_norm: the step's norm adds every rank's outside_sum_sq, which comes
+  // with the rank's last part (gRPC: its StepEnd), so the norm, the clip and the commit wait for
+  // every rank's, gRPC ranks' included.
+  bool every_rank_pushed() const {
+    for (const RankInput& r : ranks) {
+      if (!r.pushed()) return false;
+    }
+    return true;
+  }
+  double outside_sum_sq() const {
+    double total = 0;
+    for (const RankInput& r : ranks) total += r.outside_sum_sq;
+    return total;
+  }
   double device_seconds = 0;  // the simulated device's clock spent on this step (DrainReady)
   bool done = false;
   // Set when the step ended as a skipped step ("nonfinite": "skip"; done is set, result OK):
@@ -168,7 +185,7 @@ struct StepState {
   StepHyper hyper;
   int hyper_rank = -1;
   // Per tensor: the float64 sum of squares of its raw gradient (before the divisor), written by
-  // the executor thread when the tensor is assembled.
+  // the executor thread when the tensor is assembled (apply mode; update mode with max_grad_norm).
   std::vector<double> sum_sq;
   // What every gradient value is multiplied by: clip / grad_divisor, rounded to float once.
   float grad_scale = 1;

@@ -11,7 +11,10 @@ the rank's own data, one with stream=False and one streaming in 4 KiB buckets ov
     buckets streamed from its communication hook), against stream=False through the same hook:
     nothing falls back;
   - edit_rank0: no DDP, the optimizer reduces; rank 0 alone scales one gradient through .data at
-    step 1: both ranks fall back on that step only.
+    step 1: both ranks fall back on that step only;
+  - clip: no DDP, max_grad_norm in muond (every step clips: the Muon matrices' share of the norm
+    summed in the daemon over both ranks' partitions, the AdamW share from rank 0): nothing falls
+    back, against stream=False with the same max_grad_norm.
 Rank 0 writes, per run, whether every parameter came out with the same bits as stream=False, the
 fallbacks it counted and the buckets that left during backward.
 """
@@ -31,7 +34,8 @@ VOCAB, WIDTH = 32, 48
 STEPS = 3
 # case: fallbacks expected (apply mode streams from step 1: step 0 uploads the weights first)
 CASES = {"ddp_copy": STEPS, "ddp_view": STEPS, "ddp_copy_route": 0, "ddp_view_route": 0,
-         "edit_rank0": 1}
+         "edit_rank0": 1, "clip": 0}
+CLIP = 0.05  # case "clip": max_grad_norm in muond, below every step's norm
 
 
 class Block(nn.Module):
@@ -89,7 +93,8 @@ def train(address, case, mode, stream, rank):
         model = nn.parallel.DistributedDataParallel(
             net, gradient_as_bucket_view=case.startswith("ddp_view"), bucket_cap_mb=0.01)
     opt = MuonWithAuxAdam(groups(model), address=address, mode=mode, stream=stream,
-                          bucket_bytes=4096, reduce_gradients=not case.startswith("ddp"))
+                          bucket_bytes=4096, reduce_gradients=not case.startswith("ddp"),
+                          max_grad_norm=CLIP if case == "clip" else None)
     if case.endswith("_route"):
         opt.stream_ddp(model)  # with stream=False too: the same reduction, nothing streamed
     gen = torch.Generator().manual_seed(100 + rank)

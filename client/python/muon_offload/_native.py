@@ -91,6 +91,7 @@ _SIGNATURES = {
     "muond_session_last_step_skipped": (ctypes.c_int, [_P]),
     "muond_session_last_step_sum_sq": (ctypes.c_double, [_P]),
     "muond_session_set_global_clip": (ctypes.c_int, [_P, ctypes.c_int, ctypes.c_double]),
+    "muond_session_set_outside_sum_sq": (ctypes.c_int, [_P, ctypes.c_double]),
     # Checkpoints (DESIGN.md section 7).
     "muond_checkpoint_save": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _PI64, _PI64]),
     "muond_checkpoint_load": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64, _I64,

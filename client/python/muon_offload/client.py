@@ -242,7 +242,8 @@ class Session:
     def last_step_sum_sq(self):
         """Apply mode: the raw sum of squares of the gradients (before the divisor) of the last
         step that ended on this session, on its daemon: a node's share of a multi-node job's
-        gradient norm."""
+        gradient norm. Update mode with max_grad_norm: the step's whole raw sum of squares (the
+        job's matrices and every rank's set_outside_sum_sq)."""
         return float(_native.lib().muond_session_last_step_sum_sq(self.handle))
 
     def set_global_clip(self, mode, sum_sq=0.0):
@@ -251,6 +252,14 @@ class Session:
         (last_step_sum_sq); 2: clip by `sum_sq`, the raw sum of squares over every node; 0: none
         (what such a job refuses)."""
         _native.call("muond_session_set_global_clip", self.handle, int(mode), float(sum_sq))
+
+    def set_outside_sum_sq(self, sum_sq):
+        """Update mode, a job with max_grad_norm: the sum of squares of this rank's gradients
+        outside the job (the tensors the trainer updates itself; count those several ranks hold
+        once), which the next steps carry with their last part. After the step,
+        last_step_sum_sq() is the whole norm's raw sum of squares, by which the trainer clips
+        its own tensors (reference.clip_coefficient)."""
+        _native.call("muond_session_set_outside_sum_sq", self.handle, float(sum_sq))
 
     def step_in_place(self, step):
         """Submits the gradient view of `step` and waits for the update view."""

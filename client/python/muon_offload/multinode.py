@@ -110,6 +110,10 @@ class MultiNodeMuonWithAuxAdam(TwoPhaseSteps, MuonWithAuxAdam):
                              "nodes (each node's job holds only its tensors; upload_params "
                              "sends the trainer's parameters)")
         mgn = kw.get("max_grad_norm")
+        if mgn and kw.get("mode", "update") != "apply":
+            raise ValueError("MultiNodeMuonWithAuxAdam: max_grad_norm clips globally over the "
+                             "nodes in mode='apply' only (in mode='update' each node would clip "
+                             "by its own tensors' norm)")
         self._max_grad_norm = float(mgn) if mgn else 0.0
         self.last_grad_norm = None
         super().__init__(param_groups, **kw)

@@ -38,7 +38,12 @@ gradients into muond (muon_offload.apply_mode), sends each group's lr and weight
 param_groups hold them then (so LR schedulers work) and a gradient divisor (the loss scale of
 fp16 training: step(grad_divisor=...), the grad_divisor attribute, or a DynamicLossScaler's
 scale), and all-gathers the new parameters. max_grad_norm clips globally in muond.
-mode="update" (the default) is the above.
+mode="update" (the default) is the above. There max_grad_norm clips too, by the norm over every
+gradient: muond sums the Muon matrices' squares as they stream in and adds the AdamW tensors'
+share, which goes with the step's last part; it clips the Muon gradients (recomputing a step it
+computed speculatively with clip 1) and returns the whole sum, by which step() clips the AdamW
+gradients here (opt.last_grad_norm is the step's norm). Streaming is kept, unlike with
+torch.nn.utils.clip_grad_norm_, which edits gradients after they streamed.
 
 Non-finite gradients (fp16 loss scaling): nonfinite="skip" (the default in apply mode with a
 loss_scaler) makes a step whose gradients hold a NaN or Inf on any rank a skipped step: muond
@@ -52,6 +57,7 @@ state or momentum is updated, the step id stays, and the gradients are left as t
 The apply-mode half of the step is optim_apply.py (ApplyModeSteps), the delayed update
 optim_delay.py (DelayedUpdates); both are mixins of MuonWithAuxAdam.
 """
+import math
 import time
 import uuid
 import warnings
@@ -110,8 +116,9 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
       each step falls back to a whole send at step(), since DDP rewrites the gradients after
       they streamed: exact, not overlapped).
     takeover: attach even when the rank is attached elsewhere (a restarted trainer).
+    max_grad_norm: gradient clipping by the norm over every gradient, in muond (None: off;
+      both modes; see the module comment).
     mode: "update" (default) or "apply" (see the module comment); apply mode only:
-      max_grad_norm: global gradient clipping in muond (None: off);
       init_from: a safetensors file muond reads the initial weights from (None: the ranks upload
         their parameters before the first step);
       grad_divisor: the gradients are divided by it in muond (default 1; per step: step(...)).
@@ -147,9 +154,12 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
         if mode == "apply" and backend != "muond":
             raise ValueError("mode='apply' runs the optimizer in muond; the in-process reference "
                              "of apply mode is muon_offload.reference.ApplyReference")
-        if mode == "update" and (max_grad_norm is not None or init_from is not None or
-                                 qk_clip is not None):
-            raise ValueError("max_grad_norm, init_from and qk_clip apply to mode='apply' only")
+        if mode == "update" and (init_from is not None or qk_clip is not None):
+            raise ValueError("init_from and qk_clip apply to mode='apply' only")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and
+                                              math.isfinite(max_grad_norm) and
+                                              max_grad_norm >= 0):
+            raise ValueError(f"max_grad_norm must be a finite number >= 0, not {max_grad_norm!r}")
         if token is not None and not job_id:
             raise ValueError("a token was given without the job_id it belongs to")
         if delay not in (0, 1):
@@ -230,6 +240,10 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
         # Streamed steps sent whole at step() because a gradient was edited after it left
         # (GradientStream.edited); the warning naming the first such tensor is given once.
         self.stream_fallbacks = 0
+        # Update mode: clipping by the norm over every gradient, the Muon matrices' in muond (as
+        # they stream) and the AdamW tensors' here (_outside_share); the last step's norm.
+        self._clip_norm = float(max_grad_norm or 0.0) if mode == "update" else 0.0
+        self.last_grad_norm = None
         self._edit_warned = False
         self._ddp_routed = ()  # stream_ddp(): the job tensors DDP's hook streams
         # What the last step cost the caller (seconds): in step(), and waiting for muond.
@@ -356,8 +370,11 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
             if g["num_heads"] != 1:
                 m["num_heads"] = int(g["num_heads"])
             matrices.append(m)
-        return {"job_id": self.job_id, "world_size": self.world_size,
+        spec = {"job_id": self.job_id, "world_size": self.world_size,
                 "zero_stage": self.zero_stage, "muon": self.muon_config, "matrices": matrices}
+        if self._clip_norm > 0:
+            spec["max_grad_norm"] = self._clip_norm
+        return spec
 
     def _create_job(self):
         """Rank 0: the job's token (creating the job unless a token was given)."""
@@ -762,6 +779,10 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
                         self._apply_mode_step(grad_divisor)
                 elif self.backend == "local" or not self._job_tensors:
                     muon_grads, adam_grads = self._gradients()
+                    if self._clip_norm > 0:  # muond's clipping, in-process
+                        total = reference.sum_of_squares(list(muon_grads) + list(adam_grads))
+                        muon_grads = self._clipped(muon_grads, total)
+                        adam_grads = self._clipped(adam_grads, total)
                     if self._muon:
                         self._local_muon_step(muon_grads)
                     self._adam_step(adam_grads)
@@ -786,9 +807,33 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
         self._arm()
         return loss
 
+    def _outside_share(self, adam):
+        """Update mode with max_grad_norm: the AdamW gradients' share of the norm goes with the
+        step's last part. Every rank holds the same (reduced) AdamW gradients, so rank 0 counts
+        them and the others send 0."""
+        if self._clip_norm > 0:
+            share = reference.sum_of_squares(adam) if self.rank == 0 else 0.0
+            self._session().set_outside_sum_sq(share)
+
+    def _clipped(self, grads, sum_sq=None):
+        """Update mode with max_grad_norm: `grads` multiplied by the step's clip coefficient (new
+        tensors; p.grad stays as it is, so a failed step can be retried), from the whole raw sum
+        of squares muond returned (sum_sq: the local backend's)."""
+        if self._clip_norm <= 0:
+            return grads
+        if sum_sq is None:
+            sum_sq = self.session.last_step_sum_sq()
+        self.last_grad_norm = math.sqrt(sum_sq)
+        coef = reference.clip_coefficient(sum_sq, self._clip_norm)
+        if coef >= 1.0:
+            return grads
+        return [None if g is None else g * torch.tensor(coef, dtype=g.dtype, device=g.device)
+                for g in grads]
+
     def _update_mode_step(self):
         self._require_gradients(self._muon, "Muon")
         adam = self._adam_gradients()
+        self._outside_share(adam)
         step = self.step_id
         if self._delayed():
             self._install_in_flight()
@@ -806,4 +851,4 @@ class MuonWithAuxAdam(ApplyModeSteps, DelayedUpdates, DaemonCheckpoints, torch.o
             self.last_step_skipped = True
             return
         self._install_muon(update, early)
-        self._adam_step(adam)
+        self._adam_step(self._clipped(adam))

@@ -49,7 +49,7 @@ class DelayedUpdates:
         else:
             hyper, adam, adam_hyper = self._delayed_rest
             self._install_muon(self.session.update_view(step, self.dtype), hyper=hyper)
-            self._adam_step(adam, adam_hyper)
+            self._adam_step(self._clipped(adam), adam_hyper)
         if not predict:
             self._true = None
             return

@@ -28,6 +28,24 @@ NS_METHODS = ("standard", "gram", "polar_express")
 SCALE_MODES = ("original", "match_rms_adamw", "none")
 
 
+def sum_of_squares(tensors):
+    """The float64 sum of squares of `tensors` (None entries skipped), one host sync."""
+    parts = [torch.linalg.vector_norm(t.detach(), 2, dtype=torch.float64).square()
+             for t in tensors if t is not None]
+    if not parts:
+        return 0.0
+    return float(torch.stack([x.cpu() for x in parts]).sum())
+
+
+def clip_coefficient(sum_sq, max_norm):
+    """muond's clip coefficient (server/optim/grad_norm.h): min(1, max_norm / (sqrt(sum_sq) +
+    1e-6)) in float64, rounded to float32 once; exactly 1 without clipping (max_norm 0/None)."""
+    if not max_norm:
+        return 1.0
+    coef = min(1.0, float(max_norm) / (math.sqrt(sum_sq) + 1e-6))
+    return float(torch.tensor(coef, dtype=torch.float32))
+
+
 def geometry(shape, num_heads=1):
     """(batch, rows, cols) of the blocks Newton-Schulz orthogonalizes: [r, c] as num_heads blocks
     of r/H rows, [E, r, c] as E*H blocks, conv [out, in, kh, kw] as [out, in*kh*kw]."""

@@ -77,9 +77,28 @@ TEST(JobSpecApplyTest, UpdateModeJsonIsUnchangedAndRefusesApplyFields) {
   ExpectInvalid(R"({"job_id": "u1", "matrices": [{"name": "w", "shape": [4, 8]}],
                     "groups": [{"name": "muon", "lr": 1}]})",
                 "mode 'apply' only");
+}
+
+// Update mode clips too: max_grad_norm round-trips through job.json, a bad value is refused as in
+// apply mode, and a multi-node update job (no global clip there) refuses it.
+TEST(JobSpecApplyTest, UpdateModeTakesMaxGradNorm) {
+  auto spec = ParseJobSpecJson(R"({"job_id": "u1", "matrices": [{"name": "w", "shape": [4, 8]}],
+                                   "max_grad_norm": 0.5})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->mode, JobMode::kUpdate);
+  EXPECT_DOUBLE_EQ(spec->max_grad_norm, 0.5);
+  const std::string canonical = JobSpecToJson(*spec);
+  EXPECT_NE(canonical.find("\"max_grad_norm\": 0.5"), std::string::npos) << canonical;
+  EXPECT_EQ(canonical.find("\"mode\""), std::string::npos) << canonical;
+  auto again = ParseJobSpecJson(canonical);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_DOUBLE_EQ(again->max_grad_norm, 0.5);
   ExpectInvalid(R"({"job_id": "u1", "matrices": [{"name": "w", "shape": [4, 8]}],
-                    "max_grad_norm": 1})",
-                "mode 'apply' only");
+                    "max_grad_norm": -1})",
+                "max_grad_norm -1 must be finite and >= 0");
+  ExpectInvalid(R"({"job_id": "u1", "matrices": [{"name": "w", "shape": [4, 8]}],
+                    "max_grad_norm": 1, "multinode": {"global_job_id": "g", "node": 0, "nodes": 2}})",
+                "multi-node job clips globally in mode 'apply' only");
 }
 
 TEST(JobSpecApplyTest, BadApplyInputsNameWhatIsWrong) {

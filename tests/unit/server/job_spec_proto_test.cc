@@ -66,9 +66,16 @@ TEST(JobSpecProtoTest, UnknownEnumValuesAreNamed) {
             std::string_view::npos);
   // Apply fields on an update-mode spec are refused, not ignored.
   proto = JobSpecToProto(*spec);
-  proto.set_max_grad_norm(1.0);
+  proto.add_groups()->set_name("muon");
   EXPECT_NE(JobSpecFromProto(proto).status().message().find("mode 'apply' only"),
             std::string_view::npos);
+  // max_grad_norm is both modes' (update mode clips by the norm on its node).
+  proto = JobSpecToProto(*spec);
+  proto.set_max_grad_norm(1.0);
+  auto clipped = JobSpecFromProto(proto);
+  ASSERT_TRUE(clipped.ok()) << clipped.status();
+  EXPECT_DOUBLE_EQ(clipped->max_grad_norm, 1.0);
+  EXPECT_DOUBLE_EQ(JobSpecToProto(*clipped).max_grad_norm(), 1.0);  // and back
 }
 
 // uint64 fields that job.json holds as integers up to INT64_MAX: a larger value is refused when

@@ -1,0 +1,306 @@
+// Update mode with max_grad_norm (the streamed clipping route, DESIGN.md 4d), in process, on the
+// fixture of momentum_commit_fixture.h (the cpu device in place, the simulated one staged):
+//  - The norm spans the job's matrices and every rank's share of the tensors outside the job,
+//    which comes with the rank's last part: the committed momentum is bit for bit the serial EMA
+//    of the gradients times ClipCoefficient(that sum), the step's completion carries the whole
+//    raw sum, and a step within the norm is the plain EMA.
+//  - A gRPC rank whose spans are all in but whose StepEnd is not holds the commit: the step
+//    clips by its share once it comes.
+//  - Bad shares refuse the step for every rank with nothing changed: negative
+//    (INVALID_ARGUMENT), non-finite (refused as a non-finite gradient; skipped with "nonfinite":
+//    "skip"); a StepEnd share on a job that does not clip in update mode is refused too.
+//  - The clip redo reads every gradient again: a peer that rewrote its region meanwhile gets the
+//    step refused, the momentum unchanged.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/crc32c.h"
+#include "server/optim/grad_norm.h"
+#include "tests/unit/server/momentum_commit_fixture.h"
+
+namespace muond::server {
+namespace {
+
+using commit_test::BitDifferences;
+using commit_test::FillRegion;
+using commit_test::Outcome;
+using commit_test::RandomGradients;
+using commit_test::RankRegion;
+using commit_test::TwoRankSpec;
+
+class UpdateClipTest : public commit_test::CommitFixture {
+ protected:
+  common::JobSpec StartClipJob(const std::string& id, double max_grad_norm, bool skip = false) {
+    common::JobSpec spec = TwoRankSpec(id);
+    spec.max_grad_norm = max_grad_norm;
+    spec.nonfinite_skip = skip;
+    StartJob(spec);
+    return spec;
+  }
+
+  // SubmitShared of the whole region, the rank's outside share with it.
+  absl::Status Submit(int rank, int64_t step, RankRegion& region, Outcome* outcome,
+                      double outside, uint32_t* flags = nullptr, double* sum_sq = nullptr) {
+    std::vector<const char*> in;
+    std::vector<char*> out;
+    for (size_t i = 0; i < region.spans.size(); ++i) {
+      in.push_back(region.in[i].data());
+      out.push_back(region.out[i].data());
+    }
+    return job_->SubmitShared(
+        rank, sessions_[rank], step, in, out, nullptr,
+        [outcome, flags, sum_sq](const absl::Status& s, uint32_t f, double, double ss) {
+          if (flags != nullptr) *flags = f;
+          if (sum_sq != nullptr) *sum_sq = ss;
+          outcome->status = s;
+          outcome->ended.Notify();
+        },
+        nullptr, {}, outside);
+  }
+
+  // The whole matrices' raw sum of squares in job order (the daemon's order), plus `outside`.
+  static double SumSq(const std::vector<std::vector<float>>& grads, double outside) {
+    double total = 0;
+    for (const std::vector<float>& g : grads) total += SumOfSquares(g.data(), g.size());
+    return total + outside;
+  }
+
+  // The serial EMA of `grads` scaled by `clip` into `reference`.
+  static void Ema(const common::JobSpec& spec, const std::vector<std::vector<float>>& grads,
+                  float clip, std::vector<std::vector<float>>* reference) {
+    for (size_t m = 0; m < grads.size(); ++m) {
+      std::vector<float> g = grads[m];
+      if (clip != 1.0f) {
+        for (float& v : g) v *= clip;
+      }
+      ApplyMomentum(spec.muon, g.data(), (*reference)[m].data(), g.size());
+    }
+  }
+
+  std::vector<std::vector<float>> Zeros(const common::JobSpec& spec) {
+    std::vector<std::vector<float>> z;
+    for (const common::MatrixSpec& m : spec.matrices) z.emplace_back(m.numel(), 0.0f);
+    return z;
+  }
+
+  void ExpectMomentum(const std::vector<std::vector<float>>& reference, const std::string& what) {
+    const std::vector<std::vector<float>> saved = SavedMomentum();
+    ASSERT_EQ(saved.size(), reference.size());
+    for (size_t m = 0; m < saved.size(); ++m) {
+      EXPECT_EQ(BitDifferences(saved[m], reference[m]), 0u) << what << ", matrix " << m;
+    }
+  }
+
+  // A step whose rank 1 sends `bad` as its share: refused (or skipped) for both ranks.
+  void ExpectBadShare(const std::string& id, double bad, bool skip);
+};
+
+// Three steps, each clipping (the gradients' norm is ~360, max_grad_norm 1), the shares 3 and 5;
+// then one within a huge max_grad_norm... of a second job: no clip, the plain EMA.
+TEST_P(UpdateClipTest, MomentumIsTheClippedSerialEmaAndTheCompletionCarriesTheSum) {
+  std::mt19937 rng(31);
+  const common::JobSpec spec = StartClipJob(JobId("update-clip"), 1.0);
+  ASSERT_NE(job_, nullptr);
+  std::vector<std::vector<float>> reference = Zeros(spec);
+  for (int64_t step = 0; step < 3; ++step) {
+    const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+    RankRegion r0 = FillRegion(spec, 0, grads), r1 = FillRegion(spec, 1, grads);
+    Outcome o0, o1;
+    double ss0 = -1, ss1 = -1;
+    ASSERT_TRUE(Submit(0, step, r0, &o0, 3.0, nullptr, &ss0).ok());
+    ASSERT_TRUE(Submit(1, step, r1, &o1, 5.0, nullptr, &ss1).ok());
+    for (Outcome* o : {&o0, &o1}) {
+      o->ended.WaitForNotification();
+      ASSERT_TRUE(o->status.ok()) << o->status;
+    }
+    const double total = SumSq(grads, 8.0);
+    EXPECT_EQ(ss0, total);
+    EXPECT_EQ(ss1, total);
+    const float clip = ClipCoefficient(total, 1.0);
+    ASSERT_LT(clip, 1.0f);
+    Ema(spec, grads, clip, &reference);
+    ExpectMomentum(reference, absl::StrCat("step ", step));
+  }
+  const JobReport report = job_->Report();
+  EXPECT_EQ(report.steps_completed, 3);
+  EXPECT_EQ(report.clip_redo_steps, 3);
+
+  job_.reset();
+  const common::JobSpec loose = StartClipJob(JobId("update-clip-loose"), 1e9);
+  ASSERT_NE(job_, nullptr);
+  std::vector<std::vector<float>> plain = Zeros(loose);
+  const std::vector<std::vector<float>> grads = RandomGradients(loose, rng);
+  RankRegion r0 = FillRegion(loose, 0, grads), r1 = FillRegion(loose, 1, grads);
+  Outcome o0, o1;
+  double ss = -1;
+  ASSERT_TRUE(Submit(0, 0, r0, &o0, 0.0).ok());
+  ASSERT_TRUE(Submit(1, 0, r1, &o1, 2.5, nullptr, &ss).ok());
+  for (Outcome* o : {&o0, &o1}) {
+    o->ended.WaitForNotification();
+    ASSERT_TRUE(o->status.ok()) << o->status;
+  }
+  EXPECT_EQ(ss, SumSq(grads, 2.5));
+  Ema(loose, grads, 1.0f, &plain);
+  ExpectMomentum(plain, "within the norm");
+  EXPECT_EQ(job_->Report().clip_redo_steps, 0);
+}
+
+// Rank 0 over gRPC (BeginStep, its chunks, then Finish = StepEnd), rank 1 over shared memory.
+// Every matrix is complete once rank 1 rang and rank 0's chunks are in; the step still waits for
+// rank 0's StepEnd and its share (a huge one: the clip depends on it).
+TEST_P(UpdateClipTest, AGrpcRanksStepEndHoldsTheCommitUntilItsShareIsIn) {
+  std::mt19937 rng(37);
+  const common::JobSpec spec = StartClipJob(JobId("update-clip-grpc"), 100.0);
+  ASSERT_NE(job_, nullptr);
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  auto rank_step = job_->BeginStep(0, sessions_[0], 0);
+  ASSERT_TRUE(rank_step.ok()) << rank_step.status();
+  RankRegion r0 = FillRegion(spec, 0, grads), r1 = FillRegion(spec, 1, grads);
+  for (size_t i = 0; i < r0.spans.size(); ++i) {
+    const std::string& bytes = r0.in[i];
+    ASSERT_TRUE((*rank_step)
+                    ->AddGradient(r0.spans[i].matrix, r0.spans[i].offset, bytes,
+                                  common::Crc32c(bytes.data(), bytes.size()))
+                    .ok());
+  }
+  Outcome o1;
+  double ss1 = -1;
+  ASSERT_TRUE(Submit(1, 0, r1, &o1, 0.0, nullptr, &ss1).ok());
+  WaitForExecutor();  // every matrix computed (speculatively, clip 1)
+  EXPECT_FALSE(o1.ended.HasBeenNotified()) << "committed before rank 0's share was in";
+  EXPECT_EQ(job_->Report().steps_completed, 0);
+  constexpr double kShare = 1e6;  // norm >= 1000 > 100: clips
+  auto update = (*rank_step)->Finish([] { return false; }, kShare);
+  ASSERT_TRUE(update.ok()) << update.status();
+  o1.ended.WaitForNotification();
+  ASSERT_TRUE(o1.status.ok()) << o1.status;
+  const double total = SumSq(grads, kShare);
+  EXPECT_EQ((*update)->grad_sum_sq, total);
+  EXPECT_EQ(ss1, total);
+  std::vector<std::vector<float>> reference = Zeros(spec);
+  Ema(spec, grads, ClipCoefficient(total, 100.0), &reference);
+  ExpectMomentum(reference, "clipped by the gRPC rank's share");
+}
+
+void UpdateClipTest::ExpectBadShare(const std::string& id, double bad, bool skip) {
+  std::mt19937 rng(41);
+  const common::JobSpec spec = StartClipJob(id, 1.0, skip);
+  ASSERT_NE(job_, nullptr);
+  {
+    // One committed step first: the state to keep.
+    const std::vector<std::vector<float>> first = RandomGradients(spec, rng);
+    RankRegion r0 = FillRegion(spec, 0, first), r1 = FillRegion(spec, 1, first);
+    Outcome o0, o1;
+    ASSERT_TRUE(Submit(0, 0, r0, &o0, 0.0).ok());
+    ASSERT_TRUE(Submit(1, 0, r1, &o1, 0.0).ok());
+    for (Outcome* o : {&o0, &o1}) {
+      o->ended.WaitForNotification();
+      ASSERT_TRUE(o->status.ok()) << o->status;
+    }
+  }
+  const std::vector<std::vector<float>> before = SavedMomentum();
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  RankRegion r0 = FillRegion(spec, 0, grads), r1 = FillRegion(spec, 1, grads);
+  Outcome o0, o1;
+  uint32_t f0 = 0, f1 = 0;
+  ASSERT_TRUE(Submit(0, 1, r0, &o0, 0.0, &f0).ok());
+  const absl::Status s1 = Submit(1, 1, r1, &o1, bad, &f1);
+  o0.ended.WaitForNotification();
+  const JobReport report = job_->Report();
+  if (skip) {
+    EXPECT_TRUE(s1.ok()) << s1;
+    o1.ended.WaitForNotification();
+    for (Outcome* o : {&o0, &o1}) EXPECT_TRUE(o->status.ok()) << o->status;
+    EXPECT_NE(f0 & kDoneSkipped, 0u);
+    EXPECT_NE(f1 & kDoneSkipped, 0u);
+    EXPECT_EQ(report.steps_skipped, 1);
+  } else {
+    // Rank 1 is answered by SubmitShared's status, rank 0 by its completion.
+    for (const absl::Status& s : {s1, o0.status}) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_NE(s.message().find("rank 1: the sum of squares of the rank's gradients outside"),
+                std::string::npos)
+          << s;
+    }
+    EXPECT_EQ(report.steps_refused, 1);
+    EXPECT_FALSE(report.fenced);
+  }
+  EXPECT_EQ(report.steps_completed, 1);
+  ExpectMomentum(before, "after the bad share");
+}
+
+TEST_P(UpdateClipTest, ANegativeShareIsRefusedAndChangesNothing) {
+  ExpectBadShare(JobId("update-clip-negative"), -1.0, /*skip=*/false);
+}
+
+TEST_P(UpdateClipTest, ANonFiniteShareIsRefusedAsANonFiniteGradient) {
+  ExpectBadShare(JobId("update-clip-nan"), std::numeric_limits<double>::quiet_NaN(), false);
+  job_.reset();
+  ExpectBadShare(JobId("update-clip-inf"), std::numeric_limits<double>::infinity(), false);
+}
+
+TEST_P(UpdateClipTest, ANonFiniteShareSkipsTheStepUnderNonfiniteSkip) {
+  ExpectBadShare(JobId("update-clip-skip"), std::numeric_limits<double>::infinity(), true);
+}
+
+// A StepEnd with a share on an update job without max_grad_norm: refused, nothing committed.
+TEST_P(UpdateClipTest, AShareOnAJobThatDoesNotClipIsRefused) {
+  std::mt19937 rng(43);
+  const common::JobSpec spec = StartClipJob(JobId("update-noclip-share"), 0.0);
+  ASSERT_NE(job_, nullptr);
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  auto rank_step = job_->BeginStep(0, sessions_[0], 0);
+  ASSERT_TRUE(rank_step.ok()) << rank_step.status();
+  RankRegion r0 = FillRegion(spec, 0, grads);
+  for (size_t i = 0; i < r0.spans.size(); ++i) {
+    const std::string& bytes = r0.in[i];
+    ASSERT_TRUE((*rank_step)
+                    ->AddGradient(r0.spans[i].matrix, r0.spans[i].offset, bytes,
+                                  common::Crc32c(bytes.data(), bytes.size()))
+                    .ok());
+  }
+  auto update = (*rank_step)->Finish([] { return false; }, 4.0);
+  ASSERT_FALSE(update.ok());
+  EXPECT_EQ(update.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(update.status().message().find("does not clip in mode 'update'"), std::string::npos)
+      << update.status();
+  EXPECT_EQ(job_->Report().steps_completed, 0);
+  EXPECT_EQ(job_->Report().steps_refused, 1);
+}
+
+// The redo reads the gradients a second time: rank 0 rewrites one bit of "a" after the first pass
+// read it (before rank 1 rang); the step clips, so it is refused, the momentum as it was.
+TEST_P(UpdateClipTest, TheRedoRefusesAGradientRewrittenAfterItWasRead) {
+  std::mt19937 rng(47);
+  const common::JobSpec spec = StartClipJob(JobId("update-clip-reread"), 1e-3);
+  ASSERT_NE(job_, nullptr);
+  const std::vector<std::vector<float>> before = SavedMomentum();
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  RankRegion r0 = FillRegion(spec, 0, grads), r1 = FillRegion(spec, 1, grads);
+  ASSERT_EQ(r0.spans[0].matrix, 0u);
+  Outcome o0, o1;
+  ASSERT_TRUE(Submit(0, 0, r0, &o0, 0.0).ok());
+  WaitForExecutor();  // "a" (all rank 0's) was read by the first pass
+  r0.in[0][4 * 2] ^= 0x01;
+  ASSERT_TRUE(Submit(1, 0, r1, &o1, 0.0).ok());
+  for (Outcome* o : {&o0, &o1}) {
+    o->ended.WaitForNotification();
+    EXPECT_EQ(o->status.code(), absl::StatusCode::kInvalidArgument) << o->status;
+    EXPECT_NE(o->status.message().find("rank 0's gradient of tensor 'a'"), std::string::npos)
+        << o->status;
+  }
+  EXPECT_EQ(job_->Report().steps_completed, 0);
+  ExpectMomentum(before, "after the rewrite");
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, UpdateClipTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "CpuInPlace" : "SimulatedStaged";
+                         });
+
+}  // namespace
+}  // namespace muond::server
