@@ -8,7 +8,7 @@
 //   progress: save job j: 25165824/25165824 bytes (100.0%), 48.0 MiB/s, done in 0:00
 // (time as M:SS, or H:MM:SS from an hour; the rate and time left read "-" until they are known).
 //
-// The daemon reports its side of an operation through GetProgress (server/ops/status_progress.h);
+// The daemon reports its side of an operation through GetProgress (server/record/status_progress.h);
 // RunWithProgress calls the blocking RPC on a thread and polls it. Thread-safety: a
 // ProgressDisplay is used by one thread.
 #ifndef MUOND_CLIENT_PROGRESS_DISPLAY_H_

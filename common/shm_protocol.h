@@ -49,7 +49,7 @@ inline constexpr uint32_t kSubmitInitParams = 1;
 // gradient divisor, with G the job's groups in order; then the presence mask, one byte per job
 // tensor in order: 0 the tensor has a gradient this step, 1 it has none (skipped, DESIGN.md 4b;
 // any other value is refused); the mask starts after two more float64: the global clip's mode
-// (0: none, 1: speculate, 2: clip by the global sum; server/jobs/step_state.h ClipSource) and the
+// (0: none, 1: speculate, 2: clip by the global sum; server/engine/step_state.h ClipSource) and the
 // global raw sum of squares. Then, for a job with QK-Clip (DESIGN.md 4e), at
 // MaxLogitsOffset(G, T) (4-byte aligned), L float32: the rank's largest attention logit of each
 // query head, pair after pair (L = QkClip::logits()). HyperBytes(G, T, L) bytes.

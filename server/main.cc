@@ -28,11 +28,10 @@
 #include "server/api/tls_config.h"
 #include "server/device/device.h"
 #include "server/device/device_streams.h"
-#include "server/jobs/compute_executor.h"
+#include "server/engine/compute_executor.h"
+#include "server/engine/step_observer.h"
 #include "server/jobs/job_registry.h"
-#include "server/jobs/step_observer.h"
-#include "server/ops/daemon_config.h"
-#include "server/ops/daemon_metrics.h"
+#include "server/ops/metrics_collector.h"
 #include "server/ops/metrics_http.h"
 #include "server/ops/sd_notify.h"
 #include "server/ops/status_json.h"
@@ -41,6 +40,7 @@
 #include "server/optim/adamw.h"
 #include "server/optim/cpu_isa.h"
 #include "server/optim/muon_math.h"
+#include "server/record/daemon_config.h"
 #include "server/storage/durable_file.h"
 
 #ifndef MUOND_VERSION
@@ -397,7 +397,7 @@ int Run(int argc, char** argv) {
   // freed) kept memory flat but cost a fault and a zero fill per page of every buffer of every step
   // (LibTorch and oneDNN allocate per op): a third of the CPU time of a bf16 step. So: the largest
   // fixed threshold (32 MiB on 64-bit), no trimming at free, and HeapTrimmer
-  // (server/jobs/heap_trimmer.h) returning the free memory when no step is in flight.
+  // (server/engine/heap_trimmer.h) returning the free memory when no step is in flight.
   // One arena: malloc_trim gives back the free pages inside every arena but shrinks the top of the
   // main one only, and nothing trims a thread arena's top at free with this threshold, so with
   // per-thread arenas up to ~50 MiB of a deleted job's stream buffers stayed resident for good

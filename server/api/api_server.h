@@ -3,9 +3,10 @@
 // shm_attach), the listeners (the Unix socket and TCP, plaintext or TLS, which the daemon accepts
 // itself: ConnectionListener) and authentication (peer
 // credentials and allow-lists: peer_identity, tls_config; the job token is checked by
-// JobRegistry::Authorize for every path). It is the only code that sees generated proto types or
-// sockets; it calls server/jobs (registry and jobs) and server/ops (configuration, metrics
-// recorders), and converts jobs' plain reports to API messages (job_status_proto).
+// JobRegistry::Authorize for every path). It is the only code that sees generated proto types, and
+// with server/ops's HTTP endpoint the only one that sees sockets; it calls server/jobs (registry
+// and jobs) and server/record (configuration, metrics recorders, operation progress), and
+// converts jobs' plain reports to API messages (job_status_proto).
 //
 // ApiServer wires them: Prepare() checks the listen address before anything else starts, Start()
 // brings every listener up, Drain() and the destructor take them down in order. The gRPC server's
@@ -26,7 +27,7 @@
 #include "server/api/stream_guard.h"
 #include "server/api/tls_config.h"
 #include "server/jobs/job_registry.h"
-#include "server/ops/daemon_config.h"
+#include "server/record/daemon_config.h"
 
 namespace grpc {
 class Server;

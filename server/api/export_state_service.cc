@@ -10,8 +10,8 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/api/muond_service.h"
-#include "server/jobs/heap_trimmer.h"
-#include "server/ops/daemon_metrics.h"
+#include "server/engine/heap_trimmer.h"
+#include "server/record/daemon_metrics.h"
 
 namespace muond::server {
 namespace {

@@ -9,7 +9,7 @@
 #include "absl/status/status.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
-#include "server/ops/daemon_metrics.h"
+#include "server/record/daemon_metrics.h"
 
 namespace muond::server {
 

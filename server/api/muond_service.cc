@@ -20,10 +20,10 @@
 #include "common/status_macros.h"
 #include "server/api/job_status_proto.h"
 #include "server/api/logged_rpc_status.h"
-#include "server/jobs/apply_step.h"
-#include "server/jobs/heap_trimmer.h"
-#include "server/ops/daemon_metrics.h"
-#include "server/ops/status_progress.h"
+#include "server/engine/apply_step.h"
+#include "server/engine/heap_trimmer.h"
+#include "server/record/daemon_metrics.h"
+#include "server/record/status_progress.h"
 
 namespace muond::server {
 namespace {

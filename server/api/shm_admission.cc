@@ -33,7 +33,7 @@
 #include "server/api/shm_server.h"
 #include "server/api/shm_session.h"
 #include "server/api/shm_wire.h"
-#include "server/ops/daemon_metrics.h"
+#include "server/record/daemon_metrics.h"
 
 namespace muond::server {
 

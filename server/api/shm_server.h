@@ -4,7 +4,7 @@
 // ShmServer listens on a Unix SOCK_SEQPACKET socket next to the gRPC one. A rank attaches with its
 // job token; the daemon creates the session's memfd regions (gradient in, update out, each double
 // buffered, sized for the rank's spans; sealed; mlock()ed once; registered with a GPU device
-// for direct copies, server/jobs/step_pipeline.h) and ring, and passes them with
+// for direct copies, server/engine/step_pipeline.h) and ring, and passes them with
 // SCM_RIGHTS. Doorbells are handled by one thread (epoll over every session's socket and doorbell
 // eventfd); the step itself runs on the job's compute queue, which reads the gradient spans from
 // the region and writes the update spans into the out region directly. A session ends when its

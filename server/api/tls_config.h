@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/ops/daemon_config.h"
+#include "server/record/daemon_config.h"
 
 namespace grpc {
 class ServerCredentials;

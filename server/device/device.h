@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -28,6 +29,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "common/job_spec.h"
 
 namespace muond::server::device {
@@ -85,15 +88,31 @@ struct MuonKernelItem {
   DeviceBuffer* momentum_out = nullptr;
 };
 
+// The argument checks of Stream's copies and conversions, made once for every backend by the
+// Stream functions below, before the backend's Enqueue* runs (as ggml-backend checks a tensor
+// copy once, in the generic function, before the backend's). Header-only: the GPU backends are
+// libraries of their own that do not link the device room's library.
+// OK when [offset, offset + bytes) lies inside `buffer` and, for bytes > 0, both addresses are
+// set; OUT_OF_RANGE ("... overruns a N-byte device buffer") or INVALID_ARGUMENT otherwise.
+inline absl::Status CheckCopy(const DeviceBuffer& buffer, size_t offset, const void* host,
+                              size_t bytes);
+// OK when Stream::Convert may convert `elements` values of `from` at src into `to` at dst.
+inline absl::Status CheckConvert(const DeviceBuffer& src, common::DType from,
+                                 const DeviceBuffer& dst, common::DType to, size_t elements);
+
 class Stream {
  public:
   virtual ~Stream() = default;
-  // Enqueues a copy of `bytes` from host `src` to `dst` at `offset`.
-  virtual absl::Status CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
-                                    size_t bytes) = 0;
-  // Enqueues a copy of `bytes` from `src` at `offset` to host `dst`.
-  virtual absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
-                                  size_t bytes) = 0;
+  // Enqueues a copy of `bytes` from host `src` to `dst` at `offset` (CheckCopy first).
+  absl::Status CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src, size_t bytes) {
+    if (absl::Status s = CheckCopy(dst, offset, src, bytes); !s.ok()) return s;
+    return EnqueueCopyToDevice(dst, offset, src, bytes);
+  }
+  // Enqueues a copy of `bytes` from `src` at `offset` to host `dst` (CheckCopy first).
+  absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset, size_t bytes) {
+    if (absl::Status s = CheckCopy(src, offset, dst, bytes); !s.ok()) return s;
+    return EnqueueCopyToHost(dst, src, offset, bytes);
+  }
   // Enqueues dst[i] = src[i] converted from `from` to `to` and multiplied by `scale` for
   // `elements` values, both buffers from element 0: the value is widened to float32 (exact),
   // multiplied in float32 (one rounding, as the host's `g *= scale`; none when scale is 1) and
@@ -102,9 +121,12 @@ class Stream {
   // mode: scaled by the step's divisor and clip coefficient) and narrows updates with it where
   // they are copied straight between the ranks' regions and the device. OUT_OF_RANGE when a
   // buffer is too small; INVALID_ARGUMENT when neither dtype is float32 and they differ, or src
-  // and dst are one buffer.
-  virtual absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
-                               common::DType to, size_t elements, float scale) = 0;
+  // and dst are one buffer (CheckConvert, before the backend's EnqueueConvert).
+  absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
+                       common::DType to, size_t elements, float scale) {
+    if (absl::Status s = CheckConvert(src, from, dst, to, elements); !s.ok()) return s;
+    return EnqueueConvert(src, from, dst, to, elements, scale);
+  }
   // Enqueues the Muon update (DESIGN.md 3) of each item with `config`.
   virtual absl::Status Muon(const common::MuonConfig& config,
                             std::vector<MuonKernelItem> items) = 0;
@@ -115,6 +137,17 @@ class Stream {
   virtual absl::Status WaitFor(std::shared_ptr<Event> event) = 0;
   // Blocks until everything enqueued so far has run; returns its first error.
   virtual absl::Status Synchronize() = 0;
+
+ protected:
+  // The backend's halves of CopyToDevice, CopyToHost and Convert, called with their arguments
+  // checked.
+  virtual absl::Status EnqueueCopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
+                                           size_t bytes) = 0;
+  virtual absl::Status EnqueueCopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
+                                         size_t bytes) = 0;
+  virtual absl::Status EnqueueConvert(const DeviceBuffer& src, common::DType from,
+                                      DeviceBuffer& dst, common::DType to, size_t elements,
+                                      float scale) = 0;
 };
 
 class Device {
@@ -237,6 +270,43 @@ std::unique_ptr<Device> NewHostDevice(int cpu_threads, const SimulatedOptions* s
 // UNAVAILABLE with a one-line reason when there is no driver or no device.
 absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal);
 absl::StatusOr<std::unique_ptr<Device>> OpenLevelZeroDevice(int ordinal);
+
+// Defined here, inline: see the declarations above Stream.
+inline absl::Status CheckCopy(const DeviceBuffer& buffer, size_t offset, const void* host,
+                              size_t bytes) {
+  if (offset > buffer.size() || bytes > buffer.size() - offset) {
+    return absl::OutOfRangeError(absl::StrCat("copy of ", bytes, " bytes at ", offset,
+                                              " overruns a ", buffer.size(),
+                                              "-byte device buffer"));
+  }
+  if (bytes > 0 && (host == nullptr || buffer.data() == nullptr)) {
+    return absl::InvalidArgumentError("copy with a null host or device address");
+  }
+  return absl::OkStatus();
+}
+
+inline absl::Status CheckConvert(const DeviceBuffer& src, common::DType from,
+                                 const DeviceBuffer& dst, common::DType to, size_t elements) {
+  if (from != to && from != common::DType::kFloat32 && to != common::DType::kFloat32) {
+    return absl::InvalidArgumentError(absl::StrCat("convert ", std::string(common::DTypeName(from)),
+                                                   " to ", std::string(common::DTypeName(to)),
+                                                   ": one side must be float32"));
+  }
+  const size_t in_size = common::DTypeSize(from), out_size = common::DTypeSize(to);
+  if (elements > std::numeric_limits<size_t>::max() / 4 || elements * in_size > src.size() ||
+      elements * out_size > dst.size()) {
+    return absl::OutOfRangeError(absl::StrCat("convert of ", elements, " elements overruns a ",
+                                              src.size(), "-byte source or a ", dst.size(),
+                                              "-byte destination"));
+  }
+  if (elements > 0 && (src.data() == nullptr || dst.data() == nullptr)) {
+    return absl::InvalidArgumentError("convert with a null device address");
+  }
+  if (elements > 0 && src.data() == dst.data()) {
+    return absl::InvalidArgumentError("convert in place (source and destination are one buffer)");
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace muond::server::device
 

@@ -22,7 +22,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/dtype.h"
-#include "server/device/convert_check.h"
 #include "server/device/device.h"
 #include "server/device/host_ranges.h"
 #include "server/optim/muon_math.h"
@@ -118,11 +117,12 @@ class HostStream final : public Stream {
   HostStream(HostDevice* device, int math_threads);
   ~HostStream() override;
 
-  absl::Status CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
-                            size_t bytes) override;
-  absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset, size_t bytes) override;
-  absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
-                       common::DType to, size_t elements, float scale) override;
+  absl::Status EnqueueCopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
+                                   size_t bytes) override;
+  absl::Status EnqueueCopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
+                                 size_t bytes) override;
+  absl::Status EnqueueConvert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
+                              common::DType to, size_t elements, float scale) override;
   absl::Status Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) override;
   absl::StatusOr<std::shared_ptr<Event>> Record() override;
   absl::Status WaitFor(std::shared_ptr<Event> event) override;
@@ -304,12 +304,8 @@ void HostStream::Enqueue(std::function<absl::Status()> op, double sim_cost, int 
   ops_.push_back(Op{std::move(op), sim_cost, not_before, nullptr, nullptr, kind});
 }
 
-absl::Status HostStream::CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
-                                      size_t bytes) {
-  if (offset > dst.size() || bytes > dst.size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat("copy of ", bytes, " bytes at ", offset,
-                                              " overruns a ", dst.size(), "-byte device buffer"));
-  }
+absl::Status HostStream::EnqueueCopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
+                                             size_t bytes) {
   char* to = static_cast<char*>(dst.data()) + offset;
   Enqueue(
       [to, src, bytes] {
@@ -320,12 +316,8 @@ absl::Status HostStream::CopyToDevice(DeviceBuffer& dst, size_t offset, const vo
   return absl::OkStatus();
 }
 
-absl::Status HostStream::CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
-                                    size_t bytes) {
-  if (offset > src.size() || bytes > src.size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat("copy of ", bytes, " bytes at ", offset,
-                                              " overruns a ", src.size(), "-byte device buffer"));
-  }
+absl::Status HostStream::EnqueueCopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
+                                           size_t bytes) {
   const char* from = static_cast<const char*>(src.data()) + offset;
   Enqueue(
       [dst, from, bytes] {
@@ -336,9 +328,9 @@ absl::Status HostStream::CopyToHost(void* dst, const DeviceBuffer& src, size_t o
   return absl::OkStatus();
 }
 
-absl::Status HostStream::Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
-                                 common::DType to, size_t elements, float scale) {
-  if (absl::Status s = CheckConvert(src, from, dst, to, elements); !s.ok()) return s;
+absl::Status HostStream::EnqueueConvert(const DeviceBuffer& src, common::DType from,
+                                        DeviceBuffer& dst, common::DType to, size_t elements,
+                                        float scale) {
   const void* in = src.data();
   void* out = dst.data();
   // Memory-bound work on the "device" (host memory here): not modelled on the simulated clock,

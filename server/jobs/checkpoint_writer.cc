@@ -7,8 +7,8 @@
 
 #include "absl/time/clock.h"
 #include "common/logging.h"
-#include "server/ops/daemon_metrics.h"
-#include "server/ops/status_progress.h"
+#include "server/record/daemon_metrics.h"
+#include "server/record/status_progress.h"
 
 namespace muond::server {
 

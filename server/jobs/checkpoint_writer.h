@@ -48,7 +48,7 @@ class CheckpointWriter {
                                                    const checkpoint::MatrixSource& source,
                                                    const std::vector<int64_t>& tensor_steps = {});
   // Bytes of the state tensors of a generation of `spec` (what a save writes and a load reads,
-  // the payload header aside): the total of their progress (server/ops/status_progress.h).
+  // the payload header aside): the total of their progress (server/record/status_progress.h).
   static uint64_t StateBytes(const common::JobSpec& spec);
   // Reads and verifies a generation (not installed anywhere).
   absl::StatusOr<checkpoint::Loaded> Read(const Exclusive& held,

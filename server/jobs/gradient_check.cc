@@ -8,7 +8,7 @@
 #include "common/crc32c.h"
 #include "common/dtype.h"
 #include "common/parallel_for.h"
-#include "server/jobs/step_state.h"
+#include "server/engine/step_state.h"
 
 namespace muond::server {
 namespace {

@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "common/job_spec.h"
 #include "common/layout.h"
-#include "server/jobs/job_layout.h"
+#include "server/engine/job_layout.h"
 
 namespace muond::server {
 

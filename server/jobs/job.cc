@@ -12,8 +12,8 @@
 #include "common/logging.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
-#include "server/ops/status_history.h"
-#include "server/ops/status_progress.h"
+#include "server/record/status_history.h"
+#include "server/record/status_progress.h"
 
 namespace muond::server {
 

@@ -18,9 +18,9 @@
 // committed). Memory cost: the momentum twice (momentum_store.h), plus the gather budget.
 //
 // What it may call: common/, server/optim (the math), server/device (through DeviceStreams),
-// server/storage (through CheckpointWriter), server/ops daemon metrics. Never proto types or
-// sockets (server/api converts). Thread-safe: all methods may be called concurrently (one RankStep
-// per rank stream).
+// server/storage (through CheckpointWriter), server/record (metrics, history, progress, limits).
+// Never proto types or sockets (server/api converts). Thread-safe: all methods may be called
+// concurrently (one RankStep per rank stream).
 //
 // Apply mode (DESIGN.md 4b): the job also holds a ParamStore (fp32 masters, Muon momentum, AdamW
 // moments and step counts, double-buffered: the step computes the next state into the back and
@@ -48,16 +48,16 @@
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "server/device/device_streams.h"
+#include "server/engine/compute_executor.h"
+#include "server/engine/job_layout.h"
+#include "server/engine/momentum_store.h"
+#include "server/engine/param_store.h"
+#include "server/engine/rank_update.h"
+#include "server/engine/step_pipeline.h"
+#include "server/engine/step_state.h"
 #include "server/jobs/checkpoint_writer.h"
-#include "server/jobs/compute_executor.h"
 #include "server/jobs/deletion_hooks.h"
-#include "server/jobs/job_layout.h"
 #include "server/jobs/job_report.h"
-#include "server/jobs/momentum_store.h"
-#include "server/jobs/param_store.h"
-#include "server/jobs/rank_update.h"
-#include "server/jobs/step_pipeline.h"
-#include "server/jobs/step_state.h"
 #include "server/jobs/trainer_clock.h"
 #include "server/storage/checkpoint.h"
 

@@ -11,7 +11,7 @@
 #include "common/dtype.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/jobs/apply_step.h"
+#include "server/engine/apply_step.h"
 #include "server/jobs/job.h"
 #include "server/optim/grad_norm.h"
 

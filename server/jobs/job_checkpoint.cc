@@ -12,7 +12,7 @@
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "server/jobs/job.h"
-#include "server/ops/status_progress.h"
+#include "server/record/status_progress.h"
 
 namespace muond::server {
 

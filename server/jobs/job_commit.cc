@@ -15,9 +15,9 @@
 #include "common/status_macros.h"
 #include "server/jobs/gradient_check.h"
 #include "server/jobs/job.h"
-#include "server/ops/daemon_metrics.h"
-#include "server/ops/optimizer_metrics.h"
-#include "server/ops/status_history.h"
+#include "server/record/daemon_metrics.h"
+#include "server/record/optimizer_metrics.h"
+#include "server/record/status_history.h"
 
 namespace muond::server {
 namespace {

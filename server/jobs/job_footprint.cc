@@ -54,8 +54,8 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
   } else {
     f.spans = spec.matrices.size();
   }
-  // Update mode: the momentum, twice (committed and next; server/jobs/momentum_store.h). Apply
-  // mode (server/jobs/param_store.h): per tensor the master and one (Muon) or two (AdamW)
+  // Update mode: the momentum, twice (committed and next; server/engine/momentum_store.h). Apply
+  // mode (server/engine/param_store.h): per tensor the master and one (Muon) or two (AdamW)
   // optimizer arrays, each twice.
   uint64_t arrays = 0;
   for (const common::MatrixSpec& m : spec.matrices) {

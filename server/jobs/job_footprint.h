@@ -1,6 +1,6 @@
 // What a job will hold, computed from its spec alone before anything is allocated: shard spans,
 // fp32 state bytes and the bytes of its layout and step tables. The registry checks these against
-// the daemon's limits (server/ops/daemon_limits.h) and counts them while the job exists.
+// the daemon's limits (server/record/daemon_limits.h) and counts them while the job exists.
 // Pure functions; thread-safe.
 #ifndef MUOND_SERVER_JOBS_JOB_FOOTPRINT_H_
 #define MUOND_SERVER_JOBS_JOB_FOOTPRINT_H_
@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
-#include "server/ops/daemon_limits.h"
+#include "server/record/daemon_limits.h"
 
 namespace muond::server {
 

@@ -20,7 +20,7 @@
 #include "server/jobs/creator_file_error.h"
 #include "server/jobs/creator_path.h"
 #include "server/jobs/job.h"
-#include "server/ops/status_progress.h"
+#include "server/record/status_progress.h"
 
 namespace muond::server {
 namespace {

@@ -34,13 +34,13 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "common/heartbeat.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/heartbeat.h"
 #include "common/job_spec.h"
-#include "server/jobs/compute_executor.h"
-#include "server/ops/daemon_limits.h"
+#include "server/engine/compute_executor.h"
 #include "server/jobs/job.h"
+#include "server/record/daemon_limits.h"
 
 namespace muond::server {
 

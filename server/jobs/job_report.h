@@ -53,7 +53,7 @@ struct JobReport {
   std::optional<int64_t> step_prepared;  // two-phase jobs: computed, awaiting commit or abort
   std::vector<RankReport> ranks;
 
-  // What operators see beyond the counters (server/jobs/step_observer.h, trainer_clock.h).
+  // What operators see beyond the counters (server/engine/step_observer.h, trainer_clock.h).
   uint64_t matrices_waiting = 0;  // complete matrices of the step in flight not yet on the device
   uint64_t gather_in_use_bytes = 0;
   // Host memory pinned for the job by kind (the sessions' regions are the shared-memory

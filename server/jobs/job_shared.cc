@@ -47,7 +47,12 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     part_spans.push_back(spans[i]);
     part_in.push_back(in[i]);
   }
-  const absl::Status bad = CheckFiniteSpans(where, spec_, part_spans, part_in);
+  absl::Status bad = CheckFiniteSpans(where, spec_, part_spans, part_in);
+  // Update mode with max_grad_norm: the last part's share of the norm, under the same rule (a
+  // non-finite share is a non-finite gradient), before any of the part's spans is taken.
+  if (bad.ok() && part.last && ClipsWithOutsideShare()) {
+    bad = CheckOutsideSumSq(where, part.outside_sum_sq);
+  }
   absl::MutexLock lock(&mu_);
   RankInput* const open = SharedRankInFlight(rank, session, step, keepalive.get());
   // A later part of the step this rank is sending in parts.
@@ -115,17 +120,7 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     FailStep(*state, missing, /*fence=*/false);
     return missing;
   }
-  if (ClipsWithOutsideShare()) {
-    if (absl::Status bad = CheckOutsideSumSq(where, part.outside_sum_sq); !bad.ok()) {
-      FailStep(*state, bad, /*fence=*/false);
-      if (state->skipped()) {  // "nonfinite": "skip"
-        done(absl::OkStatus(), kDoneSkipped, 0, 0);
-        return absl::OkStatus();
-      }
-      return bad;
-    }
-    rin.outside_sum_sq = part.outside_sum_sq;
-  }
+  if (ClipsWithOutsideShare()) rin.outside_sum_sq = part.outside_sum_sq;  // checked above
   rin.parts_open = false;
   rin.finished = true;
   // Not done yet: a step that ends (commit or failure) leaves in_flight_ under this lock.

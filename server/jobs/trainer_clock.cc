@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "server/ops/optimizer_metrics.h"
+#include "server/record/optimizer_metrics.h"
 
 namespace muond::server {
 

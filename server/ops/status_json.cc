@@ -9,8 +9,8 @@
 #include "nlohmann/json.hpp"
 #include "server/api/shm_server.h"
 #include "server/jobs/job_registry.h"
-#include "server/ops/status_history.h"
-#include "server/ops/status_progress.h"
+#include "server/record/status_history.h"
+#include "server/record/status_progress.h"
 
 namespace muond::server {
 namespace {
@@ -74,7 +74,7 @@ Json RecentStepsJson(const std::string& job_id) {
   return steps;
 }
 
-// What the operators see beyond the counters (server/ops/optimizer_metrics.h): Newton-Schulz time
+// What the operators see beyond the counters (server/record/optimizer_metrics.h): Newton-Schulz time
 // by shape class, the newest orthogonality sample, the trainer's view of the newest step, and the
 // pipeline's pressure.
 Json ObservationsJson(const JobReport& r, uint64_t session_region_bytes) {

@@ -54,7 +54,7 @@ struct StatusInfo {
   std::string cpu_math;  // the CPU math path, server/optim/cpu_isa.h DescribeCpuMathPath
   std::string metrics_address;  // "HOST:PORT" as bound (SetMetricsAddress)
   int64_t start_unix_ms = 0;
-  std::vector<std::pair<std::string, double>> limits;  // server/ops/daemon_limits.h LimitValues
+  std::vector<std::pair<std::string, double>> limits;  // server/record/daemon_limits.h LimitValues
 };
 
 class StatusSource {

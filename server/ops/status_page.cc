@@ -228,7 +228,7 @@ function stepLine(job) {
   return g;
 }
 
-// The optimizer's own series (server/ops/optimizer_metrics.h) in a job's card: facts, and the
+// The optimizer's own series (server/record/optimizer_metrics.h) in a job's card: facts, and the
 // Newton-Schulz time by shape class as a table with each class's share of the time.
 function optimizerFacts(dl, o) {
   fact(dl, 'Orthogonality', o.orthogonality

@@ -43,7 +43,7 @@ struct AdamWArrays {
   void* out = nullptr;
   common::DType out_dtype = common::DType::kFloat32;
   // Where p, m and v are read from when not the arrays above (null: in place). A job's step reads
-  // the committed state and writes the next one elsewhere (server/jobs/param_store.h).
+  // the committed state and writes the next one elsewhere (server/engine/param_store.h).
   const float* param_in = nullptr;
   const float* exp_avg_in = nullptr;
   const float* exp_avg_sq_in = nullptr;

@@ -48,7 +48,7 @@ const char* Bf16ModeName(const CpuMathPath& path);
 std::string DescribeCpuMathPath(const CpuMathPath& path);
 
 // Whether `name` is a --cpu-isa request ("auto", "avx2", "avx512" or "amx"), and the words that say
-// so in an error. Inline: the flag parser (server/ops/daemon_config.cc) checks names without
+// so in an error. Inline: the flag parser (server/record/daemon_config.cc) checks names without
 // linking the optimizer math (the fuzz targets build it alone).
 inline bool IsCpuIsaRequest(const std::string& name) {
   return name == "auto" || name == "avx2" || name == "avx512" || name == "amx";

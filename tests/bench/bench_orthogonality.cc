@@ -1,5 +1,5 @@
 // `muond-bench orthogonality`: what measuring the orthogonality of updates costs
-// (--orthogonality-every, server/jobs/step_observer.h). A real muond runs a Qwen3-0.6B-like layer
+// (--orthogonality-every, server/engine/step_observer.h). A real muond runs a Qwen3-0.6B-like layer
 // set with --orthogonality-every 1, so that every step measures its sample (up to 4 Muon
 // matrices); its own metrics then give the seconds spent measuring
 // (muond_orthogonality_check_seconds_total) and the step time (muond_step_duration_seconds), both

@@ -32,7 +32,12 @@ and in apply mode the fp16 recipe through the routes that keep streaming:
               produces (clipping on, not triggering: steady-state training);
   fp16-clip   the same with a threshold a quarter of the smallest norm: every step clips, so muond
               recomputes the step with the clip coefficient once every tensor's norm is known
-              (the speculative redo), reported without a target.
+              (the speculative redo), reported without a target;
+and in update mode its clipping route:
+  clip        muond, stream=True, max_grad_norm a quarter of the smallest norm (every step clips:
+              muond sums the Muon matrices' squares as they stream, adds the AdamW share sent
+              with the last part and recomputes the step clipped; step() clips AdamW by the
+              returned sum), reported without a target.
 Each runs on a fresh copy of the model (same seed): --warmup unmeasured steps, then --steps
 measured ones. Step time: from the start of forward to the return of step(); exposed = mean step
 time - T_fb, the part of the optimizer the trainer waited for.
@@ -59,8 +64,9 @@ VOCAB = 256
 BATCH = 8  # rows of the emulated activations (their size does not matter: nothing is computed)
 SEED = 1234
 TARGETS = {"critical_path": 0.25, "delayed": 0.05, "critical_path_fp16": 0.10}
-CONFIGS = ("in-process", "sync", "streaming", "delayed", "fp16", "fp16-clip")
+CONFIGS = ("in-process", "sync", "streaming", "delayed", "clip", "fp16", "fp16-clip")
 APPLY_ONLY = ("fp16", "fp16-clip")
+UPDATE_ONLY = ("clip",)
 LOSS_SCALE = 2.0 ** 16
 
 
@@ -299,6 +305,12 @@ def grad_norm_bounds(model):
     return 0.0, 2.0 * norm
 
 
+def skipped(config, mode):
+    """Configurations of one mode only."""
+    return (config in APPLY_ONLY and mode != "apply") or (config in UPDATE_ONLY and
+                                                          mode != "update")
+
+
 def make_optimizer(model, config, mode, address, bucket_bytes):
     groups = model.groups()
     if config == "in-process":
@@ -311,6 +323,9 @@ def make_optimizer(model, config, mode, address, bucket_bytes):
         clip = 2.0 * high if config == "fp16" else 0.25 * high / 2.0
         return MuonWithAuxAdam(groups, stream=True, max_grad_norm=clip,
                                loss_scaler=mo.DynamicLossScaler(init_scale=LOSS_SCALE), **kw)
+    if config == "clip":
+        _, high = grad_norm_bounds(model)
+        return MuonWithAuxAdam(groups, stream=True, max_grad_norm=0.25 * high / 2.0, **kw)
     if config == "sync":
         return MuonWithAuxAdam(groups, stream=False, **kw)
     if config == "streaming":
@@ -408,7 +423,7 @@ def main():
         baseline = None
         for mode in args.modes:
             for config in CONFIGS:
-                if config in APPLY_ONLY and mode != "apply":
+                if skipped(config, mode):
                     continue
                 if config == "in-process" and baseline is not None:
                     results[(mode, config)] = baseline  # the same local optimizer
@@ -433,7 +448,7 @@ def main():
           f"{'exposed/T_opt':>14}")
     for mode in args.modes:
         for config in CONFIGS:
-            if config in APPLY_ONLY and mode != "apply":
+            if skipped(config, mode):
                 continue
             step = results.get((mode, config))
             if step is None:

@@ -1,8 +1,8 @@
-// Fuzz target: muond's config file (--config FILE, server/ops/daemon_config.cc and the limits of
+// Fuzz target: muond's config file (--config FILE, server/record/daemon_config.cc and the limits of
 // daemon_limits.cc), read as the daemon reads it: from a file, through ParseDaemonConfig. The
 // input is the file. Properties: a refusal is INVALID_ARGUMENT naming the file (and the line for
 // a bad line); an accepted file gives a listen address that ParseListenAddress accepts.
-#include "server/ops/daemon_config.h"
+#include "server/record/daemon_config.h"
 
 #include <sys/mman.h>
 #include <unistd.h>

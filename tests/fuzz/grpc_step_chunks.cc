@@ -4,7 +4,7 @@
 // non-finite values, a bad matrix index, or sizes that are not whole elements. Each chunk goes
 // through the job's gradient intake as Job::AddGradient runs it: CheckGradientChunk
 // (server/jobs/gradient_check.cc: size, CRC32C, span lookup in JobLayout, finite values), then
-// ClaimRange (server/jobs/step_state.h) for its span, then the copy into the rank's span buffer.
+// ClaimRange (server/engine/step_state.h) for its span, then the copy into the rank's span buffer.
 // Properties, against a plain model (one flag per element):
 // - a chunk is accepted only if it is whole elements of one of the rank's spans, with the right
 //   CRC and finite values, and claimed only if none of its elements arrived before;
@@ -24,9 +24,9 @@
 #include "common/crc32c.h"
 #include "common/dtype.h"
 #include "common/job_spec.h"
+#include "server/engine/job_layout.h"
+#include "server/engine/step_state.h"
 #include "server/jobs/gradient_check.h"
-#include "server/jobs/job_layout.h"
-#include "server/jobs/step_state.h"
 #include "tests/fuzz/fuzz_check.h"
 
 namespace {

@@ -17,7 +17,7 @@
 #include "server/api/shm_server.h"
 #include "server/device/device.h"
 #include "server/device/device_streams.h"
-#include "server/jobs/compute_executor.h"
+#include "server/engine/compute_executor.h"
 #include "server/jobs/job_registry.h"
 
 namespace muond::server::testing_direct {

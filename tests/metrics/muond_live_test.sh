@@ -10,7 +10,7 @@
 #   (b) `promtool check metrics` on it exits 0 with no output at all;
 #   (c) a real prometheus server scrapes it; its HTTP API reports the target up and
 #       muond_steps_completed_total{muond_job="live"} = 3;
-#       and the series of server/ops/optimizer_metrics.h: Newton-Schulz time of shape class 64x128
+#       and the series of server/record/optimizer_metrics.h: Newton-Schulz time of shape class 64x128
 #       (3 matrices), the orthogonality of step 0's update, the trainer-visible and wait times of
 #       the 3 steps, nothing waiting, the pinned momentum;
 #       and a QK-Clip job (muonctl step --max-logits): its heads clipped and largest logit;
@@ -112,7 +112,7 @@ want = {
     'muond_transfer_bytes_total{direction="out",transport="shm"}': 64 * 128 * 4,
     'muond_rpc_errors_total{code="FAILED_PRECONDITION",rpc="Step"}': 1,
 }
-# The series no other optimizer has (server/ops/optimizer_metrics.h). Every step's one matrix is
+# The series no other optimizer has (server/record/optimizer_metrics.h). Every step's one matrix is
 # one Newton-Schulz observation of its shape class; step 0 is a multiple of the default
 # --orthogonality-every (100), so its one Muon matrix was measured; every step was timed as its
 # trainer saw it (2 over gRPC, 1 over shared memory); nothing waits or is in use after the steps;

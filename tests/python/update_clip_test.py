@@ -24,7 +24,6 @@ stream_exact_worker.py's case "clip".
 
 Usage: update_clip_test.py MUOND_BIN LIBMUOND_CLIENT DATA_DIR [unittest names...]
 """
-import math
 import os
 import sys
 import unittest

@@ -21,7 +21,6 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
-#include "server/device/convert_check.h"
 #include "server/device/cuda/cuda_device.h"
 #include "server/device/cuda/cuda_kernels.h"
 #include "server/device/cuda/cuda_muon.h"
@@ -154,9 +153,9 @@ class CudaStream final : public Stream {
     (void)CudaStatus(cudaStreamDestroy(stream_), "cudaStreamDestroy");
   }
 
-  absl::Status CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
-                            size_t bytes) override {
-    RETURN_IF_ERROR(CheckRange(dst, offset, src, bytes));
+  // Stream's halves (device.h checked the arguments).
+  absl::Status EnqueueCopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
+                                   size_t bytes) override {
     RETURN_IF_ERROR(device_->Activate());
     absl::MutexLock lock(&mu_);
     if (!error_.ok() || bytes == 0) return absl::OkStatus();
@@ -166,9 +165,8 @@ class CudaStream final : public Stream {
     return absl::OkStatus();
   }
 
-  absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
-                          size_t bytes) override {
-    RETURN_IF_ERROR(CheckRange(src, offset, dst, bytes));
+  absl::Status EnqueueCopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
+                                 size_t bytes) override {
     RETURN_IF_ERROR(device_->Activate());
     absl::MutexLock lock(&mu_);
     if (!error_.ok() || bytes == 0) return absl::OkStatus();
@@ -180,9 +178,8 @@ class CudaStream final : public Stream {
   // The widening of gradients and narrowing of updates of the direct path (device.h): the
   // ConvertKernel of cuda_kernels.cu (round to nearest even, as the host), timed as kernels.
   // Not run here (no GPU on the build machine): covered by tests/gpu/device_direct_copy_test.cc.
-  absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
-                       common::DType to, size_t elements, float scale) override {
-    RETURN_IF_ERROR(CheckConvert(src, from, dst, to, elements));
+  absl::Status EnqueueConvert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
+                              common::DType to, size_t elements, float scale) override {
     RETURN_IF_ERROR(device_->Activate());
     absl::MutexLock lock(&mu_);
     if (!error_.ok() || elements == 0) return absl::OkStatus();
@@ -272,19 +269,6 @@ class CudaStream final : public Stream {
   }
 
  private:
-  static absl::Status CheckRange(const DeviceBuffer& buffer, size_t offset, const void* host,
-                                 size_t bytes) {
-    if (offset > buffer.size() || bytes > buffer.size() - offset) {
-      return absl::OutOfRangeError(absl::StrCat("copy of ", bytes, " bytes at ", offset,
-                                                " overruns a ", buffer.size(),
-                                                "-byte device buffer"));
-    }
-    if (bytes > 0 && (host == nullptr || buffer.data() == nullptr)) {
-      return absl::InvalidArgumentError("copy with a null host or device address");
-    }
-    return absl::OkStatus();
-  }
-
   void Fail(absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (error_.ok() && !s.ok()) error_ = std::move(s);
   }

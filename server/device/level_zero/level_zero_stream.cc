@@ -22,7 +22,6 @@
 #include "common/dtype.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/device/convert_check.h"
 #include "server/device/level_zero/convert_elements.h"
 #include "server/device/level_zero/kernel_queue.h"
 #include "server/device/level_zero/level_zero_device.h"
@@ -109,12 +108,13 @@ class LevelZeroStream final : public Stream, public KernelQueue {
   // Creates the command list and the worker.
   absl::Status Init();
 
-  // Stream.
-  absl::Status CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
-                            size_t bytes) override;
-  absl::Status CopyToHost(void* dst, const DeviceBuffer& src, size_t offset, size_t bytes) override;
-  absl::Status Convert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
-                       common::DType to, size_t elements, float scale) override;
+  // Stream (device.h checked the arguments of the Enqueue* halves).
+  absl::Status EnqueueCopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
+                                   size_t bytes) override;
+  absl::Status EnqueueCopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
+                                 size_t bytes) override;
+  absl::Status EnqueueConvert(const DeviceBuffer& src, common::DType from, DeviceBuffer& dst,
+                              common::DType to, size_t elements, float scale) override;
   absl::Status Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) override;
   absl::StatusOr<std::shared_ptr<Event>> Record() override;
   absl::Status WaitFor(std::shared_ptr<Event> event) override;
@@ -223,12 +223,8 @@ void LevelZeroStream::Enqueue(Op op) {
   ops_.push_back(std::move(op));
 }
 
-absl::Status LevelZeroStream::CopyToDevice(DeviceBuffer& dst, size_t offset, const void* src,
-                                           size_t bytes) {
-  if (offset > dst.size() || bytes > dst.size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat("copy of ", bytes, " bytes at ", offset,
-                                              " overruns a ", dst.size(), "-byte device buffer"));
-  }
+absl::Status LevelZeroStream::EnqueueCopyToDevice(DeviceBuffer& dst, size_t offset,
+                                                  const void* src, size_t bytes) {
   void* to = static_cast<char*>(dst.data()) + offset;
   Enqueue({[this, to, src, bytes] {
              return AppendInOrder(
@@ -239,12 +235,8 @@ absl::Status LevelZeroStream::CopyToDevice(DeviceBuffer& dst, size_t offset, con
   return absl::OkStatus();
 }
 
-absl::Status LevelZeroStream::CopyToHost(void* dst, const DeviceBuffer& src, size_t offset,
-                                         size_t bytes) {
-  if (offset > src.size() || bytes > src.size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat("copy of ", bytes, " bytes at ", offset,
-                                              " overruns a ", src.size(), "-byte device buffer"));
-  }
+absl::Status LevelZeroStream::EnqueueCopyToHost(void* dst, const DeviceBuffer& src,
+                                                size_t offset, size_t bytes) {
   const void* from = static_cast<const char*>(src.data()) + offset;
   Enqueue({[this, dst, from, bytes] {
              return AppendInOrder(
@@ -259,10 +251,9 @@ absl::Status LevelZeroStream::CopyToHost(void* dst, const DeviceBuffer& src, siz
 // convert kernel of muon_kernels.cl (ConvertElements; round to nearest even, as the host). Not
 // run on a Level Zero device here (no driver on the build machine); ConvertElements itself runs
 // on PoCL in tests/gpu/level_zero_convert_opencl_test.cc.
-absl::Status LevelZeroStream::Convert(const DeviceBuffer& src, common::DType from,
-                                      DeviceBuffer& dst, common::DType to, size_t elements,
-                                      float scale) {
-  RETURN_IF_ERROR(CheckConvert(src, from, dst, to, elements));
+absl::Status LevelZeroStream::EnqueueConvert(const DeviceBuffer& src, common::DType from,
+                                             DeviceBuffer& dst, common::DType to, size_t elements,
+                                             float scale) {
   if (elements == 0) return absl::OkStatus();
   const void* in = src.data();
   void* out = dst.data();

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "server/jobs/step_observer.h"
+#include "server/engine/step_observer.h"
 #include "tests/unit/server/momentum_commit_fixture.h"
 
 namespace muond::server {

@@ -1,5 +1,5 @@
 // muond's flags and config file: precedence, defaults and every rejection with its message.
-#include "server/ops/daemon_config.h"
+#include "server/record/daemon_config.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

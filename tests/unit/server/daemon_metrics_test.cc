@@ -1,7 +1,7 @@
-// server/ops/daemon_metrics.h: the Record* functions land in the default registry under the documented
+// server/record/daemon_metrics.h: the Record* functions land in the default registry under the documented
 // names, labels and units (the scrape-time collector is covered end to end by
 // tests/metrics/muond_live_test.sh against the real daemon).
-#include "server/ops/daemon_metrics.h"
+#include "server/ops/metrics_collector.h"
 
 #include <string>
 

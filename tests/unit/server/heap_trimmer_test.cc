@@ -1,5 +1,5 @@
 // HeapTrimmer: the heap is trimmed once no step is in flight, never while one is.
-#include "server/jobs/heap_trimmer.h"
+#include "server/engine/heap_trimmer.h"
 
 #include <gtest/gtest.h>
 

@@ -26,11 +26,11 @@
 #include "gtest/gtest.h"
 #include "server/device/device.h"
 #include "server/device/device_streams.h"
-#include "server/jobs/compute_executor.h"
+#include "server/engine/compute_executor.h"
+#include "server/engine/momentum_store.h"
+#include "server/engine/param_store.h"
+#include "server/engine/state_buffers.h"
 #include "server/jobs/job.h"
-#include "server/jobs/momentum_store.h"
-#include "server/jobs/param_store.h"
-#include "server/jobs/state_buffers.h"
 #include "server/optim/muon_math.h"
 #include "server/storage/checkpoint.h"
 
@@ -89,6 +89,8 @@ inline RankRegion FillRegion(const common::JobSpec& spec, int rank,
 struct Outcome {
   absl::Notification ended;
   absl::Status status;
+  uint32_t flags = 0;       // kDoneSkipped, kDoneReplayed
+  double grad_sum_sq = -1;  // the completion's sum of squares
 };
 
 // Run on the cpu device (the step computes in place: the committed momentum read where it is
@@ -132,8 +134,9 @@ class CommitFixture : public ::testing::TestWithParam<bool> {
   }
 
   // Rings for `rank`: the job checks the region's values and enters the rank into the step.
+  // `outside`: update mode with max_grad_norm, the rank's share of the norm.
   absl::Status Submit(int rank, int64_t step, RankRegion& region, Outcome* outcome,
-                      const StepHyper* hyper = nullptr) {
+                      const StepHyper* hyper = nullptr, double outside = 0) {
     std::vector<const char*> in;
     std::vector<char*> out;
     for (size_t i = 0; i < region.spans.size(); ++i) {
@@ -142,11 +145,13 @@ class CommitFixture : public ::testing::TestWithParam<bool> {
     }
     return job_->SubmitShared(
         rank, sessions_[rank], step, in, out, nullptr,
-        [outcome](const absl::Status& s, uint32_t, double, double) {
+        [outcome](const absl::Status& s, uint32_t flags, double, double sum_sq) {
           outcome->status = s;
+          outcome->flags = flags;
+          outcome->grad_sum_sq = sum_sq;
           outcome->ended.Notify();
         },
-        hyper);
+        hyper, {}, outside);
   }
 
   // Returns once every task submitted to the executor so far has run (it runs them in order).

@@ -1,8 +1,8 @@
-// StepObserver (server/jobs/step_observer.h), TrainerClock (trainer_clock.h) and the metrics they
-// record (server/ops/optimizer_metrics.h), without a daemon: shape classes and their cap, the FLOP
+// StepObserver (server/engine/step_observer.h), TrainerClock (trainer_clock.h) and the metrics they
+// record (server/record/optimizer_metrics.h), without a daemon: shape classes and their cap, the FLOP
 // split of a batch's time, the orthogonality sample's rotation, when a step counts as delivered,
 // and the removal of a deleted job's series.
-#include "server/jobs/step_observer.h"
+#include "server/engine/step_observer.h"
 
 #include <set>
 #include <string>
@@ -11,8 +11,8 @@
 #include "common/metrics.h"
 #include "gtest/gtest.h"
 #include "server/jobs/trainer_clock.h"
-#include "server/ops/optimizer_metrics.h"
 #include "server/optim/muon_math.h"
+#include "server/record/optimizer_metrics.h"
 
 namespace muond::server {
 namespace {

@@ -1,0 +1,361 @@
+#include "server/engine/apply_step.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/parallel_for.h"
+#include "common/status_macros.h"
+#include "server/optim/adamw.h"
+#include "server/optim/grad_norm.h"
+#include "server/optim/muon_apply.h"
+#include "server/optim/muon_math.h"
+#include "server/optim/qk_clip.h"
+
+namespace muond::server {
+namespace {
+
+// Slices of a tensor's owner spans for the host threads: at most kSlice elements (whole 16-element
+// lines, so threads never share one).
+constexpr size_t kSlice = size_t{1} << 18;
+
+// The sum of squares of the whole step, tensor by tensor in order.
+double TotalSumSq(const StepState& state) {
+  double total = 0;
+  for (double ss : state.sum_sq) total += ss;
+  return total;
+}
+
+// A tensor's raw sum of squares in the one order both paths sum it (so the norm, the clip and
+// the grad-norm metric are the same bits whether the gradient was assembled or not): whole
+// blocks of kNormBlock elements, block(begin, end) summing elements [begin, end), the blocks
+// summed over the CPUs and added in block order. `bytes`: what the blocks read, for ParallelFor.
+template <typename Block>
+double BlockSumOfSquares(size_t n, size_t bytes, const Block& block) {
+  std::vector<double> blocks((n + kNormBlock - 1) / kNormBlock);
+  common::ParallelFor(blocks.size(), bytes, [&](size_t b) {
+    const uint64_t begin = b * kNormBlock;
+    blocks[b] = block(begin, std::min<uint64_t>(n, begin + kNormBlock));
+  });
+  double ss = 0;
+  for (double s : blocks) ss += s;
+  return ss;
+}
+
+}  // namespace
+
+absl::StatusOr<StepHyper> ResolveStepHyper(const common::JobSpec& spec,
+                                           const std::vector<GroupValue>& values,
+                                           double grad_divisor) {
+  StepHyper h;
+  const size_t n = spec.groups.size();
+  h.lr.assign(n, 0);
+  h.weight_decay.assign(n, 0);
+  std::vector<bool> seen(n, false);
+  for (const GroupValue& v : values) {
+    size_t g = 0;
+    while (g < n && spec.groups[g].name != v.group) ++g;
+    if (g == n) {
+      return absl::InvalidArgumentError(absl::StrCat("job '", spec.job_id, "' has no group '",
+                                                     v.group, "' (step hyperparameters)"));
+    }
+    if (seen[g]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", v.group, "' appears twice in the step's hyperparameters"));
+    }
+    seen[g] = true;
+    h.lr[g] = v.lr;
+    h.weight_decay[g] = v.weight_decay.value_or(spec.groups[g].weight_decay);
+  }
+  for (size_t g = 0; g < n; ++g) {
+    if (!seen[g]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job '", spec.job_id, "': the step gives no lr for group '",
+                       spec.groups[g].name, "' (every group's lr is needed each step)"));
+    }
+  }
+  h.grad_divisor = grad_divisor == 0 ? 1 : grad_divisor;
+  return h;
+}
+
+absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
+                            const std::string& where) {
+  const size_t n = spec.groups.size();
+  if (hyper.lr.size() != n || hyper.weight_decay.size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": ", hyper.lr.size(), " learning rates for the job's ", n, " groups"));
+  }
+  for (size_t g = 0; g < n; ++g) {
+    const double lr = hyper.lr[g], wd = hyper.weight_decay[g];
+    if (!std::isfinite(lr) || lr < 0 || !std::isfinite(wd) || wd < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": group '", spec.groups[g].name,
+                                                     "' has lr ", lr, " and weight decay ", wd,
+                                                     "; both must be finite and >= 0"));
+    }
+  }
+  if (!std::isfinite(hyper.grad_divisor) || hyper.grad_divisor <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": gradient divisor ", hyper.grad_divisor, " must be finite and > 0"));
+  }
+  if (!hyper.absent.empty() && hyper.absent.size() != spec.matrices.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": a presence mask of ",
+                                                   hyper.absent.size(), " tensors for the job's ",
+                                                   spec.matrices.size()));
+  }
+  RETURN_IF_ERROR(common::CheckMaxLogits(spec, hyper.max_logits, where));
+  for (size_t t = 0; t < hyper.absent.size(); ++t) {
+    if (hyper.absent[t] > 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": the presence mask byte of tensor '", spec.matrices[t].name,
+                       "' is ", hyper.absent[t], "; 0 (has a gradient) or 1 (has none)"));
+    }
+  }
+  return CheckClipSource(spec, hyper, where);
+}
+
+absl::Status CheckClipSource(const common::JobSpec& spec, const StepHyper& hyper,
+                             const std::string& where) {
+  const bool global = spec.two_phase() && spec.max_grad_norm > 0;
+  if (hyper.clip_source == ClipSource::kLocal) {
+    if (!global) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": the job is node ", spec.multinode.node, " of multi-node job '",
+        spec.multinode.global_job_id, "' with max_grad_norm ", spec.max_grad_norm,
+        ": its gradient norm spans the nodes, so a step needs a coordinating client that sends "
+        "the global clip (MultiNodeMuonWithAuxAdam; muond_session_set_global_clip); this one sent "
+        "none and the step is refused, nothing changed"));
+  }
+  if (!global) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": a global clip was sent, but the job is not a multi-node job with max_grad_norm "
+        "(it clips by its own norm, or not at all)"));
+  }
+  if (hyper.clip_source != ClipSource::kSpeculate && hyper.clip_source != ClipSource::kGlobal) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": unknown global clip mode ", static_cast<int>(hyper.clip_source),
+        " (1: speculate with clip 1, 2: clip by the global sum of squares)"));
+  }
+  if (hyper.clip_source == ClipSource::kGlobal &&
+      (!std::isfinite(hyper.global_sum_sq) || hyper.global_sum_sq < 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": the global sum of squares ", hyper.global_sum_sq, " must be finite and >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+ApplyStep::ApplyStep(const common::JobSpec& spec, const JobLayout& layout, ParamStore* params)
+    : spec_(spec), layout_(layout), params_(params) {
+  for (const common::MatrixSpec& m : spec.matrices) {
+    size_t g = 0;
+    while (g < spec.groups.size() && spec.groups[g].name != m.group) ++g;
+    group_of_.push_back(g);  // validated: every tensor's group exists
+  }
+  if (spec.qk_clip.enabled()) qk_tensors_ = common::QkClipTensors(spec);
+}
+
+absl::Status ApplyStep::CheckSumOfSquares(const StepState& state, uint32_t t, double ss,
+                                          const std::function<int64_t()>& find_bad) const {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const std::string where = absl::StrCat("job '", spec_.job_id, "' step ", state.step);
+  if (!std::isfinite(ss)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": tensor '", ms.name, "' element ", find_bad(),
+        " is not finite when assembled (its gradient memory changed after it was checked); the "
+        "step is refused and nothing changed"));
+  }
+  // Every |g_i| * scale is at most ||g|| * scale: within float32 when that is.
+  if (!(std::sqrt(ss) * static_cast<double>(state.grad_scale) <= FLT_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": tensor '", ms.name, "': gradient divisor ", state.hyper.grad_divisor,
+        " makes its gradient overflow float32 (norm ", std::sqrt(ss), " before the divisor)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyStep::CheckRawGradient(const StepState& state, uint32_t t,
+                                         std::vector<RawPiece> pieces, double* sum_sq) const {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t n = static_cast<size_t>(ms.numel());
+  const size_t esize = common::DTypeSize(ms.dtype);
+  std::sort(pieces.begin(), pieces.end(), [](const RawPiece& a, const RawPiece& b) {
+    return a.at != b.at ? a.at < b.at : a.length < b.length;
+  });
+  uint64_t covered = 0;
+  for (const RawPiece& p : pieces) {
+    if (p.at != covered) break;
+    covered += p.length;
+  }
+  if (covered != n) {
+    return absl::InternalError(absl::StrCat("tensor '", ms.name, "': its owners' spans cover ",
+                                            covered, " of its ", n, " elements in order"));
+  }
+  // PrepareGradient's sums, block by block: each block widened to fp32 from the pieces it
+  // overlaps.
+  const double ss = BlockSumOfSquares(n, n * esize, [&](uint64_t begin, uint64_t end) {
+    std::vector<float> values(end - begin);
+    auto it = std::upper_bound(pieces.begin(), pieces.end(), begin,
+                               [](uint64_t at, const RawPiece& p) { return at < p.at; });
+    for (--it; it != pieces.end() && it->at < end; ++it) {
+      const uint64_t from = std::max(begin, it->at), to = std::min(end, it->at + it->length);
+      common::ToFloat32(ms.dtype, it->data + (from - it->at) * esize, to - from,
+                        values.data() + (from - begin));
+    }
+    return SumOfSquares(values.data(), values.size());
+  });
+  RETURN_IF_ERROR(CheckSumOfSquares(state, t, ss, [&]() -> int64_t {
+    for (const RawPiece& p : pieces) {
+      const int64_t bad = common::FindNonFiniteRaw(ms.dtype, p.data, p.length);
+      if (bad >= 0) return static_cast<int64_t>(p.at) + bad;
+    }
+    return -1;
+  }));
+  *sum_sq = ss;
+  return absl::OkStatus();
+}
+
+absl::Status ApplyStep::PrepareGradient(const StepState& state, uint32_t t, float* grad,
+                                        double* sum_sq, bool kernel_writes_momentum) {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t n = static_cast<size_t>(ms.numel());
+  const double ss = BlockSumOfSquares(n, n * sizeof(float), [&](uint64_t begin, uint64_t end) {
+    return SumOfSquares(grad + begin, end - begin);
+  });
+  RETURN_IF_ERROR(CheckSumOfSquares(state, t, ss, [&] { return common::FindNonFinite(grad, n); }));
+  *sum_sq = ss;
+  if (state.grad_scale != 1.0f) {
+    const float scale = state.grad_scale;
+    common::ParallelFor((n + kSlice - 1) / kSlice, n * sizeof(float), [&](size_t i) {
+      const size_t e = std::min(n, (i + 1) * kSlice);
+      for (size_t k = i * kSlice; k < e; ++k) grad[k] *= scale;
+    });
+  }
+  if (ms.optimizer == common::Optimizer::kMuon && !kernel_writes_momentum) {
+    const float* committed = params_->front(t, ParamStore::kMomentum);
+    float* next = params_->back(t, ParamStore::kMomentum);
+    common::ParallelFor((n + kSlice - 1) / kSlice, n * sizeof(float), [&](size_t i) {
+      const size_t b = i * kSlice, len = std::min(n, b + kSlice) - b;
+      std::memcpy(next + b, committed + b, len * sizeof(float));
+      ApplyMomentum(spec_.muon, grad + b, next + b, len);
+    });
+  }
+  return absl::OkStatus();
+}
+
+void ApplyStep::ApplyAdamW(StepState& state, uint32_t t, const float* grad) {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t g = group_of_[t];
+  AdamWHyper h;
+  h.lr = state.hyper.lr[g];
+  h.weight_decay = state.hyper.weight_decay[g];
+  h.beta1 = spec_.adamw.beta1;
+  h.beta2 = spec_.adamw.beta2;
+  h.eps = spec_.adamw.eps;
+  const int64_t step = params_->steps(t) + 1;
+  const size_t esize = common::DTypeSize(ms.param_dtype);
+  const std::vector<JobLayout::OwnerSlice> slices = layout_.OwnerSlices(t, kSlice);
+  common::ParallelFor(slices.size(), ms.numel() * 7 * sizeof(float), [&](size_t i) {
+    const JobLayout::OwnerSlice& s = slices[i];
+    const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
+    AdamWArrays a;
+    a.grad = grad + at;
+    a.param_in = params_->front(t, ParamStore::kMaster) + at;
+    a.exp_avg_in = params_->front(t, ParamStore::kExpAvg) + at;
+    a.exp_avg_sq_in = params_->front(t, ParamStore::kExpAvgSq) + at;
+    a.param = params_->back(t, ParamStore::kMaster) + at;
+    a.exp_avg = params_->back(t, ParamStore::kExpAvg) + at;
+    a.exp_avg_sq = params_->back(t, ParamStore::kExpAvgSq) + at;
+    a.out = state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize;
+    a.out_dtype = ms.param_dtype;
+    AdamWUpdate(h, step, 1.0f, a, s.length);
+  });
+}
+
+void ApplyStep::ApplyMuon(StepState& state, uint32_t t, const float* update) {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t g = group_of_[t];
+  const double lr = state.hyper.lr[g], wd = state.hyper.weight_decay[g];
+  const size_t esize = common::DTypeSize(ms.param_dtype);
+  const std::vector<JobLayout::OwnerSlice> slices = layout_.OwnerSlices(t, kSlice);
+  common::ParallelFor(slices.size(), ms.numel() * 4 * sizeof(float), [&](size_t i) {
+    const JobLayout::OwnerSlice& s = slices[i];
+    const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
+    MuonApplyArrays a;
+    a.param_in = params_->front(t, ParamStore::kMaster) + at;
+    a.update = update + at;
+    a.param_out = params_->back(t, ParamStore::kMaster) + at;
+    a.out = state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize;
+    a.out_dtype = ms.param_dtype;
+    MuonApply(lr, wd, a, s.length);
+  });
+}
+
+void ApplyStep::QkClip(StepState& state) {
+  const common::QkClip& clip = spec_.qk_clip;
+  if (!clip.enabled()) return;
+  const std::vector<float>& logits = state.hyper.max_logits;
+  size_t at = 0;
+  for (size_t i = 0; i < clip.pairs.size(); ++i) {
+    const common::QkClipPair& pair = clip.pairs[i];
+    const auto [q, k] = qk_tensors_[i];
+    const QkClipFactors f = ComputeQkClipFactors(clip, pair, logits.data() + at);
+    for (int64_t h = 0; h < pair.q_heads; ++h) {
+      state.qk_max_logit = std::max(state.qk_max_logit, logits[at + h]);
+    }
+    at += static_cast<size_t>(pair.q_heads);
+    state.qk_heads_clipped += f.heads_clipped;
+    if (f.heads_clipped == 0) continue;
+    const int64_t in = spec_.matrices[q].shape[1];
+    ScaleHeadRows(params_->back(q, ParamStore::kMaster), pair.head_dim, in, f.q);
+    ScaleHeadRows(params_->back(k, ParamStore::kMaster), pair.head_dim, in, f.k);
+    for (uint32_t t : {q, k}) WriteParameters(state, t);
+  }
+}
+
+void ApplyStep::WriteParameters(StepState& state, uint32_t t) {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t esize = common::DTypeSize(ms.param_dtype);
+  const std::vector<JobLayout::OwnerSlice> slices = layout_.OwnerSlices(t, kSlice);
+  common::ParallelFor(slices.size(), ms.numel() * (sizeof(float) + esize), [&](size_t i) {
+    const JobLayout::OwnerSlice& s = slices[i];
+    const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
+    common::FromFloat32(params_->back(t, ParamStore::kMaster) + at, s.length, ms.param_dtype,
+                        state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize);
+  });
+}
+
+void ApplyStep::Carry(StepState& state, uint32_t t) {
+  const common::MatrixSpec& ms = spec_.matrices[t];
+  const size_t esize = common::DTypeSize(ms.param_dtype);
+  const int slots = params_->slots(t);
+  const std::vector<JobLayout::OwnerSlice> slices = layout_.OwnerSlices(t, kSlice);
+  common::ParallelFor(slices.size(), ms.numel() * (2 * slots + 1) * sizeof(float), [&](size_t i) {
+    const JobLayout::OwnerSlice& s = slices[i];
+    const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
+    for (int slot = 0; slot < slots; ++slot) {
+      std::memcpy(params_->back(t, slot) + at, params_->front(t, slot) + at,
+                  s.length * sizeof(float));
+    }
+    common::FromFloat32(params_->front(t, ParamStore::kMaster) + at, s.length, ms.param_dtype,
+                        state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize);
+  });
+}
+
+double ApplyStep::SumSq(const StepState& state) { return TotalSumSq(state); }
+
+double ApplyStep::GradNorm(const StepState& state) {
+  return std::sqrt(TotalSumSq(state)) / state.hyper.grad_divisor;
+}
+
+float ApplyStep::ClipCoefficient(const StepState& state) const {
+  const double d = state.hyper.grad_divisor;
+  return server::ClipCoefficient(TotalSumSq(state) / (d * d), spec_.max_grad_norm);
+}
+
+float ApplyStep::GradScale(float clip, double grad_divisor) {
+  return static_cast<float>(static_cast<double>(clip) / grad_divisor);
+}
+
+}  // namespace muond::server

@@ -1,0 +1,120 @@
+// The host side of an apply-mode step (DESIGN.md 4b), per tensor, called by the StepPipeline on
+// the executor thread:
+//   - PrepareGradient: the assembled fp32 gradient's sum of squares (for global clipping), the
+//     checks that it is finite and that the divisor does not overflow it, the scaling by
+//     StepState::grad_scale, and for a Muon tensor the new momentum (the EMA) into the back buffer
+//     (unless the device's kernel writes it there itself);
+//   - ApplyAdamW: the whole AdamW update, front -> back, the new parameters into each owner's span;
+//   - ApplyMuon: W <- W*(1 - lr*wd) - lr*U once the device returned U, the same way out.
+// Everything reads the committed front of the ParamStore and writes its back (param_store.h), so
+// a refused step, or one recomputed because clipping triggered, starts from the same state.
+#ifndef MUOND_SERVER_ENGINE_APPLY_STEP_H_
+#define MUOND_SERVER_ENGINE_APPLY_STEP_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+#include "server/engine/job_layout.h"
+#include "server/engine/param_store.h"
+#include "server/engine/step_state.h"
+
+namespace muond::server {
+
+// One group's values as a rank sent them (gRPC: GroupHyper).
+struct GroupValue {
+  std::string group;
+  double lr = 0;
+  std::optional<double> weight_decay;  // absent: the group's weight_decay
+};
+// The step's hyper from named values: every group exactly once (INVALID_ARGUMENT naming an unknown,
+// repeated or missing group); divisor 0 means 1. Values are checked by CheckStepHyper.
+absl::StatusOr<StepHyper> ResolveStepHyper(const common::JobSpec& spec,
+                                           const std::vector<GroupValue>& values,
+                                           double grad_divisor);
+// INVALID_ARGUMENT (prefixed with `where`) unless there is one lr and weight decay per group, each
+// finite and >= 0, and the divisor is finite and > 0.
+absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
+                            const std::string& where);
+// Part of CheckStepHyper: a multi-node job with max_grad_norm needs a global clip (kSpeculate or
+// kGlobal with a finite sum >= 0; FAILED_PRECONDITION without one: no coordinating client), and
+// no other job takes one (INVALID_ARGUMENT).
+absl::Status CheckClipSource(const common::JobSpec& spec, const StepHyper& hyper,
+                             const std::string& where);
+
+class ApplyStep {
+ public:
+  // `group_of[t]`: tensor t's index in spec.groups. All must outlive the object.
+  ApplyStep(const common::JobSpec& spec, const JobLayout& layout, ParamStore* params);
+
+  // `grad` holds tensor t's whole fp32 gradient; on OK it holds the scaled gradient and
+  // *sum_sq its raw sum of squares, and for a Muon tensor, unless `kernel_writes_momentum` (the
+  // device's Muon kernel writes the new momentum into the back buffer itself: a device that
+  // computes in host memory), the new momentum is in the back buffer. INVALID_ARGUMENT (the step
+  // is refused) when a value is not finite (a shared-memory peer changed its gradient after it
+  // was checked) or when the divisor would overflow float32.
+  absl::Status PrepareGradient(const StepState& state, uint32_t t, float* grad, double* sum_sq,
+                               bool kernel_writes_momentum);
+  // Elements [at, at + length) of a tensor's raw gradient (in its dtype) at `data`.
+  struct RawPiece {
+    uint64_t at = 0;
+    uint64_t length = 0;
+    const char* data = nullptr;
+  };
+  // A gradient that goes to the device without being assembled (the direct path): from the
+  // pieces that tile tensor t, *sum_sq as PrepareGradient computes it from the assembled fp32
+  // gradient (bit for bit: the same blocks, widened, summed in the same order), and the same
+  // refusals (a value not finite, a divisor that overflows). Reads only; the scaling and the
+  // momentum are the device's.
+  absl::Status CheckRawGradient(const StepState& state, uint32_t t, std::vector<RawPiece> pieces,
+                                double* sum_sq) const;
+  // AdamW of tensor t from its prepared gradient; writes the owners' output spans.
+  void ApplyAdamW(StepState& state, uint32_t t, const float* grad);
+  // The Muon apply of tensor t from its update U (scaled); writes the owners' output spans.
+  void ApplyMuon(StepState& state, uint32_t t, const float* update);
+  // Tensor t is absent this step (the presence mask): its state carried front -> back unchanged
+  // (the commit does not count it a step either), its parameters as they are into the owners'
+  // output spans. Reads no gradient.
+  void Carry(StepState& state, uint32_t t);
+
+  // QK-Clip (DESIGN.md 4e), once every tensor is done and before the commit: each pair's query
+  // and key heads of the new masters (the store's back) rescaled from the step's per-head maxima
+  // (state.hyper.max_logits, the maximum over the ranks), and the clipped parameters written into
+  // those tensors' owners' output spans again. Adds to state.qk_heads_clipped and
+  // state.qk_max_logit. Nothing when the job has no qk_clip.
+  void QkClip(StepState& state);
+
+  // After every tensor is done: the step's gradient norm from the tensors' sums (in tensor order)
+  // and the clip coefficient it implies (1 when the job does not clip or the norm is within).
+  static double GradNorm(const StepState& state);
+  // The raw sum of squares of the step's gradients on this daemon (before the divisor), tensor by
+  // tensor in order; complete when every tensor is done.
+  static double SumSq(const StepState& state);
+  float ClipCoefficient(const StepState& state) const;
+  // The scale gradients are multiplied by for `clip` and the step's divisor.
+  static float GradScale(float clip, double grad_divisor);
+
+ private:
+  // Tensor t's new masters (the store's back) into its owners' output spans, in param_dtype.
+  void WriteParameters(StepState& state, uint32_t t);
+  // The refusals of a tensor's raw sum of squares `ss` (find_bad: the first element that is not
+  // finite, asked only when ss is not).
+  absl::Status CheckSumOfSquares(const StepState& state, uint32_t t, double ss,
+                                 const std::function<int64_t()>& find_bad) const;
+
+  const common::JobSpec& spec_;
+  const JobLayout& layout_;
+  ParamStore* const params_;
+  std::vector<size_t> group_of_;
+  std::vector<std::pair<uint32_t, uint32_t>> qk_tensors_;  // per QK-Clip pair: q, k
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_ENGINE_APPLY_STEP_H_

@@ -1,0 +1,90 @@
+// The state store of an update-mode job: the fp32 Muon momentum of every matrix, double-buffered
+// in host memory registered (pinned) with the compute device (StateBuffers, state_buffers.h: the
+// buffers, the flip and the snapshot a checkpoint writer copies while later steps run).
+//
+// The front holds the committed momentum; the step in flight has the device write each matrix's
+// new momentum, the one its update was computed from, into the back (next()); the commit flips
+// the store. So the commit copies and re-reads nothing (the gradients are read once, by the step),
+// and a refused or aborted step leaves the front bit-identical. Memory cost: the momentum twice
+// (JobFootprint counts both), plus, while a save is slower than a step, one more buffer for each
+// matrix the writer has not reached (state_buffers.h).
+//
+// Changes of the front (commit's flip, reset, load) go through a MomentumStore::Lock. The compute
+// tasks of the step in flight read the front without a lock: it changes only between steps.
+// Lock order: a job's checkpoint lock (CheckpointWriter::Exclusive), then this store's lock, then
+// the ParamStore's (apply mode), then the job's own lock.
+#ifndef MUOND_SERVER_ENGINE_MOMENTUM_STORE_H_
+#define MUOND_SERVER_ENGINE_MOMENTUM_STORE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "common/job_spec.h"
+#include "server/device/device.h"
+#include "server/engine/state_buffers.h"
+
+namespace muond::server {
+
+class MomentumStore {
+ public:
+  // Zeroed momentum for every matrix of `spec` (none for a transport probe or an apply-mode job),
+  // both buffers registered with `device` where it allows. `device` must outlive the store.
+  MomentumStore(const common::JobSpec& spec, device::Device* device);
+  MomentumStore(const MomentumStore&) = delete;
+  MomentumStore& operator=(const MomentumStore&) = delete;
+
+  // Bytes of the momentum (one buffer per matrix: what a checkpoint holds; 0 for a transport
+  // probe). The store holds twice that. What a spec will hold before anything is allocated is
+  // JobFootprint::state_bytes (server/jobs/job_footprint.h).
+  uint64_t bytes() const { return bytes_; }
+  size_t matrices() const { return buffers_.arrays(); }
+  // Matrix m's committed momentum (numel(m) floats). Read without a lock only between changes.
+  const float* data(uint32_t m) const { return buffers_.front(m); }
+  // Where the step in flight writes matrix m's new momentum (every element of it); the commit's
+  // Flip makes it the committed one. REQUIRES: the step in flight is the only writer.
+  float* next(uint32_t m) { return buffers_.back(m); }
+  size_t numel(uint32_t m) const { return buffers_.numel(m); }
+  // Bytes of the momentum registered (pinned) with the device, all matrices.
+  uint64_t pinned_bytes() const {
+    uint64_t bytes = 0;
+    for (size_t m = 0; m < buffers_.arrays(); ++m) bytes += buffers_.pinned_bytes(m);
+    return bytes;
+  }
+  // What the snapshots cost so far (see StateBuffers::SnapshotCost).
+  StateBuffers::SnapshotCost snapshot_cost() const { return buffers_.snapshot_cost(); }
+
+  // Exclusive access for a change of the store, or for starting a snapshot.
+  class Lock {
+   public:
+    explicit Lock(MomentumStore& store) : lock_(store.buffers_), store_(store) {}
+    Lock(const Lock&) = delete;
+    Lock& operator=(const Lock&) = delete;
+    // Writable committed momentum of matrix m.
+    float* mutable_data(uint32_t m) { return lock_.mutable_front(m); }
+    void Zero();
+    // Commits the step whose new momentum was written into next() for every matrix: the back
+    // buffers become the front.
+    // `keep_back`: see StateBuffers::Lock::Flip.
+    void Flip(bool keep_back = false) { lock_.Flip(keep_back); }
+    // Undoes Flip(true).
+    void Unflip() { lock_.Unflip(); }
+    // Starts the snapshot a checkpoint writer copies (see CopyForSnapshot). One at a time.
+    void BeginSnapshot() { lock_.BeginSnapshot(); }
+
+   private:
+    StateBuffers::Lock lock_;
+    MomentumStore& store_;
+  };
+
+  // The snapshot's value of matrix m into *out (on the writer's thread).
+  void CopyForSnapshot(uint32_t m, std::vector<float>* out) { buffers_.CopyForSnapshot(m, out); }
+  void EndSnapshot() { buffers_.EndSnapshot(); }
+
+ private:
+  StateBuffers buffers_;
+  uint64_t bytes_ = 0;
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_ENGINE_MOMENTUM_STORE_H_

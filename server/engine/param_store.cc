@@ -1,0 +1,71 @@
+#include "server/engine/param_store.h"
+
+#include <algorithm>
+
+namespace muond::server {
+namespace {
+
+// Per array (tensor by tensor, slot by slot) its element count; fills the per-tensor tables.
+std::vector<size_t> ArraySizes(const common::JobSpec& spec, std::vector<size_t>* first,
+                               std::vector<int>* slots, std::vector<size_t>* numel) {
+  std::vector<size_t> sizes;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    first->push_back(sizes.size());
+    slots->push_back(m.optimizer == common::Optimizer::kAdamW ? 3 : 2);
+    numel->push_back(static_cast<size_t>(m.numel()));
+    for (int s = 0; s < slots->back(); ++s) sizes.push_back(numel->back());
+  }
+  return sizes;
+}
+
+}  // namespace
+
+ParamStore::ParamStore(const common::JobSpec& spec, device::Device* device)
+    : buffers_(ArraySizes(spec, &first_, &slots_, &numel_), device) {
+  for (size_t a = 0; a < buffers_.arrays(); ++a) bytes_ += 2 * buffers_.numel(a) * sizeof(float);
+  steps_.assign(spec.matrices.size(), 0);
+}
+
+ParamStore::Pinned ParamStore::pinned_bytes() const {
+  Pinned p;
+  for (uint32_t t = 0; t < first_.size(); ++t) {
+    p.masters += buffers_.pinned_bytes(first_[t] + kMaster);
+    for (int slot = 1; slot < slots_[t]; ++slot) {
+      (slots_[t] == 2 ? p.momentum : p.moments) += buffers_.pinned_bytes(first_[t] + slot);
+    }
+  }
+  return p;
+}
+
+void ParamStore::Lock::Unflip(const std::vector<uint8_t>& absent) {
+  lock_.Unflip();
+  for (size_t t = 0; t < store_.slots_.size(); ++t) {
+    const bool skipped = t < absent.size() && absent[t] != 0;
+    if (store_.slots_[t] == 3 && !skipped) --store_.steps_[t];
+  }
+}
+
+void ParamStore::Lock::Flip(const std::vector<uint8_t>& absent, bool keep_back) {
+  lock_.Flip(keep_back);
+  for (size_t t = 0; t < store_.slots_.size(); ++t) {
+    const bool skipped = t < absent.size() && absent[t] != 0;
+    if (store_.slots_[t] == 3 && !skipped) ++store_.steps_[t];
+  }
+}
+
+void ParamStore::Lock::ZeroOptimizerState() {
+  for (uint32_t t = 0; t < store_.slots_.size(); ++t) {
+    for (int s = 1; s < store_.slots_[t]; ++s) {
+      float* d = mutable_front(t, s);
+      std::fill(d, d + store_.numel_[t], 0.0f);
+    }
+    store_.steps_[t] = 0;
+  }
+}
+
+void ParamStore::Lock::BeginSnapshot() {
+  lock_.BeginSnapshot();
+  store_.snapshot_steps_ = store_.steps_;
+}
+
+}  // namespace muond::server

@@ -1,0 +1,112 @@
+// Apply mode's state store (DESIGN.md 4b): per job tensor, in fp32 host memory registered (pinned)
+// with the compute device, the master weights W and the optimizer state (Muon: momentum M; AdamW:
+// m, v and the step count).
+//
+// Every array has two buffers (StateBuffers, state_buffers.h). The front holds the committed
+// state; the step in flight computes the next state from the front into the back (without the
+// store's lock: nothing else writes the back, and the front does not change while a step
+// computes), and its commit flips the store (one parity for all arrays: every tensor takes part in
+// every step). So a refused or aborted step leaves the front bit-identical, and a step whose
+// global gradient clipping triggers is recomputed from the same front. Memory cost of that choice:
+// the state twice (the alternative, recomputing the state at commit, would run AdamW and the Muon
+// apply twice per step and still need the new W staged).
+//
+// Changes of the front (commit, reset, load, initial weights) go through a ParamStore::Lock. A
+// snapshot (checkpoint, export) is copied by its writer while later steps run, without copies on
+// the step's path (state_buffers.h). Lock order: the job's CheckpointWriter::Exclusive, then this
+// lock, then the job's own lock.
+#ifndef MUOND_SERVER_ENGINE_PARAM_STORE_H_
+#define MUOND_SERVER_ENGINE_PARAM_STORE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "common/job_spec.h"
+#include "server/device/device.h"
+#include "server/engine/state_buffers.h"
+
+namespace muond::server {
+
+class ParamStore {
+ public:
+  // The arrays of a tensor: kMaster, then kMomentum (Muon) or kExpAvg and kExpAvgSq (AdamW).
+  enum Slot : int { kMaster = 0, kMomentum = 1, kExpAvg = 1, kExpAvgSq = 2 };
+
+  // Zeroed state for every tensor of `spec` (an apply-mode spec), registered with `device` where
+  // it allows. `device` must outlive the store.
+  ParamStore(const common::JobSpec& spec, device::Device* device);
+  ParamStore(const ParamStore&) = delete;
+  ParamStore& operator=(const ParamStore&) = delete;
+
+  // Bytes held, both buffers.
+  uint64_t bytes() const { return bytes_; }
+  size_t tensors() const { return first_.size(); }
+  // 2 for a Muon tensor, 3 for an AdamW tensor.
+  int slots(uint32_t t) const { return slots_[t]; }
+  size_t numel(uint32_t t) const { return numel_[t]; }
+  // The committed array (numel(t) floats). Read without a lock only between changes.
+  const float* front(uint32_t t, int slot) const { return buffers_.front(first_[t] + slot); }
+  // Where the step in flight writes the array's next value (every element of it before the
+  // commit). Thread-safe; copies nothing.
+  float* back(uint32_t t, int slot) { return buffers_.back(first_[t] + slot); }
+  // The committed AdamW step count of tensor t (0 for Muon tensors).
+  int64_t steps(uint32_t t) const { return steps_[t]; }
+  // Bytes registered (pinned) with the device, by kind: the masters, Muon's momentum, AdamW's m
+  // and v.
+  struct Pinned {
+    uint64_t masters = 0;
+    uint64_t momentum = 0;
+    uint64_t moments = 0;
+  };
+  Pinned pinned_bytes() const;
+  // What the snapshots cost so far (see StateBuffers::SnapshotCost).
+  StateBuffers::SnapshotCost snapshot_cost() const { return buffers_.snapshot_cost(); }
+
+  class Lock {
+   public:
+    explicit Lock(ParamStore& store) : lock_(store.buffers_), store_(store) {}
+    Lock(const Lock&) = delete;
+    Lock& operator=(const Lock&) = delete;
+    // Writable committed array.
+    float* mutable_front(uint32_t t, int slot) {
+      return lock_.mutable_front(store_.first_[t] + slot);
+    }
+    void set_steps(uint32_t t, int64_t steps) { store_.steps_[t] = steps; }
+    // Commits the step computed into the back buffers: they become the front; every AdamW
+    // tensor's step count goes up by one, but those `absent` says were skipped (empty: none).
+    // `keep_back`: see StateBuffers::Lock::Flip.
+    void Flip(const std::vector<uint8_t>& absent = {}, bool keep_back = false);
+    // Undoes Flip(absent, true) (the step counts too).
+    void Unflip(const std::vector<uint8_t>& absent);
+    // Zeroes the optimizer state (momentum, moments, step counts); the masters stay.
+    void ZeroOptimizerState();
+    // Starts the snapshot CopyForSnapshot reads. One at a time.
+    void BeginSnapshot();
+
+   private:
+    StateBuffers::Lock lock_;
+    ParamStore& store_;
+  };
+
+  // The snapshot's value of array (t, slot) into *out (on the writer's thread).
+  void CopyForSnapshot(uint32_t t, int slot, std::vector<float>* out) {
+    buffers_.CopyForSnapshot(first_[t] + slot, out);
+  }
+  // The step counts at the snapshot (per tensor).
+  std::vector<int64_t> SnapshotSteps() const { return snapshot_steps_; }
+  void EndSnapshot() { buffers_.EndSnapshot(); }
+
+ private:
+  std::vector<size_t> first_;  // per tensor: its first array
+  std::vector<int> slots_;
+  std::vector<size_t> numel_;
+  StateBuffers buffers_;
+  // Changed under the store's lock (Lock), between steps.
+  std::vector<int64_t> steps_;
+  std::vector<int64_t> snapshot_steps_;  // at the last BeginSnapshot
+  uint64_t bytes_ = 0;
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_ENGINE_PARAM_STORE_H_

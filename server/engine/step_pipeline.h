@@ -1,0 +1,177 @@
+// The step engine of a job (DESIGN.md section 6): as matrices become complete, takes them in
+// batches under the gather budget, assembles each whole matrix in fp32 on the host, copies it to
+// the device with its committed momentum, runs the Muon update there and writes the update back;
+// up to DeviceStreams::kDepth batches are in flight on the three streams (copy-in, compute,
+// writeback), ordered by events. Each update is then scattered into the ranks' output spans.
+//
+// Direct copies (step_pipeline_direct.cc): on a device with memory of its own (CUDA, Level Zero:
+// Device::DirectHostCopies), a matrix whose every owner span lies in the ranks' shared-memory
+// regions registered with the device (at attach, server/api/shm_attach.cc) is not assembled on
+// the host at all: each owner's gradient span is copied by DMA straight from its region into the
+// matrix's device buffer at the span's offset (one asynchronous copy per span, on the copy-in
+// stream), widened to fp32 on the device when the gradient dtype is narrower, and after Muon the
+// update is narrowed on the device and each span copied straight into the owner's update region
+// (writeback stream). Such a matrix uses no host staging; on the device it holds the fp32
+// gradient and momentum as before plus, for a 16-bit gradient, its raw copy (2 bytes an element,
+// reused for the narrowed update), so the gather budget still counts 8 bytes an element.
+// Apply mode's Muon tensors go direct the same way in, the gradient widened and scaled (divisor,
+// clip coefficient) on the device; the host only reads their raw gradients (ReadDirectGradient:
+// the norm, the checks, the clipping CRCs), the device writes the new momentum back to the
+// ParamStore's back buffer, and the fp32 update comes back into host staging, where the masters
+// are applied. Everything else takes the staged path: host devices (cpu, simulated), gRPC ranks,
+// regions whose registration failed, apply mode's AdamW tensors and the transport probe.
+//
+// In place (Device::ComputesInHostMemory, the cpu backend): the kernel runs on the host staging
+// itself, reading the committed momentum where it is stored and writing the new momentum straight
+// into the store's back buffer (MuonKernelItem::momentum_out); nothing is copied in or back, and
+// the gather budget counts 4 bytes an element (the staging).
+//
+// Update mode: the device computes the new momentum next to the update, and the writeback copies
+// it into the MomentumStore's back buffer (MomentumStore::next) beside the update; the commit
+// flips the store. The momentum committed is thus the one the update was computed from, from the
+// gradient as the device read it once (a shared-memory peer that rewrites its region before the
+// commit changes nothing), and a refused step leaves the committed momentum bit-identical.
+//
+// Apply mode (DESIGN.md 4b, apply_step.h): AdamW tensors never go to the device; they run on the
+// host threads right after their batch's Muon tensors were enqueued (so with a GPU they overlap
+// its Newton-Schulz), and Muon tensors are applied to the masters when their batch is retired
+// (while the next batches compute). Everything reads the ParamStore's committed front and writes
+// its back; when every tensor is done and the step's gradient norm exceeds max_grad_norm, every
+// tensor is queued again with the clip coefficient (recomputed from the same front: the serial
+// result, bit for bit).
+//
+// Runs on the ComputeExecutor's thread (the device streams are used from there only). It reads the
+// job's layout and momentum (unchanged while a step computes) and the StepState under the job's
+// lock; it calls back into the job only through Sink.
+#ifndef MUOND_SERVER_ENGINE_STEP_PIPELINE_H_
+#define MUOND_SERVER_ENGINE_STEP_PIPELINE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "common/job_spec.h"
+#include "server/device/device_streams.h"
+#include "server/engine/apply_step.h"
+#include "server/engine/job_layout.h"
+#include "server/engine/momentum_store.h"
+#include "server/engine/param_store.h"
+#include "server/engine/step_observer.h"
+#include "server/engine/step_state.h"
+
+namespace muond::server {
+
+// Update mode with max_grad_norm: the raw sum of squares of the step's gradients, the job's
+// matrices' (the pipeline sums each as it assembles it) plus every rank's share of the tensors
+// outside the job. Known once every matrix is done and every rank's last part is in.
+double UpdateSumSq(const StepState& state);
+
+class StepPipeline {
+ public:
+  // What the pipeline needs of the job that runs it.
+  class Sink {
+   public:
+    virtual ~Sink() = default;
+    // The device failed the step (it is refused; the store is untouched). Called with the job's
+    // lock held, unless the step already ended.
+    virtual void DeviceFailed(StepState& state, const absl::Status& status) = 0;
+    // Every matrix succeeded: commit the step (without the job's lock held).
+    virtual void Commit(StepState& state) = 0;
+  };
+
+  // `job_mu` is the lock that guards the job's StepState; the others must outlive the pipeline.
+  // `params`: apply mode's store (null in update mode): the step then also runs AdamW tensors on
+  // the host, applies the Muon updates to the masters, returns new parameters and recomputes the
+  // step when global clipping triggers (server/engine/apply_step.h).
+  StepPipeline(const common::JobSpec& spec, const JobLayout& layout, MomentumStore& momentum,
+               ParamStore* params, DeviceStreams* devices, uint64_t gather_budget_bytes,
+               absl::Mutex* job_mu, Sink* sink);
+  ~StepPipeline();
+
+  // Processes the ready matrices of `state` until none is left, then returns; commits the step
+  // when its last matrix is done. Clears state.drain_queued when it returns.
+  void Drain(StepState& state);
+
+  uint64_t gather_budget_bytes() const { return gather_budget_bytes_; }
+  // The most bytes assembled at once so far.
+  uint64_t gather_peak_bytes() const { return gather_peak_bytes_.load(); }
+  // Bytes of the gather budget in batches being assembled or in flight now.
+  uint64_t gather_in_use_bytes() const { return gather_in_use_bytes_.load(); }
+  // Bytes of host staging registered (pinned) with the device, in the pool or in use.
+  uint64_t pinned_staging_bytes() const ABSL_LOCKS_EXCLUDED(pool_mu_);
+  // Newton-Schulz time by shape class and the orthogonality samples (step_observer.h).
+  const StepObserver& observer() const { return observer_; }
+
+ private:
+  struct Batch;
+  class Run;
+
+  // Whole-matrix bytes a matrix holds while assembled (fp32 gradient and momentum).
+  uint64_t AssembledBytes(uint32_t m) const;
+
+  // The direct path (step_pipeline_direct.cc). Under no lock: the spans of a complete matrix do
+  // not change until the step ends.
+  // True when matrix m goes straight between the ranks' regions and the device (see above).
+  bool Direct(const StepState& state, uint32_t m) const;
+  // Enqueues on the copy-in stream one copy per owner span of m, from the owner's gradient
+  // region into `dst` (the gradient dtype, at the span's element offset).
+  absl::Status CopySpansIn(const StepState& state, uint32_t m, device::DeviceBuffer& dst) const;
+  // Enqueues on the writeback stream one copy per owner span of m, from `src` (the gradient
+  // dtype) into the owner's update region.
+  absl::Status CopySpansOut(const StepState& state, uint32_t m,
+                            const device::DeviceBuffer& src) const;
+  // Counts bytes of the staged path (muond_step_copy_bytes_total): from or into staging that is
+  // registered with the device (path="pinned_staging": DMA in place), else through the device's
+  // bounce buffer (path="staged").
+  static void CountStaged(bool to_device, uint64_t bytes, bool pinned = false);
+  // True when host staging `data` (a buffer of TakeStaging) is registered with the device.
+  bool StagingPinned(const float* data);
+  // Matrix m's committed momentum (the update mode store or apply mode's front).
+  const float* CommittedMomentum(uint32_t m) const;
+  // Where matrix m's new momentum goes (the update mode store's back buffer or apply mode's
+  // back), written by the kernel itself on a device that computes in host memory.
+  float* NextMomentum(uint32_t m) const;
+
+  // Buffers of retired batches kept for the next batches and steps: fresh memory every step costs
+  // page faults and the kernel's zeroing of everything assembled (hundreds of megabytes a step for
+  // a large model). Same-shape tensors come back every step, so buffers are matched by size. At
+  // most the gather budget is kept idle; more is freed. On a device with direct host copies
+  // (GPUs) a staging buffer that goes into the pool is registered with the device once, so its
+  // copies from then on are DMA without the bounce buffer (apply mode always stages; update mode
+  // stages what cannot go direct); one freed is unregistered first.
+  std::vector<float> TakeStaging(size_t n);
+  absl::StatusOr<device::DeviceBuffer> TakeDeviceBuffer(size_t bytes);
+  void GiveBack(std::vector<float> staging);
+  void GiveBack(device::DeviceBuffer buffer);
+
+  const common::JobSpec& spec_;
+  const JobLayout& layout_;
+  MomentumStore& momentum_;
+  ParamStore* const params_;
+  const std::unique_ptr<ApplyStep> apply_;
+  DeviceStreams* const devices_;
+  const uint64_t gather_budget_bytes_;
+  absl::Mutex* const job_mu_;
+  Sink* const sink_;
+  std::atomic<uint64_t> gather_peak_bytes_{0};
+  std::atomic<uint64_t> gather_in_use_bytes_{0};
+  StepObserver observer_;
+  // Per matrix: a tensor of a QK-Clip pair, whose results are announced only at the commit (the
+  // clip rescales them once every tensor is done).
+  std::vector<bool> qk_withheld_;
+  mutable absl::Mutex pool_mu_;
+  std::multimap<size_t, std::vector<float>> staging_pool_ ABSL_GUARDED_BY(pool_mu_);
+  std::multimap<size_t, device::DeviceBuffer> device_pool_ ABSL_GUARDED_BY(pool_mu_);
+  uint64_t pool_bytes_ ABSL_GUARDED_BY(pool_mu_) = 0;
+  // Staging registered with the device (GiveBack), by address: its bytes. In the pool or in use.
+  std::map<const float*, size_t> pinned_staging_ ABSL_GUARDED_BY(pool_mu_);
+};
+
+}  // namespace muond::server
+
+#endif  // MUOND_SERVER_ENGINE_STEP_PIPELINE_H_
