@@ -25,11 +25,6 @@ using common::FromGrpcStatus;
 
 using StepStream = grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>;
 
-// Update mode with max_grad_norm: steps carry the rank's outside sum of squares.
-bool ClipsOutside(const common::JobSpec& spec) {
-  return spec.mode == common::JobMode::kUpdate && spec.max_grad_norm > 0;
-}
-
 // Writes `req` (holding the StepBegin), then the gradient spans in chunks of at most kChunkBytes
 // with a CRC32C each, then the StepEnd. Stops at the first failed write: the stream's status then
 // says why.
@@ -352,7 +347,7 @@ absl::Status RankSession::PostPart(int64_t step, uint64_t byte_offset, uint64_t 
 }
 
 absl::Status RankSession::SetOutsideSumSq(double sum_sq) {
-  if (!ClipsOutside(spec_)) {
+  if (!spec_.clips_outside_share()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "SetOutsideSumSq: job '", spec_.job_id,
         "' does not clip in mode 'update' (max_grad_norm 0, or mode 'apply', where the daemon "
@@ -369,7 +364,7 @@ absl::Status RankSession::SetOutsideSumSq(double sum_sq) {
 }
 
 absl::Status RankSession::WriteSharedOutsideSumSq(int64_t step) {
-  if (!ClipsOutside(spec_)) return absl::OkStatus();
+  if (!spec_.clips_outside_share()) return absl::OkStatus();
   const uint64_t at = shm_->hyper_byte_offset();
   const uint64_t size = shm_->buffer_bytes();
   bool fits = at % alignof(double) == 0 && at <= size &&
@@ -487,7 +482,7 @@ absl::StatusOr<StepResult> RankSession::StepOverGrpc(int64_t step,
   }
   for (float v : max_logits_) begin->add_max_logits(v);
   WriteGradients(stream.get(), spec_, grads, &req,
-                 ClipsOutside(spec_) ? outside_sum_sq_ : 0);
+                 spec_.clips_outside_share() ? outside_sum_sq_ : 0);
   UpdateAssembler assembler(spec_, updates);
   v1::StepResponse resp;
   while (stream->Read(&resp)) assembler.Add(resp);

@@ -222,7 +222,7 @@ void PrintStatus(const v1::JobStatus& st) {
                   std::string(common::DTypeName(ms.dtype)).c_str(), apply_fields.c_str());
     }
     if (apply) PrintApplyStatus(st, *spec_or);
-    if (!apply && spec_or->max_grad_norm > 0) {  // update mode's clipping
+    if (spec_or->clips_outside_share()) {  // update mode's clipping
       std::printf("max_grad_norm: %g\nlast_grad_norm: %g\nclip_redo_steps: %llu\n",
                   spec_or->max_grad_norm, st.last_grad_norm(),
                   static_cast<unsigned long long>(st.clip_redo_steps()));

@@ -198,6 +198,9 @@ struct JobSpec {
   MultiNode multinode;
   // Steps are prepared and committed on the trainer's word (CommitStep), as multi-node jobs do.
   bool two_phase() const { return multinode.nodes > 0; }
+  // Update mode with max_grad_norm: the step's norm adds every rank's share of the tensors outside
+  // the job (the trainer's own), which comes with the rank's last part.
+  bool clips_outside_share() const { return mode == JobMode::kUpdate && max_grad_norm > 0; }
 };
 
 inline constexpr int kMaxNsSteps = 100;

@@ -161,7 +161,7 @@ absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& 
          shm::HyperBytes(spec.groups.size(), spec.matrices.size(), spec.qk_clip.logits()) + 63) /
         64 * 64;
     reply.set_hyper_byte_offset(session.hyper_byte_offset);
-  } else if (spec.max_grad_norm > 0) {
+  } else if (spec.clips_outside_share()) {
     // Update mode with clipping: the rank's share of the norm (shm::kOutsideSumSqBytes).
     session.hyper_byte_offset = (bytes + 63) / 64 * 64;
     buffer = session.hyper_byte_offset + 64;

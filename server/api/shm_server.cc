@@ -384,7 +384,7 @@ void ShmServer::SubmitStep(const std::shared_ptr<ShmSession>& s, const shm::Subm
   // Update mode with max_grad_norm: the rank's share of the norm from the tensors outside the
   // job, read with its last part (copied out once; checked by the job).
   double outside_sum_sq = 0;
-  if (!apply && s->job->spec().max_grad_norm > 0 && (!in_parts || part.last)) {
+  if (s->job->spec().clips_outside_share() && (!in_parts || part.last)) {
     std::memcpy(&outside_sum_sq, in_base + s->hyper_byte_offset, sizeof(double));
     part.outside_sum_sq = outside_sum_sq;
   }

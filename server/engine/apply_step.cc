@@ -22,29 +22,6 @@ namespace {
 // lines, so threads never share one).
 constexpr size_t kSlice = size_t{1} << 18;
 
-// The sum of squares of the whole step, tensor by tensor in order.
-double TotalSumSq(const StepState& state) {
-  double total = 0;
-  for (double ss : state.sum_sq) total += ss;
-  return total;
-}
-
-// A tensor's raw sum of squares in the one order both paths sum it (so the norm, the clip and
-// the grad-norm metric are the same bits whether the gradient was assembled or not): whole
-// blocks of kNormBlock elements, block(begin, end) summing elements [begin, end), the blocks
-// summed over the CPUs and added in block order. `bytes`: what the blocks read, for ParallelFor.
-template <typename Block>
-double BlockSumOfSquares(size_t n, size_t bytes, const Block& block) {
-  std::vector<double> blocks((n + kNormBlock - 1) / kNormBlock);
-  common::ParallelFor(blocks.size(), bytes, [&](size_t b) {
-    const uint64_t begin = b * kNormBlock;
-    blocks[b] = block(begin, std::min<uint64_t>(n, begin + kNormBlock));
-  });
-  double ss = 0;
-  for (double s : blocks) ss += s;
-  return ss;
-}
-
 }  // namespace
 
 absl::StatusOr<StepHyper> ResolveStepHyper(const common::JobSpec& spec,
@@ -220,9 +197,9 @@ absl::Status ApplyStep::PrepareGradient(const StepState& state, uint32_t t, floa
                                         double* sum_sq, bool kernel_writes_momentum) {
   const common::MatrixSpec& ms = spec_.matrices[t];
   const size_t n = static_cast<size_t>(ms.numel());
-  const double ss = BlockSumOfSquares(n, n * sizeof(float), [&](uint64_t begin, uint64_t end) {
-    return SumOfSquares(grad + begin, end - begin);
-  });
+  // A tensor's raw sum in the one order both paths sum it (grad_norm.h), so the norm, the clip
+  // and the grad-norm metric are the same bits whether the gradient was assembled or not.
+  const double ss = ParallelSumOfSquares(grad, n);
   RETURN_IF_ERROR(CheckSumOfSquares(state, t, ss, [&] { return common::FindNonFinite(grad, n); }));
   *sum_sq = ss;
   if (state.grad_scale != 1.0f) {
@@ -343,15 +320,14 @@ void ApplyStep::Carry(StepState& state, uint32_t t) {
   });
 }
 
-double ApplyStep::SumSq(const StepState& state) { return TotalSumSq(state); }
 
 double ApplyStep::GradNorm(const StepState& state) {
-  return std::sqrt(TotalSumSq(state)) / state.hyper.grad_divisor;
+  return std::sqrt(state.TotalSumSq()) / state.hyper.grad_divisor;
 }
 
 float ApplyStep::ClipCoefficient(const StepState& state) const {
   const double d = state.hyper.grad_divisor;
-  return server::ClipCoefficient(TotalSumSq(state) / (d * d), spec_.max_grad_norm);
+  return server::ClipCoefficient(state.TotalSumSq() / (d * d), spec_.max_grad_norm);
 }
 
 float ApplyStep::GradScale(float clip, double grad_divisor) {

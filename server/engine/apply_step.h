@@ -93,9 +93,6 @@ class ApplyStep {
   // After every tensor is done: the step's gradient norm from the tensors' sums (in tensor order)
   // and the clip coefficient it implies (1 when the job does not clip or the norm is within).
   static double GradNorm(const StepState& state);
-  // The raw sum of squares of the step's gradients on this daemon (before the divisor), tensor by
-  // tensor in order; complete when every tensor is done.
-  static double SumSq(const StepState& state);
   float ClipCoefficient(const StepState& state) const;
   // The scale gradients are multiplied by for `clip` and the step's divisor.
   static float GradScale(float clip, double grad_divisor);

@@ -16,28 +16,6 @@
 
 namespace muond::server {
 
-namespace {
-
-// SumOfSquares(g, n), its blocks summed over the CPUs and added in block order (the same bits).
-double BlockedSumOfSquares(const float* g, size_t n) {
-  std::vector<double> blocks((n + kNormBlock - 1) / kNormBlock);
-  common::ParallelFor(blocks.size(), n * sizeof(float), [&](size_t b) {
-    const size_t begin = b * kNormBlock;
-    blocks[b] = SumOfSquares(g + begin, std::min(kNormBlock, n - begin));
-  });
-  double ss = 0;
-  for (double v : blocks) ss += v;
-  return ss;
-}
-
-}  // namespace
-
-double UpdateSumSq(const StepState& state) {
-  double total = 0;
-  for (double ss : state.sum_sq) total += ss;
-  return total + state.outside_sum_sq();
-}
-
 struct StepPipeline::Batch {
   std::vector<uint32_t> matrices;
   std::vector<std::vector<float>> staging;  // per matrix: the gradient, then the update (staged)
@@ -179,10 +157,10 @@ class StepPipeline::Run {
   // the tensors outside the job, which comes with the rank's last part; until every rank's is in
   // nothing is decided (the commit waits too: Finish, Job::CommitWhenComplete).
   bool RedoUpdateForClipping() {
-    if (p_.spec_.max_grad_norm <= 0 || state_.clip_redo || !state_.every_rank_pushed()) {
+    if (!p_.spec_.clips_outside_share() || state_.clip_redo || !state_.every_rank_pushed()) {
       return false;
     }
-    const double total = UpdateSumSq(state_);
+    const double total = state_.TotalSumSq();
     state_.grad_norm = std::sqrt(total);
     const float clip = server::ClipCoefficient(total, p_.spec_.max_grad_norm);
     if (clip >= 1.0f) return false;
@@ -212,7 +190,7 @@ class StepPipeline::Run {
     // A rank whose last part is not in yet commits the step when it comes (CommitWhenComplete).
     *commit = status_.ok() && !state_.done && state_.matrices_done == p_.spec_.matrices.size() &&
               state_.last_parts_in() &&
-              (p_.apply_ != nullptr || p_.spec_.max_grad_norm <= 0 || state_.every_rank_pushed());
+              (!p_.spec_.clips_outside_share() || state_.every_rank_pushed());
     if (*commit) state_.committing = true;
     state_.device_seconds += dev_.device->SimulatedSeconds() - clock_start_;
     const device::Device::BusySeconds busy = dev_.device->Busy();
@@ -452,7 +430,7 @@ class StepPipeline::Run {
     }
     if (crcs && p_.apply_ == nullptr && !state_.clip_redo) {
       // Update mode: the matrix's share of the norm, from the first (unscaled) pass.
-      state_.sum_sq[m] = BlockedSumOfSquares(batch.staging[i].data(), n);
+      state_.sum_sq[m] = ParallelSumOfSquares(batch.staging[i].data(), n);
     }
     if (p_.apply_ != nullptr) {
       // A device computing in host memory writes a Muon tensor's new momentum into the back

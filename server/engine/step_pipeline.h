@@ -66,11 +66,6 @@
 
 namespace muond::server {
 
-// Update mode with max_grad_norm: the raw sum of squares of the step's gradients, the job's
-// matrices' (the pipeline sums each as it assembles it) plus every rank's share of the tensors
-// outside the job. Known once every matrix is done and every rank's last part is in.
-double UpdateSumSq(const StepState& state);
-
 class StepPipeline {
  public:
   // What the pipeline needs of the job that runs it.

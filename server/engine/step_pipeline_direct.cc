@@ -71,7 +71,7 @@ bool StepPipeline::Direct(const StepState& state, uint32_t m) const {
   if (apply_ != nullptr && spec_.matrices[m].optimizer != common::Optimizer::kMuon) return false;
   // Update mode with clipping: the host sums the gradient's squares for the norm, so it is
   // assembled (staged) anyway.
-  if (apply_ == nullptr && spec_.max_grad_norm > 0) return false;
+  if (spec_.clips_outside_share()) return false;
   for (const JobLayout::SpanRef& ref : layout_.owners(m)) {
     const size_t bytes = layout_.SpanBytes(ref.rank, ref.span);
     const RankInput& in = state.ranks[ref.rank];

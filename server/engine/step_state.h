@@ -152,8 +152,13 @@ struct StepState {
     }
     return true;
   }
-  double outside_sum_sq() const {
+  // The raw sum of squares of the step's gradients (before any divisor): the job's tensors' on
+  // this daemon, tensor by tensor in order (apply mode; update mode with max_grad_norm), plus
+  // every rank's outside_sum_sq (0 but in update mode with max_grad_norm). Complete when every
+  // tensor is done and, for the outside shares, every rank's last part is in.
+  double TotalSumSq() const {
     double total = 0;
+    for (double ss : sum_sq) total += ss;
     for (const RankInput& r : ranks) total += r.outside_sum_sq;
     return total;
   }

@@ -272,7 +272,7 @@ JobReport Job::Report() const {
     r.ranks_missing_weights = RanksMissingWeights();
     r.weights_complete = r.ranks_missing_weights.empty();
   }
-  if (apply() || spec_.max_grad_norm > 0) {  // update mode clips too
+  if (apply() || spec_.clips_outside_share()) {  // update mode clips too
     r.clip_redo_steps = clip_redo_steps_;
     r.last_grad_norm = last_grad_norm_;
   }

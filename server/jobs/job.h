@@ -90,7 +90,7 @@ class RankStep {
   // while waiting (true: the rank went away, the step is aborted). On success returns the rank's
   // update, valid as long as the caller holds it.
   // `outside_sum_sq`: update mode with max_grad_norm, the rank's share of the norm from the
-  // tensors the trainer updates itself (Job::ClipsWithOutsideShare; CheckOutsideSumSq's refusals).
+  // tensors the trainer updates itself (JobSpec::clips_outside_share; CheckOutsideSumSq's refusals).
   absl::StatusOr<std::shared_ptr<const RankUpdate>> Finish(const std::function<bool()>& cancelled,
                                                            double outside_sum_sq = 0);
   // The rank's stream ended before StepEnd. The answer tells the truth about the commit: ABORTED
@@ -282,9 +282,6 @@ class Job : public std::enable_shared_from_this<Job>, private StepPipeline::Sink
 
   // ---- Apply mode (DESIGN.md 4b).
   bool apply() const { return spec_.mode == common::JobMode::kApply; }
-  // Update mode with max_grad_norm: the step's norm spans the job's matrices and every rank's
-  // share from the tensors outside the job, which comes with the rank's last part.
-  bool ClipsWithOutsideShare() const { return !apply() && spec_.max_grad_norm > 0; }
   // `rank`'s initial parameters: in[i] holds span i of RankSpans, float32 or (float32 false) the
   // tensor's param dtype. Checked whole (finite) before the masters change; FAILED_PRECONDITION
   // on an update-mode job, for a session that is not the rank's or while a step is in flight.

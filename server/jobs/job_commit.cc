@@ -160,9 +160,7 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
   }
   // Apply mode: the step's raw sum of squares (a node's share of a global norm); update mode with
   // max_grad_norm: the whole norm's, with which the trainer clips the tensors it updates itself.
-  const double sum_sq = apply()                  ? ApplyStep::SumSq(state)
-                        : spec_.max_grad_norm > 0 ? UpdateSumSq(state)
-                                                  : 0;
+  const double sum_sq = apply() || spec_.clips_outside_share() ? state.TotalSumSq() : 0;
   for (auto& out : state.outputs) {
     out->compute_seconds = seconds;
     out->grad_sum_sq = sum_sq;

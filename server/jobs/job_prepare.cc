@@ -30,7 +30,7 @@ void Job::Prepare(StepState& state) {
   if (state.done) return;  // cannot happen (FailStep leaves a committing step alone); defensive
   state.prepared = true;
   state.prepared_at = absl::Now();
-  const double sum_sq = apply() ? ApplyStep::SumSq(state) : 0;
+  const double sum_sq = apply() ? state.TotalSumSq() : 0;
   for (auto& out : state.outputs) {
     out->compute_seconds = seconds;
     out->grad_sum_sq = sum_sq;

@@ -50,7 +50,7 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
   absl::Status bad = CheckFiniteSpans(where, spec_, part_spans, part_in);
   // Update mode with max_grad_norm: the last part's share of the norm, under the same rule (a
   // non-finite share is a non-finite gradient), before any of the part's spans is taken.
-  if (bad.ok() && part.last && ClipsWithOutsideShare()) {
+  if (bad.ok() && part.last && spec_.clips_outside_share()) {
     bad = CheckOutsideSumSq(where, part.outside_sum_sq);
   }
   absl::MutexLock lock(&mu_);
@@ -120,7 +120,7 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     FailStep(*state, missing, /*fence=*/false);
     return missing;
   }
-  if (ClipsWithOutsideShare()) rin.outside_sum_sq = part.outside_sum_sq;  // checked above
+  if (spec_.clips_outside_share()) rin.outside_sum_sq = part.outside_sum_sq;  // checked above
   rin.parts_open = false;
   rin.finished = true;
   // Not done yet: a step that ends (commit or failure) leaves in_flight_ under this lock.

@@ -178,7 +178,7 @@ std::shared_ptr<StepState> Job::NewStepState(int64_t step) {
   for (int r = 0; r < spec_.world_size; ++r) {
     state->ranks[r].span_received.assign(layout_.spans(r).size(), 0);
   }
-  if (apply() || spec_.max_grad_norm > 0) state->sum_sq.assign(spec_.matrices.size(), 0.0);
+  if (apply() || spec_.clips_outside_share()) state->sum_sq.assign(spec_.matrices.size(), 0.0);
   return state;
 }
 
@@ -299,7 +299,7 @@ void Job::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix,
 void Job::CommitWhenComplete(const std::shared_ptr<StepState>& state) {
   if (state->done || state->committing || state->prepared || state->drain_queued) return;
   if (state->matrices_done != spec_.matrices.size() || !state->last_parts_in()) return;
-  if (ClipsWithOutsideShare() && !state->every_rank_pushed()) return;
+  if (spec_.clips_outside_share() && !state->every_rank_pushed()) return;
   state->drain_queued = true;
   executor_->Submit([self = shared_from_this(), state] { self->pipeline_.Drain(*state); });
 }
@@ -326,7 +326,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
       return s;
     }
   }
-  if (!ClipsWithOutsideShare() && outside_sum_sq != 0) {
+  if (!spec_.clips_outside_share() && outside_sum_sq != 0) {
     absl::Status s = absl::InvalidArgumentError(absl::StrCat(
         "job '", id(), "' step ", state->step, " rank ", rank,
         ": StepEnd carries a sum of squares outside the job (", outside_sum_sq,
@@ -335,7 +335,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
     FailStep(*state, s, /*fence=*/false);
     return s;
   }
-  if (ClipsWithOutsideShare()) {
+  if (spec_.clips_outside_share()) {
     absl::Status bad = CheckOutsideSumSq(
         absl::StrCat("job '", id(), "' step ", state->step, " rank ", rank), outside_sum_sq);
     if (!bad.ok()) {
@@ -347,7 +347,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
   }
   in.finished = true;
   // Update mode with max_grad_norm: the step's norm waited for this rank's share.
-  if (ClipsWithOutsideShare()) CommitWhenComplete(state);
+  if (spec_.clips_outside_share()) CommitWhenComplete(state);
   while (!state->done && !state->prepared) {
     state->cv.WaitWithTimeout(&mu_, kCancelPoll);
     if (!state->done && !state->prepared && cancelled && cancelled()) {

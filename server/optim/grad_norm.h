@@ -11,8 +11,12 @@
 #ifndef MUOND_SERVER_OPTIM_GRAD_NORM_H_
 #define MUOND_SERVER_OPTIM_GRAD_NORM_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
+
+#include "common/parallel_for.h"
 
 namespace muond::server {
 
@@ -26,6 +30,28 @@ double SumOfSquares(const float* g, size_t n);
 // float64 and rounded to float32 once; exactly 1 when max_norm is 0 (no clipping) or the norm is
 // within it.
 float ClipCoefficient(double sum_sq, double max_norm);
+
+// A sum of squares in the order above, its blocks summed over the CPUs: whole blocks of
+// kNormBlock elements, block(begin, end) summing elements [begin, end), added in block order.
+// `bytes`: what the blocks read, for ParallelFor.
+template <typename Block>
+double BlockSumOfSquares(size_t n, size_t bytes, const Block& block) {
+  std::vector<double> blocks((n + kNormBlock - 1) / kNormBlock);
+  common::ParallelFor(blocks.size(), bytes, [&](size_t b) {
+    const uint64_t begin = b * kNormBlock;
+    blocks[b] = block(begin, std::min<uint64_t>(n, begin + kNormBlock));
+  });
+  double ss = 0;
+  for (double s : blocks) ss += s;
+  return ss;
+}
+
+// SumOfSquares(g, n) bit for bit, its blocks summed over the CPUs.
+inline double ParallelSumOfSquares(const float* g, size_t n) {
+  return BlockSumOfSquares(n, n * sizeof(float), [g](uint64_t begin, uint64_t end) {
+    return SumOfSquares(g + begin, end - begin);
+  });
+}
 
 }  // namespace muond::server
 
