@@ -19,6 +19,12 @@ Usage: load_state_dict_test.py MUOND_BIN LIBMUOND_CLIENT DATA_DIR [unittest name
     --import-dir`, as the error says, in update mode; Client.create_job in apply mode), and the
     steps after equal those of a twin that never tried, bit for bit. The backup is the only
     muon-state-* entry left.
+  - CompatTest (a daemon for the class): the state_dicts an earlier release saved
+    (DATA_DIR/state_dict_v1_<mode>.pt, written by state_dict_fixtures.py) load into a new job of
+    the current optimizer in update and apply mode: step_id, the AdamW state (step counts and
+    moments) and the job's state by tensor name (momentum; in apply mode also the masters and
+    AdamW moments) equal what was saved, and the next step gives the parameters the saving
+    optimizer's next step gave.
 """
 import copy
 import io
@@ -30,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +49,7 @@ import torch  # noqa: E402
 
 import muon_offload as mo  # noqa: E402
 from apply_harness import read_safetensors  # noqa: E402
+import state_dict_fixtures as fixtures  # noqa: E402
 from muon_offload import MuondError, MuonWithAuxAdam  # noqa: E402
 
 torch.set_num_threads(1)
@@ -402,6 +410,77 @@ class DaemonKilledTest(LoadCase):
 
     def test_apply_mode_refused_then_killed_restoring(self):
         self.killed_in_import("apply", "KILL:2", bad=True, restore_with="python")
+
+
+def job_state(sd, tmpdir):
+    """{tensor name: tensor} of the job's state a state_dict holds by name (muond_state)."""
+    files = sd["muond_state"]["files"]
+    name = next(n for n in files if n.endswith(".safetensors"))
+    path = os.path.join(tmpdir, f"compat-{time.monotonic_ns()}.safetensors")
+    with open(path, "wb") as f:
+        f.write(files[name])
+    try:
+        return read_safetensors(path)
+    finally:
+        os.remove(path)
+
+
+class CompatTest(LoadCase):
+    """State_dicts saved by an earlier release load (see the module comment)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.close(unittest.TestCase())
+
+    def loads(self, mode):
+        saved = torch.load(os.path.join(base.DATA, f"state_dict_v1_{mode}.pt"))
+        model = torch.load(os.path.join(base.DATA, f"state_dict_v1_{mode}_model.pt"))
+        ps = fixtures.params()
+        with torch.no_grad():
+            for n, p in ps.items():
+                p.copy_(model["params"][n])
+        opt = fixtures.optimizer(mo, self.daemon.address, mode, f"compat-{mode}", ps)
+        opt.load_state_dict(copy.deepcopy(saved))
+        self.assertEqual(opt.step_id, saved["step_id"])
+        self.assertEqual(opt.step_id, 2)
+        # The AdamW state (update mode; apply mode keeps none in the trainer), by param index.
+        index = {p: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+        state = {index[p]: s for p, s in opt.state.items()}
+        self.assertEqual(sorted(state), sorted(saved["state"]))
+        if mode == "update":
+            self.assertEqual(sorted(state), [2, 3])
+        for i, s in saved["state"].items():
+            self.assertEqual(state[i]["step"], s["step"], f"param {i} step")
+            self.assertEqual(state[i]["step"], 2)
+            for k in ("exp_avg", "exp_avg_sq"):
+                self.assertTrue(torch.equal(state[i][k], s[k]), f"param {i} {k}")
+        for g, sg in zip(opt.param_groups, saved["param_groups"]):
+            self.assertEqual({k: v for k, v in g.items() if k != "params"},
+                             {k: v for k, v in sg.items() if k != "params"})
+        # The job's state (momentum; masters and moments in apply mode) as saved.
+        want = job_state(saved, self.tmpdir)
+        got = job_state(opt.state_dict(), self.tmpdir)
+        self.assertEqual(sorted(got), sorted(want))
+        self.assertIn("momentum/w1" if mode == "apply" else "w1", want)
+        for n in want:
+            self.assertTrue(torch.equal(got[n], want[n]), f"{mode} job state {n}")
+        # The next step continues where the saving optimizer went.
+        fixtures.set_grads(ps, 2)
+        opt.step()
+        self.assertEqual(opt.step_id, 3)
+        self.assertSameParams(fixtures.snapshot(ps), model["next"], f"{mode} step 2")
+        opt.close(delete_job=True)
+        self.assertEqual(self.leftovers(), [])
+
+    def test_update_mode_v1(self):
+        self.loads("update")
+
+    def test_apply_mode_v1(self):
+        self.loads("apply")
 
 
 if __name__ == "__main__":
