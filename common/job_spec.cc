@@ -339,8 +339,11 @@ std::string JobSpecToJson(const JobSpec& spec) {
   return root.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
-absl::Status ValidateJobSpec(const JobSpec& spec) {
-  RETURN_IF_ERROR(ValidateJobId(spec.job_id));
+namespace {
+
+// The job's size and its limits: world size, checkpoints kept, the step timeout (and the
+// non-finite policy, which single-node jobs alone may skip with).
+absl::Status ValidateJobLimits(const JobSpec& spec) {
   if (spec.nonfinite_skip && spec.two_phase()) {
     return absl::InvalidArgumentError(
         "nonfinite: \"skip\" is for single-node jobs (a multi-node step commits in two phases; "
@@ -359,6 +362,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                                                    spec.step_timeout_seconds, " is outside 0..",
                                                    kMaxStepTimeoutSeconds));
   }
+  return absl::OkStatus();
+}
+
+// How the matrices are split between the ranks: a ZeRO stage or an explicit layout.
+absl::Status ValidatePartitioning(const JobSpec& spec) {
   if (spec.zero_stage < 0 || spec.zero_stage > 3) {
     return absl::InvalidArgumentError(
         absl::StrCat("zero_stage ", spec.zero_stage, " is outside 0..3"));
@@ -379,7 +387,10 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
         "world_size ",
         spec.world_size));
   }
-  const MuonConfig& muon = spec.muon;
+  return absl::OkStatus();
+}
+
+absl::Status ValidateMuonConfig(const MuonConfig& muon) {
   if (!std::isfinite(muon.momentum) || muon.momentum < 0.0 || muon.momentum >= 1.0) {
     return absl::InvalidArgumentError(
         absl::StrCat("muon.momentum ", muon.momentum, " must be finite and in [0, 1)"));
@@ -397,6 +408,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
       DTypeName(muon.compute_dtype) == "unknown") {
     return absl::InvalidArgumentError("muon: ns_method, scale_mode or compute_dtype out of range");
   }
+  return absl::OkStatus();
+}
+
+// Each matrix, their names (no two alike) and, for ZeRO 1/2, their one dtype.
+absl::Status ValidateMatrices(const JobSpec& spec) {
   if (spec.matrices.empty()) {
     return absl::InvalidArgumentError("matrices: at least one matrix is required");
   }
@@ -421,6 +437,17 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
       }
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateJobSpec(const JobSpec& spec) {
+  RETURN_IF_ERROR(ValidateJobId(spec.job_id));
+  RETURN_IF_ERROR(ValidateJobLimits(spec));
+  RETURN_IF_ERROR(ValidatePartitioning(spec));
+  RETURN_IF_ERROR(ValidateMuonConfig(spec.muon));
+  RETURN_IF_ERROR(ValidateMatrices(spec));
   RETURN_IF_ERROR(ValidateApplyMode(spec));
   RETURN_IF_ERROR(ValidateMultiNode(spec));
   RETURN_IF_ERROR(ValidateQkClip(spec));

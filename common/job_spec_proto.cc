@@ -162,44 +162,43 @@ void ApplyFieldsToProto(const JobSpec& spec, v1::JobSpec* proto) {
   proto->set_init_from(spec.init_from);
 }
 
-}  // namespace
-
-absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
-  JobSpec spec;
-  spec.job_id = proto.job_id();
-  spec.world_size = proto.world_size() == 0 ? 1 : proto.world_size();
-  spec.zero_stage = proto.zero_stage();
-  const v1::MuonConfig& m = proto.muon();
-  if (m.has_momentum()) spec.muon.momentum = m.momentum();
-  if (m.has_nesterov()) spec.muon.nesterov = m.nesterov();
-  if (m.has_ns_steps()) spec.muon.ns_steps = m.ns_steps();
-  if (m.has_fp32_iterations()) spec.muon.fp32_iterations = m.fp32_iterations();
-  ASSIGN_OR_RETURN(spec.muon.ns_method, NsMethodFromProto(m.ns_method()));
-  ASSIGN_OR_RETURN(spec.muon.scale_mode, ScaleModeFromProto(m.scale_mode()));
+// The Muon hyperparameters: a field the message leaves unset keeps its default.
+absl::Status MuonConfigFromProto(const v1::MuonConfig& m, MuonConfig* muon) {
+  if (m.has_momentum()) muon->momentum = m.momentum();
+  if (m.has_nesterov()) muon->nesterov = m.nesterov();
+  if (m.has_ns_steps()) muon->ns_steps = m.ns_steps();
+  if (m.has_fp32_iterations()) muon->fp32_iterations = m.fp32_iterations();
+  ASSIGN_OR_RETURN(muon->ns_method, NsMethodFromProto(m.ns_method()));
+  ASSIGN_OR_RETURN(muon->scale_mode, ScaleModeFromProto(m.scale_mode()));
   auto compute = DTypeFromProto(m.compute_dtype());
   if (!compute.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("muon.compute_dtype: ", compute.status().message()));
   }
-  spec.muon.compute_dtype = *compute;
-  for (int i = 0; i < proto.matrices_size(); ++i) {
-    const v1::MatrixSpec& pm = proto.matrices(i);
-    MatrixSpec ms;
-    ms.name = pm.name();
-    ms.shape.assign(pm.shape().begin(), pm.shape().end());
-    ms.num_heads = pm.num_heads() == 0 ? 1 : pm.num_heads();
-    auto dtype = DTypeFromProto(pm.dtype());
-    if (!dtype.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("matrices[", i, "].dtype: ", dtype.status().message()));
-    }
-    ms.dtype = *dtype;
-    ms.row_offset = pm.row_offset();
-    ms.full_rows = pm.full_rows();
-    RETURN_IF_ERROR(TensorApplyFieldsFromProto(pm, i, &ms));
-    spec.matrices.push_back(std::move(ms));
+  muon->compute_dtype = *compute;
+  return absl::OkStatus();
+}
+
+// matrices[i] of the message.
+absl::StatusOr<MatrixSpec> MatrixFromProto(const v1::MatrixSpec& pm, int i) {
+  MatrixSpec ms;
+  ms.name = pm.name();
+  ms.shape.assign(pm.shape().begin(), pm.shape().end());
+  ms.num_heads = pm.num_heads() == 0 ? 1 : pm.num_heads();
+  auto dtype = DTypeFromProto(pm.dtype());
+  if (!dtype.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("matrices[", i, "].dtype: ", dtype.status().message()));
   }
-  RETURN_IF_ERROR(ApplyFieldsFromProto(proto, &spec));
+  ms.dtype = *dtype;
+  ms.row_offset = pm.row_offset();
+  ms.full_rows = pm.full_rows();
+  RETURN_IF_ERROR(TensorApplyFieldsFromProto(pm, i, &ms));
+  return ms;
+}
+
+// How the job runs: its gather budget, probe, non-finite policy, checkpoints and step timeout.
+absl::Status RunOptionsFromProto(const v1::JobSpec& proto, JobSpec* spec) {
   // uint64 on the wire, but job.json (what the daemon stores and reads back at restart) holds
   // them as JSON integers up to INT64_MAX: a larger value is refused here as it is there, rather
   // than accepted now and unreadable after a restart.
@@ -211,37 +210,59 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
           absl::StrCat(name, ": ", value, " is out of range (at most 2^63 - 1)"));
     }
   }
-  spec.gather_budget_bytes = proto.gather_budget_bytes();
-  spec.transport_probe = proto.transport_probe();
+  spec->gather_budget_bytes = proto.gather_budget_bytes();
+  spec->transport_probe = proto.transport_probe();
   switch (proto.nonfinite()) {
     case v1::NONFINITE_REFUSE:
       break;
     case v1::NONFINITE_SKIP:
-      spec.nonfinite_skip = true;
+      spec->nonfinite_skip = true;
       break;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
           "nonfinite: unknown value ", static_cast<int>(proto.nonfinite()),
           " (accepted: NONFINITE_REFUSE, NONFINITE_SKIP)"));
   }
-  spec.checkpoint_every_steps = proto.checkpoint_every_steps();
-  spec.checkpoint_keep = proto.checkpoint_keep() == 0 ? 3 : proto.checkpoint_keep();
-  spec.step_timeout_seconds = proto.step_timeout_seconds();
+  spec->checkpoint_every_steps = proto.checkpoint_every_steps();
+  spec->checkpoint_keep = proto.checkpoint_keep() == 0 ? 3 : proto.checkpoint_keep();
+  spec->step_timeout_seconds = proto.step_timeout_seconds();
+  return absl::OkStatus();
+}
+
+// QK-Clip's threshold, alpha and pairs (checked by ValidateJobSpec, but for their number).
+absl::Status QkClipFromProto(const v1::QkClip& q, QkClip* qk_clip) {
+  if (static_cast<size_t>(q.pairs_size()) > kMaxQkClipPairs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("qk_clip.pairs: ", q.pairs_size(), " pairs; at most ", kMaxQkClipPairs));
+  }
+  qk_clip->threshold = q.threshold();
+  if (q.has_alpha()) qk_clip->alpha = q.alpha();
+  for (const v1::QkClipPair& p : q.pairs()) {
+    qk_clip->pairs.push_back({p.q(), p.k(), p.q_heads(), p.kv_heads(), p.head_dim()});
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& proto) {
+  JobSpec spec;
+  spec.job_id = proto.job_id();
+  spec.world_size = proto.world_size() == 0 ? 1 : proto.world_size();
+  spec.zero_stage = proto.zero_stage();
+  RETURN_IF_ERROR(MuonConfigFromProto(proto.muon(), &spec.muon));
+  for (int i = 0; i < proto.matrices_size(); ++i) {
+    ASSIGN_OR_RETURN(MatrixSpec ms, MatrixFromProto(proto.matrices(i), i));
+    spec.matrices.push_back(std::move(ms));
+  }
+  RETURN_IF_ERROR(ApplyFieldsFromProto(proto, &spec));
+  RETURN_IF_ERROR(RunOptionsFromProto(proto, &spec));
   if (proto.has_multinode()) {
     spec.multinode = {proto.multinode().global_job_id(), proto.multinode().node(),
                       proto.multinode().nodes()};
   }
   if (proto.has_qk_clip()) {
-    const v1::QkClip& q = proto.qk_clip();
-    if (static_cast<size_t>(q.pairs_size()) > kMaxQkClipPairs) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("qk_clip.pairs: ", q.pairs_size(), " pairs; at most ", kMaxQkClipPairs));
-    }
-    spec.qk_clip.threshold = q.threshold();
-    if (q.has_alpha()) spec.qk_clip.alpha = q.alpha();
-    for (const v1::QkClipPair& p : q.pairs()) {
-      spec.qk_clip.pairs.push_back({p.q(), p.k(), p.q_heads(), p.kv_heads(), p.head_dim()});
-    }
+    RETURN_IF_ERROR(QkClipFromProto(proto.qk_clip(), &spec.qk_clip));
   }
   for (const v1::RankLayout& rank : proto.layout()) {
     std::vector<LayoutSpan> spans;
