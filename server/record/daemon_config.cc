@@ -233,14 +233,9 @@ absl::Status ApplyFile(DaemonConfig& c, const std::string& path) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-std::string DaemonUsage() {
+// --help: where muond listens and keeps its state.
+std::string EndpointUsage() {
   return absl::StrCat(
-      "Usage: muond [options]\n"
-      "\n"
-      "muond keeps the Muon optimizer state of training jobs on this node and computes their\n"
-      "updates. Options (a config file may set the same keys, without the leading --):\n"
       "  --listen ADDR           unix:///abs/path/to/socket or HOST:PORT (TCP: TLS with "
       "--tls-cert,\n"
       "                          plaintext only on loopback or with --insecure-tcp). Default: ",
@@ -254,7 +249,12 @@ std::string DaemonUsage() {
       "\n"
       "  --shm-socket PATH|off   the node-local shared-memory data plane's socket (memfd regions\n"
       "                          passed with SCM_RIGHTS). Default: the --listen socket path +\n"
-      "                          \".shm\" for unix addresses, off for TCP.\n"
+      "                          \".shm\" for unix addresses, off for TCP.\n");
+}
+
+// --help: the compute backend and how the optimizer math runs.
+std::string ComputeUsage() {
+  return std::string(
       "  --backend NAME          compute backend: auto, cpu, simulated, cuda or level_zero (GPU\n"
       "                          memory is limited to 3 x --gather-budget-bytes, >= 1 GiB). "
       "Default:\n"
@@ -280,7 +280,12 @@ std::string DaemonUsage() {
       "                          sqrt(r) of the orthogonalized update of a sample of up to 4 Muon\n"
       "                          matrices (a different sample each time; metric\n"
       "                          muond_update_orthogonality, the status page). 0: never.\n"
-      "                          Default: 100\n"
+      "                          Default: 100\n");
+}
+
+// --help: the config file, threads, budgets, timeouts, metrics and logging.
+std::string ServingUsage() {
+  return std::string(
       "  --config FILE           read options from FILE ('key = value' lines, '#' comments);\n"
       "                          flags given on the command line override it.\n"
       "  --threads N             CPU compute threads; 0 = one per CPU. Default: 0\n"
@@ -297,7 +302,12 @@ std::string DaemonUsage() {
       "                          Default: 127.0.0.1:9464 (if that port is taken the daemon logs\n"
       "                          an error and serves without metrics; an address given\n"
       "                          explicitly must bind). off: no endpoint.\n"
-      "  --log-level LEVEL       debug, info, warning or error. Default: info\n"
+      "  --log-level LEVEL       debug, info, warning or error. Default: info\n");
+}
+
+// --help: who may connect and create jobs, and over what.
+std::string AccessUsage() {
+  return std::string(
       "  --allow-uids LIST       comma-separated uids or user names that may create jobs over the\n"
       "                          Unix socket (peer credentials, SO_PEERCRED). Default: empty =\n"
       "                          everyone who can open the socket. Root and the daemon's own uid\n"
@@ -317,7 +327,18 @@ std::string DaemonUsage() {
       "  --insecure-tcp          allow plaintext TCP on an address that is not loopback (logged "
       "as\n"
       "                          a WARNING). Without it such a --listen is refused (exit 2);\n"
-      "                          127.0.0.0/8, ::1 and localhost need no TLS.\n"
+      "                          127.0.0.0/8, ::1 and localhost need no TLS.\n");
+}
+
+}  // namespace
+
+std::string DaemonUsage() {
+  return absl::StrCat(
+      "Usage: muond [options]\n"
+      "\n"
+      "muond keeps the Muon optimizer state of training jobs on this node and computes their\n"
+      "updates. Options (a config file may set the same keys, without the leading --):\n",
+      EndpointUsage(), ComputeUsage(), ServingUsage(), AccessUsage(),
       "  --help                  print this help and exit\n"
       "  --version               print the version and exit\n"
       "\n",

@@ -30,98 +30,116 @@ const Histogram::BucketBoundaries& CheckpointBuckets() {
   return *buckets;
 }
 
-}  // namespace
-
-DaemonFamilies::DaemonFamilies() {
-  common::MetricsRegistry& r = common::DefaultRegistry();
-  build_info =
+// The daemon-wide gauges: what runs, what it holds and its limits.
+void RegisterDaemonGauges(common::MetricsRegistry& r, DaemonFamilies& f) {
+  f.build_info =
       MustRegister(r.AddGauge("muond_build_info",
                               "The running muond: version, compute backend and CPU math path "
                               "(cpu_isa: the widest ISA the optimizer math uses; cpu_bf16: "
                               "native or emulated bf16 products); always 1."));
-  device_info = MustRegister(
+  f.device_info = MustRegister(
       r.AddGauge("muond_device_info", "The compute device in use, by backend; always 1."));
-  start_time = MustRegister(r.AddGauge(
+  f.start_time = MustRegister(r.AddGauge(
       "muond_start_time_seconds", "When this muond started, in seconds since the Unix epoch."));
-  jobs = MustRegister(r.AddGauge("muond_jobs", "Jobs that exist on this daemon."));
-  ranks_attached =
+  f.jobs = MustRegister(r.AddGauge("muond_jobs", "Jobs that exist on this daemon."));
+  f.ranks_attached =
       MustRegister(r.AddGauge("muond_ranks_attached", "Rank sessions attached, all jobs."));
-  momentum = MustRegister(r.AddGauge("muond_momentum_bytes", "fp32 momentum held, all jobs."));
-  momentum_limit = MustRegister(
+  f.momentum = MustRegister(r.AddGauge("muond_momentum_bytes", "fp32 momentum held, all jobs."));
+  f.momentum_limit = MustRegister(
       r.AddGauge("muond_momentum_limit_bytes", "--max-momentum-bytes (absent when unlimited)."));
-  limit = MustRegister(r.AddGauge("muond_limit",
-                                  "A limit in force (muond --help, Limits): its value by key; "
-                                  "max_state_bytes 0 means unlimited."));
-  queue_depth = MustRegister(
+  f.limit = MustRegister(r.AddGauge("muond_limit",
+                                    "A limit in force (muond --help, Limits): its value by key; "
+                                    "max_state_bytes 0 means unlimited."));
+  f.queue_depth = MustRegister(
       r.AddGauge("muond_compute_queue_depth", "Compute tasks waiting for the compute thread."));
-  shm_sessions =
+  f.shm_sessions =
       MustRegister(r.AddGauge("muond_shm_sessions", "Shared-memory rank sessions attached."));
-  pinned = MustRegister(
+  f.pinned = MustRegister(
       r.AddGauge("muond_pinned_bytes", "Host memory locked (mlock) for shared-memory sessions."));
-  memlock_limit = MustRegister(
+  f.memlock_limit = MustRegister(
       r.AddGauge("muond_memlock_limit_bytes",
                  "This process's RLIMIT_MEMLOCK soft limit (+Inf when unlimited; root with "
                  "CAP_IPC_LOCK is not bound by it)."));
+}
 
-  job_world_size = MustRegister(r.AddGauge("muond_job_world_size", "Ranks in the job's world."));
-  job_ranks_attached =
+// The per-job gauges (series labelled by job, removed with the job).
+void RegisterJobGauges(common::MetricsRegistry& r, DaemonFamilies& f) {
+  f.job_world_size = MustRegister(r.AddGauge("muond_job_world_size", "Ranks in the job's world."));
+  f.job_ranks_attached =
       MustRegister(r.AddGauge("muond_job_ranks_attached", "Ranks of the job with a session."));
-  job_next_step =
+  f.job_next_step =
       MustRegister(r.AddGauge("muond_job_next_step", "The step the job expects next."));
-  job_fenced = MustRegister(r.AddGauge(
+  f.job_fenced = MustRegister(r.AddGauge(
       "muond_job_fenced", "1 while the job is fenced (an aborted step; needs a reset)."));
-  job_momentum =
+  f.job_momentum =
       MustRegister(r.AddGauge("muond_job_momentum_bytes", "fp32 momentum the job holds."));
-  job_gather_budget = MustRegister(r.AddGauge(
+  f.job_gather_budget = MustRegister(r.AddGauge(
       "muond_job_gather_budget_bytes", "Bytes of whole matrices the job may assemble at once."));
-  job_gather_peak = MustRegister(
+  f.job_gather_peak = MustRegister(
       r.AddGauge("muond_job_gather_peak_bytes", "The most bytes the job has assembled at once."));
-  job_multinode = MustRegister(r.AddGauge(
+  f.job_multinode = MustRegister(r.AddGauge(
       "muond_job_multinode_info",
       "A multi-node job's part on this daemon (DESIGN.md 4c): its global job id and node; 1."));
-  job_checkpoint_age = MustRegister(r.AddGauge(
+  f.job_checkpoint_age = MustRegister(r.AddGauge(
       "muond_checkpoint_newest_age_seconds",
       "Seconds since the newest checkpoint generation this daemon wrote or loaded for the job."));
-  steps_completed =
+}
+
+// The step counters, by job.
+void RegisterStepCounters(common::MetricsRegistry& r, DaemonFamilies& f) {
+  f.steps_completed =
       MustRegister(r.AddCounter("muond_steps_completed_total", "Optimizer steps committed."));
-  steps_refused = MustRegister(r.AddCounter(
+  f.steps_refused = MustRegister(r.AddCounter(
       "muond_steps_refused_total", "Steps refused (bad input; momentum left unchanged)."));
-  steps_skipped = MustRegister(r.AddCounter(
+  f.steps_skipped = MustRegister(r.AddCounter(
       "muond_steps_skipped_total",
       "Steps skipped for a non-finite gradient on some rank (job option nonfinite=skip: the "
       "step number advanced, nothing in the job's state changed)."));
-  steps_aborted = MustRegister(r.AddCounter(
+  f.steps_aborted = MustRegister(r.AddCounter(
       "muond_steps_aborted_total", "Steps aborted after they started (the job is fenced)."));
-  clip_redo = MustRegister(r.AddCounter(
+  f.clip_redo = MustRegister(r.AddCounter(
       "muond_clip_redo_steps_total",
       "Apply-mode steps recomputed because global gradient clipping triggered (max_grad_norm)."));
-  transport_copy = MustRegister(r.AddCounter(
+  f.transport_copy = MustRegister(r.AddCounter(
       "muond_transport_copy_bytes_total",
       "Bytes a transport copied on the host between its buffers and the job's, per job "
       "(gRPC chunks and updates, shared-memory replays)."));
+}
 
-  step_seconds = MustRegister(r.AddHistogram(
+// The durations, the bytes moved by transport, RPC errors and checkpoint saves.
+void RegisterTrafficAndCheckpoints(common::MetricsRegistry& r, DaemonFamilies& f) {
+  f.step_seconds = MustRegister(r.AddHistogram(
       "muond_step_duration_seconds", "Wall time of a committed step, first gradient to commit."));
-  phase_seconds = MustRegister(
+  f.phase_seconds = MustRegister(
       r.AddHistogram("muond_step_phase_duration_seconds", "Wall time of each phase of a step."));
   Family<Counter>* transfer = MustRegister(r.AddCounter(
       "muond_transfer_bytes_total", "Gradient (in) and update (out) bytes, by transport."));
   for (Transport t : {Transport::kGrpc, Transport::kShm}) {
     for (Direction d : {Direction::kIn, Direction::kOut}) {
-      bytes[static_cast<int>(t)][static_cast<int>(d)] =
+      f.bytes[static_cast<int>(t)][static_cast<int>(d)] =
           &transfer->Add({{"transport", t == Transport::kGrpc ? "grpc" : "shm"},
                           {"direction", d == Direction::kIn ? "in" : "out"}});
     }
   }
-  rpc_errors = MustRegister(
+  f.rpc_errors = MustRegister(
       r.AddCounter("muond_rpc_errors_total", "RPCs that ended with an error, by gRPC code."));
-  checkpoint_saves = MustRegister(r.AddCounter(
+  f.checkpoint_saves = MustRegister(r.AddCounter(
       "muond_checkpoint_saves_total", "Checkpoint saves of the job, by result (ok, error)."));
-  checkpoint_bytes = MustRegister(r.AddCounter("muond_checkpoint_written_bytes_total",
-                                               "Bytes of checkpoint payload written durably."));
-  checkpoint_seconds =
+  f.checkpoint_bytes = MustRegister(r.AddCounter("muond_checkpoint_written_bytes_total",
+                                                 "Bytes of checkpoint payload written durably."));
+  f.checkpoint_seconds =
       MustRegister(r.AddHistogram("muond_checkpoint_save_duration_seconds",
                                   "Wall time of a checkpoint save, snapshot to durable."));
+}
+
+}  // namespace
+
+DaemonFamilies::DaemonFamilies() {
+  common::MetricsRegistry& r = common::DefaultRegistry();
+  RegisterDaemonGauges(r, *this);
+  RegisterJobGauges(r, *this);
+  RegisterStepCounters(r, *this);
+  RegisterTrafficAndCheckpoints(r, *this);
 }
 
 void DaemonFamilies::RemoveJob(const std::string& job) {
