@@ -122,7 +122,8 @@ def run_rank(cfg, rank):
     import torch
     import torch.distributed as dist
     mo = import_client()
-    import muon_offload.optim as optim_module
+    import muon_offload.optim_update as optim_module
+    from muon_offload.multinode_plan import ownership_plan
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = cfg["master_addr"]
@@ -153,8 +154,8 @@ def run_rank(cfg, rank):
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
         return wrapper
 
-    real_a2a = opt._all_to_all
-    opt._all_to_all = lambda out, inp, forward: timed(
+    real_a2a = opt._router.all_to_all
+    opt._router.all_to_all = lambda out, inp, forward: timed(
         "alltoall_forward" if forward else "alltoall_inverse", real_a2a)(out, inp, forward)
     opt.session.step_in_place = timed("daemon_step", opt.session.step_in_place)
     optim_module.all_gather_partitions = timed("zero_allgather",
@@ -195,7 +196,7 @@ def run_rank(cfg, rank):
               "partition_buffer_elements": opt.partition.buffer_elements,
               "elements": sum(p.numel() for _, p in params)}
     if rank == 0:
-        owner, flops, _ = mo.ownership_plan(opt.spec, r.nodes)
+        owner, flops, _ = ownership_plan(opt.spec, r.nodes)
         result["node_flops"] = list(flops)
         result["tensors_per_node"] = [owner.count(n) for n in range(r.nodes)]
     opt.close(delete_job=True)

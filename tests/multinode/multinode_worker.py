@@ -235,7 +235,7 @@ def fault(cfg, rank):
     committed = None
     if opt._routing.local_rank == 0:
         try:
-            opt._commit(before)
+            opt._two_phase.commit(before)
             committed = True
         except MuondError as e:
             committed = e.code_name + ": " + e.message

@@ -1,4 +1,4 @@
-"""Checkpoints of MuonWithAuxAdam (a mixin of optim.py): the state muond holds (the momentum; in
+"""Checkpoints of MuonWithAuxAdam (a collaborator of optim.py's optimizer): the state muond holds (the momentum; in
 apply mode also the master weights and the AdamW state) lives in the daemon.
 
   - save_checkpoint(): the daemon writes a durable checkpoint generation (DESIGN.md section 7);
@@ -33,177 +33,157 @@ import os
 import shutil
 import tempfile
 
+import torch
+
 from ._native import CODES, MuondError
 
 
 class DaemonCheckpoints:
-    """Checkpoint methods over the optimizer's attributes (ranks, client, session, offload,
-    job_id, token, spec, step_id, backend, _job_tensors, _attach, _detach, _arm, _checkpoint,
-    _upload_pending)."""
+    """The optimizer's checkpoints, a collaborator of MuonWithAuxAdam (see the module comment).
 
+    ctx, link: the StepContext and JobLink (optim_job.py); mode: the ModeStep (apply mode's
+    upload_pending). The optimizer's own operations, as callables: drain() installs a delayed
+    step in flight; detach() drains and ends this rank's session; attach() attaches this rank
+    again (takeover False; the stream is re-made); arm() arms the stream for the next step;
+    stage_torch(state_dict) -> staged and install_torch(*staged): torch's part of
+    load_state_dict, checked without changing the optimizer, then installed.
+    saved: the generation state_dict() refers to (save_checkpoint()), None when none is.
+    """
+
+    def __init__(self, ctx, link, mode, *, drain, detach, attach, arm, stage_torch,
+                 install_torch):
+        self.ctx, self.link, self.mode = ctx, link, mode
+        self.drain, self.detach, self.attach, self.arm = drain, detach, attach, arm
+        self.stage_torch, self.install_torch = stage_torch, install_torch
+        self.saved = None
 
     def save_checkpoint(self):
         """Collective: asks muond for a durable checkpoint generation of the job (rank 0) and
         returns {"job_id", "generation", "step", "next_step"} on every rank; state_dict() refers to
         it until the next step."""
-        if self.session is None:
+        ctx, link = self.ctx, self.link
+        if link.session is None:
             raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
         self.drain()  # delayed mode: the step in flight is installed, so the save is a whole step
-        self.ranks.barrier()  # every rank has the result of the last step: between steps
-        generation, step = self.ranks.on_rank0(
-            lambda: self.client.checkpoint_save(self.job_id, self.token))
-        self._checkpoint = {"job_id": self.job_id, "generation": generation, "step": step,
-                            "next_step": self.step_id}
-        return dict(self._checkpoint)
+        ctx.ranks.barrier()  # every rank has the result of the last step: between steps
+        generation, step = ctx.ranks.on_rank0(
+            lambda: link.client.checkpoint_save(link.job_id, link.token))
+        self.saved = {"job_id": link.job_id, "generation": generation, "step": step,
+                      "next_step": ctx.step_id}
+        return dict(self.saved)
 
     def load_checkpoint(self, generation=-1, step=-1):
         """Collective: detaches, loads the job's checkpoint generation (`generation` >= 0, the one
         saved at `step`, or the newest good one) on rank 0 and attaches again. Returns
         (loaded_generation, next_step)."""
-        if self.client is None:
+        ctx, link = self.ctx, self.link
+        if link.client is None:
             raise MuondError(CODES["FAILED_PRECONDITION"], "no muond job attached", "checkpoint")
-        self._detach()
-        self.ranks.barrier()
+        self.detach()
+        ctx.ranks.barrier()
         try:
-            loaded, next_step = self.ranks.on_rank0(
-                lambda: self.client.checkpoint_load(self.job_id, self.token, generation, step))
+            loaded, next_step = ctx.ranks.on_rank0(
+                lambda: link.client.checkpoint_load(link.job_id, link.token, generation, step))
         except MuondError:
             # Refused (no such generation, a damaged one): the job kept its state; attach again
             # so the optimizer is as it was (when the daemon is gone, the load's error stands).
             try:
-                self.ranks.all_ranks(lambda: self._attach(takeover=False))
-                self._arm()
+                ctx.ranks.all_ranks(self.attach)
+                self.arm()
             except MuondError:
                 pass
             raise
-        self._checkpoint = None
-        self._upload_pending = False  # apply mode: the generation holds the master weights
-        self.ranks.barrier()
-        self.ranks.all_ranks(lambda: self._attach(takeover=False))
-        if self.step_id != next_step:
+        self.saved = None
+        self.mode.upload_pending = False  # apply mode: the generation holds the master weights
+        ctx.ranks.barrier()
+        ctx.ranks.all_ranks(self.attach)
+        if ctx.step_id != next_step:
             raise MuondError(CODES["FAILED_PRECONDITION"],
-                             f"job '{self.job_id}': generation {loaded} resumes at step "
-                             f"{next_step}, but rank {self.rank} attached at step {self.step_id}",
+                             f"job '{link.job_id}': generation {loaded} resumes at step "
+                             f"{next_step}, but rank {ctx.rank} attached at step {ctx.step_id}",
                              "checkpoint")
         return loaded, next_step
 
-    def state_dict(self):
-        """In-process optimizer state (AdamW in update mode, the local backend's momentum) as
-        torch.optim keeps it, "step_id", and for muond the job's state (see the module comment):
-        the generation save_checkpoint() saved when it ran since the last step; else by tensor
-        name on rank 0 when the daemon is on this host, else a generation it saves now.
-        With delay=1 the step in flight is installed first (drain()). A collective with a process
-        group."""
-        if self.session is not None:
-            self.drain()  # delayed mode (a collective then): the state of a whole step
-        sd = super().state_dict()
-        sd["step_id"] = self.step_id
-        if self._offloaded():
-            saved = self._checkpoint
-            if saved is not None and saved["next_step"] == self.step_id:
-                sd["muond"] = dict(saved)  # save_checkpoint() ran since the last step
-            elif self._daemon_is_local():
-                self.ranks.barrier()  # every rank has the result of the last step
-                state = error = None
-                if self.rank == 0:
-                    try:
-                        state = self._export_state_bytes()
-                    except MuondError as e:
-                        error = e
-                self.ranks.raise_if_any_failed(error)
-                sd["muond_state"] = state if self.rank == 0 else \
-                    {"on_rank": 0, "job_id": self.job_id, "next_step": self.step_id}
-            else:
-                sd["muond"] = dict(self.save_checkpoint())
-        return sd
+    def daemon_state(self):
+        """The muond part of state_dict() (see the module comment): {"muond": generation} or
+        {"muond_state": the job's state by tensor name} (a collective with a process group)."""
+        ctx, link = self.ctx, self.link
+        saved = self.saved
+        if saved is not None and saved["next_step"] == ctx.step_id:
+            return {"muond": dict(saved)}  # save_checkpoint() ran since the last step
+        if not self._daemon_is_local():
+            return {"muond": dict(self.save_checkpoint())}
+        ctx.ranks.barrier()  # every rank has the result of the last step
+        state = error = None
+        if ctx.rank == 0:
+            try:
+                state = self._export_state_bytes()
+            except MuondError as e:
+                error = e
+        ctx.ranks.raise_if_any_failed(error)
+        return {"muond_state": state if ctx.rank == 0 else
+                {"on_rank": 0, "job_id": link.job_id, "next_step": ctx.step_id}}
 
     def _daemon_is_local(self):
-        address = self.address
-        return (self.session is not None and self.session.is_shm) or address is None or \
+        address, session = self.link.address, self.link.session
+        return (session is not None and session.is_shm) or address is None or \
             str(address).startswith("unix:")
 
     def _export_state_bytes(self):
         """Rank 0: the job's live state exported by the daemon into a temporary directory and read
         back as bytes (the directory is removed)."""
         tmp = _private_dir("muon-state-export-")
+        link = self.link
         try:
-            step = self.client.export_state(self.job_id, self.token, tmp)
+            step = link.client.export_state(link.job_id, link.token, tmp)
             files = {}
             for name in sorted(os.listdir(tmp)):
                 with open(os.path.join(tmp, name), "rb") as f:
                     files[name] = f.read()
-            return {"format": "muon_offload-state-1", "job_id": self.job_id, "next_step": step,
+            return {"format": "muon_offload-state-1", "job_id": link.job_id, "next_step": step,
                     "files": files}
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _offloaded(self):
-        return self.backend == "muond" and bool(self._job_tensors)
-
-    def load_state_dict(self, state_dict):
-        """Restores the in-process part and, for muond, the job's state: a generation of this job
-        ("muond"), or a state by tensor name ("muond_state", of any job id, world size or ZeRO
-        stage), which replaces this optimizer's job by a job imported from it (a new token). A
-        collective with a process group. All or nothing: torch's part (state, param_groups) is
-        checked first and installed only once the daemon took its part; a refusal raises with
-        both as they were (see _import_state for the one case where the job cannot be put back)."""
+    def load_state_dict(self, state_dict, offloaded):
+        """Restores the in-process part and, when `offloaded` (a muond job), the job's state: a
+        generation of this job ("muond"), or a state by tensor name ("muond_state", of any job
+        id, world size or ZeRO stage), which replaces this optimizer's job by a job imported
+        from it (a new token). A collective with a process group. All or nothing: torch's part
+        (state, param_groups) is checked first and installed only once the daemon took its part;
+        a refusal raises with both as they were (see _import_state for the one case where the
+        job cannot be put back)."""
         state_dict = dict(state_dict)
         muond = state_dict.pop("muond", None)
         by_name = state_dict.pop("muond_state", None)
         step_id = state_dict.pop("step_id", 0)
-        if self._offloaded():
+        if offloaded:
             if muond is None and by_name is None:
                 raise ValueError("this state_dict has no muond part (saved by backend='local'?)")
-            if by_name is None and muond["job_id"] != self.job_id:
+            if by_name is None and muond["job_id"] != self.link.job_id:
                 raise ValueError(f"the state_dict refers to a generation of muond job "
                                  f"'{muond['job_id']}', this optimizer drives job "
-                                 f"'{self.job_id}'; a state by tensor name (state_dict() with "
-                                 "the daemon on this host) loads into any job")
-        staged = self._staged_torch_state(state_dict)
-        if not self._offloaded():
-            self.step_id = step_id
+                                 f"'{self.link.job_id}'; a state by tensor name (state_dict() "
+                                 "with the daemon on this host) loads into any job")
+        staged = self.stage_torch(state_dict)
+        if not offloaded:
+            self.ctx.step_id = step_id
         elif by_name is not None:
             self._import_state(by_name)
         else:
             self._load_generation(muond)
-        self._install_torch_state(*staged)
-
-    def _staged_torch_state(self, state_dict):
-        """(state, param_groups) that torch.optim.Optimizer.load_state_dict makes of `state_dict`
-        (its checks, deep copy and casts), this optimizer left as it was. Raises ValueError as
-        torch does, and when a group's use_muon differs (the job's tensors are fixed)."""
-        saved = state_dict.get("param_groups")
-        if isinstance(saved, (list, tuple)) and len(saved) == len(self.param_groups):
-            for i, (g, sg) in enumerate(zip(self.param_groups, saved)):
-                if isinstance(sg, dict) and "use_muon" in sg and \
-                        bool(sg["use_muon"]) != bool(g["use_muon"]):
-                    raise ValueError(f"loaded state dict's group {i} has use_muon="
-                                     f"{sg['use_muon']}, this optimizer's {g['use_muon']}")
-        kept = self.__dict__["state"], self.__dict__["param_groups"]
-        try:
-            super().load_state_dict(state_dict)  # builds new objects; the old ones stay intact
-            return self.state, self.param_groups
-        finally:
-            self.state, self.param_groups = kept
-
-    def _install_torch_state(self, state, param_groups):
-        """What _staged_torch_state made, installed. The group dicts are updated in place: the
-        optimizer's (group, param) pairs keep seeing the groups' hyperparameters."""
-        for group, loaded in zip(self.param_groups, param_groups):
-            group.clear()
-            group.update(loaded)
-        self.state = state
+        self.install_torch(*staged)
 
     def _load_generation(self, muond):
         """The muond part of a state_dict that names a generation of this job."""
         _, next_step = self.load_checkpoint(generation=muond["generation"])
         if next_step != muond["next_step"]:
             raise MuondError(CODES["DATA_LOSS"],
-                             f"job '{self.job_id}' generation {muond['generation']} resumes "
+                             f"job '{self.link.job_id}' generation {muond['generation']} resumes "
                              f"at step {next_step}, the state_dict at step "
                              f"{muond['next_step']}; the trainer's part was not loaded",
                              "load_state_dict")
-        self._checkpoint = dict(muond)
+        self.saved = dict(muond)
 
     def _import_state(self, by_name):
         """Replaces the job by one of the same spec imported from `by_name` (rank 0's files).
@@ -215,17 +195,16 @@ class DaemonCheckpoints:
         is kept and the error names it and how to create the job from it; every other way out
         removes it. A refusal before the job is deleted (a bad file entry, a failed export)
         leaves the job as it was, attached again."""
-        self._detach()
-        self.ranks.barrier()
-        outcome = self.ranks.on_rank0(lambda: self._replace_job(by_name))
+        self.detach()
+        self.ctx.ranks.barrier()
+        outcome = self.ctx.ranks.on_rank0(lambda: self._replace_job(by_name))
         token, error, replaced, fresh = outcome
         if replaced:
-            self.token = token
-            self._checkpoint = None  # the old job's generations went with it
-            # The imported state holds the master weights; a fresh job takes the trainer's.
-            self._upload_pending = fresh and self.mode == "apply" and "init_from" not in self.spec
-        self.ranks.all_ranks(lambda: self._attach(takeover=False))
-        self._arm()
+            self.link.token = token
+            self.saved = None  # the old job's generations went with it
+            self.mode.job_replaced(fresh)
+        self.ctx.ranks.all_ranks(self.attach)
+        self.arm()
         if error is not None:
             raise MuondError(*error)
 
@@ -254,32 +233,32 @@ class DaemonCheckpoints:
                     with open(path, "wb") as f:
                         f.write(data)
                     os.chmod(path, 0o644)
-                backup = _private_dir(f"muon-state-backup-{self.job_id}-")
+                backup = _private_dir(f"muon-state-backup-{self.link.job_id}-")
                 try:
-                    self.client.export_state(self.job_id, self.token, backup)
+                    self.link.client.export_state(self.link.job_id, self.link.token, backup)
                     _readable(backup)
                 except MuondError as e:
                     _remove(backup)
                     backup = None
-                    if self.step_id != 0:
+                    if self.ctx.step_id != 0:
                         raise MuondError(e.code, f"{e.message} (backing up the job's state)",
                                          "load_state_dict")
                     # A new job (apply mode before its weights): no state, nothing to lose.
             except OSError as e:  # the temporary directories
                 _remove(backup)
-                return self.token, (CODES["UNKNOWN"], f"{e}; the job was left as it was",
+                return self.link.token, (CODES["UNKNOWN"], f"{e}; the job was left as it was",
                                     "load_state_dict"), False, False
             except MuondError as e:
-                return self.token, (e.code, f"{e.message}; the job was left as it was",
+                return self.link.token, (e.code, f"{e.message}; the job was left as it was",
                                     e.operation), False, False
             try:
-                self.client.delete_job(self.job_id, self.token)
+                self.link.client.delete_job(self.link.job_id, self.link.token)
             except MuondError as e:
                 return self._restore_from(backup, e, deleted=False)
-            spec = dict(self.spec)
+            spec = dict(self.link.spec)
             spec.pop("init_from", None)  # the imported state holds the master weights
             try:
-                token = self.client.create_job(spec, import_dir=tmp)
+                token = self.link.client.create_job(spec, import_dir=tmp)
             except MuondError as e:
                 return self._restore_from(backup, e, deleted=True)
             _remove(backup)
@@ -292,21 +271,21 @@ class DaemonCheckpoints:
         """Rank 0: the job re-created from `backup` (None: as a new job from its spec) after
         `refused` (of the delete when not `deleted`, else of the import); the outcome as
         _replace_job returns it. Keeps the backup and raises when the job cannot be re-created."""
-        spec = dict(self.spec)
+        spec = dict(self.link.spec)
         if backup is not None:
             spec.pop("init_from", None)
         try:
-            token = self.client.create_job(spec, import_dir=backup)
+            token = self.link.client.create_job(spec, import_dir=backup)
         except MuondError as e:
             if not deleted and e.code_name == "ALREADY_EXISTS":
                 _remove(backup)  # the delete was refused: the job is there as it was
-                return self.token, (refused.code, refused.message, refused.operation), False, \
+                return self.link.token, (refused.code, refused.message, refused.operation), False, \
                     False
             if backup is None:
                 raise MuondError(e.code, f"{refused.message}; re-creating the job (it had no "
                                  f"state yet) failed too: {e.message}", "load_state_dict")
             raise MuondError(
-                e.code, f"{refused.message}; restoring job '{self.job_id}' from its backup "
+                e.code, f"{refused.message}; restoring job '{self.link.job_id}' from its backup "
                 f"failed too ({e.code_name}: {e.message}), so this optimizer has no job (the "
                 "trainer's part of the state_dict was not loaded). The job's state from before "
                 f"load_state_dict() is kept in {backup}: re-create the job from it with "
@@ -317,6 +296,35 @@ class DaemonCheckpoints:
         _remove(backup)
         return token, (refused.code, f"{refused.message}; the job was restored to the state it "
                        "had before load_state_dict()", "load_state_dict"), True, backup is None
+
+
+def staged_torch_state(opt, state_dict):
+    """(state, param_groups) that torch.optim.Optimizer.load_state_dict makes of `state_dict`
+    (its checks, deep copy and casts), the optimizer `opt` left as it was. Raises ValueError as
+    torch does, and when a group's use_muon differs (the job's tensors are fixed)."""
+    saved = state_dict.get("param_groups")
+    if isinstance(saved, (list, tuple)) and len(saved) == len(opt.param_groups):
+        for i, (g, sg) in enumerate(zip(opt.param_groups, saved)):
+            if isinstance(sg, dict) and "use_muon" in sg and \
+                    bool(sg["use_muon"]) != bool(g["use_muon"]):
+                raise ValueError(f"loaded state dict's group {i} has use_muon="
+                                 f"{sg['use_muon']}, this optimizer's {g['use_muon']}")
+    kept = opt.__dict__["state"], opt.__dict__["param_groups"]
+    try:
+        # torch's own, which builds new objects; the old ones stay intact.
+        torch.optim.Optimizer.load_state_dict(opt, state_dict)
+        return opt.state, opt.param_groups
+    finally:
+        opt.state, opt.param_groups = kept
+
+
+def install_torch_state(opt, state, param_groups):
+    """What staged_torch_state made, installed. The group dicts are updated in place: the
+    optimizer's (group, param) pairs keep seeing the groups' hyperparameters."""
+    for group, loaded in zip(opt.param_groups, param_groups):
+        group.clear()
+        group.update(loaded)
+    opt.state = state
 
 
 def _private_dir(prefix):

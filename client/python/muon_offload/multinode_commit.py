@@ -2,9 +2,8 @@
 described in multinode.py): the agreement after every node prepared its step (failures and the
 hyperparameters, and the nodes' sums of squares for global clipping, with the recomputation it
 may call for), the commits and their own agreement (the commit window), and the rollback, abort
-and errors that follow a failure. A mixin of MultiNodeMuonWithAuxAdam: it uses its ranks,
-world_size, process_group, client, node_token, global_job_id, _routing, session, _node_step,
-_max_grad_norm and _clipped_steps.
+and errors that follow a failure. A collaborator of MultiNodeMuonWithAuxAdam: it receives the
+StepContext (optim_job.py) and the NodeJobLink (multinode_link.py) and max_grad_norm explicitly.
 """
 import math
 
@@ -12,8 +11,17 @@ from . import _native
 from ._native import CODES, MuondError
 
 
-class TwoPhaseSteps:
-    def _agree(self, step, error, hyper=None, node_sum=None):
+class TwoPhaseCommit:
+    """The agreement, commit and abort of each step over the nodes. ctx: the StepContext (ranks,
+    last_grad_norm); link: the NodeJobLink (client, node_token, routing, global_job_id,
+    session); max_grad_norm: global clipping in apply mode (0: off). clipped_steps: steps that
+    global clipping recomputed on every node."""
+
+    def __init__(self, ctx, link, max_grad_norm):
+        self.ctx, self.link, self.max_grad_norm = ctx, link, max_grad_norm
+        self.clipped_steps = 0
+
+    def agree(self, step, error, hyper=None, node_sum=None):
         """All ranks learn whether every node's step succeeded and (apply mode) whether every
         rank sent the same hyperparameters (`hyper`: group names, lrs, weight decays, divisor);
         on a failure or a disagreement anywhere each rank aborts its node's step and every rank
@@ -28,48 +36,49 @@ class TwoPhaseSteps:
             values = [float(v) for v in list(lrs) + list(wds) + [divisor]]
         compared = len(values)
         if node_sum is not None:  # each node's slot: its ranks' sum (>= 0), 0 from the others
-            values += [float(node_sum) if n == self._routing.node else 0.0
-                       for n in range(self._routing.nodes)]
+            values += [float(node_sum) if n == self.link.routing.node else 0.0
+                       for n in range(self.link.routing.nodes)]
         try:
-            any_failed, lows, highs = self.ranks.agree(failed, values)
-            if any_failed and self.world_size > 1:
+            any_failed, lows, highs = self.ctx.ranks.agree(failed, values)
+            if any_failed and self.ctx.world_size > 1:
                 errors = self._gather(None if error is None else (error.code, error.message))
                 q, (code, message) = next((q, e) for q, e in enumerate(errors) if e is not None)
-                error = MuondError(code, f"rank {q} (node {self._routing.node_of[q]}): "
+                error = MuondError(code, f"rank {q} (node {self.link.routing.node_of[q]}): "
                                    f"{message}", "step")
             elif not any_failed:
                 error = self._disagreement(names, lows[:compared], highs[:compared])
         except RuntimeError as e:
-            self._lost(step, e)
+            self.lost(step, e)
         if error is None:
             return sum(highs[compared:]) if node_sum is not None else None
         self._abort(step, error.message)
-        raise MuondError(error.code, f"global job '{self.global_job_id}' step {step} was "
+        raise MuondError(error.code, f"global job '{self.link.global_job_id}' step {step} was "
                          f"committed on no node: {error.message}", "step")
 
-    def _clip_globally(self, step, hyper, recv, total, node_sum, result):
+    def clip_globally(self, step, hyper, total, node_sum, result, rerun):
         """Global clipping over the nodes (apply mode, max_grad_norm): every node prepared the
         step with clip 1 and reported its raw sum of squares; `total` is their sum (the
         agreement's). When the norm it gives is within max_grad_norm the speculation was right;
         otherwise each node's local rank 0 drops its prepared step, and after a barrier every
         rank runs the step again with the global sum (the daemon then clips by it, with the
         coefficient of one node's clipping: max_grad_norm / (norm + 1e-6)). The gradients are
-        still in place; a node whose sum differs the second time fails the step everywhere."""
+        still in place (rerun() runs this rank's part of the step again and returns where its
+        results are); a node whose sum differs the second time fails the step everywhere."""
         divisor = float(hyper[3])
-        self.last_grad_norm = math.sqrt(total) / divisor
-        if self._max_grad_norm / (math.sqrt(total / (divisor * divisor)) + 1e-6) >= 1.0:
+        self.ctx.last_grad_norm = math.sqrt(total) / divisor
+        if self.max_grad_norm / (math.sqrt(total / (divisor * divisor)) + 1e-6) >= 1.0:
             return result
-        s, r = self.session, self._routing
+        s, r = self.link.session, self.link.routing
         if r.local_rank == 0:
             self._abort(step, "the global gradient norm calls for clipping: recomputed with it")
         try:
-            self.ranks.barrier()
+            self.ctx.ranks.barrier()
         except RuntimeError as e:
-            self._lost(step, e)
+            self.lost(step, e)
         error = None
         try:
             s.set_global_clip(2, total)
-            result = self._node_step(step, recv)
+            result = rerun()
             again = s.last_step_sum_sq()
             if again != node_sum:
                 error = MuondError(CODES["INVALID_ARGUMENT"],
@@ -80,15 +89,11 @@ class TwoPhaseSteps:
             error = e
         finally:
             s.set_global_clip(1)
-        self._agree(step, error, hyper)
-        self._clipped_steps += 1
+        self.agree(step, error, hyper)
+        self.clipped_steps += 1
         return result
 
-    def clipped_steps(self):
-        """Steps that global clipping recomputed on every node (apply mode, max_grad_norm)."""
-        return self._clipped_steps
-
-    def _commit_everywhere(self, step):
+    def commit_everywhere(self, step):
         """The commit window: each rank commits its node's step, then the ranks learn (one
         all-reduce) whether every commit succeeded. When one did not (its daemon died, or stopped
         and refused), each rank rolls its node back (RollbackStep: a node that committed gets the
@@ -97,15 +102,15 @@ class TwoPhaseSteps:
         state each node is in now. Each call waits at most 20 s for a daemon being restarted."""
         error = None
         try:
-            self._commit(step)
+            self.commit(step)
         except MuondError as e:
             error = e
         try:
-            if not self.ranks.count(error is not None):
+            if not self.ctx.ranks.count(error is not None):
                 return
             failures = self._gather(None if error is None else (error.code_name, error.message))
             q = next(q for q, f in enumerate(failures) if f is not None)
-            failed_node = self._routing.node_of[q]
+            failed_node = self.link.routing.node_of[q]
             cause = f"the commit failed on node {failed_node} (rank {q}: {failures[q][1]})"
             try:
                 self._rollback(step, cause)
@@ -114,10 +119,10 @@ class TwoPhaseSteps:
                 mine = f"{e.code_name}: {e.message}"
             states = self._gather(mine)
         except RuntimeError as e:
-            self._lost(step, e)
+            self.lost(step, e)
         nodes = {}
         for rank, state in enumerate(states):  # a node is back when any of its ranks got it back
-            node = self._routing.node_of[rank]
+            node = self.link.routing.node_of[rank]
             if node not in nodes or state is None:
                 nodes[node] = state
         back = [n for n in sorted(nodes) if nodes[n] is None]
@@ -128,21 +133,21 @@ class TwoPhaseSteps:
                 f"restart the daemon of node(s) {', '.join(map(str, lost))} if it stopped, then "
                 "load_checkpoint() (every node takes the newest step all of them saved)")
         raise MuondError(CODES["ABORTED"],
-                         f"global job '{self.global_job_id}' step {step} did not commit on every "
+                         f"global job '{self.link.global_job_id}' step {step} did not commit on every "
                          f"node: {cause}. Each node now: {where}. To continue: {todo}", "step")
 
     def _gather(self, value):
         """`value` of every rank, in rank order (an all_gather_object; this rank's alone when
         the world is one rank)."""
-        if self.world_size == 1:
+        if self.ctx.world_size == 1:
             return [value]
-        out = [None] * self.world_size
-        self.ranks.dist.all_gather_object(out, value, group=self.process_group)
+        out = [None] * self.ctx.world_size
+        self.ctx.ranks.dist.all_gather_object(out, value, group=self.ctx.ranks.group)
         return out
 
     def _rollback(self, step, reason):
-        _native.call("muond_step_rollback", self.client.handle,
-                     self._routing.node_job_id.encode(), self.node_token.encode(), int(step),
+        _native.call("muond_step_rollback", self.link.client.handle,
+                     self.link.routing.node_job_id.encode(), self.link.node_token.encode(), int(step),
                      reason[:1000].encode())
 
     @staticmethod
@@ -157,24 +162,24 @@ class TwoPhaseSteps:
                                   "step")
         return None
 
-    def _lost(self, step, cause):
+    def lost(self, step, cause):
         """A collective failed (a rank died, or the group broke): abort this node's step and
         raise the error every survivor raises."""
         self._abort(step, "a collective of the trainer's process group failed")
         raise MuondError(CODES["ABORTED"],
-                         f"global job '{self.global_job_id}' step {step} was committed on no "
+                         f"global job '{self.link.global_job_id}' step {step} was committed on no "
                          "node: a rank of the process group failed during the step (a collective "
                          "broke); restart the lost ranks or daemons and load_checkpoint()",
                          "step") from cause
 
     def _abort(self, step, reason):
         try:
-            _native.call("muond_step_abort", self.client.handle, self._routing.node_job_id.encode(),
-                         self.node_token.encode(), int(step), reason[:1000].encode())
+            _native.call("muond_step_abort", self.link.client.handle, self.link.routing.node_job_id.encode(),
+                         self.link.node_token.encode(), int(step), reason[:1000].encode())
         except MuondError:
             pass  # a dead daemon aborted the step by dying; a fenced job needs a load anyway
 
-    def _commit(self, step):
-        _native.call("muond_step_commit", self.client.handle, self._routing.node_job_id.encode(),
-                     self.node_token.encode(), int(step))
+    def commit(self, step):
+        _native.call("muond_step_commit", self.link.client.handle, self.link.routing.node_job_id.encode(),
+                     self.link.node_token.encode(), int(step))
 

@@ -1,6 +1,8 @@
 """MuonWithAuxAdam's delayed parameter update (delay=1, DESIGN.md 4d; the optimizer and its
-module comment are in optim.py): installing the step in flight when the next one comes, weight
-prediction, and drain(). A mixin of MuonWithAuxAdam: it works on the optimizer's own attributes.
+module comment are in optim.py): the step in flight, installed when the next one comes, weight
+prediction, and drain(). A collaborator of the optimizer: it receives the StepContext and JobLink
+(optim_job.py), the parameters prediction moves and its options; the mode step hands it each
+delayed step with the function that installs the step's results.
 """
 import torch
 
@@ -8,69 +10,85 @@ from ._native import MuondError
 
 
 class DelayedUpdates:
-    """The delay=1 half of MuonWithAuxAdam's step (see the module comment)."""
+    """delay: 1 runs delayed steps once warmup committed steps were taken (0: never); predict:
+    weight prediction. in_flight: the step sent and not yet installed (None: none); steps_taken:
+    committed steps (delay_warmup counts them); true: with a prediction installed, the
+    parameters without it (what the update applies to)."""
 
-    def _install_in_flight(self, draining=False):
-        """Delayed mode: waits for the step in flight and installs its results (a collective
-        with several ranks). A failed delayed step raises here, with nothing of it installed; its
-        step id is the next step's again. With predict, the parameters the next forward sees are
-        the installed ones plus the update just installed (the step in flight's expected
-        update); draining installs without it."""
-        if self._in_flight is None:
+    def __init__(self, ctx, link, delay, warmup, predict):
+        self.ctx, self.link = ctx, link
+        self.params = ()  # what prediction moves: the mode step's predicted_params
+        self.delay, self.warmup, self.predict = delay, warmup, predict
+        self.in_flight = None
+        self.steps_taken = 0
+        self.true = None
+        self._install = None
+
+    def due(self):
+        """Whether the next step is delayed (before knowing the transport: the stream stays
+        disarmed for it)."""
+        return bool(self.delay) and self.steps_taken >= self.warmup
+
+    def active(self):
+        """Whether this step is sent delayed (delay=1 after the warm-up, shared memory)."""
+        return self.delay == 1 and self.steps_taken >= self.warmup and \
+            self.link.require_session().is_shm
+
+    def sent(self, step, install):
+        """`step` went out whole; install(session) puts its results into the parameters."""
+        self.in_flight, self._install = step, install
+
+    def install_in_flight(self, draining=False):
+        """Waits for the step in flight and installs its results (a collective with several
+        ranks). A failed delayed step raises here, with nothing of it installed; its step id is
+        the next step's again. With predict, the parameters the next forward sees are the
+        installed ones plus the update just installed (the step in flight's expected update);
+        draining installs without it."""
+        if self.in_flight is None:
             if draining:
-                self._drop_prediction()
+                self.drop_prediction()
             return
-        step, self._in_flight = self._in_flight, None
+        step, self.in_flight = self.in_flight, None
+        session, ctx = self.link.session, self.ctx
         error = None
         try:
-            self.session.wait_parts(step)
+            session.wait_parts(step)
         except MuondError as e:
             error = e
         try:
-            self.ranks.raise_if_any_failed(error)
+            ctx.ranks.raise_if_any_failed(error)
         except MuondError:
-            self.step_id = step
+            ctx.step_id = step
             raise
-        if self.session.last_step_skipped:
+        if session.last_step_skipped:
             # Nothing to install: the parameters the step applied to stay (without prediction).
-            self.last_step_skipped = True
-            self._drop_prediction()
+            ctx.last_step_skipped = True
+            self.drop_prediction()
             return
-        predict = self.predict and not draining
-        params = self._predicted_params()
-        if self._true is not None:
-            for p, t in zip(params, self._true):
+        self._install_predicted(session, self.predict and not draining)
+
+    def _install_predicted(self, session, predict):
+        if self.true is not None:
+            for p, t in zip(self.params, self.true):
                 p.copy_(t)  # the parameters without the prediction, which the update applies to
         elif predict:
-            self._true = [p.detach().clone() for p in params]
-        if self.mode == "apply":
-            self.offload.pull_params(self.offload._pinned(
-                self.session.update_view(step, self.dtype), read_only=True))
-        else:
-            hyper, adam, adam_hyper = self._delayed_rest
-            self._install_muon(self.session.update_view(step, self.dtype), hyper=hyper)
-            self._adam_step(self._clipped(adam), adam_hyper)
+            self.true = [p.detach().clone() for p in self.params]
+        self._install(session)
         if not predict:
-            self._true = None
+            self.true = None
             return
-        for p, t in zip(params, self._true):
+        for p, t in zip(self.params, self.true):
             change = p - t  # this step's update, which the one in flight is expected to repeat
             t.copy_(p)
             p.add_(change)
 
-    def _predicted_params(self):
-        return [p for _, p in self._job_tensors] + \
-            ([p for _, p in self._adam] if self.mode == "update" else [])
-
     def drain(self):
-        """Delayed mode: installs the step in flight (no-op otherwise). state_dict(),
-        save_checkpoint(), load_checkpoint(), export() and close() call it, so that what they see
-        is a whole step. A collective with several ranks."""
+        """Installs the step in flight (no-op otherwise), without a prediction."""
         with torch.no_grad():
-            self._install_in_flight(draining=True)
+            self.install_in_flight(draining=True)
 
-    def _drop_prediction(self):
-        if self._true is not None:
-            for p, t in zip(self._predicted_params(), self._true):
+    def drop_prediction(self):
+        if self.true is not None:
+            for p, t in zip(self.params, self.true):
                 p.copy_(t)
-            self._true = None
+            self.true = None
