@@ -25,7 +25,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import muon_offload as mo  # noqa: E402
-from muon_offload.multinode_plan import NodeRouting  # noqa: E402
+from muon_offload.zero import job_partitions  # noqa: E402
+from muon_offload.multinode_plan import NodeRouting, ownership_plan  # noqa: E402
 from muon_offload.rank_group import RankGroup  # noqa: E402
 
 
@@ -57,8 +58,8 @@ def measure(rank, world, nodes, models, dtype, repeats, store, out):
     for name, shapes in models.items():
         spec = {"job_id": name, "world_size": world, "zero_stage": 2,
                 "matrices": [{"name": n, "shape": s, "dtype": dtype} for n, s in shapes]}
-        parts = mo.job_partitions(spec)
-        plan = mo.ownership_plan(spec, nodes)
+        parts = job_partitions(spec)
+        plan = ownership_plan(spec, nodes)
         r = NodeRouting(spec, parts, node_of, plan, rank)
         tdt = mo.client.TORCH_DTYPES[dtype]
         part = torch.ones(parts[rank].buffer_elements, dtype=tdt)

@@ -21,6 +21,9 @@ ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 
 import muon_offload as mo  # noqa: E402
+from muon_offload.client import layout_spans  # noqa: E402
+from muon_offload.multinode_plan import (ownership_pieces,  # noqa: E402
+                                         ownership_plan)
 from muon_offload import MuondError  # noqa: E402
 
 MUOND = None
@@ -235,16 +238,16 @@ class MultiNodeTest(unittest.TestCase):
                               ({"global_job_id": "g", "node": 0, "nodes": 1, "x": 1},
                                "multinode.x")):
             with self.assertRaises(MuondError) as e:
-                mo.layout_spans(dict(spec, multinode=block), 0)
+                layout_spans(dict(spec, multinode=block), 0)
             self.assertEqual(e.exception.code_name, "INVALID_ARGUMENT")
             self.assertIn(phrase, e.exception.message)
-        self.assertEqual(mo.layout_spans(dict(spec, multinode={"global_job_id": "g", "node": 1,
-                                                               "nodes": 2}), 0)[1], 96)
-        owner, flops, size = mo.ownership_plan(spec, 2)
+        self.assertEqual(layout_spans(dict(spec, multinode={"global_job_id": "g", "node": 1,
+                                                            "nodes": 2}), 0)[1], 96)
+        owner, flops, size = ownership_plan(spec, 2)
         self.assertEqual(owner, [1, 0])  # b (more FLOPs) first, on node 0
         self.assertEqual(size, [256.0, 128.0])
         with self.assertRaises(MuondError) as e:
-            mo.ownership_plan(spec, 3)
+            ownership_plan(spec, 3)
         self.assertIn("2 tensors for 3 nodes", e.exception.message)
         # An AdamW tensor larger than a node's share is split by rows: the pieces (tensor, rows,
         # node) cover it once, and muonctl plan prints them.
@@ -252,7 +255,7 @@ class MultiNodeTest(unittest.TestCase):
                "tensors": [{"name": f"w{i}", "shape": [512, 512], "group": "g"}
                            for i in range(4)]
                + [{"name": "embed", "shape": [20000, 256], "optimizer": "adamw", "group": "g"}]}
-        pieces = mo.ownership_pieces(big, 3)
+        pieces = ownership_pieces(big, 3)
         embed = [p for p in pieces if p[0] == 4]
         self.assertEqual([(p[1], p[2]) for p in embed], [(0, 6894), (6894, 13788), (13788, 20000)])
         self.assertEqual(sorted(p[3] for p in embed), [0, 1, 2])

@@ -174,7 +174,9 @@ def run_collectives(rank, world, tmp, lib):
     """zero.py's collectives on gloo for stage 2 and 3 layouts in float32 and bfloat16: the
     reduce-scatter gives each rank the rank-order sum of its partition, the all-gather puts every
     rank's partition back into whole tensors. Rank 0 writes collectives.json."""
-    import muon_offload as mo
+    from muon_offload.zero import (all_gather_partition_buffers, copy_into_buffer,
+                                   fill_world_buffer, job_partitions, reduce_scatter_partitions,
+                                   scatter_world_buffer)
     os.environ["MUOND_CLIENT_LIB"] = lib
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store-c", rank=rank,
                             world_size=world)
@@ -184,21 +186,21 @@ def run_collectives(rank, world, tmp, lib):
             for dtype in (torch.float32, torch.bfloat16):
                 tensors = h.model_tensors(dtype)
                 spec = h.job_spec("collectives", tensors, dtype, world, stage)
-                parts = mo.job_partitions(spec)
+                parts = job_partitions(spec)
                 size = parts[0].buffer_elements
                 per_rank = [h.gradients(tensors, 0, r, dtype) for r in range(world)]
                 want = h.summed(per_rank)
                 world_buffer = torch.zeros(world * size, dtype=dtype)
-                mo.fill_world_buffer(world_buffer, parts, per_rank[rank])
+                fill_world_buffer(world_buffer, parts, per_rank[rank])
                 mine = torch.full((size,), float("nan"), dtype=dtype)
-                mo.reduce_scatter_partitions(world_buffer, mine)
+                reduce_scatter_partitions(world_buffer, mine)
                 expect = torch.zeros(size, dtype=dtype)
-                mo.copy_into_buffer(expect, parts[rank], want)
+                copy_into_buffer(expect, parts[rank], want)
                 ok_sum = torch.equal(mine, expect)
                 gathered = torch.zeros(world * size, dtype=dtype)
-                mo.all_gather_partition_buffers(gathered, mine)
+                all_gather_partition_buffers(gathered, mine)
                 out = [torch.zeros_like(t) for t in want]
-                mo.scatter_world_buffer(gathered, parts, out)
+                scatter_world_buffer(gathered, parts, out)
                 ok_gather = all(torch.equal(a, b) for a, b in zip(out, want))
                 checks[f"stage{stage}-{h.mo.client.DTYPE_NAMES[dtype]}"] = ok_sum and ok_gather
         results = [None] * world

@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 import torch  # noqa: E402
 
 import muon_offload as mo  # noqa: E402
+from muon_offload.zero import (Partition, copy_from_buffer,  # noqa: E402
+                               copy_into_buffer)
 from muon_offload import MuondError, MuonWithAuxAdam  # noqa: E402
 
 MASTER_TOLERANCE = 1e-6  # relative (Frobenius) per tensor, fp32 masters
@@ -360,7 +362,7 @@ class SessionJob:
 
     def _partition(self, r):
         s = self.sessions[r]
-        return mo.Partition(r, s.spans, s.buffer_elements)
+        return Partition(r, s.spans, s.buffer_elements)
 
     def upload(self, ranks=None, float32=False, values=None):
         """Ranks `ranks` (default all) upload their spans of `values` (default: the initial
@@ -379,7 +381,7 @@ class SessionJob:
                 return
             dtype = torch.float32 if float32 else self.dtype
             buf = torch.zeros(s.buffer_elements, dtype=dtype)
-            mo.copy_into_buffer(buf, self._partition(r), values)
+            copy_into_buffer(buf, self._partition(r), values)
             if s.is_shm and not float32:
                 s.init_view(dtype)[:s.buffer_elements].copy_(buf)
                 s.init_params_in_place()
@@ -414,12 +416,12 @@ class SessionJob:
                 return
             part = self._partition(r)
             if s.is_shm:
-                mo.copy_into_buffer(s.gradient_view(self.step_id, self.dtype), part, grads)
+                copy_into_buffer(s.gradient_view(self.step_id, self.dtype), part, grads)
                 s.step_in_place(self.step_id)
                 new = s.update_view(self.step_id, self.dtype).clone()
             else:
                 buf = torch.zeros(s.buffer_elements, dtype=self.dtype)
-                mo.copy_into_buffer(buf, part, grads)
+                copy_into_buffer(buf, part, grads)
                 new = torch.full((s.buffer_elements,), float("nan"), dtype=self.dtype)
                 s.step_buffer(self.step_id, buf, new)
             out[r] = new
@@ -431,7 +433,7 @@ class SessionJob:
                     for m, o, t in out[r]:
                         self.params[m].view(-1)[o:o + t.numel()].copy_(t)
                 else:
-                    mo.copy_from_buffer(out[r], self._partition(r), self.params)
+                    copy_from_buffer(out[r], self._partition(r), self.params)
             self.step_id += 1
         return errors
 

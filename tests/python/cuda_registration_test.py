@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from muon_offload import ParameterOffload, Partition  # noqa: E402
+from muon_offload.apply_mode import ParameterOffload  # noqa: E402
+from muon_offload.zero import Partition  # noqa: E402
 from muon_offload.cuda_pinning import (CUDA_HOST_REGISTER_READ_ONLY,  # noqa: E402
                                        HostRegistrar, PinnedHostRanges)
 

@@ -27,6 +27,9 @@ EXAMPLE = os.path.join(ROOT, "client", "examples", "train_tiny_gpt.py")
 import torch  # noqa: E402
 
 import muon_offload as mo  # noqa: E402
+from muon_offload.client import layout_spans  # noqa: E402
+from muon_offload.zero import (copy_from_buffer, copy_into_buffer, job_partitions,  # noqa: E402
+                               stage12_spec)
 from muon_offload import MuondError, MuonWithAuxAdam  # noqa: E402
 
 torch.set_num_threads(1)
@@ -174,11 +177,11 @@ class PartitionTest(unittest.TestCase):
     """ZeRO partitions through the C ABI's layout functions."""
 
     def spec(self, world, stage):
-        return mo.stage12_spec("layout", {"a": torch.empty(48, 96), "b": torch.empty(96, 40),
+        return stage12_spec("layout", {"a": torch.empty(48, 96), "b": torch.empty(96, 40),
                                           "c": torch.empty(7, 9)}, world, stage)
 
     def test_stage2_partition_is_the_split_concatenation(self):
-        parts = mo.job_partitions(self.spec(3, 2))
+        parts = job_partitions(self.spec(3, 2))
         total = 48 * 96 + 96 * 40 + 63
         size = -(-total // 3)
         self.assertEqual([p.buffer_elements for p in parts], [size] * 3)
@@ -189,22 +192,138 @@ class PartitionTest(unittest.TestCase):
 
     def test_stage3_chunks_per_matrix_and_round_trip(self):
         tensors = [torch.randn(48, 96), torch.randn(96, 40), torch.randn(7, 9)]
-        parts = mo.job_partitions(self.spec(2, 3))
+        parts = job_partitions(self.spec(2, 3))
         self.assertEqual(parts[0].buffer_elements, 48 * 48 + 96 * 20 + 32)
         self.assertEqual(parts[1].spans[2], (2, 32, 31, 48 * 48 + 96 * 20))
         out = [torch.zeros_like(t) for t in tensors]
         for p in parts:
             buf = torch.full((p.buffer_elements,), float("nan"))
-            mo.copy_into_buffer(buf, p, tensors, scale=0.5)
-            mo.copy_from_buffer(buf, p, out)
+            copy_into_buffer(buf, p, tensors, scale=0.5)
+            copy_from_buffer(buf, p, out)
         for t, o in zip(tensors, out):
             self.assertTrue(torch.equal(t * 0.5, o))
 
     def test_bad_rank_is_an_error(self):
         with self.assertRaises(MuondError) as e:
-            mo.layout_spans(self.spec(2, 2), 2)
+            layout_spans(self.spec(2, 2), 2)
         self.assertEqual(e.exception.code_name, "INVALID_ARGUMENT")
         self.assertIn("outside the world size", e.exception.message)
+
+
+class PackageApiTest(unittest.TestCase):
+    """The package namespace is the user's API (__all__); the names it exported before resolve
+    from it for one release with a DeprecationWarning naming their module; the docstring lists
+    every module. No daemon."""
+
+    def test_all_names_resolve_without_warnings(self):
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for name in mo.__all__:
+                self.assertIsNotNone(getattr(mo, name), name)
+        self.assertIn("MuonWithAuxAdam", mo.__all__)
+        self.assertFalse(set(mo.__all__) & set(mo.DEPRECATED))
+
+    def test_deprecated_names_warn_and_are_the_same_objects(self):
+        import importlib
+        self.assertIn("copy_into_buffer", mo.DEPRECATED)
+        for name, module in mo.DEPRECATED.items():
+            self.assertNotIn(name, vars(mo), f"{name} is still in the package namespace")
+            with self.assertWarns(DeprecationWarning) as w:
+                got = getattr(mo, name)
+            self.assertIs(got, getattr(importlib.import_module(f"muon_offload.{module}"), name))
+            self.assertIn(f"muon_offload.{module}", str(w.warning))
+        with self.assertRaises(AttributeError):
+            mo.no_such_name  # noqa: B018
+
+    def test_docstring_lists_every_module(self):
+        import re
+        folder = os.path.dirname(mo.__file__)
+        modules = [n[:-3] for n in os.listdir(folder) if n.endswith(".py") and n != "__init__.py"]
+        self.assertGreater(len(modules), 20)
+        for m in modules:
+            self.assertRegex(mo.__doc__, rf"(?m)^\s+{re.escape(m)}\s", f"module {m}")
+
+
+class SpecBeforeIoTest(unittest.TestCase):
+    """MuonWithAuxAdam checks its arguments and builds its job spec before any I/O: a bad
+    argument is refused (ValueError) with no connection attempted, even to a daemon address that
+    does not exist; the spec is a pure function of the arguments. No daemon."""
+
+    ADDRESS = "unix:///nonexistent-muond-dir/muond.sock"
+
+    def setUp(self):
+        import muon_offload.optim_job as optim_job
+        self.optim_job = optim_job
+        self.real_client = optim_job.Client
+        self.connections = []
+
+        def client(address=None, *a, **kw):
+            self.connections.append(address)
+            return self.real_client(address, *a, **kw)
+        optim_job.Client = client
+
+    def tearDown(self):
+        self.optim_job.Client = self.real_client
+
+    def groups(self, muon=None, adam=None, param=None):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(8, 6)) if param is None else param
+        b = torch.nn.Parameter(torch.randn(8))
+        return [dict(params=[("w", w)], use_muon=True, **(muon or {})),
+                dict(params=[("b", b)], use_muon=False, **(adam or {}))]
+
+    def refused(self, groups, phrase, **kw):
+        for mode in ("update", "apply"):
+            with self.assertRaises(ValueError) as e:
+                MuonWithAuxAdam(groups, address=self.ADDRESS, mode=mode, **kw)
+            self.assertIn(phrase, str(e.exception), mode)
+        self.assertEqual(self.connections, [], "a connection was attempted")
+
+    def test_bad_arguments_are_refused_before_any_connection(self):
+        self.refused(self.groups(muon={"lr": -0.1}), "lr must be a finite number >= 0")
+        self.refused(self.groups(muon={"lr": float("nan")}), "lr must be")
+        self.refused(self.groups(muon={"lr": "fast"}), "lr must be")
+        self.refused(self.groups(adam={"weight_decay": -1}), "weight_decay must be")
+        self.refused(self.groups(adam={"betas": (0.9, 1.5)}), "betas must be two numbers")
+        self.refused(self.groups(adam={"betas": 0.9}), "betas must be two numbers")
+        self.refused(self.groups(adam={"eps": -1e-8}), "eps must be")
+        self.refused(self.groups(muon={"ns_method": "magic"}), "unknown ns_method")
+        self.refused(self.groups(muon={"mystery": 1}), "unknown hyperparameters")
+        self.refused(self.groups(param=torch.nn.Parameter(torch.randn(8))), "Muon takes 2-D")
+        self.refused(self.groups()[:1] + [dict(params=[torch.nn.Parameter(torch.ones(2))])],
+                     "needs 'use_muon'")
+        self.refused(self.groups(), "max_grad_norm must be", max_grad_norm=-1.0)
+        self.refused(self.groups(), "delay must be 0 or 1", delay=2)
+        self.refused(self.groups(), "fp32_iterations", fp32_iterations=9)
+        self.refused(self.groups(), "nonfinite must be", nonfinite="ignore")
+        self.refused(self.groups(), "token was given without the job_id", token="t")
+
+    def test_good_arguments_reach_the_daemon(self):
+        """The same arguments without the bad one get past the checks and the spec, and fail
+        where the I/O begins: connecting to the missing daemon."""
+        with self.assertRaises(MuondError) as e:
+            MuonWithAuxAdam(self.groups(), address=self.ADDRESS)
+        self.assertEqual(e.exception.code_name, "UNAVAILABLE", e.exception.message)
+        self.assertEqual(self.connections, [self.ADDRESS])
+
+    def test_plan_is_pure(self):
+        from muon_offload.optim_spec import OptimizerOptions, job_config, normalize_group, \
+            plan_job
+        groups = [normalize_group(g, i, False) for i, g in enumerate(self.groups(
+            muon={"lr": 0.05, "num_heads": 2}))]
+        names = {p: n for g in groups for n, p in zip(g["param_names"], g["params"])}
+        options = OptimizerOptions(max_grad_norm=1.0, address=self.ADDRESS)
+        config = job_config(groups, "muond", "float32")
+        muon = [(groups[0], groups[0]["params"][0])]
+        plan = plan_job(options, "pure", 1, 0, config, groups, names, muon)
+        self.assertEqual(plan.spec["matrices"], [{"name": "w", "shape": [8, 6],
+                                                  "dtype": "float32", "num_heads": 2}])
+        self.assertEqual(plan.spec["max_grad_norm"], 1.0)
+        self.assertEqual(plan.spec["muon"]["scale_mode"], "original")
+        self.assertEqual(plan.partitions[0].buffer_elements, 48)
+        self.assertEqual(plan.dtype, torch.float32)
+        self.assertEqual(self.connections, [])
 
 
 class DaemonCase(unittest.TestCase):

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 import torch  # noqa: E402
 
 import muon_offload as mo  # noqa: E402
+from muon_offload.zero import Partition, copy_into_buffer  # noqa: E402
 from muon_offload import MuondError  # noqa: E402
 
 
@@ -80,7 +81,7 @@ class Rank:
         self.client = mo.Client(address)
         self.session = self.client.attach(self.job, self.rank, token, takeover=True,
                                           transport=self.transport)
-        self.part = mo.Partition(self.rank, self.session.spans, self.session.buffer_elements)
+        self.part = Partition(self.rank, self.session.spans, self.session.buffer_elements)
         return {"ok": True, "next_step": self.session.next_step,
                 "shm": self.session.is_shm}
 
@@ -96,9 +97,9 @@ class Rank:
             buf.zero_()
             if die == "mid_write":
                 half = self.part.spans[:max(1, len(self.part.spans) // 2)]
-                mo.copy_into_buffer(buf, mo.Partition(self.rank, half, len(buf)), grads)
+                copy_into_buffer(buf, Partition(self.rank, half, len(buf)), grads)
                 _die()
-            mo.copy_into_buffer(buf, self.part, grads)
+            copy_into_buffer(buf, self.part, grads)
             if die == "before_push":
                 _die()
             if stall:
@@ -107,7 +108,7 @@ class Rank:
             out = s.update_view(t)
         else:
             buf = torch.zeros(s.buffer_elements, dtype=torch.float32)
-            mo.copy_into_buffer(buf, self.part, grads)
+            copy_into_buffer(buf, self.part, grads)
             out = torch.full((s.buffer_elements,), float("nan"), dtype=torch.float32)
             if die in ("mid_write", "before_push"):
                 _die()
