@@ -432,6 +432,57 @@ def print_state_bytes(report):
           flush=True)
 
 
+def print_header(opt, model, args, world, start, eps):
+    """Rank 0: what the job is, and the header of the per-step table."""
+    tensors = opt.spec.get("matrices") or opt.spec["tensors"]
+    what = (f"{len(tensors)} Muon matrices" if args.mode == "update" else
+            f"mode apply: all {len(tensors)} parameters "
+            f"({sum(t['optimizer'] == 'muon' for t in tensors)} Muon) in {args.param_dtype}, "
+            "masters and optimizer state in muond")
+    print(f"muond job '{opt.job_id}': {world} ranks, ZeRO stage {opt.zero_stage}, {what}, "
+          f"{'shared memory' if opt.session.is_shm else 'gRPC'}, "
+          f"rank 0 owns {opt.partition.buffer_elements} elements; starts at step {start}",
+          flush=True)
+    ref_name = "in-process" if args.mode == "update" else "reference"
+    print(f"{'step':>5} {'loss (muond)':>14} {'loss (' + ref_name + ')':>18} {'|diff|':>10}"
+          + (f" {'bound':>10}" if eps is not None else "")
+          + (f" {'max logit':>10}" if model.blocks[0].split_qk else ""), flush=True)
+
+
+def save_state(model, reference, opt, opt_ref, losses, ref_losses, step, args, rank):
+    """--save-at: this rank's training state after `step`, with a durable muond generation
+    (which opt.state_dict() refers to)."""
+    opt.save_checkpoint()
+    state = {"model": model.state_dict(), "reference": reference.state_dict(),
+             "optimizer": opt.state_dict(), "reference_optimizer": opt_ref.state_dict(),
+             "losses": losses, "ref_losses": ref_losses, "step": step + 1,
+             "job_id": opt.job_id, "token": opt.token}
+    os.makedirs(args.checkpoint, exist_ok=True)
+    torch.save(state, checkpoint_path(args.checkpoint, rank))
+    if rank == 0:
+        m = state["optimizer"]["muond"]
+        print(f"  checkpoint after step {step}: {args.checkpoint} (muond generation "
+              f"{m['generation']}, next step {m['next_step']})", flush=True)
+
+
+def print_timing(exposed, losses, ref_losses, args):
+    """Rank 0: the optimizer time each step exposed, and with --delay the loss at the end."""
+    print(f"optimizer time per step after backward: muond step() {exposed['muond'] * 1e3:.1f} "
+          f"ms exposed (gradients streamed during backward"
+          f"{', update delayed one step' if args.delay else ''}), in-process optimizer "
+          f"{exposed['in-process'] * 1e3:.1f} ms", flush=True)
+    if args.delay:
+        final, sync = end_loss(losses), end_loss(ref_losses)
+        what = ("synchronous in-process run" if args.mode == "update" else
+                "reference (apply mode: stepped with the trainer's delayed gradients, so "
+                "this compares the masters, not a synchronous run)")
+        print(f"loss at the end (mean of the last {min(END_STEPS, len(losses))} steps) with "
+              f"--delay 1{'' if args.no_predict else ' and prediction'}: {final:.6f}, "
+              f"{what}: {sync:.6f} ({abs(final - sync) / abs(sync) * 100:.2f}% apart; "
+              f"target 3%); last step alone: {losses[-1]:.6f} vs {ref_losses[-1]:.6f}",
+              flush=True)
+
+
 def run_rank(rank, world, args, store_path, result_path):
     torch.set_num_threads(1)  # two ranks and the daemon share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
@@ -461,19 +512,7 @@ def run_rank(rank, world, args, store_path, result_path):
             scheduler.last_epoch = start - 1
             scheduler.step()
     if rank == 0:
-        tensors = opt.spec.get("matrices") or opt.spec["tensors"]
-        what = (f"{len(tensors)} Muon matrices" if args.mode == "update" else
-                f"mode apply: all {len(tensors)} parameters "
-                f"({sum(t['optimizer'] == 'muon' for t in tensors)} Muon) in {args.param_dtype}, "
-                "masters and optimizer state in muond")
-        print(f"muond job '{opt.job_id}': {world} ranks, ZeRO stage {opt.zero_stage}, {what}, "
-              f"{'shared memory' if opt.session.is_shm else 'gRPC'}, "
-              f"rank 0 owns {opt.partition.buffer_elements} elements; starts at step {start}",
-              flush=True)
-        ref_name = "in-process" if args.mode == "update" else "reference"
-        print(f"{'step':>5} {'loss (muond)':>14} {'loss (' + ref_name + ')':>18} {'|diff|':>10}"
-              + (f" {'bound':>10}" if eps is not None else "")
-              + (f" {'max logit':>10}" if model.blocks[0].split_qk else ""), flush=True)
+        print_header(opt, model, args, world, start, eps)
     refusals = []
     t0 = time.time()
     for step in range(start, args.steps):
@@ -488,17 +527,7 @@ def run_rank(rank, world, args, store_path, result_path):
                   + (f" {bounds[-1]:>10.2e}" if eps is not None else "")
                   + (f" {MAX_LOGITS[-1]:>10.3f}" if MAX_LOGITS else ""), flush=True)
         if args.save_at is not None and step + 1 == args.save_at:
-            opt.save_checkpoint()  # a durable muond generation, which opt.state_dict() refers to
-            state = {"model": model.state_dict(), "reference": reference.state_dict(),
-                     "optimizer": opt.state_dict(), "reference_optimizer": opt_ref.state_dict(),
-                     "losses": losses, "ref_losses": ref_losses, "step": step + 1,
-                     "job_id": opt.job_id, "token": opt.token}
-            os.makedirs(args.checkpoint, exist_ok=True)
-            torch.save(state, checkpoint_path(args.checkpoint, rank))
-            if rank == 0:
-                m = state["optimizer"]["muond"]
-                print(f"  checkpoint after step {step}: {args.checkpoint} (muond generation "
-                      f"{m['generation']}, next step {m['next_step']})", flush=True)
+            save_state(model, reference, opt, opt_ref, losses, ref_losses, step, args, rank)
         if args.stop_after is not None and step + 1 == args.stop_after:
             break
     seconds = time.time() - t0
@@ -506,20 +535,7 @@ def run_rank(rank, world, args, store_path, result_path):
     timed = {k: v[1:] or v for k, v in STEP_SECONDS.items()}  # the first step sets things up
     exposed = {k: sum(v) / len(v) if v else 0.0 for k, v in timed.items()}
     if rank == 0 and losses:
-        print(f"optimizer time per step after backward: muond step() {exposed['muond'] * 1e3:.1f} "
-              f"ms exposed (gradients streamed during backward"
-              f"{', update delayed one step' if args.delay else ''}), in-process optimizer "
-              f"{exposed['in-process'] * 1e3:.1f} ms", flush=True)
-        if args.delay:
-            final, sync = end_loss(losses), end_loss(ref_losses)
-            what = ("synchronous in-process run" if args.mode == "update" else
-                    "reference (apply mode: stepped with the trainer's delayed gradients, so "
-                    "this compares the masters, not a synchronous run)")
-            print(f"loss at the end (mean of the last {min(END_STEPS, len(losses))} steps) with "
-                  f"--delay 1{'' if args.no_predict else ' and prediction'}: {final:.6f}, "
-                  f"{what}: {sync:.6f} ({abs(final - sync) / abs(sync) * 100:.2f}% apart; "
-                  f"target 3%); last step alone: {losses[-1]:.6f} vs {ref_losses[-1]:.6f}",
-                  flush=True)
+        print_timing(exposed, losses, ref_losses, args)
     report = state_bytes_report(opt, opt_ref, args, rank)
     if rank == 0:
         print_state_bytes(report)
