@@ -30,6 +30,64 @@ void Advance(Counter& counter, N now, N* seen) {
   *seen = now;
 }
 
+// The daemon-wide gauges read at each scrape; returns the shared-memory plane's usage (empty
+// without one).
+ShmServer::Usage SetDaemonGauges(DaemonFamilies& f, const JobRegistry& registry,
+                                 const ShmServer* shm, size_t job_count) {
+  f.jobs->Add({}).Set(static_cast<double>(job_count));
+  f.momentum->Add({}).Set(static_cast<double>(registry.momentum_bytes()));
+  f.queue_depth->Add({}).Set(static_cast<double>(registry.compute_queue_depth()));
+  ShmServer::Usage usage;
+  if (shm != nullptr) {
+    usage = shm->usage();
+    f.shm_sessions->Add({}).Set(static_cast<double>(usage.sessions));
+    f.pinned->Add({}).Set(static_cast<double>(usage.pinned_bytes));
+  } else {
+    f.shm_sessions->Add({}).Set(0);
+    f.pinned->Add({}).Set(0);
+  }
+  rlimit limit{};
+  if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0) {
+    f.memlock_limit->Add({}).Set(limit.rlim_cur == RLIM_INFINITY
+                                     ? std::numeric_limits<double>::infinity()
+                                     : static_cast<double>(limit.rlim_cur));
+  }
+  return usage;
+}
+
+// A job's gauges; returns how many of its ranks are attached.
+int SetJobGauges(DaemonFamilies& f, const JobReport& st) {
+  const Labels labels{{kMetricsJobLabel, st.spec.job_id}};
+  int attached = 0;
+  for (const RankReport& r : st.ranks) attached += r.attached ? 1 : 0;
+  f.job_world_size->Add(labels).Set(std::max(1, st.spec.world_size));
+  f.job_ranks_attached->Add(labels).Set(attached);
+  f.job_next_step->Add(labels).Set(static_cast<double>(st.next_step));
+  f.job_fenced->Add(labels).Set(st.fenced ? 1 : 0);
+  f.job_momentum->Add(labels).Set(static_cast<double>(st.momentum_bytes));
+  f.job_gather_budget->Add(labels).Set(static_cast<double>(st.gather_budget_bytes));
+  f.job_gather_peak->Add(labels).Set(static_cast<double>(st.gather_peak_bytes));
+  if (st.last_checkpoint_step) {
+    f.job_checkpoint_age->Add(labels).Set(
+        static_cast<double>(absl::ToUnixMillis(absl::Now()) - st.last_checkpoint_unix_ms) / 1000.0);
+  }
+  return attached;
+}
+
+// What the job holds and waits for (record/optimizer_metrics.h), with its sessions' regions.
+JobPressure PressureOf(const JobReport& st, const ShmServer::Usage& usage) {
+  JobPressure pressure;
+  pressure.matrices_waiting = st.matrices_waiting;
+  pressure.gather_in_use_bytes = st.gather_in_use_bytes;
+  pressure.momentum_bytes = st.pinned_momentum_bytes;
+  pressure.masters_bytes = st.pinned_masters_bytes;
+  pressure.moments_bytes = st.pinned_moments_bytes;
+  pressure.staging_bytes = st.pinned_staging_bytes;
+  const auto it = usage.pinned_bytes_by_job.find(st.spec.job_id);
+  if (it != usage.pinned_bytes_by_job.end()) pressure.session_region_bytes = it->second;
+  return pressure;
+}
+
 }  // namespace
 
 std::string CpuModelName() {
@@ -70,74 +128,42 @@ DaemonMetricsCollector::~DaemonMetricsCollector() {
 void DaemonMetricsCollector::Collect() {
   DaemonFamilies& f = DaemonMetricFamilies();
   const auto jobs = jobs_->List();
-  f.jobs->Add({}).Set(static_cast<double>(jobs.size()));
-  f.momentum->Add({}).Set(static_cast<double>(jobs_->momentum_bytes()));
-  f.queue_depth->Add({}).Set(static_cast<double>(jobs_->compute_queue_depth()));
-  ShmServer::Usage usage;
-  if (shm_ != nullptr) {
-    usage = shm_->usage();
-    f.shm_sessions->Add({}).Set(static_cast<double>(usage.sessions));
-    f.pinned->Add({}).Set(static_cast<double>(usage.pinned_bytes));
-  } else {
-    f.shm_sessions->Add({}).Set(0);
-    f.pinned->Add({}).Set(0);
-  }
-  rlimit limit{};
-  if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0) {
-    f.memlock_limit->Add({}).Set(limit.rlim_cur == RLIM_INFINITY
-                                     ? std::numeric_limits<double>::infinity()
-                                     : static_cast<double>(limit.rlim_cur));
-  }
+  const ShmServer::Usage usage = SetDaemonGauges(f, *jobs_, shm_, jobs.size());
 
   absl::MutexLock lock(&mu_);
   std::set<std::string> present;
   int64_t ranks_total = 0;
   for (const auto& job : jobs) {
     const JobReport st = job->Report();
-    const std::string& id = st.spec.job_id;
-    present.insert(id);
-    const Labels labels{{kMetricsJobLabel, id}};
-    int attached = 0;
-    for (const RankReport& r : st.ranks) attached += r.attached ? 1 : 0;
-    ranks_total += attached;
-    f.job_world_size->Add(labels).Set(std::max(1, st.spec.world_size));
-    f.job_ranks_attached->Add(labels).Set(attached);
-    f.job_next_step->Add(labels).Set(static_cast<double>(st.next_step));
-    f.job_fenced->Add(labels).Set(st.fenced ? 1 : 0);
-    f.job_momentum->Add(labels).Set(static_cast<double>(st.momentum_bytes));
-    f.job_gather_budget->Add(labels).Set(static_cast<double>(st.gather_budget_bytes));
-    f.job_gather_peak->Add(labels).Set(static_cast<double>(st.gather_peak_bytes));
-    if (st.last_checkpoint_step) {
-      f.job_checkpoint_age->Add(labels).Set(
-          static_cast<double>(absl::ToUnixMillis(absl::Now()) - st.last_checkpoint_unix_ms) /
-          1000.0);
-    }
-    Seen& seen = seen_[id];
-    if (st.spec.multinode.nodes > 0 && seen.multinode.empty()) {
-      seen.multinode = {{kMetricsJobLabel, id},
-                        {"global_job", st.spec.multinode.global_job_id},
-                        {"node", std::to_string(st.spec.multinode.node)}};
-      f.job_multinode->Add(seen.multinode).Set(1);
-    }
-    Advance(f.steps_completed->Add(labels), st.steps_completed, &seen.completed);
-    Advance(f.steps_refused->Add(labels), st.steps_refused, &seen.refused);
-    Advance(f.steps_skipped->Add(labels), st.steps_skipped, &seen.skipped);
-    Advance(f.steps_aborted->Add(labels), st.steps_aborted, &seen.aborted);
-    Advance(f.transport_copy->Add(labels), st.transport_copy_bytes, &seen.transport_copy_bytes);
-    JobPressure pressure;
-    pressure.matrices_waiting = st.matrices_waiting;
-    pressure.gather_in_use_bytes = st.gather_in_use_bytes;
-    pressure.momentum_bytes = st.pinned_momentum_bytes;
-    pressure.masters_bytes = st.pinned_masters_bytes;
-    pressure.moments_bytes = st.pinned_moments_bytes;
-    pressure.staging_bytes = st.pinned_staging_bytes;
-    if (auto it = usage.pinned_bytes_by_job.find(id); it != usage.pinned_bytes_by_job.end()) {
-      pressure.session_region_bytes = it->second;
-    }
-    SetJobPressure(id, pressure);
+    present.insert(st.spec.job_id);
+    ranks_total += SetJobGauges(f, st);
+    AdvanceJobCounters(f, st);
+    SetJobPressure(st.spec.job_id, PressureOf(st, usage));
   }
   RemoveJobsNotIn(present);
   f.ranks_attached->Add({}).Set(static_cast<double>(ranks_total));
+  RemoveGoneJobs(f, present);
+}
+
+void DaemonMetricsCollector::AdvanceJobCounters(DaemonFamilies& f, const JobReport& st) {
+  const std::string& id = st.spec.job_id;
+  const Labels labels{{kMetricsJobLabel, id}};
+  Seen& seen = seen_[id];
+  if (st.spec.multinode.nodes > 0 && seen.multinode.empty()) {
+    seen.multinode = {{kMetricsJobLabel, id},
+                      {"global_job", st.spec.multinode.global_job_id},
+                      {"node", std::to_string(st.spec.multinode.node)}};
+    f.job_multinode->Add(seen.multinode).Set(1);
+  }
+  Advance(f.steps_completed->Add(labels), st.steps_completed, &seen.completed);
+  Advance(f.steps_refused->Add(labels), st.steps_refused, &seen.refused);
+  Advance(f.steps_skipped->Add(labels), st.steps_skipped, &seen.skipped);
+  Advance(f.steps_aborted->Add(labels), st.steps_aborted, &seen.aborted);
+  Advance(f.transport_copy->Add(labels), st.transport_copy_bytes, &seen.transport_copy_bytes);
+}
+
+void DaemonMetricsCollector::RemoveGoneJobs(DaemonFamilies& f,
+                                            const std::set<std::string>& present) {
   // Jobs deleted since the last scrape: their series go.
   absl::MutexLock series_lock(&f.job_series_mu);
   std::set<std::string> gone;

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,6 +23,7 @@ namespace muond::server {
 
 class JobRegistry;
 class ShmServer;
+struct JobReport;
 
 // What the daemon runs on, for muond_build_info and muond_device_info.
 struct DaemonInfo {
@@ -65,6 +67,14 @@ class DaemonMetricsCollector {
     uint64_t transport_copy_bytes = 0;
     common::Labels multinode;  // the series of muond_job_multinode_info, if any
   };
+
+  // The job's step counters advanced by their change since the last scrape, and its multi-node
+  // series set once.
+  void AdvanceJobCounters(DaemonFamilies& f, const JobReport& st)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the series of the jobs not `present` (deleted since the last scrape).
+  void RemoveGoneJobs(DaemonFamilies& f, const std::set<std::string>& present)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const JobRegistry* const jobs_;
   const ShmServer* const shm_;
