@@ -168,6 +168,9 @@ class ShmServer {
   absl::StatusOr<Job::SharedPart> PartSpans(const ShmSession& session,
                                             const common::shm::Submission& sub,
                                             const std::string& where) const;
+  // Takes a part of a step in `part`; false when it was refused (its completion posted).
+  bool TakePart(const std::shared_ptr<ShmSession>& session, const common::shm::Submission& sub,
+                const std::string& where, Job::SharedPart* part);
   void SubmitStep(const std::shared_ptr<ShmSession>& session, const common::shm::Submission& sub,
                   const std::string& where);
   void SubmitInitParams(const std::shared_ptr<ShmSession>& session, uint64_t seq,
