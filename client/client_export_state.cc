@@ -126,7 +126,55 @@ absl::Status MakeDirs(const std::string& dir, std::vector<std::string>* made) {
   }
 }
 
+// An export never replaces files: EEXIST when its payload or manifest is already there.
+absl::Status RefuseExisting(const StateExportFiles& files) {
+  for (const std::string& p : {files.payload, files.manifest}) {
+    struct stat st;
+    if (::lstat(p.c_str(), &st) == 0) {
+      errno = EEXIST;
+      return Errno(p, "export");
+    }
+  }
+  return absl::OkStatus();
+}
 
+// The manifest of an export as its header describes it (the job's part, mode, step and
+// generation; its arrays, laid out in the payload; apply mode: each tensor's step).
+void DescribeExport(const common::JobSpec& spec, const v1::ExportStateHeader& h, se::Manifest* m) {
+  if (spec.two_phase()) {
+    m->global_job_id = spec.multinode.global_job_id;
+    m->node = spec.multinode.node;
+    m->nodes = spec.multinode.nodes;
+  }
+  m->mode = spec.mode;
+  m->step = h.step();
+  m->generation = h.generation();
+  for (const v1::StateArray& sa : h.arrays()) {
+    const common::MatrixSpec& t = spec.matrices[sa.tensor()];
+    se::Array a{sa.name(), t.name, std::vector<int64_t>(sa.shape().begin(), sa.shape().end())};
+    a.row_offset = t.row_offset;
+    a.full_rows = t.full_rows;
+    m->arrays.push_back(std::move(a));
+  }
+  if (m->mode == common::JobMode::kApply) {
+    for (size_t t = 0; t < spec.matrices.size(); ++t) {
+      m->tensor_steps[spec.matrices[t].name] = h.tensor_steps(static_cast<int>(t));
+    }
+  }
+  se::LayOut(m);
+}
+
+// Writes the manifest `m` of job `job_id` durably into `dir` (open as `dir_fd`).
+absl::Status WriteManifest(const std::string& dir, int dir_fd, const std::string& job_id,
+                           const se::Manifest& m) {
+  NewFile manifest(dir, absl::StrCat(job_id, se::kManifestSuffix));
+  const std::string text = se::ManifestToJson(m);
+  absl::Status s = manifest.Create(dir_fd);
+  if (s.ok()) s = manifest.Write(text, 0);
+  if (s.ok()) s = manifest.Publish();
+  if (s.ok() && ::fsync(dir_fd) != 0) s = Errno(dir, "fsync");
+  return s;
+}
 
 }  // namespace
 
@@ -220,13 +268,7 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
   StateExportFiles files;
   files.payload = absl::StrCat(dir, "/", job_id, se::kPayloadSuffix);
   files.manifest = absl::StrCat(dir, "/", job_id, se::kManifestSuffix);
-  for (const std::string& p : {files.payload, files.manifest}) {
-    struct stat st;
-    if (::lstat(p.c_str(), &st) == 0) {
-      errno = EEXIST;
-      return Errno(p, "export");  // before the daemon streams anything
-    }
-  }
+  RETURN_IF_ERROR(RefuseExisting(files));  // before the daemon streams anything
   se::Manifest m;
   m.job_id = job_id;
   m.payload = absl::StrCat(job_id, se::kPayloadSuffix);
@@ -240,28 +282,8 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
   size_t tensors = 0;
   ExportStateSink sink;
   sink.header = [&](const common::JobSpec& spec, const v1::ExportStateHeader& h) -> absl::Status {
-    if (spec.two_phase()) {
-      m.global_job_id = spec.multinode.global_job_id;
-      m.node = spec.multinode.node;
-      m.nodes = spec.multinode.nodes;
-    }
     tensors = spec.matrices.size();
-    m.mode = spec.mode;
-    m.step = h.step();
-    m.generation = h.generation();
-    for (const v1::StateArray& sa : h.arrays()) {
-      const common::MatrixSpec& t = spec.matrices[sa.tensor()];
-      se::Array a{sa.name(), t.name, std::vector<int64_t>(sa.shape().begin(), sa.shape().end())};
-      a.row_offset = t.row_offset;
-      a.full_rows = t.full_rows;
-      m.arrays.push_back(std::move(a));
-    }
-    if (m.mode == common::JobMode::kApply) {
-      for (size_t t = 0; t < spec.matrices.size(); ++t) {
-        m.tensor_steps[spec.matrices[t].name] = h.tensor_steps(static_cast<int>(t));
-      }
-    }
-    se::LayOut(&m);
+    DescribeExport(spec, h, &m);
     const std::string header = se::PayloadHeader(m);
     header_bytes = header.size();
     RETURN_IF_ERROR(MakeDirs(dir, &made));
@@ -278,12 +300,7 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
   if (s.ok()) s = payload.Publish();
   if (s.ok()) {
     // The manifest last: its presence says the export is complete.
-    NewFile manifest(dir, absl::StrCat(job_id, se::kManifestSuffix));
-    const std::string text = se::ManifestToJson(m);
-    s = manifest.Create(dir_fd);
-    if (s.ok()) s = manifest.Write(text, 0);
-    if (s.ok()) s = manifest.Publish();
-    if (s.ok() && ::fsync(dir_fd) != 0) s = Errno(dir, "fsync");
+    s = WriteManifest(dir, dir_fd, job_id, m);
     if (!s.ok()) ::unlinkat(dir_fd, m.payload.c_str(), 0);
   }
   if (!s.ok()) {

@@ -1,9 +1,9 @@
-// Attaching a rank (Client::Attach) and the RankSession: its steps over shared memory or gRPC.
+// Attaching a rank (Client::Attach) and the RankSession: its life (detach, the session watch) and
+// its transport-neutral steps (Step, StepBuffer, StepTensors), which run over shared memory
+// (client_session_shm.cc) or gRPC (client_session_grpc.cc).
 #include <grpcpp/grpcpp.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstring>
 #include <map>
 #include <thread>
@@ -13,7 +13,6 @@
 #include "client/daemon_call.h"
 #include "client/shm_channel.h"
 #include "client/span_placement.h"
-#include "common/crc32c.h"
 #include "common/grpc_status.h"
 #include "common/job_spec_proto.h"
 #include "common/status_macros.h"
@@ -22,120 +21,6 @@ namespace muond::client {
 namespace {
 
 using common::FromGrpcStatus;
-
-using StepStream = grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>;
-
-// Writes `req` (holding the StepBegin), then the gradient spans in chunks of at most kChunkBytes
-// with a CRC32C each, then the StepEnd. Stops at the first failed write: the stream's status then
-// says why.
-void WriteGradients(StepStream* stream, const common::JobSpec& spec,
-                    const std::vector<GradientSpan>& grads, v1::StepRequest* req,
-                    double outside_sum_sq) {
-  bool open = stream->Write(*req);
-  for (size_t i = 0; open && i < grads.size(); ++i) {
-    const GradientSpan& g = grads[i];
-    const size_t esize = common::DTypeSize(spec.matrices[g.matrix].dtype);
-    const size_t per_chunk = kChunkBytes / esize;  // elements
-    const char* base = static_cast<const char*>(g.data);
-    for (uint64_t at = 0; open && at < g.length; at += per_chunk) {
-      const uint64_t n = std::min<uint64_t>(per_chunk, g.length - at);
-      v1::DataChunk* c = req->mutable_gradient();
-      c->set_matrix_index(g.matrix);
-      c->set_element_offset(g.offset + at);
-      c->set_data(base + at * esize, n * esize);
-      c->set_crc32c(common::Crc32c(base + at * esize, n * esize));
-      open = stream->Write(*req);
-    }
-  }
-  if (open) {
-    req->mutable_end()->set_outside_sum_sq(outside_sum_sq);
-    open = stream->Write(*req);
-  }
-  stream->WritesDone();
-}
-
-// Places the update chunks of a gRPC step in the caller's update spans, where every byte must be
-// covered exactly once, and keeps the StepDone. After the first bad chunk the others are read and
-// dropped (the stream is drained to learn the daemon's status).
-class UpdateAssembler {
- public:
-  UpdateAssembler(const common::JobSpec& spec, const std::vector<UpdateSpan>& updates)
-      : spec_(spec), updates_(updates), received_(updates.size(), 0) {}
-
-  void Add(const v1::StepResponse& resp) {
-    if (resp.kind_case() == v1::StepResponse::kDone) {
-      result_.step = resp.done().step();
-      result_.replayed = resp.done().replayed();
-      result_.skipped = resp.done().skipped();
-      result_.compute_seconds = resp.done().compute_seconds();
-      result_.grad_sum_sq = resp.done().grad_sum_sq();
-      result_.bytes_in = resp.done().bytes_in();
-      result_.bytes_out = resp.done().bytes_out();
-      done_ = true;
-      return;
-    }
-    if (!bad_.ok() || resp.kind_case() != v1::StepResponse::kUpdate) return;
-    bad_ = Place(resp.update());
-  }
-
-  // The step's result once the stream finished OK: the first bad chunk's error, INTERNAL without
-  // a StepDone or when an update span was not filled.
-  absl::StatusOr<StepResult> Result(int64_t step) const {
-    RETURN_IF_ERROR(bad_);
-    if (!done_) {
-      return absl::InternalError(absl::StrCat("step ", step, ": stream ended without StepDone"));
-    }
-    // A skipped step sends no update: the caller's buffers are left as they were.
-    for (size_t i = 0; i < updates_.size() && !result_.skipped; ++i) {
-      if (received_[i] != updates_[i].length) {
-        return absl::InternalError(absl::StrCat(
-            "step ", step, ": update of matrix '", spec_.matrices[updates_[i].matrix].name,
-            "' incomplete: ", received_[i], " of ", updates_[i].length, " elements"));
-      }
-    }
-    return result_;
-  }
-
- private:
-  absl::Status Place(const v1::DataChunk& c) {
-    if (c.matrix_index() >= spec_.matrices.size()) {
-      return absl::DataLossError(
-          absl::StrCat("update chunk for unknown matrix ", c.matrix_index()));
-    }
-    const common::MatrixSpec& ms = spec_.matrices[c.matrix_index()];
-    if (common::Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
-      return absl::DataLossError(absl::StrCat("update chunk of matrix '", ms.name, "' at element ",
-                                              c.element_offset(), ": CRC32C mismatch"));
-    }
-    const size_t esize = common::DTypeSize(OutputDType(spec_, ms));
-    if (c.data().size() % esize != 0) {
-      return absl::DataLossError(absl::StrCat("update chunk of matrix '", ms.name, "' at element ",
-                                              c.element_offset(), ": ", c.data().size(),
-                                              " bytes is not a whole number of elements"));
-    }
-    const uint64_t n = c.data().size() / esize;
-    for (size_t i = 0; i < updates_.size(); ++i) {
-      const UpdateSpan& u = updates_[i];
-      if (u.matrix == c.matrix_index() && c.element_offset() >= u.offset &&
-          c.element_offset() + n <= u.offset + u.length) {
-        std::memcpy(static_cast<char*>(u.data) + (c.element_offset() - u.offset) * esize,
-                    c.data().data(), n * esize);
-        received_[i] += n;
-        return absl::OkStatus();
-      }
-    }
-    return absl::InternalError(absl::StrCat("update chunk of matrix '", ms.name, "' elements [",
-                                            c.element_offset(), ", ", c.element_offset() + n,
-                                            ") matches no update span"));
-  }
-
-  const common::JobSpec& spec_;
-  const std::vector<UpdateSpan>& updates_;
-  std::vector<uint64_t> received_;  // elements, per update span
-  absl::Status bad_;
-  StepResult result_;
-  bool done_ = false;
-};
 
 // INVALID_ARGUMENT naming the matrix when `g` does not have the shape, dtype and size of the
 // whole matrix `ms`.
@@ -288,64 +173,6 @@ absl::Status RankSession::Detach() {
   return s;
 }
 
-absl::StatusOr<RankSession::View> RankSession::GradientView(int64_t step) {
-  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
-  if (step < 0) return absl::InvalidArgumentError("negative step");
-  return View{shm_->GradientBuffer(step), shm_->buffer_bytes()};
-}
-
-absl::StatusOr<RankSession::View> RankSession::UpdateView(int64_t step) {
-  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
-  if (step < 0) return absl::InvalidArgumentError("negative step");
-  return View{const_cast<char*>(shm_->UpdateBuffer(step)), shm_->buffer_bytes()};
-}
-
-namespace {
-
-// A shared-memory step's outcome (its whole buffer went in, its update came out).
-absl::StatusOr<StepResult> SharedResult(const absl::StatusOr<ShmChannel::Ringing>& r,
-                                        int64_t step, uint64_t buffer_bytes) {
-  if (!r.ok()) return Annotate(r.status(), absl::StrCat("step ", step));
-  StepResult result;
-  result.step = r->step;
-  result.replayed = r->replayed;
-  result.skipped = r->skipped;
-  result.compute_seconds = r->seconds;
-  result.grad_sum_sq = r->grad_sum_sq;
-  result.bytes_in = buffer_bytes;
-  result.bytes_out = r->skipped ? 0 : buffer_bytes;
-  return result;
-}
-
-}  // namespace
-
-absl::StatusOr<StepResult> RankSession::StepInPlace(int64_t step) {
-  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
-  RETURN_IF_ERROR(CheckStepHyper(step));
-  if (apply() && step >= 0) RETURN_IF_ERROR(WriteSharedHyper(step));  // Ring refuses step < 0
-  if (step >= 0) RETURN_IF_ERROR(WriteSharedOutsideSumSq(step));
-  return SharedResult(shm_->Ring(step), step, shm_->buffer_bytes());
-}
-
-absl::Status RankSession::PostPart(int64_t step, uint64_t byte_offset, uint64_t bytes,
-                                   bool last) {
-  if (shm_ == nullptr) {
-    return absl::FailedPreconditionError(
-        "steps in parts are a shared-memory feature; over gRPC the step stream sends the "
-        "gradients chunk by chunk (StepBuffer, Step)");
-  }
-  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("step ", step, " is negative"));
-  if (parts_step_ != step) {  // the first part: the daemon reads the hyperparameters with it
-    RETURN_IF_ERROR(CheckStepHyper(step));
-    if (apply()) RETURN_IF_ERROR(WriteSharedHyper(step));
-  }
-  if (last) RETURN_IF_ERROR(WriteSharedOutsideSumSq(step));  // read with the last part
-  absl::Status posted = shm_->Post(step, byte_offset, bytes, last);
-  if (!posted.ok()) return Annotate(posted, absl::StrCat("step ", step));
-  parts_step_ = last ? -1 : step;
-  return absl::OkStatus();
-}
-
 absl::Status RankSession::SetOutsideSumSq(double sum_sq) {
   if (!spec_.clips_outside_share()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -361,133 +188,6 @@ absl::Status RankSession::SetOutsideSumSq(double sum_sq) {
   }
   outside_sum_sq_ = sum_sq;
   return absl::OkStatus();
-}
-
-absl::Status RankSession::WriteSharedOutsideSumSq(int64_t step) {
-  if (!spec_.clips_outside_share()) return absl::OkStatus();
-  const uint64_t at = shm_->hyper_byte_offset();
-  const uint64_t size = shm_->buffer_bytes();
-  bool fits = at % alignof(double) == 0 && at <= size &&
-              common::shm::kOutsideSumSqBytes <= size - at;
-  for (const ShmSpan& r : shm_->spans()) {
-    const uint64_t begin = r.byte_offset;
-    const uint64_t end = begin + r.length * common::DTypeSize(spec_.matrices[r.matrix].dtype);
-    if (at < end && begin < at + common::shm::kOutsideSumSqBytes) fits = false;
-  }
-  if (!fits) {
-    return absl::InternalError(absl::StrCat(
-        "the daemon's shared-memory layout has no room for the step's outside sum of squares "
-        "(8 bytes at byte ", at, " of a ", size, "-byte gradient buffer, clear of the gradients)"));
-  }
-  std::memcpy(shm_->GradientBuffer(step) + at, &outside_sum_sq_, sizeof(double));
-  return absl::OkStatus();
-}
-
-absl::StatusOr<StepResult> RankSession::WaitParts(int64_t step) {
-  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
-  return SharedResult(shm_->WaitStep(step), step, shm_->buffer_bytes());
-}
-
-absl::Status RankSession::PartsProgress(int64_t step, double timeout_seconds,
-                                        std::vector<bool>* ready, bool* ended) {
-  if (shm_ == nullptr) return absl::FailedPreconditionError("not a shared-memory session");
-  const int timeout_ms =
-      timeout_seconds < 0 ? -1 : static_cast<int>(std::min(timeout_seconds, 3600.0) * 1e3);
-  RETURN_IF_ERROR(shm_->WaitProgress(timeout_ms));
-  *ended = shm_->StepEnded(step);
-  ready->resize(shm_->spans().size());
-  for (size_t i = 0; i < ready->size(); ++i) (*ready)[i] = shm_->SpanReady(i, step);
-  if (*ended) {
-    absl::Status outcome = shm_->StepOutcome(step);
-    if (!outcome.ok()) return Annotate(outcome, absl::StrCat("step ", step));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<StepResult> RankSession::StepShared(int64_t step,
-                                                   const std::vector<GradientSpan>& grads,
-                                                   const std::vector<UpdateSpan>& updates) {
-  // Place every gradient span in the region; together they must cover the rank's spans exactly,
-  // since the daemon reads the whole buffer.
-  ASSIGN_OR_RETURN(View in, GradientView(step));
-  const auto& regions = shm_->spans();
-  std::vector<uint64_t> covered(regions.size(), 0);
-  for (const GradientSpan& g : grads) {
-    ASSIGN_OR_RETURN(const BufferPlace place,
-                     PlaceInBuffer(regions, spec_, g.matrix, g.offset, g.length, "gradient",
-                                   BufferLayout::kGradients));
-    std::memcpy(in.data + place.byte_offset, g.data, place.bytes);
-    covered[place.region] += g.length;
-  }
-  for (size_t i = 0; i < regions.size(); ++i) {
-    if (covered[i] != regions[i].length) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "matrix '", spec_.matrices[regions[i].matrix].name, "': the gradient spans cover ",
-          covered[i], " of the rank's ", regions[i].length, " elements at element ",
-          regions[i].offset));
-    }
-  }
-  // Check the update spans before the step: a step that ran cannot be taken back.
-  const BufferLayout out_layout = apply() ? BufferLayout::kParameters : BufferLayout::kGradients;
-  std::vector<BufferPlace> out_places;
-  for (const UpdateSpan& u : updates) {
-    ASSIGN_OR_RETURN(const BufferPlace place, PlaceInBuffer(regions, spec_, u.matrix, u.offset,
-                                                            u.length, "update", out_layout));
-    if (place.byte_offset + place.bytes > shm_->buffer_bytes()) {
-      return absl::InternalError(absl::StrCat(
-          "the daemon's shared-memory layout puts the update of matrix '",
-          spec_.matrices[u.matrix].name, "' past the end of its ", shm_->buffer_bytes(),
-          "-byte buffer"));
-    }
-    out_places.push_back(place);
-  }
-  ASSIGN_OR_RETURN(StepResult result, StepInPlace(step));
-  const char* out = shm_->UpdateBuffer(step);
-  for (size_t i = 0; i < updates.size(); ++i) {
-    const UpdateSpan& u = updates[i];
-    const BufferPlace& place = out_places[i];
-    std::memcpy(u.data, out + place.byte_offset, place.bytes);
-  }
-  return result;
-}
-
-absl::StatusOr<StepResult> RankSession::StepOverGrpc(int64_t step,
-                                                     const std::vector<GradientSpan>& grads,
-                                                     const std::vector<UpdateSpan>& updates) {
-  grpc::ClientContext ctx;
-  SetToken(&ctx, token_);
-  SetStreamJob(&ctx, spec_.job_id);
-  std::unique_ptr<StepStream> stream = stub_->Step(&ctx);
-  v1::StepRequest req;
-  v1::StepBegin* begin = req.mutable_begin();
-  begin->set_job_id(spec_.job_id);
-  begin->set_rank(rank_);
-  begin->set_session_id(session_id_);
-  begin->set_step(step);
-  if (hyper_) {
-    for (size_t g = 0; g < spec_.groups.size(); ++g) {
-      v1::GroupHyper* h = begin->add_hyper();
-      h->set_group(spec_.groups[g].name);
-      h->set_lr(hyper_->lr[g]);
-      h->set_weight_decay(hyper_->weight_decay[g]);
-    }
-    begin->set_grad_divisor(hyper_->grad_divisor);
-    if (global_clip_mode_ != 0) {
-      begin->mutable_global_clip()->set_speculate(global_clip_mode_ == 1);
-      begin->mutable_global_clip()->set_sum_sq(global_sum_sq_);
-    }
-  }
-  for (uint32_t t = 0; t < absent_.size(); ++t) {
-    if (absent_[t] != 0) begin->add_absent_tensors(t);
-  }
-  for (float v : max_logits_) begin->add_max_logits(v);
-  WriteGradients(stream.get(), spec_, grads, &req,
-                 spec_.clips_outside_share() ? outside_sum_sq_ : 0);
-  UpdateAssembler assembler(spec_, updates);
-  v1::StepResponse resp;
-  while (stream->Read(&resp)) assembler.Add(resp);
-  RETURN_IF_ERROR(Annotate(FromGrpcStatus(stream->Finish()), absl::StrCat("step ", step)));
-  return assembler.Result(step);
 }
 
 absl::StatusOr<StepResult> RankSession::Step(int64_t step, const std::vector<GradientSpan>& grads,

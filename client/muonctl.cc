@@ -147,12 +147,8 @@ void PrintApplyStatus(const v1::JobStatus& st, const common::JobSpec& spec) {
               static_cast<unsigned long long>(st.clip_redo_steps()));
 }
 
-void PrintStatus(const v1::JobStatus& st) {
-  const v1::JobSpec& spec = st.spec();
-  std::printf("job: %s\nbackend: %s\n", spec.job_id().c_str(), st.backend().c_str());
-  if (!st.cpu_math().empty()) std::printf("cpu_isa: %s\n", st.cpu_math().c_str());
-  std::printf("world_size: %d\n", spec.world_size());
-  auto spec_or = common::JobSpecFromProto(spec);
+// How the job's matrices are split between its ranks, in words ("" when the spec is not valid).
+std::string LayoutText(const v1::JobSpec& spec, const absl::StatusOr<common::JobSpec>& spec_or) {
   std::string layout;
   if (spec.layout_size() > 0) {
     layout = "explicit";
@@ -165,6 +161,16 @@ void PrintStatus(const v1::JobStatus& st) {
                                                  : absl::StrCat(common::RankBufferElements(*spec_or, 0),
                                                                 " elements per rank"));
   }
+  return layout;
+}
+
+// Where the job runs: its backend, world, layout and multi-node part.
+void PrintPlacement(const v1::JobStatus& st, const absl::StatusOr<common::JobSpec>& spec_or) {
+  const v1::JobSpec& spec = st.spec();
+  std::printf("job: %s\nbackend: %s\n", spec.job_id().c_str(), st.backend().c_str());
+  if (!st.cpu_math().empty()) std::printf("cpu_isa: %s\n", st.cpu_math().c_str());
+  std::printf("world_size: %d\n", spec.world_size());
+  const std::string layout = LayoutText(spec, spec_or);
   std::printf("zero_stage: %d\nlayout: %s\n", spec.zero_stage(), layout.c_str());
   if (spec.has_multinode()) {  // DESIGN.md 4c: this node's part of a multi-node job
     std::printf("global_job: %s\nnode: %d of %d (steps two-phase)\n",
@@ -174,6 +180,10 @@ void PrintStatus(const v1::JobStatus& st) {
       std::printf("step_prepared: %lld\n", static_cast<long long>(st.step_prepared()));
     }
   }
+}
+
+// Who owns the job and how its steps, memory and checkpoints stand.
+void PrintProgress(const v1::JobStatus& st) {
   std::printf("owner: %s\n", st.owner().empty() ? "unknown" : st.owner().c_str());
   std::printf("step_timeout_seconds: %d\n", st.step_timeout_seconds());
   std::printf("next_step: %lld\n", static_cast<long long>(st.next_step()));
@@ -200,34 +210,41 @@ void PrintStatus(const v1::JobStatus& st) {
               st.spec().checkpoint_keep(),
               st.has_last_checkpoint_step() ? std::to_string(st.last_checkpoint_step()).c_str()
                                             : "none");
-  if (spec_or.ok()) {
-    const common::MuonConfig& m = spec_or->muon;
-    const std::string fp32_iterations =
-        m.fp32_iterations == 0 ? "" : absl::StrCat(" fp32_iterations=", m.fp32_iterations);
-    std::printf("muon: momentum=%g nesterov=%s ns_method=%s ns_steps=%d compute_dtype=%s "
-                "scale_mode=%s%s\n",
-                m.momentum, m.nesterov ? "true" : "false",
-                std::string(common::NsMethodName(m.ns_method)).c_str(), m.ns_steps,
-                std::string(common::DTypeName(m.compute_dtype)).c_str(),
-                std::string(common::ScaleModeName(m.scale_mode)).c_str(), fp32_iterations.c_str());
-    const bool apply = spec_or->mode == common::JobMode::kApply;
-    for (const common::MatrixSpec& ms : spec_or->matrices) {
-      const std::string apply_fields =
-          !apply ? ""
-                 : absl::StrCat(" param_dtype=", std::string(common::DTypeName(ms.param_dtype)),
-                                " optimizer=", std::string(common::OptimizerName(ms.optimizer)),
-                                " group=", ms.group);
-      std::printf("matrix: %s shape=[%s] num_heads=%lld dtype=%s%s\n", ms.name.c_str(),
-                  absl::StrJoin(ms.shape, ", ").c_str(), static_cast<long long>(ms.num_heads),
-                  std::string(common::DTypeName(ms.dtype)).c_str(), apply_fields.c_str());
-    }
-    if (apply) PrintApplyStatus(st, *spec_or);
-    if (spec_or->clips_outside_share()) {  // update mode's clipping
-      std::printf("max_grad_norm: %g\nlast_grad_norm: %g\nclip_redo_steps: %llu\n",
-                  spec_or->max_grad_norm, st.last_grad_norm(),
-                  static_cast<unsigned long long>(st.clip_redo_steps()));
-    }
+}
+
+// The optimizer's configuration and the job's matrices (apply mode: its parameters, update
+// mode with max_grad_norm: its clipping).
+void PrintOptimizer(const v1::JobStatus& st, const common::JobSpec& spec) {
+  const common::MuonConfig& m = spec.muon;
+  const std::string fp32_iterations =
+      m.fp32_iterations == 0 ? "" : absl::StrCat(" fp32_iterations=", m.fp32_iterations);
+  std::printf(
+      "muon: momentum=%g nesterov=%s ns_method=%s ns_steps=%d compute_dtype=%s "
+      "scale_mode=%s%s\n",
+      m.momentum, m.nesterov ? "true" : "false",
+      std::string(common::NsMethodName(m.ns_method)).c_str(), m.ns_steps,
+      std::string(common::DTypeName(m.compute_dtype)).c_str(),
+      std::string(common::ScaleModeName(m.scale_mode)).c_str(), fp32_iterations.c_str());
+  const bool apply = spec.mode == common::JobMode::kApply;
+  for (const common::MatrixSpec& ms : spec.matrices) {
+    const std::string apply_fields =
+        !apply ? ""
+               : absl::StrCat(" param_dtype=", std::string(common::DTypeName(ms.param_dtype)),
+                              " optimizer=", std::string(common::OptimizerName(ms.optimizer)),
+                              " group=", ms.group);
+    std::printf("matrix: %s shape=[%s] num_heads=%lld dtype=%s%s\n", ms.name.c_str(),
+                absl::StrJoin(ms.shape, ", ").c_str(), static_cast<long long>(ms.num_heads),
+                std::string(common::DTypeName(ms.dtype)).c_str(), apply_fields.c_str());
   }
+  if (apply) PrintApplyStatus(st, spec);
+  if (spec.clips_outside_share()) {  // update mode's clipping
+    std::printf("max_grad_norm: %g\nlast_grad_norm: %g\nclip_redo_steps: %llu\n",
+                spec.max_grad_norm, st.last_grad_norm(),
+                static_cast<unsigned long long>(st.clip_redo_steps()));
+  }
+}
+
+void PrintRanks(const v1::JobStatus& st) {
   for (const v1::RankStatus& r : st.ranks()) {
     std::printf("rank: %d attached=%s elements=%llu%s\n", r.rank(), r.attached() ? "yes" : "no",
                 static_cast<unsigned long long>(r.elements()),
@@ -236,6 +253,14 @@ void PrintStatus(const v1::JobStatus& st) {
                 : r.in_step()            ? " step=pushing"
                                          : " step=not-begun");
   }
+}
+
+void PrintStatus(const v1::JobStatus& st) {
+  const absl::StatusOr<common::JobSpec> spec_or = common::JobSpecFromProto(st.spec());
+  PrintPlacement(st, spec_or);
+  PrintProgress(st);
+  if (spec_or.ok()) PrintOptimizer(st, *spec_or);
+  PrintRanks(st);
 }
 
 // The --restore-* flags of `job create`: the checkpoint of another job to start from, if any.
