@@ -42,7 +42,7 @@ RAW_PREFIXES = ("R", "u8R", "uR", "UR", "LR")
 
 
 def blank_cpp(text):
-    """The text with comments, literals and preprocessor lines turned into spaces (newlines kept)."""
+    """The text with comments, literals and preprocessor lines blanked (newlines kept)."""
     out = list(text)
     n = len(text)
     i = 0
@@ -208,9 +208,6 @@ def find_functions(code):
     return found
 
 
-OPENERS = {")": "(", "]": "[", "}": "{"}
-
-
 def matching_brace(toks, i):
     depth = 0
     for j in range(i, len(toks)):
@@ -253,7 +250,8 @@ def classify(head):
     if keyword is not None and "=" not in items:
         if items[keyword] in ("namespace", "extern"):
             return "scope", None
-        names = [t for t in items[keyword + 1:(items.index(":") if ":" in items else None)]
+        end = items.index(":") if ":" in items else None
+        names = [t for t in items[keyword + 1:end]
                  if isinstance(t, str) and re.match(r"[A-Za-z_]", t) and t not in ("class", "final")]
         return "scope", names[-1] if names else None  # class MUOND_EXPORT Name final : Base
     return "other", None
