@@ -328,17 +328,16 @@ void ShmServer::FinishAttach(const std::shared_ptr<ShmSession>& session,
 }
 
 void ShmServer::RegisterWithDevice(ShmSession& session, const std::string& who) {
-  DeviceStreams* devices = registry_->devices();
-  if (!limits_.register_with_device || devices == nullptr || devices->device == nullptr ||
-      !devices->device->DirectHostCopies()) {
+  device::Device* device = registry_->device();
+  if (!limits_.register_with_device || device == nullptr || !device->DirectHostCopies()) {
     return;  // host devices: steps assemble on the host, nothing to register
   }
-  const absl::Status s = shm_attach::RegisterWithDevice(session, *devices->device);
+  const absl::Status s = shm_attach::RegisterWithDevice(session, *device);
   common::Counter* counter = s.ok() ? Metrics().registered : Metrics().not_registered;
   if (counter != nullptr) counter->Increment();
   if (!s.ok()) {
     MUOND_LOG(WARNING) << who << ": shared-memory regions not registered with "
-                       << devices->device->name() << " (" << s.message()
+                       << device->name() << " (" << s.message()
                        << "); its steps copy through host staging";
   }
 }

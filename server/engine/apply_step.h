@@ -27,27 +27,6 @@
 
 namespace muond::server {
 
-// One group's values as a rank sent them (gRPC: GroupHyper).
-struct GroupValue {
-  std::string group;
-  double lr = 0;
-  std::optional<double> weight_decay;  // absent: the group's weight_decay
-};
-// The step's hyper from named values: every group exactly once (INVALID_ARGUMENT naming an unknown,
-// repeated or missing group); divisor 0 means 1. Values are checked by CheckStepHyper.
-absl::StatusOr<StepHyper> ResolveStepHyper(const common::JobSpec& spec,
-                                           const std::vector<GroupValue>& values,
-                                           double grad_divisor);
-// INVALID_ARGUMENT (prefixed with `where`) unless there is one lr and weight decay per group, each
-// finite and >= 0, and the divisor is finite and > 0.
-absl::Status CheckStepHyper(const common::JobSpec& spec, const StepHyper& hyper,
-                            const std::string& where);
-// Part of CheckStepHyper: a multi-node job with max_grad_norm needs a global clip (kSpeculate or
-// kGlobal with a finite sum >= 0; FAILED_PRECONDITION without one: no coordinating client), and
-// no other job takes one (INVALID_ARGUMENT).
-absl::Status CheckClipSource(const common::JobSpec& spec, const StepHyper& hyper,
-                             const std::string& where);
-
 class ApplyStep {
  public:
   // `group_of[t]`: tensor t's index in spec.groups. All must outlive the object.

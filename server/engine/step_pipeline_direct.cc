@@ -7,13 +7,18 @@
 // enqueues DMA copies of registered memory, which the CUDA tests of that file check when a GPU is
 // present (not run where this was written: no GPU).
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/dtype.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/status_macros.h"
-#include "server/engine/step_pipeline.h"
+#include "common/crc32c.h"
+#include "common/parallel_for.h"
+#include "server/engine/step_pipeline_run.h"
 
 namespace muond::server {
 namespace {
@@ -115,6 +120,71 @@ absl::Status StepPipeline::CopySpansOut(const StepState& state, uint32_t m,
     total += bytes;
   }
   Count(kDirect, false, total);
+  return absl::OkStatus();
+}
+
+// Apply mode, a Muon tensor that goes direct (its gradient is copied straight from the ranks'
+// regions and widened and scaled on the device, which also writes its new momentum back): the
+// host reads the raw gradient once, without assembling it, for what apply mode needs of it on
+// the host: its sum of squares (in the order PrepareGradient sums, so the norm and the clip
+// are the staged path's bit for bit), the finiteness and divisor checks, and under clipping the
+// CRC32Cs the redo compares. The update comes back into pooled (registered) staging.
+absl::Status StepPipeline::Run::ReadDirectGradient(Batch& batch, size_t i) {
+  const uint32_t m = batch.matrices[i];
+  const common::MatrixSpec& ms = p_.spec_.matrices[m];
+  const size_t n = static_cast<size_t>(ms.numel());
+  const absl::Time gather_start = absl::Now();
+  const std::vector<JobLayout::OwnerSlice> slices = p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
+  const size_t esize = common::DTypeSize(ms.dtype);
+  std::vector<ApplyStep::RawPiece> pieces;
+  pieces.reserve(slices.size());
+  for (const JobLayout::OwnerSlice& s : slices) {
+    const common::ShardSpan& span = p_.layout_.spans(s.ref->rank)[s.ref->span];
+    pieces.push_back({span.offset + s.begin, s.length,
+                      state_.ranks[s.ref->rank].span_in[s.ref->span] + s.begin * esize});
+  }
+  absl::Status s = p_.apply_->CheckRawGradient(state_, m, std::move(pieces), &state_.sum_sq[m]);
+  if (s.ok() && p_.spec_.max_grad_norm > 0) {
+    std::vector<uint32_t> crc(slices.size());
+    common::ParallelFor(slices.size(), n * esize, [&](size_t k) {
+      const JobLayout::SpanRef& ref = *slices[k].ref;
+      crc[k] = common::Crc32c(state_.ranks[ref.rank].span_in[ref.span] + slices[k].begin * esize,
+                              slices[k].length * esize);
+    });
+    s = CheckReread(m, slices, std::move(crc));
+  }
+  if (!s.ok()) {
+    refused_ = true;
+    return s;
+  }
+  batch.staging[i] = p_.TakeStaging(n);  // where the update comes back
+  state_.phase_seconds[0] += absl::ToDoubleSeconds(absl::Now() - gather_start);
+  return absl::OkStatus();
+}
+
+// Where device matrix k of a direct batch is copied from and to the ranks: its raw buffer for a
+// 16-bit gradient, else the fp32 gradient buffer itself.
+device::DeviceBuffer& StepPipeline::Run::RawOrGrad(Batch& batch, size_t k) {
+  return batch.raw[k].size() > 0 ? batch.raw[k] : batch.grad[k];
+}
+
+// On the compute stream, the direct matrices with a raw buffer: widens the raw gradients into
+// the fp32 buffers (apply mode: scaled by the step's divisor and clip coefficient, as
+// PrepareGradient scales a staged one), or (update mode) narrows the updates into the raw
+// buffers. Apply mode's updates go back in fp32 (to the staging).
+absl::Status StepPipeline::Run::ConvertRaw(Batch& batch, bool widen) {
+  if (!widen && apply_mode()) return absl::OkStatus();
+  const float scale = apply_mode() ? state_.grad_scale : 1.0f;
+  for (size_t k = 0; k < batch.raw.size(); ++k) {
+    if (batch.raw[k].size() == 0) continue;
+    const common::MatrixSpec& ms = p_.spec_.matrices[batch.matrices[batch.on_device[k]]];
+    const common::DType dtype = ms.dtype;
+    const size_t n = static_cast<size_t>(ms.numel());
+    RETURN_IF_ERROR(widen ? dev_.compute->Convert(batch.raw[k], dtype, batch.grad[k],
+                                                  common::DType::kFloat32, n, scale)
+                          : dev_.compute->Convert(batch.grad[k], common::DType::kFloat32,
+                                                  batch.raw[k], dtype, n, 1.0f));
+  }
   return absl::OkStatus();
 }
 

@@ -16,7 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/engine/heap_trimmer.h"
-#include "server/engine/rank_update.h"
+#include "server/engine/step_io.h"
 
 namespace muond::server {
 
@@ -76,46 +76,6 @@ struct RankInput {
   // The rank has sent its whole part: a gRPC rank's StepEnd, a shared-memory rank's submission
   // (its done callback is set).
   bool pushed() const { return finished || done != nullptr; }
-};
-
-// Apply mode (DESIGN.md 4b): a step's hyperparameters, per group in the job's order. Every rank
-// of a step sends them; the first rank's are the step's, and a rank whose differ refuses the step.
-// Many nodes, apply mode with max_grad_norm (DESIGN.md 4c): where a node's step takes its clip
-// coefficient from. The gradient norm spans the nodes, so a node job never clips by its own norm:
-// the coordinating client first has every node compute with clip 1 and report its raw sum of
-// squares (kSpeculate); when the sum over the nodes calls for clipping, each node computes the
-// step again with that global sum (kGlobal).
-enum class ClipSource : uint8_t {
-  kLocal = 0,      // the job's own norm (a job on one node)
-  kSpeculate = 1,  // clip 1; report the node's sum of squares
-  kGlobal = 2,     // the clip of `global_sum_sq`, the raw sum of squares over every node
-};
-
-struct StepHyper {
-  std::vector<double> lr;
-  std::vector<double> weight_decay;
-  double grad_divisor = 1;
-  ClipSource clip_source = ClipSource::kLocal;
-  double global_sum_sq = 0;  // kGlobal
-  // The presence mask: per job tensor, 1 when no rank has its gradient this step (it is skipped:
-  // state, step count and parameters unchanged), else 0. Empty: every tensor has one.
-  std::vector<uint8_t> absent;
-  // QK-Clip jobs (DESIGN.md 4e): the largest attention logit of each query head, pair after pair
-  // (QkClip::logits() values). Not agreed but merged: the step's are the maximum over its ranks'
-  // (Job::AgreeHyper), so operator== leaves them out.
-  std::vector<float> max_logits;
-  bool absent_at(uint32_t t) const { return t < absent.size() && absent[t] != 0; }
-  bool operator==(const StepHyper& o) const {
-    return lr == o.lr && weight_decay == o.weight_decay && grad_divisor == o.grad_divisor &&
-           clip_source == o.clip_source && global_sum_sq == o.global_sum_sq && SameAbsent(o);
-  }
-  bool SameAbsent(const StepHyper& o) const {
-    const size_t n = std::max(absent.size(), o.absent.size());
-    for (uint32_t t = 0; t < n; ++t) {
-      if (absent_at(t) != o.absent_at(t)) return false;
-    }
-    return true;
-  }
 };
 
 // The step in flight. Guarded by the owning Job's mu_, except the bytes of the input buffers

@@ -1,7 +1,7 @@
 // The Job's lifecycle and sessions: construction, attach and detach, lost ranks, the step
 // timeout, deletion and the status report. Steps: job_step.cc; commit and failure:
 // job_commit.cc; shared memory: job_shared.cc; checkpoints: job_checkpoint.cc.
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 
 #include <algorithm>
 #include <utility>
@@ -17,25 +17,23 @@
 
 namespace muond::server {
 
-Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
-         ComputeExecutor* executor, uint64_t gather_budget_bytes, DeviceStreams* devices,
-         std::string checkpoint_dir, absl::Duration step_timeout, JobOwner owner,
-         absl::Duration prepare_timeout)
+JobImpl::JobImpl(common::JobSpec spec, std::string token_sha256, JobOwner owner, JobParts parts)
     : spec_(std::move(spec)),
       token_sha256_(std::move(token_sha256)),
-      backend_(std::move(backend)),
-      executor_(executor),
-      step_timeout_(step_timeout),
-      prepare_timeout_(prepare_timeout),
+      backend_(std::move(parts.backend)),
+      executor_(parts.executor),
+      step_timeout_(parts.step_timeout),
+      prepare_timeout_(parts.prepare_timeout),
       owner_(std::move(owner)),
       created_unix_ms_(absl::ToUnixMillis(absl::Now())),
       layout_(spec_),
-      momentum_(spec_, devices->device.get()),
+      momentum_(spec_, parts.devices->device.get()),
       params_(spec_.mode == common::JobMode::kApply
-                  ? std::make_unique<ParamStore>(spec_, devices->device.get())
+                  ? std::make_unique<ParamStore>(spec_, parts.devices->device.get())
                   : nullptr),
-      writer_(std::move(checkpoint_dir), spec_.checkpoint_keep),
-      pipeline_(spec_, layout_, momentum_, params_.get(), devices, gather_budget_bytes, &mu_, this),
+      writer_(std::move(parts.checkpoint_dir), spec_.checkpoint_keep),
+      pipeline_(spec_, layout_, momentum_, params_.get(), parts.devices, parts.gather_budget_bytes,
+                &mu_, this),
       trainer_clock_(spec_.job_id) {
   absl::MutexLock lock(&mu_);
   sessions_.assign(spec_.world_size, 0);
@@ -46,12 +44,12 @@ Job::Job(common::JobSpec spec, std::string token_sha256, std::string backend,
   cut_short_.resize(spec_.world_size);
 }
 
-Job::~Job() {
+JobImpl::~JobImpl() {
   // A commit that raced the deletion may have recorded after MarkDeleted.
   StepHistory::Default().Forget(id(), created_unix_ms_);
 }
 
-bool Job::TokenMatches(std::string_view token) const {
+bool JobImpl::TokenMatches(std::string_view token) const {
   const std::string hash = common::Sha256(token);
   if (hash.size() != token_sha256_.size()) return false;
   unsigned char diff = 0;
@@ -59,7 +57,7 @@ bool Job::TokenMatches(std::string_view token) const {
   return diff == 0;
 }
 
-absl::StatusOr<uint64_t> Job::Attach(int rank, bool takeover) {
+absl::StatusOr<uint64_t> JobImpl::Attach(int rank, bool takeover) {
   RETURN_IF_ERROR(CheckRank(rank));
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
@@ -85,7 +83,7 @@ absl::StatusOr<uint64_t> Job::Attach(int rank, bool takeover) {
   return sessions_[rank];
 }
 
-absl::Status Job::Detach(int rank, uint64_t session) {
+absl::Status JobImpl::Detach(int rank, uint64_t session) {
   RETURN_IF_ERROR(CheckRank(rank));
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckCurrentSession(rank, session, ""));
@@ -94,14 +92,14 @@ absl::Status Job::Detach(int rank, uint64_t session) {
   return absl::OkStatus();
 }
 
-absl::Status Job::CheckSession(int rank, uint64_t session) const {
+absl::Status JobImpl::CheckSession(int rank, uint64_t session) const {
   RETURN_IF_ERROR(CheckRank(rank));
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
   return CheckCurrentSession(rank, session, "");
 }
 
-absl::Status Job::CheckCurrentSession(int rank, uint64_t session, const char* hint) const {
+absl::Status JobImpl::CheckCurrentSession(int rank, uint64_t session, const char* hint) const {
   if (sessions_[rank] == 0 || sessions_[rank] != session) {
     return absl::FailedPreconditionError(absl::StrCat("job '", id(), "' rank ", rank, ": session ",
                                                       session, " is not the rank's current session",
@@ -110,7 +108,7 @@ absl::Status Job::CheckCurrentSession(int rank, uint64_t session, const char* hi
   return absl::OkStatus();
 }
 
-void Job::AbortIfOwed(int rank, const std::string& why) {
+void JobImpl::AbortIfOwed(int rank, const std::string& why) {
   const RankInput& in = in_flight_->ranks[rank];
   if (in.begun && in.pushed()) return;
   FailStep(*in_flight_,
@@ -120,7 +118,7 @@ void Job::AbortIfOwed(int rank, const std::string& why) {
            /*fence=*/true);
 }
 
-void Job::EndLostSession(int rank, uint64_t session, const std::string& why) {
+void JobImpl::EndLostSession(int rank, uint64_t session, const std::string& why) {
   if (rank < 0 || rank >= spec_.world_size) return;
   absl::MutexLock lock(&mu_);
   if (sessions_[rank] != session) return;  // detached or taken over meanwhile
@@ -131,7 +129,7 @@ void Job::EndLostSession(int rank, uint64_t session, const std::string& why) {
                      << " lost: " << why;
 }
 
-void Job::CheckStepTimeout(absl::Time now) {
+void JobImpl::CheckStepTimeout(absl::Time now) {
   absl::MutexLock lock(&mu_);
   if (in_flight_ == nullptr || in_flight_->done || in_flight_->committing) return;
   if (in_flight_->prepared) {
@@ -173,7 +171,7 @@ void Job::CheckStepTimeout(absl::Time now) {
            /*fence=*/true);
 }
 
-absl::Status Job::CheckRank(int rank) const {
+absl::Status JobImpl::CheckRank(int rank) const {
   if (rank < 0 || rank >= spec_.world_size) {
     return absl::InvalidArgumentError(absl::StrCat(
         "job '", id(), "': rank ", rank, " is outside the world size [0, ", spec_.world_size, ")"));
@@ -181,7 +179,7 @@ absl::Status Job::CheckRank(int rank) const {
   return absl::OkStatus();
 }
 
-void Job::MarkDeleted() {
+void JobImpl::MarkDeleted() {
   {
     absl::MutexLock lock(&mu_);
     deleted_ = true;
@@ -199,7 +197,7 @@ void Job::MarkDeleted() {
   OperationProgress::Default().Forget(id());
 }
 
-void Job::ReportObservations(JobReport& r) const {
+void JobImpl::ReportObservations(JobReport& r) const {
   r.gather_in_use_bytes = pipeline_.gather_in_use_bytes();
   r.pinned_staging_bytes = pipeline_.pinned_staging_bytes();
   if (params_ != nullptr) {
@@ -225,7 +223,7 @@ void Job::ReportObservations(JobReport& r) const {
   }
 }
 
-JobReport Job::Report() const {
+JobReport JobImpl::Report() const {
   JobReport r;
   r.spec = spec_;
   r.backend = backend_;
@@ -279,7 +277,7 @@ JobReport Job::Report() const {
   return r;
 }
 
-bool Job::StepInFlight(int64_t step) const {
+bool JobImpl::StepInFlight(int64_t step) const {
   absl::MutexLock lock(&mu_);
   return in_flight_ != nullptr && in_flight_->step == step;
 }

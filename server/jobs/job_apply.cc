@@ -12,7 +12,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/engine/apply_step.h"
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 #include "server/optim/grad_norm.h"
 
 namespace muond::server {
@@ -25,7 +25,7 @@ common::DType UploadDType(const common::MatrixSpec& ms, bool float32) {
 
 }  // namespace
 
-absl::Status Job::CheckApplyEntry(int64_t step, const StepHyper* hyper) const {
+absl::Status JobImpl::CheckApplyEntry(int64_t step, const StepHyper* hyper) const {
   const std::string where = absl::StrCat("job '", id(), "' step ", step);
   if (!apply()) {
     if (hyper == nullptr) return absl::OkStatus();
@@ -49,7 +49,7 @@ absl::Status Job::CheckApplyEntry(int64_t step, const StepHyper* hyper) const {
                    "or create the job with init_from; nothing changed"));
 }
 
-absl::Status Job::AgreeHyper(StepState& state, int rank, const StepHyper& hyper) {
+absl::Status JobImpl::AgreeHyper(StepState& state, int rank, const StepHyper& hyper) {
   if (state.hyper_rank < 0) {
     state.hyper = hyper;
     state.hyper_rank = rank;
@@ -106,7 +106,7 @@ absl::Status Job::AgreeHyper(StepState& state, int rank, const StepHyper& hyper)
   return bad;
 }
 
-std::vector<int> Job::RanksMissingWeights() const {
+std::vector<int> JobImpl::RanksMissingWeights() const {
   std::vector<int> missing;
   for (int r = 0; r < spec_.world_size; ++r) {
     if (!weights_in_[r]) missing.push_back(r);
@@ -114,12 +114,12 @@ std::vector<int> Job::RanksMissingWeights() const {
   return missing;
 }
 
-bool Job::WeightsComplete() const {
+bool JobImpl::WeightsComplete() const {
   absl::MutexLock lock(&mu_);
   return apply() && RanksMissingWeights().empty();
 }
 
-absl::StatusOr<uint64_t> Job::InitParams(int rank, uint64_t session,
+absl::StatusOr<uint64_t> JobImpl::InitParams(int rank, uint64_t session,
                                          const std::vector<const char*>& in, bool float32) {
   RETURN_IF_ERROR(CheckRank(rank));
   const std::string where = absl::StrCat("job '", id(), "' rank ", rank, " initial parameters");
@@ -164,7 +164,7 @@ absl::StatusOr<uint64_t> Job::InitParams(int rank, uint64_t session,
   return elements;
 }
 
-void Job::InstallParams(ParamStore::Lock& store, int rank, const std::vector<const char*>& in,
+void JobImpl::InstallParams(ParamStore::Lock& store, int rank, const std::vector<const char*>& in,
                         bool float32) {
   rollback_step_.store(-1);  // the front's masters change: the old front would lose them
   const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
@@ -175,7 +175,7 @@ void Job::InstallParams(ParamStore::Lock& store, int rank, const std::vector<con
   }
 }
 
-absl::StatusOr<std::unique_ptr<ParamUpload>> Job::BeginParamUpload(int rank, uint64_t session,
+absl::StatusOr<std::unique_ptr<ParamUpload>> JobImpl::BeginParamUpload(int rank, uint64_t session,
                                                                    bool float32) {
   RETURN_IF_ERROR(CheckRank(rank));
   absl::MutexLock lock(&mu_);
@@ -193,7 +193,7 @@ absl::StatusOr<std::unique_ptr<ParamUpload>> Job::BeginParamUpload(int rank, uin
   return std::unique_ptr<ParamUpload>(new ParamUpload(shared_from_this(), rank, session, float32));
 }
 
-ParamUpload::ParamUpload(std::shared_ptr<Job> job, int rank, uint64_t session, bool float32)
+ParamUpload::ParamUpload(std::shared_ptr<JobImpl> job, int rank, uint64_t session, bool float32)
     : job_(std::move(job)), rank_(rank), session_(session), float32_(float32) {
   const size_t n = job_->layout_.spans(rank).size();
   data_.resize(n);
@@ -274,7 +274,7 @@ absl::StatusOr<uint64_t> ParamUpload::Finish() {
   return job_->InitParams(rank_, session_, in, float32_);
 }
 
-absl::Status Job::ExportParams(
+absl::Status JobImpl::ExportParams(
     const std::function<absl::Status(uint32_t tensor, const std::vector<float>& w)>& sink,
     int64_t* step) {
   if (!apply()) {

@@ -11,12 +11,12 @@
 #include "common/logging.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 #include "server/record/status_progress.h"
 
 namespace muond::server {
 
-absl::Status Job::CheckSavable() const {
+absl::Status JobImpl::CheckSavable() const {
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
   if (spec_.transport_probe) {
     return absl::FailedPreconditionError(
@@ -30,7 +30,7 @@ absl::Status Job::CheckSavable() const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<checkpoint::GenerationInfo> Job::SaveCheckpoint() {
+absl::StatusOr<checkpoint::GenerationInfo> JobImpl::SaveCheckpoint() {
   CheckpointWriter::Exclusive exclusive(writer_);
   if (apply()) return SaveApplyCheckpoint(exclusive);
   int64_t step = 0;
@@ -52,7 +52,7 @@ absl::StatusOr<checkpoint::GenerationInfo> Job::SaveCheckpoint() {
   return info;
 }
 
-absl::StatusOr<checkpoint::GenerationInfo> Job::SaveApplyCheckpoint(
+absl::StatusOr<checkpoint::GenerationInfo> JobImpl::SaveApplyCheckpoint(
     const CheckpointWriter::Exclusive& exclusive) {
   int64_t step = 0;
   {
@@ -82,21 +82,21 @@ absl::StatusOr<checkpoint::GenerationInfo> Job::SaveApplyCheckpoint(
   return info;
 }
 
-void Job::SaveCheckpointInBackground() {
+void JobImpl::SaveCheckpointInBackground() {
   writer_.SaveInBackground(id(), [self = shared_from_this()] {
     (void)self->SaveCheckpoint();  // logged and counted there
   });
 }
 
-void Job::WaitForSaves() { writer_.WaitForSaves(); }
+void JobImpl::WaitForSaves() { writer_.WaitForSaves(); }
 
-absl::StatusOr<std::vector<checkpoint::GenerationInfo>> Job::ListCheckpoints() const {
+absl::StatusOr<std::vector<checkpoint::GenerationInfo>> JobImpl::ListCheckpoints() const {
   return writer_.List();
 }
 
-int64_t Job::NewestGeneration() const { return writer_.NewestGeneration(); }
+int64_t JobImpl::NewestGeneration() const { return writer_.NewestGeneration(); }
 
-absl::Status Job::ResetDurably(int64_t next_step,
+absl::Status JobImpl::ResetDurably(int64_t next_step,
                                const std::function<absl::Status(int64_t)>& persist) {
   // Held across the reset, the listing and the record: a save that began earlier finishes
   // first, and one that begins later writes the reset momentum under a newer number.
@@ -111,7 +111,7 @@ absl::Status Job::ResetDurably(int64_t next_step,
                                              s.message(), "); the job is fenced"));
 }
 
-absl::Status Job::MatchLoaded(const checkpoint::Loaded& loaded, const std::string& source,
+absl::Status JobImpl::MatchLoaded(const checkpoint::Loaded& loaded, const std::string& source,
                               std::vector<int>* index) const {
   if (spec_.transport_probe) {
     return absl::FailedPreconditionError(
@@ -162,8 +162,8 @@ absl::Status Job::MatchLoaded(const checkpoint::Loaded& loaded, const std::strin
   return absl::OkStatus();
 }
 
-absl::StatusOr<Job::LoadResult> Job::InstallLoaded(const checkpoint::Loaded& loaded,
-                                                   const Job& from) {
+absl::StatusOr<Job::LoadResult> JobImpl::InstallLoaded(const checkpoint::Loaded& loaded,
+                                                   const JobImpl& from) {
   MomentumStore::Lock store(momentum_);
   std::optional<ParamStore::Lock> params;
   if (apply()) params.emplace(*params_);
@@ -206,7 +206,7 @@ absl::StatusOr<Job::LoadResult> Job::InstallLoaded(const checkpoint::Loaded& loa
   return LoadResult{loaded.info, next_step_, loaded.set_aside};
 }
 
-absl::StatusOr<Job::LoadResult> Job::LoadCheckpoint(const checkpoint::Selector& selector) {
+absl::StatusOr<Job::LoadResult> JobImpl::LoadCheckpoint(const checkpoint::Selector& selector) {
   // Held across the load and the install: no save of this job interleaves.
   CheckpointWriter::Exclusive exclusive(writer_);
   {
@@ -229,8 +229,10 @@ absl::StatusOr<Job::LoadResult> Job::LoadCheckpoint(const checkpoint::Selector& 
   return installed;
 }
 
-absl::StatusOr<Job::LoadResult> Job::LoadCheckpointFrom(const std::shared_ptr<Job>& source,
-                                                        const checkpoint::Selector& selector) {
+absl::StatusOr<Job::LoadResult> JobImpl::LoadCheckpointFrom(const std::shared_ptr<Job>& from,
+                                                            const checkpoint::Selector& selector) {
+  // Every Job is a JobImpl (the face has no other implementation).
+  JobImpl* const source = static_cast<JobImpl*>(from.get());
   absl::StatusOr<checkpoint::Loaded> loaded;
   // Listed under the source job: the client restoring holds its token, not yet the new job's.
   const auto progress = OperationProgress::Default().Begin(source->id(), "restore", id(),
@@ -254,7 +256,7 @@ absl::StatusOr<Job::LoadResult> Job::LoadCheckpointFrom(const std::shared_ptr<Jo
   return installed;
 }
 
-void Job::Fence(const std::string& reason) {
+void JobImpl::Fence(const std::string& reason) {
   absl::MutexLock lock(&mu_);
   fenced_ = true;
   fence_reason_ = reason;

@@ -14,7 +14,7 @@
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "server/jobs/gradient_check.h"
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 #include "server/record/daemon_metrics.h"
 #include "server/record/optimizer_metrics.h"
 #include "server/record/status_history.h"
@@ -37,7 +37,7 @@ void HoldCommit(const std::string& job, int64_t step) {
 
 void SetCommitHoldForTesting(int ms) { commit_hold_ms.store(ms, std::memory_order_relaxed); }
 
-void Job::Commit(StepState& state) {
+void JobImpl::Commit(StepState& state) {
   if (spec_.two_phase()) {
     Prepare(state);
     return;
@@ -45,14 +45,14 @@ void Job::Commit(StepState& state) {
   CommitNow(state);
 }
 
-void Job::NoteRollback(const StepState& state) {
+void JobImpl::NoteRollback(const StepState& state) {
   if (!spec_.two_phase()) return;
   absl::MutexLock lock(&mu_);
   rollback_absent_ = state.hyper.absent;
   rollback_step_.store(state.step);
 }
 
-void Job::CommitNow(StepState& state) {
+void JobImpl::CommitNow(StepState& state) {
   const absl::Time commit_start = absl::Now();
   // What each rank sent, for replays of this step (they must carry the same gradients). The
   // inputs are complete and no longer written by the daemon.
@@ -84,7 +84,7 @@ void Job::CommitNow(StepState& state) {
   FinishCommit(state, absl::OkStatus());
 }
 
-std::vector<uint32_t> Job::InputDigest(int rank, const std::vector<const char*>& span_in) const {
+std::vector<uint32_t> JobImpl::InputDigest(int rank, const std::vector<const char*>& span_in) const {
   struct Slice {
     const char* data;
     size_t bytes;
@@ -105,7 +105,7 @@ std::vector<uint32_t> Job::InputDigest(int rank, const std::vector<const char*>&
   return crc;
 }
 
-absl::Status Job::CheckReplayInput(int rank, const RankUpdate& replay,
+absl::Status JobImpl::CheckReplayInput(int rank, const RankUpdate& replay,
                                    const std::vector<const char*>& span_in) const {
   const std::vector<uint32_t> now = InputDigest(rank, span_in);
   if (now == replay.input_digest) return absl::OkStatus();
@@ -133,7 +133,7 @@ absl::Status Job::CheckReplayInput(int rank, const RankUpdate& replay,
                                                replay.step, " re-sent with other gradients"));
 }
 
-void Job::FinishCommit(StepState& state, const absl::Status& changed) {
+void JobImpl::FinishCommit(StepState& state, const absl::Status& changed) {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - state.start);
   if (changed.ok()) {
     // Outside the job's lock: a scrape reads job status while holding the metrics' locks.
@@ -199,7 +199,7 @@ void Job::FinishCommit(StepState& state, const absl::Status& changed) {
   }
 }
 
-void Job::ReleaseResults(const StepState& state) {
+void JobImpl::ReleaseResults(const StepState& state) {
   int grpc_ranks = 0;
   for (const RankInput& in : state.ranks) {
     // A shared-memory rank's completion is still to be posted (below); a gRPC rank has none: its
@@ -209,11 +209,11 @@ void Job::ReleaseResults(const StepState& state) {
   trainer_clock_.Released(state.step, state.start, state.last_input, grpc_ranks);
 }
 
-void Job::DeviceFailed(StepState& state, const absl::Status& status) {
+void JobImpl::DeviceFailed(StepState& state, const absl::Status& status) {
   FailStep(state, status, /*fence=*/false);
 }
 
-std::shared_ptr<StepState> Job::EndStep(StepState& state, const absl::Status& result,
+std::shared_ptr<StepState> JobImpl::EndStep(StepState& state, const absl::Status& result,
                                          uint32_t flags) {
   // A step whose ranks are all on shared memory is owned by in_flight_ alone (no RankStep holds
   // it), and in_flight_ is reset below: the caller keeps `state` alive with what this returns.
@@ -230,7 +230,7 @@ std::shared_ptr<StepState> Job::EndStep(StepState& state, const absl::Status& re
   return keep;
 }
 
-void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
+void JobImpl::FailStep(StepState& state, const absl::Status& status, bool fence) {
   // A step whose commit began is committed: nothing may report it as failed.
   if (state.done || state.committing || state.prepared) return;
   if (!fence && SkipStep(&state, state.step, status)) return;
@@ -253,7 +253,7 @@ void Job::FailStep(StepState& state, const absl::Status& status, bool fence) {
   state.cv.SignalAll();
 }
 
-void Job::RefuseSubmission(int rank, uint64_t session, int64_t step, const absl::Status& bad) {
+void JobImpl::RefuseSubmission(int rank, uint64_t session, int64_t step, const absl::Status& bad) {
   if (in_flight_ != nullptr && in_flight_->step == step) {
     FailStep(*in_flight_, bad, /*fence=*/false);
     // This rank learns of the refusal from this very answer: it is not owed it again on its
@@ -275,7 +275,7 @@ void Job::RefuseSubmission(int rank, uint64_t session, int64_t step, const absl:
   }
 }
 
-bool Job::SkipStep(StepState* state, int64_t step, const absl::Status& status) {
+bool JobImpl::SkipStep(StepState* state, int64_t step, const absl::Status& status) {
   if (!spec_.nonfinite_skip || !IsNonFiniteGradient(status) || step != next_step_) return false;
   // Every rank's answer for the step, now and on any retry: skipped, nothing to read back.
   auto skipped = std::make_shared<RankUpdate>();
@@ -294,13 +294,13 @@ bool Job::SkipStep(StepState* state, int64_t step, const absl::Status& status) {
   return true;
 }
 
-absl::Status Job::CheckNoStepInFlight(const char* what) const {
+absl::Status JobImpl::CheckNoStepInFlight(const char* what) const {
   if (in_flight_ == nullptr) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat("job '", id(), "': step ", in_flight_->step,
                                                     " is in flight; ", what, " after it ends"));
 }
 
-absl::Status Job::AbandonRank(const std::shared_ptr<StepState>& state, int rank,
+absl::Status JobImpl::AbandonRank(const std::shared_ptr<StepState>& state, int rank,
                               const std::string& why) {
   absl::MutexLock lock(&mu_);
   // A commit in progress finishes: wait for it so the answer names the outcome.
@@ -329,7 +329,7 @@ absl::Status Job::AbandonRank(const std::shared_ptr<StepState>& state, int rank,
   return aborted;
 }
 
-absl::Status Job::Reset(int64_t next_step) {
+absl::Status JobImpl::Reset(int64_t next_step) {
   if (next_step < 0) {
     return absl::InvalidArgumentError(absl::StrCat("next step ", next_step, " is negative"));
   }

@@ -15,7 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 
 namespace muond::server {
 namespace {
@@ -37,7 +37,7 @@ Job::ExportedState LayOut(const common::JobSpec& spec, int64_t step, int64_t gen
 
 }  // namespace
 
-absl::Status Job::ExportState(
+absl::Status JobImpl::ExportState(
     const std::optional<checkpoint::Selector>& generation,
     const std::function<absl::Status(const ExportedState&)>& header,
     const std::function<absl::Status(size_t array, const std::vector<float>& data)>& sink) {
@@ -77,7 +77,7 @@ absl::Status Job::ExportState(
   return absl::OkStatus();
 }
 
-absl::Status Job::CopyLiveState(const CheckpointWriter::Exclusive&, ExportedState* state,
+absl::Status JobImpl::CopyLiveState(const CheckpointWriter::Exclusive&, ExportedState* state,
                                std::vector<std::vector<float>>* arrays) {
   {
     MomentumStore::Lock momentum(momentum_);

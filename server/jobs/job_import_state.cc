@@ -35,7 +35,7 @@
 #include "common/status_macros.h"
 #include "server/jobs/creator_file_error.h"
 #include "server/jobs/creator_path.h"
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 #include "server/record/status_progress.h"
 
 namespace muond::server {
@@ -363,7 +363,7 @@ absl::Status ReadArrays(const std::string& dir, int dirfd, int64_t uid,
 
 }  // namespace
 
-absl::Status Job::ImportState(const std::string& dir, int64_t peer_uid) {
+absl::Status JobImpl::ImportState(const std::string& dir, int64_t peer_uid) {
   const std::string where = absl::StrCat("job '", id(), "': import_dir '", dir, "'");
   if (dir.empty() || dir[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat(where, ": not an absolute path"));

@@ -19,7 +19,7 @@
 #include "common/status_macros.h"
 #include "server/jobs/creator_file_error.h"
 #include "server/jobs/creator_path.h"
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 #include "server/record/status_progress.h"
 
 namespace muond::server {
@@ -67,7 +67,7 @@ absl::StatusOr<std::string> ReadInitFile(const std::string& where, const std::st
 
 }  // namespace
 
-absl::Status Job::InitFromFile(int64_t peer_uid) {
+absl::Status JobImpl::InitFromFile(int64_t peer_uid) {
   const std::string where = absl::StrCat("job '", id(), "': init_from '", spec_.init_from, "'");
   if (!apply() || spec_.init_from.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(where, ": the job reads no init_from file"));

@@ -19,11 +19,11 @@
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 
 namespace muond::server {
 
-void Job::Prepare(StepState& state) {
+void JobImpl::Prepare(StepState& state) {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - state.start);
   absl::MutexLock lock(&mu_);
   state.committing = false;
@@ -42,7 +42,7 @@ void Job::Prepare(StepState& state) {
   state.cv.SignalAll();
 }
 
-absl::Status Job::CommitStep(int64_t step) {
+absl::Status JobImpl::CommitStep(int64_t step) {
   std::shared_ptr<StepState> state;
   {
     absl::MutexLock lock(&mu_);
@@ -84,7 +84,7 @@ absl::Status Job::CommitStep(int64_t step) {
   return state->result;
 }
 
-absl::Status Job::CheckTwoPhase(const std::string& where) const {
+absl::Status JobImpl::CheckTwoPhase(const std::string& where) const {
   if (deleted_) return absl::NotFoundError(absl::StrCat(where, ": the job was deleted"));
   if (!spec_.two_phase()) {
     return absl::FailedPreconditionError(
@@ -93,7 +93,7 @@ absl::Status Job::CheckTwoPhase(const std::string& where) const {
   return absl::OkStatus();
 }
 
-std::optional<absl::Status> Job::EndUncommitted(int64_t step, const std::string& verb,
+std::optional<absl::Status> JobImpl::EndUncommitted(int64_t step, const std::string& verb,
                                                 const std::string& reason) {
   if (in_flight_ == nullptr || in_flight_->step != step) return std::nullopt;
   const std::shared_ptr<StepState> state = in_flight_;
@@ -110,7 +110,7 @@ std::optional<absl::Status> Job::EndUncommitted(int64_t step, const std::string&
   return absl::OkStatus();
 }
 
-absl::Status Job::AbortStep(int64_t step, const std::string& reason) {
+absl::Status JobImpl::AbortStep(int64_t step, const std::string& reason) {
   absl::MutexLock lock(&mu_);
   const std::string where = absl::StrCat("job '", id(), "' abort of step ", step);
   RETURN_IF_ERROR(CheckTwoPhase(where));
@@ -127,7 +127,7 @@ absl::Status Job::AbortStep(int64_t step, const std::string& reason) {
   return absl::OkStatus();  // nothing of it here: never begun, refused or dropped already
 }
 
-absl::Status Job::RollbackStep(int64_t step, const std::string& reason) {
+absl::Status JobImpl::RollbackStep(int64_t step, const std::string& reason) {
   const std::string where = absl::StrCat("job '", id(), "' rollback of step ", step);
   {
     // Never committed here: dropping the prepared (or still running) step is the rollback. (Not
@@ -175,7 +175,7 @@ absl::Status Job::RollbackStep(int64_t step, const std::string& reason) {
   return absl::OkStatus();
 }
 
-void Job::DropPrepared(const std::string& why) {
+void JobImpl::DropPrepared(const std::string& why) {
   if (in_flight_ == nullptr || !in_flight_->prepared) return;
   const std::shared_ptr<StepState> state = std::move(in_flight_);
   state->prepared = false;

@@ -38,11 +38,18 @@
 #include "absl/synchronization/mutex.h"
 #include "common/heartbeat.h"
 #include "common/job_spec.h"
-#include "server/engine/compute_executor.h"
 #include "server/jobs/job.h"
 #include "server/record/daemon_limits.h"
 
 namespace muond::server {
+
+namespace device {
+class Device;
+}  // namespace device
+class ComputeExecutor;
+class JobImpl;
+struct JobFootprint;
+struct DeviceStreams;
 
 // 32 random bytes from the kernel's CSPRNG, hex encoded (64 characters).
 absl::StatusOr<std::string> NewJobToken();
@@ -132,10 +139,10 @@ class JobRegistry {
   // True while any job has a step in flight.
   bool AnyStepInFlight() const;
   // Compute tasks waiting on the daemon's executor (muond_compute_queue_depth).
-  size_t compute_queue_depth() const { return executor_->queue_depth(); }
-  // The daemon's compute device and its streams (the shared-memory server registers the ranks'
-  // regions with the device); null when the registry was made without one.
-  DeviceStreams* devices() const { return devices_; }
+  size_t compute_queue_depth() const;
+  // The daemon's compute device (the shared-memory server registers the ranks' regions with it);
+  // null when the registry was made without one.
+  device::Device* device() const;
 
  private:
   // Entries of a jobs directory only this daemon makes (job ids cannot start with a dot), and the
@@ -145,8 +152,17 @@ class JobRegistry {
   static constexpr char kCreatingMarker[] = ".creating";
   static constexpr char kResetRecord[] = "reset.json";
   std::string JobDir(const std::string& id) const;
-  std::shared_ptr<Job> NewJob(common::JobSpec spec, std::string token_sha256,
-                              JobOwner owner) const;
+  std::shared_ptr<JobImpl> NewJob(common::JobSpec spec, std::string token_sha256,
+                                  JobOwner owner) const;
+  // Create's part after the job is made: its initial state (restored from `source`, imported from
+  // `import_dir` or read from init_from), its directory and, for a restored or imported state,
+  // its first generation. *load_failed when reading the initial state failed; *made_dir once the
+  // job's directory exists.
+  absl::Status InitializeNewJob(Job& job, const std::shared_ptr<Job>& source,
+                                const std::optional<RestoreFrom>& restore,
+                                const std::string& import_dir, bool* load_failed,
+                                bool* made_dir) const;
+  static void LogCreated(const Job& job, const JobFootprint& footprint, const Job* source);
   // Checks the limits and reserves the id and bytes under the lock.
   absl::Status Reserve(const common::JobSpec& spec, uint64_t bytes)
       ABSL_LOCKS_EXCLUDED(mu_);

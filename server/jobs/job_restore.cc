@@ -17,6 +17,7 @@
 #include "common/names.h"
 #include "common/status_macros.h"
 #include "server/jobs/job_footprint.h"
+#include "server/jobs/job_impl.h"
 #include "server/jobs/job_record.h"
 #include "server/jobs/job_registry.h"
 #include "server/storage/durable_file.h"
@@ -61,7 +62,8 @@ std::optional<ResetRecord> ReadReset(const std::string& name, const std::string&
 
 // Brings the restored `job`'s state back (a reset, its newest checkpoint generation, its
 // init_from file); returns how, for the log. Throws std::bad_alloc when memory runs out.
-std::string RestoreState(const std::string& name, const std::string& reset_path, Job& job) {
+std::string RestoreState(const std::string& name, const std::string& reset_path,
+                         JobImpl& job) {
   std::string how;
   if (job.spec().transport_probe) return how;
   // A reset newer than every generation wins, and nothing is loaded.
@@ -157,7 +159,7 @@ void JobRegistry::RestoreOne(const std::string& name) {
   // The id and bytes are released on every way out but the one that publishes the job
   // (exceptions included); declared before the job, so the job's memory goes first.
   absl::Cleanup unreserve = [this, &name, bytes] { Unreserve(name, bytes); };
-  std::shared_ptr<Job> job;
+  std::shared_ptr<JobImpl> job;
   std::string how;
   try {
     JobOwner owner{record->owner_uid, std::move(record->owner_description)};

@@ -8,11 +8,11 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/jobs/gradient_check.h"
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 
 namespace muond::server {
 
-absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
+absl::Status JobImpl::SubmitShared(int rank, uint64_t session, int64_t step,
                                const std::vector<const char*>& in, const std::vector<char*>& out,
                                std::shared_ptr<const void> keepalive, SharedDone done,
                                const StepHyper* hyper, SharedProgress progress,
@@ -26,11 +26,11 @@ absl::Status Job::SubmitShared(int rank, uint64_t session, int64_t step,
                           std::move(done), hyper, std::move(progress));
 }
 
-absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, const SharedPart& part,
-                                   const std::vector<const char*>& in,
-                                   const std::vector<char*>& out,
-                                   std::shared_ptr<const void> keepalive, SharedDone done,
-                                   const StepHyper* hyper, SharedProgress progress) {
+absl::Status JobImpl::SubmitSharedPart(int rank, uint64_t session, int64_t step,
+                                       const SharedPart& part, const std::vector<const char*>& in,
+                                       const std::vector<char*>& out,
+                                       std::shared_ptr<const void> keepalive, SharedDone done,
+                                       const StepHyper* hyper, SharedProgress progress) {
   RETURN_IF_ERROR(CheckRank(rank));
   const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
   if (in.size() != spans.size() || out.size() != spans.size()) {
@@ -40,19 +40,7 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     if (i >= spans.size()) return absl::InternalError("shared part names a span the rank lacks");
   }
   const std::string where = absl::StrCat("job '", id(), "' step ", step, " rank ", rank);
-  // The part's values are checked in place, before the step knows about them.
-  std::vector<common::ShardSpan> part_spans;
-  std::vector<const char*> part_in;
-  for (size_t i : part.spans) {
-    part_spans.push_back(spans[i]);
-    part_in.push_back(in[i]);
-  }
-  absl::Status bad = CheckFiniteSpans(where, spec_, part_spans, part_in);
-  // Update mode with max_grad_norm: the last part's share of the norm, under the same rule (a
-  // non-finite share is a non-finite gradient), before any of the part's spans is taken.
-  if (bad.ok() && part.last && spec_.clips_outside_share()) {
-    bad = CheckOutsideSumSq(where, part.outside_sum_sq);
-  }
+  const absl::Status bad = CheckPartValues(where, rank, part, in);
   absl::MutexLock lock(&mu_);
   RankInput* const open = SharedRankInFlight(rank, session, step, keepalive.get());
   // A later part of the step this rank is sending in parts.
@@ -63,33 +51,8 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     // gradients, refuse the other ranks' retry as "missing", and leave them waiting.
     return CutShortPart(rank, session, step, where);
   }
-  if (!bad.ok()) {
-    if (continuing) {
-      FailStep(*in_flight_, bad, /*fence=*/false);
-    } else {
-      RefuseSubmission(rank, session, step, bad);
-    }
-    // "nonfinite": "skip": the step was skipped for every rank; this rank learns it at its last
-    // part (the parts after this one are answered as parts of the skipped step).
-    if (const auto& last = last_updates_[rank];
-        last != nullptr && last->skipped && last->step == step) {
-      if (part.last) done(absl::OkStatus(), kDoneSkipped, 0, 0);
-      return absl::OkStatus();
-    }
-    return bad;
-  }
-  if (open != nullptr && open->finished) {
-    // The rank's last part is in and the step still runs: nothing may join it now.
-    if (in_flight_->committing || in_flight_->prepared) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          where, ": a part after the rank's last part; the step is committing (all data was "
-                 "in), this part was not applied"));
-    }
-    absl::Status late = absl::InvalidArgumentError(
-        absl::StrCat(where, ": a part after the rank's last part of the step"));
-    FailStep(*in_flight_, late, /*fence=*/false);
-    return late;
-  }
+  if (!bad.ok()) return RefuseBadPart(rank, session, step, part, continuing, bad, done);
+  if (open != nullptr && open->finished) return RefuseLatePart(where);
   if (!continuing) {
     bool replayed = false;
     RETURN_IF_ERROR(OpenSharedStep(rank, session, step, part.last, in, out, std::move(keepalive),
@@ -97,6 +60,64 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     if (replayed) return absl::OkStatus();
   }
   const std::shared_ptr<StepState> state = in_flight_;
+  RETURN_IF_ERROR(TakePartSpans(state, rank, part, where));
+  if (!part.last) return absl::OkStatus();
+  return FinishSharedParts(state, rank, part, where, std::move(done));
+}
+
+absl::Status JobImpl::CheckPartValues(const std::string& where, int rank, const SharedPart& part,
+                                      const std::vector<const char*>& in) const {
+  // The part's values are checked in place, before the step knows about them.
+  const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
+  std::vector<common::ShardSpan> part_spans;
+  std::vector<const char*> part_in;
+  for (size_t i : part.spans) {
+    part_spans.push_back(spans[i]);
+    part_in.push_back(in[i]);
+  }
+  RETURN_IF_ERROR(CheckFiniteSpans(where, spec_, part_spans, part_in));
+  // Update mode with max_grad_norm: the last part's share of the norm, under the same rule (a
+  // non-finite share is a non-finite gradient), before any of the part's spans is taken.
+  if (part.last && spec_.clips_outside_share()) {
+    RETURN_IF_ERROR(CheckOutsideSumSq(where, part.outside_sum_sq));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobImpl::RefuseBadPart(int rank, uint64_t session, int64_t step,
+                                    const SharedPart& part, bool continuing,
+                                    const absl::Status& bad, SharedDone& done) {
+  if (continuing) {
+    FailStep(*in_flight_, bad, /*fence=*/false);
+  } else {
+    RefuseSubmission(rank, session, step, bad);
+  }
+  // "nonfinite": "skip": the step was skipped for every rank; this rank learns it at its last
+  // part (the parts after this one are answered as parts of the skipped step).
+  if (const auto& last = last_updates_[rank];
+      last != nullptr && last->skipped && last->step == step) {
+    if (part.last) done(absl::OkStatus(), kDoneSkipped, 0, 0);
+    return absl::OkStatus();
+  }
+  return bad;
+}
+
+absl::Status JobImpl::RefuseLatePart(const std::string& where) {
+  // The rank's last part is in and the step still runs: nothing may join it now.
+  if (in_flight_->committing || in_flight_->prepared) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": a part after the rank's last part; the step is committing (all data was "
+               "in), this part was not applied"));
+  }
+  absl::Status late = absl::InvalidArgumentError(
+      absl::StrCat(where, ": a part after the rank's last part of the step"));
+  FailStep(*in_flight_, late, /*fence=*/false);
+  return late;
+}
+
+absl::Status JobImpl::TakePartSpans(const std::shared_ptr<StepState>& state, int rank,
+                                    const SharedPart& part, const std::string& where) {
+  const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
   RankInput& rin = state->ranks[rank];
   for (size_t i : part.spans) {
     if (rin.span_received[i] == 0) continue;
@@ -111,7 +132,14 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     // A drain queued here waits for the job's lock, held until the outputs are in place.
     MarkReceived(state, spans[i].matrix, spans[i].length);
   }
-  if (!part.last) return absl::OkStatus();
+  return absl::OkStatus();
+}
+
+absl::Status JobImpl::FinishSharedParts(const std::shared_ptr<StepState>& state, int rank,
+                                        const SharedPart& part, const std::string& where,
+                                        SharedDone done) {
+  const std::vector<common::ShardSpan>& spans = layout_.spans(rank);
+  RankInput& rin = state->ranks[rank];
   for (size_t i = 0; i < spans.size(); ++i) {
     if (rin.span_received[i] == spans[i].length) continue;
     absl::Status missing = absl::InvalidArgumentError(absl::StrCat(
@@ -120,7 +148,7 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
     FailStep(*state, missing, /*fence=*/false);
     return missing;
   }
-  if (spec_.clips_outside_share()) rin.outside_sum_sq = part.outside_sum_sq;  // checked above
+  if (spec_.clips_outside_share()) rin.outside_sum_sq = part.outside_sum_sq;  // checked before
   rin.parts_open = false;
   rin.finished = true;
   // Not done yet: a step that ends (commit or failure) leaves in_flight_ under this lock.
@@ -129,7 +157,7 @@ absl::Status Job::SubmitSharedPart(int rank, uint64_t session, int64_t step, con
   return absl::OkStatus();
 }
 
-absl::Status Job::CutShortPart(int rank, uint64_t session, int64_t step,
+absl::Status JobImpl::CutShortPart(int rank, uint64_t session, int64_t step,
                                const std::string& where) const {
   const CutShort& cut = cut_short_[rank];
   if (cut.step != step || cut.session != session) {
@@ -143,7 +171,7 @@ absl::Status Job::CutShortPart(int rank, uint64_t session, int64_t step,
                    "); this part and the rest of the try are not applied; send the step again"));
 }
 
-RankInput* Job::SharedRankInFlight(int rank, uint64_t session, int64_t step,
+RankInput* JobImpl::SharedRankInFlight(int rank, uint64_t session, int64_t step,
                                    const void* keepalive) {
   if (in_flight_ == nullptr || in_flight_->step != step || sessions_[rank] != session) {
     return nullptr;
@@ -152,7 +180,7 @@ RankInput* Job::SharedRankInFlight(int rank, uint64_t session, int64_t step,
   return rin.keepalive.get() == keepalive ? &rin : nullptr;
 }
 
-absl::Status Job::OpenSharedStep(int rank, uint64_t session, int64_t step, bool last,
+absl::Status JobImpl::OpenSharedStep(int rank, uint64_t session, int64_t step, bool last,
                                  const std::vector<const char*>& in, const std::vector<char*>& out,
                                  std::shared_ptr<const void> keepalive, SharedDone& done,
                                  const StepHyper* hyper, SharedProgress progress, bool* replayed) {
@@ -210,7 +238,7 @@ absl::Status Job::OpenSharedStep(int rank, uint64_t session, int64_t step, bool 
   return absl::OkStatus();
 }
 
-absl::Status Job::RefuseSharedPart(int rank, uint64_t session, int64_t step,
+absl::Status JobImpl::RefuseSharedPart(int rank, uint64_t session, int64_t step,
                                    const void* keepalive, const absl::Status& why) {
   absl::MutexLock lock(&mu_);
   const RankInput* open = SharedRankInFlight(rank, session, step, keepalive);
@@ -218,7 +246,7 @@ absl::Status Job::RefuseSharedPart(int rank, uint64_t session, int64_t step,
   return why;
 }
 
-void Job::EndSharedSession(int rank, uint64_t session, const void* keepalive, bool clean) {
+void JobImpl::EndSharedSession(int rank, uint64_t session, const void* keepalive, bool clean) {
   if (rank < 0 || rank >= spec_.world_size) return;
   absl::MutexLock lock(&mu_);
   if (in_flight_ != nullptr) {

@@ -10,11 +10,11 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "server/jobs/gradient_check.h"
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 
 namespace muond::server {
 
-RankStep::RankStep(std::shared_ptr<Job> job, int rank, int64_t step,
+RankStep::RankStep(std::shared_ptr<JobImpl> job, int rank, int64_t step,
                    std::shared_ptr<StepState> state, std::shared_ptr<const RankUpdate> replay)
     : job_(std::move(job)),
       rank_(rank),
@@ -100,7 +100,7 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
   return job_->FinishRank(state_, rank_, cancelled, outside_sum_sq);
 }
 
-absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t session, int64_t step,
+absl::StatusOr<std::unique_ptr<RankStep>> JobImpl::BeginStep(int rank, uint64_t session, int64_t step,
                                                          const StepHyper* hyper) {
   RETURN_IF_ERROR(CheckRank(rank));
   absl::MutexLock lock(&mu_);
@@ -114,7 +114,7 @@ absl::StatusOr<std::unique_ptr<RankStep>> Job::BeginStep(int rank, uint64_t sess
       new RankStep(shared_from_this(), rank, step, in_flight_, nullptr));
 }
 
-absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step, const StepHyper* hyper,
+absl::Status JobImpl::EnterStep(int rank, uint64_t session, int64_t step, const StepHyper* hyper,
                             std::shared_ptr<const RankUpdate>* replay) {
   if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
   RETURN_IF_ERROR(CheckCurrentSession(rank, session, "; attach the rank first"));
@@ -168,7 +168,7 @@ absl::Status Job::EnterStep(int rank, uint64_t session, int64_t step, const Step
   return absl::OkStatus();
 }
 
-std::shared_ptr<StepState> Job::NewStepState(int64_t step) {
+std::shared_ptr<StepState> JobImpl::NewStepState(int64_t step) {
   auto state = std::make_shared<StepState>();
   state->step = step;
   state->start = absl::Now();
@@ -182,7 +182,7 @@ std::shared_ptr<StepState> Job::NewStepState(int64_t step) {
   return state;
 }
 
-void Job::PrepareOwnedRank(StepState& state, int rank) {
+void JobImpl::PrepareOwnedRank(StepState& state, int rank) {
   RankInput& in = state.ranks[rank];
   const size_t n = layout_.spans(rank).size();
   if (static_cast<size_t>(rank) < input_pool_.size()) in.owned = std::move(input_pool_[rank]);
@@ -205,7 +205,7 @@ void Job::PrepareOwnedRank(StepState& state, int rank) {
   state.outputs[rank] = std::move(out);
 }
 
-absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int rank,
+absl::Status JobImpl::AddGradient(const std::shared_ptr<StepState>& state_ptr, int rank,
                               uint32_t matrix, uint64_t offset, std::string_view data,
                               uint32_t crc32c) {
   StepState& state = *state_ptr;
@@ -249,14 +249,14 @@ absl::Status Job::AddGradient(const std::shared_ptr<StepState>& state_ptr, int r
   return absl::OkStatus();
 }
 
-absl::Status Job::CheckChunk(const std::string& where, int rank, uint32_t matrix, uint64_t offset,
+absl::Status JobImpl::CheckChunk(const std::string& where, int rank, uint32_t matrix, uint64_t offset,
                              std::string_view data, uint32_t crc32c, size_t* span,
                              uint64_t* count_out) const {
   return CheckGradientChunk(where, spec_, layout_, rank, matrix, offset, data, crc32c, span,
                             count_out);
 }
 
-absl::StatusOr<char*> Job::ClaimChunk(StepState& state, const std::string& where, int rank,
+absl::StatusOr<char*> JobImpl::ClaimChunk(StepState& state, const std::string& where, int rank,
                                       size_t span_index, uint64_t offset, uint64_t count) {
   const common::ShardSpan& span = layout_.spans(rank)[span_index];
   const common::MatrixSpec& ms = spec_.matrices[span.matrix];
@@ -284,7 +284,7 @@ absl::StatusOr<char*> Job::ClaimChunk(StepState& state, const std::string& where
   return in.owned[span_index].data() + (offset - span.offset) * common::DTypeSize(ms.dtype);
 }
 
-void Job::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix, uint64_t count) {
+void JobImpl::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix, uint64_t count) {
   state->matrix_received[matrix] += count;
   if (state->matrix_received[matrix] == static_cast<uint64_t>(spec_.matrices[matrix].numel())) {
     state->last_input = absl::Now();
@@ -296,7 +296,7 @@ void Job::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix,
   }
 }
 
-void Job::CommitWhenComplete(const std::shared_ptr<StepState>& state) {
+void JobImpl::CommitWhenComplete(const std::shared_ptr<StepState>& state) {
   if (state->done || state->committing || state->prepared || state->drain_queued) return;
   if (state->matrices_done != spec_.matrices.size() || !state->last_parts_in()) return;
   if (spec_.clips_outside_share() && !state->every_rank_pushed()) return;
@@ -304,7 +304,7 @@ void Job::CommitWhenComplete(const std::shared_ptr<StepState>& state) {
   executor_->Submit([self = shared_from_this(), state] { self->pipeline_.Drain(*state); });
 }
 
-absl::StatusOr<std::shared_ptr<const RankUpdate>> Job::FinishRank(
+absl::StatusOr<std::shared_ptr<const RankUpdate>> JobImpl::FinishRank(
     const std::shared_ptr<StepState>& state, int rank, const std::function<bool()>& cancelled,
     double outside_sum_sq) {
   absl::MutexLock lock(&mu_);

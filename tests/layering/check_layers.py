@@ -6,8 +6,13 @@ room and below.
   check_layers.py [ROOT]        checks the tree at ROOT (default: the repository); exit 1 with one
                                 line per broken rule: FILE:LINE: what it includes and why not
   check_layers.py --self-test   plants an upward include (plain, and relative with ../), an
-                                upward link and a file outside every room in a copy of the rules'
-                                shape and shows that each is reported; then checks the tree
+                                upward link, a file outside every room and a private header
+                                reached through another header in a copy of the rules' shape and
+                                shows that each is reported; then checks the tree
+
+A `visible ROOMS HEADER...` line of server/LAYERS makes headers private (Bazel's visibility): only
+their own room and the ROOMS (comma-separated) may reach them, directly or through any chain of
+included headers, so a room above them compiles without them.
 
 Includes are resolved as the compiler does for "..." includes: against the including file's
 directory first, then the repository root (the one include directory of every target), so a
@@ -27,15 +32,26 @@ SOURCES = (".h", ".cc", ".cu", ".cpp", ".hpp", ".inc")
 
 def read_rules(root):
     """[(room, path under server/, [targets])], top first."""
-    rules = []
+    return read_layers(root)[0]
+
+
+def read_layers(root):
+    """The rooms (read_rules) and the visibility of private headers: {path under server/: set of
+    the rooms that may reach it besides its own}."""
+    rules, visible = [], {}
     with open(os.path.join(root, "server", "LAYERS")) as f:
         for line in f:
             line = line.split("#", 1)[0].split()
-            if line:
+            if not line:
+                continue
+            if line[0] == "visible":  # visible ROOM[,ROOM...] HEADER...
+                for header in line[2:]:
+                    visible[header] = set(line[1].split(","))
+            else:
                 rules.append((line[0], line[1], line[2:]))
     if not rules:
         raise SystemExit("server/LAYERS names no room")
-    return rules
+    return rules, visible
 
 
 def room_of(rel, rules):
@@ -118,9 +134,64 @@ def order(rules):
     return " > ".join(room for room, _, _ in rules)
 
 
+def direct_includes(root, path):
+    """[(line number, spelling, path under server/)] of a file's "..." includes into server/."""
+    out = []
+    with open(path, errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            m = INCLUDE.match(line)
+            if m:
+                target = resolve(root, os.path.dirname(path), m.group(1))
+                if target is not None:
+                    out.append((number, m.group(1), target))
+    return out
+
+
+def check_visibility(root, rules, visible):
+    """A private header (a `visible` line of LAYERS) is reached, directly or through any chain of
+    headers, only from its own room and the rooms its line names."""
+    errors = []
+    server = os.path.join(root, "server")
+    reach = {}  # path under server/ -> the private headers it reaches, itself included
+
+    def reached(rel, stack=()):
+        if rel in reach:
+            return reach[rel]
+        found = {rel} if rel in visible else set()
+        reach[rel] = found  # a cycle of headers ends here
+        path = os.path.join(server, rel)
+        if os.path.exists(path) and rel not in stack:
+            for _, _, target in direct_includes(root, path):
+                found |= reached(target, stack + (rel,))
+        return found
+
+    for dirpath, _, files in os.walk(server):
+        for name in sorted(files):
+            if not name.endswith(SOURCES):
+                continue
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, server)
+            mine = room_of(rel, rules)
+            if mine is None:
+                continue
+            for number, spelling, target in direct_includes(root, path):
+                for private in sorted(reached(target)):
+                    owner = room_of(private, rules)
+                    allowed = visible[private] | {rules[owner][0] if owner is not None else ""}
+                    if rules[mine][0] in allowed:
+                        continue
+                    via = "" if private == target else f", which reaches server/{private}"
+                    errors.append(
+                        f"server/{rel}:{number}: room '{rules[mine][0]}' includes \"{spelling}\"{via}; "
+                        f"server/{private} is visible only to {', '.join(sorted(allowed))} "
+                        f"(server/LAYERS)")
+    return errors
+
+
 def check(root):
-    rules = read_rules(root)
-    return check_includes(root, rules) + check_links(root, rules)
+    rules, visible = read_layers(root)
+    return (check_includes(root, rules) + check_links(root, rules) +
+            check_visibility(root, rules, visible))
 
 
 def self_test(root):
@@ -141,6 +212,12 @@ def self_test(root):
         write(tmp, f"server/{low}up.cc", f'// a planted break\n#include "server/{top}top.h"\n')
         write(tmp, f"server/{low}up_relative.cc", f'\n\n#include "../{top}top.h"\n')
         write(tmp, "server/stray.cc", "int x;\n")
+        # A header private to the lowest room, reached from the top room through a chain.
+        with open(os.path.join(tmp, "server", "LAYERS"), "a") as f:
+            f.write(f"visible {rules[-1][0]} {low}secret.h\n")
+        write(tmp, f"server/{low}secret.h", "#pragma once\n")
+        write(tmp, f"server/{low}face.h", f'#pragma once\n#include "server/{low}secret.h"\n')
+        write(tmp, f"server/{top}uses_face.cc", f'\n#include "server/{low}face.h"\n')
         targets = rules[1][2][0], rules[-1][2][0]
         write(tmp, f"server/{low}CMakeLists.txt",
               f"target_link_libraries({targets[1]} PUBLIC {targets[0]})\n")
@@ -149,6 +226,9 @@ def self_test(root):
                     f"server/{low}up_relative.cc:3: room '{rules[-1][0]}' includes "
                     f"\"../{top}top.h\" (server/{top}top.h)",
                     "server/stray.cc:1: in no room",
+                    f"server/{top}uses_face.cc:2: room '{rules[1][0]}' includes "
+                    f"\"server/{low}face.h\", which reaches server/{low}secret.h; "
+                    f"server/{low}secret.h is visible only to {rules[-1][0]}",
                     f"server/{low}CMakeLists.txt:1: {targets[1]} (room '{rules[-1][0]}') links "
                     f"{targets[0]}"]
         for want in expected:

@@ -30,7 +30,7 @@
 #include "server/engine/momentum_store.h"
 #include "server/engine/param_store.h"
 #include "server/engine/state_buffers.h"
-#include "server/jobs/job.h"
+#include "server/jobs/job_impl.h"
 #include "server/optim/muon_math.h"
 #include "server/storage/checkpoint.h"
 
@@ -122,9 +122,14 @@ class CommitFixture : public ::testing::TestWithParam<bool> {
   // Creates job_ for `spec` and attaches every rank.
   void StartJob(const common::JobSpec& spec) {
     ASSERT_TRUE(common::ValidateJobSpec(spec).ok()) << common::ValidateJobSpec(spec);
-    job_ = std::make_shared<Job>(
-        spec, std::string(32, 'k'), "cpu", executor_.get(), uint64_t{256} << 20, devices_.get(),
-        absl::StrCat(dir_, "/", spec.job_id), absl::Seconds(120), JobOwner{});
+    JobParts parts;
+    parts.executor = executor_.get();
+    parts.gather_budget_bytes = uint64_t{256} << 20;
+    parts.devices = devices_.get();
+    parts.backend = "cpu";
+    parts.checkpoint_dir = absl::StrCat(dir_, "/", spec.job_id);
+    parts.step_timeout = absl::Seconds(120);
+    job_ = std::make_shared<JobImpl>(spec, std::string(32, 'k'), JobOwner{}, std::move(parts));
     sessions_.clear();
     for (int r = 0; r < spec.world_size; ++r) {
       auto session = job_->Attach(r, /*takeover=*/false);
@@ -208,7 +213,7 @@ class CommitFixture : public ::testing::TestWithParam<bool> {
   std::string dir_;
   std::unique_ptr<DeviceStreams> devices_;
   std::unique_ptr<ComputeExecutor> executor_;
-  std::shared_ptr<Job> job_;
+  std::shared_ptr<JobImpl> job_;
   std::vector<uint64_t> sessions_;
 };
 
