@@ -39,8 +39,9 @@ The model, from what this run measured (no constants):
   compute(N). T1: the 1-node step (every tensor on one daemon), taken in CPU seconds: the
     daemon's and the rank's per step (median over the steps), which other load on this shared
     machine changes little, unlike its wall time. Node n's work is T1 * F_n / F CPU seconds,
-    F_n the Newton-Schulz FLOPs that the ownership plan (muon_offload.multinode_plan.ownership_plan(spec, N))
-    gives node n, F their sum. The N daemons compute at the same time on this machine's 2 CPUs
+    F_n the Newton-Schulz FLOPs that the ownership plan
+    (muon_offload.multinode_plan.ownership_plan(spec, N)) gives node n, F their sum. The N
+    daemons compute at the same time on this machine's 2 CPUs
     (shared with whatever else runs on it), so none gets a whole CPU. Before and after each
     node count a calibration job on each daemon (one 3072x1024 matrix, single rank, no network)
     measures s(k), the share of a CPU that a computing daemon gets (its CPU seconds over its

@@ -1,5 +1,6 @@
-"""Checkpoints of MuonWithAuxAdam (a collaborator of optim.py's optimizer): the state muond holds (the momentum; in
-apply mode also the master weights and the AdamW state) lives in the daemon.
+"""Checkpoints of MuonWithAuxAdam (a collaborator of the optimizer in optim.py): the state muond
+holds (the momentum; in apply mode also the master weights and the AdamW state) lives in the
+daemon.
 
   - save_checkpoint(): the daemon writes a durable checkpoint generation (DESIGN.md section 7);
     load_checkpoint() restores one into the same job.

@@ -133,8 +133,9 @@ class TwoPhaseCommit:
                 f"restart the daemon of node(s) {', '.join(map(str, lost))} if it stopped, then "
                 "load_checkpoint() (every node takes the newest step all of them saved)")
         raise MuondError(CODES["ABORTED"],
-                         f"global job '{self.link.global_job_id}' step {step} did not commit on every "
-                         f"node: {cause}. Each node now: {where}. To continue: {todo}", "step")
+                         f"global job '{self.link.global_job_id}' step {step} did not commit on "
+                         f"every node: {cause}. Each node now: {where}. To continue: {todo}",
+                         "step")
 
     def _gather(self, value):
         """`value` of every rank, in rank order (an all_gather_object; this rank's alone when
@@ -145,9 +146,14 @@ class TwoPhaseCommit:
         self.ctx.ranks.dist.all_gather_object(out, value, group=self.ctx.ranks.group)
         return out
 
+    def _node_job(self):
+        """(client handle, node job id, node token) of this rank's node job, for the C ABI."""
+        link = self.link
+        return (link.client.handle, link.routing.node_job_id.encode(),
+                link.node_token.encode())
+
     def _rollback(self, step, reason):
-        _native.call("muond_step_rollback", self.link.client.handle,
-                     self.link.routing.node_job_id.encode(), self.link.node_token.encode(), int(step),
+        _native.call("muond_step_rollback", *self._node_job(), int(step),
                      reason[:1000].encode())
 
     @staticmethod
@@ -174,12 +180,11 @@ class TwoPhaseCommit:
 
     def _abort(self, step, reason):
         try:
-            _native.call("muond_step_abort", self.link.client.handle, self.link.routing.node_job_id.encode(),
-                         self.link.node_token.encode(), int(step), reason[:1000].encode())
+            _native.call("muond_step_abort", *self._node_job(), int(step),
+                         reason[:1000].encode())
         except MuondError:
             pass  # a dead daemon aborted the step by dying; a fenced job needs a load anyway
 
     def commit(self, step):
-        _native.call("muond_step_commit", self.link.client.handle, self.link.routing.node_job_id.encode(),
-                     self.link.node_token.encode(), int(step))
+        _native.call("muond_step_commit", *self._node_job(), int(step))
 

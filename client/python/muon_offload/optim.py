@@ -128,7 +128,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     `with opt.accumulating():` (their gradients are not streamed; the last one's are).
     """
 
-
     def __init__(self, param_groups, *, backend="muond", address=None, job_id=None, token=None,
                  process_group=None, zero_stage=None, transport="auto", compute_dtype="float32",
                  reduce_gradients=None, takeover=False, mode="update", max_grad_norm=None,

@@ -107,8 +107,13 @@ def scale_mode(group):
 
 
 def _real(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and \
-        math.isfinite(value)
+    """A finite real number (a Python or numpy number, or a one-element tensor), not a bool."""
+    if isinstance(value, (bool, str, bytes)) or not isinstance(value, (numbers.Real, torch.Tensor)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def check_hyperparameters(group, index):
