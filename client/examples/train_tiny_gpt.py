@@ -55,10 +55,7 @@ import argparse
 import contextlib
 import copy
 import json
-import math
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,109 +63,16 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
-import muon_offload  # noqa: E402
 from muon_offload import MuondError, MultiNodeMuonWithAuxAdam, MuonWithAuxAdam  # noqa: E402
 # Beside this file: Python puts a script's own directory on sys.path, whatever the cwd.
-from rounding_bound import RoundingRecord, bound_factor, bound_verdict, parameter_norm  # noqa: E402
-
-TEXT = "/usr/share/common-licenses/GPL-3"
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads, block_size, split_qk=False):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        # QK-Clip (--qk-clip) names the query and key projections as tensors of their own; the
-        # block then records each forward's largest attention logit per head (max_logits).
-        self.split_qk = split_qk
-        self.max_logits = None
-        if split_qk:
-            self.q = nn.Linear(d, d, bias=False)
-            self.k = nn.Linear(d, d, bias=False)
-            self.v = nn.Linear(d, d, bias=False)
-        else:
-            self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d, bias=False)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d, bias=False)
-        self.fc_out = nn.Linear(4 * d, d, bias=False)
-        mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
-        self.register_buffer("mask", mask, persistent=False)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        h = self.ln1(x)
-        q, k, v = (self.q(h), self.k(h), self.v(h)) if self.split_qk else self.qkv(h).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
-        if self.split_qk:  # per head, the largest pre-softmax logit of this forward
-            self.max_logits = att.detach().float().amax(dim=(0, 2, 3))
-        att = att.softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, vocab, d=128, layers=2, heads=4, block_size=64, split_qk=False):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(block_size, d)
-        self.blocks = nn.ModuleList(Block(d, heads, block_size, split_qk) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))
-        # The loss in float32 whatever the parameters' dtype (a no-op for float32 models).
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-
-
-def param_groups(model, muon_lr, adam_lr, weight_decay, qk_lr_mult=1.0):
-    """MuonWithAuxAdam groups: the blocks' 2-D weights to Muon, everything else to AdamW;
-    qk_lr_mult != 1 puts the query and key projections (split_qk) in a Muon group of their own
-    with that multiple of the Muon lr (attention logits then grow fast: what QK-Clip is for)."""
-    hidden = [(n, p) for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() >= 2]
-    qk = [(n, p) for n, p in hidden if n.endswith((".q.weight", ".k.weight"))] \
-        if qk_lr_mult != 1.0 else []
-    qk_ids = {id(p) for _, p in qk}
-    hidden_ids = {id(p) for _, p in hidden}
-    other = [(n, p) for n, p in model.named_parameters() if id(p) not in hidden_ids]
-    groups = [dict(params=[(n, p) for n, p in hidden if id(p) not in qk_ids], use_muon=True,
-                   lr=muon_lr, weight_decay=weight_decay)]
-    if qk:
-        groups.append(dict(params=qk, use_muon=True, lr=muon_lr * qk_lr_mult,
-                           weight_decay=weight_decay))
-    return groups + [dict(params=other, use_muon=False, lr=adam_lr, betas=(0.9, 0.95),
-                          weight_decay=weight_decay)]
-
-
-def load_text():
-    with open(TEXT, encoding="utf-8") as f:
-        text = f.read()
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    return torch.tensor([index[c] for c in text], dtype=torch.long), len(chars)
-
-
-def batch(data, step, rank, batch_size, block_size, seed):
-    """The batch of `rank` at `step`: a function of (seed, step, rank) only, so a resumed run sees
-    the same batches."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
-    starts = torch.randint(0, data.numel() - block_size - 1, (batch_size,), generator=g)
-    x = torch.stack([data[s:s + block_size] for s in starts])
-    y = torch.stack([data[s + 1:s + block_size + 1] for s in starts])
-    return x, y
+from rounding_bound import RoundingRecord, bound_factor, bound_verdict  # noqa: E402
+# The model and data, and the reference and state accounting, beside this file.
+from tiny_gpt_model import TinyGPT, batch, load_text, param_groups  # noqa: E402
+from tiny_gpt_reference import (ApplyModeReference, print_state_bytes,  # noqa: E402
+                                state_bytes_report)
 
 
 def global_mean(value, world):
@@ -182,7 +86,6 @@ def checkpoint_path(directory, rank):
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-10
 
 
 END_STEPS = 10  # --delay 1: the loss at the end is the mean of the last END_STEPS steps' losses
@@ -197,99 +100,6 @@ def lr_factor(step, steps):
     """The LR schedule of apply mode (a LambdaLR on the muond optimizer, recomputed on its own by
     the reference): linear decay to 10%."""
     return 1.0 - 0.9 * step / max(1, steps)
-
-
-class ApplyModeReference:
-    """The in-process reference of apply mode, independent of MuonWithAuxAdam: the trainer's
-    gradients (`trainer`: its parameters in job order) gathered over the ranks and summed in rank
-    order (as an all-reduce in the parameters' dtype), divided by the world size, then
-    muon_offload.reference.ApplyReference (fp32 masters, torch.optim.AdamW(foreach=False), the
-    reference Muon math); the reference model's parameters are set from masters.to(param dtype)."""
-
-    def __init__(self, groups, trainer, max_grad_norm):
-        self.trainer = trainer
-        self.params, tensors = [], []
-        for i, group in enumerate(groups):
-            kind = "muon" if group["use_muon"] else "adamw"
-            for name, p in group["params"]:
-                self.params.append(p)
-                tensors.append({"name": name, "param": p, "optimizer": kind, "group": f"g{i}"})
-        self.lr = {f"g{i}": g["lr"] for i, g in enumerate(groups)}
-        self.wd = {f"g{i}": g["weight_decay"] for i, g in enumerate(groups)}
-        self.ref = muon_offload.ApplyReference(tensors, betas=ADAM_BETAS, eps=ADAM_EPS,
-                                               max_grad_norm=max_grad_norm)
-
-    @torch.no_grad()
-    def step(self, factor, world):
-        """Steps from the trainer's gradients; before its optimizer steps, so at the parameters w
-        the trainer's loss was computed at. Returns |g w|_2 of the rounding bound."""
-        flat = torch.cat([p.grad.float().reshape(-1) for p in self.trainer])  # exact
-        every = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(every, flat)
-        dtype = self.params[0].dtype
-        total = every[0].to(dtype)
-        for other in every[1:]:
-            total.add_(other.to(dtype))
-        grads, at = [], 0
-        for p in self.params:
-            grads.append(total[at:at + p.numel()].view(p.shape))
-            at += p.numel()
-        sensitivity = parameter_norm(self.trainer, total, world)
-        self.ref.step(grads, {k: v * factor for k, v in self.lr.items()}, self.wd,
-                      grad_divisor=world)
-        for p, m in zip(self.params, self.ref.params(dtype)):
-            p.copy_(m)
-        return sensitivity
-
-    @torch.no_grad()
-    def qk_clip(self, pairs, threshold, alpha, max_logits):
-        """QK-Clip (DESIGN.md 4e) of the reference's masters, written here from the formula:
-        `pairs` [(q, k, heads)] of the reference model's parameters, `max_logits` per pair the
-        step's per-head maxima over the ranks."""
-        index = {id(p): i for i, p in enumerate(self.params)}
-        for (q, k, heads), s in zip(pairs, max_logits):
-            s = s.double()
-            gamma = torch.where(s > threshold, threshold / s, torch.ones_like(s))
-            rows = q.shape[0] // heads
-            for w, factor in ((q, gamma ** alpha), (k, gamma ** (1 - alpha))):
-                m = self.ref.masters[index[id(w)]]
-                m.copy_((m.double() * factor.repeat_interleave(rows)[:, None]).float())
-                w.copy_(m.to(w.dtype))
-
-    def state_dict(self):
-        return self.ref.state_dict()
-
-    def load_state_dict(self, state):
-        self.ref.load_state_dict(state)
-
-
-def tensor_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
-
-
-def optimizer_state_bytes(opt):
-    """Bytes of the tensors a torch optimizer keeps in its state (AdamW moments, momentum)."""
-    return sum(tensor_bytes(state.values()) for state in opt.state.values())
-
-
-def daemon_job_bytes(args, job_id):
-    """JobStatus momentum_bytes of the job, through `muonctl status --json` (None when muonctl
-    cannot say)."""
-    muonctl = args.muonctl or os.path.join(HERE, "..", "..", "build", "bin", "muonctl")
-    if not os.path.exists(muonctl):
-        muonctl = shutil.which("muonctl")
-    if not muonctl:
-        return None
-    cmd = [muonctl] + (["--address", args.address] if args.address else []) + \
-        ["status", "--json", "--metrics-address", "off"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for job in json.loads(out).get("jobs", []):
-        if job.get("job_id") == job_id:
-            return int(job["momentum_bytes"])
-    return None
 
 
 def make_optimizers(model, reference, args, job_id=None, token=None):
@@ -399,37 +209,6 @@ def train_step(step, model, reference, opt, opt_ref, scheduler, x, y, rank, worl
     STEP_SECONDS["in-process"].append(ref_seconds)
     return global_mean(loss.float().item(), world), global_mean(ref_loss.float().item(), world), \
         activations + params if bounded else None
-
-
-def state_bytes_report(opt, opt_ref, args, rank):
-    """Optimizer-state bytes in this trainer process (both optimizers) and in muond."""
-    out = {"mode": args.mode, "trainer_optimizer_state_bytes": optimizer_state_bytes(opt),
-           "trainer_param_bytes": tensor_bytes([p for g in opt.param_groups
-                                                for p in g["params"]]),
-           "daemon_job_bytes": daemon_job_bytes(args, opt.job_id) if rank == 0 else None}
-    if args.mode == "apply":
-        out["trainer_workspace_bytes"] = opt.offload.workspace_bytes() if opt.offload else 0
-        out["reference_state_bytes"] = opt_ref.ref.state_bytes()
-    else:
-        out["reference_state_bytes"] = optimizer_state_bytes(opt_ref)
-    return out
-
-
-def print_state_bytes(report):
-    mode = report["mode"]
-    daemon = report["daemon_job_bytes"]
-    print(f"optimizer state, mode {mode}: trainer process {report['trainer_optimizer_state_bytes']} "
-          "bytes (" + ("AdamW moments of the non-Muon parameters; the momentum is in muond"
-                       if mode == "update" else "none: masters, momentum and AdamW are in muond")
-          + f"); parameters {report['trainer_param_bytes']} bytes", flush=True)
-    if mode == "apply":
-        print(f"  trainer staging buffers (per step, no state): "
-              f"{report['trainer_workspace_bytes']} bytes", flush=True)
-    print(f"  in-process reference (everything in the trainer): {report['reference_state_bytes']} "
-          "bytes", flush=True)
-    print("  muond JobStatus momentum_bytes: " +
-          (f"{daemon} bytes" if daemon is not None else "unknown (muonctl not found)"),
-          flush=True)
 
 
 def print_header(opt, model, args, world, start, eps):
