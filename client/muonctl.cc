@@ -202,6 +202,21 @@ void PrintProgress(const v1::JobStatus& st) {
               static_cast<unsigned long long>(st.momentum_bytes()),
               static_cast<unsigned long long>(st.gather_budget_bytes()),
               static_cast<unsigned long long>(st.gather_peak_bytes()));
+  // Host bytes by kind, held now and reserved at admission (README, "Memory").
+  uint64_t held = 0, reserved = 0;
+  for (const v1::MemoryUse& m : st.memory()) {
+    held += m.bytes();
+    reserved += m.footprint_bytes();
+  }
+  if (st.memory_size() > 0) {
+    std::printf("memory_bytes: %llu footprint_bytes: %llu\n", static_cast<unsigned long long>(held),
+                static_cast<unsigned long long>(reserved));
+  }
+  for (const v1::MemoryUse& m : st.memory()) {
+    std::printf("memory: %s bytes=%llu footprint_bytes=%llu\n", m.kind().c_str(),
+                static_cast<unsigned long long>(m.bytes()),
+                static_cast<unsigned long long>(m.footprint_bytes()));
+  }
   std::printf("transport_copy_bytes: %llu\nlast_step_device_seconds: %.6f\n",
               static_cast<unsigned long long>(st.transport_copy_bytes()),
               st.last_step_device_seconds());

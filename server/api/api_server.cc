@@ -178,6 +178,7 @@ absl::Status ApiServer::StartShm(const DaemonConfig& config) {
                         absl::StrCat("--shm-socket ", shm_path_, ": ", started.status().message()));
   }
   shm_ = *std::move(started);
+  service_.SetSharedMemory(shm_.get());
   return absl::OkStatus();
 }
 
@@ -212,6 +213,7 @@ bool ApiServer::Drain(absl::Time deadline) {
 
 ApiServer::~ApiServer() {
   if (listener_ != nullptr) listener_->Stop();  // hands nothing to a server being destroyed
+  service_.SetSharedMemory(nullptr);
   shm_.reset();  // ends the shared-memory sessions (a step still in flight aborts)
   if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
 }

@@ -59,6 +59,14 @@ v1::JobStatus JobStatusToProto(const JobReport& r) {
   for (int rank : r.ranks_missing_weights) st.add_ranks_missing_weights(rank);
   st.set_clip_redo_steps(static_cast<uint64_t>(r.clip_redo_steps));
   st.set_last_grad_norm(r.last_grad_norm);
+  const auto held = MemoryKinds(r.memory);
+  const auto footprint = MemoryKinds(r.footprint);
+  for (size_t k = 0; k < held.size(); ++k) {
+    v1::MemoryUse* use = st.add_memory();
+    use->set_kind(held[k].first);
+    use->set_bytes(held[k].second);
+    use->set_footprint_bytes(footprint[k].second);
+  }
   for (int i = 0; i < st.ranks_size(); ++i) {
     const RankReport& rank = r.ranks[static_cast<size_t>(i)];
     v1::RankStatus* rs = st.mutable_ranks(i);

@@ -16,6 +16,7 @@
 #include "common/status_macros.h"
 #include "server/api/job_status_proto.h"
 #include "server/api/logged_rpc_status.h"
+#include "server/api/shm_server.h"
 #include "server/engine/heap_trimmer.h"
 #include "server/record/status_progress.h"
 
@@ -135,11 +136,26 @@ grpc::Status MuondService::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJ
   return Logged("DeleteJob", registry_->Delete(*std::move(job)));
 }
 
+void MuondService::SetSharedMemory(const ShmServer* shm) {
+  absl::MutexLock lock(&shm_mu_);
+  shm_ = shm;
+}
+
+JobReport MuondService::ReportOf(const Job& job) const {
+  JobReport r = job.Report();
+  absl::MutexLock lock(&shm_mu_);
+  if (shm_ == nullptr) return r;
+  const ShmServer::Usage usage = shm_->usage();
+  const auto it = usage.region_bytes_by_job.find(r.spec.job_id);
+  if (it != usage.region_bytes_by_job.end()) r.memory.buffers += it->second;
+  return r;
+}
+
 grpc::Status MuondService::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
                                   v1::JobStatus* resp) {
   auto job = Authorize(ctx, req->job_id());
   if (!job.ok()) return Logged("GetJob", job.status());
-  *resp = JobStatusToProto((*job)->Report());
+  *resp = JobStatusToProto(ReportOf(**job));
   return grpc::Status::OK;
 }
 
@@ -157,7 +173,7 @@ grpc::Status MuondService::ListJobs(grpc::ServerContext* ctx, const v1::ListJobs
       token_it == md.end() ? std::string_view()
                            : std::string_view(token_it->second.data(), token_it->second.size());
   for (const auto& job : registry_->List()) {
-    const JobReport r = job->Report();
+    const JobReport r = ReportOf(*job);
     const bool owner = uid && r.owner_uid && *r.owner_uid == *uid;
     const bool details = admin || owner || (!token.empty() && job->TokenMatches(token));
     *resp->add_jobs() = details ? JobStatusToProto(r) : WithheldJobStatus(r);

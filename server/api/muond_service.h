@@ -25,8 +25,11 @@
 #include "server/jobs/job_registry.h"
 #include "server/api/peer_identity.h"
 #include "server/api/stream_guard.h"
+#include "server/jobs/job_report.h"
 
 namespace muond::server {
+
+class ShmServer;
 
 inline constexpr char kTokenMetadataKey[] = "x-muond-job-token";
 // Optional on streams: the job the stream is about, so that the token is checked against it
@@ -57,6 +60,9 @@ class MuondService final : public v1::Muond::Service {
   void CancelAllStreams() { streams_.CancelAll(); }
   // Blocks until no Step call is in flight or `deadline` passed; true when none is in flight.
   bool WaitForStepsToDrain(absl::Time deadline);
+  // The shared-memory server whose sessions' regions GetJob and ListJobs count in each job's
+  // "buffers" memory (null: none). Set once it started; cleared before it stops.
+  void SetSharedMemory(const ShmServer* shm) ABSL_LOCKS_EXCLUDED(shm_mu_);
 
   grpc::Status CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,
                          v1::CreateJobResponse* resp) override;
@@ -121,7 +127,12 @@ class MuondService final : public v1::Muond::Service {
   absl::Status RunExportParams(grpc::ServerContext* ctx, const v1::ExportRequest* req,
                                grpc::ServerWriter<v1::ExportChunk>* writer);
 
+  // `job`'s report with its shared-memory sessions' regions in memory.buffers.
+  JobReport ReportOf(const Job& job) const ABSL_LOCKS_EXCLUDED(shm_mu_);
+
   JobRegistry* registry_;
+  mutable absl::Mutex shm_mu_;  // held only to read the server's usage (no I/O)
+  const ShmServer* shm_ ABSL_GUARDED_BY(shm_mu_) = nullptr;
   const AccessPolicy* access_;
   std::atomic<bool> shutting_down_{false};
   StreamGuard streams_;

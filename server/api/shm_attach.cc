@@ -195,6 +195,7 @@ absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& 
   r->header.generation = session.session_id;
   for (const common::SharedRegion* region : {&*in, &*out, &*ring}) {
     if (region->locked()) session.pinned_bytes += region->size();
+    session.region_bytes += region->size();
   }
   reply.set_pinned(in->locked() && out->locked() && ring->locked());
   session.regions = std::make_shared<ShmRegions>();

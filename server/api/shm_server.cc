@@ -131,7 +131,9 @@ ShmServer::Usage ShmServer::usage() const {
   for (const auto& [conn, session] : sessions_) {
     ++u.sessions;
     u.pinned_bytes += session->pinned_bytes;
-    if (session->job != nullptr) u.pinned_bytes_by_job[session->job->id()] += session->pinned_bytes;
+    if (session->job == nullptr) continue;
+    u.pinned_bytes_by_job[session->job->id()] += session->pinned_bytes;
+    u.region_bytes_by_job[session->job->id()] += session->region_bytes;
   }
   return u;
 }

@@ -100,6 +100,7 @@ class ShmServer {
     size_t sessions = 0;
     uint64_t pinned_bytes = 0;
     std::map<std::string, uint64_t> pinned_bytes_by_job;  // by job id (muond_job_pinned_bytes)
+    std::map<std::string, uint64_t> region_bytes_by_job;  // all regions, locked or not
   };
   Usage usage() const;
   // The attached sessions' session ids by (job id, rank), for the status page (a rank attached

@@ -50,6 +50,8 @@ class MomentumStore {
     for (size_t m = 0; m < buffers_.arrays(); ++m) bytes += buffers_.pinned_bytes(m);
     return bytes;
   }
+  // Bytes held now by what they are for (StateBuffers::Held).
+  StateBuffers::Held held() const { return buffers_.held(); }
   // What the snapshots cost so far (see StateBuffers::SnapshotCost).
   StateBuffers::SnapshotCost snapshot_cost() const { return buffers_.snapshot_cost(); }
 

@@ -59,6 +59,8 @@ class ParamStore {
     uint64_t moments = 0;
   };
   Pinned pinned_bytes() const;
+  // Bytes held now by what they are for (StateBuffers::Held).
+  StateBuffers::Held held() const { return buffers_.held(); }
   // What the snapshots cost so far (see StateBuffers::SnapshotCost).
   StateBuffers::SnapshotCost snapshot_cost() const { return buffers_.snapshot_cost(); }
 

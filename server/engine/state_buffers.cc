@@ -35,6 +35,21 @@ uint64_t StateBuffers::pinned_bytes(size_t a) const {
   return bytes;
 }
 
+StateBuffers::Held StateBuffers::held() const {
+  absl::MutexLock lock(&mu_);
+  Held h;
+  auto bytes = [](const std::unique_ptr<Buffer>& b) -> uint64_t {
+    return b != nullptr ? b->n * sizeof(float) : 0;
+  };
+  for (size_t a = 0; a < numel_.size(); ++a) {
+    h.front += bytes(buf_[parity_][a]);
+    h.back += bytes(buf_[1 - parity_][a]);
+    h.spare += bytes(spare_[a]);
+    if (snapshot_ != nullptr) h.snapshot += bytes(snapshot_->handed[a]);
+  }
+  return h;
+}
+
 bool StateBuffers::SnapshotNeeds(size_t a, const Buffer& buffer) const {
   return snapshot_ != nullptr && !snapshot_->copied[a] && snapshot_->handed[a] == nullptr &&
          snapshot_->data[a] == buffer.data.get();

@@ -64,6 +64,16 @@ class StateBuffers {
   SnapshotCost snapshot_cost() const ABSL_LOCKS_EXCLUDED(mu_);
   // Bytes of array a's buffers (front, back and spare) registered (pinned) with the device.
   uint64_t pinned_bytes(size_t a) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Bytes held now, all arrays, by what they are for: the committed fronts, the backs the step in
+  // flight writes, spares kept for a later flip, and buffers handed to the snapshot of a save in
+  // progress (the committed state it still needs after a step or a change replaced it).
+  struct Held {
+    uint64_t front = 0;
+    uint64_t back = 0;
+    uint64_t spare = 0;
+    uint64_t snapshot = 0;
+  };
+  Held held() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Exclusive access for a change of the front, a flip, or the start of a snapshot.
   class ABSL_SCOPED_LOCKABLE Lock {

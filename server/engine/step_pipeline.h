@@ -99,6 +99,9 @@ class StepPipeline {
   uint64_t gather_in_use_bytes() const { return gather_in_use_bytes_.load(); }
   // Bytes of host staging registered (pinned) with the device, in the pool or in use.
   uint64_t pinned_staging_bytes() const ABSL_LOCKS_EXCLUDED(pool_mu_);
+  // Host bytes idle in the pools kept between batches and steps: staging, and the device buffers
+  // of a device without memory of its own (cpu, simulated).
+  uint64_t pooled_host_bytes() const ABSL_LOCKS_EXCLUDED(pool_mu_);
   // Newton-Schulz time by shape class and the orthogonality samples (step_observer.h).
   const StepObserver& observer() const { return observer_; }
 

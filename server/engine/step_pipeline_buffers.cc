@@ -78,6 +78,17 @@ uint64_t StepPipeline::pinned_staging_bytes() const {
   return bytes;
 }
 
+uint64_t StepPipeline::pooled_host_bytes() const {
+  const bool device_is_host = !devices_->device->DirectHostCopies();
+  absl::MutexLock lock(&pool_mu_);
+  uint64_t bytes = 0;
+  for (const auto& [n, v] : staging_pool_) bytes += n * sizeof(float);
+  if (device_is_host) {
+    for (const auto& [n, b] : device_pool_) bytes += n;
+  }
+  return bytes;
+}
+
 bool StepPipeline::StagingPinned(const float* data) {
   absl::MutexLock lock(&pool_mu_);
   return pinned_staging_.count(data) > 0;

@@ -4,6 +4,7 @@
 #include "server/jobs/job_impl.h"
 
 #include <algorithm>
+#include <atomic>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,10 +13,18 @@
 #include "common/logging.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "server/jobs/job_footprint.h"
+#include "server/optim/newton_schulz.h"
 #include "server/record/status_history.h"
 #include "server/record/status_progress.h"
 
 namespace muond::server {
+namespace {
+
+// Jobs alive in this process: each reports an equal share of the compute threads' scratch.
+std::atomic<uint64_t> g_jobs_alive{0};
+
+}  // namespace
 
 JobImpl::JobImpl(common::JobSpec spec, std::string token_sha256, JobOwner owner, JobParts parts)
     : spec_(std::move(spec)),
@@ -42,9 +51,11 @@ JobImpl::JobImpl(common::JobSpec spec, std::string token_sha256, JobOwner owner,
   lost_.resize(spec_.world_size);
   last_updates_.resize(spec_.world_size);
   cut_short_.resize(spec_.world_size);
+  g_jobs_alive.fetch_add(1);
 }
 
 JobImpl::~JobImpl() {
+  g_jobs_alive.fetch_sub(1);
   // A commit that raced the deletion may have recorded after MarkDeleted.
   StepHistory::Default().Forget(id(), created_unix_ms_);
 }
@@ -223,6 +234,44 @@ void JobImpl::ReportObservations(JobReport& r) const {
   }
 }
 
+void JobImpl::ReportMemory(JobReport& r) const {
+  const StateBuffers::Held held = params_ != nullptr ? params_->held() : momentum_.held();
+  JobMemory& m = r.memory;
+  m.state = held.front;
+  m.step_window = held.back + held.spare;
+  m.save_copy = held.snapshot;
+  m.gather = pipeline_.gather_in_use_bytes() + pipeline_.pooled_host_bytes();
+  // The footprint as admission measured it (a function of the spec and the budget in effect).
+  const auto footprint = MeasureJob(spec_, pipeline_.gather_budget_bytes());
+  if (footprint.ok()) r.footprint = footprint->kinds();
+  m.tables = r.footprint.tables;
+  m.scratch = internal::NewtonSchulzScratchBytes() / std::max<uint64_t>(1, g_jobs_alive.load());
+  absl::MutexLock lock(&mu_);
+  ReportHeldBuffers(m);
+}
+
+void JobImpl::ReportHeldBuffers(JobMemory& m) const {
+  auto strings = [](const std::vector<std::string>& v) {
+    uint64_t bytes = 0;
+    for (const std::string& s : v) bytes += s.capacity();
+    return bytes;
+  };
+  for (const auto& rank : input_pool_) m.buffers += strings(rank);
+  if (in_flight_ != nullptr) {
+    for (const RankInput& in : in_flight_->ranks) m.buffers += strings(in.owned);
+    for (const auto& out : in_flight_->outputs) {
+      if (out != nullptr) m.buffers += strings(out->storage);
+    }
+  }
+  for (const auto& last : last_updates_) {
+    if (last == nullptr) continue;
+    const bool current = in_flight_ != nullptr && std::any_of(in_flight_->outputs.begin(),
+                                                              in_flight_->outputs.end(),
+                                                              [&](const auto& o) { return o == last; });
+    if (!current) m.replay += strings(last->storage);
+  }
+}
+
 JobReport JobImpl::Report() const {
   JobReport r;
   r.spec = spec_;
@@ -241,6 +290,7 @@ JobReport JobImpl::Report() const {
   r.owner = owner_.description;
   r.step_timeout_seconds = static_cast<int32_t>(absl::ToInt64Seconds(step_timeout_));
   ReportObservations(r);
+  ReportMemory(r);
   absl::MutexLock lock(&mu_);
   if (in_flight_ != nullptr) r.matrices_waiting = in_flight_->ready.size();
   r.qk_heads_clipped = qk_heads_clipped_;

@@ -4,6 +4,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/shm_protocol.h"
+#include "common/status_macros.h"
+#include "server/optim/muon_math.h"
+#include "server/optim/newton_schulz.h"
 
 namespace muond::server {
 namespace {
@@ -23,6 +27,49 @@ bool MulAdd(uint64_t* acc, uint64_t a, uint64_t b) {
 
 absl::Status TooLarge(const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("the job's ", what, " overflows 64 bits"));
+}
+
+// The ranks' buffers and the replay copy (job_footprint.h). Per element the larger of its gradient
+// and update dtypes, four times: a shared-memory session's regions hold two buffers each of the
+// rank's larger layout (server/api/shm_attach.cc); per rank the step's hyper block and alignment
+// in each buffer, the ring, and each region's last page. U again for the replay copy.
+absl::Status MeasureBuffers(const common::JobSpec& spec, JobFootprint* f) {
+  const uint64_t world = static_cast<uint64_t>(spec.world_size);
+  uint64_t grad = 0, update = 0, wide = 0;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    const uint64_t n = static_cast<uint64_t>(m.numel());
+    const uint64_t g = common::DTypeSize(m.dtype);
+    const uint64_t u =
+        common::DTypeSize(spec.mode == common::JobMode::kApply ? m.param_dtype : m.dtype);
+    if (!MulAdd(&grad, n, g) || !MulAdd(&update, n, u) || !MulAdd(&wide, n, std::max(g, u))) {
+      return TooLarge("buffer byte count");
+    }
+  }
+  const uint64_t hyper =
+      common::shm::HyperBytes(spec.groups.size(), spec.matrices.size(), spec.qk_clip.logits());
+  const uint64_t per_rank = 4 * (hyper + 128) + common::shm::kRingBytes + 3 * 4096;
+  uint64_t buffers = 0;
+  if (!MulAdd(&grad, world, 64) || !MulAdd(&update, world, 64) || !MulAdd(&buffers, wide, 4) ||
+      !MulAdd(&buffers, world, per_rank) || !MulAdd(&f->step_bytes, buffers, 1) ||
+      !MulAdd(&f->step_bytes, update, 1)) {
+    return TooLarge("buffer byte count");
+  }
+  f->grad_bytes = grad;
+  f->update_bytes = update;
+  return absl::OkStatus();
+}
+
+// The compute thread's Newton-Schulz scratch for the job's Muon matrices: a call holds at most the
+// scratch budget, or its one largest matrix (server/optim/newton_schulz.h).
+uint64_t ScratchFor(const common::JobSpec& spec) {
+  uint64_t largest = 0, all = 0;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    if (m.optimizer == common::Optimizer::kAdamW) continue;
+    const uint64_t need = internal::ScratchPerMatrix(GeometryOf(m));
+    largest = std::max(largest, need);
+    all = std::min(all + need, internal::kNewtonSchulzScratchBytes);
+  }
+  return std::max(largest, all);
 }
 
 }  // namespace
@@ -67,28 +114,14 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
   if (!spec.transport_probe && !MulAdd(&f.state_bytes, arrays, sizeof(float))) {
     return TooLarge("state byte count");
   }
-  // The transients (job_footprint.h): B and U over every rank's spans (each element is in one
-  // rank's span), plus the stage 1/2 partitions' padding.
-  uint64_t grad = 0, update = 0;
-  for (const common::MatrixSpec& m : spec.matrices) {
-    const uint64_t n = static_cast<uint64_t>(m.numel());
-    const common::DType out =
-        spec.mode == common::JobMode::kApply ? m.param_dtype : m.dtype;
-    if (!MulAdd(&grad, n, common::DTypeSize(m.dtype)) ||
-        !MulAdd(&update, n, common::DTypeSize(out))) {
-      return TooLarge("buffer byte count");
-    }
-  }
-  if (!MulAdd(&grad, world, 64) || !MulAdd(&update, world, 64) ||
-      !MulAdd(&f.step_bytes, grad, 2) || !MulAdd(&f.step_bytes, update, 3)) {
-    return TooLarge("buffer byte count");
-  }
+  RETURN_IF_ERROR(MeasureBuffers(spec, &f));
   f.save_copy_bytes = f.state_bytes / 2;
   const uint64_t budget =
       spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : daemon_gather_budget_bytes;
   uint64_t whole = 0;
   if (!MulAdd(&whole, total, 8)) return TooLarge("gather byte count");
   f.gather_bytes = spec.transport_probe ? 0 : std::min(budget, whole);
+  if (!spec.transport_probe) f.scratch_bytes = ScratchFor(spec);
   if (!MulAdd(&f.table_bytes, f.spans, sizeof(int64_t)) ||  // progress words
       !MulAdd(&f.table_bytes, f.spans, kBytesPerSpan) ||
       !MulAdd(&f.table_bytes, world, kBytesPerRank) ||
@@ -96,6 +129,19 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
     return TooLarge("table byte count");
   }
   return f;
+}
+
+JobMemory JobFootprint::kinds() const {
+  JobMemory m;
+  m.state = state_bytes / 2;
+  m.step_window = state_bytes - m.state;
+  m.replay = update_bytes;
+  m.buffers = step_bytes - update_bytes;
+  m.save_copy = save_copy_bytes;
+  m.gather = gather_bytes;
+  m.tables = table_bytes;
+  m.scratch = scratch_bytes;
+  return m;
 }
 
 absl::Status CheckJobLimits(const common::JobSpec& spec, const JobFootprint& f,

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
+#include "server/jobs/job_report.h"
 #include "server/record/daemon_limits.h"
 
 namespace muond::server {
@@ -22,18 +23,28 @@ struct JobFootprint {
   // What the job's steps, sessions and saves hold beside its state, at most, all ranks together
   // (B: the ranks' gradient bytes, U: their update or new-parameter bytes):
   //  - per rank the larger of a shared-memory session's regions (two gradient and two update
-  //    buffers, mlocked; a session taken over releases its regions at once) plus the private copy
-  //    of the last update kept for a replay when the session ends (2B + 3U), and a gRPC rank's
-  //    input buffers, its update and the last update kept for a replay (B + 2U);
+  //    buffers, each as large as the larger of the rank's B and U, mlocked; a session taken over
+  //    releases its regions at once; plus its hyper block, alignment and ring) and a gRPC rank's
+  //    input buffers and update (B + U); and the private copy of the last update kept for a
+  //    replay (U);
   //  - the copy of the committed state a save may take when a step commits while it writes
   //    (state_bytes / 2);
   //  - the whole matrices assembled at once: the gather budget, at most 8 bytes per element.
-  uint64_t step_bytes = 0;     // 2B + 3U
+  uint64_t step_bytes = 0;     // the buffers (4 x the larger of B and U, per rank more) + U
+  uint64_t grad_bytes = 0;     // B
+  uint64_t update_bytes = 0;   // U
   uint64_t save_copy_bytes = 0;
   uint64_t gather_bytes = 0;
+  // The compute thread's Newton-Schulz scratch for the job's largest call (shared by all jobs:
+  // the thread keeps its largest; counted per job so that admission never undercounts it).
+  uint64_t scratch_bytes = 0;
   uint64_t total() const {
-    return state_bytes + table_bytes + step_bytes + save_copy_bytes + gather_bytes;
+    return state_bytes + table_bytes + step_bytes + save_copy_bytes + gather_bytes +
+           scratch_bytes;
   }
+  // The same bytes by kind (JobMemory, job_report.h): the state's two buffers are the committed
+  // state and the step window; the step's 2B + 3U are the buffers (2B + 2U) and the replay (U).
+  JobMemory kinds() const;
 };
 
 // Overflow-checked. INVALID_ARGUMENT when a count is beyond what any limit could allow.

@@ -176,6 +176,10 @@ class JobImpl final : public Job,
   // The report's pipeline pressure, pinned memory, Newton-Schulz times, orthogonality and trainer
   // times (each source takes its own lock; not the job's).
   void ReportObservations(JobReport& r) const;
+  // r.memory and r.footprint (job_report.h): the state stores, the pipeline's gather and pools
+  // (without the lock), then the gRPC ranks' buffers and the replay copies (under it).
+  void ReportMemory(JobReport& r) const ABSL_LOCKS_EXCLUDED(mu_);
+  void ReportHeldBuffers(JobMemory& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The step's results go to its ranks now: starts timing their delivery (trainer_clock.h).
   // REQUIRES: before the shared-memory ranks' completions are posted.
   void ReleaseResults(const StepState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

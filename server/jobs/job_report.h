@@ -6,11 +6,37 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/job_spec.h"
 
 namespace muond::server {
+
+// Host bytes of a job by what they are for (muonctl job show, the status page,
+// muond_job_memory_bytes{muond_job,kind}). A report holds two: what the job holds now, and what
+// admission reserved for it (its JobFootprint, server/jobs/job_footprint.h).
+struct JobMemory {
+  uint64_t state = 0;        // the committed state: fp32 masters, momentum, AdamW moments
+  uint64_t step_window = 0;  // where steps write the next state before their commit
+  uint64_t buffers = 0;      // the ranks' gradient and update buffers (shared regions, gRPC input)
+  uint64_t replay = 0;       // private copies of the last committed update, for replays
+  uint64_t save_copy = 0;    // committed state a save in progress still needs after a change
+  uint64_t gather = 0;       // whole matrices assembled for the device, and the buffers kept for it
+  uint64_t tables = 0;       // layout and step bookkeeping (an upper bound, not measured)
+  // The job's share of the Newton-Schulz scratch the compute threads keep (all jobs' scratch over
+  // the number of jobs; sized by the largest batch so far, which the gather budget bounds).
+  uint64_t scratch = 0;
+  uint64_t total() const {
+    return state + step_window + buffers + replay + save_copy + gather + tables + scratch;
+  }
+};
+// The kinds by name (the `kind` label and the report's keys), in report order.
+inline std::vector<std::pair<const char*, uint64_t>> MemoryKinds(const JobMemory& m) {
+  return {{"state", m.state},     {"step_window", m.step_window}, {"buffers", m.buffers},
+          {"replay", m.replay},   {"save_copy", m.save_copy},     {"gather", m.gather},
+          {"tables", m.tables},   {"scratch", m.scratch}};
+}
 
 struct RankReport {
   int rank = 0;
@@ -52,6 +78,12 @@ struct JobReport {
   std::optional<int64_t> step_in_flight;
   std::optional<int64_t> step_prepared;  // two-phase jobs: computed, awaiting commit or abort
   std::vector<RankReport> ranks;
+
+  // Host bytes by kind: held now, and reserved at admission. `memory.buffers` counts gRPC ranks'
+  // input only: the shared-memory sessions' regions are the shared-memory server's, and whoever
+  // reports them (the API, the status page, the collector) adds them there.
+  JobMemory memory;
+  JobMemory footprint;
 
   // What operators see beyond the counters (server/engine/step_observer.h, trainer_clock.h).
   uint64_t matrices_waiting = 0;  // complete matrices of the step in flight not yet on the device

@@ -117,6 +117,17 @@ Json ObservationsJson(const JobReport& r, uint64_t session_region_bytes) {
   return o;
 }
 
+// Host bytes by kind (job_report.h): held now and reserved at admission.
+Json MemoryJson(const JobReport& r) {
+  Json m = Json::object();
+  const auto held = MemoryKinds(r.memory);
+  const auto footprint = MemoryKinds(r.footprint);
+  for (size_t k = 0; k < held.size(); ++k) {
+    m[held[k].first] = {{"bytes", held[k].second}, {"footprint_bytes", footprint[k].second}};
+  }
+  return m;
+}
+
 Json JobJson(const JobReport& r, const SharedSessions& shared, uint64_t session_region_bytes,
              int64_t now_ms) {
   const bool apply = r.spec.mode == common::JobMode::kApply;
@@ -141,6 +152,9 @@ Json JobJson(const JobReport& r, const SharedSessions& shared, uint64_t session_
             {"fence_reason", r.fence_reason},
             {"state_bytes", r.momentum_bytes},
             {"state_kind", apply ? "masters + optimizer state" : "momentum"},
+            {"memory", MemoryJson(r)},
+            {"memory_bytes", r.memory.total()},
+            {"footprint_bytes", r.footprint.total()},
             {"checkpoint", nullptr},
             {"recent_steps", RecentStepsJson(r.spec.job_id)},
             {"optimizer", ObservationsJson(r, session_region_bytes)}};
@@ -188,13 +202,17 @@ std::string StatusSource::Render() const {
   }
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
   const SharedSessions shared = shm_ != nullptr ? shm_->shared_sessions() : SharedSessions();
-  const std::map<std::string, uint64_t> regions =
-      shm_ != nullptr ? shm_->usage().pinned_bytes_by_job : std::map<std::string, uint64_t>();
+  const ShmServer::Usage usage = shm_ != nullptr ? shm_->usage() : ShmServer::Usage();
+  const std::map<std::string, uint64_t>& regions = usage.pinned_bytes_by_job;
   Json jobs = Json::array();
   std::set<std::string> present;
   for (const auto& job : jobs_->List()) {
-    const JobReport r = job->Report();
+    JobReport r = job->Report();
     present.insert(r.spec.job_id);
+    if (const auto all = usage.region_bytes_by_job.find(r.spec.job_id);
+        all != usage.region_bytes_by_job.end()) {
+      r.memory.buffers += all->second;
+    }
     const auto region = regions.find(r.spec.job_id);
     jobs.push_back(
         JobJson(r, shared, region != regions.end() ? region->second : uint64_t{0}, now_ms));

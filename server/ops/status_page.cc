@@ -140,6 +140,15 @@ function ranksText(job) {
   return job.ranks_attached + ' / ' + job.world_size + (parts.length ? ' (' + parts.join(', ') + ')' : '');
 }
 
+// Host bytes by kind, held now (README, "Memory"); kinds holding nothing are left out.
+function memoryText(memory) {
+  var parts = [];
+  Object.keys(memory).forEach(function (kind) {
+    if (memory[kind].bytes > 0) parts.push(kind.replace('_', ' ') + ' ' + bytes(memory[kind].bytes));
+  });
+  return parts.join(', ');
+}
+
 function renderJobs(s) {
   var tbody = clear(document.querySelector('#jobs tbody'));
   if (!s.jobs.length) tbody.appendChild(el('tr', {}, '')).appendChild(el('td', {colspan: '9', 'class': 'empty'}, 'no jobs'));
@@ -155,7 +164,10 @@ function renderJobs(s) {
     state.appendChild(el('span', {'class': j.fenced ? 'badge bad' : 'badge ok'}, j.fenced ? 'fenced' : 'serving'));
     if (j.fenced) state.appendChild(el('div', {}, j.fence_reason));
     tr.appendChild(state);
-    tr.appendChild(el('td', {}, bytes(j.state_bytes) + ' ' + j.state_kind));
+    var held = el('td', {}, bytes(j.state_bytes) + ' ' + j.state_kind);
+    held.appendChild(el('div', {'class': 'memory'}, 'host ' + bytes(j.memory_bytes) + ' of ' +
+                        bytes(j.footprint_bytes) + ' reserved: ' + memoryText(j.memory)));
+    tr.appendChild(held);
     tr.appendChild(el('td', {}, j.checkpoint ? 'step ' + j.checkpoint.step + ', ' + dur(j.checkpoint.age_seconds) + ' ago' : 'none'));
     tbody.appendChild(tr);
   });

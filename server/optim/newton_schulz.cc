@@ -339,15 +339,55 @@ absl::Status PooledNewtonSchulz(const MuonConfig& config, const NsGroup* groups,
 
 }  // namespace
 
-absl::Status ScaledNewtonSchulzGroups(const MuonConfig& config, const NsGroup* groups, size_t count,
-                                      size_t* failed) {
-  *failed = kNoGroup;
+namespace {
+
+}  // namespace
+
+uint64_t ScratchPerMatrix(const MatrixGeometry& geometry) {
+  const uint64_t m = static_cast<uint64_t>(std::min(geometry.rows, geometry.cols));
+  const uint64_t n = static_cast<uint64_t>(std::max(geometry.rows, geometry.cols));
+  return static_cast<uint64_t>(geometry.batch) * (2 * m * n + 2 * m * m) * sizeof(float);
+}
+
+namespace {
+
+// One call's groups: pieces of the caller's groups (same xs, a run of their matrices) and, per
+// piece, the caller's group index.
+struct ScratchChunk {
+  std::vector<NsGroup> groups;
+  std::vector<size_t> origin;
+};
+
+// The groups cut into calls of at most kNewtonSchulzScratchBytes of scratch each (a matrix that
+// needs more goes alone), in order.
+std::vector<ScratchChunk> ChunkByScratch(const NsGroup* groups, size_t count) {
+  std::vector<ScratchChunk> chunks(1);
+  uint64_t used = 0;
   for (size_t g = 0; g < count; ++g) {
-    if (absl::Status s = CheckArguments(config, groups[g].geometry); !s.ok()) {
-      *failed = g;
-      return s;
+    const uint64_t per = std::max<uint64_t>(1, ScratchPerMatrix(groups[g].geometry));
+    size_t done = 0;
+    while (done < groups[g].count) {
+      if (used + per > kNewtonSchulzScratchBytes && !chunks.back().groups.empty()) {
+        chunks.emplace_back();
+        used = 0;
+      }
+      const uint64_t room = kNewtonSchulzScratchBytes > used ? kNewtonSchulzScratchBytes - used : 0;
+      const size_t take = std::min<size_t>(groups[g].count - done, std::max<uint64_t>(1, room / per));
+      NsGroup piece = groups[g];
+      piece.count = take;
+      piece.xs = groups[g].xs + done;
+      chunks.back().groups.push_back(piece);
+      chunks.back().origin.push_back(g);
+      used += take * per;
+      done += take;
     }
   }
+  return chunks;
+}
+
+// ScaledNewtonSchulzGroups on one chunk (the caller bounded its scratch).
+absl::Status NewtonSchulzChunk(const MuonConfig& config, const NsGroup* groups, size_t count,
+                               size_t* failed) {
   if (!Pooled(config)) {
     for (size_t g = 0; g < count; ++g) {
       absl::Status s = ScaledNewtonSchulzMany(config, groups[g].geometry, groups[g].count,
@@ -360,6 +400,31 @@ absl::Status ScaledNewtonSchulzGroups(const MuonConfig& config, const NsGroup* g
     return absl::OkStatus();
   }
   return PooledNewtonSchulz(config, groups, count, failed);
+}
+
+}  // namespace
+
+absl::Status ScaledNewtonSchulzGroups(const MuonConfig& config, const NsGroup* groups, size_t count,
+                                      size_t* failed) {
+  *failed = kNoGroup;
+  for (size_t g = 0; g < count; ++g) {
+    if (absl::Status s = CheckArguments(config, groups[g].geometry); !s.ok()) {
+      *failed = g;
+      return s;
+    }
+  }
+  // Each block's bits are those of a call on it alone (ScaledNewtonSchulzMany), so the cut
+  // changes no result; it bounds the scratch the compute thread keeps by the budget, not by the
+  // batch (which the gather budget bounds: up to the whole model).
+  for (const ScratchChunk& chunk : ChunkByScratch(groups, count)) {
+    size_t piece = kNoGroup;
+    absl::Status s = NewtonSchulzChunk(config, chunk.groups.data(), chunk.groups.size(), &piece);
+    if (!s.ok()) {
+      *failed = piece == kNoGroup ? kNoGroup : chunk.origin[piece];
+      return s;
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ScaledNewtonSchulz(const MuonConfig& config, MatrixGeometry geometry, double scale,

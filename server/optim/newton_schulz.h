@@ -11,6 +11,19 @@
 
 namespace muond::server::internal {
 
+// The most scratch one ScaledNewtonSchulzGroups call holds (a matrix that needs more is computed
+// alone): the calling thread keeps its scratch between calls (ns_batched_math.h), so this, not the
+// batch, bounds it. 64 MiB: one 2048 x 2048 matrix in fp32, or 64 of 256 x 256.
+inline constexpr uint64_t kNewtonSchulzScratchBytes = uint64_t{64} << 20;
+
+// Scratch one matrix of `geometry` needs at most (fp32 storage): X and the next X ([b, m, n]),
+// and A and P ([b, m, m]).
+uint64_t ScratchPerMatrix(const MatrixGeometry& geometry);
+
+// Bytes of Newton-Schulz scratch the compute threads keep between calls (each thread its largest
+// batch so far, all jobs together; ns_batched_math.h's ScratchTensor).
+uint64_t NewtonSchulzScratchBytes();
+
 // NewtonSchulz of muon_math.h followed by `x *= scale` (fused into the write-back of the result,
 // so the caller's buffer is not swept twice). REQUIRES: geometry dims >= 1, x holds
 // batch*rows*cols floats. INVALID_ARGUMENT if the result is not finite; INTERNAL naming the

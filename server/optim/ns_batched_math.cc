@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 
 #include "server/optim/ns_layout.h"
@@ -25,14 +26,29 @@ bool SmallPerBlock(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
+// Bytes of every thread's kept scratch (NewtonSchulzScratchBytes).
+std::atomic<uint64_t> g_scratch_bytes{0};
+
+// A thread's kept tensors; their bytes leave the count when the thread ends.
+struct KeptScratch {
+  std::array<at::Tensor, static_cast<size_t>(Scratch::kCount)> tensors;
+  ~KeptScratch() {
+    for (const at::Tensor& t : tensors) {
+      if (t.defined()) g_scratch_bytes.fetch_sub(static_cast<uint64_t>(t.numel()));
+    }
+  }
+};
+
 at::Tensor ScratchTensor(Scratch kind, at::IntArrayRef sizes, at::ScalarType dtype) {
-  thread_local std::array<at::Tensor, static_cast<size_t>(Scratch::kCount)> kept;
-  at::Tensor& t = kept[static_cast<size_t>(kind)];
+  thread_local KeptScratch kept;
+  at::Tensor& t = kept.tensors[static_cast<size_t>(kind)];
   int64_t numel = 1;
   for (int64_t d : sizes) numel *= d;
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
   if (!t.defined() || t.numel() < bytes) {
+    const uint64_t old = t.defined() ? static_cast<uint64_t>(t.numel()) : 0;
     t = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+    g_scratch_bytes.fetch_add(static_cast<uint64_t>(bytes) - old);
   }
   return t.narrow(0, 0, bytes).view(dtype).view(sizes);
 }
@@ -131,5 +147,7 @@ at::Tensor BatchedMath::ToCompute(const char* op, const at::Tensor& t) {
   RoundToCompute(out);
   return out;
 }
+
+uint64_t NewtonSchulzScratchBytes() { return g_scratch_bytes.load(); }
 
 }  // namespace muond::server::internal

@@ -66,16 +66,25 @@ struct Families {
         MustRegister(r.AddGauge("muond_job_pinned_bytes",
                                 "Host memory the job holds pinned (locked, registered with the "
                                 "device), by kind."));
+    memory = MustRegister(r.AddGauge(
+        "muond_job_memory_bytes",
+        "Host memory the job holds now, by kind: state, step_window, buffers, replay, save_copy, "
+        "gather, tables (README, Memory)."));
+    footprint = MustRegister(
+        r.AddGauge("muond_job_footprint_bytes",
+                   "Host memory admission reserved for the job (its footprint, all kinds)."));
   }
 
   Family<Histogram>*newton_schulz, *visible, *wait;
-  Family<Gauge>*orthogonality, *waiting, *gather_in_use, *pinned, *qk_max_logit;
+  Family<Gauge>*orthogonality, *waiting, *gather_in_use, *pinned, *qk_max_logit, *memory,
+      *footprint;
   Family<Counter>*orthogonality_seconds, *orthogonality_checks, *qk_clipped;
   absl::Mutex mu;
   // Per job, the label sets of its Newton-Schulz series (their number is bounded by the job's
   // shape classes).
   std::map<std::string, std::vector<Labels>> shapes ABSL_GUARDED_BY(mu);
   std::set<std::string> jobs ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::set<std::string>> memory_kinds ABSL_GUARDED_BY(mu);  // per job
 };
 
 Families& F() {
@@ -149,6 +158,11 @@ void SetJobPressure(const std::string& job, const JobPressure& p) {
     f.pinned->Add({{kJobLabel, job}, {"kind", kPinnedKinds[k]}})
         .Set(static_cast<double>(pinned[k]));
   }
+  for (const auto& [kind, bytes] : p.memory) {
+    f.memory_kinds[job].insert(kind);
+    f.memory->Add({{kJobLabel, job}, {"kind", kind}}).Set(static_cast<double>(bytes));
+  }
+  f.footprint->Add(labels).Set(static_cast<double>(p.footprint_bytes));
 }
 
 void RemoveJobsNotIn(const std::set<std::string>& present) {
@@ -161,7 +175,8 @@ void RemoveJobsNotIn(const std::set<std::string>& present) {
       continue;
     }
     const Labels labels{{kJobLabel, job}};
-    for (Family<Gauge>* g : {f.orthogonality, f.waiting, f.gather_in_use, f.qk_max_logit}) {
+    for (Family<Gauge>* g :
+         {f.orthogonality, f.waiting, f.gather_in_use, f.qk_max_logit, f.footprint}) {
       RemoveSeries(g, labels);
     }
     for (Family<Counter>* c : {f.orthogonality_seconds, f.orthogonality_checks, f.qk_clipped}) {
@@ -171,6 +186,10 @@ void RemoveJobsNotIn(const std::set<std::string>& present) {
     RemoveSeries(f.wait, labels);
     for (const char* kind : kPinnedKinds)
       RemoveSeries(f.pinned, {{kJobLabel, job}, {"kind", kind}});
+    for (const std::string& kind : f.memory_kinds[job]) {
+      RemoveSeries(f.memory, {{kJobLabel, job}, {"kind", kind}});
+    }
+    f.memory_kinds.erase(job);
     for (const Labels& l : f.shapes[job]) RemoveSeries(f.newton_schulz, l);
     f.shapes.erase(job);
     it = f.jobs.erase(it);

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace muond::server {
 
@@ -49,8 +51,13 @@ struct JobPressure {
   uint64_t moments_bytes = 0;         // apply mode's AdamW m and v
   uint64_t session_region_bytes = 0;  // the job's shared-memory sessions' regions (mlock)
   uint64_t staging_bytes = 0;         // the pipeline's staging registered with the device
+  // Host bytes the job holds by kind (server/jobs/job_report.h's JobMemory: the names and bytes),
+  // and what admission reserved for it, all kinds.
+  std::vector<std::pair<std::string, uint64_t>> memory;
+  uint64_t footprint_bytes = 0;
 };
-// muond_job_matrices_waiting, muond_job_gather_in_use_bytes and muond_job_pinned_bytes{kind}.
+// muond_job_matrices_waiting, muond_job_gather_in_use_bytes, muond_job_pinned_bytes{kind},
+// muond_job_memory_bytes{kind} and muond_job_footprint_bytes.
 void SetJobPressure(const std::string& job, const JobPressure& pressure);
 
 // Removes every series of this file of the jobs not in `present`.

@@ -3,6 +3,7 @@
 // matrices, so --max-state-bytes bounds all of it.
 #include "server/jobs/job_footprint.h"
 
+#include "common/shm_protocol.h"
 #include "gtest/gtest.h"
 
 namespace muond::server {
@@ -29,14 +30,23 @@ TEST(JobFootprintTest, CountsStepBuffersRegionsSaveCopyAndGather) {
   ASSERT_TRUE(f.ok()) << f.status();
   // Update mode: the fp32 momentum twice.
   EXPECT_EQ(f->state_bytes, (n_a + n_b) * 4 * 2);
-  // B = U = the gradients' bytes in their dtypes (+ 64 bytes of padding per rank): 2B + 3U.
+  // B = U = the gradients' bytes in their dtypes (+ 64 bytes of padding per rank): the regions'
+  // four buffers, each rank's hyper block, ring and pages, and the replay copy.
   const uint64_t b = n_a * 4 + n_b * 2 + 2 * 64;
-  EXPECT_EQ(f->step_bytes, 5 * b);
+  const uint64_t per_rank =
+      4 * (common::shm::HyperBytes(spec.groups.size(), 2) + 128) + common::shm::kRingBytes + 3 * 4096;
+  EXPECT_EQ(f->step_bytes, 4 * (b - 2 * 64) + 2 * per_rank + b);
   EXPECT_EQ(f->save_copy_bytes, f->state_bytes / 2);
   // The gather budget is larger than every matrix assembled at once (8 bytes per element).
   EXPECT_EQ(f->gather_bytes, (n_a + n_b) * 8);
+  // Newton-Schulz scratch: both matrices fit the scratch budget: X, next X, A and P in fp32.
+  EXPECT_EQ(f->scratch_bytes, (2 * n_a + 2 * 128 * 128 + 2 * n_b + 2 * 128 * 128) * 4);
   EXPECT_EQ(f->total(), f->state_bytes + f->table_bytes + f->step_bytes + f->save_copy_bytes +
-                            f->gather_bytes);
+                            f->gather_bytes + f->scratch_bytes);
+  const JobMemory kinds = f->kinds();
+  EXPECT_EQ(kinds.total(), f->total()) << "the kinds are the footprint, split";
+  EXPECT_EQ(kinds.state, kinds.step_window);
+  EXPECT_EQ(kinds.replay, n_a * 4 + n_b * 2 + 2 * 64);
   // A job's own budget below that bounds the gathered bytes.
   spec.gather_budget_bytes = 4096;
   f = MeasureJob(spec, uint64_t{1} << 30);
@@ -54,8 +64,12 @@ TEST(JobFootprintTest, ApplyModeBuffersAreInTheParamDtype) {
   spec.matrices = {w};
   auto f = MeasureJob(spec, 0);
   ASSERT_TRUE(f.ok()) << f.status();
-  const uint64_t b = 64 * 64 * 4 + 64, u = 64 * 64 * 2 + 64;
-  EXPECT_EQ(f->step_bytes, 2 * b + 3 * u);
+  // Gradients fp32, updates (new parameters) bf16: each region buffer holds the larger.
+  const uint64_t u = 64 * 64 * 2 + 64;
+  const uint64_t per_rank =
+      4 * (common::shm::HyperBytes(spec.groups.size(), 1) + 128) + common::shm::kRingBytes + 3 * 4096;
+  EXPECT_EQ(f->step_bytes, 4 * 64 * 64 * 4 + per_rank + u);
+  EXPECT_EQ(f->kinds().replay, u);
   EXPECT_EQ(f->gather_bytes, 0u) << "no budget given: none counted";
 }
 

@@ -1,0 +1,129 @@
+#!/usr/bin/python3
+"""Every byte a job holds is accounted (README, "Memory"): a real nn.Module (bf16 Linear layers,
+Muon, and a LayerNorm, AdamW) trained by MuonWithAuxAdam in apply and update mode over shared
+memory, streaming during backward with buckets of one layer. After three steps:
+
+- the per-kind bytes muond reports (`muonctl job show`: state, step_window, buffers, replay,
+  save_copy, gather, tables) add up to muond's measured resident growth since before the job
+  (VmRSS, heap trimmed) within 10 %;
+- what muond holds of each kind is at most what admission reserved for it (the footprint);
+- and the kinds that do not depend on saves, replays or how many matrices were assembled at once
+  (state, step window, buffers, scratch) are what admission reserved, the buffers to their last
+  pages and alignment: the footprint is what the job holds.
+
+Usage: job_memory_test.py MUOND_BIN LIBMUOND_CLIENT
+"""
+import os
+import subprocess
+import sys
+import time
+import unittest
+
+MUOND, LIB = sys.argv[1], sys.argv[2]
+os.environ["MUOND_CLIENT_LIB"] = LIB
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from apply_harness import DaemonTest  # noqa: E402
+
+DaemonTest.muond = MUOND
+MUONCTL = os.path.join(os.path.dirname(os.path.abspath(MUOND)), "muonctl")
+WIDTH, LAYERS, STEPS = 1024, 8, 3
+MIB = 1 << 20
+
+
+def status_bytes(pid, field):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+
+
+def job_memory(address, job_id, token):
+    """{kind: (bytes held, footprint bytes)} from `muonctl job show`."""
+    out = subprocess.run([MUONCTL, "--address", address, "job", "show", "--job", job_id],
+                         check=True, capture_output=True, text=True,
+                         env=dict(os.environ, MUOND_JOB_TOKEN=token)).stdout
+    kinds = {}
+    for line in out.splitlines():
+        if not line.startswith("memory: "):
+            continue
+        kind, held, footprint = line[len("memory: "):].split()
+        kinds[kind] = (int(held.split("=")[1]), int(footprint.split("=")[1]))
+    return kinds
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS))
+        self.norm = torch.nn.LayerNorm(WIDTH)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.norm(x)
+
+
+class JobMemoryCheck:
+    """Each mode in a daemon of its own (its growth is the job's, not an earlier job's reuse)."""
+
+    def train(self, mode, job_id):
+        from muon_offload import MuonWithAuxAdam
+        torch.manual_seed(0)
+        model = Model().to(torch.bfloat16)
+        muon = [p for p in model.layers.parameters()]
+        opt = MuonWithAuxAdam([dict(params=muon, use_muon=True, lr=0.02),
+                               dict(params=list(model.norm.parameters()), use_muon=False,
+                                    lr=1e-3)],
+                              address=self.daemon.address, job_id=job_id, mode=mode,
+                              transport="shm", stream=True,
+                              bucket_bytes=WIDTH * WIDTH * 2)
+        x = torch.randn(16, WIDTH, dtype=torch.bfloat16)
+        for _ in range(STEPS):
+            opt.zero_grad()
+            model(x).float().square().mean().backward()
+            opt.step()
+        return opt
+
+    def check(self, mode):
+        pid = self.daemon.proc.pid
+        before = status_bytes(pid, "VmRSS")
+        job_id = f"memory-{mode}"
+        opt = self.train(mode, job_id)
+        time.sleep(0.5)  # the heap trimmer runs once no step is in flight
+        growth = status_bytes(pid, "VmRSS") - before
+        kinds = job_memory(self.daemon.address, job_id, opt._job.token)
+        held = sum(h for h, _ in kinds.values())
+        footprint = sum(f for _, f in kinds.values())
+        table = ", ".join(f"{k} {h / MIB:.1f}/{f / MIB:.1f}" for k, (h, f) in kinds.items())
+        print(f"\n  {mode}: muond resident growth {growth / MIB:.1f} MiB; held {held / MIB:.1f} "
+              f"MiB, footprint {footprint / MIB:.1f} MiB (kind held/footprint MiB: {table})",
+              file=sys.stderr)
+        self.assertEqual(set(kinds), {"state", "step_window", "buffers", "replay", "save_copy",
+                                      "gather", "tables", "scratch"})
+        self.assertLessEqual(abs(held - growth), 0.10 * growth,
+                             f"{mode}: held {held} against resident growth {growth}")
+        for kind, (h, f) in kinds.items():
+            self.assertLessEqual(h, f, f"{mode}: {kind} holds more than admission reserved")
+        for kind in ("state", "step_window", "scratch"):
+            self.assertEqual(kinds[kind][0], kinds[kind][1], f"{mode}: {kind}")
+        self.assertGreaterEqual(kinds["buffers"][0], 0.999 * kinds["buffers"][1], mode)
+        opt.close(delete_job=True)
+
+
+class ApplyModeMemoryTest(JobMemoryCheck, DaemonTest):
+    def test_apply_mode_bytes_are_accounted(self):
+        self.check("apply")
+
+
+class UpdateModeMemoryTest(JobMemoryCheck, DaemonTest):
+    def test_update_mode_bytes_are_accounted(self):
+        self.check("update")
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]] + sys.argv[3:], verbosity=2)
