@@ -1,0 +1,127 @@
+// See state_codec.h.
+#include "server/optim/state_codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "server/optim/muon_math.h"
+
+namespace muond::server {
+namespace {
+
+uint16_t ToBf16(float x) {
+  uint32_t u = 0;
+  std::memcpy(&u, &x, sizeof(u));
+  if (std::isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x40);  // stays a (quiet) NaN
+  u += 0x7FFF + ((u >> 16) & 1);  // nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float FromBf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float x = 0;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
+// One block of signed linear int8.
+void EncodeLinearBlock(const float* x, size_t n, int8_t* q, float* scale) {
+  float absmax = 0;
+  for (size_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(x[i]));
+  const float s = absmax / 127.0f;
+  *scale = s;
+  if (s == 0) {  // zeros (or an absmax so small that its scale underflows): codes 0
+    std::fill(q, q + n, int8_t{0});
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    // The default rounding mode: ties to even. A NaN (an infinite input) becomes 0, never UB.
+    const float r = std::nearbyint(x[i] / s);
+    q[i] = static_cast<int8_t>(r >= 127.0f ? 127.0f : r <= -127.0f ? -127.0f : r == r ? r : 0.0f);
+  }
+}
+
+void DecodeLinearBlock(const int8_t* q, float scale, size_t n, float* x) {
+  for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(q[i]) * scale;
+}
+
+constexpr float kLogSteps = 16.0f;  // codes per octave
+
+void EncodeLogBlock(const float* x, size_t n, uint8_t* q, float* scale) {
+  float top = 0;
+  for (size_t i = 0; i < n; ++i) top = std::max(top, x[i]);
+  *scale = top;
+  for (size_t i = 0; i < n; ++i) {
+    if (!(x[i] > 0) || top == 0) {
+      q[i] = 0;
+      continue;
+    }
+    const float k = std::nearbyint(255.0f + kLogSteps * std::log2(x[i] / top));
+    q[i] = static_cast<uint8_t>(k >= 255.0f ? 255.0f : k >= 1.0f ? k : 1.0f);  // NaN: 1
+  }
+}
+
+void DecodeLogBlock(const uint8_t* q, float scale, size_t n, float* x) {
+  for (size_t i = 0; i < n; ++i) {
+    x[i] = q[i] == 0 ? 0.0f
+                     : scale * std::exp2((static_cast<float>(q[i]) - 255.0f) / kLogSteps);
+  }
+}
+
+}  // namespace
+
+void EncodeBf16(const float* x, size_t n, uint16_t* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = ToBf16(x[i]);
+}
+
+void DecodeBf16(const uint16_t* in, size_t n, float* x) {
+  for (size_t i = 0; i < n; ++i) x[i] = FromBf16(in[i]);
+}
+
+void EncodeLinearInt8(const float* x, size_t n, int8_t* q, float* scales) {
+  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) {
+    EncodeLinearBlock(x + i, std::min(kStateBlock, n - i), q + i, scales + b);
+  }
+}
+
+void DecodeLinearInt8(const int8_t* q, const float* scales, size_t n, float* x) {
+  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) {
+    DecodeLinearBlock(q + i, scales[b], std::min(kStateBlock, n - i), x + i);
+  }
+}
+
+void EncodeLogInt8(const float* x, size_t n, uint8_t* q, float* scales) {
+  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) {
+    EncodeLogBlock(x + i, std::min(kStateBlock, n - i), q + i, scales + b);
+  }
+}
+
+void DecodeLogInt8(const uint8_t* q, const float* scales, size_t n, float* x) {
+  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) {
+    DecodeLogBlock(q + i, scales[b], std::min(kStateBlock, n - i), x + i);
+  }
+}
+
+void MomentumStepBf16(const common::MuonConfig& config, const float* grad, const uint16_t* in,
+                      size_t n, float* momentum, uint16_t* out) {
+  for (size_t i = 0; i < n; i += kStateBlock) {
+    const size_t len = std::min(kStateBlock, n - i);
+    DecodeBf16(in + i, len, momentum + i);
+    ApplyMomentum(config, grad + i, momentum + i, len);
+    EncodeBf16(momentum + i, len, out + i);
+  }
+}
+
+void MomentumStepInt8(const common::MuonConfig& config, const float* grad, const int8_t* q_in,
+                      const float* scales_in, size_t n, float* momentum, int8_t* q_out,
+                      float* scales_out) {
+  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) {
+    const size_t len = std::min(kStateBlock, n - i);
+    DecodeLinearBlock(q_in + i, scales_in[b], len, momentum + i);
+    ApplyMomentum(config, grad + i, momentum + i, len);
+    EncodeLinearBlock(momentum + i, len, q_out + i, scales_out + b);
+  }
+}
+
+}  // namespace muond::server

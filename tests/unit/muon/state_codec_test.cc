@@ -1,0 +1,197 @@
+// Compressed optimizer state (server/optim/state_codec.h) against a float64 evaluation of its
+// definition: block scales, codes, rounding ties, zero, all-equal and tiny blocks, a partial last
+// block, the fused momentum step, and that no finite input ever yields a NaN.
+#include "server/optim/state_codec.h"
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/optim/muon_math.h"
+
+namespace muond::server {
+namespace {
+
+// A tensor spanning 3 blocks and a partial one; values over several orders of magnitude.
+std::vector<float> Values(size_t n, uint32_t seed, double spread = 6.0) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> exponent(-spread, 0.0);
+  std::vector<float> x(n);
+  for (float& v : x) v = static_cast<float>(normal(rng) * std::pow(10.0, exponent(rng)));
+  return x;
+}
+
+// float64 reference of the signed linear code of one element (DESIGN.md 4): the block's scale
+// absmax / 127, then nearest even, clamped.
+struct LinearRef {
+  std::vector<double> scales;
+  std::vector<double> decoded;
+};
+
+LinearRef LinearReference(const std::vector<float>& x) {
+  LinearRef ref;
+  for (size_t i = 0; i < x.size(); i += kStateBlock) {
+    const size_t end = std::min(x.size(), i + kStateBlock);
+    double absmax = 0;
+    for (size_t k = i; k < end; ++k) absmax = std::max(absmax, std::fabs(double(x[k])));
+    const double s = absmax / 127.0;
+    ref.scales.push_back(s);
+    for (size_t k = i; k < end; ++k) {
+      const double q = s == 0 ? 0 : std::clamp(std::nearbyint(double(x[k]) / s), -127.0, 127.0);
+      ref.decoded.push_back(q * s);
+    }
+  }
+  return ref;
+}
+
+TEST(StateCodecTest, BytesPerElement) {
+  EXPECT_EQ(StateBytes(StateDType::kFloat32, 5000), 20000u);
+  EXPECT_EQ(StateBytes(StateDType::kBFloat16, 5000), 10000u);
+  EXPECT_EQ(StateBytes(StateDType::kInt8, 5000), 5000u + 4 * 3);  // 3 blocks of 2048
+  EXPECT_EQ(StateBlocks(2048), 1u);
+  EXPECT_EQ(StateBlocks(2049), 2u);
+}
+
+TEST(StateCodecTest, LinearInt8MatchesFloat64Definition) {
+  const size_t n = 3 * kStateBlock + 517;
+  const std::vector<float> x = Values(n, 11);
+  std::vector<int8_t> q(n);
+  std::vector<float> scales(StateBlocks(n)), back(n);
+  EncodeLinearInt8(x.data(), n, q.data(), scales.data());
+  DecodeLinearInt8(q.data(), scales.data(), n, back.data());
+  const LinearRef ref = LinearReference(x);
+  for (size_t b = 0; b < scales.size(); ++b) {
+    EXPECT_NEAR(scales[b], ref.scales[b], 1e-6 * ref.scales[b]) << "block " << b;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const double s = ref.scales[i / kStateBlock];
+    // The fp32 quotient may round a tie the other way: within one code of the float64 one, and
+    // always within half a code (plus fp32 rounding) of the value itself.
+    ASSERT_LE(std::fabs(back[i] - ref.decoded[i]), s * 1.0001) << i;
+    ASSERT_LE(std::fabs(double(back[i]) - double(x[i])), s * 0.5001 + 1e-30) << i;
+  }
+}
+
+TEST(StateCodecTest, LinearInt8ZeroAllEqualTinyAndTies) {
+  std::vector<float> x(kStateBlock + 10, 0.0f);
+  for (size_t i = kStateBlock; i < x.size(); ++i) x[i] = -0.375f;  // an all-equal partial block
+  std::vector<int8_t> q(x.size());
+  std::vector<float> scales(2), back(x.size());
+  EncodeLinearInt8(x.data(), x.size(), q.data(), scales.data());
+  DecodeLinearInt8(q.data(), scales.data(), x.size(), back.data());
+  EXPECT_EQ(scales[0], 0.0f) << "a block of zeros";
+  for (size_t i = 0; i < kStateBlock; ++i) ASSERT_EQ(back[i], 0.0f);
+  for (size_t i = kStateBlock; i < x.size(); ++i) {
+    EXPECT_EQ(q[i], -127);
+    EXPECT_NEAR(back[i], -0.375f, 1e-7f);
+  }
+  // Ties go to even: with absmax 127 the scale is 1 and 2.5 -> 2, 3.5 -> 4, -0.5 -> -0.
+  std::vector<float> ties = {127.0f, 2.5f, 3.5f, -0.5f, -1.5f};
+  std::vector<int8_t> tq(ties.size());
+  float ts = 0;
+  EncodeLinearInt8(ties.data(), ties.size(), tq.data(), &ts);
+  EXPECT_EQ(ts, 1.0f);
+  EXPECT_EQ(std::vector<int>(tq.begin(), tq.end()), (std::vector<int>{127, 2, 4, 0, -2}));
+  // Subnormal values: the scale underflows towards 0, never a NaN or an infinity out.
+  std::vector<float> tiny = {1e-44f, -3e-45f, 0.0f};
+  std::vector<int8_t> yq(3);
+  std::vector<float> yb(3);
+  float ys = 0;
+  EncodeLinearInt8(tiny.data(), 3, yq.data(), &ys);
+  DecodeLinearInt8(yq.data(), &ys, 3, yb.data());
+  for (float v : yb) EXPECT_TRUE(std::isfinite(v));
+}
+
+TEST(StateCodecTest, LogInt8KeepsRelativePrecisionAtEveryMagnitude) {
+  const size_t n = 2 * kStateBlock + 33;
+  std::vector<float> v = Values(n, 12, 8.0);
+  for (float& e : v) e = e * e;  // a second moment: non-negative, 16 orders of magnitude
+  v[5] = 0.0f;
+  std::vector<uint8_t> q(n);
+  std::vector<float> scales(StateBlocks(n)), back(n);
+  EncodeLogInt8(v.data(), n, q.data(), scales.data());
+  DecodeLogInt8(q.data(), scales.data(), n, back.data());
+  EXPECT_EQ(back[5], 0.0f) << "zero stays zero";
+  const double step = std::exp2(1.0 / 32.0) - 1.0;  // half a code: 2^(1/32)
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(std::isfinite(back[i])) << i;
+    const double top = scales[i / kStateBlock];
+    if (v[i] == 0) continue;
+    if (double(v[i]) >= top * std::exp2(-254.0 / 16.0)) {
+      ASSERT_LE(std::fabs(back[i] - double(v[i])) / v[i], step * 1.001) << i;
+    } else {
+      // Below the smallest code: stored as it (an overestimate: a smaller step, never a larger).
+      ASSERT_EQ(q[i], 1) << i;
+      ASSERT_GE(back[i], v[i]) << i;
+    }
+  }
+  // A linear code of the same values would have rounded most of them to 0.
+  int linear_zeros = 0;
+  std::vector<int8_t> lq(n);
+  std::vector<float> ls(StateBlocks(n));
+  EncodeLinearInt8(v.data(), n, lq.data(), ls.data());
+  for (int8_t c : lq) linear_zeros += c == 0;
+  EXPECT_GT(linear_zeros, static_cast<int>(n / 2));
+}
+
+TEST(StateCodecTest, Bf16IsNearestEven) {
+  // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to 1 (even); 1 + 3 * 2^-8 ties up.
+  const std::vector<float> x = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -2.0f, 0.0f, 1e-40f};
+  std::vector<uint16_t> b(x.size());
+  std::vector<float> back(x.size());
+  EncodeBf16(x.data(), x.size(), b.data());
+  DecodeBf16(b.data(), x.size(), back.data());
+  EXPECT_EQ(back[0], 1.0f);
+  EXPECT_EQ(back[1], 1.0f + 0x1p-6f);
+  EXPECT_EQ(back[2], -2.0f);
+  EXPECT_EQ(back[3], 0.0f);
+  EXPECT_TRUE(std::isfinite(back[4]));
+}
+
+// The fused step is decode, ApplyMomentum, encode: the fp32 momentum it returns is bit for bit the
+// fp32 path's from the decoded value, and the stored code is that momentum encoded; against a
+// float64 EMA of the quantized momentum it is within fp32 rounding.
+TEST(StateCodecTest, FusedMomentumStepIsTheFp32EmaOfTheDecodedMomentum) {
+  common::MuonConfig config;
+  config.momentum = 0.95;
+  const size_t n = 2 * kStateBlock + 100;
+  const std::vector<float> m0 = Values(n, 13, 3.0), grad = Values(n, 14, 3.0);
+  std::vector<int8_t> q(n);
+  std::vector<float> scales(StateBlocks(n));
+  EncodeLinearInt8(m0.data(), n, q.data(), scales.data());
+  std::vector<float> decoded(n);
+  DecodeLinearInt8(q.data(), scales.data(), n, decoded.data());
+  std::vector<float> expect = decoded;
+  ApplyMomentum(config, grad.data(), expect.data(), n);
+
+  std::vector<float> momentum(n);
+  MomentumStepInt8(config, grad.data(), q.data(), scales.data(), n, momentum.data(), q.data(),
+                   scales.data());  // in place
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(momentum[i], expect[i]) << i;
+    const double ema = double(decoded[i]) + 0.05 * (double(grad[i]) - double(decoded[i]));
+    // fp32 rounding of the operands' magnitude (the difference G - M cancels).
+    const double ulps = 4 * 0x1p-24 * (std::fabs(decoded[i]) + std::fabs(grad[i]));
+    ASSERT_NEAR(momentum[i], ema, ulps + 1e-30) << i;
+  }
+  std::vector<int8_t> q_expect(n);
+  std::vector<float> s_expect(StateBlocks(n));
+  EncodeLinearInt8(expect.data(), n, q_expect.data(), s_expect.data());
+  EXPECT_EQ(q, q_expect);
+  EXPECT_EQ(scales, s_expect);
+
+  std::vector<uint16_t> b(n);
+  EncodeBf16(m0.data(), n, b.data());
+  std::vector<float> bdec(n), bm(n);
+  DecodeBf16(b.data(), n, bdec.data());
+  ApplyMomentum(config, grad.data(), bdec.data(), n);
+  MomentumStepBf16(config, grad.data(), b.data(), n, bm.data(), b.data());
+  EXPECT_EQ(bm, bdec);
+  for (size_t i = 0; i < n; ++i) ASSERT_TRUE(std::isfinite(bm[i]));
+}
+
+}  // namespace
+}  // namespace muond::server
