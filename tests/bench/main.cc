@@ -9,6 +9,10 @@
 #include "tests/bench/bench.h"
 
 namespace muond::bench {
+
+// `muond-bench capacity` (bench_capacity.cc): muond's host bytes per parameter (VmHWM slopes).
+int RunCapacityBench(int argc, char** argv);
+
 namespace {
 
 struct Subcommand {
@@ -39,6 +43,8 @@ constexpr Subcommand kSubcommands[] = {
      RunOrthogonalityBench},
     {"multinode", "emulated nodes (netns, tbf links): step time at 1/2/4 nodes vs the model",
      RunMultinodeBench},
+    {"capacity", "host bytes per parameter (VmHWM of muond + rank, slope over 2 job sizes)",
+     RunCapacityBench},
 #ifdef MUOND_HAVE_CUDA
     {"gpu", "CUDA: Newton-Schulz vs cuBLAS GEMM peak, pinned vs pageable copies, Muon apply",
      RunGpuBench},
