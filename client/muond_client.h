@@ -101,7 +101,8 @@ uint64_t muond_session_buffer_elements(const muond_session* session);
 int muond_step(muond_session* session, int64_t step, const muond_span* grads, size_t num_grads,
                const muond_span* updates, size_t num_updates);
 /* Zero-copy steps (shared-memory sessions; FAILED_PRECONDITION otherwise): step t's gradient
- * buffer (writable, the rank's flat-buffer layout) and update buffer (read-only), t % 2. Apply
+ * buffer (writable, the rank's flat-buffer layout) and update buffer (read-only), t % B (B: the
+ * job's "step_buffers", 1 or 2). Apply
  * mode: the update buffer holds the new parameters, span i at muond_session_param_byte_offset(i)
  * in its param_dtype; muond_step_in_place writes the hyperparameters into the gradient buffer
  * itself. */

@@ -168,9 +168,12 @@ absl::Status ShmChannel::MapRegions(const v1::ShmAttachResponse& reply,
   pinned_ = reply.pinned();
   doorbell_ = fds[3];
   completion_ = fds[4];
+  // The job's buffers per region (step t uses t % buffers); an older daemon's spec says none: 2.
+  auto spec = common::JobSpecFromProto(reply.spec());
+  buffers_ = spec.ok() ? static_cast<uint32_t>(spec->step_buffers) : 2;
   // Each Map owns its descriptor even when it fails: map all three before looking at the results.
-  auto in = common::SharedRegion::Map(fds[0], 2 * buffer_bytes_, /*writable=*/true);
-  auto out = common::SharedRegion::Map(fds[1], 2 * buffer_bytes_, /*writable=*/false);
+  auto in = common::SharedRegion::Map(fds[0], buffers_ * buffer_bytes_, /*writable=*/true);
+  auto out = common::SharedRegion::Map(fds[1], buffers_ * buffer_bytes_, /*writable=*/false);
   auto ring = common::SharedRegion::Map(fds[2], shm::kRingBytes, /*writable=*/true);
   if (!in.ok()) return in.status();
   if (!out.ok()) return out.status();
@@ -178,13 +181,14 @@ absl::Status ShmChannel::MapRegions(const v1::ShmAttachResponse& reply,
   in_ = *std::move(in);
   out_ = *std::move(out);
   ring_ = *std::move(ring);
-  ASSIGN_OR_RETURN(spec_, common::JobSpecFromProto(reply.spec()));
+  if (!spec.ok()) return spec.status();
+  spec_ = *std::move(spec);
   for (const v1::ShmSpan& s : reply.spans()) {
     spans_.push_back(
         {s.matrix_index(), s.offset(), s.length(), s.byte_offset(), s.param_byte_offset()});
   }
   const uint64_t progress = reply.progress_byte_offset();
-  if (progress >= 2 * buffer_bytes_ && progress % alignof(int64_t) == 0 &&
+  if (progress >= buffers_ * buffer_bytes_ && progress % alignof(int64_t) == 0 &&
       progress <= out_.size() && shm::ProgressBytes(spans_.size()) <= out_.size() - progress) {
     progress_byte_offset_ = progress;
   }
@@ -229,16 +233,16 @@ ShmChannel::~ShmChannel() {
 }
 
 char* ShmChannel::GradientBuffer(int64_t step) const {
-  return in_.data() + static_cast<uint64_t>(step % 2) * buffer_bytes_;
+  return in_.data() + static_cast<uint64_t>(step % buffers_) * buffer_bytes_;
 }
 
 const char* ShmChannel::UpdateBuffer(int64_t step) const {
-  return out_.data() + static_cast<uint64_t>(step % 2) * buffer_bytes_;
+  return out_.data() + static_cast<uint64_t>(step % buffers_) * buffer_bytes_;
 }
 
 absl::StatusOr<ShmChannel::Ringing> ShmChannel::Ring(int64_t step) {
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("step ", step, " is negative"));
-  return RingRaw(step, static_cast<uint32_t>(step % 2), 0, buffer_bytes_, generation_);
+  return RingRaw(step, static_cast<uint32_t>(step % buffers_), 0, buffer_bytes_, generation_);
 }
 
 absl::Status ShmChannel::RingInitParams() {
@@ -352,7 +356,7 @@ absl::Status ShmChannel::Post(int64_t step, uint64_t offset, uint64_t size, bool
     Reap();
   }
   ASSIGN_OR_RETURN(const uint64_t seq,
-                   Publish(step, static_cast<uint32_t>(step % 2), offset, size, generation_,
+                   Publish(step, static_cast<uint32_t>(step % buffers_), offset, size, generation_,
                            last ? shm::kSubmitStep : shm::kSubmitStepPart));
   if (last) last_seq_ = seq;
   return absl::OkStatus();

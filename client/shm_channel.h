@@ -59,10 +59,12 @@ class ShmChannel {
   bool pinned() const { return pinned_; }
   const std::vector<ShmSpan>& spans() const { return spans_; }
   uint64_t buffer_bytes() const { return buffer_bytes_; }
+  // Buffers per region (the job's step_buffers): step t uses buffer t % buffers().
+  uint32_t buffers() const { return buffers_; }
   // Apply mode: where a step's hyperparameters go in each gradient buffer (float64 lr[G],
   // weight_decay[G], grad_divisor; common/shm_protocol.h).
   uint64_t hyper_byte_offset() const { return hyper_byte_offset_; }
-  // The buffers of step t (t % 2): gradients are written by the caller, the update is read-only.
+  // The buffers of step t (t % buffers()): gradients are written by the caller, the update is read-only.
   char* GradientBuffer(int64_t step) const;
   const char* UpdateBuffer(int64_t step) const;
 
@@ -119,6 +121,7 @@ class ShmChannel {
   uint64_t session_id_ = 0;
   uint64_t generation_ = 0;
   uint64_t buffer_bytes_ = 0;
+  uint32_t buffers_ = 2;
   uint64_t hyper_byte_offset_ = 0;
   int64_t next_step_ = 0;
   bool pinned_ = false;

@@ -225,7 +225,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   RETURN_IF_ERROR(
       CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",
                                    "gather_budget_bytes", "transport_probe", "checkpoint_every_steps",
-                                   "checkpoint_keep", "step_timeout_seconds", "mode", "tensors",
+                                   "checkpoint_keep", "step_timeout_seconds", "step_buffers", "mode", "tensors",
                                    "groups", "adamw", "max_grad_norm", "init_from",
                                    "multinode", "nonfinite", "qk_clip"}));
 
@@ -266,6 +266,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   RETURN_IF_ERROR(ReadInt(root, "checkpoint_keep", "checkpoint_keep", &spec.checkpoint_keep));
   RETURN_IF_ERROR(ReadInt(root, "step_timeout_seconds", "step_timeout_seconds",
                           &spec.step_timeout_seconds));
+  RETURN_IF_ERROR(ReadInt(root, "step_buffers", "step_buffers", &spec.step_buffers));
   if (const auto it = root.find("transport_probe"); it != root.end()) {
     if (!it->is_boolean()) return FieldError("transport_probe", "expected true or false");
     spec.transport_probe = it->get<bool>();
@@ -317,6 +318,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
   root["checkpoint_every_steps"] = spec.checkpoint_every_steps;
   root["checkpoint_keep"] = spec.checkpoint_keep;
   root["step_timeout_seconds"] = spec.step_timeout_seconds;
+  root["step_buffers"] = spec.step_buffers;
   if (!spec.explicit_layout.empty()) {
     Json layout = Json::array();
     for (const auto& rank : spec.explicit_layout) {
@@ -356,6 +358,12 @@ absl::Status ValidateJobLimits(const JobSpec& spec) {
   if (spec.checkpoint_keep < 1 || spec.checkpoint_keep > kMaxCheckpointKeep) {
     return absl::InvalidArgumentError(absl::StrCat(
         "checkpoint_keep ", spec.checkpoint_keep, " is outside 1..", kMaxCheckpointKeep));
+  }
+  if (spec.step_buffers < 1 || spec.step_buffers > 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step_buffers ", spec.step_buffers,
+        " is outside 1..2 (1: each step's results are taken before the next step's gradients "
+        "are written; 2: the delayed mode)"));
   }
   if (spec.step_timeout_seconds < 0 || spec.step_timeout_seconds > kMaxStepTimeoutSeconds) {
     return absl::InvalidArgumentError(absl::StrCat("step_timeout_seconds ",

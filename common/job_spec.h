@@ -12,6 +12,10 @@
 //    "checkpoint_keep": 3,                   (generations kept, 1..1000)
 //    "step_timeout_seconds": 0,             (0: the daemon's default)
 //    "transport_probe": false,                  (true: updates echo gradients; no Muon math)
+//    "step_buffers": 2,      (a shared-memory rank's gradient and update buffers: 1 when each
+//                             step's results are taken before the next step's gradients are
+//                             written; 2 for the delayed mode, where step t+1's gradients arrive
+//                             while step t computes. Step t uses buffer t % step_buffers.)
 //    "nonfinite": "refuse"}   ("skip": a step with a NaN/Inf gradient on any rank commits as a
 //                              skipped step, state unchanged, step number advanced)
 // Apply mode (DESIGN.md 4b) adds, and only then writes:
@@ -181,6 +185,9 @@ struct JobSpec {
   uint64_t checkpoint_every_steps = 0;
   // Newest generations kept (1..kMaxCheckpointKeep).
   int checkpoint_keep = 3;
+  // A shared-memory rank's gradient and update buffers per region (1 or 2; step t uses buffer
+  // t % step_buffers). 2 unless the trainer asks for 1 (README, "Memory").
+  int step_buffers = 2;
   // Seconds from a step's first rank entry until every rank pushed its part (0: the daemon's
   // default; else 1..kMaxStepTimeoutSeconds).
   int step_timeout_seconds = 0;

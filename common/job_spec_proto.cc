@@ -226,6 +226,7 @@ absl::Status RunOptionsFromProto(const v1::JobSpec& proto, JobSpec* spec) {
   spec->checkpoint_every_steps = proto.checkpoint_every_steps();
   spec->checkpoint_keep = proto.checkpoint_keep() == 0 ? 3 : proto.checkpoint_keep();
   spec->step_timeout_seconds = proto.step_timeout_seconds();
+  spec->step_buffers = proto.step_buffers() == 0 ? 2 : proto.step_buffers();
   return absl::OkStatus();
 }
 
@@ -310,6 +311,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   proto.set_checkpoint_every_steps(spec.checkpoint_every_steps);
   proto.set_checkpoint_keep(spec.checkpoint_keep);
   proto.set_step_timeout_seconds(spec.step_timeout_seconds);
+  proto.set_step_buffers(spec.step_buffers);
   if (spec.multinode.nodes > 0) {
     proto.mutable_multinode()->set_global_job_id(spec.multinode.global_job_id);
     proto.mutable_multinode()->set_node(spec.multinode.node);

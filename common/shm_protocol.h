@@ -8,7 +8,8 @@
 //   2  ring            (memfd, kRingBytes: RingHeader, submissions, completions)
 //   3  doorbell        (eventfd: the client writes 1 after publishing a submission)
 //   4  completion      (eventfd: the daemon writes 1 after publishing a completion)
-// Step t uses buffer t % 2 of both regions. The connection stays open for the session: its hang-up
+// Step t uses buffer t % B of both regions, B the job's step_buffers (1 or 2; each region holds B
+// buffers of ShmAttachResponse.buffer_bytes). The connection stays open for the session: its hang-up
 // ends the session (a step in flight is aborted and the job fenced).
 //
 // Refusals are a ShmAttachResponse with a non-zero code and no descriptors, after which the daemon
@@ -81,7 +82,7 @@ inline constexpr size_t kOutsideSumSqBytes = sizeof(double);
 inline constexpr uint32_t kSubmitStepPart = 2;
 
 // One doorbell: "the gradients of `step` are in buffer `buffer` at [offset, offset + size)".
-// A valid one has buffer == step % 2, offset + size <= buffer_bytes and the session's generation;
+// A valid one has buffer == step % step_buffers, offset + size <= buffer_bytes and the session's generation;
 // an initial-parameter submission covers the whole buffer.
 struct Submission {
   uint64_t seq;
@@ -93,7 +94,7 @@ struct Submission {
   uint64_t size;
 };
 
-// The outcome of a submission: code 0 (OK) means the update of `step` is in buffer step % 2 of the
+// The outcome of a submission: code 0 (OK) means the update of `step` is in buffer step % B of the
 // update region. Otherwise `code` is a gRPC status code and `message` says why (NUL-terminated).
 struct Completion {
   uint64_t seq;
@@ -125,7 +126,7 @@ struct RingHeader {
 
 // Progress words (ShmAttachResponse.progress_byte_offset in the update region, one int64 per
 // span of the rank, in span order): step + 1 once span i's update (apply mode: new parameters) of
-// `step` is in buffer step % 2 of the update region, written by the daemon (release) as each
+// `step` is in buffer step % B of the update region, written by the daemon (release) as each
 // batch of matrices finishes, before the step's completion; the completion eventfd is written
 // after each batch. A word says the bytes are final for that step if the step commits: a step
 // that fails after some words were set commits nothing, and its bytes must not be kept. Jobs that

@@ -176,9 +176,11 @@ absl::Status CreateSessionResources(ShmSession& session, v1::ShmAttachResponse& 
     if (apply) s->set_param_byte_offset(session.param_byte_offsets[i]);
   }
   session.buffer_bytes = std::max<uint64_t>(buffer, 1);
-  auto in = common::SharedRegion::Create("muond-grad", 2 * session.buffer_bytes, false, true);
+  session.buffers = static_cast<uint32_t>(spec.step_buffers);
+  const uint64_t buffers = session.buffers;
+  auto in = common::SharedRegion::Create("muond-grad", buffers * session.buffer_bytes, false, true);
   if (!in.ok()) return in.status();
-  session.progress_byte_offset = (2 * session.buffer_bytes + 63) / 64 * 64;
+  session.progress_byte_offset = (buffers * session.buffer_bytes + 63) / 64 * 64;
   reply.set_progress_byte_offset(session.progress_byte_offset);
   auto out = common::SharedRegion::Create(
       "muond-update", session.progress_byte_offset + shm::ProgressBytes(spans.size()), true, true);

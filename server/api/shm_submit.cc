@@ -93,7 +93,8 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
     const std::string where = absl::StrCat("job '", job_id, "' rank ", s->rank, " doorbell ", index,
                                            " (step ", sub.step, ")");
     const absl::Status bad =
-        shm_wire::CheckSubmission(sub, index, s->session_id, s->buffer_bytes, where, s->part_step);
+        shm_wire::CheckSubmission(sub, index, s->session_id, s->buffer_bytes, where, s->part_step,
+                                  s->buffers);
     if (!bad.ok()) {
       // A malformed part of a step this session has open in parts ends that step; a malformed
       // first part refuses the step's later parts (up to its last) the same way.

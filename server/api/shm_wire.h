@@ -37,9 +37,10 @@ inline bool InParts(const common::shm::Submission& sub, int64_t part_step) {
          (sub.kind == common::shm::kSubmitStep && sub.step == part_step);
 }
 
+// `buffers`: the session's buffers per region (JobSpec::step_buffers); step t uses t % buffers.
 absl::Status CheckSubmission(const common::shm::Submission& sub, uint64_t index,
                              uint64_t session_id, uint64_t buffer_bytes, const std::string& where,
-                             int64_t part_step = -1);
+                             int64_t part_step = -1, uint32_t buffers = 2);
 
 }  // namespace muond::server::shm_wire
 

@@ -272,6 +272,8 @@ common::JobSpec CapacityJob(Kind kind, int64_t matrices, int64_t dim, int node, 
     spec.adamw = {0.9, 0.95, 1e-8};
   }
   if (nodes > 1) spec.multinode = {"capacity", node, nodes};
+  // As muon_offload asks (optim_spec.py): one buffer per region, two for the delayed mode.
+  spec.step_buffers = kind == Kind::kDelayed ? 2 : 1;
   for (int64_t i = node; i < matrices; i += nodes) {
     common::MatrixSpec m;
     m.name = absl::StrCat("layers.", i, ".weight");

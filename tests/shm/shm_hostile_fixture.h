@@ -47,12 +47,13 @@ class ShmHostileTest : public integration::DaemonSuite {
 
   // A world-size-1 float32 job with three matrices; its reference updates (a separate job over
   // gRPC) for `steps` steps.
-  Ws1 NewWs1(const std::string& prefix, int steps, uint64_t seed) {
+  Ws1 NewWs1(const std::string& prefix, int steps, uint64_t seed, int step_buffers = 2) {
     Ws1 j;
     j.spec =
         MakeSpec(NewJobId(prefix), 1, 0,
                  {integration::Matrix("q", {32, 24}), integration::Matrix("experts", {2, 16, 8}),
                   integration::Matrix("o", {24, 32})});
+    j.spec.step_buffers = step_buffers;
     j.grads = integration::MakeGradients(j.spec.matrices, steps, seed);
     auto ref = RunTrajectory(client(), MakeSpec(NewJobId(prefix + "-ref"), 1, 0, j.spec.matrices),
                              Api::kGrpcStep, j.grads);

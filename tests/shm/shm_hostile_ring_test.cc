@@ -151,6 +151,37 @@ TEST_F(ShmHostileTest, ReplayWithOtherGradientsIsRefused) {
   ch->reset();
 }
 
+// A job with "step_buffers": 1 (what muon_offload asks unless delayed): each region holds one
+// buffer, every step uses it, a doorbell naming buffer 1 is refused naming the job's step_buffers
+// (the session and the job keep working), and every step computes the reference's update.
+TEST_F(ShmHostileTest, OneBufferJobUsesBufferZeroForEveryStep) {
+  Ws1 j = NewWs1("one-buffer", 3, 23, /*step_buffers=*/1);
+  ASSERT_EQ(j.want.size(), 3u);
+  auto ch = ShmChannel::Attach(ShmPath(), j.spec.job_id, 0, j.token, false);
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  ShmChannel& c = **ch;
+  EXPECT_EQ(c.buffers(), 1u);
+  EXPECT_EQ(c.GradientBuffer(0), c.GradientBuffer(1));
+  EXPECT_EQ(c.UpdateBuffer(0), c.UpdateBuffer(1));
+  const uint64_t bb = c.buffer_bytes();
+  auto bad = c.RingRaw(0, 1, 0, bb, c.session_id());
+  EXPECT_TRUE(IsError(bad.status(), absl::StatusCode::kInvalidArgument,
+                      "buffer 1 is not step % 1 (the job's step_buffers)"))
+      << bad.status();
+  for (int64_t t = 0; t < 3; ++t) {
+    const std::string grads = FlatRankBuffer(j.spec, 0, j.grads[t]);
+    std::memcpy(c.GradientBuffer(t), grads.data(), bb);
+    auto done = c.Ring(t);
+    ASSERT_TRUE(done.ok()) << "step " << t << ": " << done.status();
+    EXPECT_EQ(Ws1Update(j.spec, c.UpdateBuffer(t)), j.want[t]) << "step " << t;
+  }
+  const v1::JobStatus st = Status(j.spec.job_id, j.token);
+  EXPECT_EQ(st.steps_completed(), 3);
+  EXPECT_FALSE(st.fenced());
+  EXPECT_EQ(st.spec().step_buffers(), 1);
+  ch->reset();
+}
+
 TEST_F(ShmHostileTest, MalformedDoorbellsGetClearErrorsAndTheSessionKeepsWorking) {
   Ws1 j = NewWs1("doorbell", 2, 3);
   ASSERT_FALSE(j.want.empty());

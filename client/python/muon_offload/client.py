@@ -157,7 +157,7 @@ class Client:
 
 class Session:
     """One attached rank of a job. Steps go up by one from `next_step`; step t's shared-memory
-    buffers are those of t % 2."""
+    buffers are those of t % B, B the job's "step_buffers" (1 or 2)."""
 
     def __init__(self, client, handle, job_id, rank):
         self.client = client  # keeps the connection alive as long as the session

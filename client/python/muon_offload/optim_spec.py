@@ -266,6 +266,10 @@ def plan_job(options, job_id, world_size, zero_stage, muon_config, param_groups,
         dtype = tensors[0][1].dtype
     if options.nonfinite == "skip":
         spec["nonfinite"] = "skip"
+    # A shared-memory rank's buffers: step t's results are taken in its step(), before step t+1's
+    # gradients are written, so one of each; the delayed mode writes step t+1's gradients while
+    # step t computes and reads t's results at t+1's step(): two (README, "Memory").
+    spec["step_buffers"] = 2 if options.delay else 1
     qk_order = ()
     if options.qk_clip is not None:
         spec["qk_clip"], qk_order = qk_clip_job_block(options.qk_clip, names)

@@ -4,6 +4,7 @@
 #include <limits>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/unit/common/job_spec_test_util.h"
 
@@ -30,6 +31,28 @@ JobSpec ValidSpec() {
   m.shape = {128, 64};
   spec.matrices.push_back(m);
   return spec;
+}
+
+void ExpectValidateError(const JobSpec& spec, const std::string& substring);
+
+// "step_buffers": 1 or 2 (default 2), round-tripped through job.json; anything
+// else is INVALID_ARGUMENT naming the field.
+TEST(JobSpecStepBuffersTest, OneOrTwoRoundTripOthersRefused) {
+  auto spec = ParseJobSpecJson(kMinimal);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->step_buffers, 2);
+  auto one = ParseJobSpecJson(
+      R"({"job_id": "j1", "step_buffers": 1, "matrices": [{"name": "w", "shape": [4, 8]}]})");
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->step_buffers, 1);
+  auto again = ParseJobSpecJson(JobSpecToJson(*one));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->step_buffers, 1);
+  for (int bad : {0, 3, -1}) {
+    JobSpec s = ValidSpec();
+    s.step_buffers = bad;
+    ExpectValidateError(s, absl::StrCat("step_buffers ", bad, " is outside 1..2"));
+  }
 }
 
 void ExpectValidateError(const JobSpec& spec, const std::string& substring) {
