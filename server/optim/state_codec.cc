@@ -69,6 +69,12 @@ void DecodeLogBlock(const uint8_t* q, float scale, size_t n, float* x) {
   }
 }
 
+// f(block, first element, length) for each block of kStateBlock elements of n, in order.
+template <typename F>
+void ForBlocks(size_t n, F f) {
+  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) f(b, i, std::min(kStateBlock, n - i));
+}
+
 }  // namespace
 
 void EncodeBf16(const float* x, size_t n, uint16_t* out) {
@@ -80,48 +86,46 @@ void DecodeBf16(const uint16_t* in, size_t n, float* x) {
 }
 
 void EncodeLinearInt8(const float* x, size_t n, int8_t* q, float* scales) {
-  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) {
-    EncodeLinearBlock(x + i, std::min(kStateBlock, n - i), q + i, scales + b);
-  }
+  ForBlocks(n, [&](size_t b, size_t i, size_t len) {
+    EncodeLinearBlock(x + i, len, q + i, scales + b);
+  });
 }
 
 void DecodeLinearInt8(const int8_t* q, const float* scales, size_t n, float* x) {
-  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) {
-    DecodeLinearBlock(q + i, scales[b], std::min(kStateBlock, n - i), x + i);
-  }
+  ForBlocks(n, [&](size_t b, size_t i, size_t len) {
+    DecodeLinearBlock(q + i, scales[b], len, x + i);
+  });
 }
 
 void EncodeLogInt8(const float* x, size_t n, uint8_t* q, float* scales) {
-  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) {
-    EncodeLogBlock(x + i, std::min(kStateBlock, n - i), q + i, scales + b);
-  }
+  ForBlocks(n, [&](size_t b, size_t i, size_t len) {
+    EncodeLogBlock(x + i, len, q + i, scales + b);
+  });
 }
 
 void DecodeLogInt8(const uint8_t* q, const float* scales, size_t n, float* x) {
-  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) {
-    DecodeLogBlock(q + i, scales[b], std::min(kStateBlock, n - i), x + i);
-  }
+  ForBlocks(n, [&](size_t b, size_t i, size_t len) {
+    DecodeLogBlock(q + i, scales[b], len, x + i);
+  });
 }
 
 void MomentumStepBf16(const common::MuonConfig& config, const float* grad, const uint16_t* in,
                       size_t n, float* momentum, uint16_t* out) {
-  for (size_t i = 0; i < n; i += kStateBlock) {
-    const size_t len = std::min(kStateBlock, n - i);
+  ForBlocks(n, [&](size_t, size_t i, size_t len) {
     DecodeBf16(in + i, len, momentum + i);
     ApplyMomentum(config, grad + i, momentum + i, len);
     EncodeBf16(momentum + i, len, out + i);
-  }
+  });
 }
 
 void MomentumStepInt8(const common::MuonConfig& config, const float* grad, const int8_t* q_in,
                       const float* scales_in, size_t n, float* momentum, int8_t* q_out,
                       float* scales_out) {
-  for (size_t b = 0, i = 0; i < n; ++b, i += kStateBlock) {
-    const size_t len = std::min(kStateBlock, n - i);
+  ForBlocks(n, [&](size_t b, size_t i, size_t len) {
     DecodeLinearBlock(q_in + i, scales_in[b], len, momentum + i);
     ApplyMomentum(config, grad + i, momentum + i, len);
     EncodeLinearBlock(momentum + i, len, q_out + i, scales_out + b);
-  }
+  });
 }
 
 }  // namespace muond::server
