@@ -16,7 +16,6 @@
 #include "common/status_macros.h"
 #include "server/api/job_status_proto.h"
 #include "server/api/logged_rpc_status.h"
-#include "server/api/shm_server.h"
 #include "server/engine/heap_trimmer.h"
 #include "server/record/status_progress.h"
 
@@ -141,13 +140,14 @@ void MuondService::SetSharedMemory(const ShmServer* shm) {
   shm_ = shm;
 }
 
-JobReport MuondService::ReportOf(const Job& job) const {
-  JobReport r = job.Report();
+ShmServer::Usage MuondService::SharedMemoryUsage() const {
   absl::MutexLock lock(&shm_mu_);
-  if (shm_ == nullptr) return r;
-  const ShmServer::Usage usage = shm_->usage();
-  const auto it = usage.region_bytes_by_job.find(r.spec.job_id);
-  if (it != usage.region_bytes_by_job.end()) r.memory.buffers += it->second;
+  return shm_ != nullptr ? shm_->usage() : ShmServer::Usage();
+}
+
+JobReport MuondService::ReportOf(const Job& job, const ShmServer::Usage& usage) {
+  JobReport r = job.Report();
+  r.memory.buffers += usage.region_bytes(r.spec.job_id);
   return r;
 }
 
@@ -155,7 +155,7 @@ grpc::Status MuondService::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequ
                                   v1::JobStatus* resp) {
   auto job = Authorize(ctx, req->job_id());
   if (!job.ok()) return Logged("GetJob", job.status());
-  *resp = JobStatusToProto(ReportOf(**job));
+  *resp = JobStatusToProto(ReportOf(**job, SharedMemoryUsage()));
   return grpc::Status::OK;
 }
 
@@ -172,8 +172,9 @@ grpc::Status MuondService::ListJobs(grpc::ServerContext* ctx, const v1::ListJobs
   const std::string_view token =
       token_it == md.end() ? std::string_view()
                            : std::string_view(token_it->second.data(), token_it->second.size());
+  const ShmServer::Usage usage = SharedMemoryUsage();
   for (const auto& job : registry_->List()) {
-    const JobReport r = ReportOf(*job);
+    const JobReport r = ReportOf(*job, usage);
     const bool owner = uid && r.owner_uid && *r.owner_uid == *uid;
     const bool details = admin || owner || (!token.empty() && job->TokenMatches(token));
     *resp->add_jobs() = details ? JobStatusToProto(r) : WithheldJobStatus(r);

@@ -24,12 +24,11 @@
 #include "muond/v1/muond.grpc.pb.h"
 #include "server/jobs/job_registry.h"
 #include "server/api/peer_identity.h"
+#include "server/api/shm_server.h"
 #include "server/api/stream_guard.h"
 #include "server/jobs/job_report.h"
 
 namespace muond::server {
-
-class ShmServer;
 
 inline constexpr char kTokenMetadataKey[] = "x-muond-job-token";
 // Optional on streams: the job the stream is about, so that the token is checked against it
@@ -127,8 +126,10 @@ class MuondService final : public v1::Muond::Service {
   absl::Status RunExportParams(grpc::ServerContext* ctx, const v1::ExportRequest* req,
                                grpc::ServerWriter<v1::ExportChunk>* writer);
 
-  // `job`'s report with its shared-memory sessions' regions in memory.buffers.
-  JobReport ReportOf(const Job& job) const ABSL_LOCKS_EXCLUDED(shm_mu_);
+  // The shared-memory sessions' usage now (none without a shared-memory server).
+  ShmServer::Usage SharedMemoryUsage() const ABSL_LOCKS_EXCLUDED(shm_mu_);
+  // `job`'s report with its shared-memory sessions' regions (from `usage`) in memory.buffers.
+  static JobReport ReportOf(const Job& job, const ShmServer::Usage& usage);
 
   JobRegistry* registry_;
   mutable absl::Mutex shm_mu_;  // held only to read the server's usage (no I/O)

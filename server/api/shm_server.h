@@ -101,6 +101,11 @@ class ShmServer {
     uint64_t pinned_bytes = 0;
     std::map<std::string, uint64_t> pinned_bytes_by_job;  // by job id (muond_job_pinned_bytes)
     std::map<std::string, uint64_t> region_bytes_by_job;  // all regions, locked or not
+    // The bytes of `job_id`'s sessions' regions (0: none), what its memory kind "buffers" adds.
+    uint64_t region_bytes(const std::string& job_id) const {
+      const auto it = region_bytes_by_job.find(job_id);
+      return it == region_bytes_by_job.end() ? 0 : it->second;
+    }
   };
   Usage usage() const;
   // The attached sessions' session ids by (job id, rank), for the status page (a rank attached

@@ -36,6 +36,7 @@ JobImpl::JobImpl(common::JobSpec spec, std::string token_sha256, JobOwner owner,
       owner_(std::move(owner)),
       created_unix_ms_(absl::ToUnixMillis(absl::Now())),
       layout_(spec_),
+      footprint_(MeasureJob(spec_, parts.gather_budget_bytes).value_or(JobFootprint()).kinds()),
       momentum_(spec_, parts.devices->device.get()),
       params_(spec_.mode == common::JobMode::kApply
                   ? std::make_unique<ParamStore>(spec_, parts.devices->device.get())
@@ -241,10 +242,8 @@ void JobImpl::ReportMemory(JobReport& r) const {
   m.step_window = held.back + held.spare;
   m.save_copy = held.snapshot;
   m.gather = pipeline_.gather_in_use_bytes() + pipeline_.pooled_host_bytes();
-  // The footprint as admission measured it (a function of the spec and the budget in effect).
-  const auto footprint = MeasureJob(spec_, pipeline_.gather_budget_bytes());
-  if (footprint.ok()) r.footprint = footprint->kinds();
-  m.tables = r.footprint.tables;
+  r.footprint = footprint_;
+  m.tables = footprint_.tables;
   m.scratch = internal::NewtonSchulzScratchBytes() / std::max<uint64_t>(1, g_jobs_alive.load());
   absl::MutexLock lock(&mu_);
   ReportHeldBuffers(m);

@@ -177,7 +177,8 @@ class JobImpl final : public Job,
   // times (each source takes its own lock; not the job's).
   void ReportObservations(JobReport& r) const;
   // r.memory and r.footprint (job_report.h): the state stores, the pipeline's gather and pools
-  // (without the lock), then the gRPC ranks' buffers and the replay copies (under it).
+  // and the scratch share (without the lock), then the gRPC ranks' buffers and the replay copies
+  // (under it).
   void ReportMemory(JobReport& r) const ABSL_LOCKS_EXCLUDED(mu_);
   void ReportHeldBuffers(JobMemory& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The step's results go to its ranks now: starts timing their delivery (trainer_clock.h).
@@ -347,6 +348,8 @@ class JobImpl final : public Job,
   const JobOwner owner_;
   const int64_t created_unix_ms_;
   const JobLayout layout_;
+  // What admission reserved, by kind (a function of the spec and the gather budget in effect).
+  const JobMemory footprint_;
 
   // ---- Parts with their own locks (each header says what guards what). The stores change only
   // under the pipeline's steps and the commit; the pipeline runs on the executor's thread.

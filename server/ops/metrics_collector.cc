@@ -86,10 +86,7 @@ JobPressure PressureOf(const JobReport& st, const ShmServer::Usage& usage) {
   const auto it = usage.pinned_bytes_by_job.find(st.spec.job_id);
   if (it != usage.pinned_bytes_by_job.end()) pressure.session_region_bytes = it->second;
   JobMemory memory = st.memory;
-  if (const auto all = usage.region_bytes_by_job.find(st.spec.job_id);
-      all != usage.region_bytes_by_job.end()) {
-    memory.buffers += all->second;
-  }
+  memory.buffers += usage.region_bytes(st.spec.job_id);
   for (const auto& [kind, bytes] : MemoryKinds(memory)) pressure.memory.emplace_back(kind, bytes);
   pressure.footprint_bytes = st.footprint.total();
   return pressure;

@@ -209,10 +209,7 @@ std::string StatusSource::Render() const {
   for (const auto& job : jobs_->List()) {
     JobReport r = job->Report();
     present.insert(r.spec.job_id);
-    if (const auto all = usage.region_bytes_by_job.find(r.spec.job_id);
-        all != usage.region_bytes_by_job.end()) {
-      r.memory.buffers += all->second;
-    }
+    r.memory.buffers += usage.region_bytes(r.spec.job_id);
     const auto region = regions.find(r.spec.job_id);
     jobs.push_back(
         JobJson(r, shared, region != regions.end() ? region->second : uint64_t{0}, now_ms));
