@@ -157,9 +157,9 @@ class RankSession {
 
   // Zero-copy steps (shared-memory sessions only; FAILED_PRECONDITION otherwise): write step t's
   // gradients, in the rank's flat-buffer layout, into GradientView(t), call StepInPlace(t), read
-  // the update from UpdateView(t). Views stay valid for the session's life; step t uses t % B, B the job's
-  // step_buffers (with 1, step t+1's gradients overwrite step t's; take step t's update first).
-  // Apply mode: StepInPlace also writes the SetHyper values at hyper_byte_offset() of the
+  // the update from UpdateView(t). Views stay valid for the session's life; step t uses t % B, B
+  // the job's step_buffers (with 1, step t+1's gradients overwrite step t's; take step t's update
+  // first). Apply mode: StepInPlace also writes the SetHyper values at hyper_byte_offset() of the
   // gradient view (leave those HyperBytes(G) bytes to it), and UpdateView(t) holds the new
   // parameters, span i at ParamByteOffset(i) in its param_dtype.
   struct View {

@@ -64,7 +64,8 @@ class ShmChannel {
   // Apply mode: where a step's hyperparameters go in each gradient buffer (float64 lr[G],
   // weight_decay[G], grad_divisor; common/shm_protocol.h).
   uint64_t hyper_byte_offset() const { return hyper_byte_offset_; }
-  // The buffers of step t (t % buffers()): gradients are written by the caller, the update is read-only.
+  // The buffers of step t (t % buffers()): gradients are written by the caller, the update is
+  // read-only.
   char* GradientBuffer(int64_t step) const;
   const char* UpdateBuffer(int64_t step) const;
 

@@ -225,9 +225,9 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   RETURN_IF_ERROR(
       CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",
                                    "gather_budget_bytes", "transport_probe", "checkpoint_every_steps",
-                                   "checkpoint_keep", "step_timeout_seconds", "step_buffers", "mode", "tensors",
-                                   "groups", "adamw", "max_grad_norm", "init_from",
-                                   "multinode", "nonfinite", "qk_clip"}));
+                                   "checkpoint_keep", "step_timeout_seconds", "step_buffers",
+                                   "mode", "tensors", "groups", "adamw", "max_grad_norm",
+                                   "init_from", "multinode", "nonfinite", "qk_clip"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");

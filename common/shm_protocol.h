@@ -9,8 +9,8 @@
 //   3  doorbell        (eventfd: the client writes 1 after publishing a submission)
 //   4  completion      (eventfd: the daemon writes 1 after publishing a completion)
 // Step t uses buffer t % B of both regions, B the job's step_buffers (1 or 2; each region holds B
-// buffers of ShmAttachResponse.buffer_bytes). The connection stays open for the session: its hang-up
-// ends the session (a step in flight is aborted and the job fenced).
+// buffers of ShmAttachResponse.buffer_bytes). The connection stays open for the session: its
+// hang-up ends the session (a step in flight is aborted and the job fenced).
 //
 // Refusals are a ShmAttachResponse with a non-zero code and no descriptors, after which the daemon
 // closes the connection. It may send one before reading the request (RESOURCE_EXHAUSTED: too many
@@ -82,8 +82,8 @@ inline constexpr size_t kOutsideSumSqBytes = sizeof(double);
 inline constexpr uint32_t kSubmitStepPart = 2;
 
 // One doorbell: "the gradients of `step` are in buffer `buffer` at [offset, offset + size)".
-// A valid one has buffer == step % step_buffers, offset + size <= buffer_bytes and the session's generation;
-// an initial-parameter submission covers the whole buffer.
+// A valid one has buffer == step % step_buffers, offset + size <= buffer_bytes and the session's
+// generation; an initial-parameter submission covers the whole buffer.
 struct Submission {
   uint64_t seq;
   int64_t step;

@@ -22,10 +22,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "muond/v1/muond.grpc.pb.h"
-#include "server/jobs/job_registry.h"
 #include "server/api/peer_identity.h"
 #include "server/api/shm_server.h"
 #include "server/api/stream_guard.h"
+#include "server/jobs/job_registry.h"
 #include "server/jobs/job_report.h"
 
 namespace muond::server {

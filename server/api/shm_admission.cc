@@ -364,8 +364,8 @@ void ShmServer::RegisterSession(const std::shared_ptr<ShmSession>& session, cons
                           "RLIMIT_MEMLOCK, e.g. LimitMEMLOCK=infinity)";
   }
   MUOND_LOG(INFO) << who << ": shared-memory session " << session->session_id << " (peer "
-                  << PeerString(session->peer) << "), " << session->buffers << " x " << session->buffer_bytes
-                  << " bytes per direction"
+                  << PeerString(session->peer) << "), " << session->buffers << " x "
+                  << session->buffer_bytes << " bytes per direction"
                   << (session->device_registered ? ", registered with the device" : "");
 }
 

@@ -118,7 +118,7 @@ struct ShmSession {
   int rank = 0;
   uint64_t session_id = 0;
   uint64_t buffer_bytes = 0;
-  uint32_t buffers = 2;  // per region (JobSpec::step_buffers); step t uses buffer t % buffers
+  uint32_t buffers = 2;       // per region (JobSpec::step_buffers); step t uses buffer t % buffers
   uint64_t pinned_bytes = 0;  // bytes of the session's regions locked in memory (metrics)
   uint64_t region_bytes = 0;  // bytes of all its regions, locked or not (the job's "buffers")
   // The regions are registered with the compute device: steps copy them by DMA in place.

@@ -92,9 +92,8 @@ void ShmServer::HandleDoorbell(const std::shared_ptr<ShmSession>& s) {
     ring->header.sub_tail.store(s->sub_tail, std::memory_order_release);
     const std::string where = absl::StrCat("job '", job_id, "' rank ", s->rank, " doorbell ", index,
                                            " (step ", sub.step, ")");
-    const absl::Status bad =
-        shm_wire::CheckSubmission(sub, index, s->session_id, s->buffer_bytes, where, s->part_step,
-                                  s->buffers);
+    const absl::Status bad = shm_wire::CheckSubmission(sub, index, s->session_id, s->buffer_bytes,
+                                                       where, s->part_step, s->buffers);
     if (!bad.ok()) {
       // A malformed part of a step this session has open in parts ends that step; a malformed
       // first part refuses the step's later parts (up to its last) the same way.

@@ -49,10 +49,10 @@ absl::Status CheckSubmission(const shm::Submission& sub, uint64_t index, uint64_
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": an initial-parameter submission has step -1 and buffer 0"));
   }
-  if (step_kind && (sub.step < 0 || buffers == 0 ||
-                    sub.buffer != static_cast<uint32_t>(sub.step % buffers))) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": buffer ", sub.buffer, " is not step % ",
-                                                   buffers, " (the job's step_buffers)"));
+  if (step_kind &&
+      (sub.step < 0 || buffers == 0 || sub.buffer != static_cast<uint32_t>(sub.step % buffers))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": buffer ", sub.buffer, " is not step % ", buffers, " (the job's step_buffers)"));
   }
   // A part, or the last part of a step sent in parts: any range inside the buffer. A step in one
   // submission is the whole buffer.

@@ -264,9 +264,9 @@ void JobImpl::ReportHeldBuffers(JobMemory& m) const {
   }
   for (const auto& last : last_updates_) {
     if (last == nullptr) continue;
-    const bool current = in_flight_ != nullptr && std::any_of(in_flight_->outputs.begin(),
-                                                              in_flight_->outputs.end(),
-                                                              [&](const auto& o) { return o == last; });
+    const bool current =
+        in_flight_ != nullptr && std::any_of(in_flight_->outputs.begin(), in_flight_->outputs.end(),
+                                             [&](const auto& o) { return o == last; });
     if (!current) m.replay += strings(last->storage);
   }
 }

@@ -31,8 +31,9 @@ absl::Status TooLarge(const std::string& what) {
 
 // The ranks' buffers and the replay copy (job_footprint.h). Per element the larger of its gradient
 // and update dtypes, 2 x step_buffers times: a shared-memory session's two regions hold
-// step_buffers buffers each of the rank's larger layout (server/api/shm_attach.cc); per rank the step's hyper block and alignment
-// in each buffer, the ring, and each region's last page. U again for the replay copy.
+// step_buffers buffers each of the rank's larger layout (server/api/shm_attach.cc); per rank the
+// step's hyper block and alignment in each buffer, the ring, and each region's last page. U again
+// for the replay copy.
 absl::Status MeasureBuffers(const common::JobSpec& spec, JobFootprint* f) {
   const uint64_t world = static_cast<uint64_t>(spec.world_size);
   uint64_t grad = 0, update = 0, wide = 0;
@@ -49,7 +50,8 @@ absl::Status MeasureBuffers(const common::JobSpec& spec, JobFootprint* f) {
       common::shm::HyperBytes(spec.groups.size(), spec.matrices.size(), spec.qk_clip.logits());
   const uint64_t per_rank = 4 * (hyper + 128) + common::shm::kRingBytes + 3 * 4096;
   uint64_t buffers = 0;
-  if (!MulAdd(&grad, world, 64) || !MulAdd(&update, world, 64) || !MulAdd(&buffers, wide, 2 * static_cast<uint64_t>(spec.step_buffers)) ||
+  if (!MulAdd(&grad, world, 64) || !MulAdd(&update, world, 64) ||
+      !MulAdd(&buffers, wide, 2 * static_cast<uint64_t>(spec.step_buffers)) ||
       !MulAdd(&buffers, world, per_rank) || !MulAdd(&f->step_bytes, buffers, 1) ||
       !MulAdd(&f->step_bytes, update, 1)) {
     return TooLarge("buffer byte count");

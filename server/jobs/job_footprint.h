@@ -30,20 +30,20 @@ struct JobFootprint {
   //  - the copy of the committed state a save may take when a step commits while it writes
   //    (state_bytes / 2);
   //  - the whole matrices assembled at once: the gather budget, at most 8 bytes per element.
-  uint64_t step_bytes = 0;     // the buffers (4 x the larger of B and U, per rank more) + U
-  uint64_t grad_bytes = 0;     // B
-  uint64_t update_bytes = 0;   // U
+  // The buffers (2 x step_buffers x the larger of B and U, per rank more) + U.
+  uint64_t step_bytes = 0;
+  uint64_t grad_bytes = 0;    // B
+  uint64_t update_bytes = 0;  // U
   uint64_t save_copy_bytes = 0;
   uint64_t gather_bytes = 0;
   // The compute thread's Newton-Schulz scratch for the job's largest call (shared by all jobs:
   // the thread keeps its largest; counted per job so that admission never undercounts it).
   uint64_t scratch_bytes = 0;
   uint64_t total() const {
-    return state_bytes + table_bytes + step_bytes + save_copy_bytes + gather_bytes +
-           scratch_bytes;
+    return state_bytes + table_bytes + step_bytes + save_copy_bytes + gather_bytes + scratch_bytes;
   }
   // The same bytes by kind (JobMemory, job_report.h): the state's two buffers are the committed
-  // state and the step window; the step's 2B + 3U are the buffers (2B + 2U) and the replay (U).
+  // state and the step window; step_bytes are the buffers and the replay (U).
   JobMemory kinds() const;
 };
 

@@ -33,9 +33,9 @@ struct JobMemory {
 };
 // The kinds by name (the `kind` label and the report's keys), in report order.
 inline std::vector<std::pair<const char*, uint64_t>> MemoryKinds(const JobMemory& m) {
-  return {{"state", m.state},     {"step_window", m.step_window}, {"buffers", m.buffers},
-          {"replay", m.replay},   {"save_copy", m.save_copy},     {"gather", m.gather},
-          {"tables", m.tables},   {"scratch", m.scratch}};
+  return {{"state", m.state},   {"step_window", m.step_window}, {"buffers", m.buffers},
+          {"replay", m.replay}, {"save_copy", m.save_copy},     {"gather", m.gather},
+          {"tables", m.tables}, {"scratch", m.scratch}};
 }
 
 struct RankReport {

@@ -144,7 +144,8 @@ function ranksText(job) {
 function memoryText(memory) {
   var parts = [];
   Object.keys(memory).forEach(function (kind) {
-    if (memory[kind].bytes > 0) parts.push(kind.replace('_', ' ') + ' ' + bytes(memory[kind].bytes));
+    var held = memory[kind].bytes;
+    if (held > 0) parts.push(kind.replace('_', ' ') + ' ' + bytes(held));
   });
   return parts.join(', ');
 }

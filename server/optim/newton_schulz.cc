@@ -339,10 +339,6 @@ absl::Status PooledNewtonSchulz(const MuonConfig& config, const NsGroup* groups,
 
 }  // namespace
 
-namespace {
-
-}  // namespace
-
 uint64_t ScratchPerMatrix(const MatrixGeometry& geometry) {
   const uint64_t m = static_cast<uint64_t>(std::min(geometry.rows, geometry.cols));
   const uint64_t n = static_cast<uint64_t>(std::max(geometry.rows, geometry.cols));
@@ -372,7 +368,8 @@ std::vector<ScratchChunk> ChunkByScratch(const NsGroup* groups, size_t count) {
         used = 0;
       }
       const uint64_t room = kNewtonSchulzScratchBytes > used ? kNewtonSchulzScratchBytes - used : 0;
-      const size_t take = std::min<size_t>(groups[g].count - done, std::max<uint64_t>(1, room / per));
+      const size_t take =
+          std::min<size_t>(groups[g].count - done, std::max<uint64_t>(1, room / per));
       NsGroup piece = groups[g];
       piece.count = take;
       piece.xs = groups[g].xs + done;

@@ -33,8 +33,8 @@ TEST(JobFootprintTest, CountsStepBuffersRegionsSaveCopyAndGather) {
   // B = U = the gradients' bytes in their dtypes (+ 64 bytes of padding per rank): the regions'
   // four buffers, each rank's hyper block, ring and pages, and the replay copy.
   const uint64_t b = n_a * 4 + n_b * 2 + 2 * 64;
-  const uint64_t per_rank =
-      4 * (common::shm::HyperBytes(spec.groups.size(), 2) + 128) + common::shm::kRingBytes + 3 * 4096;
+  const uint64_t per_rank = 4 * (common::shm::HyperBytes(spec.groups.size(), 2) + 128) +
+                            common::shm::kRingBytes + 3 * 4096;
   EXPECT_EQ(f->step_bytes, 4 * (b - 2 * 64) + 2 * per_rank + b);
   EXPECT_EQ(f->save_copy_bytes, f->state_bytes / 2);
   // The gather budget is larger than every matrix assembled at once (8 bytes per element).
@@ -66,8 +66,8 @@ TEST(JobFootprintTest, ApplyModeBuffersAreInTheParamDtype) {
   ASSERT_TRUE(f.ok()) << f.status();
   // Gradients fp32, updates (new parameters) bf16: each region buffer holds the larger.
   const uint64_t u = 64 * 64 * 2 + 64;
-  const uint64_t per_rank =
-      4 * (common::shm::HyperBytes(spec.groups.size(), 1) + 128) + common::shm::kRingBytes + 3 * 4096;
+  const uint64_t per_rank = 4 * (common::shm::HyperBytes(spec.groups.size(), 1) + 128) +
+                            common::shm::kRingBytes + 3 * 4096;
   EXPECT_EQ(f->step_bytes, 4 * 64 * 64 * 4 + per_rank + u);
   EXPECT_EQ(f->kinds().replay, u);
   EXPECT_EQ(f->gather_bytes, 0u) << "no budget given: none counted";
