@@ -224,7 +224,8 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   if (!root.is_object()) return absl::InvalidArgumentError("job.json: expected a JSON object");
   RETURN_IF_ERROR(
       CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",
-                                   "gather_budget_bytes", "transport_probe", "checkpoint_every_steps",
+                                   "gather_budget_bytes", "step_window_bytes", "transport_probe",
+                                   "checkpoint_every_steps",
                                    "checkpoint_keep", "step_timeout_seconds", "step_buffers",
                                    "mode", "tensors", "groups", "adamw", "max_grad_norm",
                                    "init_from", "multinode", "nonfinite", "qk_clip"}));
@@ -258,6 +259,10 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   RETURN_IF_ERROR(ReadInt64(root, "gather_budget_bytes", "gather_budget_bytes", &budget));
   if (budget < 0) return FieldError("gather_budget_bytes", "expected an integer >= 0");
   spec.gather_budget_bytes = static_cast<uint64_t>(budget);
+  int64_t window = 0;
+  RETURN_IF_ERROR(ReadInt64(root, "step_window_bytes", "step_window_bytes", &window));
+  if (window < 0) return FieldError("step_window_bytes", "expected an integer >= 0");
+  spec.step_window_bytes = static_cast<uint64_t>(window);
   int64_t every = 0;
   RETURN_IF_ERROR(
       ReadInt64(root, "checkpoint_every_steps", "checkpoint_every_steps", &every));
@@ -312,6 +317,8 @@ std::string JobSpecToJson(const JobSpec& spec) {
   }
   root["matrices"] = std::move(matrices);
   root["gather_budget_bytes"] = spec.gather_budget_bytes;
+  // Written only when set, so the specs of jobs that do not use it read as before.
+  if (spec.step_window_bytes != 0) root["step_window_bytes"] = spec.step_window_bytes;
   root["transport_probe"] = spec.transport_probe;
   // Written only when set, so the specs of jobs that do not use it read as before.
   if (spec.nonfinite_skip) root["nonfinite"] = "skip";
@@ -358,6 +365,15 @@ absl::Status ValidateJobLimits(const JobSpec& spec) {
   if (spec.checkpoint_keep < 1 || spec.checkpoint_keep > kMaxCheckpointKeep) {
     return absl::InvalidArgumentError(absl::StrCat(
         "checkpoint_keep ", spec.checkpoint_keep, " is outside 1..", kMaxCheckpointKeep));
+  }
+  if (spec.step_window_bytes != 0 && !spec.transport_probe) {
+    for (const MatrixSpec& m : spec.matrices) {
+      const uint64_t bytes = spec.StateBytesOf(m);
+      if (spec.step_window_bytes >= bytes) continue;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step_window_bytes ", spec.step_window_bytes, " is smaller than tensor '", m.name,
+          "''s state (", bytes, " bytes a step writes); the window holds at least one tensor"));
+    }
   }
   if (spec.step_buffers < 1 || spec.step_buffers > 2) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -449,6 +465,13 @@ absl::Status ValidateMatrices(const JobSpec& spec) {
 }
 
 }  // namespace
+
+uint64_t JobSpec::StateBytesOf(const MatrixSpec& m) const {
+  const uint64_t arrays = mode != JobMode::kApply               ? 1
+                          : m.optimizer == Optimizer::kAdamW ? 3
+                                                             : 2;
+  return static_cast<uint64_t>(m.numel()) * arrays * sizeof(float);
+}
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
   RETURN_IF_ERROR(ValidateJobId(spec.job_id));

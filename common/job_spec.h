@@ -8,6 +8,8 @@
 //    "matrices": [{"name": str, "shape": [r, c], "num_heads": 1, "dtype": "float32"}],
 //    "layout": [[{"matrix": name, "offset": 0, "length": n}, ...], ...],   (optional, per rank)
 //    "gather_budget_bytes": 0,                                  (0: the daemon's default)
+//    "step_window_bytes": 0,   (0: the daemon's default; the state a step computes before it is
+//                               sealed, at least the largest tensor's: README "Memory")
 //    "checkpoint_every_steps": 0,            (0: only on request and at shutdown)
 //    "checkpoint_keep": 3,                   (generations kept, 1..1000)
 //    "step_timeout_seconds": 0,             (0: the daemon's default)
@@ -176,6 +178,12 @@ struct JobSpec {
   std::vector<std::vector<LayoutSpan>> explicit_layout;
   // Bytes of whole matrices the daemon assembles at once for this job; 0: the daemon's default.
   uint64_t gather_budget_bytes = 0;
+  // Bytes of state the step window holds for the tensors computed before the step is sealed
+  // (server/engine/state_buffers.h); 0: the daemon's default. At least the largest tensor's
+  // state (4 bytes an element in update mode; 8 for a Muon tensor, 12 for AdamW in apply mode).
+  uint64_t step_window_bytes = 0;
+  // The state bytes one step writes of tensor m (what the step window holds of it).
+  uint64_t StateBytesOf(const MatrixSpec& m) const;
   // A data-path probe: the daemon returns every gradient span unchanged as its update and keeps
   // no momentum (for checking and measuring transports, e.g. muond-bench transport).
   bool transport_probe = false;

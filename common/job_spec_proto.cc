@@ -204,6 +204,7 @@ absl::Status RunOptionsFromProto(const v1::JobSpec& proto, JobSpec* spec) {
   // than accepted now and unreadable after a restart.
   for (const auto& [name, value] :
        {std::pair<const char*, uint64_t>{"gather_budget_bytes", proto.gather_budget_bytes()},
+        {"step_window_bytes", proto.step_window_bytes()},
         {"checkpoint_every_steps", proto.checkpoint_every_steps()}}) {
     if (value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
       return absl::InvalidArgumentError(
@@ -211,6 +212,7 @@ absl::Status RunOptionsFromProto(const v1::JobSpec& proto, JobSpec* spec) {
     }
   }
   spec->gather_budget_bytes = proto.gather_budget_bytes();
+  spec->step_window_bytes = proto.step_window_bytes();
   spec->transport_probe = proto.transport_probe();
   switch (proto.nonfinite()) {
     case v1::NONFINITE_REFUSE:
@@ -312,6 +314,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   proto.set_checkpoint_keep(spec.checkpoint_keep);
   proto.set_step_timeout_seconds(spec.step_timeout_seconds);
   proto.set_step_buffers(spec.step_buffers);
+  proto.set_step_window_bytes(spec.step_window_bytes);
   if (spec.multinode.nodes > 0) {
     proto.mutable_multinode()->set_global_job_id(spec.multinode.global_job_id);
     proto.mutable_multinode()->set_node(spec.multinode.node);

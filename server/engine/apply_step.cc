@@ -115,7 +115,7 @@ absl::Status ApplyStep::PrepareGradient(const StepState& state, uint32_t t, floa
     float* next = params_->back(t, ParamStore::kMomentum);
     common::ParallelFor((n + kSlice - 1) / kSlice, n * sizeof(float), [&](size_t i) {
       const size_t b = i * kSlice, len = std::min(n, b + kSlice) - b;
-      std::memcpy(next + b, committed + b, len * sizeof(float));
+      if (next != committed) std::memcpy(next + b, committed + b, len * sizeof(float));
       ApplyMomentum(spec_.muon, grad + b, next + b, len);
     });
   }
@@ -186,10 +186,20 @@ void ApplyStep::QkClip(StepState& state) {
     state.qk_heads_clipped += f.heads_clipped;
     if (f.heads_clipped == 0) continue;
     const int64_t in = spec_.matrices[q].shape[1];
-    ScaleHeadRows(params_->back(q, ParamStore::kMaster), pair.head_dim, in, f.q);
-    ScaleHeadRows(params_->back(k, ParamStore::kMaster), pair.head_dim, in, f.k);
+    ScaleHeadRows(NewMaster(state, q), pair.head_dim, in, f.q);
+    ScaleHeadRows(NewMaster(state, k), pair.head_dim, in, f.k);
     for (uint32_t t : {q, k}) WriteParameters(state, t);
   }
+}
+
+float* ApplyStep::NewMaster(const StepState& state, uint32_t t) {
+  float* next = params_->back(t, ParamStore::kMaster);
+  // An absent tensor's step wrote nothing: its new master starts as the committed one.
+  const float* committed = params_->front(t, ParamStore::kMaster);
+  if (state.hyper.absent_at(t) && next != committed) {
+    std::memcpy(next, committed, params_->numel(t) * sizeof(float));
+  }
+  return next;
 }
 
 void ApplyStep::WriteParameters(StepState& state, uint32_t t) {
@@ -207,15 +217,10 @@ void ApplyStep::WriteParameters(StepState& state, uint32_t t) {
 void ApplyStep::Carry(StepState& state, uint32_t t) {
   const common::MatrixSpec& ms = spec_.matrices[t];
   const size_t esize = common::DTypeSize(ms.param_dtype);
-  const int slots = params_->slots(t);
   const std::vector<JobLayout::OwnerSlice> slices = layout_.OwnerSlices(t, kSlice);
-  common::ParallelFor(slices.size(), ms.numel() * (2 * slots + 1) * sizeof(float), [&](size_t i) {
+  common::ParallelFor(slices.size(), ms.numel() * (sizeof(float) + esize), [&](size_t i) {
     const JobLayout::OwnerSlice& s = slices[i];
     const uint64_t at = layout_.spans(s.ref->rank)[s.ref->span].offset + s.begin;
-    for (int slot = 0; slot < slots; ++slot) {
-      std::memcpy(params_->back(t, slot) + at, params_->front(t, slot) + at,
-                  s.length * sizeof(float));
-    }
     common::FromFloat32(params_->front(t, ParamStore::kMaster) + at, s.length, ms.param_dtype,
                         state.outputs[s.ref->rank]->spans[s.ref->span].data + s.begin * esize);
   });

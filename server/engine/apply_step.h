@@ -57,10 +57,12 @@ class ApplyStep {
   void ApplyAdamW(StepState& state, uint32_t t, const float* grad);
   // The Muon apply of tensor t from its update U (scaled); writes the owners' output spans.
   void ApplyMuon(StepState& state, uint32_t t, const float* update);
-  // Tensor t is absent this step (the presence mask): its state carried front -> back unchanged
-  // (the commit does not count it a step either), its parameters as they are into the owners'
-  // output spans. Reads no gradient.
+  // Tensor t is absent this step (the presence mask): its state unchanged (the step writes none
+  // of its arrays, so the commit neither swaps them nor counts it a step), its parameters as they
+  // are into the owners' output spans. Reads no gradient.
   void Carry(StepState& state, uint32_t t);
+  // Where the new master of tensor t is (the store's back), for QK-Clip to rescale.
+  float* NewMaster(const StepState& state, uint32_t t);
 
   // QK-Clip (DESIGN.md 4e), once every tensor is done and before the commit: each pair's query
   // and key heads of the new masters (the store's back) rescaled from the step's per-head maxima

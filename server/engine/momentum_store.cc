@@ -15,8 +15,9 @@ std::vector<size_t> MatrixSizes(const common::JobSpec& spec) {
 
 }  // namespace
 
-MomentumStore::MomentumStore(const common::JobSpec& spec, device::Device* device)
-    : buffers_(MatrixSizes(spec), device) {
+MomentumStore::MomentumStore(const common::JobSpec& spec, device::Device* device,
+                             uint64_t window_bytes)
+    : buffers_(MatrixSizes(spec), device, window_bytes) {
   for (size_t m = 0; m < buffers_.arrays(); ++m) bytes_ += buffers_.numel(m) * sizeof(float);
 }
 

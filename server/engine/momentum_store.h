@@ -1,13 +1,14 @@
-// The state store of an update-mode job: the fp32 Muon momentum of every matrix, double-buffered
-// in host memory registered (pinned) with the compute device (StateBuffers, state_buffers.h: the
-// buffers, the flip and the snapshot a checkpoint writer copies while later steps run).
+// The state store of an update-mode job: the fp32 Muon momentum of every matrix, in host memory
+// registered (pinned) with the compute device (StateBuffers, state_buffers.h: one copy updated in
+// place once the step is sealed, the bounded step window before it, and the snapshot a checkpoint
+// writer copies while later steps run).
 //
-// The front holds the committed momentum; the step in flight has the device write each matrix's
-// new momentum, the one its update was computed from, into the back (next()); the commit flips
-// the store. So the commit copies and re-reads nothing (the gradients are read once, by the step),
-// and a refused or aborted step leaves the front bit-identical. Memory cost: the momentum twice
-// (JobFootprint counts both), plus, while a save is slower than a step, one more buffer for each
-// matrix the writer has not reached (state_buffers.h).
+// The step in flight has the device write each matrix's new momentum, the one its update was
+// computed from, where next() says (in place, or the window buffer the commit swaps in). So the
+// commit copies and re-reads nothing (the gradients are read once, by the step), and a step
+// refused before it wrote in place leaves the front bit-identical. Memory cost: the momentum once
+// plus the window (JobFootprint counts both), plus, while a save is slower than a step, one more
+// buffer for each matrix the writer has not reached (state_buffers.h).
 //
 // Changes of the front (commit's flip, reset, load) go through a MomentumStore::Lock. The compute
 // tasks of the step in flight read the front without a lock: it changes only between steps.
@@ -29,12 +30,14 @@ class MomentumStore {
  public:
   // Zeroed momentum for every matrix of `spec` (none for a transport probe or an apply-mode job),
   // both buffers registered with `device` where it allows. `device` must outlive the store.
-  MomentumStore(const common::JobSpec& spec, device::Device* device);
+  // `window_bytes`: StateBuffers (one copy and its step window, or StateBuffers::kTwoCopies).
+  MomentumStore(const common::JobSpec& spec, device::Device* device,
+                uint64_t window_bytes = StateBuffers::kTwoCopies);
   MomentumStore(const MomentumStore&) = delete;
   MomentumStore& operator=(const MomentumStore&) = delete;
 
   // Bytes of the momentum (one buffer per matrix: what a checkpoint holds; 0 for a transport
-  // probe). The store holds twice that. What a spec will hold before anything is allocated is
+  // probe). What a spec will hold before anything is allocated is
   // JobFootprint::state_bytes (server/jobs/job_footprint.h).
   uint64_t bytes() const { return bytes_; }
   size_t matrices() const { return buffers_.arrays(); }
@@ -44,6 +47,12 @@ class MomentumStore {
   // Flip makes it the committed one. REQUIRES: the step in flight is the only writer.
   float* next(uint32_t m) { return buffers_.back(m); }
   size_t numel(uint32_t m) const { return buffers_.numel(m); }
+  bool two_copies() const { return buffers_.two_copies(); }
+  uint64_t window_bytes() const { return buffers_.window_bytes(); }
+  // A new step (StateBuffers::BeginStep).
+  void BeginStep() { buffers_.BeginStep(); }
+  // How the step in flight writes matrix m's momentum (StateBuffers::Plan).
+  void Plan(uint32_t m, bool in_place) { buffers_.Plan(m, in_place); }
   // Bytes of the momentum registered (pinned) with the device, all matrices.
   uint64_t pinned_bytes() const {
     uint64_t bytes = 0;

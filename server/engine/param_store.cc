@@ -20,9 +20,9 @@ std::vector<size_t> ArraySizes(const common::JobSpec& spec, std::vector<size_t>*
 
 }  // namespace
 
-ParamStore::ParamStore(const common::JobSpec& spec, device::Device* device)
-    : buffers_(ArraySizes(spec, &first_, &slots_, &numel_), device) {
-  for (size_t a = 0; a < buffers_.arrays(); ++a) bytes_ += 2 * buffers_.numel(a) * sizeof(float);
+ParamStore::ParamStore(const common::JobSpec& spec, device::Device* device, uint64_t window_bytes)
+    : buffers_(ArraySizes(spec, &first_, &slots_, &numel_), device, window_bytes) {
+  for (size_t a = 0; a < buffers_.arrays(); ++a) bytes_ += buffers_.numel(a) * sizeof(float);
   steps_.assign(spec.matrices.size(), 0);
 }
 

@@ -2,14 +2,11 @@
 // with the compute device, the master weights W and the optimizer state (Muon: momentum M; AdamW:
 // m, v and the step count).
 //
-// Every array has two buffers (StateBuffers, state_buffers.h). The front holds the committed
-// state; the step in flight computes the next state from the front into the back (without the
-// store's lock: nothing else writes the back, and the front does not change while a step
-// computes), and its commit flips the store (one parity for all arrays: every tensor takes part in
-// every step). So a refused or aborted step leaves the front bit-identical, and a step whose
-// global gradient clipping triggers is recomputed from the same front. Memory cost of that choice:
-// the state twice (the alternative, recomputing the state at commit, would run AdamW and the Muon
-// apply twice per step and still need the new W staged).
+// The arrays are StateBuffers (state_buffers.h): one copy of the state, which the step in flight
+// updates in place once it is sealed, a bounded step window for the tensors computed before the
+// seal (swapped in at the commit), so a refused step leaves the front bit-identical. Jobs that
+// recompute a step from the same front (global gradient clipping) or roll a committed step back
+// (two-phase) keep two copies (StateBuffers::kTwoCopies).
 //
 // Changes of the front (commit, reset, load, initial weights) go through a ParamStore::Lock. A
 // snapshot (checkpoint, export) is copied by its writer while later steps run, without copies on
@@ -33,13 +30,23 @@ class ParamStore {
   enum Slot : int { kMaster = 0, kMomentum = 1, kExpAvg = 1, kExpAvgSq = 2 };
 
   // Zeroed state for every tensor of `spec` (an apply-mode spec), registered with `device` where
-  // it allows. `device` must outlive the store.
-  ParamStore(const common::JobSpec& spec, device::Device* device);
+  // it allows. `device` must outlive the store. `window_bytes`: StateBuffers (one copy and its
+  // step window, or StateBuffers::kTwoCopies).
+  ParamStore(const common::JobSpec& spec, device::Device* device,
+             uint64_t window_bytes = StateBuffers::kTwoCopies);
   ParamStore(const ParamStore&) = delete;
   ParamStore& operator=(const ParamStore&) = delete;
 
-  // Bytes held, both buffers.
+  // Bytes of the state (one copy: what a checkpoint holds).
   uint64_t bytes() const { return bytes_; }
+  bool two_copies() const { return buffers_.two_copies(); }
+  uint64_t window_bytes() const { return buffers_.window_bytes(); }
+  // A new step (StateBuffers::BeginStep).
+  void BeginStep() { buffers_.BeginStep(); }
+  // How the step in flight writes tensor t's arrays (StateBuffers::Plan), every slot alike.
+  void Plan(uint32_t t, bool in_place) {
+    for (int s = 0; s < slots_[t]; ++s) buffers_.Plan(first_[t] + s, in_place);
+  }
   size_t tensors() const { return first_.size(); }
   // 2 for a Muon tensor, 3 for an AdamW tensor.
   int slots(uint32_t t) const { return slots_[t]; }

@@ -14,14 +14,15 @@ StateBuffers::Buffer::~Buffer() {
   if (registered != nullptr) registered->UnregisterHost(data.get(), n * sizeof(float));
 }
 
-StateBuffers::StateBuffers(const std::vector<size_t>& numel, device::Device* device)
-    : device_(device), numel_(numel) {
-  for (int b = 0; b < 2; ++b) {
-    for (size_t n : numel_) {
-      buf_[b].push_back(std::make_unique<Buffer>(n, /*zeroed=*/true, /*pin=*/true, device_));
-    }
+StateBuffers::StateBuffers(const std::vector<size_t>& numel, device::Device* device,
+                           uint64_t window_bytes)
+    : device_(device), numel_(numel), window_bytes_(window_bytes) {
+  for (size_t n : numel_) {
+    front_.push_back(std::make_unique<Buffer>(n, /*zeroed=*/true, /*pin=*/true, device_));
+    back_.push_back(two_copies() ? std::make_unique<Buffer>(n, true, true, device_) : nullptr);
   }
   spare_.resize(numel_.size());
+  target_.assign(numel_.size(), Target::kNone);
 }
 
 StateBuffers::~StateBuffers() = default;
@@ -29,7 +30,7 @@ StateBuffers::~StateBuffers() = default;
 uint64_t StateBuffers::pinned_bytes(size_t a) const {
   absl::MutexLock lock(&mu_);
   uint64_t bytes = 0;
-  for (const Buffer* b : {buf_[0][a].get(), buf_[1][a].get(), spare_[a].get()}) {
+  for (const Buffer* b : {front_[a].get(), back_[a].get(), spare_[a].get()}) {
     if (b != nullptr && b->registered != nullptr) bytes += b->n * sizeof(float);
   }
   return bytes;
@@ -42,8 +43,8 @@ StateBuffers::Held StateBuffers::held() const {
     return b != nullptr ? b->n * sizeof(float) : 0;
   };
   for (size_t a = 0; a < numel_.size(); ++a) {
-    h.front += bytes(buf_[parity_][a]);
-    h.back += bytes(buf_[1 - parity_][a]);
+    h.front += bytes(front_[a]);
+    h.back += bytes(back_[a]);
     h.spare += bytes(spare_[a]);
     if (snapshot_ != nullptr) h.snapshot += bytes(snapshot_->handed[a]);
   }
@@ -68,14 +69,60 @@ void StateBuffers::HandOver(size_t a, std::unique_ptr<Buffer>* slot, bool keep) 
 }
 
 void StateBuffers::Release(size_t a, std::unique_ptr<Buffer> buffer) {
-  if (buffer != nullptr && spare_[a] == nullptr) spare_[a] = std::move(buffer);
+  if (buffer == nullptr) return;
+  if (two_copies()) {
+    if (spare_[a] == nullptr) spare_[a] = std::move(buffer);
+    return;
+  }
+  // One copy: a pinned buffer replaces a missing or unpinned window buffer; else it is freed.
+  if (back_[a] == nullptr || (back_[a]->registered == nullptr && buffer->registered != nullptr &&
+                              !SnapshotNeeds(a, *back_[a]))) {
+    back_[a] = std::move(buffer);
+  }
+}
+
+void StateBuffers::Drop(size_t a, std::unique_ptr<Buffer>* slot) {
+  if (*slot == nullptr) return;
+  if (SnapshotNeeds(a, **slot)) {
+    snapshot_->handed[a] = std::move(*slot);
+  } else {
+    slot->reset();
+  }
+}
+
+float* StateBuffers::WindowBuffer(size_t a) {
+  std::unique_ptr<Buffer>& slot = back_[a];
+  if (slot == nullptr) {
+    slot = spare_[a] != nullptr
+               ? std::move(spare_[a])
+               : std::make_unique<Buffer>(numel_[a], /*zeroed=*/false, /*pin=*/true, device_);
+  }
+  if (SnapshotNeeds(a, *slot)) HandOver(a, &slot, /*keep=*/false);
+  return slot->data.get();
+}
+
+void StateBuffers::BeginStep() {
+  absl::MutexLock lock(&mu_);
+  target_.assign(numel_.size(), Target::kNone);
+}
+
+void StateBuffers::Plan(size_t a, bool in_place) {
+  absl::MutexLock lock(&mu_);
+  if (!in_place || two_copies()) {
+    target_[a] = Target::kWindow;
+    WindowBuffer(a);
+    return;
+  }
+  target_[a] = Target::kInPlace;
+  // Copy-on-write for a save in progress: it keeps the committed buffer, the step writes a copy.
+  if (SnapshotNeeds(a, *front_[a])) HandOver(a, &front_[a], /*keep=*/true);
 }
 
 float* StateBuffers::back(size_t a) {
   absl::MutexLock lock(&mu_);
-  std::unique_ptr<Buffer>& slot = buf_[1 - parity_][a];
-  if (SnapshotNeeds(a, *slot)) HandOver(a, &slot, /*keep=*/false);
-  return slot->data.get();
+  if (target_[a] == Target::kInPlace) return front_[a]->data.get();
+  target_[a] = Target::kWindow;
+  return WindowBuffer(a);
 }
 
 StateBuffers::SnapshotCost StateBuffers::snapshot_cost() const {
@@ -88,28 +135,44 @@ StateBuffers::Lock::Lock(StateBuffers& buffers) : buffers_(buffers) { buffers_.m
 StateBuffers::Lock::~Lock() { buffers_.mu_.Unlock(); }
 
 float* StateBuffers::Lock::mutable_front(size_t a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  std::unique_ptr<Buffer>& slot = buffers_.buf_[buffers_.parity_][a];
+  std::unique_ptr<Buffer>& slot = buffers_.front_[a];
   if (buffers_.SnapshotNeeds(a, *slot)) buffers_.HandOver(a, &slot, /*keep=*/true);
   return slot->data.get();
 }
 
 void StateBuffers::Lock::Unflip() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  buffers_.parity_ = 1 - buffers_.parity_;
+  StateBuffers& s = buffers_;
+  for (size_t a : s.flipped_) std::swap(s.front_[a], s.back_[a]);
+  s.flipped_.clear();
 }
 
 void StateBuffers::Lock::Flip(bool keep_back) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   StateBuffers& s = buffers_;
-  s.parity_ = 1 - s.parity_;
-  if (keep_back) return;
-  // A spare goes back in place of an unpinned back buffer (whose value the next step overwrites)
-  // that the snapshot does not need.
+  s.flipped_.clear();
   for (size_t a = 0; a < s.arrays(); ++a) {
-    std::unique_ptr<Buffer>& back = s.buf_[1 - s.parity_][a];
-    if (s.spare_[a] == nullptr || back->registered != nullptr || s.SnapshotNeeds(a, *back)) {
-      continue;
-    }
-    back = std::move(s.spare_[a]);
+    if (s.target_[a] != Target::kWindow) continue;
+    std::swap(s.front_[a], s.back_[a]);
+    s.flipped_.push_back(a);
   }
+  if (!keep_back) {
+    for (size_t a = 0; a < s.arrays(); ++a) {
+      std::unique_ptr<Buffer>& back = s.back_[a];
+      if (back == nullptr) continue;
+      if (!s.two_copies() && s.target_[a] != Target::kWindow) {
+        // One copy: the window keeps the buffers of the arrays this step used (the next step
+        // most likely uses the same), nothing else.
+        s.Drop(a, &back);
+        continue;
+      }
+      // A spare goes back in place of an unpinned back buffer (whose value the next step
+      // overwrites) that the snapshot does not need.
+      if (s.spare_[a] == nullptr || back->registered != nullptr || s.SnapshotNeeds(a, *back)) {
+        continue;
+      }
+      back = std::move(s.spare_[a]);
+    }
+  }
+  s.target_.assign(s.arrays(), Target::kNone);
 }
 
 void StateBuffers::Lock::BeginSnapshot() ABSL_NO_THREAD_SAFETY_ANALYSIS {

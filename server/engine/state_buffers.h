@@ -1,28 +1,40 @@
-// The double-buffered fp32 arrays of a job's state store (update mode's MomentumStore, apply
-// mode's ParamStore), in host memory registered (pinned) with the compute device, and the
-// snapshot that lets a checkpoint writer copy them at one step boundary while later steps run.
+// The fp32 arrays of a job's state store (update mode's MomentumStore, apply mode's ParamStore),
+// in host memory registered (pinned) with the compute device, and the snapshot that lets a
+// checkpoint writer copy them at one step boundary while later steps run.
 //
-// Every array has two buffers. The front holds the committed value; the step in flight writes the
-// next value into the back (back(); nothing else writes it, and the front does not change while a
-// step computes), and the commit flips every array at once (Lock::Flip). A step that is refused or
-// aborted leaves the front bit-identical.
+// One copy of the state (the default; README "Memory"). Every array has one committed buffer, the
+// front. A step writes an array's next value either
+//   - in place, into the front, once the step is sealed (every gradient in and checked, nothing
+//     left that may refuse it but a device error or a crash: the pipeline decides, StepPipeline
+//     ::Run::TakeLocked), or
+//   - before the seal, into the array's back buffer, taken from a bounded step window
+//     (`window_bytes`; the pipeline reserves window bytes per matrix and waits for the seal when
+//     they run out), which the commit swaps in (Lock::Flip: no copy).
+// The pipeline says which per array and step (Plan), before anything is written. A step that
+// fails before writing in place leaves the front bit-identical; one that wrote in place cannot be
+// undone (the job is fenced and reloads its newest checkpoint: StepState::in_place). Window buffers
+// of the arrays a step used stay as the next step's (same arrays, the same streaming order); the
+// others are freed at the commit, so the window never holds more than one step reserved.
+//
+// Two copies (window_bytes == kTwoCopies): every array has its back allocated up front and is
+// never written in place, as the jobs that recompute or roll back a step need: a step recomputed
+// from the same front when global clipping triggers, and the two-phase commit of many nodes
+// (Flip(keep_back) and Unflip).
 //
 // Snapshots without copies on the step's path: a snapshot refers to the front buffers of the
 // moment it began, and the writer copies each array from there on its own thread
-// (CopyForSnapshot). After the next flip those buffers are the back, which the following step
-// overwrites; so back() hands a buffer the writer still needs to the snapshot (it keeps the memory
-// until the writer copied it) and gives the store a fresh one (not pinned; the step writes every
-// element of it). Nothing is copied on the compute or commit thread: the cost there is one
-// allocation per array the writer had not reached, and the memory at most one more copy of those
-// arrays while the save lasts. When the writer is done with such a buffer it becomes the array's
-// spare, and a later flip puts it (pinned) back in place of the fresh one, which is freed. A
-// change of the front itself (Lock::mutable_front: reset, load, initial weights) hands the
-// snapshot the buffer in the same way and continues on a copy of it: that change copies the one
-// array it changes.
+// (CopyForSnapshot). A window swap makes such a buffer a back, which a later step would write;
+// Plan hands a buffer the writer still needs to the snapshot (it keeps the memory until the writer
+// copied it) and gives the store a fresh one. Before an in-place write of an array the snapshot
+// still needs, Plan hands the front over and continues on a copy of it: copy-on-write per array,
+// so a save never stalls steps and costs at most one more copy of the arrays the writer had not
+// reached. When the writer is done with a handed buffer it becomes the array's spare (or back), so
+// pinned memory is reused. A change of the front itself (Lock::mutable_front: reset, load,
+// initial weights) hands the snapshot the buffer in the same way.
 //
-// Thread-safety: front() is read without a lock only between changes (steps read it; changes take
-// the Lock between steps); back(), CopyForSnapshot and EndSnapshot take the lock briefly. At most
-// one snapshot at a time.
+// Thread-safety: front() is read without a lock only between changes of that array (a step reads
+// an array before it writes it in place; changes take the Lock between steps); Plan, back(),
+// CopyForSnapshot and EndSnapshot take the lock briefly. At most one snapshot at a time.
 #ifndef MUOND_SERVER_ENGINE_STATE_BUFFERS_H_
 #define MUOND_SERVER_ENGINE_STATE_BUFFERS_H_
 
@@ -38,9 +50,13 @@ namespace muond::server {
 
 class StateBuffers {
  public:
-  // Zeroed arrays of numel[a] floats, both buffers registered with `device` where it allows.
-  // `device` must outlive the buffers.
-  StateBuffers(const std::vector<size_t>& numel, device::Device* device);
+  // window_bytes for a store of two copies (see above).
+  static constexpr uint64_t kTwoCopies = ~uint64_t{0};
+
+  // Zeroed arrays of numel[a] floats, registered with `device` where it allows; with kTwoCopies
+  // their back buffers too. `device` must outlive the buffers.
+  StateBuffers(const std::vector<size_t>& numel, device::Device* device,
+               uint64_t window_bytes = kTwoCopies);
   ~StateBuffers();
   StateBuffers(const StateBuffers&) = delete;
   StateBuffers& operator=(const StateBuffers&) = delete;
@@ -48,9 +64,19 @@ class StateBuffers {
   size_t arrays() const { return numel_.size(); }
   size_t numel(size_t a) const { return numel_[a]; }
   // The committed value of array a. Read without a lock only between changes.
-  const float* front(size_t a) const { return buf_[parity_][a]->data.get(); }
-  // Where the step in flight writes array a's next value (see above); the step must write all of
-  // it before the commit. Takes the lock briefly; copies nothing.
+  const float* front(size_t a) const { return front_[a]->data.get(); }
+  bool two_copies() const { return window_bytes_ == kTwoCopies; }
+  // The step window's bytes (kTwoCopies: a whole second copy).
+  uint64_t window_bytes() const { return window_bytes_; }
+
+  // A new step: no array planned.
+  void BeginStep() ABSL_LOCKS_EXCLUDED(mu_);
+  // How the step in flight writes array a: in place (REQUIRES: !two_copies()) or into its window
+  // buffer. Before the step writes the array; the same for the whole step. Takes the lock
+  // briefly; copies only what a save in progress still needs of an array written in place.
+  void Plan(size_t a, bool in_place) ABSL_LOCKS_EXCLUDED(mu_);
+  // Where the step in flight writes array a's next value, as planned (unplanned: the window);
+  // the step must write all of it before the commit. Takes the lock briefly.
   float* back(size_t a) ABSL_LOCKS_EXCLUDED(mu_);
 
   // What snapshots cost, for tests and metrics: bytes copied into snapshots by the writer's own
@@ -64,8 +90,8 @@ class StateBuffers {
   SnapshotCost snapshot_cost() const ABSL_LOCKS_EXCLUDED(mu_);
   // Bytes of array a's buffers (front, back and spare) registered (pinned) with the device.
   uint64_t pinned_bytes(size_t a) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Bytes held now, all arrays, by what they are for: the committed fronts, the backs the step in
-  // flight writes, spares kept for a later flip, and buffers handed to the snapshot of a save in
+  // Bytes held now, all arrays, by what they are for: the committed fronts, the window (back)
+  // buffers, spares kept for a later step, and buffers handed to the snapshot of a save in
   // progress (the committed state it still needs after a step or a change replaced it).
   struct Held {
     uint64_t front = 0;
@@ -84,12 +110,14 @@ class StateBuffers {
     Lock& operator=(const Lock&) = delete;
     // Writable committed value of array a (see above for a snapshot in progress).
     float* mutable_front(size_t a);
-    // The back buffers become the front. `keep_back`: the old front stays the back, untouched,
-    // so that Unflip can restore it (two-phase jobs: a committed step may be rolled back until
-    // the next step writes the back); else an unpinned back may be swapped for a spare.
+    // Commits the step: the window buffers it wrote become the front (arrays written in place
+    // already are). `keep_back`: the old fronts stay the backs, untouched, so that Unflip can
+    // restore them (two-phase jobs: a committed step may be rolled back until the next step
+    // writes the back); else an unpinned back may be swapped for a spare, and with one copy the
+    // window buffers of arrays the step did not use are freed.
     void Flip(bool keep_back = false);
-    // Undoes a Flip(keep_back = true): the front becomes the back again. REQUIRES: nothing wrote
-    // the back since, and no snapshot began.
+    // Undoes a Flip(keep_back = true) of a two-copy store. REQUIRES: nothing wrote the backs
+    // since, and no snapshot began.
     void Unflip();
     // Starts the snapshot of the front. REQUIRES: none in progress.
     void BeginSnapshot();
@@ -126,14 +154,25 @@ class StateBuffers {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A buffer the snapshot no longer needs: the array's spare (or freed).
   void Release(size_t a, std::unique_ptr<Buffer> buffer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Array a's window buffer, allocated (or a spare) when it has none, and not one the snapshot
+  // still needs.
+  float* WindowBuffer(size_t a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees *slot, or hands it to the snapshot when that still needs it.
+  void Drop(size_t a, std::unique_ptr<Buffer>* slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  enum class Target : uint8_t { kNone, kWindow, kInPlace };
 
   device::Device* const device_;
   const std::vector<size_t> numel_;
-  // Per array, two buffers; the front's index. Pointers change only under mu_: the front's
-  // between steps, the back's before the step writes it.
-  std::vector<std::unique_ptr<Buffer>> buf_[2];
-  int parity_ = 0;
+  const uint64_t window_bytes_;
+  // Per array: the committed buffer and the window (back) buffer (null: none). Pointers change
+  // only under mu_: the front's between steps or before the step writes the array in place, the
+  // back's before the step writes it.
+  std::vector<std::unique_ptr<Buffer>> front_;
+  std::vector<std::unique_ptr<Buffer>> back_;
   mutable absl::Mutex mu_;
+  std::vector<Target> target_ ABSL_GUARDED_BY(mu_);  // per array, for the step in flight
+  std::vector<size_t> flipped_ ABSL_GUARDED_BY(mu_);  // arrays the last Flip swapped (Unflip)
   std::vector<std::unique_ptr<Buffer>> spare_ ABSL_GUARDED_BY(mu_);  // per array (see above)
   std::unique_ptr<Snapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   SnapshotCost cost_ ABSL_GUARDED_BY(mu_);

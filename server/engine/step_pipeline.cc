@@ -45,6 +45,7 @@ void StepPipeline::Run::Go() {
       Echo(batch);
       continue;
     }
+    if (status_.ok()) PlanState(batch);
     if (status_.ok()) CarryAbsent(batch);
     if (batch.matrices.empty()) continue;  // every tensor of it was absent
     if (status_.ok()) status_ = Prepare(batch);
@@ -77,15 +78,23 @@ bool StepPipeline::Run::TakeLocked(Batch* batch, bool* commit) {
   const uint64_t per_batch = std::max<uint64_t>(1, budget / DeviceStreams::kDepth);
   uint64_t batch_bytes = 0;
   size_t taken = 0;
+  const bool sealed = state_.sealed(p_.spec_.matrices.size(), p_.spec_.clips_outside_share());
   for (uint32_t m : state_.ready) {
     if (state_.done || !status_.ok()) break;
     const uint64_t bytes = p_.AssembledBytes(m);
     const bool alone = batch->matrices.empty() && in_flight == 0;
     if (!alone && (batch_bytes + bytes > per_batch && !batch->matrices.empty())) break;
     if (!alone && in_flight + batch_bytes + bytes > budget) break;
+    bool in_place = false;
+    if (!TakeState(m, sealed, &in_place)) break;
     batch->matrices.push_back(m);
+    batch->in_place.push_back(in_place);
     batch_bytes += bytes;
     ++taken;
+  }
+  if (taken > 0 && !state_.store_begun) {
+    state_.store_begun = true;
+    batch->begin_step = true;
   }
   state_.ready.erase(state_.ready.begin(), state_.ready.begin() + taken);
   p_.gather_in_use_bytes_.store(in_flight + batch_bytes);
@@ -123,6 +132,39 @@ bool StepPipeline::Run::Finish(bool* commit) {
   state_.phase_seconds[3] += busy.writeback - busy_start_.writeback;
   if (!*commit) state_.drain_queued = false;
   return *commit;
+}
+
+bool StepPipeline::Run::TakeState(uint32_t m, bool sealed, bool* in_place) {
+  *in_place = false;
+  if (p_.StateTwoCopies()) return true;  // every array has its back buffer
+  if (apply_mode() && state_.hyper.absent_at(m)) return true;  // carried: its state unchanged
+  if (sealed) {
+    *in_place = true;
+    state_.in_place = true;
+    return true;
+  }
+  const uint64_t bytes = p_.StateBytes(m);
+  if (state_.window_reserved + bytes > p_.StateWindowBytes()) return false;  // wait for the seal
+  state_.window_reserved += bytes;
+  return true;
+}
+
+void StepPipeline::Run::PlanState(const Batch& batch) {
+  if (batch.begin_step) {
+    if (apply_mode()) {
+      p_.params_->BeginStep();
+    } else {
+      p_.momentum_.BeginStep();
+    }
+  }
+  for (size_t i = 0; i < batch.matrices.size(); ++i) {
+    const uint32_t m = batch.matrices[i];
+    if (apply_mode()) {
+      if (!state_.hyper.absent_at(m)) p_.params_->Plan(m, batch.in_place[i] != 0);
+    } else {
+      p_.momentum_.Plan(m, batch.in_place[i] != 0);
+    }
+  }
 }
 
 MatrixPath StepPipeline::Run::ChoosePath(uint32_t m) const {
@@ -231,13 +273,16 @@ absl::Status StepPipeline::Run::EnqueueWriteback(Batch& batch) {
     }
     RETURN_IF_ERROR(CopyStagedOut(batch, k));
   }
-  // The new momentum (the one the update was computed from) into the store's back buffer,
-  // which the commit makes the front: update mode, and apply mode's direct tensors (apply mode
-  // computes a staged tensor's momentum on the host, PrepareGradient).
+  // The new momentum (the one the update was computed from) where the store says (its window
+  // buffer or in place): update mode, and apply mode's direct tensors and those updated in place
+  // (apply mode computes another staged tensor's momentum on the host, PrepareGradient; every
+  // backend rounds the EMA as ApplyMomentum does).
   for (size_t k = 0; k < batch.mom.size(); ++k) {
     const MatrixPath path = batch.device_path(k);
     if (path == MatrixPath::kInPlace) continue;  // written there by the kernel
-    if (apply_mode() && path != MatrixPath::kDirect) continue;
+    if (apply_mode() && path != MatrixPath::kDirect && !batch.in_place[batch.on_device[k]]) {
+      continue;
+    }
     const uint32_t m = batch.matrices[batch.on_device[k]];
     const size_t bytes = static_cast<size_t>(p_.spec_.matrices[m].numel()) * sizeof(float);
     RETURN_IF_ERROR(dev_.writeback->CopyToHost(p_.NextMomentum(m), batch.mom[k], 0, bytes));

@@ -103,6 +103,19 @@ void StepPipeline::GiveBack(device::DeviceBuffer buffer) {
   device_pool_.emplace(bytes, std::move(buffer));
 }
 
+bool StepPipeline::StateTwoCopies() const {
+  return params_ != nullptr ? params_->two_copies() : momentum_.two_copies();
+}
+
+uint64_t StepPipeline::StateWindowBytes() const {
+  return params_ != nullptr ? params_->window_bytes() : momentum_.window_bytes();
+}
+
+uint64_t StepPipeline::StateBytes(uint32_t m) const {
+  const uint64_t numel = static_cast<uint64_t>(spec_.matrices[m].numel());
+  return numel * sizeof(float) * (params_ != nullptr ? params_->slots(m) : 1);
+}
+
 const float* StepPipeline::CommittedMomentum(uint32_t m) const {
   return params_ != nullptr ? params_->front(m, ParamStore::kMomentum) : momentum_.data(m);
 }

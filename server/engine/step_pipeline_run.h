@@ -54,6 +54,9 @@ struct StepPipeline::Batch {
   // came (update mode: then the update narrowed for the ranks); else empty.
   std::vector<device::DeviceBuffer> raw;
   std::shared_ptr<device::Event> written;  // the writeback is complete (null: no device work)
+  // Per matrix: its state is updated in place (the step is sealed), else into the step window.
+  std::vector<uint8_t> in_place;
+  bool begin_step = false;  // the step's first batch: the state store begins the step
 
   MatrixPath device_path(size_t k) const { return path[on_device[k]]; }
 };
@@ -91,6 +94,13 @@ class StepPipeline::Run {
   void ReleaseBudget(const Batch& b);
   // What the operators see of a retired batch (step_observer.h).
   void Observe(const Batch& b);
+  // Under the job's lock: whether matrix m (not yet taken) may go into the batch as far as the
+  // state store goes, and how (*in_place); reserves its step window bytes. False: the window is
+  // full before the seal, m waits for it.
+  bool TakeState(uint32_t m, bool sealed, bool* in_place) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
+  // Outside the job's lock, before the batch writes anything: tells the store how each of its
+  // matrices' state is written (StateBuffers::Plan).
+  void PlanState(const Batch& batch);
   // `matrices` are done, their owners' results in place: counted and announced.
   void MarkDone(const std::vector<uint32_t>& matrices);
   // The transport probe: each owner's span goes back as it came.

@@ -55,10 +55,12 @@ absl::Status StepPipeline::Run::AssembleOnHost(Batch& batch, size_t i) {
   }
   if (apply_mode()) {
     // A device computing in host memory writes a Muon tensor's new momentum into the back
-    // buffer itself (BindInPlace gives it NextMomentum as momentum_out).
+    // buffer itself (BindInPlace gives it NextMomentum as momentum_out). A tensor updated in
+    // place gets its new momentum from the device's writeback too (EnqueueWriteback): the host's
+    // would overwrite the committed momentum before the device copied it in.
     absl::Status s =
         p_.apply_->PrepareGradient(state_, m, batch.staging[i].data(), &state_.sum_sq[m],
-                                   dev_.device->ComputesInHostMemory());
+                                   dev_.device->ComputesInHostMemory() || batch.in_place[i]);
     if (!s.ok()) {
       refused_ = true;
       return s;

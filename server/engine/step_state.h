@@ -89,6 +89,7 @@ struct StepState {
   std::vector<RankInput> ranks;
   std::vector<std::shared_ptr<RankUpdate>> outputs;  // per rank, set when the rank begins
   std::vector<uint64_t> matrix_received;             // elements, all ranks
+  size_t matrices_complete = 0;                      // matrices whose every element is in
   std::vector<uint32_t> ready;                       // complete matrices not yet taken
   bool drain_queued = false;                         // a DrainReady task is queued or running
   size_t matrices_done = 0;
@@ -122,6 +123,21 @@ struct StepState {
     for (const RankInput& r : ranks) total += r.outside_sum_sq;
     return total;
   }
+  // The step is sealed: every matrix complete, every shared-memory rank's last part in (and, in
+  // update mode with max_grad_norm, every rank's outside share). Every gradient was checked on
+  // arrival, so nothing but a device error (or a peer that rewrote its region: the device checks
+  // again) can refuse the step from here; the state store may then be updated in place.
+  bool sealed(size_t matrices, bool clips_outside_share) const {
+    return matrices_complete == matrices && last_parts_in() &&
+           (!clips_outside_share || every_rank_pushed());
+  }
+  // The state store: the pipeline began this step on it (StateBuffers::BeginStep), the step
+  // window bytes its matrices computed before the seal reserved, and whether it planned any
+  // matrix in place (then the step can no longer be refused with the state unchanged: a failure
+  // fences the job, FailStep).
+  bool store_begun = false;
+  uint64_t window_reserved = 0;
+  bool in_place = false;
   double device_seconds = 0;  // the simulated device's clock spent on this step (DrainReady)
   bool done = false;
   // Set when the step ended as a skipped step ("nonfinite": "skip"; done is set, result OK):

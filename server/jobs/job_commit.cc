@@ -230,9 +230,27 @@ std::shared_ptr<StepState> JobImpl::EndStep(StepState& state, const absl::Status
   return keep;
 }
 
+void JobImpl::FenceInPlace(StepState& state, const absl::Status& status) {
+  const absl::Status fenced(
+      status.code(),
+      absl::StrCat(status.message(), "; the step was sealed and its state partly updated in place, "
+                                     "so job '", id(), "' is fenced: load its newest checkpoint"));
+  const std::shared_ptr<StepState> keep = EndStep(state, fenced, 0);
+  ++steps_aborted_;
+  fenced_ = true;
+  fence_reason_ = std::string(fenced.message());
+  MUOND_LOG(WARNING) << "job '" << id() << "' fenced: " << fenced.message();
+}
+
 void JobImpl::FailStep(StepState& state, const absl::Status& status, bool fence) {
   // A step whose commit began is committed: nothing may report it as failed.
   if (state.done || state.committing || state.prepared) return;
+  if (state.in_place) {
+    // The sealed step was updating the state in place: what is stored is part old, part new.
+    // Nothing can restore it but a checkpoint (README "Memory", "One copy of the state").
+    FenceInPlace(state, status);
+    return;
+  }
   if (!fence && SkipStep(&state, state.step, status)) return;
   const std::shared_ptr<StepState> keep = EndStep(state, status, 0);
   if (fence) {

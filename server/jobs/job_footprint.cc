@@ -6,6 +6,7 @@
 #include "common/dtype.h"
 #include "common/shm_protocol.h"
 #include "common/status_macros.h"
+#include "server/engine/state_buffers.h"
 #include "server/optim/muon_math.h"
 #include "server/optim/newton_schulz.h"
 
@@ -76,8 +77,25 @@ uint64_t ScratchFor(const common::JobSpec& spec) {
 
 }  // namespace
 
+bool KeepsTwoCopies(const common::JobSpec& spec) {
+  return spec.two_phase() || spec.max_grad_norm > 0;
+}
+
+uint64_t StepWindowBytes(const common::JobSpec& spec, uint64_t daemon_default) {
+  if (KeepsTwoCopies(spec)) return StateBuffers::kTwoCopies;
+  uint64_t largest = 0, all = 0;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    const uint64_t bytes = spec.StateBytesOf(m);
+    largest = std::max(largest, bytes);
+    all = all + bytes < all ? ~uint64_t{0} : all + bytes;
+  }
+  const uint64_t asked = spec.step_window_bytes != 0 ? spec.step_window_bytes : daemon_default;
+  return std::min(std::max(asked, largest), all);
+}
+
 absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
-                                        uint64_t daemon_gather_budget_bytes) {
+                                        uint64_t daemon_gather_budget_bytes,
+                                        uint64_t daemon_step_window_bytes) {
   JobFootprint f;
   const uint64_t world = static_cast<uint64_t>(spec.world_size);
   uint64_t total = 0;
@@ -103,21 +121,25 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
   } else {
     f.spans = spec.matrices.size();
   }
-  // Update mode: the momentum, twice (committed and next; server/engine/momentum_store.h). Apply
-  // mode (server/engine/param_store.h): per tensor the master and one (Muon) or two (AdamW)
-  // optimizer arrays, each twice.
+  // Update mode: the momentum (server/engine/momentum_store.h). Apply mode
+  // (server/engine/param_store.h): per tensor the master and one (Muon) or two (AdamW) optimizer
+  // arrays. Once, plus the step window (a second copy for the jobs that keep two).
   uint64_t arrays = 0;
   for (const common::MatrixSpec& m : spec.matrices) {
-    const uint64_t per = spec.mode != common::JobMode::kApply       ? 2
-                         : m.optimizer == common::Optimizer::kAdamW ? 6
-                                                                    : 4;
+    const uint64_t per = spec.mode != common::JobMode::kApply       ? 1
+                         : m.optimizer == common::Optimizer::kAdamW ? 3
+                                                                    : 2;
     if (!MulAdd(&arrays, static_cast<uint64_t>(m.numel()), per)) return TooLarge("state count");
   }
   if (!spec.transport_probe && !MulAdd(&f.state_bytes, arrays, sizeof(float))) {
     return TooLarge("state byte count");
   }
+  if (!spec.transport_probe) {
+    const uint64_t window = StepWindowBytes(spec, daemon_step_window_bytes);
+    f.window_bytes = window == StateBuffers::kTwoCopies ? f.state_bytes : window;
+  }
   RETURN_IF_ERROR(MeasureBuffers(spec, &f));
-  f.save_copy_bytes = f.state_bytes / 2;
+  f.save_copy_bytes = f.state_bytes;
   const uint64_t budget =
       spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : daemon_gather_budget_bytes;
   uint64_t whole = 0;
@@ -135,8 +157,8 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
 
 JobMemory JobFootprint::kinds() const {
   JobMemory m;
-  m.state = state_bytes / 2;
-  m.step_window = state_bytes - m.state;
+  m.state = state_bytes;
+  m.step_window = window_bytes;
   m.replay = update_bytes;
   m.buffers = step_bytes - update_bytes;
   m.save_copy = save_copy_bytes;

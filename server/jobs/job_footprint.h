@@ -16,7 +16,10 @@ namespace muond::server {
 
 struct JobFootprint {
   uint64_t spans = 0;        // shard spans over all ranks
-  uint64_t state_bytes = 0;  // fp32 state, both buffers of each array (0 for a transport probe)
+  uint64_t state_bytes = 0;  // fp32 state, one copy (0 for a transport probe)
+  // The step window (StepWindowBytes): the state of tensors computed before the seal; a whole
+  // second copy for the jobs that keep two.
+  uint64_t window_bytes = 0;
   // Layout tables, per-step rank and span bookkeeping (an upper bound per entry), and each
   // shared-memory rank's progress words.
   uint64_t table_bytes = 0;
@@ -27,8 +30,8 @@ struct JobFootprint {
   //    releases its regions at once; plus its hyper block, alignment and ring) and a gRPC rank's
   //    input buffers and update (B + U); and the private copy of the last update kept for a
   //    replay (U);
-  //  - the copy of the committed state a save may take when a step commits while it writes
-  //    (state_bytes / 2);
+  //  - the copy of the committed state a save may take when steps write arrays it has not
+  //    copied yet (copy-on-write per array: at most state_bytes);
   //  - the whole matrices assembled at once: the gather budget, at most 8 bytes per element.
   // The buffers (2 x step_buffers x the larger of B and U, per rank more) + U.
   uint64_t step_bytes = 0;
@@ -40,18 +43,32 @@ struct JobFootprint {
   // the thread keeps its largest; counted per job so that admission never undercounts it).
   uint64_t scratch_bytes = 0;
   uint64_t total() const {
-    return state_bytes + table_bytes + step_bytes + save_copy_bytes + gather_bytes + scratch_bytes;
+    return state_bytes + window_bytes + table_bytes + step_bytes + save_copy_bytes + gather_bytes +
+           scratch_bytes;
   }
-  // The same bytes by kind (JobMemory, job_report.h): the state's two buffers are the committed
-  // state and the step window; step_bytes are the buffers and the replay (U).
+  // The same bytes by kind (JobMemory, job_report.h): step_bytes are the buffers and the replay
+  // (U).
   JobMemory kinds() const;
 };
+
+// The step window of a job without its own "step_window_bytes" (--step-window-bytes).
+inline constexpr uint64_t kDefaultStepWindowBytes = uint64_t{256} << 20;
+
+// The step window of the job's state store (server/engine/state_buffers.h):
+// StateBuffers::kTwoCopies for the jobs that recompute a step from the same state (global
+// gradient clipping) or roll a committed step back (two-phase commits of many nodes); else the
+// spec's step_window_bytes (0: `daemon_default`), at least the largest tensor's state and at most
+// the whole state. REQUIRES: spec passed common::ValidateJobSpec.
+uint64_t StepWindowBytes(const common::JobSpec& spec, uint64_t daemon_default);
+// True when the job keeps two copies of its state (see above).
+bool KeepsTwoCopies(const common::JobSpec& spec);
 
 // Overflow-checked. INVALID_ARGUMENT when a count is beyond what any limit could allow.
 // `daemon_gather_budget_bytes`: the budget of a spec that sets none (--gather-budget-bytes).
 // REQUIRES: spec passed common::ValidateJobSpec.
 absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
-                                        uint64_t daemon_gather_budget_bytes);
+                                        uint64_t daemon_gather_budget_bytes,
+                                        uint64_t daemon_step_window_bytes = kDefaultStepWindowBytes);
 
 // The per-job limits (world size, tensors, spans, gather budget): OK, or RESOURCE_EXHAUSTED naming
 // the limit's flag, the value asked for and the value allowed.

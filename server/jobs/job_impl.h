@@ -232,9 +232,11 @@ class JobImpl final : public Job,
   // The rest of a commit once the store changed (`changed` OK) or failed to (the job is fenced).
   void FinishCommit(StepState& state, const absl::Status& changed);
   // Ends the step with `status` (refused: not fenced; aborted: fenced).
-  // Nothing changes when the step already ended or its commit began.
+  // Nothing changes when the step already ended or its commit began. A step that planned state
+  // in place (StepState::in_place) cannot be refused: it is fenced (FenceInPlace).
   void FailStep(StepState& state, const absl::Status& status, bool fence)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FenceInPlace(StepState& state, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the step for every rank with `result` (shared-memory ranks' completions carry `flags`)
   // and clears in_flight_ if it is this step; returns what keeps `state` alive until the caller
   // is done with it.

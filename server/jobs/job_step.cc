@@ -287,6 +287,7 @@ absl::StatusOr<char*> JobImpl::ClaimChunk(StepState& state, const std::string& w
 void JobImpl::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t matrix, uint64_t count) {
   state->matrix_received[matrix] += count;
   if (state->matrix_received[matrix] == static_cast<uint64_t>(spec_.matrices[matrix].numel())) {
+    ++state->matrices_complete;
     state->last_input = absl::Now();
     state->ready.push_back(matrix);
     if (!state->drain_queued) {
@@ -298,8 +299,11 @@ void JobImpl::MarkReceived(const std::shared_ptr<StepState>& state, uint32_t mat
 
 void JobImpl::CommitWhenComplete(const std::shared_ptr<StepState>& state) {
   if (state->done || state->committing || state->prepared || state->drain_queued) return;
-  if (state->matrices_done != spec_.matrices.size() || !state->last_parts_in()) return;
-  if (spec_.clips_outside_share() && !state->every_rank_pushed()) return;
+  // Ready matrices that waited for the seal (the step window was full) go now.
+  if (state->ready.empty()) {
+    if (state->matrices_done != spec_.matrices.size() || !state->last_parts_in()) return;
+    if (spec_.clips_outside_share() && !state->every_rank_pushed()) return;
+  }
   state->drain_queued = true;
   executor_->Submit([self = shared_from_this(), state] { self->pipeline_.Drain(*state); });
 }

@@ -206,11 +206,13 @@ TEST_P(ApplyCommitTest, OperatorsSeeShapeTimesOrthogonalityAndTrainerTime) {
   EXPECT_EQ(r.gather_in_use_bytes, 0u);
   uint64_t elements = 0;
   for (const common::MatrixSpec& m : spec.matrices) elements += m.numel();
-  // Both buffers of each array, where mlock allowed them (RLIMIT_MEMLOCK): all or nothing here.
-  EXPECT_TRUE(r.pinned_masters_bytes == 0 || r.pinned_masters_bytes == 2 * 4 * elements)
-      << r.pinned_masters_bytes;
-  EXPECT_TRUE(r.pinned_momentum_bytes == 0 || r.pinned_momentum_bytes == 2 * 4 * elements)
-      << r.pinned_momentum_bytes;
+  // The committed buffer of each array and the step window's buffers held, where mlock allowed
+  // them (RLIMIT_MEMLOCK): all or nothing here; one copy, at most two.
+  auto one_or_two_copies = [&](uint64_t bytes) {
+    return bytes == 0 || (bytes >= 4 * elements && bytes <= 2 * 4 * elements);
+  };
+  EXPECT_TRUE(one_or_two_copies(r.pinned_masters_bytes)) << r.pinned_masters_bytes;
+  EXPECT_TRUE(one_or_two_copies(r.pinned_momentum_bytes)) << r.pinned_momentum_bytes;
   EXPECT_EQ(r.pinned_moments_bytes, 0u);  // every tensor is Muon
 }
 

@@ -4,6 +4,7 @@
 #include "server/jobs/job_footprint.h"
 
 #include "common/shm_protocol.h"
+#include "server/engine/state_buffers.h"
 #include "gtest/gtest.h"
 
 namespace muond::server {
@@ -28,21 +29,23 @@ TEST(JobFootprintTest, CountsStepBuffersRegionsSaveCopyAndGather) {
   const uint64_t n_a = 256 * 128, n_b = 128 * 128;
   auto f = MeasureJob(spec, /*daemon_gather_budget_bytes=*/uint64_t{1} << 30);
   ASSERT_TRUE(f.ok()) << f.status();
-  // Update mode: the fp32 momentum twice.
-  EXPECT_EQ(f->state_bytes, (n_a + n_b) * 4 * 2);
+  // Update mode: the fp32 momentum once, and the step window: the daemon's default is larger
+  // than the whole state, so the whole state.
+  EXPECT_EQ(f->state_bytes, (n_a + n_b) * 4);
+  EXPECT_EQ(f->window_bytes, f->state_bytes);
   // B = U = the gradients' bytes in their dtypes (+ 64 bytes of padding per rank): the regions'
   // four buffers, each rank's hyper block, ring and pages, and the replay copy.
   const uint64_t b = n_a * 4 + n_b * 2 + 2 * 64;
   const uint64_t per_rank = 4 * (common::shm::HyperBytes(spec.groups.size(), 2) + 128) +
                             common::shm::kRingBytes + 3 * 4096;
   EXPECT_EQ(f->step_bytes, 4 * (b - 2 * 64) + 2 * per_rank + b);
-  EXPECT_EQ(f->save_copy_bytes, f->state_bytes / 2);
+  EXPECT_EQ(f->save_copy_bytes, f->state_bytes);
   // The gather budget is larger than every matrix assembled at once (8 bytes per element).
   EXPECT_EQ(f->gather_bytes, (n_a + n_b) * 8);
   // Newton-Schulz scratch: both matrices fit the scratch budget: X, next X, A and P in fp32.
   EXPECT_EQ(f->scratch_bytes, (2 * n_a + 2 * 128 * 128 + 2 * n_b + 2 * 128 * 128) * 4);
-  EXPECT_EQ(f->total(), f->state_bytes + f->table_bytes + f->step_bytes + f->save_copy_bytes +
-                            f->gather_bytes + f->scratch_bytes);
+  EXPECT_EQ(f->total(), f->state_bytes + f->window_bytes + f->table_bytes + f->step_bytes +
+                            f->save_copy_bytes + f->gather_bytes + f->scratch_bytes);
   const JobMemory kinds = f->kinds();
   EXPECT_EQ(kinds.total(), f->total()) << "the kinds are the footprint, split";
   EXPECT_EQ(kinds.state, kinds.step_window);
@@ -52,6 +55,34 @@ TEST(JobFootprintTest, CountsStepBuffersRegionsSaveCopyAndGather) {
   f = MeasureJob(spec, uint64_t{1} << 30);
   ASSERT_TRUE(f.ok());
   EXPECT_EQ(f->gather_bytes, 4096u);
+}
+
+// The step window: the job's own (at least its largest tensor's state), the daemon's default
+// where it sets none, never more than the whole state; a whole second copy for the jobs that
+// recompute a step (global clipping) or roll one back (two-phase commits).
+TEST(JobFootprintTest, StepWindowIsBoundedExceptForJobsThatKeepTwoCopies) {
+  common::JobSpec spec;
+  spec.job_id = "w";
+  spec.matrices = {Matrix("a", {256, 128}), Matrix("b", {128, 128})};
+  const uint64_t n_a = 256 * 128, n_b = 128 * 128;
+  EXPECT_EQ(StepWindowBytes(spec, uint64_t{1} << 30), (n_a + n_b) * 4) << "at most the state";
+  EXPECT_EQ(StepWindowBytes(spec, 1), n_a * 4) << "at least the largest tensor's state";
+  spec.step_window_bytes = n_a * 4 + 8;
+  EXPECT_EQ(StepWindowBytes(spec, 1), n_a * 4 + 8) << "the job's own";
+  auto f = MeasureJob(spec, uint64_t{1} << 30);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->window_bytes, n_a * 4 + 8);
+  EXPECT_EQ(f->kinds().step_window, n_a * 4 + 8);
+  EXPECT_EQ(f->kinds().state, (n_a + n_b) * 4);
+  spec.mode = common::JobMode::kApply;  // a Muon tensor's master and momentum
+  spec.step_window_bytes = 0;
+  EXPECT_EQ(StepWindowBytes(spec, 1), n_a * 8);
+  spec.max_grad_norm = 1.0;
+  EXPECT_TRUE(KeepsTwoCopies(spec));
+  EXPECT_EQ(StepWindowBytes(spec, 1), StateBuffers::kTwoCopies);
+  f = MeasureJob(spec, uint64_t{1} << 30, /*daemon_step_window_bytes=*/1);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->window_bytes, f->state_bytes) << "two copies: the window is a whole copy";
 }
 
 TEST(JobFootprintTest, ApplyModeBuffersAreInTheParamDtype) {

@@ -191,7 +191,12 @@ TEST_P(MomentumCommitTest, GradientMadeNonFiniteAfterItsMatrixWasComputedIsNotRe
   });
 }
 
-TEST_P(MomentumCommitTest, GradientMadeNonFiniteBeforeAssemblyRefusesWithMomentumUnchanged) {
+// A peer that makes its gradient non-finite after its submission was checked, before the daemon
+// assembled it: the step was sealed (every rank's last part in and checked), so the state was
+// being updated in place (one copy, state_buffers.h). The device's own check finds the value and
+// the step cannot be refused with the state unchanged: the job is fenced, the error names the
+// matrix and says to load the newest checkpoint, and that load brings back the committed state.
+TEST_P(MomentumCommitTest, GradientMadeNonFiniteAfterTheSealFencesAndTheCheckpointRestores) {
   const common::JobSpec spec = TwoRankSpec(JobId("commit-early-inf"));
   StartJob(spec);
   ASSERT_NE(job_, nullptr);
@@ -216,10 +221,18 @@ TEST_P(MomentumCommitTest, GradientMadeNonFiniteBeforeAssemblyRefusesWithMomentu
     o->ended.WaitForNotification();
     EXPECT_EQ(o->status.code(), absl::StatusCode::kInvalidArgument) << o->status;
     EXPECT_NE(o->status.message().find("'c'"), std::string::npos) << o->status;
+    EXPECT_NE(o->status.message().find("updated in place"), std::string::npos) << o->status;
+    EXPECT_NE(o->status.message().find("load its newest checkpoint"), std::string::npos)
+        << o->status;
   }
-  const JobReport report = job_->Report();
+  JobReport report = job_->Report();
+  EXPECT_TRUE(report.fenced);
+  EXPECT_EQ(report.steps_refused, 0);
+  EXPECT_EQ(report.next_step, 2);
+  auto loaded = job_->LoadCheckpoint(checkpoint::Selector{});
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  report = job_->Report();
   EXPECT_FALSE(report.fenced);
-  EXPECT_EQ(report.steps_refused, 1);
   EXPECT_EQ(report.next_step, 2);
   const std::vector<std::vector<float>> after = SavedMomentum();
   ASSERT_EQ(after.size(), before.size());
