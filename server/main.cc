@@ -145,6 +145,26 @@ absl::Status ArmCommitHold() {
 #endif
 }
 
+// The chaos run's in-place hold, from $MUOND_TEST_INPLACE_HOLD_MS (milliseconds, 1..600000): a
+// step holds in the middle of an in-place update (server/jobs/job.h SetInPlaceHoldForTesting).
+absl::Status ArmInPlaceHold() {
+#ifndef MUOND_TEST_HOOKS
+  return absl::OkStatus();  // a release build has no fault hooks
+#else
+  const char* env = std::getenv("MUOND_TEST_INPLACE_HOLD_MS");
+  if (env == nullptr || *env == '\0') return absl::OkStatus();
+  int ms = 0;
+  if (!absl::SimpleAtoi(env, &ms) || ms < 1 || ms > 600000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", env, "' is not a whole number of milliseconds in 1..600000"));
+  }
+  SetInPlaceHoldForTesting(ms);
+  MUOND_LOG(WARNING) << "in-place hold armed: a step holds " << ms
+                     << " ms in the middle of an in-place update";
+  return absl::OkStatus();
+#endif
+}
+
 // The commit-window test's fault, from $MUOND_TEST_COMMIT_FAULT=POINT:SIGNAL:STEP (POINT commit or
 // committed, SIGNAL KILL or TERM; server/api/muond_service.h SetCommitFaultForTesting).
 absl::Status ArmCommitFault() {
@@ -348,6 +368,9 @@ int Serve(const DaemonConfig& config) {
   }
   if (absl::Status s = ArmCommitHold(); !s.ok()) {
     return Fail(2, absl::StrCat("MUOND_TEST_COMMIT_HOLD_MS: ", s.message()));
+  }
+  if (absl::Status s = ArmInPlaceHold(); !s.ok()) {
+    return Fail(2, absl::StrCat("MUOND_TEST_INPLACE_HOLD_MS: ", s.message()));
   }
   if (absl::Status s = ArmCommitFault(); !s.ok()) {
     return Fail(2, absl::StrCat("MUOND_TEST_COMMIT_FAULT: ", s.message()));

@@ -1,17 +1,26 @@
 #include "server/engine/step_pipeline.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/logging.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "server/engine/step_pipeline_run.h"
 
 namespace muond::server {
+namespace {
+
+std::atomic<int> in_place_hold_ms{0};
+
+}  // namespace
+
+void SetPipelineInPlaceHoldForTesting(int ms) { in_place_hold_ms.store(ms, std::memory_order_relaxed); }
 
 StepPipeline::Run::Run(StepPipeline& p, StepState& state)
     : p_(p),
@@ -136,7 +145,8 @@ bool StepPipeline::Run::Finish(bool* commit) {
 
 bool StepPipeline::Run::TakeState(uint32_t m, bool sealed, bool* in_place) {
   *in_place = false;
-  if (p_.StateTwoCopies()) return true;  // every array has its back buffer
+  if (p_.spec_.transport_probe) return true;  // no state
+  if (p_.StateTwoCopies()) return true;       // every array has its back buffer
   if (apply_mode() && state_.hyper.absent_at(m)) return true;  // carried: its state unchanged
   if (sealed) {
     *in_place = true;
@@ -307,6 +317,16 @@ void StepPipeline::Run::Retire() {
   state_.phase_seconds[4] += absl::ToDoubleSeconds(absl::Now() - deliver_start);
   GiveBackBuffers(b);
   MarkDone(b.matrices);
+  if (std::find(b.in_place.begin(), b.in_place.end(), 1) != b.in_place.end()) HoldInPlace();
+}
+
+void StepPipeline::Run::HoldInPlace() {
+  const int ms = in_place_hold_ms.load(std::memory_order_relaxed);
+  if (ms <= 0 || held_in_place_) return;
+  held_in_place_ = true;
+  MUOND_LOG(WARNING) << "test hook: job '" << p_.spec_.job_id << "' step " << state_.step
+                     << " holds in the middle of an in-place update, " << ms << " ms";
+  absl::SleepFor(absl::Milliseconds(ms));
 }
 
 void StepPipeline::Run::ReleaseBudget(const Batch& b) {

@@ -175,6 +175,12 @@ class StepPipeline {
   std::map<const float*, size_t> pinned_staging_ ABSL_GUARDED_BY(pool_mu_);
 };
 
+// The chaos test's hook ($MUOND_TEST_INPLACE_HOLD_MS in a build with MUOND_TEST_HOOKS): once per
+// drain, after a batch whose state was updated in place retired, the executor sleeps `ms` (0: off)
+// and logs "test hook: job 'J' step T holds in the middle of an in-place update", so a SIGKILL
+// lands where the state is part new, part old and nothing is committed.
+void SetPipelineInPlaceHoldForTesting(int ms);
+
 }  // namespace muond::server
 
 #endif  // MUOND_SERVER_ENGINE_STEP_PIPELINE_H_

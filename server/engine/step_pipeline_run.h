@@ -101,6 +101,9 @@ class StepPipeline::Run {
   // Outside the job's lock, before the batch writes anything: tells the store how each of its
   // matrices' state is written (StateBuffers::Plan).
   void PlanState(const Batch& batch);
+  // The chaos test's hook (SetPipelineInPlaceHoldForTesting): once a step, after a batch updated in place
+  // retired, the step holds (its state part new, part old, nothing committed).
+  void HoldInPlace();
   // `matrices` are done, their owners' results in place: counted and announced.
   void MarkDone(const std::vector<uint32_t>& matrices);
   // The transport probe: each owner's span goes back as it came.
@@ -153,6 +156,7 @@ class StepPipeline::Run {
   std::deque<Batch> flight_;
   absl::Status status_;
   bool refused_ = false;  // status_ is a refusal of the step's data, not a device error
+  bool held_in_place_ = false;  // HoldInPlace held this drain
   // The simulated clock this call spends (every call drains what it enqueued before returning).
   const double clock_start_;
   const device::Device::BusySeconds busy_start_;

@@ -36,12 +36,14 @@ JobImpl::JobImpl(common::JobSpec spec, std::string token_sha256, JobOwner owner,
       owner_(std::move(owner)),
       created_unix_ms_(absl::ToUnixMillis(absl::Now())),
       layout_(spec_),
-      footprint_(MeasureJob(spec_, parts.gather_budget_bytes).value_or(JobFootprint()).kinds()),
+      footprint_(MeasureJob(spec_, parts.gather_budget_bytes, parts.step_window_bytes)
+                     .value_or(JobFootprint())
+                     .kinds()),
       momentum_(spec_, parts.devices->device.get(),
-                StepWindowBytes(spec_, kDefaultStepWindowBytes)),
+                StepWindowBytes(spec_, parts.step_window_bytes)),
       params_(spec_.mode == common::JobMode::kApply
                   ? std::make_unique<ParamStore>(spec_, parts.devices->device.get(),
-                                                 StepWindowBytes(spec_, kDefaultStepWindowBytes))
+                                                 StepWindowBytes(spec_, parts.step_window_bytes))
                   : nullptr),
       writer_(std::move(parts.checkpoint_dir), spec_.checkpoint_keep),
       pipeline_(spec_, layout_, momentum_, params_.get(), parts.devices, parts.gather_budget_bytes,

@@ -357,6 +357,10 @@ class Job {
 // has flipped and before the step is finished and its results released, logs that it holds and
 // sleeps `ms` milliseconds with the store's lock held. 0 (the default) disarms it.
 void SetCommitHoldForTesting(int ms);
+// The chaos test's in-place hold ($MUOND_TEST_INPLACE_HOLD_MS): a step holds `ms` in the middle of
+// an in-place update of its state, logging "test hook: job 'J' step T holds in the middle of an
+// in-place update" (server/engine/step_pipeline.h).
+void SetInPlaceHoldForTesting(int ms);
 
 }  // namespace muond::server
 

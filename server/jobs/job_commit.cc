@@ -37,6 +37,8 @@ void HoldCommit(const std::string& job, int64_t step) {
 
 void SetCommitHoldForTesting(int ms) { commit_hold_ms.store(ms, std::memory_order_relaxed); }
 
+void SetInPlaceHoldForTesting(int ms) { SetPipelineInPlaceHoldForTesting(ms); }
+
 void JobImpl::Commit(StepState& state) {
   if (spec_.two_phase()) {
     Prepare(state);

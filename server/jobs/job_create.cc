@@ -76,6 +76,7 @@ std::shared_ptr<JobImpl> JobRegistry::NewJob(common::JobSpec spec, std::string t
   JobParts parts;
   parts.executor = executor_;
   parts.gather_budget_bytes = budget;
+  parts.step_window_bytes = limits_.step_window_bytes;
   parts.devices = devices_;
   parts.backend = backend_;
   parts.checkpoint_dir = checkpoints;
@@ -167,7 +168,8 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
         absl::StrCat("job '", spec.job_id,
                      "': import_dir takes the whole state; not with restore or init_from"));
   }
-  ASSIGN_OR_RETURN(const JobFootprint footprint, MeasureJob(spec, default_gather_budget_bytes_));
+  ASSIGN_OR_RETURN(const JobFootprint footprint,
+                   MeasureJob(spec, default_gather_budget_bytes_, limits_.step_window_bytes));
   RETURN_IF_ERROR(CheckJobLimits(spec, footprint, limits_, default_gather_budget_bytes_));
   std::shared_ptr<Job> source;
   if (restore) {

@@ -51,9 +51,6 @@ struct JobFootprint {
   JobMemory kinds() const;
 };
 
-// The step window of a job without its own "step_window_bytes" (--step-window-bytes).
-inline constexpr uint64_t kDefaultStepWindowBytes = uint64_t{256} << 20;
-
 // The step window of the job's state store (server/engine/state_buffers.h):
 // StateBuffers::kTwoCopies for the jobs that recompute a step from the same state (global
 // gradient clipping) or roll a committed step back (two-phase commits of many nodes); else the

@@ -60,6 +60,7 @@
 #include "server/jobs/deletion_hooks.h"
 #include "server/jobs/job.h"
 #include "server/jobs/job_report.h"
+#include "server/record/daemon_limits.h"
 #include "server/jobs/trainer_clock.h"
 #include "server/storage/checkpoint.h"
 
@@ -71,6 +72,8 @@ struct JobParts {
   // Bytes of whole matrices (fp32 gradient and temporary momentum) assembled at once; a larger
   // matrix is processed alone.
   uint64_t gather_budget_bytes = 0;
+  // The daemon's step window for a spec that sets none (--step-window-bytes).
+  uint64_t step_window_bytes = kDefaultStepWindowBytes;
   DeviceStreams* devices = nullptr;  // must outlive the job
   std::string backend;               // the daemon's device backend name, for the report
   std::string checkpoint_dir;        // the job's checkpoint directory (storage/checkpoint.h)

@@ -125,7 +125,9 @@ absl::Status JobRegistry::Delete(std::shared_ptr<Job> job) {
   const std::string job_id = job->id();
   // What Create or Restore reserved for it (the footprint is a function of the spec).
   const uint64_t bytes =
-      MeasureJob(job->spec(), default_gather_budget_bytes_).value_or(JobFootprint()).total();
+      MeasureJob(job->spec(), default_gather_budget_bytes_, limits_.step_window_bytes)
+          .value_or(JobFootprint())
+          .total();
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);

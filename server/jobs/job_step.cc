@@ -221,8 +221,9 @@ absl::Status JobImpl::AddGradient(const std::shared_ptr<StepState>& state_ptr, i
       // the rank is told "skipped" when it finishes.
       return bad.ok() || IsNonFiniteGradient(bad) ? absl::OkStatus() : bad;
     }
-    if (state.committing || (state.done && state.result.ok())) {
-      // Every element was in: nothing more can be applied, and re-sent data is never taken. A
+    if (state.committing || state.in_place || (state.done && state.result.ok())) {
+      // Every element was in (a step that updates its state in place is sealed): nothing more
+      // can be applied, and re-sent data is never taken. A
       // malformed chunk is still refused as malformed (its code does not depend on how far the
       // step got); the message says the step itself went through.
       const std::string committed = absl::StrCat(

@@ -29,7 +29,7 @@ bool IsLimitKey(const std::string& key) {
          key == "max-shm-sessions" || key == "shm-attach-timeout-seconds" ||
          key == "max-shm-pending-per-uid" || key == "max-shm-pending-per-pid" ||
          key == "step-timeout-seconds" || key == "max-metrics-connections" ||
-         key == "prepare-timeout-seconds";
+         key == "prepare-timeout-seconds" || key == "step-window-bytes";
 }
 
 absl::Status ApplyLimit(DaemonLimits& l, const std::string& key, const std::string& value,
@@ -74,6 +74,11 @@ absl::Status ApplyLimit(DaemonLimits& l, const std::string& key, const std::stri
     return count(1, 1 << 20, &l.max_metrics_connections);
   } else if (key == "step-timeout-seconds") {
     return count(1, common::kMaxStepTimeoutSeconds, &l.step_timeout_seconds);
+  } else if (key == "step-window-bytes") {
+    if (!absl::SimpleAtoi(value, &l.step_window_bytes) || l.step_window_bytes == 0 ||
+        l.step_window_bytes > (uint64_t{1} << 62)) {
+      return bad("expected a byte count in [1, 4611686018427387904]");
+    }
   } else if (key == "prepare-timeout-seconds") {
     return count(1, common::kMaxStepTimeoutSeconds, &l.prepare_timeout_seconds);
   } else {
@@ -113,7 +118,11 @@ std::string LimitsUsage() {
       "                          abort it (named) and the job is fenced. Default: 600\n"
       "  --prepare-timeout-seconds S  a multi-node job's step that was computed (prepared) and\n"
       "                          neither committed nor aborted by the trainer within S is dropped:\n"
-      "                          state unchanged, the step expected again. Default: 300\n");
+      "                          state unchanged, the step expected again. Default: 300\n"
+      "  --step-window-bytes N   a job's step window unless its spec sets one: the next state of\n"
+      "                          the tensors a step computes before it is sealed (at least the\n"
+      "                          job's largest tensor's, at most its whole state); when it is\n"
+      "                          full, compute waits for the seal. Default: 268435456 (256 MiB)\n");
 }
 
 std::vector<std::pair<std::string, double>> LimitValues(const DaemonLimits& l,
@@ -128,6 +137,7 @@ std::vector<std::pair<std::string, double>> LimitValues(const DaemonLimits& l,
           {"max_shm_pending_per_uid", l.max_shm_pending_per_uid},
           {"max_shm_pending_per_pid", l.max_shm_pending_per_pid},
           {"step_timeout_seconds", l.step_timeout_seconds},
+          {"step_window_bytes", static_cast<double>(l.step_window_bytes)},
           {"prepare_timeout_seconds", l.prepare_timeout_seconds},
           {"max_metrics_connections", l.max_metrics_connections},
           {"gather_budget_bytes", static_cast<double>(gather_budget_bytes)}};

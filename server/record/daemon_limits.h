@@ -17,6 +17,9 @@
 
 namespace muond::server {
 
+// --step-window-bytes unless given.
+inline constexpr uint64_t kDefaultStepWindowBytes = uint64_t{256} << 20;
+
 struct DaemonLimits {
   // Bytes all jobs may hold, each job's JobFootprint (state, tables, step buffers and
   // shared-memory regions, a save's copy, gathered matrices; sized from the spec at admission);
@@ -42,6 +45,9 @@ struct DaemonLimits {
   // A two-phase step (many nodes) computed and neither committed nor aborted by the trainer is
   // dropped (state unchanged, not fenced) this long after it was prepared.
   int prepare_timeout_seconds = 300;
+  // A job's step window when its spec sets none (server/engine/state_buffers.h: the state a step
+  // computes before it is sealed; at least the job's largest tensor's, at most its whole state).
+  uint64_t step_window_bytes = kDefaultStepWindowBytes;
 };
 
 // The defaults for this machine (max_state_bytes = physical memory / 2).

@@ -12,6 +12,9 @@ daemon_kill_save (SIGKILL while a save is being written, writes slowed by the da
 $MUOND_TEST_CHECKPOINT_FAULT), daemon_kill_commit (SIGKILL in the middle of a commit: the daemon
 restarted with the hook $MUOND_TEST_COMMIT_HOLD_MS, which holds every commit after the state store
 flipped and before any rank gets its results; the kill lands when the daemon logs the hold),
+daemon_kill_inplace (SIGKILL in the middle of an in-place update: the hook
+$MUOND_TEST_INPLACE_HOLD_MS holds a sealed step after its first batch updated the state in place,
+part new and part old, nothing committed; the restart must resume from the newest save),
 save_enospc (the daemon restarted with that hook failing a write of a save with ENOSPC), save_eio (EIO from a mkdir, open, write, fsync, rename or directory fsync of a
 save), corrupt_newest (a bit of the newest generation flipped), stall (a rank that waits past the
 job's step timeout before it submits). Recoveries: checkpoint load (newest good generation) or, for
@@ -36,8 +39,8 @@ import harness as h  # noqa: E402
 from harness import HarnessError, log  # noqa: E402
 from chaos_check import reference, report  # noqa: E402
 
-KINDS = ["rank_kill", "daemon_kill_step", "daemon_kill_save", "daemon_kill_commit", "save_enospc",
-         "save_eio", "corrupt_newest", "stall"]
+KINDS = ["rank_kill", "daemon_kill_step", "daemon_kill_save", "daemon_kill_commit",
+         "daemon_kill_inplace", "save_enospc", "save_eio", "corrupt_newest", "stall"]
 STEP_TIMEOUT = 5  # seconds, the jobs' step_timeout_seconds
 SAVE_DELAY_MS = 4  # every checkpoint write call sleeps this long (a slow disk): saves last long
 COMMIT_HOLD_MS = 30000  # daemon_kill_commit: far longer than the harness needs to see the hold
@@ -284,11 +287,25 @@ class Chaos:
     def daemon_kill_commit(self):
         """SIGKILL while a commit holds (the store flipped in memory, no result released): no rank
         may get results, and the restarted daemon resumes from the newest acknowledged save."""
-        held = self.restart(kill=False, hooks={"MUOND_TEST_COMMIT_HOLD_MS": str(COMMIT_HOLD_MS)})
+        return self.kill_at_hold("MUOND_TEST_COMMIT_HOLD_MS", "commit of job '{job}' step {t} holds",
+                                 "inside the commit", "daemon killed mid-commit",
+                                 "committed (store flipped, ")
+
+    def daemon_kill_inplace(self):
+        """SIGKILL while a sealed step holds in the middle of updating the state in place (one copy:
+        part of it new, part old, nothing committed): no rank may get results, and the restarted
+        daemon resumes from the newest acknowledged save, bit for bit."""
+        return self.kill_at_hold("MUOND_TEST_INPLACE_HOLD_MS",
+                                 "job '{job}' step {t} holds in the middle of an in-place update",
+                                 "in the middle of an in-place update",
+                                 "daemon killed mid in-place update", "was updated in place (")
+
+    def kill_at_hold(self, hook, marker_format, where, detail, doing):
+        held = self.restart(kill=False, hooks={hook: str(COMMIT_HOLD_MS)})
         job = self.rng.choice(self.jobs)
         t = job.next
         offset = os.path.getsize(self.d.log_path)
-        marker = f"test hook: commit of job '{job.id}' step {t} holds"
+        marker = "test hook: " + marker_format.format(job=job.id, t=t)
         job.send_step(t)
         deadline = time.time() + 120
         while True:
@@ -298,18 +315,17 @@ class Chaos:
                     break
             self.check_alive("a held commit")
             if time.time() > deadline:
-                raise HarnessError(f"{job.id} step {t}: no commit hold logged within 120 s:\n"
+                raise HarnessError(f"{job.id} step {t}: no hold ({hook}) logged within 120 s:\n"
                                    f"{self.d.log_tail(offset)}")
             time.sleep(0.01)
         self.d.kill()
         answers = job.collect(t)
         released = [a for a in answers if a["ok"]]
         if released:
-            self.problems.append(f"{job.id} step {t}: the daemon was killed inside the commit, "
-                                 f"before any result was released, but {len(released)} ranks got "
-                                 f"results")
-        self.details["daemon killed mid-commit"] += 1
-        return (f"({held}) muond killed while {job.id} step {t} committed (store flipped, "
+            self.problems.append(f"{job.id} step {t}: the daemon was killed {where}, before any "
+                                 f"result was released, but {len(released)} ranks got results")
+        self.details[detail] += 1
+        return (f"({held}) muond killed while {job.id} step {t} {doing}"
                 f"{len(released)}/{h.WORLD} results released); " + self.restart())
 
     def save_fault(self, errno_value, point_choices):

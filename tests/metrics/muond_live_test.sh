@@ -102,7 +102,9 @@ want = {
     'muond_job_next_step{muond_job="live"}': 3,
     'muond_job_fenced{muond_job="live"}': 0,
     'muond_job_momentum_bytes{muond_job="live"}': 64 * 128 * 4,
-    'muond_momentum_bytes': 64 * 128 * 4 + 2 * 2 * (8 + 4) * 6 * 4,
+    # One copy of each job's state: the live job's momentum, and the QK-Clip job's two 8 x 6 and
+    # two 4 x 6 tensors' masters and momentum.
+    'muond_momentum_bytes': 64 * 128 * 4 + 2 * (8 + 4) * 6 * 4,
     'muond_ranks_attached': 0,
     'muond_shm_sessions': 0,
     'muond_compute_queue_depth': 0,
@@ -116,7 +118,9 @@ want = {
 # one Newton-Schulz observation of its shape class; step 0 is a multiple of the default
 # --orthogonality-every (100), so its one Muon matrix was measured; every step was timed as its
 # trainer saw it (2 over gRPC, 1 over shared memory); nothing waits or is in use after the steps;
-# the momentum (front and back buffers) is pinned (mlock), nothing else of the job is.
+# the momentum is pinned (mlock), one copy: every step was sealed (all its data in) before its one
+# matrix was computed, so it was updated in place and no step window buffer was needed; nothing
+# else of the job is pinned.
 ns = 'muond_newton_schulz_seconds_count{backend="cpu",dtype="float32",muond_job="live",shape="64x128"}'
 want.update({
     ns: 3,
@@ -125,7 +129,7 @@ want.update({
     'muond_step_trainer_wait_seconds_count{muond_job="live"}': 3,
     'muond_job_matrices_waiting{muond_job="live"}': 0,
     'muond_job_gather_in_use_bytes{muond_job="live"}': 0,
-    'muond_job_pinned_bytes{kind="momentum",muond_job="live"}': 2 * 64 * 128 * 4,
+    'muond_job_pinned_bytes{kind="momentum",muond_job="live"}': 64 * 128 * 4,
     'muond_job_pinned_bytes{kind="masters",muond_job="live"}': 0,
     'muond_job_pinned_bytes{kind="moments",muond_job="live"}': 0,
     'muond_job_pinned_bytes{kind="session_regions",muond_job="live"}': 0,

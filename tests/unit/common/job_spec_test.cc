@@ -55,6 +55,33 @@ TEST(JobSpecStepBuffersTest, OneOrTwoRoundTripOthersRefused) {
   }
 }
 
+// "step_window_bytes": absent or 0 (the daemon's default) or at least the largest tensor's state
+// (4 bytes an element in update mode, 8 per Muon element in apply mode), round-tripped through
+// job.json and written only when set; smaller is INVALID_ARGUMENT naming the field and the tensor;
+// negative is refused by the parser.
+TEST(JobSpecStepWindowTest, AtLeastTheLargestTensorsStateRoundTrips) {
+  auto spec = ParseJobSpecJson(kMinimal);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->step_window_bytes, 0u);
+  EXPECT_EQ(JobSpecToJson(*spec).find("step_window_bytes"), std::string::npos);
+  auto set = ParseJobSpecJson(
+      R"({"job_id": "j1", "step_window_bytes": 128, "matrices": [{"name": "w", "shape": [4, 8]}]})");
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->step_window_bytes, 128u);
+  auto again = ParseJobSpecJson(JobSpecToJson(*set));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->step_window_bytes, 128u);
+  auto negative = ParseJobSpecJson(
+      R"({"job_id": "j1", "step_window_bytes": -1, "matrices": [{"name": "w", "shape": [4, 8]}]})");
+  EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(negative.status().message().find("step_window_bytes"), std::string::npos);
+  JobSpec s = ValidSpec();  // "w" 128 x 64
+  s.step_window_bytes = 128 * 64 * 4 - 1;
+  ExpectValidateError(s, "step_window_bytes 32767 is smaller than tensor 'w''s state (32768 bytes");
+  s.step_window_bytes = 128 * 64 * 4;
+  EXPECT_TRUE(ValidateJobSpec(s).ok());
+}
+
 void ExpectValidateError(const JobSpec& spec, const std::string& substring) {
   const absl::Status s = ValidateJobSpec(spec);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << substring;
