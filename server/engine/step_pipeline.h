@@ -143,7 +143,8 @@ class StepPipeline {
   // Buffers of retired batches kept for the next batches and steps: fresh memory every step costs
   // page faults and the kernel's zeroing of everything assembled (hundreds of megabytes a step for
   // a large model). Same-shape tensors come back every step, so buffers are matched by size. At
-  // most the gather budget is kept idle; more is freed. On a device with direct host copies
+  // most what was ever assembled at once (the gather peak, within the budget) is kept idle: the
+  // next step needs no more at once; more is freed (PoolLimit). On a device with direct host copies
   // (GPUs) a staging buffer that goes into the pool is registered with the device once, so its
   // copies from then on are DMA without the bounce buffer (apply mode always stages; update mode
   // stages what cannot go direct); one freed is unregistered first.
@@ -151,6 +152,7 @@ class StepPipeline {
   absl::StatusOr<device::DeviceBuffer> TakeDeviceBuffer(size_t bytes);
   void GiveBack(std::vector<float> staging);
   void GiveBack(device::DeviceBuffer buffer);
+  uint64_t PoolLimit() const;
 
   const common::JobSpec& spec_;
   const JobLayout& layout_;

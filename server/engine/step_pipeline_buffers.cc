@@ -1,6 +1,8 @@
 // StepPipeline's buffers (step_pipeline.h): what a matrix's assembly costs of the gather budget,
-// the pools of host staging and device buffers kept between steps (at most the gather budget's
-// bytes), and where a step reads the committed momentum and writes the new one.
+// the pools of host staging and device buffers kept between steps (at most the gather peak's
+// bytes), the state a step writes, and where it reads the committed momentum and writes the new
+// one.
+#include <algorithm>
 #include <map>
 #include <utility>
 #include <vector>
@@ -45,6 +47,10 @@ absl::StatusOr<device::DeviceBuffer> StepPipeline::TakeDeviceBuffer(size_t bytes
   return devices_->device->Allocate(bytes);
 }
 
+uint64_t StepPipeline::PoolLimit() const {
+  return std::min(gather_budget_bytes_, gather_peak_bytes_.load());
+}
+
 void StepPipeline::GiveBack(std::vector<float> staging) {
   const size_t bytes = staging.size() * sizeof(float);
   if (bytes == 0) return;
@@ -53,7 +59,7 @@ void StepPipeline::GiveBack(std::vector<float> staging) {
   {
     absl::MutexLock lock(&pool_mu_);
     pinned = pinned_staging_.count(staging.data()) > 0;
-    keep = pool_bytes_ + bytes <= gather_budget_bytes_;
+    keep = pool_bytes_ + bytes <= PoolLimit();
     if (keep) {
       pool_bytes_ += bytes;
     } else if (pinned) {
@@ -98,7 +104,7 @@ void StepPipeline::GiveBack(device::DeviceBuffer buffer) {
   if (!buffer.owned()) return;  // a view of host memory (in place): nothing to keep
   const size_t bytes = buffer.size();
   absl::MutexLock lock(&pool_mu_);
-  if (bytes == 0 || pool_bytes_ + bytes > gather_budget_bytes_) return;  // freed here
+  if (bytes == 0 || pool_bytes_ + bytes > PoolLimit()) return;  // freed here
   pool_bytes_ += bytes;
   device_pool_.emplace(bytes, std::move(buffer));
 }
