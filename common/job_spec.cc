@@ -225,10 +225,10 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   RETURN_IF_ERROR(
       CheckKnownFields(root, "", {"job_id", "world_size", "zero_stage", "muon", "matrices", "layout",
                                    "gather_budget_bytes", "step_window_bytes", "transport_probe",
-                                   "checkpoint_every_steps",
-                                   "checkpoint_keep", "step_timeout_seconds", "step_buffers",
-                                   "mode", "tensors", "groups", "adamw", "max_grad_norm",
-                                   "init_from", "multinode", "nonfinite", "qk_clip"}));
+                                   "checkpoint_every_steps", "checkpoint_keep",
+                                   "step_timeout_seconds", "step_buffers", "mode", "tensors",
+                                   "groups", "adamw", "max_grad_norm", "init_from", "multinode",
+                                   "nonfinite", "qk_clip"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -467,9 +467,7 @@ absl::Status ValidateMatrices(const JobSpec& spec) {
 }  // namespace
 
 uint64_t JobSpec::StateBytesOf(const MatrixSpec& m) const {
-  const uint64_t arrays = mode != JobMode::kApply               ? 1
-                          : m.optimizer == Optimizer::kAdamW ? 3
-                                                             : 2;
+  const uint64_t arrays = mode != JobMode::kApply ? 1 : m.optimizer == Optimizer::kAdamW ? 3 : 2;
   return static_cast<uint64_t>(m.numel()) * arrays * sizeof(float);
 }
 

@@ -171,7 +171,7 @@ class StateBuffers {
   std::vector<std::unique_ptr<Buffer>> front_;
   std::vector<std::unique_ptr<Buffer>> back_;
   mutable absl::Mutex mu_;
-  std::vector<Target> target_ ABSL_GUARDED_BY(mu_);  // per array, for the step in flight
+  std::vector<Target> target_ ABSL_GUARDED_BY(mu_);   // per array, for the step in flight
   std::vector<size_t> flipped_ ABSL_GUARDED_BY(mu_);  // arrays the last Flip swapped (Unflip)
   std::vector<std::unique_ptr<Buffer>> spare_ ABSL_GUARDED_BY(mu_);  // per array (see above)
   std::unique_ptr<Snapshot> snapshot_ ABSL_GUARDED_BY(mu_);

@@ -20,7 +20,9 @@ std::atomic<int> in_place_hold_ms{0};
 
 }  // namespace
 
-void SetPipelineInPlaceHoldForTesting(int ms) { in_place_hold_ms.store(ms, std::memory_order_relaxed); }
+void SetPipelineInPlaceHoldForTesting(int ms) {
+  in_place_hold_ms.store(ms, std::memory_order_relaxed);
+}
 
 StepPipeline::Run::Run(StepPipeline& p, StepState& state)
     : p_(p),
@@ -145,8 +147,8 @@ bool StepPipeline::Run::Finish(bool* commit) {
 
 bool StepPipeline::Run::TakeState(uint32_t m, bool sealed, bool* in_place) {
   *in_place = false;
-  if (p_.spec_.transport_probe) return true;  // no state
-  if (p_.StateTwoCopies()) return true;       // every array has its back buffer
+  if (p_.spec_.transport_probe) return true;                   // no state
+  if (p_.StateTwoCopies()) return true;                        // every array has its back buffer
   if (apply_mode() && state_.hyper.absent_at(m)) return true;  // carried: its state unchanged
   if (sealed) {
     *in_place = true;

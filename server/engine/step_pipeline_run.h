@@ -101,8 +101,8 @@ class StepPipeline::Run {
   // Outside the job's lock, before the batch writes anything: tells the store how each of its
   // matrices' state is written (StateBuffers::Plan).
   void PlanState(const Batch& batch);
-  // The chaos test's hook (SetPipelineInPlaceHoldForTesting): once a step, after a batch updated in place
-  // retired, the step holds (its state part new, part old, nothing committed).
+  // The chaos test's hook (SetPipelineInPlaceHoldForTesting): once a step, after a batch updated in
+  // place retired, the step holds (its state part new, part old, nothing committed).
   void HoldInPlace();
   // `matrices` are done, their owners' results in place: counted and announced.
   void MarkDone(const std::vector<uint32_t>& matrices);

@@ -234,9 +234,10 @@ std::shared_ptr<StepState> JobImpl::EndStep(StepState& state, const absl::Status
 
 void JobImpl::FenceInPlace(StepState& state, const absl::Status& status) {
   const absl::Status fenced(
-      status.code(),
-      absl::StrCat(status.message(), "; the step was sealed and its state partly updated in place, "
-                                     "so job '", id(), "' is fenced: load its newest checkpoint"));
+      status.code(), absl::StrCat(status.message(),
+                                  "; the step was sealed and its state partly updated in place, "
+                                  "so job '",
+                                  id(), "' is fenced: load its newest checkpoint"));
   const std::shared_ptr<StepState> keep = EndStep(state, fenced, 0);
   ++steps_aborted_;
   fenced_ = true;

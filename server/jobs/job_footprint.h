@@ -63,9 +63,9 @@ bool KeepsTwoCopies(const common::JobSpec& spec);
 // Overflow-checked. INVALID_ARGUMENT when a count is beyond what any limit could allow.
 // `daemon_gather_budget_bytes`: the budget of a spec that sets none (--gather-budget-bytes).
 // REQUIRES: spec passed common::ValidateJobSpec.
-absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
-                                        uint64_t daemon_gather_budget_bytes,
-                                        uint64_t daemon_step_window_bytes = kDefaultStepWindowBytes);
+absl::StatusOr<JobFootprint> MeasureJob(
+    const common::JobSpec& spec, uint64_t daemon_gather_budget_bytes,
+    uint64_t daemon_step_window_bytes = kDefaultStepWindowBytes);
 
 // The per-job limits (world size, tensors, spans, gather budget): OK, or RESOURCE_EXHAUSTED naming
 // the limit's flag, the value asked for and the value allowed.

@@ -60,8 +60,8 @@
 #include "server/jobs/deletion_hooks.h"
 #include "server/jobs/job.h"
 #include "server/jobs/job_report.h"
-#include "server/record/daemon_limits.h"
 #include "server/jobs/trainer_clock.h"
+#include "server/record/daemon_limits.h"
 #include "server/storage/checkpoint.h"
 
 namespace muond::server {
@@ -239,7 +239,8 @@ class JobImpl final : public Job,
   // in place (StepState::in_place) cannot be refused: it is fenced (FenceInPlace).
   void FailStep(StepState& state, const absl::Status& status, bool fence)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FenceInPlace(StepState& state, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FenceInPlace(StepState& state, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the step for every rank with `result` (shared-memory ranks' completions carry `flags`)
   // and clears in_flight_ if it is this step; returns what keeps `state` alive until the caller
   // is done with it.

@@ -105,9 +105,10 @@ absl::Status JobImpl::RefuseBadPart(int rank, uint64_t session, int64_t step,
 absl::Status JobImpl::RefuseLatePart(const std::string& where) {
   // The rank's last part is in and the step still runs: nothing may join it now.
   if (in_flight_->committing || in_flight_->prepared || in_flight_->in_place) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        where, ": a part after the rank's last part; the step is committing (all data was "
-               "in, the state updating), this part was not applied"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(where,
+                     ": a part after the rank's last part; the step is committing (all data was "
+                     "in, the state updating), this part was not applied"));
   }
   absl::Status late = absl::InvalidArgumentError(
       absl::StrCat(where, ": a part after the rank's last part of the step"));

@@ -4,8 +4,8 @@
 #include "server/jobs/job_footprint.h"
 
 #include "common/shm_protocol.h"
-#include "server/engine/state_buffers.h"
 #include "gtest/gtest.h"
+#include "server/engine/state_buffers.h"
 
 namespace muond::server {
 namespace {
