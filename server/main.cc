@@ -126,43 +126,37 @@ absl::Status ArmStall() {
 #endif
 }
 
-// The chaos run's commit hold, from $MUOND_TEST_COMMIT_HOLD_MS (milliseconds, 1..600000): every
-// commit sleeps that long after the store flipped (server/jobs/job.h SetCommitHoldForTesting).
-absl::Status ArmCommitHold() {
+// A chaos run's hold, from $`name` (milliseconds, 1..600000): `arm` gets it, the log says
+// `what` holds that long. Unset or empty: nothing armed.
+absl::Status ArmHold(const char* name, void (*arm)(int), const char* what) {
 #ifndef MUOND_TEST_HOOKS
+  (void)name, (void)arm, (void)what;
   return absl::OkStatus();  // a release build has no fault hooks
 #else
-  const char* env = std::getenv("MUOND_TEST_COMMIT_HOLD_MS");
+  const char* env = std::getenv(name);
   if (env == nullptr || *env == '\0') return absl::OkStatus();
   int ms = 0;
   if (!absl::SimpleAtoi(env, &ms) || ms < 1 || ms > 600000) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", env, "' is not a whole number of milliseconds in 1..600000"));
   }
-  SetCommitHoldForTesting(ms);
-  MUOND_LOG(WARNING) << "commit hold armed: every commit holds " << ms << " ms";
+  arm(ms);
+  MUOND_LOG(WARNING) << "hold armed: " << what << " holds " << ms << " ms";
   return absl::OkStatus();
 #endif
 }
 
-// The chaos run's in-place hold, from $MUOND_TEST_INPLACE_HOLD_MS (milliseconds, 1..600000): a
-// step holds in the middle of an in-place update (server/jobs/job.h SetInPlaceHoldForTesting).
+// The chaos run's commit hold: every commit sleeps after the store flipped (server/jobs/job.h
+// SetCommitHoldForTesting).
+absl::Status ArmCommitHold() {
+  return ArmHold("MUOND_TEST_COMMIT_HOLD_MS", SetCommitHoldForTesting, "every commit");
+}
+
+// The chaos run's in-place hold: a step holds in the middle of an in-place update
+// (server/jobs/job.h SetInPlaceHoldForTesting).
 absl::Status ArmInPlaceHold() {
-#ifndef MUOND_TEST_HOOKS
-  return absl::OkStatus();  // a release build has no fault hooks
-#else
-  const char* env = std::getenv("MUOND_TEST_INPLACE_HOLD_MS");
-  if (env == nullptr || *env == '\0') return absl::OkStatus();
-  int ms = 0;
-  if (!absl::SimpleAtoi(env, &ms) || ms < 1 || ms > 600000) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", env, "' is not a whole number of milliseconds in 1..600000"));
-  }
-  SetInPlaceHoldForTesting(ms);
-  MUOND_LOG(WARNING) << "in-place hold armed: a step holds " << ms
-                     << " ms in the middle of an in-place update";
-  return absl::OkStatus();
-#endif
+  return ArmHold("MUOND_TEST_INPLACE_HOLD_MS", SetInPlaceHoldForTesting,
+                 "a step in the middle of an in-place update");
 }
 
 // The commit-window test's fault, from $MUOND_TEST_COMMIT_FAULT=POINT:SIGNAL:STEP (POINT commit or
