@@ -51,6 +51,8 @@ class MomentumStore {
   uint64_t window_bytes() const { return buffers_.window_bytes(); }
   // A new step (StateBuffers::BeginStep).
   void BeginStep() { buffers_.BeginStep(); }
+  // After a failed step (StateBuffers::DropWindow).
+  void DropWindow() { buffers_.DropWindow(); }
   // How the step in flight writes matrix m's momentum (StateBuffers::Plan).
   void Plan(uint32_t m, bool in_place) { buffers_.Plan(m, in_place); }
   // Bytes of the momentum registered (pinned) with the device, all matrices.

@@ -43,6 +43,8 @@ class ParamStore {
   uint64_t window_bytes() const { return buffers_.window_bytes(); }
   // A new step (StateBuffers::BeginStep).
   void BeginStep() { buffers_.BeginStep(); }
+  // After a failed step (StateBuffers::DropWindow).
+  void DropWindow() { buffers_.DropWindow(); }
   // How the step in flight writes tensor t's arrays (StateBuffers::Plan), every slot alike.
   void Plan(uint32_t t, bool in_place) {
     for (int s = 0; s < slots_[t]; ++s) buffers_.Plan(first_[t] + s, in_place);

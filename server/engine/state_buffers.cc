@@ -106,6 +106,13 @@ void StateBuffers::BeginStep() {
   target_.assign(numel_.size(), Target::kNone);
 }
 
+void StateBuffers::DropWindow() {
+  absl::MutexLock lock(&mu_);
+  target_.assign(numel_.size(), Target::kNone);
+  if (two_copies()) return;
+  for (size_t a = 0; a < numel_.size(); ++a) Drop(a, &back_[a]);
+}
+
 void StateBuffers::Plan(size_t a, bool in_place) {
   absl::MutexLock lock(&mu_);
   if (!in_place || two_copies()) {

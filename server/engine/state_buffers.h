@@ -75,6 +75,8 @@ class StateBuffers {
   // buffer. Before the step writes the array; the same for the whole step. Takes the lock
   // briefly; copies only what a save in progress still needs of an array written in place.
   void Plan(size_t a, bool in_place) ABSL_LOCKS_EXCLUDED(mu_);
+  // After a step that failed: one copy frees its window buffers (two copies keep their backs).
+  void DropWindow() ABSL_LOCKS_EXCLUDED(mu_);
   // Where the step in flight writes array a's next value, as planned (unplanned: the window);
   // the step must write all of it before the commit. Takes the lock briefly.
   float* back(size_t a) ABSL_LOCKS_EXCLUDED(mu_);

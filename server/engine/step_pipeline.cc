@@ -150,6 +150,10 @@ bool StepPipeline::Run::TakeState(uint32_t m, bool sealed, bool* in_place) {
   if (p_.spec_.transport_probe) return true;                   // no state
   if (p_.StateTwoCopies()) return true;                        // every array has its back buffer
   if (apply_mode() && state_.hyper.absent_at(m)) return true;  // carried: its state unchanged
+  // Gradients divided by less than 1 may still refuse the step when a tensor is assembled (one
+  // overflows float32 once divided, ApplyStep::CheckSumOfSquares): such a step is never written
+  // in place, and its window is not bounded (a second copy of what it writes, for that step).
+  if (apply_mode() && state_.hyper.grad_divisor < 1.0) return true;
   if (sealed) {
     *in_place = true;
     state_.in_place = true;

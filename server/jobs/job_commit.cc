@@ -248,6 +248,17 @@ void JobImpl::FenceInPlace(StepState& state, const absl::Status& status) {
 void JobImpl::FailStep(StepState& state, const absl::Status& status, bool fence) {
   // A step whose commit began is committed: nothing may report it as failed.
   if (state.done || state.committing || state.prepared) return;
+  // The step window's buffers go back once the step's drain is over (the compute queue runs in
+  // order, without the job's lock: the store's lock comes before it).
+  executor_->Submit([weak = weak_from_this()] {
+    const std::shared_ptr<JobImpl> self = weak.lock();
+    if (self == nullptr) return;  // the job is gone, and its buffers with it
+    if (self->params_ != nullptr) {
+      self->params_->DropWindow();
+    } else {
+      self->momentum_.DropWindow();
+    }
+  });
   if (state.in_place) {
     // The sealed step was updating the state in place: what is stored is part old, part new.
     // Nothing can restore it but a checkpoint (README "Memory", "One copy of the state").

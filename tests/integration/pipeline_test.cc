@@ -256,7 +256,11 @@ TEST_F(PipelineTest, SimulatedStepOverlapsItsStages) {
 
 // --sim-fail-kernel N: kernels are counted across the daemon. Each matrix fills a batch (the
 // budget is three matrices), so a step of job A is 4 kernels: step 0 = kernels 1-4, the first try
-// of step 1 = kernels 5-8 of which 6 fails.
+// of step 1 = kernels 5-8 of which 6 fails. The victim's chunks arrive over gRPC: when kernel 6
+// runs before the step is sealed (its last chunk in), the failed step wrote only its step window
+// and is refused, the state unchanged; when it runs after, the state was partly updated in place
+// and the job is fenced, saying so, and its checkpoint of step 0 brings it back (README "Memory",
+// "One copy of the state"). Either way the retry equals an undisturbed job's step.
 TEST_F(PipelineTest, InjectedDeviceErrorFailsOnlyThatStep) {
   auto d = Start(With(SimFlags(), {"--sim-fail-kernel", "6"}));
   ASSERT_NE(d, nullptr);
@@ -278,6 +282,7 @@ TEST_F(PipelineTest, InjectedDeviceErrorFailsOnlyThatStep) {
   ASSERT_TRUE(sa.ok() && sb.ok());
 
   ASSERT_TRUE(StepFlatBuffer(**sa, 0, grads[0]).ok());  // kernels 1-4
+  ASSERT_TRUE(d->client->SaveCheckpoint(a.job_id, *ta).ok());
   auto failed = StepFlatBuffer(**sa, 1, grads[1]);      // kernels 5-8: 6 fails
   ASSERT_FALSE(failed.ok());
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
@@ -288,10 +293,17 @@ TEST_F(PipelineTest, InjectedDeviceErrorFailsOnlyThatStep) {
 
   auto st = d->client->GetJob(a.job_id, *ta);
   ASSERT_TRUE(st.ok());
-  EXPECT_FALSE(st->fenced()) << st->fence_reason();
   EXPECT_EQ(st->steps_completed(), 1);
-  EXPECT_EQ(st->steps_refused(), 1);
   EXPECT_EQ(st->next_step(), 1);
+  if (st->fenced()) {
+    EXPECT_NE(msg.find("partly updated in place"), std::string::npos) << msg;
+    EXPECT_EQ(st->steps_aborted(), 1);
+    ASSERT_TRUE(d->client->LoadCheckpoint(a.job_id, *ta, 0, -1).ok());
+    std::printf("the kernel failed after the seal: fenced, reloaded step 0's checkpoint\n");
+  } else {
+    EXPECT_EQ(st->steps_refused(), 1);
+    std::printf("the kernel failed before the seal: refused, state unchanged\n");
+  }
 
   // The retry works, and the other job (stepped after) computes exactly the same updates: the
   // failed step left the victim's momentum as committed at step 0.
