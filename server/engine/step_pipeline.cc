@@ -159,7 +159,7 @@ bool StepPipeline::Run::TakeState(uint32_t m, bool sealed, bool* in_place) {
     state_.in_place = true;
     return true;
   }
-  const uint64_t bytes = p_.StateBytes(m);
+  const uint64_t bytes = p_.spec_.StateBytesOf(p_.spec_.matrices[m]);
   if (state_.window_reserved + bytes > p_.StateWindowBytes()) return false;  // wait for the seal
   state_.window_reserved += bytes;
   return true;

@@ -111,11 +111,10 @@ class StepPipeline {
 
   // Whole-matrix bytes a matrix holds while assembled (fp32 gradient and momentum).
   uint64_t AssembledBytes(uint32_t m) const;
-  // The state store (step_pipeline_buffers.cc): two copies (never written in place), the step
-  // window's bytes, and the state bytes matrix m writes in a step (every array of its tensor).
+  // The state store (step_pipeline_buffers.cc): two copies (never written in place) and the step
+  // window's bytes.
   bool StateTwoCopies() const;
   uint64_t StateWindowBytes() const;
-  uint64_t StateBytes(uint32_t m) const;
 
   // The direct path (step_pipeline_direct.cc). Under no lock: the spans of a complete matrix do
   // not change until the step ends.

@@ -1,6 +1,6 @@
 // StepPipeline's buffers (step_pipeline.h): what a matrix's assembly costs of the gather budget,
 // the pools of host staging and device buffers kept between steps (at most the gather peak's
-// bytes), the state a step writes, and where it reads the committed momentum and writes the new
+// bytes), the state store's mode, and where it reads the committed momentum and writes the new
 // one.
 #include <algorithm>
 #include <map>
@@ -115,11 +115,6 @@ bool StepPipeline::StateTwoCopies() const {
 
 uint64_t StepPipeline::StateWindowBytes() const {
   return params_ != nullptr ? params_->window_bytes() : momentum_.window_bytes();
-}
-
-uint64_t StepPipeline::StateBytes(uint32_t m) const {
-  const uint64_t numel = static_cast<uint64_t>(spec_.matrices[m].numel());
-  return numel * sizeof(float) * (params_ != nullptr ? params_->slots(m) : 1);
 }
 
 const float* StepPipeline::CommittedMomentum(uint32_t m) const {
