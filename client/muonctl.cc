@@ -240,6 +240,11 @@ void PrintOptimizer(const v1::JobStatus& st, const common::JobSpec& spec) {
       std::string(common::NsMethodName(m.ns_method)).c_str(), m.ns_steps,
       std::string(common::DTypeName(m.compute_dtype)).c_str(),
       std::string(common::ScaleModeName(m.scale_mode)).c_str(), fp32_iterations.c_str());
+  if (spec.state.compressed()) {  // README "Memory", "Compressed state"
+    std::printf("state: momentum_dtype=%s adamw_dtype=%s\n",
+                std::string(common::StateDTypeName(spec.state.momentum)).c_str(),
+                std::string(common::StateDTypeName(spec.state.adamw)).c_str());
+  }
   const bool apply = spec.mode == common::JobMode::kApply;
   for (const common::MatrixSpec& ms : spec.matrices) {
     const std::string apply_fields =

@@ -213,6 +213,42 @@ int64_t MatrixSpec::numel() const {
   return n;
 }
 
+namespace {
+
+// The job-level run options: budgets, checkpoints, timeouts, buffers, probe, non-finite policy.
+absl::Status ParseRunFields(const Json& root, JobSpec* out) {
+  JobSpec& spec = *out;
+  int64_t budget = 0;
+  RETURN_IF_ERROR(ReadInt64(root, "gather_budget_bytes", "gather_budget_bytes", &budget));
+  if (budget < 0) return FieldError("gather_budget_bytes", "expected an integer >= 0");
+  spec.gather_budget_bytes = static_cast<uint64_t>(budget);
+  int64_t window = 0;
+  RETURN_IF_ERROR(ReadInt64(root, "step_window_bytes", "step_window_bytes", &window));
+  if (window < 0) return FieldError("step_window_bytes", "expected an integer >= 0");
+  spec.step_window_bytes = static_cast<uint64_t>(window);
+  int64_t every = 0;
+  RETURN_IF_ERROR(ReadInt64(root, "checkpoint_every_steps", "checkpoint_every_steps", &every));
+  if (every < 0) return FieldError("checkpoint_every_steps", "expected an integer >= 0");
+  spec.checkpoint_every_steps = static_cast<uint64_t>(every);
+  RETURN_IF_ERROR(ReadInt(root, "checkpoint_keep", "checkpoint_keep", &spec.checkpoint_keep));
+  RETURN_IF_ERROR(
+      ReadInt(root, "step_timeout_seconds", "step_timeout_seconds", &spec.step_timeout_seconds));
+  RETURN_IF_ERROR(ReadInt(root, "step_buffers", "step_buffers", &spec.step_buffers));
+  if (const auto it = root.find("transport_probe"); it != root.end()) {
+    if (!it->is_boolean()) return FieldError("transport_probe", "expected true or false");
+    spec.transport_probe = it->get<bool>();
+  }
+  if (const auto it = root.find("nonfinite"); it != root.end()) {
+    if (!it->is_string() || (*it != "refuse" && *it != "skip")) {
+      return FieldError("nonfinite", "expected \"refuse\" or \"skip\"");
+    }
+    spec.nonfinite_skip = *it == "skip";
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   bool too_deep = false;
   const Json root = ParseJsonWithDepthLimit<Json>(json, &too_deep);
@@ -228,7 +264,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
                                    "checkpoint_every_steps", "checkpoint_keep",
                                    "step_timeout_seconds", "step_buffers", "mode", "tensors",
                                    "groups", "adamw", "max_grad_norm", "init_from", "multinode",
-                                   "nonfinite", "qk_clip"}));
+                                   "nonfinite", "qk_clip", "state"}));
 
   JobSpec spec;
   if (root.find("job_id") == root.end()) return FieldError("job_id", "missing");
@@ -241,6 +277,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
   RETURN_IF_ERROR(json_fields::ParseApplyFields(root, &spec));
   RETURN_IF_ERROR(json_fields::ParseMultiNodeField(root, &spec));
   RETURN_IF_ERROR(json_fields::ParseQkClipField(root, &spec));
+  RETURN_IF_ERROR(json_fields::ParseStateField(root, &spec));
   // "tensors" (apply mode's name) or "matrices": one of the two.
   const char* key = root.find("tensors") != root.end() ? "tensors" : "matrices";
   if (root.find("tensors") != root.end() && root.find("matrices") != root.end()) {
@@ -255,33 +292,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(std::string_view json) {
     spec.matrices.push_back(std::move(m));
   }
   FillApplyDefaults(&spec);
-  int64_t budget = 0;
-  RETURN_IF_ERROR(ReadInt64(root, "gather_budget_bytes", "gather_budget_bytes", &budget));
-  if (budget < 0) return FieldError("gather_budget_bytes", "expected an integer >= 0");
-  spec.gather_budget_bytes = static_cast<uint64_t>(budget);
-  int64_t window = 0;
-  RETURN_IF_ERROR(ReadInt64(root, "step_window_bytes", "step_window_bytes", &window));
-  if (window < 0) return FieldError("step_window_bytes", "expected an integer >= 0");
-  spec.step_window_bytes = static_cast<uint64_t>(window);
-  int64_t every = 0;
-  RETURN_IF_ERROR(
-      ReadInt64(root, "checkpoint_every_steps", "checkpoint_every_steps", &every));
-  if (every < 0) return FieldError("checkpoint_every_steps", "expected an integer >= 0");
-  spec.checkpoint_every_steps = static_cast<uint64_t>(every);
-  RETURN_IF_ERROR(ReadInt(root, "checkpoint_keep", "checkpoint_keep", &spec.checkpoint_keep));
-  RETURN_IF_ERROR(ReadInt(root, "step_timeout_seconds", "step_timeout_seconds",
-                          &spec.step_timeout_seconds));
-  RETURN_IF_ERROR(ReadInt(root, "step_buffers", "step_buffers", &spec.step_buffers));
-  if (const auto it = root.find("transport_probe"); it != root.end()) {
-    if (!it->is_boolean()) return FieldError("transport_probe", "expected true or false");
-    spec.transport_probe = it->get<bool>();
-  }
-  if (const auto it = root.find("nonfinite"); it != root.end()) {
-    if (!it->is_string() || (*it != "refuse" && *it != "skip")) {
-      return FieldError("nonfinite", "expected \"refuse\" or \"skip\"");
-    }
-    spec.nonfinite_skip = *it == "skip";
-  }
+  RETURN_IF_ERROR(ParseRunFields(root, &spec));
   if (const auto it = root.find("layout"); it != root.end()) {
     RETURN_IF_ERROR(ParseLayout(*it, spec.matrices, &spec.explicit_layout));
     if (root.find("world_size") == root.end()) {
@@ -343,6 +354,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
   json_fields::WriteApplyFields(spec, &root);
   json_fields::WriteMultiNodeField(spec, &root);
   json_fields::WriteQkClipField(spec, &root);
+  json_fields::WriteStateField(spec, &root);
   // `replace` keeps this total for unvalidated specs (invalid UTF-8 in a name becomes U+FFFD);
   // a validated spec has none.
   return root.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
@@ -467,8 +479,10 @@ absl::Status ValidateMatrices(const JobSpec& spec) {
 }  // namespace
 
 uint64_t JobSpec::StateBytesOf(const MatrixSpec& m) const {
-  const uint64_t arrays = mode != JobMode::kApply ? 1 : m.optimizer == Optimizer::kAdamW ? 3 : 2;
-  return static_cast<uint64_t>(m.numel()) * arrays * sizeof(float);
+  const uint64_t n = static_cast<uint64_t>(m.numel());
+  if (mode != JobMode::kApply) return StoredStateBytes(state.momentum, n);
+  if (m.optimizer == Optimizer::kAdamW) return 4 * n + 2 * StoredStateBytes(state.adamw, n);
+  return 4 * n + StoredStateBytes(state.momentum, n);
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
@@ -480,6 +494,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   RETURN_IF_ERROR(ValidateApplyMode(spec));
   RETURN_IF_ERROR(ValidateMultiNode(spec));
   RETURN_IF_ERROR(ValidateQkClip(spec));
+  RETURN_IF_ERROR(ValidateStateStorage(spec));
   if (!spec.explicit_layout.empty()) RETURN_IF_ERROR(ValidateExplicitLayout(spec));
   return absl::OkStatus();
 }

@@ -18,8 +18,11 @@
 //                             step's results are taken before the next step's gradients are
 //                             written; 2 for the delayed mode, where step t+1's gradients arrive
 //                             while step t computes. Step t uses buffer t % step_buffers.)
-//    "nonfinite": "refuse"}   ("skip": a step with a NaN/Inf gradient on any rank commits as a
+//    "nonfinite": "refuse",   ("skip": a step with a NaN/Inf gradient on any rank commits as a
 //                              skipped step, state unchanged, step number advanced)
+//    "state": {"momentum_dtype": "float32", "adamw_dtype": "float32"}}  (how the optimizer
+//             state is held: "float32", "bfloat16" or "int8"; adamw_dtype in apply mode only;
+//             job_spec_state.cc)
 // Apply mode (DESIGN.md 4b) adds, and only then writes:
 //   "mode": "apply" ("update", the default, is section 4), "tensors" (the name "matrices" stays
 //   accepted; one of the two), each entry also {"optimizer": "muon"|"adamw" (default muon),
@@ -62,6 +65,33 @@ std::string_view NsMethodName(NsMethod m);        // "standard", "gram", "polar_
 absl::StatusOr<NsMethod> ParseNsMethod(std::string_view name);
 std::string_view ScaleModeName(ScaleMode m);      // "original", "match_rms_adamw", "none"
 absl::StatusOr<ScaleMode> ParseScaleMode(std::string_view name);
+
+// How an optimizer state array is held (job.json "state"; server/optim/state_codec.h): fp32,
+// bfloat16 (round to nearest even), or int8 in blocks of kStateBlock consecutive row-major
+// elements with an fp32 scale per block (the last block of a tensor may be shorter, so every
+// shape is served).
+enum class StateDType { kFloat32, kBFloat16, kInt8 };
+std::string_view StateDTypeName(StateDType d);  // "float32", "bfloat16", "int8"
+absl::StatusOr<StateDType> ParseStateDType(std::string_view name);
+inline constexpr uint64_t kStateBlock = 2048;
+// Blocks of n elements (the int8 scales).
+inline constexpr uint64_t StateBlocks(uint64_t n) { return (n + kStateBlock - 1) / kStateBlock; }
+// Bytes n elements take held as `dtype` (int8: the scales, then the codes).
+inline constexpr uint64_t StoredStateBytes(StateDType dtype, uint64_t n) {
+  return dtype == StateDType::kFloat32    ? uint64_t{4} * n
+         : dtype == StateDType::kBFloat16 ? uint64_t{2} * n
+                                          : uint64_t{4} * StateBlocks(n) + n;
+}
+// The job's choice (job.json "state": {"momentum_dtype", "adamw_dtype"}, written only when not
+// fp32): Muon's momentum (both modes) and AdamW's first and second moments (apply mode). The
+// masters stay fp32.
+struct StateStorage {
+  StateDType momentum = StateDType::kFloat32;
+  StateDType adamw = StateDType::kFloat32;
+  bool compressed() const {
+    return momentum != StateDType::kFloat32 || adamw != StateDType::kFloat32;
+  }
+};
 
 struct MuonConfig {
   double momentum = 0.95;  // beta, in [0, 1)
@@ -182,8 +212,11 @@ struct JobSpec {
   // (server/engine/state_buffers.h); 0: the daemon's default. At least the largest tensor's
   // state (4 bytes an element in update mode; 8 for a Muon tensor, 12 for AdamW in apply mode).
   uint64_t step_window_bytes = 0;
-  // The state bytes one step writes of tensor m (what the step window holds of it).
+  // The state bytes one step writes of tensor m (what the step window holds of it), as held
+  // (`state`).
   uint64_t StateBytesOf(const MatrixSpec& m) const;
+  // How the optimizer state is held (see StateStorage).
+  StateStorage state;
   // A data-path probe: the daemon returns every gradient span unchanged as its update and keeps
   // no momentum (for checking and measuring transports, e.g. muond-bench transport).
   bool transport_probe = false;
@@ -261,6 +294,9 @@ absl::Status ValidateMultiNode(const JobSpec& spec);
 // each: num_heads 1), and at most kMaxQkClipLogits query heads in all. INVALID_ARGUMENT naming the
 // field ("qk_clip.pairs[1].k") and the value. An update-mode spec carries no pair.
 absl::Status ValidateQkClip(const JobSpec& spec);
+// The "state" block: adamw_dtype other than float32 only in apply mode; nothing compressed in a
+// transport probe. INVALID_ARGUMENT naming the field.
+absl::Status ValidateStateStorage(const JobSpec& spec);
 // Per pair, the indices of its q and k tensors in spec.matrices. REQUIRES: ValidateQkClip passed.
 std::vector<std::pair<uint32_t, uint32_t>> QkClipTensors(const JobSpec& spec);
 // The per-head maxima of a step (`logits`: spec.qk_clip.logits() values, pair after pair) are

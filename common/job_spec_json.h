@@ -111,6 +111,9 @@ void WriteQkClipField(const JobSpec& spec, Json* root);
 // Many nodes (job_spec_multinode.cc): the "multinode" block, written only when present.
 absl::Status ParseMultiNodeField(const Json& root, JobSpec* spec);
 void WriteMultiNodeField(const JobSpec& spec, Json* root);
+// How the state is held (job_spec_state.cc): the "state" block, written only when compressed.
+absl::Status ParseStateField(const Json& root, JobSpec* spec);
+void WriteStateField(const JobSpec& spec, Json* root);
 // A tensor's "rows" (rows of a tensor split across nodes), written only when present.
 absl::Status ParseTensorRowsField(const Json& tensor, const std::string& path, MatrixSpec* spec);
 void WriteTensorRowsField(const MatrixSpec& m, Json* tensor);

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -197,6 +198,42 @@ absl::StatusOr<MatrixSpec> MatrixFromProto(const v1::MatrixSpec& pm, int i) {
   return ms;
 }
 
+v1::StateDType StateDTypeToProto(StateDType dtype) {
+  switch (dtype) {
+    case StateDType::kBFloat16:
+      return v1::STATE_DTYPE_BFLOAT16;
+    case StateDType::kInt8:
+      return v1::STATE_DTYPE_INT8;
+    case StateDType::kFloat32:
+      break;
+  }
+  return v1::STATE_DTYPE_FLOAT32;
+}
+
+// The "state" block; an unknown enum value (a newer client) is INVALID_ARGUMENT naming it.
+absl::Status StateStorageFromProto(const v1::JobSpec& proto, StateStorage* out) {
+  for (const auto& [name, value, dtype] :
+       {std::tuple<const char*, int, StateDType*>{"state.momentum_dtype",
+                                                  proto.state().momentum_dtype(), &out->momentum},
+        {"state.adamw_dtype", proto.state().adamw_dtype(), &out->adamw}}) {
+    switch (value) {
+      case v1::STATE_DTYPE_FLOAT32:
+        *dtype = StateDType::kFloat32;
+        break;
+      case v1::STATE_DTYPE_BFLOAT16:
+        *dtype = StateDType::kBFloat16;
+        break;
+      case v1::STATE_DTYPE_INT8:
+        *dtype = StateDType::kInt8;
+        break;
+      default:
+        return absl::InvalidArgumentError(absl::StrCat(name, ": unknown state dtype ", value,
+                                                       " (expected float32, bfloat16 or int8)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // How the job runs: its gather budget, probe, non-finite policy, checkpoints and step timeout.
 absl::Status RunOptionsFromProto(const v1::JobSpec& proto, JobSpec* spec) {
   // uint64 on the wire, but job.json (what the daemon stores and reads back at restart) holds
@@ -213,6 +250,7 @@ absl::Status RunOptionsFromProto(const v1::JobSpec& proto, JobSpec* spec) {
   }
   spec->gather_budget_bytes = proto.gather_budget_bytes();
   spec->step_window_bytes = proto.step_window_bytes();
+  RETURN_IF_ERROR(StateStorageFromProto(proto, &spec->state));
   spec->transport_probe = proto.transport_probe();
   switch (proto.nonfinite()) {
     case v1::NONFINITE_REFUSE:
@@ -315,6 +353,10 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   proto.set_step_timeout_seconds(spec.step_timeout_seconds);
   proto.set_step_buffers(spec.step_buffers);
   proto.set_step_window_bytes(spec.step_window_bytes);
+  if (spec.state.compressed()) {
+    proto.mutable_state()->set_momentum_dtype(StateDTypeToProto(spec.state.momentum));
+    proto.mutable_state()->set_adamw_dtype(StateDTypeToProto(spec.state.adamw));
+  }
   if (spec.multinode.nodes > 0) {
     proto.mutable_multinode()->set_global_job_id(spec.multinode.global_job_id);
     proto.mutable_multinode()->set_node(spec.multinode.node);

@@ -14,6 +14,7 @@
 #include "server/optim/muon_apply.h"
 #include "server/optim/muon_math.h"
 #include "server/optim/qk_clip.h"
+#include "server/optim/state_codec.h"
 
 namespace muond::server {
 namespace {
@@ -132,6 +133,10 @@ void ApplyStep::ApplyAdamW(StepState& state, uint32_t t, const float* grad) {
   h.beta2 = spec_.adamw.beta2;
   h.eps = spec_.adamw.eps;
   const int64_t step = params_->steps(t) + 1;
+  if (spec_.state.adamw != common::StateDType::kFloat32) {
+    ApplyAdamWHeld(state, t, h, step, grad);
+    return;
+  }
   const size_t esize = common::DTypeSize(ms.param_dtype);
   const std::vector<JobLayout::OwnerSlice> slices = layout_.OwnerSlices(t, kSlice);
   common::ParallelFor(slices.size(), ms.numel() * 7 * sizeof(float), [&](size_t i) {
@@ -149,6 +154,38 @@ void ApplyStep::ApplyAdamW(StepState& state, uint32_t t, const float* grad) {
     a.out_dtype = ms.param_dtype;
     AdamWUpdate(h, step, 1.0f, a, s.length);
   });
+}
+
+// Moments held compressed: piece by piece of whole blocks, m and v decoded into fp32, the same
+// AdamW arithmetic (AdamWUpdate, elementwise: the fp32 path's bits for the same m and v), the new
+// moments encoded into the back; then the new masters go to the owners.
+void ApplyStep::ApplyAdamWHeld(StepState& state, uint32_t t, const AdamWHyper& h, int64_t step,
+                               const float* grad) {
+  const size_t n = params_->numel(t);
+  constexpr size_t kPiece = kStateBlock * 32;
+  const common::StateDType dtype = spec_.state.adamw;
+  common::ParallelFor((n + kPiece - 1) / kPiece, n * 5 * sizeof(float), [&](size_t p) {
+    const size_t at = p * kPiece, len = std::min(kPiece, n - at);
+    std::vector<float> m(len), v(len), m_next(len), v_next(len);
+    DecodeStored(dtype, StateRole::kSigned, params_->front(t, ParamStore::kExpAvg), n, at, len,
+                 m.data());
+    DecodeStored(dtype, StateRole::kNonNegative, params_->front(t, ParamStore::kExpAvgSq), n, at,
+                 len, v.data());
+    AdamWArrays a;
+    a.grad = grad + at;
+    a.param_in = params_->front(t, ParamStore::kMaster) + at;
+    a.param = params_->back(t, ParamStore::kMaster) + at;
+    a.exp_avg_in = m.data();
+    a.exp_avg_sq_in = v.data();
+    a.exp_avg = m_next.data();
+    a.exp_avg_sq = v_next.data();
+    AdamWUpdate(h, step, 1.0f, a, len, /*threads=*/1);
+    EncodeStored(dtype, StateRole::kSigned, m_next.data(), n, at, len,
+                 params_->back(t, ParamStore::kExpAvg));
+    EncodeStored(dtype, StateRole::kNonNegative, v_next.data(), n, at, len,
+                 params_->back(t, ParamStore::kExpAvgSq));
+  });
+  WriteParameters(state, t);
 }
 
 void ApplyStep::ApplyMuon(StepState& state, uint32_t t, const float* update) {

@@ -24,6 +24,7 @@
 #include "server/engine/job_layout.h"
 #include "server/engine/param_store.h"
 #include "server/engine/step_state.h"
+#include "server/optim/adamw.h"
 
 namespace muond::server {
 
@@ -81,6 +82,9 @@ class ApplyStep {
  private:
   // Tensor t's new masters (the store's back) into its owners' output spans, in param_dtype.
   void WriteParameters(StepState& state, uint32_t t);
+  // ApplyAdamW of a job that holds AdamW's moments compressed (JobSpec::state).
+  void ApplyAdamWHeld(StepState& state, uint32_t t, const AdamWHyper& h, int64_t step,
+                      const float* grad);
   // The refusals of a tensor's raw sum of squares `ss` (find_bad: the first element that is not
   // finite, asked only when ss is not).
   absl::Status CheckSumOfSquares(const StepState& state, uint32_t t, double ss,

@@ -6,25 +6,27 @@ namespace muond::server {
 namespace {
 
 // Apply mode keeps its momentum in the job's ParamStore; a transport probe has none.
-std::vector<size_t> MatrixSizes(const common::JobSpec& spec) {
-  std::vector<size_t> numel;
-  if (spec.transport_probe || spec.mode == common::JobMode::kApply) return numel;
-  for (const common::MatrixSpec& m : spec.matrices) numel.push_back(static_cast<size_t>(m.numel()));
-  return numel;
+std::vector<StateBuffers::Form> MatrixForms(const common::JobSpec& spec) {
+  std::vector<StateBuffers::Form> forms;
+  if (spec.transport_probe || spec.mode == common::JobMode::kApply) return forms;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    forms.push_back({static_cast<size_t>(m.numel()), spec.state.momentum, StateRole::kSigned});
+  }
+  return forms;
 }
 
 }  // namespace
 
 MomentumStore::MomentumStore(const common::JobSpec& spec, device::Device* device,
                              uint64_t window_bytes)
-    : buffers_(MatrixSizes(spec), device, window_bytes) {
-  for (size_t m = 0; m < buffers_.arrays(); ++m) bytes_ += buffers_.numel(m) * sizeof(float);
+    : buffers_(MatrixForms(spec), device, window_bytes), dtype_(spec.state.momentum) {
+  for (size_t m = 0; m < buffers_.arrays(); ++m) bytes_ += buffers_.words(m) * sizeof(float);
 }
 
 void MomentumStore::Lock::Zero() {
   for (uint32_t m = 0; m < store_.matrices(); ++m) {
     float* d = mutable_data(m);
-    std::fill(d, d + store_.numel(m), 0.0f);
+    std::fill(d, d + store_.buffers_.words(m), 0.0f);  // zeros in every form
   }
 }
 

@@ -1,4 +1,5 @@
-// The state store of an update-mode job: the fp32 Muon momentum of every matrix, in host memory
+// The state store of an update-mode job: the Muon momentum of every matrix (fp32, or bf16 or int8
+// as the job's "state" says: server/optim/state_codec.h), in host memory
 // registered (pinned) with the compute device (StateBuffers, state_buffers.h: one copy updated in
 // place once the step is sealed, the bounded step window before it, and the snapshot a checkpoint
 // writer copies while later steps run).
@@ -36,17 +37,21 @@ class MomentumStore {
   MomentumStore(const MomentumStore&) = delete;
   MomentumStore& operator=(const MomentumStore&) = delete;
 
-  // Bytes of the momentum (one buffer per matrix: what a checkpoint holds; 0 for a transport
+  // Bytes of the momentum as held (one buffer per matrix; 0 for a transport
   // probe). What a spec will hold before anything is allocated is
   // JobFootprint::state_bytes (server/jobs/job_footprint.h).
   uint64_t bytes() const { return bytes_; }
   size_t matrices() const { return buffers_.arrays(); }
-  // Matrix m's committed momentum (numel(m) floats). Read without a lock only between changes.
+  // How the momentum is held (fp32: data() and next() are the values).
+  common::StateDType dtype() const { return dtype_; }
+  // Matrix m's committed momentum, as held (StateBuffers::Form). Read without a lock only between
+  // changes.
   const float* data(uint32_t m) const { return buffers_.front(m); }
-  // Where the step in flight writes matrix m's new momentum (every element of it); the commit's
-  // Flip makes it the committed one. REQUIRES: the step in flight is the only writer.
+  // Where the step in flight writes matrix m's new momentum, as held (every element of it); the
+  // commit's Flip makes it the committed one. REQUIRES: the step in flight is the only writer.
   float* next(uint32_t m) { return buffers_.back(m); }
   size_t numel(uint32_t m) const { return buffers_.numel(m); }
+  const StateBuffers::Form& form(uint32_t m) const { return buffers_.form(m); }
   bool two_copies() const { return buffers_.two_copies(); }
   uint64_t window_bytes() const { return buffers_.window_bytes(); }
   // A new step (StateBuffers::BeginStep).
@@ -72,7 +77,7 @@ class MomentumStore {
     explicit Lock(MomentumStore& store) : lock_(store.buffers_), store_(store) {}
     Lock(const Lock&) = delete;
     Lock& operator=(const Lock&) = delete;
-    // Writable committed momentum of matrix m.
+    // Writable committed momentum of matrix m, as held.
     float* mutable_data(uint32_t m) { return lock_.mutable_front(m); }
     void Zero();
     // Commits the step whose new momentum was written into next() for every matrix: the back
@@ -89,12 +94,13 @@ class MomentumStore {
     MomentumStore& store_;
   };
 
-  // The snapshot's value of matrix m into *out (on the writer's thread).
+  // The snapshot's value of matrix m into *out, fp32 (on the writer's thread).
   void CopyForSnapshot(uint32_t m, std::vector<float>* out) { buffers_.CopyForSnapshot(m, out); }
   void EndSnapshot() { buffers_.EndSnapshot(); }
 
  private:
   StateBuffers buffers_;
+  common::StateDType dtype_;
   uint64_t bytes_ = 0;
 };
 

@@ -5,24 +5,33 @@
 namespace muond::server {
 namespace {
 
-// Per array (tensor by tensor, slot by slot) its element count; fills the per-tensor tables.
-std::vector<size_t> ArraySizes(const common::JobSpec& spec, std::vector<size_t>* first,
-                               std::vector<int>* slots, std::vector<size_t>* numel) {
-  std::vector<size_t> sizes;
+// Per array (tensor by tensor, slot by slot) its form; fills the per-tensor tables. The masters
+// are fp32; the momentum and AdamW's moments as the job's "state" says (v: the logarithmic map).
+std::vector<StateBuffers::Form> ArrayForms(const common::JobSpec& spec, std::vector<size_t>* first,
+                                           std::vector<int>* slots, std::vector<size_t>* numel) {
+  std::vector<StateBuffers::Form> forms;
   for (const common::MatrixSpec& m : spec.matrices) {
-    first->push_back(sizes.size());
-    slots->push_back(m.optimizer == common::Optimizer::kAdamW ? 3 : 2);
-    numel->push_back(static_cast<size_t>(m.numel()));
-    for (int s = 0; s < slots->back(); ++s) sizes.push_back(numel->back());
+    first->push_back(forms.size());
+    const bool adamw = m.optimizer == common::Optimizer::kAdamW;
+    slots->push_back(adamw ? 3 : 2);
+    const size_t n = static_cast<size_t>(m.numel());
+    numel->push_back(n);
+    forms.push_back({n, common::StateDType::kFloat32, StateRole::kSigned});
+    if (adamw) {
+      forms.push_back({n, spec.state.adamw, StateRole::kSigned});
+      forms.push_back({n, spec.state.adamw, StateRole::kNonNegative});
+    } else {
+      forms.push_back({n, spec.state.momentum, StateRole::kSigned});
+    }
   }
-  return sizes;
+  return forms;
 }
 
 }  // namespace
 
 ParamStore::ParamStore(const common::JobSpec& spec, device::Device* device, uint64_t window_bytes)
-    : buffers_(ArraySizes(spec, &first_, &slots_, &numel_), device, window_bytes) {
-  for (size_t a = 0; a < buffers_.arrays(); ++a) bytes_ += buffers_.numel(a) * sizeof(float);
+    : buffers_(ArrayForms(spec, &first_, &slots_, &numel_), device, window_bytes) {
+  for (size_t a = 0; a < buffers_.arrays(); ++a) bytes_ += buffers_.words(a) * sizeof(float);
   steps_.assign(spec.matrices.size(), 0);
 }
 
@@ -57,7 +66,7 @@ void ParamStore::Lock::ZeroOptimizerState() {
   for (uint32_t t = 0; t < store_.slots_.size(); ++t) {
     for (int s = 1; s < store_.slots_[t]; ++s) {
       float* d = mutable_front(t, s);
-      std::fill(d, d + store_.numel_[t], 0.0f);
+      std::fill(d, d + store_.buffers_.words(store_.first_[t] + s), 0.0f);  // zeros in any form
     }
     store_.steps_[t] = 0;
   }

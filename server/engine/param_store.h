@@ -1,6 +1,6 @@
-// Apply mode's state store (DESIGN.md 4b): per job tensor, in fp32 host memory registered (pinned)
-// with the compute device, the master weights W and the optimizer state (Muon: momentum M; AdamW:
-// m, v and the step count).
+// Apply mode's state store (DESIGN.md 4b): per job tensor, in host memory registered (pinned) with
+// the compute device, the fp32 master weights W and the optimizer state (Muon: momentum M; AdamW:
+// m, v and the step count), fp32 or compressed as the job's "state" says (StateBuffers::Form).
 //
 // The arrays are StateBuffers (state_buffers.h): one copy of the state, which the step in flight
 // updates in place once it is sealed, a bounded step window for the tensors computed before the
@@ -53,7 +53,12 @@ class ParamStore {
   // 2 for a Muon tensor, 3 for an AdamW tensor.
   int slots(uint32_t t) const { return slots_[t]; }
   size_t numel(uint32_t t) const { return numel_[t]; }
-  // The committed array (numel(t) floats). Read without a lock only between changes.
+  // How array (t, slot) is held: the masters fp32, the momentum and AdamW's moments as the job's
+  // "state" says (fp32: front() and back() are the values).
+  const StateBuffers::Form& form(uint32_t t, int slot) const {
+    return buffers_.form(first_[t] + slot);
+  }
+  // The committed array, as held. Read without a lock only between changes.
   const float* front(uint32_t t, int slot) const { return buffers_.front(first_[t] + slot); }
   // Where the step in flight writes the array's next value (every element of it before the
   // commit). Thread-safe; copies nothing.
@@ -78,7 +83,7 @@ class ParamStore {
     explicit Lock(ParamStore& store) : lock_(store.buffers_), store_(store) {}
     Lock(const Lock&) = delete;
     Lock& operator=(const Lock&) = delete;
-    // Writable committed array.
+    // Writable committed array, as held.
     float* mutable_front(uint32_t t, int slot) {
       return lock_.mutable_front(store_.first_[t] + slot);
     }
@@ -99,7 +104,7 @@ class ParamStore {
     ParamStore& store_;
   };
 
-  // The snapshot's value of array (t, slot) into *out (on the writer's thread).
+  // The snapshot's value of array (t, slot) into *out, fp32 (on the writer's thread).
   void CopyForSnapshot(uint32_t t, int slot, std::vector<float>* out) {
     buffers_.CopyForSnapshot(first_[t] + slot, out);
   }

@@ -14,9 +14,29 @@ StateBuffers::Buffer::~Buffer() {
   if (registered != nullptr) registered->UnregisterHost(data.get(), n * sizeof(float));
 }
 
+namespace {
+
+std::vector<StateBuffers::Form> Fp32(const std::vector<size_t>& numel) {
+  std::vector<StateBuffers::Form> forms;
+  for (size_t n : numel) forms.push_back({n, common::StateDType::kFloat32, StateRole::kSigned});
+  return forms;
+}
+
+std::vector<size_t> Words(const std::vector<StateBuffers::Form>& forms) {
+  std::vector<size_t> words;
+  for (const StateBuffers::Form& f : forms) words.push_back(StoredWords(f.dtype, f.numel));
+  return words;
+}
+
+}  // namespace
+
 StateBuffers::StateBuffers(const std::vector<size_t>& numel, device::Device* device,
                            uint64_t window_bytes)
-    : device_(device), numel_(numel), window_bytes_(window_bytes) {
+    : StateBuffers(Fp32(numel), device, window_bytes) {}
+
+StateBuffers::StateBuffers(const std::vector<Form>& forms, device::Device* device,
+                           uint64_t window_bytes)
+    : device_(device), forms_(forms), numel_(Words(forms)), window_bytes_(window_bytes) {
   for (size_t n : numel_) {
     front_.push_back(std::make_unique<Buffer>(n, /*zeroed=*/true, /*pin=*/true, device_));
     back_.push_back(two_copies() ? std::make_unique<Buffer>(n, true, true, device_) : nullptr);
@@ -199,7 +219,9 @@ void StateBuffers::CopyForSnapshot(size_t a, std::vector<float>* out) {
   }
   // Outside the lock: the buffer at `src` is neither written nor freed while the snapshot needs
   // it (a change hands it over to the snapshot instead).
-  out->assign(src, src + numel_[a]);
+  const Form& f = forms_[a];
+  out->resize(f.numel);
+  DecodeStoredAll(f.dtype, f.role, src, f.numel, out->data());
   absl::MutexLock lock(&mu_);
   snapshot_->copied[a] = true;
   cost_.writer_copied += numel_[a] * sizeof(float);

@@ -1,4 +1,4 @@
-// The fp32 arrays of a job's state store (update mode's MomentumStore, apply mode's ParamStore),
+// The arrays of a job's state store (update mode's MomentumStore, apply mode's ParamStore),
 // in host memory registered (pinned) with the compute device, and the snapshot that lets a
 // checkpoint writer copy them at one step boundary while later steps run.
 //
@@ -45,6 +45,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "server/device/device.h"
+#include "server/optim/state_codec.h"
 
 namespace muond::server {
 
@@ -53,8 +54,18 @@ class StateBuffers {
   // window_bytes for a store of two copies (see above).
   static constexpr uint64_t kTwoCopies = ~uint64_t{0};
 
-  // Zeroed arrays of numel[a] floats, registered with `device` where it allows; with kTwoCopies
-  // their back buffers too. `device` must outlive the buffers.
+  // How array a is held: numel elements as `dtype` (server/optim/state_codec.h: fp32, bf16 or
+  // int8 with the map of `role`), in StoredWords(dtype, numel) 32-bit words.
+  struct Form {
+    size_t numel = 0;
+    common::StateDType dtype = common::StateDType::kFloat32;
+    StateRole role = StateRole::kSigned;
+  };
+  // Zeroed arrays (zero bytes are zeros in every form), registered with `device` where it
+  // allows; with kTwoCopies their back buffers too. `device` must outlive the buffers.
+  StateBuffers(const std::vector<Form>& forms, device::Device* device,
+               uint64_t window_bytes = kTwoCopies);
+  // fp32 arrays of numel[a] elements.
   StateBuffers(const std::vector<size_t>& numel, device::Device* device,
                uint64_t window_bytes = kTwoCopies);
   ~StateBuffers();
@@ -62,8 +73,12 @@ class StateBuffers {
   StateBuffers& operator=(const StateBuffers&) = delete;
 
   size_t arrays() const { return numel_.size(); }
-  size_t numel(size_t a) const { return numel_[a]; }
-  // The committed value of array a. Read without a lock only between changes.
+  // Array a's form, and the 32-bit words it is held in (its buffers' size).
+  const Form& form(size_t a) const { return forms_[a]; }
+  size_t numel(size_t a) const { return forms_[a].numel; }
+  size_t words(size_t a) const { return numel_[a]; }
+  // The committed value of array a, as held (fp32: the values). Read without a lock only
+  // between changes.
   const float* front(size_t a) const { return front_[a]->data.get(); }
   bool two_copies() const { return window_bytes_ == kTwoCopies; }
   // The step window's bytes (kTwoCopies: a whole second copy).
@@ -110,7 +125,7 @@ class StateBuffers {
     ~Lock() ABSL_UNLOCK_FUNCTION();
     Lock(const Lock&) = delete;
     Lock& operator=(const Lock&) = delete;
-    // Writable committed value of array a (see above for a snapshot in progress).
+    // Writable committed value of array a, as held (see above for a snapshot in progress).
     float* mutable_front(size_t a);
     // Commits the step: the window buffers it wrote become the front (arrays written in place
     // already are). `keep_back`: the old fronts stay the backs, untouched, so that Unflip can
@@ -128,8 +143,9 @@ class StateBuffers {
     StateBuffers& buffers_;
   };
 
-  // The snapshot's value of array a into *out; each array once per snapshot. Copies outside the
-  // lock (a step may hand the buffer over meanwhile; its memory stays).
+  // The snapshot's value of array a into *out, decoded to fp32 (form(a).numel values); each array
+  // once per snapshot. Copies outside the lock (a step may hand the buffer over meanwhile; its
+  // memory stays).
   void CopyForSnapshot(size_t a, std::vector<float>* out) ABSL_LOCKS_EXCLUDED(mu_);
   void EndSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -165,7 +181,8 @@ class StateBuffers {
   enum class Target : uint8_t { kNone, kWindow, kInPlace };
 
   device::Device* const device_;
-  const std::vector<size_t> numel_;
+  const std::vector<Form> forms_;
+  const std::vector<size_t> numel_;  // per array: its words
   const uint64_t window_bytes_;
   // Per array: the committed buffer and the window (back) buffer (null: none). Pointers change
   // only under mu_: the front's between steps or before the step writes the array in place, the

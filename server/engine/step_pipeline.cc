@@ -203,6 +203,7 @@ absl::Status StepPipeline::Run::Prepare(Batch& batch) {
       RETURN_IF_ERROR(ReadDirectGradient(batch, i));
     }
     if (path == MatrixPath::kHost) continue;
+    if (p_.MomentumHeld()) DecodeMomentum(batch, i);
     batch.on_device.push_back(i);
     if (path == MatrixPath::kInPlace) {
       BindInPlace(batch, i);
@@ -261,7 +262,9 @@ absl::Status StepPipeline::Run::EnqueueCopyIn(Batch& batch,
     const common::MatrixSpec* ms = &p_.spec_.matrices[m];
     switch (batch.device_path(k)) {
       case MatrixPath::kInPlace:
-        items->push_back({ms, &batch.grad[k], &batch.mom[k], &batch.mom_out[k]});
+        // Held compressed: the kernel overwrites the decoding (no separate output).
+        items->push_back(
+            {ms, &batch.grad[k], &batch.mom[k], p_.MomentumHeld() ? nullptr : &batch.mom_out[k]});
         continue;
       case MatrixPath::kDirect:
         RETURN_IF_ERROR(p_.CopySpansIn(state_, m, RawOrGrad(batch, k)));
@@ -272,7 +275,8 @@ absl::Status StepPipeline::Run::EnqueueCopyIn(Batch& batch,
     // The committed momentum, read in place from the (registered) store: it does not change
     // before commit, which waits for this step's device work.
     const size_t bytes = static_cast<size_t>(ms->numel()) * sizeof(float);
-    RETURN_IF_ERROR(dev_.copy_in->CopyToDevice(batch.mom[k], 0, p_.CommittedMomentum(m), bytes));
+    RETURN_IF_ERROR(
+        dev_.copy_in->CopyToDevice(batch.mom[k], 0, MomentumIn(batch, batch.on_device[k]), bytes));
     items->push_back({ms, &batch.grad[k], &batch.mom[k]});
   }
   return absl::OkStatus();
@@ -296,12 +300,14 @@ absl::Status StepPipeline::Run::EnqueueWriteback(Batch& batch) {
   for (size_t k = 0; k < batch.mom.size(); ++k) {
     const MatrixPath path = batch.device_path(k);
     if (path == MatrixPath::kInPlace) continue;  // written there by the kernel
-    if (apply_mode() && path != MatrixPath::kDirect && !batch.in_place[batch.on_device[k]]) {
+    if (apply_mode() && !p_.MomentumHeld() && path != MatrixPath::kDirect &&
+        !batch.in_place[batch.on_device[k]]) {
       continue;
     }
     const uint32_t m = batch.matrices[batch.on_device[k]];
     const size_t bytes = static_cast<size_t>(p_.spec_.matrices[m].numel()) * sizeof(float);
-    RETURN_IF_ERROR(dev_.writeback->CopyToHost(p_.NextMomentum(m), batch.mom[k], 0, bytes));
+    RETURN_IF_ERROR(
+        dev_.writeback->CopyToHost(MomentumOut(batch, batch.on_device[k]), batch.mom[k], 0, bytes));
   }
   return absl::OkStatus();
 }
@@ -315,6 +321,7 @@ void StepPipeline::Run::Retire() {
   if (!status_.ok()) return;
   Observe(b);
   const absl::Time deliver_start = absl::Now();
+  EncodeMomentum(b);
   if (apply_mode()) {
     ApplyToMasters(b);
   } else {
@@ -346,6 +353,9 @@ void StepPipeline::Run::ReleaseBudget(const Batch& b) {
 
 void StepPipeline::Run::GiveBackBuffers(Batch& b) {
   for (std::vector<float>& v : b.staging) {
+    if (!v.empty()) p_.GiveBack(std::move(v));
+  }
+  for (std::vector<float>& v : b.momentum) {
     if (!v.empty()) p_.GiveBack(std::move(v));
   }
   for (device::DeviceBuffer& d : b.grad) p_.GiveBack(std::move(d));
@@ -449,7 +459,11 @@ void StepPipeline::Run::Recycle(Batch& b) {
   for (std::vector<float>& v : b.staging) {
     if (!v.empty()) p_.GiveBack(std::move(v));
   }
+  for (std::vector<float>& v : b.momentum) {
+    if (!v.empty()) p_.GiveBack(std::move(v));
+  }
   b.staging.clear();
+  b.momentum.clear();
 }
 
 StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,

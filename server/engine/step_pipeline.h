@@ -135,6 +135,11 @@ class StepPipeline {
   bool StagingPinned(const float* data);
   // Matrix m's committed momentum (the update mode store or apply mode's front).
   const float* CommittedMomentum(uint32_t m) const;
+  // The job holds Muon's momentum compressed (bf16 or int8: JobSpec::state): the device paths
+  // work on an fp32 decoding per matrix (step_pipeline_held.cc).
+  bool MomentumHeld() const {
+    return !spec_.transport_probe && spec_.state.momentum != common::StateDType::kFloat32;
+  }
   // Where matrix m's new momentum goes (the update mode store's back buffer or apply mode's
   // back), written by the kernel itself on a device that computes in host memory.
   float* NextMomentum(uint32_t m) const;

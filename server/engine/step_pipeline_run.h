@@ -20,7 +20,9 @@
 // What becomes of the results depends on the mode: update mode scatters the updates into the
 // ranks' spans (ScatterToRanks, step_pipeline_staged.cc); apply mode applies them to the masters
 // and carries absent tensors (step_pipeline_apply.cc). Global clipping, both modes' redo and the
-// re-read check, is step_pipeline_clip.cc. The transport probe's echo is step_pipeline.cc.
+// re-read check, is step_pipeline_clip.cc. The transport probe's echo is step_pipeline.cc. A job
+// whose momentum is held compressed gives the device paths its fp32 decoding per matrix and
+// encodes what they write back (step_pipeline_held.cc).
 #ifndef MUOND_SERVER_ENGINE_STEP_PIPELINE_RUN_H_
 #define MUOND_SERVER_ENGINE_STEP_PIPELINE_RUN_H_
 
@@ -42,6 +44,10 @@ struct StepPipeline::Batch {
   std::vector<uint32_t> matrices;
   std::vector<MatrixPath> path;             // per matrix
   std::vector<std::vector<float>> staging;  // per matrix: the gradient, then the update (host)
+  // Per matrix, when the job holds its momentum compressed (StepPipeline::MomentumHeld): the
+  // committed momentum decoded to fp32, which the device reads and overwrites with the new one;
+  // the retirement encodes that into the store (step_pipeline_held.cc). Else empty.
+  std::vector<std::vector<float>> momentum;
   // The indices into `matrices` that run on the device (every path but kHost); the buffers below
   // are per device matrix, in this order.
   std::vector<size_t> on_device;
@@ -113,6 +119,15 @@ class StepPipeline::Run {
   // A batch that will not retire: its staging goes back to the pool.
   void Recycle(Batch& b);
   void GiveBackBuffers(Batch& b);
+
+  // Compressed momentum (step_pipeline_held.cc).
+  // Device matrix i of the batch (index into `matrices`): its committed momentum decoded.
+  void DecodeMomentum(Batch& batch, size_t i);
+  // Where the device reads matrix i's committed momentum and writes its new one (fp32).
+  const float* MomentumIn(Batch& batch, size_t i);
+  float* MomentumOut(Batch& batch, size_t i);
+  // The retired batch's new momenta, encoded into the store (as planned: window or in place).
+  void EncodeMomentum(Batch& b);
 
   // kStaged, kInPlace and kHost (step_pipeline_staged.cc).
   // Assembles matrix i of the batch in fp32 on the host staging.

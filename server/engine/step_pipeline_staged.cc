@@ -57,10 +57,11 @@ absl::Status StepPipeline::Run::AssembleOnHost(Batch& batch, size_t i) {
     // A device computing in host memory writes a Muon tensor's new momentum into the back
     // buffer itself (BindInPlace gives it NextMomentum as momentum_out). A tensor updated in
     // place gets its new momentum from the device's writeback too (EnqueueWriteback): the host's
-    // would overwrite the committed momentum before the device copied it in.
-    absl::Status s =
-        p_.apply_->PrepareGradient(state_, m, batch.staging[i].data(), &state_.sum_sq[m],
-                                   dev_.device->ComputesInHostMemory() || batch.in_place[i]);
+    // would overwrite the committed momentum before the device copied it in. So does momentum
+    // held compressed (step_pipeline_held.cc).
+    absl::Status s = p_.apply_->PrepareGradient(
+        state_, m, batch.staging[i].data(), &state_.sum_sq[m],
+        dev_.device->ComputesInHostMemory() || batch.in_place[i] || p_.MomentumHeld());
     if (!s.ok()) {
       refused_ = true;
       return s;
@@ -75,8 +76,12 @@ void StepPipeline::Run::BindInPlace(Batch& batch, size_t i) {
   const size_t bytes = static_cast<size_t>(p_.spec_.matrices[m].numel()) * sizeof(float);
   batch.grad.push_back(device::DeviceBuffer::HostView(batch.staging[i].data(), bytes));
   batch.mom.push_back(
-      device::DeviceBuffer::HostView(const_cast<float*>(p_.CommittedMomentum(m)), bytes));
-  batch.mom_out.push_back(device::DeviceBuffer::HostView(p_.NextMomentum(m), bytes));
+      device::DeviceBuffer::HostView(const_cast<float*>(MomentumIn(batch, i)), bytes));
+  if (p_.MomentumHeld()) {
+    batch.mom_out.emplace_back();  // the kernel overwrites the decoding
+  } else {
+    batch.mom_out.push_back(device::DeviceBuffer::HostView(p_.NextMomentum(m), bytes));
+  }
   batch.raw.emplace_back();
 }
 

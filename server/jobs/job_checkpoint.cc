@@ -174,11 +174,19 @@ absl::StatusOr<Job::LoadResult> JobImpl::InstallLoaded(const checkpoint::Loaded&
   // Everything is checked before the store changes.
   std::vector<int> index;
   RETURN_IF_ERROR(MatchLoaded(loaded, loaded.info.path, &index));
-  // Back into the registered (pinned) store, in place.
-  std::vector<float*> dst;
+  // Back into the registered (pinned) store, in place, encoded as this job holds its state (a
+  // generation holds fp32 values: of a job that held them compressed, its decoding, which
+  // encodes back to the same bits, server/optim/state_codec.h).
+  struct Destination {
+    float* held;
+    StateBuffers::Form form;
+  };
+  std::vector<Destination> dst;
   if (params) {
     for (uint32_t t = 0; t < spec_.matrices.size(); ++t) {
-      for (int s = 0; s < params_->slots(t); ++s) dst.push_back(params->mutable_front(t, s));
+      for (int s = 0; s < params_->slots(t); ++s) {
+        dst.push_back({params->mutable_front(t, s), params_->form(t, s)});
+      }
       // The step count of the tensor of the same name in the generation's spec.
       for (size_t i = 0; i < loaded.spec.matrices.size(); ++i) {
         if (loaded.spec.matrices[i].name == spec_.matrices[t].name) {
@@ -188,11 +196,13 @@ absl::StatusOr<Job::LoadResult> JobImpl::InstallLoaded(const checkpoint::Loaded&
     }
     weights_in_.assign(spec_.world_size, true);
   } else {
-    for (uint32_t m = 0; m < spec_.matrices.size(); ++m) dst.push_back(store.mutable_data(m));
+    for (uint32_t m = 0; m < spec_.matrices.size(); ++m) {
+      dst.push_back({store.mutable_data(m), momentum_.form(m)});
+    }
   }
   common::ParallelFor(dst.size(), MomentumBytes(), [&](size_t a) {
-    const std::vector<float>& data = loaded.data[index[a]];
-    std::memcpy(dst[a], data.data(), data.size() * sizeof(float));
+    const StateBuffers::Form& f = dst[a].form;
+    EncodeStoredAll(f.dtype, f.role, loaded.data[index[a]].data(), f.numel, dst[a].held);
   });
   for (auto& u : last_updates_) u = nullptr;
   refusal_.Clear();

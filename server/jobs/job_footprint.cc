@@ -123,16 +123,23 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
   }
   // Update mode: the momentum (server/engine/momentum_store.h). Apply mode
   // (server/engine/param_store.h): per tensor the master and one (Muon) or two (AdamW) optimizer
-  // arrays. Once, plus the step window (a second copy for the jobs that keep two).
-  uint64_t arrays = 0;
+  // arrays, as the job holds them (JobSpec::state; each array a whole number of 32-bit words).
+  // Once, plus the step window (a second copy for the jobs that keep two).
   for (const common::MatrixSpec& m : spec.matrices) {
-    const uint64_t per = spec.mode != common::JobMode::kApply       ? 1
-                         : m.optimizer == common::Optimizer::kAdamW ? 3
-                                                                    : 2;
-    if (!MulAdd(&arrays, static_cast<uint64_t>(m.numel()), per)) return TooLarge("state count");
-  }
-  if (!spec.transport_probe && !MulAdd(&f.state_bytes, arrays, sizeof(float))) {
-    return TooLarge("state byte count");
+    if (spec.transport_probe) break;
+    const uint64_t n = static_cast<uint64_t>(m.numel());
+    const auto held = [n](common::StateDType d) {
+      return (common::StoredStateBytes(d, n) + 3) / 4 * 4;
+    };
+    uint64_t bytes = 0;
+    if (spec.mode != common::JobMode::kApply) {
+      bytes = held(spec.state.momentum);
+    } else if (m.optimizer == common::Optimizer::kAdamW) {
+      bytes = 4 * n + 2 * held(spec.state.adamw);
+    } else {
+      bytes = 4 * n + held(spec.state.momentum);
+    }
+    if (!Add(&f.state_bytes, bytes)) return TooLarge("state byte count");
   }
   if (!spec.transport_probe) {
     const uint64_t window = StepWindowBytes(spec, daemon_step_window_bytes);

@@ -85,12 +85,13 @@ struct Options {
   std::string backend;                    // "": the daemon's default
   std::vector<std::string> daemon_flags;  // more muond flags (diagnostics)
   bool kernel = false;                    // also time muond's Muon kernel in this process
+  common::StateStorage state;             // how the job holds its state (--state-dtype)
 };
 
 absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
   auto flags = ParseFlags(argc, argv,
                           {"ranks", "layers", "vocab", "warmup", "steps", "threads", "backend",
-                           "daemon-flags", "kernel"});
+                           "daemon-flags", "kernel", "state-dtype"});
   if (!flags.ok()) return flags.status();
   if (flags->count("help")) return absl::CancelledError("help");
   Options o;
@@ -118,6 +119,12 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
     }
     o.kernel = flags->at("kernel") == "true";
   }
+  if (flags->count("state-dtype")) {
+    auto dtype = common::ParseStateDType(flags->at("state-dtype"));
+    if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("--state-dtype: ",
+                                                                    dtype.status().message()));
+    o.state = {*dtype, *dtype};
+  }
   if (flags->count("daemon-flags")) {
     o.daemon_flags = absl::StrSplit(flags->at("daemon-flags"), ' ', absl::SkipEmpty());
   }
@@ -129,6 +136,7 @@ void PrintHelp() {
       "usage: muond-bench apply [--ranks 1,2] [--layers 2] [--vocab 32000] [--warmup 1]\n"
       "                         [--steps 2] [--threads N] [--backend NAME]\n"
       "                         [--daemon-flags 'FLAGS'] [--kernel true]\n"
+      "                         [--state-dtype float32|bfloat16|int8]\n"
       "  One apply-mode step of a Qwen3-0.6B-like model (bf16 params and grads) through muond\n"
       "  over shared memory, against the same Muon + AdamW update in this process (LibTorch).\n"
       "  --warmup/--steps  untimed and timed steps per configuration (medians reported; the\n"
@@ -136,6 +144,8 @@ void PrintHelp() {
       "  --threads         the daemon's --threads and LibTorch's threads (default: all CPUs)\n"
       "  --backend         the daemon's --backend (default: the daemon's own default)\n"
       "  --daemon-flags    more muond flags, space-separated (e.g. '--serial-schedule true')\n"
+      "  --state-dtype     how the job holds Muon's momentum and AdamW's moments (job.json\n"
+      "                    \"state\"; default float32; the in-process side stays fp32)\n"
       "  --kernel true     also time muond's Muon kernel (server::MuonUpdateSameShape, every\n"
       "                    same-shape group batched) in this process: the Newton-Schulz phase\n"
       "                    without the daemon's pipeline around it\n"
@@ -351,7 +361,8 @@ int RunApplyBench(int argc, char** argv) {
     return 2;
   }
   const Options& o = *opts;
-  const common::JobSpec spec = ModelSpec(o.layers, o.vocab);
+  common::JobSpec spec = ModelSpec(o.layers, o.vocab);
+  spec.state = o.state;
   int64_t total = 0, muon_total = 0;
   for (const auto& m : spec.matrices) {
     total += m.numel();
@@ -363,13 +374,14 @@ int RunApplyBench(int argc, char** argv) {
   const torch::Tensor grads = (torch::randn({total}) * 1e-3).to(torch::kBFloat16);
   std::printf(
       "muond-bench apply: %zu tensors (%lld layers, vocab %lld): %lld parameters, %lld Muon + "
-      "%lld AdamW; bf16 params and grads; Muon standard NS %d steps in %s\n"
+      "%lld AdamW; bf16 params and grads; Muon standard NS %d steps in %s; state held as %s\n"
       "threads: in-process LibTorch %d (at::get_num_threads() = %d), muond --threads %d; "
       "%u hardware threads; %lld warm-up + %lld timed steps each, medians; load average %.2f\n",
       spec.matrices.size(), static_cast<long long>(o.layers), static_cast<long long>(o.vocab),
       static_cast<long long>(total), static_cast<long long>(muon_total),
       static_cast<long long>(total - muon_total), spec.muon.ns_steps,
-      std::string(common::DTypeName(spec.muon.compute_dtype)).c_str(), o.threads,
+      std::string(common::DTypeName(spec.muon.compute_dtype)).c_str(),
+      std::string(common::StateDTypeName(spec.state.momentum)).c_str(), o.threads,
       at::get_num_threads(), o.threads, std::thread::hardware_concurrency(),
       static_cast<long long>(o.warmup), static_cast<long long>(o.steps), LoadAverage());
   std::fflush(stdout);

@@ -298,6 +298,15 @@ class SpecBeforeIoTest(unittest.TestCase):
         self.refused(self.groups(), "fp32_iterations", fp32_iterations=9)
         self.refused(self.groups(), "nonfinite must be", nonfinite="ignore")
         self.refused(self.groups(), "token was given without the job_id", token="t")
+        self.refused(self.groups(), "momentum_dtype must be one of", momentum_dtype="int4")
+        self.refused(self.groups(), "adamw_state_dtype must be one of", adamw_state_dtype=8)
+        with self.assertRaises(ValueError) as e:
+            MuonWithAuxAdam(self.groups(), address=self.ADDRESS, adamw_state_dtype="int8")
+        self.assertIn("adamw_state_dtype applies to mode='apply' only", str(e.exception))
+        with self.assertRaises(ValueError) as e:
+            MuonWithAuxAdam(self.groups(), backend="local", momentum_dtype="int8")
+        self.assertIn("backend='local' holds it in float32", str(e.exception))
+        self.assertEqual(self.connections, [], "a connection was attempted")
 
     def test_good_arguments_reach_the_daemon(self):
         """The same arguments without the bad one get past the checks and the spec, and fail
@@ -323,6 +332,10 @@ class SpecBeforeIoTest(unittest.TestCase):
         self.assertEqual(plan.spec["muon"]["scale_mode"], "original")
         self.assertEqual(plan.partitions[0].buffer_elements, 48)
         self.assertEqual(plan.dtype, torch.float32)
+        self.assertNotIn("state", plan.spec)  # fp32 state: the spec reads as before
+        held = OptimizerOptions(address=self.ADDRESS, momentum_dtype="int8")
+        self.assertEqual(plan_job(held, "pure", 1, 0, config, groups, names, muon).spec["state"],
+                         {"momentum_dtype": "int8", "adamw_dtype": "float32"})
         self.assertEqual(self.connections, [])
 
 

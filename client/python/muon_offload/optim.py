@@ -103,6 +103,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
       each step falls back to a whole send at step(), since DDP rewrites the gradients after
       they streamed: exact, not overlapped).
     takeover: attach even when the rank is attached elsewhere (a restarted trainer).
+    momentum_dtype: how muond holds Muon's momentum: "float32" (default), "bfloat16" or "int8"
+      (blocks of 2048 with an fp32 scale each; README "Memory"). adamw_state_dtype: the same for
+      AdamW's moments in apply mode (int8: m linear, v on a logarithmic map). state_dict() and
+      checkpoints hold their decoding in float32, which loads back bit for bit.
     max_grad_norm: gradient clipping by the norm over every gradient, in muond (None: off;
       both modes; see the module comment).
     mode: "update" (default) or "apply" (see the module comment); apply mode only:
@@ -133,7 +137,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                  reduce_gradients=None, takeover=False, mode="update", max_grad_norm=None,
                  init_from=None, grad_divisor=1.0, fp32_iterations=0, stream=True,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, delay=0, delay_warmup=10, predict=True,
-                 nonfinite=None, loss_scaler=None, qk_clip=None):
+                 nonfinite=None, loss_scaler=None, qk_clip=None, momentum_dtype="float32",
+                 adamw_state_dtype="float32"):
         # 1. Every argument checked (optim_spec.py), then each param group (add_param_group).
         options = OptimizerOptions(
             backend=backend, address=address, job_id=job_id, token=token,
@@ -142,7 +147,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             mode=mode, max_grad_norm=max_grad_norm, init_from=init_from,
             grad_divisor=grad_divisor, fp32_iterations=fp32_iterations, stream=stream,
             bucket_bytes=bucket_bytes, delay=delay, delay_warmup=delay_warmup, predict=predict,
-            nonfinite=nonfinite, loss_scaler=loss_scaler, qk_clip=qk_clip)
+            nonfinite=nonfinite, loss_scaler=loss_scaler, qk_clip=qk_clip,
+            momentum_dtype=momentum_dtype, adamw_state_dtype=adamw_state_dtype)
         self._options = options
         self._sealed = False
         super().__init__(list(param_groups), {})

@@ -29,15 +29,18 @@ class OptimizerOptions:
     Fields: the arguments as given, but nonfinite (None resolved: "skip" with a loss_scaler, else
     "refuse"), delay, delay_warmup and bucket_bytes (ints), grad_divisor (float), stream (False
     with backend "local"), predict (False unless delay is 1) and clip_norm (update mode's
-    max_grad_norm as a float, 0.0 when off or in apply mode, where muond clips by the spec)."""
+    max_grad_norm as a float, 0.0 when off or in apply mode, where muond clips by the spec) and
+    state (the job's "state" block from momentum_dtype and adamw_state_dtype, None for fp32)."""
 
     def __init__(self, *, backend="muond", address=None, job_id=None, token=None,
                  process_group=None, zero_stage=None, transport="auto", compute_dtype="float32",
                  reduce_gradients=None, takeover=False, mode="update", max_grad_norm=None,
                  init_from=None, grad_divisor=1.0, fp32_iterations=0, stream=True,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, delay=0, delay_warmup=10, predict=True,
-                 nonfinite=None, loss_scaler=None, qk_clip=None):
+                 nonfinite=None, loss_scaler=None, qk_clip=None, momentum_dtype="float32",
+                 adamw_state_dtype="float32"):
         _check_modes(backend, mode, init_from, qk_clip)
+        self.state = _check_state_dtypes(backend, mode, momentum_dtype, adamw_state_dtype)
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and
                                               math.isfinite(max_grad_norm) and
                                               max_grad_norm >= 0):
@@ -64,6 +67,27 @@ class OptimizerOptions:
         self.predict = bool(predict) and self.delay == 1
         self.loss_scaler, self.qk_clip = loss_scaler, qk_clip
         self.clip_norm = float(max_grad_norm or 0.0) if mode == "update" else 0.0
+
+
+STATE_DTYPES = ("float32", "bfloat16", "int8")
+
+
+def _check_state_dtypes(backend, mode, momentum_dtype, adamw_state_dtype):
+    """The job's "state" block (how muond holds Muon's momentum and, in apply mode, AdamW's
+    moments), or None when both are float32."""
+    for name, value in (("momentum_dtype", momentum_dtype),
+                        ("adamw_state_dtype", adamw_state_dtype)):
+        if value not in STATE_DTYPES:
+            raise ValueError(f"{name} must be one of {', '.join(STATE_DTYPES)}, not {value!r}")
+    if momentum_dtype == "float32" and adamw_state_dtype == "float32":
+        return None
+    if backend != "muond":
+        raise ValueError("momentum_dtype and adamw_state_dtype choose how muond holds the "
+                         "state; backend='local' holds it in float32")
+    if mode != "apply" and adamw_state_dtype != "float32":
+        raise ValueError("adamw_state_dtype applies to mode='apply' only (in update mode the "
+                         "AdamW moments stay with the trainer's torch.optim.AdamW)")
+    return {"momentum_dtype": momentum_dtype, "adamw_dtype": adamw_state_dtype}
 
 
 def _check_modes(backend, mode, init_from, qk_clip):
@@ -270,6 +294,8 @@ def plan_job(options, job_id, world_size, zero_stage, muon_config, param_groups,
     # gradients are written, so one of each; the delayed mode writes step t+1's gradients while
     # step t computes and reads t's results at t+1's step(): two (README, "Memory").
     spec["step_buffers"] = 2 if options.delay else 1
+    if options.state is not None:
+        spec["state"] = dict(options.state)
     qk_order = ()
     if options.qk_clip is not None:
         spec["qk_clip"], qk_order = qk_clip_job_block(options.qk_clip, names)

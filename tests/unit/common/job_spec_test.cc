@@ -82,6 +82,50 @@ TEST(JobSpecStepWindowTest, AtLeastTheLargestTensorsStateRoundTrips) {
   EXPECT_TRUE(ValidateJobSpec(s).ok());
 }
 
+// "state": {"momentum_dtype", "adamw_dtype"}: each "float32" (default), "bfloat16" or "int8",
+// written only when not both fp32, round-tripped; the window bytes follow the held sizes (int8:
+// a byte an element plus an fp32 scale per 2048); an unknown dtype or field, a non-string, AdamW
+// moments in update mode and compressed state in a transport probe are INVALID_ARGUMENT naming
+// the field.
+TEST(JobSpecStateTest, DtypesRoundTripAndBadOnesAreNamed) {
+  auto plain = ParseJobSpecJson(kMinimal);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE(plain->state.compressed());
+  EXPECT_EQ(JobSpecToJson(*plain).find("\"state\""), std::string::npos);
+  auto held = ParseJobSpecJson(R"({"job_id": "j1", "mode": "apply",
+    "state": {"momentum_dtype": "int8", "adamw_dtype": "bfloat16"},
+    "tensors": [{"name": "w", "shape": [4, 1000]}, {"name": "b", "shape": [9],
+                 "optimizer": "adamw"}], "groups": [{"name": "muon", "lr": 0.02},
+                 {"name": "adamw", "lr": 0.001}]})");
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->state.momentum, StateDType::kInt8);
+  EXPECT_EQ(held->state.adamw, StateDType::kBFloat16);
+  auto again = ParseJobSpecJson(JobSpecToJson(*held));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->state.momentum, StateDType::kInt8);
+  EXPECT_EQ(again->state.adamw, StateDType::kBFloat16);
+  // Master fp32 + int8 momentum (4000 codes, 2 blocks' scales); AdamW: master + 2 x bf16.
+  EXPECT_EQ(held->StateBytesOf(held->matrices[0]), 4u * 4000 + 4000 + 2 * 4);
+  EXPECT_EQ(held->StateBytesOf(held->matrices[1]), 4u * 9 + 2 * 2 * 9);
+
+  const std::string matrices = R"("matrices": [{"name": "w", "shape": [4, 8]}])";
+  for (const auto& [state, field] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"momentum_dtype": "int4"})", "state.momentum_dtype: unknown state dtype 'int4'"},
+           {R"({"momentum_dtype": 8})", "state.momentum_dtype: expected a string"},
+           {R"({"momentum": "int8"})", "unknown field 'state.momentum'"},
+           {R"("int8")", "state: expected an object"},
+           {R"({"adamw_dtype": "int8"})", "state.adamw_dtype \"int8\": an update-mode job"}}) {
+    auto bad =
+        ParseJobSpecJson(absl::StrCat(R"({"job_id": "j1", "state": )", state, ", ", matrices, "}"));
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << state;
+    EXPECT_NE(bad.status().message().find(field), std::string::npos) << bad.status();
+  }
+  JobSpec probe = ValidSpec();
+  probe.transport_probe = true;
+  probe.state.momentum = StateDType::kBFloat16;
+  ExpectValidateError(probe, "state: a transport probe holds no optimizer state");
+}
+
 void ExpectValidateError(const JobSpec& spec, const std::string& substring) {
   const absl::Status s = ValidateJobSpec(spec);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << substring;

@@ -57,6 +57,30 @@ TEST(JobFootprintTest, CountsStepBuffersRegionsSaveCopyAndGather) {
   EXPECT_EQ(f->gather_bytes, 4096u);
 }
 
+// Compressed state (JobSpec::state): the state and the window count the held bytes, each array
+// a whole number of 32-bit words: update mode int8 momentum, n + 4 per 2048-block; apply mode the
+// fp32 masters plus bf16 AdamW moments.
+TEST(JobFootprintTest, CompressedStateCountsTheHeldBytes) {
+  common::JobSpec spec;
+  spec.job_id = "h";
+  spec.matrices = {Matrix("a", {100, 41})};  // 4100 elements: 3 blocks, 4100 code bytes
+  spec.state.momentum = common::StateDType::kInt8;
+  auto f = MeasureJob(spec, uint64_t{1} << 30);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->state_bytes, 4100u + 3 * 4);
+  EXPECT_EQ(f->window_bytes, f->state_bytes);
+  spec.mode = common::JobMode::kApply;
+  spec.groups = {{"g", 0.01, 0.0}};
+  spec.matrices.push_back(Matrix("b", {7}));
+  spec.matrices[1].optimizer = common::Optimizer::kAdamW;
+  for (common::MatrixSpec& m : spec.matrices) m.group = "g";
+  spec.state.adamw = common::StateDType::kBFloat16;
+  f = MeasureJob(spec, uint64_t{1} << 30);
+  ASSERT_TRUE(f.ok()) << f.status();
+  // a: master 4100 x 4 + int8 momentum; b: master 7 x 4 + two bf16 arrays of 14 -> 16 bytes.
+  EXPECT_EQ(f->state_bytes, 4100u * 4 + 4100 + 3 * 4 + 7 * 4 + 2 * 16);
+}
+
 // The step window: the job's own (at least its largest tensor's state), the daemon's default
 // where it sets none, never more than the whole state; a whole second copy for the jobs that
 // recompute a step (global clipping) or roll one back (two-phase commits).

@@ -52,6 +52,26 @@ TEST(JobSpecProtoTest, UpdateModeCarriesNoApplyFields) {
   EXPECT_FALSE(proto.matrices(0).has_param_dtype());
 }
 
+TEST(JobSpecProtoTest, StateDtypesRoundTripAndUnknownOnesAreNamed) {
+  auto spec = ParseJobSpecJson(R"({"job_id": "s", "state": {"momentum_dtype": "int8"},
+    "matrices": [{"name": "w", "shape": [4, 8]}]})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  v1::JobSpec proto = JobSpecToProto(*spec);
+  EXPECT_EQ(proto.state().momentum_dtype(), v1::STATE_DTYPE_INT8);
+  auto back = JobSpecFromProto(proto);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(JobSpecToJson(*back), JobSpecToJson(*spec));
+  EXPECT_FALSE(
+      JobSpecToProto(
+          *ParseJobSpecJson(R"({"job_id": "g", "matrices": [{"name": "w", "shape": [4, 8]}]})"))
+          .has_state());
+  proto.mutable_state()->set_adamw_dtype(static_cast<v1::StateDType>(7));
+  const absl::Status bad = JobSpecFromProto(proto).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("state.adamw_dtype: unknown state dtype 7"), std::string::npos)
+      << bad;
+}
+
 TEST(JobSpecProtoTest, UnknownEnumValuesAreNamed) {
   auto spec = ParseJobSpecJson(R"({"job_id": "u1", "matrices": [{"name": "w", "shape": [4, 8]}]})");
   ASSERT_TRUE(spec.ok()) << spec.status();
