@@ -86,6 +86,15 @@ struct MuonKernelItem {
   // momentum in place and writes the new one straight into the store's back buffer. The GPU
   // backends refuse it (INVALID_ARGUMENT): their momentum is a device copy.
   DeviceBuffer* momentum_out = nullptr;
+  // Momentum held compressed (JobSpec::state, server/optim/state_codec.h): when held_in is set,
+  // `momentum` and `momentum_out` are unused (null) and the kernel decodes the committed momentum
+  // from held_in, applies the EMA and encodes the new one into held_out (which may be held_in)
+  // block by block, fused (no fp32 copy of the momentum). Accepted by the devices that compute in
+  // host memory (ComputesInHostMemory); the GPU backends refuse it (INVALID_ARGUMENT): their
+  // momentum is a device copy of its decoding.
+  const float* held_in = nullptr;
+  float* held_out = nullptr;
+  common::StateDType held_dtype = common::StateDType::kFloat32;
 };
 
 // The argument checks of Stream's copies and conversions, made once for every backend by the

@@ -361,12 +361,62 @@ absl::Status HostStream::EnqueueConvert(const DeviceBuffer& src, common::DType f
   return absl::OkStatus();
 }
 
+namespace {
+
+// A kernel call's items by Newton-Schulz batch: same-shape matrices (equal shape and heads, and
+// both with or both without held momentum) go into one batched Newton-Schulz, and the groups
+// into one call (their Newton-Schulz shares the compute threads' barriers).
+struct KernelGroup {
+  std::vector<const common::MatrixSpec*> specs;
+  std::vector<const float*> grads, momenta_in, held_in;
+  std::vector<float*> momenta, updates, held_out;
+  common::StateDType held_dtype = common::StateDType::kFloat32;
+};
+
+std::vector<KernelGroup> GroupItems(const std::vector<MuonKernelItem>& items) {
+  std::vector<KernelGroup> groups;
+  std::vector<bool> done(items.size(), false);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (done[i]) continue;
+    const MuonKernelItem& first = items[i];
+    KernelGroup& group = groups.emplace_back();
+    group.held_dtype = first.held_dtype;
+    for (size_t j = i; j < items.size(); ++j) {
+      const MuonKernelItem& it = items[j];
+      if (done[j] || it.spec->shape != first.spec->shape ||
+          it.spec->num_heads != first.spec->num_heads ||
+          (it.held_in != nullptr) != (first.held_in != nullptr) ||
+          it.held_dtype != first.held_dtype) {
+        continue;
+      }
+      done[j] = true;
+      group.specs.push_back(it.spec);
+      auto* g = static_cast<float*>(it.grad_update->data());
+      group.grads.push_back(g);
+      group.updates.push_back(g);
+      if (it.held_in != nullptr) {  // held compressed: decoded and encoded by the kernel
+        group.held_in.push_back(it.held_in);
+        group.held_out.push_back(it.held_out);
+        continue;
+      }
+      // A separate momentum output: the input is only read (MuonKernelItem).
+      const DeviceBuffer* out = it.momentum_out;
+      group.momenta_in.push_back(static_cast<const float*>(it.momentum->data()));
+      group.momenta.push_back(static_cast<float*>((out != nullptr ? out : it.momentum)->data()));
+    }
+  }
+  return groups;
+}
+
+}  // namespace
+
 absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<MuonKernelItem> items) {
   double flops = 0;
   for (const MuonKernelItem& it : items) {
     const size_t bytes = static_cast<size_t>(it.spec->numel()) * sizeof(float);
-    if (it.grad_update->size() < bytes || it.momentum->size() < bytes ||
-        (it.momentum_out != nullptr && it.momentum_out->size() < bytes)) {
+    const bool held = it.held_in != nullptr && it.held_out != nullptr;
+    if (it.grad_update->size() < bytes || (!held && it.momentum->size() < bytes) ||
+        (!held && it.momentum_out != nullptr && it.momentum_out->size() < bytes)) {
       return absl::InvalidArgumentError(absl::StrCat("matrix '", it.spec->name,
                                                      "': a buffer of its Muon kernel call holds "
                                                      "fewer than ",
@@ -380,40 +430,22 @@ absl::Status HostStream::Muon(const common::MuonConfig& config, std::vector<Muon
         if (device->InjectKernelFailure()) {
           return absl::InternalError(absl::StrCat(device->name(), ": injected kernel failure"));
         }
-        // Same-shape matrices (equal shape and heads) go into one batched Newton-Schulz, and
-        // the groups into one call (their Newton-Schulz shares the compute threads' barriers).
-        struct Group {
-          std::vector<const common::MatrixSpec*> specs;
-          std::vector<const float*> grads, momenta_in;
-          std::vector<float*> momenta, updates;
-        };
-        std::vector<Group> groups;
-        std::vector<bool> done(items.size(), false);
-        for (size_t i = 0; i < items.size(); ++i) {
-          if (done[i]) continue;
-          const common::MatrixSpec& spec = *items[i].spec;
-          Group& group = groups.emplace_back();
-          for (size_t j = i; j < items.size(); ++j) {
-            const common::MatrixSpec& other = *items[j].spec;
-            if (done[j] || other.shape != spec.shape || other.num_heads != spec.num_heads) {
-              continue;
-            }
-            done[j] = true;
-            group.specs.push_back(&other);
-            auto* g = static_cast<float*>(items[j].grad_update->data());
-            group.grads.push_back(g);
-            group.updates.push_back(g);
-            // A separate momentum output: the input is only read (MuonKernelItem).
-            const DeviceBuffer* out = items[j].momentum_out;
-            group.momenta_in.push_back(static_cast<const float*>(items[j].momentum->data()));
-            group.momenta.push_back(
-                static_cast<float*>((out != nullptr ? out : items[j].momentum)->data()));
-          }
-        }
+        const std::vector<KernelGroup> groups = GroupItems(items);
         std::vector<MuonGroup> muon_groups;
-        for (const Group& g : groups) {
-          muon_groups.push_back({g.specs.size(), g.specs.data(), g.grads.data(), g.momenta.data(),
-                                 g.updates.data(), g.momenta_in.data()});
+        for (const KernelGroup& g : groups) {
+          MuonGroup& m = muon_groups.emplace_back();
+          m.count = g.specs.size();
+          m.specs = g.specs.data();
+          m.grads = g.grads.data();
+          m.updates = g.updates.data();
+          if (!g.held_in.empty()) {
+            m.held_in = g.held_in.data();
+            m.held_out = g.held_out.data();
+            m.held_dtype = g.held_dtype;
+            continue;
+          }
+          m.momenta = g.momenta.data();
+          m.momenta_in = g.momenta_in.data();
         }
         return MuonUpdateGroups(config, muon_groups.data(), muon_groups.size());
       },

@@ -203,7 +203,9 @@ absl::Status StepPipeline::Run::Prepare(Batch& batch) {
       RETURN_IF_ERROR(ReadDirectGradient(batch, i));
     }
     if (path == MatrixPath::kHost) continue;
-    if (p_.MomentumHeld()) DecodeMomentum(batch, i);
+    // Held compressed: the staged and direct paths get an fp32 decoding; the cpu kernel decodes
+    // and encodes block by block itself (EnqueueCopyIn).
+    if (p_.MomentumHeld() && path != MatrixPath::kInPlace) DecodeMomentum(batch, i);
     batch.on_device.push_back(i);
     if (path == MatrixPath::kInPlace) {
       BindInPlace(batch, i);
@@ -262,9 +264,15 @@ absl::Status StepPipeline::Run::EnqueueCopyIn(Batch& batch,
     const common::MatrixSpec* ms = &p_.spec_.matrices[m];
     switch (batch.device_path(k)) {
       case MatrixPath::kInPlace:
-        // Held compressed: the kernel overwrites the decoding (no separate output).
-        items->push_back(
-            {ms, &batch.grad[k], &batch.mom[k], p_.MomentumHeld() ? nullptr : &batch.mom_out[k]});
+        if (p_.MomentumHeld()) {  // the kernel reads and writes the store as held
+          device::MuonKernelItem item{ms, &batch.grad[k]};
+          item.held_in = p_.CommittedMomentum(m);
+          item.held_out = p_.NextMomentum(m);
+          item.held_dtype = p_.spec_.state.momentum;
+          items->push_back(item);
+        } else {
+          items->push_back({ms, &batch.grad[k], &batch.mom[k], &batch.mom_out[k]});
+        }
         continue;
       case MatrixPath::kDirect:
         RETURN_IF_ERROR(p_.CopySpansIn(state_, m, RawOrGrad(batch, k)));

@@ -18,9 +18,11 @@ uint64_t StepPipeline::AssembledBytes(uint32_t m) const {
   const bool host_only =
       (apply_ != nullptr && spec_.matrices[m].optimizer == common::Optimizer::kAdamW) ||
       devices_->device->ComputesInHostMemory();
-  // A Muon tensor of a job that holds its momentum compressed: its fp32 decoding too.
-  const bool decoded = MomentumHeld() && !(apply_ != nullptr && spec_.matrices[m].optimizer ==
-                                                                    common::Optimizer::kAdamW);
+  // A Muon tensor of a job that holds its momentum compressed: its fp32 decoding too, but on a
+  // device that computes in host memory (the kernel decodes block by block).
+  const bool decoded =
+      MomentumHeld() && !devices_->device->ComputesInHostMemory() &&
+      !(apply_ != nullptr && spec_.matrices[m].optimizer == common::Optimizer::kAdamW);
   return ((host_only ? 1 : 2) + (decoded ? 1 : 0)) * sizeof(float) *
          static_cast<uint64_t>(spec_.matrices[m].numel());
 }

@@ -1,11 +1,14 @@
-// Compressed momentum in the step pipeline (step_pipeline_run.h; README "Memory"): a job whose
-// Muon momentum is held as bf16 or int8 (JobSpec::state) gives each device matrix of a batch an
-// fp32 decoding of its committed momentum, in a pooled host buffer the gather budget counts
-// (StepPipeline::AssembledBytes). Every path reads the momentum from there and writes the new one
-// back into it (the cpu kernel in place; the GPUs copy it in and write it back), with the EMA
-// rounded as ApplyMomentum rounds it; the retirement encodes it, block by block, where the store
-// planned (the step window or, once sealed, in place). So the committed momentum is read once and
-// written once per step, both as held, and nothing but the matrices in flight is ever fp32.
+// Compressed momentum in the step pipeline (step_pipeline_run.h; README "Memory"), for a job whose
+// Muon momentum is held as bf16 or int8 (JobSpec::state):
+//  - on a device that computes in host memory (cpu: kInPlace) the kernel itself reads the store
+//    as held and, block by block, decodes, applies the EMA and encodes where the store planned
+//    (MuonKernelItem::held_in/held_out): no fp32 copy of the momentum at all;
+//  - the staged and direct paths (GPUs, the simulated device) give each device matrix of a batch
+//    an fp32 decoding of its committed momentum, in a pooled host buffer the gather budget counts
+//    (StepPipeline::AssembledBytes); the device copies it in and writes the new momentum back
+//    into it, with the EMA rounded as ApplyMomentum rounds it, and the retirement encodes it
+//    where the store planned (the step window or, once sealed, in place).
+// Either way the committed momentum is read once and written once per step, both as held.
 #include <utility>
 #include <vector>
 

@@ -75,11 +75,12 @@ void StepPipeline::Run::BindInPlace(Batch& batch, size_t i) {
   const uint32_t m = batch.matrices[i];
   const size_t bytes = static_cast<size_t>(p_.spec_.matrices[m].numel()) * sizeof(float);
   batch.grad.push_back(device::DeviceBuffer::HostView(batch.staging[i].data(), bytes));
-  batch.mom.push_back(
-      device::DeviceBuffer::HostView(const_cast<float*>(MomentumIn(batch, i)), bytes));
-  if (p_.MomentumHeld()) {
-    batch.mom_out.emplace_back();  // the kernel overwrites the decoding
+  if (p_.MomentumHeld()) {  // the kernel decodes and encodes the store (EnqueueCopyIn)
+    batch.mom.emplace_back();
+    batch.mom_out.emplace_back();
   } else {
+    batch.mom.push_back(
+        device::DeviceBuffer::HostView(const_cast<float*>(p_.CommittedMomentum(m)), bytes));
     batch.mom_out.push_back(device::DeviceBuffer::HostView(p_.NextMomentum(m), bytes));
   }
   batch.raw.emplace_back();

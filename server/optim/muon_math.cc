@@ -16,6 +16,7 @@
 #include "common/status_macros.h"
 #include "server/optim/newton_schulz.h"
 #include "server/optim/ns_layout.h"
+#include "server/optim/state_codec.h"
 
 namespace muond::server {
 namespace {
@@ -103,6 +104,29 @@ void MomentumAndUpdate(const common::MuonConfig& config, const float* grad,
       update[i] = m;
     }
   }
+}
+
+// MomentumAndUpdate of group matrix k whose momentum is held compressed: per piece of whole
+// blocks (the team's ranges start at multiples of kRangeElements, a multiple of the block),
+// decoded into a buffer of the thread's, stepped, and encoded into held_out[k] (a piece is read
+// before it is written, so held_out may be held_in).
+void HeldMomentumAndUpdate(const common::MuonConfig& config, const MuonGroup& group, size_t k,
+                           int threads) {
+  static_assert(internal::kRangeElements % common::kStateBlock == 0);
+  const size_t n = static_cast<size_t>(group.specs[k]->numel());
+  constexpr size_t kPiece = common::kStateBlock * 8;
+  internal::ParallelRanges(static_cast<int64_t>(n), threads, [&](int64_t first, int64_t last) {
+    std::vector<float> m(kPiece);
+    for (size_t begin = static_cast<size_t>(first); begin < static_cast<size_t>(last);
+         begin += kPiece) {
+      const size_t len = std::min(kPiece, static_cast<size_t>(last) - begin);
+      DecodeStored(group.held_dtype, StateRole::kSigned, group.held_in[k], n, begin, len, m.data());
+      MomentumAndUpdate(config, group.grads[k] + begin, m.data(), m.data(),
+                        group.updates[k] + begin, static_cast<int64_t>(len));
+      EncodeStored(group.held_dtype, StateRole::kSigned, m.data(), n, begin, len,
+                   group.held_out[k]);
+    }
+  });
 }
 
 }  // namespace
@@ -194,6 +218,10 @@ absl::Status MuonUpdateGroups(const common::MuonConfig& config, const MuonGroup*
   for (const MuonGroup* group : live) {
     const int64_t n = group->specs[0]->numel();
     for (size_t k = 0; k < group->count; ++k) {
+      if (group->held_in != nullptr) {
+        HeldMomentumAndUpdate(config, *group, k, threads);
+        continue;
+      }
       const float* momentum_in =
           group->momenta_in != nullptr ? group->momenta_in[k] : group->momenta[k];
       internal::ParallelRanges(n, threads, [&](int64_t begin, int64_t end) {

@@ -74,6 +74,13 @@ struct MuonGroup {
   // When set, momenta_in[k] is the momentum read (it is never written) and momenta[k] receives
   // the new one; they may be the same buffer. Null: momenta[k] is updated in place.
   const float* const* momenta_in = nullptr;
+  // Momentum held compressed (state_codec.h): when set, momenta and momenta_in are unused and
+  // matrix k's committed momentum is held_in[k] (as held_dtype holds it), decoded block by block,
+  // stepped, and the new one encoded into held_out[k] (which may be held_in[k]): fused, no fp32
+  // copy of the momentum. Bit-identical to decoding the whole momentum, MuonUpdate, and encoding.
+  const float* const* held_in = nullptr;
+  float* const* held_out = nullptr;
+  common::StateDType held_dtype = common::StateDType::kFloat32;
 };
 
 // MuonUpdateSameShape of every group, with the same bits, in one call: every gradient of every

@@ -140,6 +140,12 @@ absl::Status ValidateMuonItems(const MuonConfig& config, const std::vector<MuonK
     if (it.spec == nullptr || it.grad_update == nullptr || it.momentum == nullptr) {
       return absl::InvalidArgumentError("Muon kernel item without a spec or a buffer");
     }
+    if (it.held_in != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrix '", it.spec->name,
+                       "': momentum held compressed in host memory is for host-memory devices; "
+                       "the CUDA kernel takes a device copy of its decoding"));
+    }
     if (it.momentum_out != nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("matrix '", it.spec->name,

@@ -286,6 +286,12 @@ absl::Status LevelZeroStream::Muon(const common::MuonConfig& config,
                        "': a separate momentum output is for host-memory devices; the Level Zero "
                        "kernel updates its device copy of the momentum in place"));
     }
+    if (it.held_in != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("matrix '", it.spec->name,
+                       "': momentum held compressed in host memory is for host-memory devices; "
+                       "the Level Zero kernel takes a device copy of its decoding"));
+    }
     kernel_items.push_back({it.spec, {it.grad_update->data()}, {it.momentum->data()}});
   }
   Enqueue({[this, config, kernel_items = std::move(kernel_items)] {

@@ -247,5 +247,48 @@ TEST(StateCodecTest, HeldRangesMatchTheWholeArray) {
   }
 }
 
+// The fused kernel (MuonGroup::held_in/held_out, what the cpu device runs for compressed
+// momentum): over the compute team's ranges (a matrix of several ranges, two math threads),
+// encoding in place into the committed array, bit for bit the whole-array decode, MuonUpdate and
+// encode, for the update and the new momentum.
+TEST(StateCodecTest, FusedKernelIsDecodeMuonUpdateEncode) {
+  SetMathThreads(2);
+  common::MatrixSpec spec;
+  spec.name = "w";
+  spec.shape = {300, 1001};  // 300300 elements: 5 ranges of 65536, a partial block at the end
+  const size_t n = static_cast<size_t>(spec.numel());
+  common::MuonConfig config;
+  for (StateDType dtype : {StateDType::kBFloat16, StateDType::kInt8}) {
+    const std::vector<float> m0 = Values(n, 3, 2.0), grad = Values(n, 4, 2.0);
+    std::vector<float> held(StoredWords(dtype, n));
+    EncodeStoredAll(dtype, StateRole::kSigned, m0.data(), n, held.data());
+    // The reference: decode, MuonUpdate, encode.
+    std::vector<float> momentum(n), update(n), want(held.size());
+    DecodeStoredAll(dtype, StateRole::kSigned, held.data(), n, momentum.data());
+    ASSERT_TRUE(MuonUpdate(config, spec, grad.data(), momentum.data(), update.data()).ok());
+    EncodeStoredAll(dtype, StateRole::kSigned, momentum.data(), n, want.data());
+    // Fused, in place.
+    std::vector<float> fused(n);
+    const common::MatrixSpec* specs[] = {&spec};
+    const float* grads[] = {grad.data()};
+    float* updates[] = {fused.data()};
+    const float* in[] = {held.data()};
+    float* out[] = {held.data()};
+    MuonGroup group;
+    group.count = 1;
+    group.specs = specs;
+    group.grads = grads;
+    group.updates = updates;
+    group.held_in = in;
+    group.held_out = out;
+    group.held_dtype = dtype;
+    ASSERT_TRUE(MuonUpdateGroups(config, &group, 1).ok());
+    EXPECT_EQ(0, std::memcmp(fused.data(), update.data(), n * sizeof(float)))
+        << common::StateDTypeName(dtype);
+    EXPECT_EQ(0, std::memcmp(held.data(), want.data(), StateBytes(dtype, n)))
+        << common::StateDTypeName(dtype);
+  }
+}
+
 }  // namespace
 }  // namespace muond::server
