@@ -30,8 +30,6 @@ class ApplyCommitTest : public commit_test::CommitFixture {
   // initial masters random; `max_grad_norm` > 0 clips.
   common::JobSpec StartApplyJob(const std::string& id, double max_grad_norm, std::mt19937& rng,
                                 const common::QkClip& qk_clip = {});
-  // The masters at a step boundary, per tensor.
-  std::vector<std::vector<float>> Masters();
   // A step whose global clipping recomputes it, with or without a peer that rewrote a gradient
   // after the first pass read it (below).
   void ExpectClipRedo(const std::string& id, bool rewrite);
@@ -51,31 +49,8 @@ common::JobSpec ApplyCommitTest::StartApplyJob(const std::string& id, double max
   StartJob(spec);
   EXPECT_NE(job_, nullptr);
   if (job_ == nullptr) return spec;
-  const std::vector<std::vector<float>> init = RandomGradients(spec, rng);
-  for (int r = 0; r < spec.world_size; ++r) {
-    std::vector<std::string> w32;
-    std::vector<const char*> in;
-    for (const common::ShardSpan& span : common::RankSpans(spec, r)) {
-      w32.emplace_back(reinterpret_cast<const char*>(init[span.matrix].data() + span.offset),
-                       span.length * sizeof(float));
-    }
-    for (const std::string& w : w32) in.push_back(w.data());
-    EXPECT_TRUE(job_->InitParams(r, sessions_[r], in, /*float32=*/true).ok());
-  }
+  InitWeights(spec, RandomGradients(spec, rng));
   return spec;
-}
-
-std::vector<std::vector<float>> ApplyCommitTest::Masters() {
-  std::vector<std::vector<float>> all;
-  int64_t step = 0;
-  EXPECT_TRUE(job_->ExportParams(
-                      [&all](uint32_t, const std::vector<float>& w) {
-                        all.push_back(w);
-                        return absl::OkStatus();
-                      },
-                      &step)
-                  .ok());
-  return all;
 }
 
 // Three steps; after each, the saved state's momentum of every (Muon) tensor is bit for bit the

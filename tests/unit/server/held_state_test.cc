@@ -31,23 +31,6 @@ using common::StateDType;
 
 class HeldStateTest : public commit_test::CommitFixture {
  protected:
-  // One step of every rank; returns the ranks' regions (their update bytes).
-  std::vector<RankRegion> Step(const common::JobSpec& spec, int64_t step,
-                               const std::vector<std::vector<float>>& grads,
-                               const StepHyper* hyper = nullptr) {
-    std::vector<RankRegion> regions;
-    for (int r = 0; r < spec.world_size; ++r) regions.push_back(FillRegion(spec, r, grads));
-    std::vector<Outcome> outcomes(spec.world_size);
-    for (int r = 0; r < spec.world_size; ++r) {
-      EXPECT_TRUE(Submit(r, step, regions[r], &outcomes[r], hyper).ok());
-    }
-    for (Outcome& o : outcomes) {
-      o.ended.WaitForNotification();
-      EXPECT_TRUE(o.status.ok()) << o.status;
-    }
-    return regions;
-  }
-
   // A fresh job of `spec` (its id changed to `id`) whose state is loaded from `from`'s newest
   // checkpoint.
   void StartLoadedFrom(common::JobSpec spec, const std::string& id,
@@ -125,7 +108,7 @@ TEST_P(HeldStateTest, UpdateModeStepsAreTheSerialStepOnTheDecodedMomentum) {
     std::vector<std::vector<float>> grads;
     for (int64_t step = 0; step < 2; ++step) {
       grads = RandomGradients(spec, rng);
-      const std::vector<RankRegion> regions = Step(spec, step, grads);
+      const std::vector<RankRegion> regions = StepRegions(spec, step, grads);
       EXPECT_EQ(UpdateDifferences(spec, regions, ref.Step(spec, grads)), 0u) << "step " << step;
     }
     const std::vector<std::vector<float>> saved = SavedMomentum();
@@ -137,7 +120,7 @@ TEST_P(HeldStateTest, UpdateModeStepsAreTheSerialStepOnTheDecodedMomentum) {
     const std::shared_ptr<JobImpl> first = job_;
     ASSERT_NO_FATAL_FAILURE(StartLoadedFrom(spec, JobId("held-update-loaded-" + name), first));
     grads = RandomGradients(spec, rng);
-    const std::vector<RankRegion> regions = Step(spec, 2, grads);
+    const std::vector<RankRegion> regions = StepRegions(spec, 2, grads);
     EXPECT_EQ(UpdateDifferences(spec, regions, ref.Step(spec, grads)), 0u) << "after the load";
   }
 }
@@ -164,23 +147,7 @@ class HeldApplyTest : public HeldStateTest {
  protected:
   void StartWith(const common::JobSpec& spec, const std::vector<std::vector<float>>& init) {
     ASSERT_NO_FATAL_FAILURE(StartJob(spec));
-    std::vector<const char*> in;
-    for (const common::ShardSpan& span : common::RankSpans(spec, 0)) {
-      in.push_back(reinterpret_cast<const char*>(init[span.matrix].data() + span.offset));
-    }
-    ASSERT_TRUE(job_->InitParams(0, sessions_[0], in, /*float32=*/true).ok());
-  }
-  std::vector<std::vector<float>> Masters() {
-    std::vector<std::vector<float>> all;
-    int64_t step = 0;
-    EXPECT_TRUE(job_->ExportParams(
-                        [&all](uint32_t, const std::vector<float>& w) {
-                          all.push_back(w);
-                          return absl::OkStatus();
-                        },
-                        &step)
-                    .ok());
-    return all;
+    InitWeights(spec, init);
   }
 };
 
@@ -198,23 +165,23 @@ TEST_P(HeldApplyTest, Int8MomentumAndMomentsReloadBitForBitAndTrackFp32) {
 
   // The fp32-state job: the masters after four steps.
   ASSERT_NO_FATAL_FAILURE(StartWith(fp32, init));
-  for (int t = 0; t < 4; ++t) Step(fp32, t, grads[t], &hyper);
+  for (int t = 0; t < 4; ++t) StepRegions(fp32, t, grads[t], &hyper);
   const std::vector<std::vector<float>> fp32_masters = Masters();
 
   // The held job: two steps, a checkpoint, a third step.
   ASSERT_NO_FATAL_FAILURE(StartWith(held, init));
-  for (int t = 0; t < 2; ++t) Step(held, t, grads[t], &hyper);
+  for (int t = 0; t < 2; ++t) StepRegions(held, t, grads[t], &hyper);
   ASSERT_TRUE(job_->SaveCheckpoint().ok());
-  const std::vector<RankRegion> ran_on = Step(held, 2, grads[2], &hyper);
+  const std::vector<RankRegion> ran_on = StepRegions(held, 2, grads[2], &hyper);
   const std::shared_ptr<JobImpl> first = job_;
   // A job loaded from the checkpoint: the same third step, bit for bit.
   ASSERT_NO_FATAL_FAILURE(StartLoadedFrom(held, JobId("held-apply-loaded"), first));
-  const std::vector<RankRegion> loaded = Step(held, 2, grads[2], &hyper);
+  const std::vector<RankRegion> loaded = StepRegions(held, 2, grads[2], &hyper);
   ASSERT_EQ(loaded.size(), ran_on.size());
   for (size_t i = 0; i < ran_on[0].out.size(); ++i) {
     EXPECT_TRUE(loaded[0].out[i] == ran_on[0].out[i]) << "tensor " << held.matrices[i].name;
   }
-  Step(held, 3, grads[3], &hyper);
+  StepRegions(held, 3, grads[3], &hyper);
   const std::vector<std::vector<float>> held_masters = Masters();
   // Close to fp32 state: what the four steps moved, within a few percent.
   ASSERT_EQ(held_masters.size(), fp32_masters.size());

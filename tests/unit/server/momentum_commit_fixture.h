@@ -167,19 +167,51 @@ class CommitFixture : public ::testing::TestWithParam<bool> {
   }
 
   // Step `step` of every rank with `grads` (whole matrices; `hyper` for apply mode); it must
-  // commit.
-  void StepAll(const common::JobSpec& spec, int64_t step,
-               const std::vector<std::vector<float>>& grads, const StepHyper* hyper = nullptr) {
+  // commit. Returns the ranks' regions (their results).
+  std::vector<RankRegion> StepRegions(const common::JobSpec& spec, int64_t step,
+                                      const std::vector<std::vector<float>>& grads,
+                                      const StepHyper* hyper = nullptr) {
     std::vector<RankRegion> regions;
     for (int r = 0; r < spec.world_size; ++r) regions.push_back(FillRegion(spec, r, grads));
     std::vector<Outcome> outcomes(spec.world_size);
     for (int r = 0; r < spec.world_size; ++r) {
-      ASSERT_TRUE(Submit(r, step, regions[r], &outcomes[r], hyper).ok());
+      EXPECT_TRUE(Submit(r, step, regions[r], &outcomes[r], hyper).ok());
     }
     for (Outcome& o : outcomes) {
       o.ended.WaitForNotification();
-      ASSERT_TRUE(o.status.ok()) << o.status;
+      EXPECT_TRUE(o.status.ok()) << o.status;
     }
+    return regions;
+  }
+  void StepAll(const common::JobSpec& spec, int64_t step,
+               const std::vector<std::vector<float>>& grads, const StepHyper* hyper = nullptr) {
+    StepRegions(spec, step, grads, hyper);
+  }
+
+  // Apply mode: every rank uploads its spans of `init` (whole tensors, fp32) as its initial
+  // weights.
+  void InitWeights(const common::JobSpec& spec, const std::vector<std::vector<float>>& init) {
+    for (int r = 0; r < spec.world_size; ++r) {
+      std::vector<const char*> in;
+      for (const common::ShardSpan& span : common::RankSpans(spec, r)) {
+        in.push_back(reinterpret_cast<const char*>(init[span.matrix].data() + span.offset));
+      }
+      EXPECT_TRUE(job_->InitParams(r, sessions_[r], in, /*float32=*/true).ok());
+    }
+  }
+
+  // Apply mode: the masters at a step boundary, per tensor.
+  std::vector<std::vector<float>> Masters() {
+    std::vector<std::vector<float>> all;
+    int64_t step = 0;
+    EXPECT_TRUE(job_->ExportParams(
+                        [&all](uint32_t, const std::vector<float>& w) {
+                          all.push_back(w);
+                          return absl::OkStatus();
+                        },
+                        &step)
+                    .ok());
+    return all;
   }
 
   // Steps 0 .. steps-1 of every rank with fresh gradients; each must commit.
