@@ -19,7 +19,7 @@ std::vector<StateBuffers::Form> MatrixForms(const common::JobSpec& spec) {
 
 MomentumStore::MomentumStore(const common::JobSpec& spec, device::Device* device,
                              uint64_t window_bytes)
-    : buffers_(MatrixForms(spec), device, window_bytes), dtype_(spec.state.momentum) {
+    : buffers_(MatrixForms(spec), device, window_bytes) {
   for (size_t m = 0; m < buffers_.arrays(); ++m) bytes_ += buffers_.words(m) * sizeof(float);
 }
 

@@ -42,8 +42,6 @@ class MomentumStore {
   // JobFootprint::state_bytes (server/jobs/job_footprint.h).
   uint64_t bytes() const { return bytes_; }
   size_t matrices() const { return buffers_.arrays(); }
-  // How the momentum is held (fp32: data() and next() are the values).
-  common::StateDType dtype() const { return dtype_; }
   // Matrix m's committed momentum, as held (StateBuffers::Form). Read without a lock only between
   // changes.
   const float* data(uint32_t m) const { return buffers_.front(m); }
@@ -51,6 +49,7 @@ class MomentumStore {
   // commit's Flip makes it the committed one. REQUIRES: the step in flight is the only writer.
   float* next(uint32_t m) { return buffers_.back(m); }
   size_t numel(uint32_t m) const { return buffers_.numel(m); }
+  // How matrix m's momentum is held (fp32: data() and next() are the values).
   const StateBuffers::Form& form(uint32_t m) const { return buffers_.form(m); }
   bool two_copies() const { return buffers_.two_copies(); }
   uint64_t window_bytes() const { return buffers_.window_bytes(); }
@@ -100,7 +99,6 @@ class MomentumStore {
 
  private:
   StateBuffers buffers_;
-  common::StateDType dtype_;
   uint64_t bytes_ = 0;
 };
 

@@ -36,13 +36,13 @@ StateBuffers::StateBuffers(const std::vector<size_t>& numel, device::Device* dev
 
 StateBuffers::StateBuffers(const std::vector<Form>& forms, device::Device* device,
                            uint64_t window_bytes)
-    : device_(device), forms_(forms), numel_(Words(forms)), window_bytes_(window_bytes) {
-  for (size_t n : numel_) {
+    : device_(device), forms_(forms), words_(Words(forms)), window_bytes_(window_bytes) {
+  for (size_t n : words_) {
     front_.push_back(std::make_unique<Buffer>(n, /*zeroed=*/true, /*pin=*/true, device_));
     back_.push_back(two_copies() ? std::make_unique<Buffer>(n, true, true, device_) : nullptr);
   }
-  spare_.resize(numel_.size());
-  target_.assign(numel_.size(), Target::kNone);
+  spare_.resize(words_.size());
+  target_.assign(words_.size(), Target::kNone);
 }
 
 StateBuffers::~StateBuffers() = default;
@@ -62,7 +62,7 @@ StateBuffers::Held StateBuffers::held() const {
   auto bytes = [](const std::unique_ptr<Buffer>& b) -> uint64_t {
     return b != nullptr ? b->n * sizeof(float) : 0;
   };
-  for (size_t a = 0; a < numel_.size(); ++a) {
+  for (size_t a = 0; a < words_.size(); ++a) {
     h.front += bytes(front_[a]);
     h.back += bytes(back_[a]);
     h.spare += bytes(spare_[a]);
@@ -78,12 +78,12 @@ bool StateBuffers::SnapshotNeeds(size_t a, const Buffer& buffer) const {
 
 void StateBuffers::HandOver(size_t a, std::unique_ptr<Buffer>* slot, bool keep) {
   // Not pinned: registering costs about as much as copying, on this (the step's) thread.
-  auto fresh = std::make_unique<Buffer>(numel_[a], /*zeroed=*/false, /*pin=*/false, device_);
+  auto fresh = std::make_unique<Buffer>(words_[a], /*zeroed=*/false, /*pin=*/false, device_);
   if (keep) {
-    std::memcpy(fresh->data.get(), (*slot)->data.get(), numel_[a] * sizeof(float));
-    cost_.change_copied += numel_[a] * sizeof(float);
+    std::memcpy(fresh->data.get(), (*slot)->data.get(), words_[a] * sizeof(float));
+    cost_.change_copied += words_[a] * sizeof(float);
   } else {
-    cost_.step_handed_over += numel_[a] * sizeof(float);
+    cost_.step_handed_over += words_[a] * sizeof(float);
   }
   snapshot_->handed[a] = std::exchange(*slot, std::move(fresh));
 }
@@ -115,7 +115,7 @@ float* StateBuffers::WindowBuffer(size_t a) {
   if (slot == nullptr) {
     slot = spare_[a] != nullptr
                ? std::move(spare_[a])
-               : std::make_unique<Buffer>(numel_[a], /*zeroed=*/false, /*pin=*/true, device_);
+               : std::make_unique<Buffer>(words_[a], /*zeroed=*/false, /*pin=*/true, device_);
   }
   if (SnapshotNeeds(a, *slot)) HandOver(a, &slot, /*keep=*/false);
   return slot->data.get();
@@ -123,14 +123,14 @@ float* StateBuffers::WindowBuffer(size_t a) {
 
 void StateBuffers::BeginStep() {
   absl::MutexLock lock(&mu_);
-  target_.assign(numel_.size(), Target::kNone);
+  target_.assign(words_.size(), Target::kNone);
 }
 
 void StateBuffers::DropWindow() {
   absl::MutexLock lock(&mu_);
-  target_.assign(numel_.size(), Target::kNone);
+  target_.assign(words_.size(), Target::kNone);
   if (two_copies()) return;
-  for (size_t a = 0; a < numel_.size(); ++a) Drop(a, &back_[a]);
+  for (size_t a = 0; a < words_.size(); ++a) Drop(a, &back_[a]);
 }
 
 void StateBuffers::Plan(size_t a, bool in_place) {
@@ -224,7 +224,7 @@ void StateBuffers::CopyForSnapshot(size_t a, std::vector<float>* out) {
   DecodeStoredAll(f.dtype, f.role, src, f.numel, out->data());
   absl::MutexLock lock(&mu_);
   snapshot_->copied[a] = true;
-  cost_.writer_copied += numel_[a] * sizeof(float);
+  cost_.writer_copied += words_[a] * sizeof(float);
   Release(a, std::move(snapshot_->handed[a]));
 }
 

@@ -72,11 +72,11 @@ class StateBuffers {
   StateBuffers(const StateBuffers&) = delete;
   StateBuffers& operator=(const StateBuffers&) = delete;
 
-  size_t arrays() const { return numel_.size(); }
+  size_t arrays() const { return words_.size(); }
   // Array a's form, and the 32-bit words it is held in (its buffers' size).
   const Form& form(size_t a) const { return forms_[a]; }
   size_t numel(size_t a) const { return forms_[a].numel; }
-  size_t words(size_t a) const { return numel_[a]; }
+  size_t words(size_t a) const { return words_[a]; }
   // The committed value of array a, as held (fp32: the values). Read without a lock only
   // between changes.
   const float* front(size_t a) const { return front_[a]->data.get(); }
@@ -150,7 +150,7 @@ class StateBuffers {
   void EndSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  // One buffer of numel floats; unregistered and freed with it.
+  // One buffer of n 32-bit words (an array as held); unregistered and freed with it.
   struct Buffer {
     Buffer(size_t n, bool zeroed, bool pin, device::Device* device);
     ~Buffer();
@@ -182,7 +182,7 @@ class StateBuffers {
 
   device::Device* const device_;
   const std::vector<Form> forms_;
-  const std::vector<size_t> numel_;  // per array: its words
+  const std::vector<size_t> words_;  // per array: the 32-bit words it is held in
   const uint64_t window_bytes_;
   // Per array: the committed buffer and the window (back) buffer (null: none). Pointers change
   // only under mu_: the front's between steps or before the step writes the array in place, the

@@ -359,13 +359,17 @@ void StepPipeline::Run::ReleaseBudget(const Batch& b) {
   }
 }
 
+void StepPipeline::Run::GiveBackHostBuffers(Batch& b) {
+  for (std::vector<std::vector<float>>* host : {&b.staging, &b.momentum}) {
+    for (std::vector<float>& v : *host) {
+      if (!v.empty()) p_.GiveBack(std::move(v));
+    }
+    host->clear();
+  }
+}
+
 void StepPipeline::Run::GiveBackBuffers(Batch& b) {
-  for (std::vector<float>& v : b.staging) {
-    if (!v.empty()) p_.GiveBack(std::move(v));
-  }
-  for (std::vector<float>& v : b.momentum) {
-    if (!v.empty()) p_.GiveBack(std::move(v));
-  }
+  GiveBackHostBuffers(b);
   for (device::DeviceBuffer& d : b.grad) p_.GiveBack(std::move(d));
   for (device::DeviceBuffer& d : b.mom) p_.GiveBack(std::move(d));
   for (device::DeviceBuffer& d : b.raw) p_.GiveBack(std::move(d));
@@ -463,16 +467,7 @@ void StepPipeline::Run::Abandon() {
 
 // A registered staging buffer must never be freed without being unregistered. REQUIRES: the
 // streams synchronized (Abandon) so that none of the batch's copies is in flight.
-void StepPipeline::Run::Recycle(Batch& b) {
-  for (std::vector<float>& v : b.staging) {
-    if (!v.empty()) p_.GiveBack(std::move(v));
-  }
-  for (std::vector<float>& v : b.momentum) {
-    if (!v.empty()) p_.GiveBack(std::move(v));
-  }
-  b.staging.clear();
-  b.momentum.clear();
-}
+void StepPipeline::Run::Recycle(Batch& b) { GiveBackHostBuffers(b); }
 
 StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
                            MomentumStore& momentum, ParamStore* params, DeviceStreams* devices,

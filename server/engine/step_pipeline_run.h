@@ -118,6 +118,8 @@ class StepPipeline::Run {
   void Abandon();
   // A batch that will not retire: its staging goes back to the pool.
   void Recycle(Batch& b);
+  // The batch's host buffers (staging, momentum decodings) back to the pool.
+  void GiveBackHostBuffers(Batch& b);
   void GiveBackBuffers(Batch& b);
 
   // Compressed momentum (step_pipeline_held.cc).
