@@ -74,6 +74,9 @@ class MomentumStore {
   class Lock {
    public:
     explicit Lock(MomentumStore& store) : lock_(store.buffers_), store_(store) {}
+    // Taken at a step boundary (StateBuffers::Lock::AtStepBoundary), as BeginSnapshot needs.
+    Lock(MomentumStore& store, StateBuffers::Lock::AtStepBoundary at)
+        : lock_(store.buffers_, at), store_(store) {}
     Lock(const Lock&) = delete;
     Lock& operator=(const Lock&) = delete;
     // Writable committed momentum of matrix m, as held.
@@ -85,7 +88,8 @@ class MomentumStore {
     void Flip(bool keep_back = false) { lock_.Flip(keep_back); }
     // Undoes Flip(true).
     void Unflip() { lock_.Unflip(); }
-    // Starts the snapshot a checkpoint writer copies (see CopyForSnapshot). One at a time.
+    // Starts the snapshot a checkpoint writer copies (see CopyForSnapshot). One at a time;
+    // REQUIRES: the lock taken at a step boundary.
     void BeginSnapshot() { lock_.BeginSnapshot(); }
 
    private:

@@ -81,6 +81,9 @@ class ParamStore {
   class Lock {
    public:
     explicit Lock(ParamStore& store) : lock_(store.buffers_), store_(store) {}
+    // Taken at a step boundary (StateBuffers::Lock::AtStepBoundary), as BeginSnapshot needs.
+    Lock(ParamStore& store, StateBuffers::Lock::AtStepBoundary at)
+        : lock_(store.buffers_, at), store_(store) {}
     Lock(const Lock&) = delete;
     Lock& operator=(const Lock&) = delete;
     // Writable committed array, as held.
@@ -96,7 +99,8 @@ class ParamStore {
     void Unflip(const std::vector<uint8_t>& absent);
     // Zeroes the optimizer state (momentum, moments, step counts); the masters stay.
     void ZeroOptimizerState();
-    // Starts the snapshot CopyForSnapshot reads. One at a time.
+    // Starts the snapshot CopyForSnapshot reads. One at a time; REQUIRES: the lock taken at a
+    // step boundary.
     void BeginSnapshot();
 
    private:

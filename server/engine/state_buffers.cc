@@ -94,9 +94,10 @@ void StateBuffers::Release(size_t a, std::unique_ptr<Buffer> buffer) {
     if (spare_[a] == nullptr) spare_[a] = std::move(buffer);
     return;
   }
-  // One copy: a pinned buffer replaces a missing or unpinned window buffer; else it is freed.
-  if (back_[a] == nullptr || (back_[a]->registered == nullptr && buffer->registered != nullptr &&
-                              !SnapshotNeeds(a, *back_[a]))) {
+  // One copy: a pinned buffer replaces a missing or unpinned window buffer that the step in
+  // flight does not write; else it is freed.
+  if (back_[a] == nullptr || (target_[a] == Target::kNone && back_[a]->registered == nullptr &&
+                              buffer->registered != nullptr && !SnapshotNeeds(a, *back_[a]))) {
     back_[a] = std::move(buffer);
   }
 }
@@ -121,14 +122,18 @@ float* StateBuffers::WindowBuffer(size_t a) {
   return slot->data.get();
 }
 
+bool StateBuffers::NoneInPlace(StateBuffers* s) { return s->in_place_ == 0; }
+
 void StateBuffers::BeginStep() {
   absl::MutexLock lock(&mu_);
   target_.assign(words_.size(), Target::kNone);
+  in_place_ = 0;
 }
 
 void StateBuffers::DropWindow() {
   absl::MutexLock lock(&mu_);
   target_.assign(words_.size(), Target::kNone);
+  in_place_ = 0;
   if (two_copies()) return;
   for (size_t a = 0; a < words_.size(); ++a) Drop(a, &back_[a]);
 }
@@ -136,10 +141,12 @@ void StateBuffers::DropWindow() {
 void StateBuffers::Plan(size_t a, bool in_place) {
   absl::MutexLock lock(&mu_);
   if (!in_place || two_copies()) {
+    if (target_[a] == Target::kInPlace) --in_place_;
     target_[a] = Target::kWindow;
     WindowBuffer(a);
     return;
   }
+  if (target_[a] != Target::kInPlace) ++in_place_;
   target_[a] = Target::kInPlace;
   // Copy-on-write for a save in progress: it keeps the committed buffer, the step writes a copy.
   if (SnapshotNeeds(a, *front_[a])) HandOver(a, &front_[a], /*keep=*/true);
@@ -158,6 +165,10 @@ StateBuffers::SnapshotCost StateBuffers::snapshot_cost() const {
 }
 
 StateBuffers::Lock::Lock(StateBuffers& buffers) : buffers_(buffers) { buffers_.mu_.Lock(); }
+
+StateBuffers::Lock::Lock(StateBuffers& buffers, AtStepBoundary) : buffers_(buffers) {
+  buffers_.mu_.LockWhen(absl::Condition(&StateBuffers::NoneInPlace, &buffers_));
+}
 
 StateBuffers::Lock::~Lock() { buffers_.mu_.Unlock(); }
 
@@ -200,6 +211,7 @@ void StateBuffers::Lock::Flip(bool keep_back) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     }
   }
   s.target_.assign(s.arrays(), Target::kNone);
+  s.in_place_ = 0;
 }
 
 void StateBuffers::Lock::BeginSnapshot() ABSL_NO_THREAD_SAFETY_ANALYSIS {

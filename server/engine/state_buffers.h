@@ -122,6 +122,12 @@ class StateBuffers {
   class ABSL_SCOPED_LOCKABLE Lock {
    public:
     explicit Lock(StateBuffers& buffers) ABSL_EXCLUSIVE_LOCK_FUNCTION(buffers.mu_);
+    // Taken only once no array is planned in place: the step in flight, if it was sealed and
+    // writes in place, has committed or failed. The front is then the state at a step boundary
+    // (part of it is not while a sealed step writes it), as the start of a snapshot needs.
+    // Waits at most for a sealed step's compute. Take it before any lock the commit takes.
+    struct AtStepBoundary {};
+    Lock(StateBuffers& buffers, AtStepBoundary) ABSL_EXCLUSIVE_LOCK_FUNCTION(buffers.mu_);
     ~Lock() ABSL_UNLOCK_FUNCTION();
     Lock(const Lock&) = delete;
     Lock& operator=(const Lock&) = delete;
@@ -136,7 +142,8 @@ class StateBuffers {
     // Undoes a Flip(keep_back = true) of a two-copy store. REQUIRES: nothing wrote the backs
     // since, and no snapshot began.
     void Unflip();
-    // Starts the snapshot of the front. REQUIRES: none in progress.
+    // Starts the snapshot of the front. REQUIRES: none in progress, and the lock taken
+    // AtStepBoundary.
     void BeginSnapshot();
 
    private:
@@ -179,6 +186,8 @@ class StateBuffers {
   void Drop(size_t a, std::unique_ptr<Buffer>* slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   enum class Target : uint8_t { kNone, kWindow, kInPlace };
+  // No array is planned in place (the condition of Lock(AtStepBoundary)).
+  static bool NoneInPlace(StateBuffers* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_);
 
   device::Device* const device_;
   const std::vector<Form> forms_;
@@ -191,6 +200,7 @@ class StateBuffers {
   std::vector<std::unique_ptr<Buffer>> back_;
   mutable absl::Mutex mu_;
   std::vector<Target> target_ ABSL_GUARDED_BY(mu_);   // per array, for the step in flight
+  size_t in_place_ ABSL_GUARDED_BY(mu_) = 0;          // arrays planned in place
   std::vector<size_t> flipped_ ABSL_GUARDED_BY(mu_);  // arrays the last Flip swapped (Unflip)
   std::vector<std::unique_ptr<Buffer>> spare_ ABSL_GUARDED_BY(mu_);  // per array (see above)
   std::unique_ptr<Snapshot> snapshot_ ABSL_GUARDED_BY(mu_);

@@ -288,7 +288,7 @@ absl::Status JobImpl::ExportParams(
   {
     CheckpointWriter::Exclusive exclusive(writer_);
     {
-      ParamStore::Lock store(*params_);
+      ParamStore::Lock store(*params_, StateBuffers::Lock::AtStepBoundary{});
       absl::MutexLock lock(&mu_);
       if (deleted_) return absl::NotFoundError(absl::StrCat("job '", id(), "' was deleted"));
       if (const std::vector<int> missing = RanksMissingWeights(); !missing.empty()) {

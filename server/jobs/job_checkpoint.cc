@@ -35,7 +35,8 @@ absl::StatusOr<checkpoint::GenerationInfo> JobImpl::SaveCheckpoint() {
   if (apply()) return SaveApplyCheckpoint(exclusive);
   int64_t step = 0;
   {
-    MomentumStore::Lock store(momentum_);
+    // At a step boundary: a sealed step writing in place has committed (or failed) first.
+    MomentumStore::Lock store(momentum_, StateBuffers::Lock::AtStepBoundary{});
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckSavable());
     // The store between two commits is the momentum at the boundary of next_step_.
@@ -56,7 +57,7 @@ absl::StatusOr<checkpoint::GenerationInfo> JobImpl::SaveApplyCheckpoint(
     const CheckpointWriter::Exclusive& exclusive) {
   int64_t step = 0;
   {
-    ParamStore::Lock store(*params_);
+    ParamStore::Lock store(*params_, StateBuffers::Lock::AtStepBoundary{});
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckSavable());
     if (const std::vector<int> missing = RanksMissingWeights(); !missing.empty()) {

@@ -80,9 +80,10 @@ absl::Status JobImpl::ExportState(
 absl::Status JobImpl::CopyLiveState(const CheckpointWriter::Exclusive&, ExportedState* state,
                                std::vector<std::vector<float>>* arrays) {
   {
-    MomentumStore::Lock momentum(momentum_);
+    // At a step boundary: a sealed step writing in place has committed (or failed) first.
+    MomentumStore::Lock momentum(momentum_, StateBuffers::Lock::AtStepBoundary{});
     std::optional<ParamStore::Lock> params;
-    if (apply()) params.emplace(*params_);
+    if (apply()) params.emplace(*params_, StateBuffers::Lock::AtStepBoundary{});
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckSavable());
     if (const std::vector<int> missing = apply() ? RanksMissingWeights() : std::vector<int>();

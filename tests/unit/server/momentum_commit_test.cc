@@ -241,6 +241,49 @@ TEST_P(MomentumCommitTest, GradientMadeNonFiniteAfterTheSealFencesAndTheCheckpoi
   }
 }
 
+// A save that begins while a sealed step updates the state in place (held there by the test
+// hook, after its first batch was written) waits for the commit: its generation is the state at a
+// step boundary, whole, and the step it names. Before, it began at once and saved a mixture of
+// the old and new state under the old step's number.
+TEST_P(MomentumCommitTest, ASaveDuringAnInPlaceStepIsTheStateAtAStepBoundary) {
+  common::JobSpec spec = TwoRankSpec(JobId("commit-save-in-place"));
+  spec.checkpoint_keep = 100;
+  StartJob(spec);
+  ASSERT_NE(job_, nullptr);
+  std::mt19937 rng(17);
+  StepClean(spec, rng, 2);
+  const std::vector<std::vector<float>> before = SavedMomentum();
+
+  SetInPlaceHoldForTesting(800);
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  RankRegion rank0 = FillRegion(spec, 0, grads), rank1 = FillRegion(spec, 1, grads);
+  Outcome out0, out1;
+  ASSERT_TRUE(Submit(0, 2, rank0, &out0).ok());
+  ASSERT_TRUE(Submit(1, 2, rank1, &out1).ok());
+  absl::SleepFor(absl::Milliseconds(200));  // the step is sealed and holds in place
+  auto during = job_->SaveCheckpoint();
+  SetInPlaceHoldForTesting(0);
+  ASSERT_TRUE(during.ok()) << during.status();
+  for (Outcome* o : {&out0, &out1}) {
+    o->ended.WaitForNotification();
+    ASSERT_TRUE(o->status.ok()) << o->status;
+  }
+  const std::vector<std::vector<float>> after = SavedMomentum();
+  EXPECT_EQ(during->step, 3) << "the save did not wait for the step writing in place";
+  checkpoint::Store store(job_->checkpoint_dir(), 100);
+  checkpoint::Selector which;
+  which.generation = during->generation;
+  auto loaded = store.Load(which);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const std::vector<std::vector<float>>& expected = during->step == 3 ? after : before;
+  ASSERT_EQ(loaded->data.size(), expected.size());
+  for (size_t m = 0; m < expected.size(); ++m) {
+    EXPECT_EQ(BitDifferences(loaded->data[m], expected[m]), 0u)
+        << "matrix " << spec.matrices[m].name << " of the generation saved at step "
+        << during->step;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, MomentumCommitTest, ::testing::Values(true, false),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "CpuInPlace" : "SimulatedStaged";

@@ -7,7 +7,10 @@
 #include "server/engine/state_buffers.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -134,6 +137,83 @@ TEST_F(StateBuffersTest, ASaveKeepsTheCommittedValuesOfArraysWrittenInPlaceAfter
   EXPECT_TRUE(All(s.front(0), 7));
   EXPECT_TRUE(All(s.front(1), 7));
   EXPECT_EQ(s.held().snapshot, 0u);
+}
+
+// A save that begins while a sealed step writes in place would copy a front that is part old,
+// part new: the snapshot's lock is taken only at a step boundary, after the commit.
+TEST_F(StateBuffersTest, ASnapshotWaitsForASealedStepWritingInPlace) {
+  StateBuffers s({kN, kN}, device_.get(), kN * sizeof(float));
+  {
+    StateBuffers::Lock lock(s);
+    Fill(lock.mutable_front(0), 1);
+    Fill(lock.mutable_front(1), 1);
+  }
+  s.BeginStep();
+  s.Plan(0, /*in_place=*/true);
+  Fill(s.back(0), 2);  // array 0 is new, array 1 not yet
+  std::atomic<bool> began{false};
+  std::thread saver([&] {
+    StateBuffers::Lock lock(s, StateBuffers::Lock::AtStepBoundary{});
+    lock.BeginSnapshot();
+    began = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(began) << "a snapshot began in the middle of an in-place step";
+  s.Plan(1, true);
+  Fill(s.back(1), 2);
+  {
+    StateBuffers::Lock lock(s);
+    lock.Flip();
+  }
+  saver.join();
+  EXPECT_TRUE(began);
+  std::vector<float> copied;
+  s.CopyForSnapshot(0, &copied);
+  EXPECT_TRUE(All(copied.data(), 2));
+  s.CopyForSnapshot(1, &copied);
+  EXPECT_TRUE(All(copied.data(), 2)) << "the snapshot is the committed step, whole";
+  s.EndSnapshot();
+
+  // A step that fails after writing in place (the job is fenced) also ends the wait.
+  s.BeginStep();
+  s.Plan(0, true);
+  std::thread waiter([&] { StateBuffers::Lock lock(s, StateBuffers::Lock::AtStepBoundary{}); });
+  s.DropWindow();
+  waiter.join();
+  // A step that wrote only windows is no reason to wait.
+  s.BeginStep();
+  s.Plan(0, false);
+  StateBuffers::Lock lock(s, StateBuffers::Lock::AtStepBoundary{});
+}
+
+// The writer releases a buffer it was handed while a step writes the array's window: the window
+// buffer the step writes stays, and is what the commit swaps in.
+TEST_F(StateBuffersTest, ASaveReleasingItsBufferNeverTakesAWindowTheStepWrites) {
+  StateBuffers s(std::vector<size_t>{kN}, device_.get(), kN * sizeof(float));
+  {
+    StateBuffers::Lock lock(s);
+    Fill(lock.mutable_front(0), 1);
+    lock.BeginSnapshot();
+  }
+  s.BeginStep();
+  s.Plan(0, false);
+  Fill(s.back(0), 2);
+  {
+    StateBuffers::Lock lock(s);
+    lock.Flip();  // the old front (the snapshot's) is now the window buffer
+  }
+  s.BeginStep();
+  s.Plan(0, false);  // handed to the snapshot; the step gets a fresh (unpinned) buffer
+  Fill(s.back(0), 3);
+  std::vector<float> copied;
+  s.CopyForSnapshot(0, &copied);  // the writer is done with it: released
+  EXPECT_TRUE(All(copied.data(), 1));
+  {
+    StateBuffers::Lock lock(s);
+    lock.Flip();
+  }
+  s.EndSnapshot();
+  EXPECT_TRUE(All(s.front(0), 3)) << "the step's value was lost to a released buffer";
 }
 
 TEST_F(StateBuffersTest, TwoCopiesNeverWriteInPlaceAndUnflipRestores) {
