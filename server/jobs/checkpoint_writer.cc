@@ -45,11 +45,7 @@ absl::StatusOr<checkpoint::GenerationInfo> CheckpointWriter::Write(
 
 uint64_t CheckpointWriter::StateBytes(const common::JobSpec& spec) {
   uint64_t bytes = 0;
-  for (const checkpoint::StateTensor& t : checkpoint::StateTensors(spec)) {
-    uint64_t numel = 1;
-    for (int64_t d : t.shape) numel *= static_cast<uint64_t>(d);
-    bytes += numel * sizeof(float);
-  }
+  for (const checkpoint::StateTensor& t : checkpoint::StateTensors(spec)) bytes += t.stored_bytes();
   return bytes;
 }
 

@@ -7,7 +7,6 @@
 #include <limits>
 
 #include "common/parallel_for.h"
-#include "server/optim/muon_math.h"
 
 namespace muond::server {
 namespace {
@@ -190,25 +189,6 @@ void EncodeStoredAll(StateDType dtype, StateRole role, const float* x, size_t n,
   common::ParallelFor((n + kPiece - 1) / kPiece, n * sizeof(float), [&](size_t p) {
     const size_t begin = p * kPiece;
     EncodeStored(dtype, role, x + begin, n, begin, std::min(kPiece, n - begin), stored);
-  });
-}
-
-void MomentumStepBf16(const common::MuonConfig& config, const float* grad, const uint16_t* in,
-                      size_t n, float* momentum, uint16_t* out) {
-  ForBlocks(n, [&](size_t, size_t i, size_t len) {
-    DecodeBf16(in + i, len, momentum + i);
-    ApplyMomentum(config, grad + i, momentum + i, len);
-    EncodeBf16(momentum + i, len, out + i);
-  });
-}
-
-void MomentumStepInt8(const common::MuonConfig& config, const float* grad, const int8_t* q_in,
-                      const float* scales_in, size_t n, float* momentum, int8_t* q_out,
-                      float* scales_out) {
-  ForBlocks(n, [&](size_t b, size_t i, size_t len) {
-    DecodeLinearBlock(q_in + i, scales_in[b], len, momentum + i);
-    ApplyMomentum(config, grad + i, momentum + i, len);
-    EncodeLinearBlock(momentum + i, len, q_out + i, scales_out + b);
   });
 }
 

@@ -6,18 +6,23 @@
 // server/jobs calls it (CheckpointWriter, the registry's job records).
 //
 // A generation is a directory `gen-<G>` (G zero-padded to 12 digits) holding
-//   momentum.safetensors  the fp32 state of every tensor, whole (independent of world size and
-//                         ZeRO stage), in spec order (StateTensors): update mode, each matrix's
+//   momentum.safetensors  the state of every tensor, whole (independent of world size and ZeRO
+//                         stage), in spec order (StateTensors): update mode, each matrix's
 //                         momentum under the matrix's name; apply mode (DESIGN.md 4b), per tensor
 //                         "master/<name>", then "momentum/<name>" (Muon) or "exp_avg/<name>" and
-//                         "exp_avg_sq/<name>" (AdamW);
+//                         "exp_avg_sq/<name>" (AdamW). Each array as the job holds it (spec
+//                         "state", server/optim/state_codec.h): float32 ("F32", its shape);
+//                         bfloat16 ("BF16", its shape: the bf16 values); int8 ("U8", one dimension
+//                         of its bytes: the StateBlocks fp32 scales, then one code per element);
+//                         the masters always float32;
 //   manifest.json         {"format": "muond-checkpoint", "format_version": 1, "generation": G,
 //                          "step": S (the job's next step at the snapshot), "created_unix_ms",
 //                          "job": the job spec (job.json form, Muon config included),
 //                          "payload": "momentum.safetensors", "payload_bytes",
 //                          "payload_header_crc32c": CRC32C of the safetensors header JSON,
-//                          "tensors": [{"name", "shape", "dtype": "float32",
-//                                       "data_offsets": [begin, end], "crc32c"}],
+//                          "tensors": [{"name", "shape", "dtype": "float32" | "bfloat16" |
+//                                       "int8", int8 only: "map": "linear" | "log" and
+//                                       "block": 2048, "data_offsets": [begin, end], "crc32c"}],
 //                          apply mode only: "tensor_steps": [AdamW step count per job tensor],
 //                          "checksum": CRC32C of this JSON without "checksum" (compact dump)}.
 // Written into `gen-<G>.tmp`, each file fsynced, the directory fsynced, renamed to `gen-<G>`, and
@@ -68,24 +73,32 @@ struct Loaded {
   GenerationInfo info;
   common::JobSpec spec;                   // the spec the generation was written with
   std::vector<std::string> names;         // state tensor names, in payload order
-  std::vector<std::vector<float>> data;   // per name, its values
+  std::vector<std::vector<float>> data;   // per name, its values (decoded to fp32: encoding
+                                          // them again gives the held bytes back, bit for bit)
   std::vector<int64_t> tensor_steps;      // apply mode: per job tensor, its AdamW step count
   std::vector<std::string> set_aside;     // paths renamed .broken on the way
 };
 
-// One fp32 array of a generation's payload.
+// One array of a generation's payload.
 struct StateTensor {
   std::string name;
   std::vector<int64_t> shape;
   uint32_t tensor = 0;  // its job tensor (index into spec.matrices)
+  // How the job holds it (spec "state"): the masters fp32, Muon's momentum momentum_dtype,
+  // AdamW's moments adamw_dtype (the second moment non-negative: the logarithmic int8 map).
+  common::StateDType dtype = common::StateDType::kFloat32;
+  bool non_negative = false;
+  uint64_t numel() const;
+  uint64_t stored_bytes() const { return common::StoredStateBytes(dtype, numel()); }
 };
 // The arrays a generation of `spec` holds, in payload order (see above). Apply mode: slot 0 is the
 // master, slot 1 the momentum (Muon) or exp_avg (AdamW), slot 2 exp_avg_sq.
 std::vector<StateTensor> StateTensors(const common::JobSpec& spec);
 std::string StateArrayName(const common::MatrixSpec& tensor, int slot);
 
-// State tensor `m` (StateTensors order), copied into `out` (resized to its numel). Called once per
-// array, in order, from the writing thread.
+// State tensor `m` (StateTensors order), copied into `out` (resized to its numel), decoded to
+// fp32; the payload encodes it as the job holds it (decoding then encoding gives the same bits).
+// Called once per array, in order, from the writing thread.
 using MatrixSource = std::function<absl::Status(size_t m, std::vector<float>* out)>;
 
 class Store {

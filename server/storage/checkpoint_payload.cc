@@ -16,6 +16,7 @@
 #include "common/json_depth.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
+#include "server/optim/state_codec.h"
 #include "server/storage/durable_file.h"
 
 namespace muond::server::checkpoint {
@@ -91,11 +92,63 @@ absl::StatusOr<PayloadHeader> ReadPayloadHeader(int fd, const std::string& path,
   return out;
 }
 
-// Where one tensor's data lies in the payload, and the CRC32C the manifest gives for it.
+// Where one tensor's data lies in the payload, the CRC32C the manifest gives for it, and how it
+// is held there.
 struct TensorRead {
   uint64_t offset;
   uint32_t crc;
+  uint64_t bytes;
+  common::StateDType dtype;
+  StateRole role;
 };
+
+// The safetensors dtype of an array held as `dtype`.
+const char* SafetensorsDType(common::StateDType dtype) {
+  switch (dtype) {
+    case common::StateDType::kBFloat16:
+      return "BF16";
+    case common::StateDType::kInt8:
+      return "U8";
+    case common::StateDType::kFloat32:
+      break;
+  }
+  return "F32";
+}
+
+// The safetensors shape of array `t` as stored: its own, or (int8) its bytes.
+std::vector<int64_t> StoredShape(const StateTensor& t) {
+  if (t.dtype != common::StateDType::kInt8) return t.shape;
+  return {static_cast<int64_t>(t.stored_bytes())};
+}
+
+// The manifest entry's held form: "dtype" (absent in no generation muond wrote, read as
+// float32), and for int8 "map" and "block". DATA_LOSS naming the tensor when they are not one
+// this build reads.
+absl::Status ParseHeldForm(const Json& t, const std::string& path, const std::string& name,
+                           StateTensor* out) {
+  const auto dtype = t.find("dtype");
+  auto parsed = dtype == t.end() || !dtype->is_string()
+                    ? absl::StatusOr<common::StateDType>(absl::InvalidArgumentError("not a string"))
+                    : common::ParseStateDType(dtype->get<std::string>());
+  if (!parsed.ok()) {
+    return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "': bad \"dtype\" (",
+                                            parsed.status().message(), ")"));
+  }
+  out->dtype = *parsed;
+  out->non_negative = false;
+  if (out->dtype != common::StateDType::kInt8) return absl::OkStatus();
+  const auto map = t.find("map");
+  const auto block = t.find("block");
+  if (map == t.end() || !map->is_string() || (*map != "linear" && *map != "log") ||
+      block == t.end() || !block->is_number_unsigned() ||
+      block->get<uint64_t>() != common::kStateBlock) {
+    return absl::DataLossError(absl::StrCat(path, ": tensor '", name,
+                                            "': int8 needs \"map\" linear or log and \"block\" ",
+                                            common::kStateBlock));
+  }
+  out->non_negative = *map == "log";
+  return absl::OkStatus();
+}
 
 // Checks the manifest's tensor list against the payload header (name, dtype, shape, offsets, all
 // within `size` bytes) and sizes out->names and out->data for them. DATA_LOSS naming the tensor
@@ -122,33 +175,40 @@ absl::StatusOr<std::vector<TensorRead>> PlanTensorReads(const std::string& manif
       const std::vector<int64_t> shape = at(t, prefix, "shape").get<std::vector<int64_t>>();
       const std::vector<uint64_t> off = at(t, prefix, "data_offsets").get<std::vector<uint64_t>>();
       const uint32_t crc = at(t, prefix, "crc32c").get<uint32_t>();
-      key = absl::StrCat(name, " (of the payload header ", path, ")");
-      const auto it = h.find(name);
-      const auto dtype = it == h.end() ? h.end() : it->find("dtype");
-      if (it == h.end() || dtype == it->end() || !dtype->is_string() || *dtype != "F32" ||
-          it->at("shape").get<std::vector<int64_t>>() != shape ||
-          it->at("data_offsets").get<std::vector<uint64_t>>() != off || off.size() != 2 ||
-          off[1] < off[0]) {
-        return absl::DataLossError(
-            absl::StrCat(path, ": tensor '", name, "' differs between header and manifest"));
-      }
-      // Each dimension positive and the product within the payload (so it cannot overflow).
+      StateTensor held;
+      held.shape = shape;
+      RETURN_IF_ERROR(ParseHeldForm(t, manifest_path, name, &held));
+      // Each dimension positive and the product within the payload (so it cannot overflow; an
+      // element is at least one byte).
       uint64_t numel = 1;
       for (int64_t d : shape) {
-        if (d <= 0 || static_cast<uint64_t>(d) > size / sizeof(float) / numel) {
+        if (d <= 0 || static_cast<uint64_t>(d) > size / numel) {
           return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "' shape [",
                                                   absl::StrJoin(shape, ", "),
                                                   "] does not fit the payload's ", size, " bytes"));
         }
         numel *= static_cast<uint64_t>(d);
       }
-      if (off[1] - off[0] != numel * sizeof(float) || header.data_start + off[1] > size) {
+      key = absl::StrCat(name, " (of the payload header ", path, ")");
+      const auto it = h.find(name);
+      const auto dtype = it == h.end() ? h.end() : it->find("dtype");
+      if (it == h.end() || dtype == it->end() || !dtype->is_string() ||
+          *dtype != SafetensorsDType(held.dtype) ||
+          it->at("shape").get<std::vector<int64_t>>() != StoredShape(held) ||
+          it->at("data_offsets").get<std::vector<uint64_t>>() != off || off.size() != 2 ||
+          off[1] < off[0]) {
+        return absl::DataLossError(
+            absl::StrCat(path, ": tensor '", name, "' differs between header and manifest"));
+      }
+      const uint64_t bytes = held.stored_bytes();
+      if (off[1] - off[0] != bytes || header.data_start + off[1] > size) {
         return absl::DataLossError(
             absl::StrCat(path, ": tensor '", name, "' has a bad size or offsets"));
       }
       out->names.push_back(name);
       out->data.emplace_back(numel);
-      reads.push_back({header.data_start + off[0], crc});
+      reads.push_back({header.data_start + off[0], crc, bytes, held.dtype,
+                       held.non_negative ? StateRole::kNonNegative : StateRole::kSigned});
     }
   } catch (const Json::exception& e) {
     return absl::DataLossError(absl::StrCat(manifest_path, ": key '", key, "': ", e.what()));
@@ -163,18 +223,24 @@ absl::Status ReadTensors(int fd, const std::string& path, uint64_t size,
                          const std::function<void(uint64_t)>& on_bytes_read) {
   std::vector<absl::Status> read_status(reads.size());
   common::ParallelFor(reads.size(), size, [&](size_t i) {
+    const TensorRead& r = reads[i];
     std::vector<float>& v = out->data[i];
-    const size_t bytes = v.size() * sizeof(float);
-    read_status[i] = PreadAll(fd, v.data(), bytes, reads[i].offset, path);
+    // fp32 is read where it goes; a compressed array into its held words, then decoded.
+    std::vector<float> held;
+    const bool fp32 = r.dtype == common::StateDType::kFloat32;
+    if (!fp32) held.resize(StoredWords(r.dtype, v.size()));
+    float* into = fp32 ? v.data() : held.data();
+    read_status[i] = PreadAll(fd, into, r.bytes, r.offset, path);
     if (!read_status[i].ok()) return;
-    const uint32_t got = common::Crc32c(v.data(), bytes);
-    if (got != reads[i].crc) {
+    const uint32_t got = common::Crc32c(into, r.bytes);
+    if (got != r.crc) {
       read_status[i] = absl::DataLossError(
           absl::StrFormat("%s: tensor '%s' checksum mismatch (crc32c %08x, manifest %08x)", path,
-                          out->names[i], got, reads[i].crc));
-    } else if (on_bytes_read) {
-      on_bytes_read(bytes);
+                          out->names[i], got, r.crc));
+      return;
     }
+    if (!fp32) DecodeStored(r.dtype, r.role, held.data(), v.size(), 0, v.size(), v.data());
+    if (on_bytes_read) on_bytes_read(r.bytes);
   });
   for (const absl::Status& st : read_status) RETURN_IF_ERROR(st);
   return absl::OkStatus();
@@ -195,16 +261,29 @@ std::string StateArrayName(const common::MatrixSpec& tensor, int slot) {
   return absl::StrCat(adamw ? kAdamW[slot] : kMuon[slot], tensor.name);
 }
 
+uint64_t StateTensor::numel() const {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
 std::vector<StateTensor> StateTensors(const common::JobSpec& spec) {
+  using common::StateDType;
   std::vector<StateTensor> out;
   for (uint32_t t = 0; t < spec.matrices.size(); ++t) {
     const common::MatrixSpec& m = spec.matrices[t];
     if (spec.mode != common::JobMode::kApply) {
-      out.push_back({m.name, m.shape, t});
+      out.push_back({m.name, m.shape, t, spec.state.momentum, false});
       continue;
     }
-    const int slots = m.optimizer == common::Optimizer::kAdamW ? 3 : 2;
-    for (int s = 0; s < slots; ++s) out.push_back({StateArrayName(m, s), m.shape, t});
+    if (m.optimizer != common::Optimizer::kAdamW) {
+      out.push_back({StateArrayName(m, 0), m.shape, t, StateDType::kFloat32, false});
+      out.push_back({StateArrayName(m, 1), m.shape, t, spec.state.momentum, false});
+      continue;
+    }
+    out.push_back({StateArrayName(m, 0), m.shape, t, StateDType::kFloat32, false});
+    out.push_back({StateArrayName(m, 1), m.shape, t, spec.state.adamw, false});
+    out.push_back({StateArrayName(m, 2), m.shape, t, spec.state.adamw, true});
   }
   return out;
 }
@@ -214,15 +293,19 @@ PayloadLayout LayOutPayload(const common::JobSpec& spec, const GenerationInfo& i
   Json header = Json::object();
   uint64_t offset = 0;
   for (const StateTensor& m : StateTensors(spec)) {
-    uint64_t numel = 1;
-    for (int64_t d : m.shape) numel *= static_cast<uint64_t>(d);
-    const uint64_t bytes = numel * sizeof(float);
-    header[m.name] = {
-        {"dtype", "F32"}, {"shape", m.shape}, {"data_offsets", {offset, offset + bytes}}};
-    layout.tensors.push_back({{"name", m.name},
-                              {"shape", m.shape},
-                              {"dtype", "float32"},
-                              {"data_offsets", {offset, offset + bytes}}});
+    const uint64_t bytes = m.stored_bytes();
+    header[m.name] = {{"dtype", SafetensorsDType(m.dtype)},
+                      {"shape", StoredShape(m)},
+                      {"data_offsets", {offset, offset + bytes}}};
+    Json entry = {{"name", m.name},
+                  {"shape", m.shape},
+                  {"dtype", std::string(common::StateDTypeName(m.dtype))},
+                  {"data_offsets", {offset, offset + bytes}}};
+    if (m.dtype == common::StateDType::kInt8) {
+      entry["map"] = m.non_negative ? "log" : "linear";
+      entry["block"] = common::kStateBlock;
+    }
+    layout.tensors.push_back(std::move(entry));
     offset += bytes;
   }
   header["__metadata__"] = {{"format", kFormat},
@@ -243,19 +326,27 @@ absl::Status WritePayload(const std::string& path, const common::JobSpec& spec,
   RETURN_IF_ERROR(durable::WriteAll(fd.get(), &header_len, 8, path));
   RETURN_IF_ERROR(
       durable::WriteAll(fd.get(), layout->header_text.data(), layout->header_text.size(), path));
-  std::vector<float> buf;
+  std::vector<float> buf, held;
   const std::vector<StateTensor> tensors = StateTensors(spec);
   for (size_t i = 0; i < tensors.size(); ++i) {
+    const StateTensor& t = tensors[i];
     RETURN_IF_ERROR(source(i, &buf));
-    uint64_t numel = 1;
-    for (int64_t d : tensors[i].shape) numel *= static_cast<uint64_t>(d);
+    const uint64_t numel = t.numel();
     if (buf.size() != numel) {
-      return absl::InternalError(absl::StrCat("checkpoint: tensor '", tensors[i].name, "' has ",
-                                              buf.size(), " elements, expected ", numel));
+      return absl::InternalError(absl::StrCat("checkpoint: tensor '", t.name, "' has ", buf.size(),
+                                              " elements, expected ", numel));
     }
-    const size_t bytes = buf.size() * sizeof(float);
-    layout->tensors[i]["crc32c"] = common::Crc32c(buf.data(), bytes);
-    RETURN_IF_ERROR(durable::WriteAll(fd.get(), buf.data(), bytes, path));
+    // As the job holds it: the source decoded it, encoding gives the held bytes back.
+    const float* out = buf.data();
+    if (t.dtype != common::StateDType::kFloat32) {
+      held.resize(StoredWords(t.dtype, numel));
+      EncodeStoredAll(t.dtype, t.non_negative ? StateRole::kNonNegative : StateRole::kSigned,
+                      buf.data(), numel, held.data());
+      out = held.data();
+    }
+    const size_t bytes = t.stored_bytes();
+    layout->tensors[i]["crc32c"] = common::Crc32c(out, bytes);
+    RETURN_IF_ERROR(durable::WriteAll(fd.get(), out, bytes, path));
   }
   return durable::Fsync(fd.get(), IoPoint::kFsyncFile, path);
 }
