@@ -14,7 +14,7 @@
 #                                        own build in build-asan/, -O1 -g1, then the unit,
 #                                        integration, shared-memory, hostile and fuzz-replay
 #                                        suites under it); MUOND_SANITIZE_LANE=0 leaves it out
-#                                     5. every fuzz target for MUOND_FUZZ_SECONDS (60) s, 2 at a
+#                                     5. every fuzz target for MUOND_FUZZ_SECONDS (30) s, 2 at a
 #                                        time (build-fuzz/, tests/fuzz/run.sh)
 #                                     MUOND_EXTRA_LANES=0 stops after lane 3.
 #   tests/run.sh --sanitize address   only the ASan + UBSan lane (build-asan/)
@@ -56,7 +56,7 @@ if [ "${MUOND_EXTRA_LANES:-1}" != 0 ]; then
   if [ "${MUOND_SANITIZE_LANE:-1}" != 0 ]; then
     lane "asan+ubsan" tests/sanitize/run.sh address
   fi
-  lane fuzz tests/fuzz/run.sh "${MUOND_FUZZ_SECONDS:-60}"
+  lane fuzz tests/fuzz/run.sh "${MUOND_FUZZ_SECONDS:-30}"
 fi
 echo "=== tests/run.sh: lanes"
 printf '  %s\n' "${times[@]}"
