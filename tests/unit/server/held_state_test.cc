@@ -6,6 +6,8 @@
 //    for bit the serial Muon step computed from the decoded committed momentum, and the committed
 //    momentum is the encoding of the new one (a checkpoint holds its decoding);
 //  - a job that loads that checkpoint continues bit for bit (the decoding encodes back exactly);
+//  - the same through the step window (a matrix computed before the seal) and in place (after
+//    it), mixed within a step;
 //  - apply mode, int8 momentum and int8 AdamW moments: a checkpoint, a load and the next step give
 //    the bits of the job that ran on, and the masters stay close to those of an fp32-state job.
 #include <cmath>
@@ -41,6 +43,9 @@ class HeldStateTest : public commit_test::CommitFixture {
     auto loaded = job_->LoadCheckpointFrom(from, checkpoint::Selector{});
     ASSERT_TRUE(loaded.ok()) << loaded.status();
   }
+  // Step `step` of a TwoRankSpec job in one of two orders (below).
+  std::vector<RankRegion> StepOrdered(const common::JobSpec& spec, int64_t step,
+                                      const std::vector<std::vector<float>>& grads, bool split);
 };
 
 // The serial step of update mode on held momentum: decode, MuonUpdate, encode.
@@ -122,6 +127,64 @@ TEST_P(HeldStateTest, UpdateModeStepsAreTheSerialStepOnTheDecodedMomentum) {
     grads = RandomGradients(spec, rng);
     const std::vector<RankRegion> regions = StepRegions(spec, 2, grads);
     EXPECT_EQ(UpdateDifferences(spec, regions, ref.Step(spec, grads)), 0u) << "after the load";
+  }
+}
+
+// Step `step` of a two-rank job: `split`: rank 0 rings and its complete matrix ("a") is computed
+// into the step window before rank 1 rings (the step is sealed then, and "b" and "c" are
+// computed in place); else both ring before anything is computed (every matrix in place).
+std::vector<RankRegion> HeldStateTest::StepOrdered(const common::JobSpec& spec, int64_t step,
+                                                   const std::vector<std::vector<float>>& grads,
+                                                   bool split) {
+  std::vector<RankRegion> regions = {FillRegion(spec, 0, grads), FillRegion(spec, 1, grads)};
+  Outcome out0, out1;
+  absl::Notification release;
+  if (!split) executor_->Submit([&release] { release.WaitForNotification(); });
+  EXPECT_TRUE(Submit(0, step, regions[0], &out0).ok());
+  if (split) WaitForExecutor();
+  EXPECT_TRUE(Submit(1, step, regions[1], &out1).ok());
+  if (!split) release.Notify();
+  for (Outcome* o : {&out0, &out1}) {
+    o->ended.WaitForNotification();
+    EXPECT_TRUE(o->status.ok()) << o->status;
+  }
+  return regions;
+}
+
+// The held momentum through both of the step's writes: the step window (encoded there before the
+// seal, swapped in at the commit) and in place (encoded into the store once sealed), mixed within
+// a step and alternating between steps: every update and the committed momentum are the serial
+// step's bits.
+TEST_P(HeldStateTest, WindowAndInPlaceWritesGiveTheSerialBits) {
+  for (StateDType dtype : {StateDType::kBFloat16, StateDType::kInt8}) {
+    const std::string name(common::StateDTypeName(dtype));
+    SCOPED_TRACE(name);
+    common::JobSpec spec = TwoRankSpec(JobId("held-window-" + name));
+    spec.state.momentum = dtype;
+    const uint64_t one_matrix = spec.StateBytesOf(spec.matrices[0]);
+    spec.step_window_bytes = one_matrix;  // "a" fits, nothing more
+    ASSERT_NO_FATAL_FAILURE(StartJob(spec));
+    std::mt19937 rng(43);
+    HeldReference ref(spec, dtype);
+    for (int64_t step = 0; step < 4; ++step) {
+      const bool split = step == 1 || step == 2;
+      const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+      const std::vector<RankRegion> regions = StepOrdered(spec, step, grads, split);
+      EXPECT_EQ(UpdateDifferences(spec, regions, ref.Step(spec, grads)), 0u)
+          << "step " << step << (split ? " (window, then in place)" : " (in place)");
+      // The window keeps the buffer of the matrix the step computed before the seal.
+      const uint64_t window = job_->Report().memory.step_window;
+      if (split) {
+        EXPECT_GE(window, one_matrix) << "step " << step << ": nothing went to the window";
+      } else {
+        EXPECT_EQ(window, 0u) << "step " << step << ": a sealed step wrote the window";
+      }
+    }
+    const std::vector<std::vector<float>> saved = SavedMomentum();
+    ASSERT_EQ(saved.size(), spec.matrices.size());
+    for (size_t m = 0; m < saved.size(); ++m) {
+      EXPECT_EQ(BitDifferences(saved[m], ref.Decoded(m, saved[m].size())), 0u) << "matrix " << m;
+    }
   }
 }
 
