@@ -57,6 +57,22 @@ absl::Status ApplyStep::CheckSumOfSquares(const StepState& state, uint32_t t, do
 absl::Status ApplyStep::CheckRawGradient(const StepState& state, uint32_t t,
                                          std::vector<RawPiece> pieces, double* sum_sq) const {
   const common::MatrixSpec& ms = spec_.matrices[t];
+  double ss = 0;
+  RETURN_IF_ERROR(RawSumOfSquares(ms, &pieces, &ss));
+  RETURN_IF_ERROR(CheckSumOfSquares(state, t, ss, [&]() -> int64_t {
+    for (const RawPiece& p : pieces) {
+      const int64_t bad = common::FindNonFiniteRaw(ms.dtype, p.data, p.length);
+      if (bad >= 0) return static_cast<int64_t>(p.at) + bad;
+    }
+    return -1;
+  }));
+  *sum_sq = ss;
+  return absl::OkStatus();
+}
+
+absl::Status ApplyStep::RawSumOfSquares(const common::MatrixSpec& ms, std::vector<RawPiece>* raw,
+                                        double* sum_sq) {
+  std::vector<RawPiece>& pieces = *raw;
   const size_t n = static_cast<size_t>(ms.numel());
   const size_t esize = common::DTypeSize(ms.dtype);
   std::sort(pieces.begin(), pieces.end(), [](const RawPiece& a, const RawPiece& b) {
@@ -84,13 +100,6 @@ absl::Status ApplyStep::CheckRawGradient(const StepState& state, uint32_t t,
     }
     return SumOfSquares(values.data(), values.size());
   });
-  RETURN_IF_ERROR(CheckSumOfSquares(state, t, ss, [&]() -> int64_t {
-    for (const RawPiece& p : pieces) {
-      const int64_t bad = common::FindNonFiniteRaw(ms.dtype, p.data, p.length);
-      if (bad >= 0) return static_cast<int64_t>(p.at) + bad;
-    }
-    return -1;
-  }));
   *sum_sq = ss;
   return absl::OkStatus();
 }

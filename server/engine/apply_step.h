@@ -54,6 +54,11 @@ class ApplyStep {
   // momentum are the device's.
   absl::Status CheckRawGradient(const StepState& state, uint32_t t, std::vector<RawPiece> pieces,
                                 double* sum_sq) const;
+  // The sum CheckRawGradient computes, alone (update mode's norm pass, step_pipeline_clip.cc):
+  // the sum of squares of tensor `ms`'s raw gradient from the pieces that tile it, bit for bit
+  // ParallelSumOfSquares of its assembled fp32 gradient. INTERNAL when they do not tile it.
+  static absl::Status RawSumOfSquares(const common::MatrixSpec& ms, std::vector<RawPiece>* pieces,
+                                      double* sum_sq);
   // AdamW of tensor t from its prepared gradient; writes the owners' output spans.
   void ApplyAdamW(StepState& state, uint32_t t, const float* grad);
   // The Muon apply of tensor t from its update U (scaled); writes the owners' output spans.

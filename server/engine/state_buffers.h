@@ -17,9 +17,10 @@
 // others are freed at the commit, so the window never holds more than one step reserved.
 //
 // Two copies (window_bytes == kTwoCopies): every array has its back allocated up front and is
-// never written in place, as the jobs that recompute or roll back a step need: a step recomputed
-// from the same front when global clipping triggers, and the two-phase commit of many nodes
-// (Flip(keep_back) and Unflip).
+// never written in place, as the jobs that roll a committed step back need: the two-phase commit
+// of many nodes (Flip(keep_back) and Unflip). Global clipping needs no second copy: the clip is
+// decided at the seal, before anything is written in place, and only what was computed before
+// it (in the window, the front intact) is recomputed (step_pipeline_clip.cc).
 //
 // Snapshots without copies on the step's path: a snapshot refers to the front buffers of the
 // moment it began, and the writer copies each array from there on its own thread

@@ -34,10 +34,14 @@ StepPipeline::Run::Run(StepPipeline& p, StepState& state)
 void StepPipeline::Run::Go() {
   while (true) {
     Batch batch;
-    bool commit = false;
-    if (!Take(&batch, &commit)) {
+    bool commit = false, decide = false;
+    if (!Take(&batch, &commit, &decide)) {
       p_.gather_in_use_bytes_.store(0);
       return;
+    }
+    if (decide) {
+      DecideClip();
+      continue;
     }
     if (batch.matrices.empty()) {
       if (!flight_.empty()) {
@@ -72,12 +76,12 @@ void StepPipeline::Run::Go() {
   }
 }
 
-bool StepPipeline::Run::Take(Batch* batch, bool* commit) {
+bool StepPipeline::Run::Take(Batch* batch, bool* commit, bool* decide) {
   absl::MutexLock lock(p_.job_mu_);
-  return TakeLocked(batch, commit);
+  return TakeLocked(batch, commit, decide);
 }
 
-bool StepPipeline::Run::TakeLocked(Batch* batch, bool* commit) {
+bool StepPipeline::Run::TakeLocked(Batch* batch, bool* commit, bool* decide) {
   // The gather budget bounds everything assembled at once (all batches in flight); batches aim
   // at a third of it so that kDepth of them overlap. A matrix larger than the budget goes
   // alone, when nothing else is in flight.
@@ -90,6 +94,11 @@ bool StepPipeline::Run::TakeLocked(Batch* batch, bool* commit) {
   uint64_t batch_bytes = 0;
   size_t taken = 0;
   const bool sealed = state_.sealed(p_.spec_.matrices.size(), p_.spec_.clips_outside_share());
+  const bool norm_pass = NeedsNormPass() && !state_.clip_decided;
+  if (sealed && norm_pass && status_.ok() && !state_.done) {
+    *decide = true;  // before anything is written in place
+    return true;
+  }
   for (uint32_t m : state_.ready) {
     if (state_.done || !status_.ok()) break;
     const uint64_t bytes = p_.AssembledBytes(m);
@@ -100,6 +109,7 @@ bool StepPipeline::Run::TakeLocked(Batch* batch, bool* commit) {
     if (!TakeState(m, sealed, &in_place)) break;
     batch->matrices.push_back(m);
     batch->in_place.push_back(in_place);
+    if (norm_pass) state_.speculated.push_back(m);  // clip 1, into the window
     batch_bytes += bytes;
     ++taken;
   }
@@ -116,7 +126,7 @@ bool StepPipeline::Run::TakeLocked(Batch* batch, bool* commit) {
     }
   }
   if (!batch->matrices.empty() || !flight_.empty()) return true;
-  if (RedoForClipping()) return TakeLocked(batch, commit);  // every tensor is ready again
+  if (RedoForClipping()) return TakeLocked(batch, commit, decide);  // ready again
   return Finish(commit);
 }
 

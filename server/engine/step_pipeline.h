@@ -36,9 +36,10 @@
 // host threads right after their batch's Muon tensors were enqueued (so with a GPU they overlap
 // its Newton-Schulz), and Muon tensors are applied to the masters when their batch is retired
 // (while the next batches compute). Everything reads the ParamStore's committed front and writes
-// its back; when every tensor is done and the step's gradient norm exceeds max_grad_norm, every
-// tensor is queued again with the clip coefficient (recomputed from the same front: the serial
-// result, bit for bit).
+// the step window or, once sealed, the front in place. With max_grad_norm the clip is decided at
+// the seal (a norm pass over the gradients not computed yet) before anything is written in place;
+// when it clips, the tensors computed before it are queued again with the clip coefficient
+// (recomputed from the same front: the serial result, bit for bit; step_pipeline_clip.cc).
 //
 // Runs on the ComputeExecutor's thread (the device streams are used from there only). It reads the
 // job's layout and momentum (unchanged while a step computes) and the StepState under the job's

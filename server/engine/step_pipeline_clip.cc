@@ -1,13 +1,20 @@
-// Global clipping in the step pipeline (step_pipeline_run.h): the first pass of a step is
-// speculative (clip 1: most steps do not clip, and their results stand); when every tensor is done
-// and the step's norm exceeds max_grad_norm, every tensor is queued again with the clip
-// coefficient, recomputed from the unchanged committed state (the serial result, bit for bit),
-// and what the redo reads again must be what the first pass read.
+// Global clipping in the step pipeline (step_pipeline_run.h). With two copies of the state
+// (multi-node jobs), the first pass of a step is speculative (clip 1: most steps do not clip, and
+// their results stand); when every tensor is done and the step's norm exceeds max_grad_norm, every
+// tensor is queued again with the clip coefficient, recomputed from the unchanged committed state
+// (the serial result, bit for bit). With one copy, the clip is decided at the seal: the tensors
+// computed before it went to the step window with clip 1; the norm pass reads the raw gradients
+// of the others (their sums, bit for bit those of their assembly) and the clip is known before
+// anything is written in place; only the speculated tensors are recomputed when it clips. What a
+// later read reads again must be what the first read read.
 #include <cmath>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/parallel_for.h"
+#include "common/status_macros.h"
 #include "server/engine/step_pipeline_run.h"
 #include "server/optim/grad_norm.h"
 
@@ -26,8 +33,7 @@ bool StepPipeline::Run::RedoForClipping() {
   if (state_.clip_redo || state_.hyper.clip_source != ClipSource::kLocal) return false;
   const float clip = p_.apply_->ClipCoefficient(state_);
   if (clip >= 1.0f) return false;
-  QueueEveryMatrixAgain(clip, ApplyStep::GradScale(clip, state_.hyper.grad_divisor));
-  return true;
+  return QueueAgain(clip, ApplyStep::GradScale(clip, state_.hyper.grad_divisor));
 }
 
 // Update mode with max_grad_norm: the norm spans the job's matrices and every rank's share of
@@ -41,29 +47,114 @@ bool StepPipeline::Run::RedoUpdateForClipping() {
   state_.grad_norm = std::sqrt(total);
   const float clip = server::ClipCoefficient(total, p_.spec_.max_grad_norm);
   if (clip >= 1.0f) return false;
-  QueueEveryMatrixAgain(clip, clip);
-  return true;
+  return QueueAgain(clip, clip);
 }
 
-void StepPipeline::Run::QueueEveryMatrixAgain(float clip, float grad_scale) {
+bool StepPipeline::Run::QueueAgain(float clip, float grad_scale) {
+  std::vector<uint32_t> again;
+  if (state_.clip_decided) {
+    again = state_.speculated;  // the others were computed with the clip
+  } else {
+    for (uint32_t m = 0; m < p_.spec_.matrices.size(); ++m) again.push_back(m);
+  }
+  if (again.empty()) return false;
   state_.clip = clip;
   state_.clip_redo = true;
   state_.grad_scale = grad_scale;
-  state_.matrices_done = 0;
-  state_.ready.clear();
-  for (uint32_t m = 0; m < p_.spec_.matrices.size(); ++m) state_.ready.push_back(m);
+  state_.matrices_done -= again.size();
+  state_.ready = std::move(again);
+  return true;
 }
 
-// The first pass keeps the CRC32C of every slice of tensor m's raw gradients it read; the redo,
-// which reads them again, refuses the step (INVALID_ARGUMENT, nothing committed) when one
-// differs: the step's norm and clip coefficient came from the bytes first read, and its result
-// must too.
+bool StepPipeline::Run::NeedsNormPass() const {
+  if (p_.StateTwoCopies() || p_.spec_.transport_probe || !(p_.spec_.max_grad_norm > 0)) {
+    return false;
+  }
+  return apply_mode() ? state_.hyper.clip_source == ClipSource::kLocal
+                      : p_.spec_.clips_outside_share();
+}
+
+void StepPipeline::Run::DecideClip() {
+  std::vector<uint32_t> unread, speculated;
+  {
+    absl::MutexLock lock(p_.job_mu_);
+    unread = state_.ready;  // sealed: every tensor not taken yet is ready
+    speculated = state_.speculated;
+  }
+  if (state_.read_crc.empty()) state_.read_crc.resize(p_.spec_.matrices.size());
+  for (uint32_t m : unread) {
+    if (apply_mode() && state_.hyper.absent_at(m)) continue;  // carried: no gradient
+    status_ = NormPassRead(m, /*sum=*/true);
+    if (!status_.ok()) break;
+  }
+  float clip = 1.0f;
+  if (status_.ok()) {
+    absl::MutexLock lock(p_.job_mu_);
+    if (apply_mode()) {
+      state_.grad_norm = ApplyStep::GradNorm(state_);
+      clip = p_.apply_->ClipCoefficient(state_);
+    } else {
+      state_.grad_norm = std::sqrt(state_.TotalSumSq());
+      clip = server::ClipCoefficient(state_.TotalSumSq(), p_.spec_.max_grad_norm);
+    }
+  }
+  // It clips: the speculated tensors are computed again at the end, after tensors were written
+  // in place. What they read then must be what they first read: checked here too, while a
+  // refusal still changes nothing.
+  for (size_t i = 0; status_.ok() && clip < 1.0f && i < speculated.size(); ++i) {
+    if (apply_mode() && state_.hyper.absent_at(speculated[i])) continue;
+    status_ = NormPassRead(speculated[i], /*sum=*/false);
+  }
+  absl::MutexLock lock(p_.job_mu_);
+  state_.clip_decided = true;
+  if (!status_.ok()) {
+    refused_ = true;
+    return;
+  }
+  state_.clip = clip;
+  state_.grad_scale = apply_mode() ? ApplyStep::GradScale(clip, state_.hyper.grad_divisor) : clip;
+}
+
+absl::Status StepPipeline::Run::NormPassRead(uint32_t m, bool sum) {
+  const common::MatrixSpec& ms = p_.spec_.matrices[m];
+  const size_t esize = common::DTypeSize(ms.dtype);
+  // The slices every assembly of the tensor reads (AssembleOnHost, ReadDirectGradient).
+  const std::vector<JobLayout::OwnerSlice> slices = p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
+  if (sum) {
+    std::vector<ApplyStep::RawPiece> pieces;
+    pieces.reserve(slices.size());
+    for (const JobLayout::OwnerSlice& s : slices) {
+      const common::ShardSpan& span = p_.layout_.spans(s.ref->rank)[s.ref->span];
+      pieces.push_back({span.offset + s.begin, s.length,
+                        state_.ranks[s.ref->rank].span_in[s.ref->span] + s.begin * esize});
+    }
+    double ss = 0;
+    if (apply_mode()) {
+      RETURN_IF_ERROR(p_.apply_->CheckRawGradient(state_, m, pieces, &ss));
+    } else {
+      RETURN_IF_ERROR(ApplyStep::RawSumOfSquares(ms, &pieces, &ss));
+    }
+    state_.sum_sq[m] = ss;
+  }
+  std::vector<uint32_t> crc(slices.size());
+  common::ParallelFor(slices.size(), static_cast<uint64_t>(ms.numel()) * esize, [&](size_t k) {
+    const JobLayout::SpanRef& ref = *slices[k].ref;
+    crc[k] = common::Crc32c(state_.ranks[ref.rank].span_in[ref.span] + slices[k].begin * esize,
+                            slices[k].length * esize);
+  });
+  return CheckReread(m, slices, std::move(crc));  // the first read records, a later one compares
+}
+
+// The first read of tensor m's raw gradients (its first computation, or the norm pass) keeps the
+// CRC32C of every slice; a later read (the redo, the computation after the norm pass) refuses the
+// step (INVALID_ARGUMENT) when one differs: the step's norm and clip coefficient came from the
+// bytes first read, and its result must too.
 absl::Status StepPipeline::Run::CheckReread(uint32_t m,
                                             const std::vector<JobLayout::OwnerSlice>& slices,
                                             std::vector<uint32_t> crc) {
   if (state_.read_crc.empty()) state_.read_crc.resize(p_.spec_.matrices.size());
   std::vector<uint32_t>& first = state_.read_crc[m];
-  if (!state_.clip_redo) {
+  if (first.empty()) {  // the first read of the tensor this step
     first = std::move(crc);
     return absl::OkStatus();
   }
@@ -71,12 +162,12 @@ absl::Status StepPipeline::Run::CheckReread(uint32_t m,
     if (crc[k] == first[k]) continue;
     const JobLayout::SpanRef& ref = *slices[k].ref;
     const uint64_t begin = p_.layout_.spans(ref.rank)[ref.span].offset + slices[k].begin;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job '", p_.spec_.job_id, "' step ", state_.step, ": rank ", ref.rank,
-        "'s gradient of tensor '", p_.spec_.matrices[m].name, "' (elements ", begin, " to ",
-        begin + slices[k].length,
-        ") changed after it was read, before the step ended (global clipping reads every "
-        "gradient again); the step is refused and nothing changed"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job '", p_.spec_.job_id, "' step ", state_.step, ": rank ", ref.rank,
+                     "'s gradient of tensor '", p_.spec_.matrices[m].name, "' (elements ", begin,
+                     " to ", begin + slices[k].length,
+                     ") changed after it was read, before the step ended (global clipping reads "
+                     "gradients again); the step is refused and nothing changed"));
   }
   return absl::OkStatus();
 }

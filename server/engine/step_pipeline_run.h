@@ -79,9 +79,11 @@ class StepPipeline::Run {
   // The loop and its accounting (step_pipeline.cc).
   // Under the job's lock: takes the next batch from the ready matrices. With nothing taken and
   // nothing in flight the call ends: false (the drain is over; a device error refused the step),
-  // or true with an empty batch and *commit when the step's last matrix is done.
-  bool Take(Batch* batch, bool* commit);
-  bool TakeLocked(Batch* batch, bool* commit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
+  // or true with an empty batch and *commit when the step's last matrix is done. *decide: true
+  // with nothing taken when the step was sealed and its clip must be decided first (DecideClip).
+  bool Take(Batch* batch, bool* commit, bool* decide);
+  bool TakeLocked(Batch* batch, bool* commit, bool* decide)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
   // Under the job's lock, nothing left to do: refuses the step on a device error, decides the
   // commit and accounts the device time. False ends the drain.
   bool Finish(bool* commit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
@@ -158,11 +160,22 @@ class StepPipeline::Run {
   void ApplyToMasters(Batch& b);
 
   // Global clipping (step_pipeline_clip.cc).
-  // Under the job's lock, every tensor done: queues every tensor again with the clip
-  // coefficient when clipping triggers. True when it did.
+  // Under the job's lock, every tensor done: queues again, with the clip coefficient when
+  // clipping triggers, every tensor computed before the clip was known (every tensor, with two
+  // copies of the state). True when it did.
   bool RedoForClipping() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
   bool RedoUpdateForClipping() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
-  void QueueEveryMatrixAgain(float clip, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
+  bool QueueAgain(float clip, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
+  // One copy of the state with clipping on: the clip is decided at the seal, before anything is
+  // written in place (the tensors computed before it went to the step window with clip 1).
+  bool NeedsNormPass() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
+  // The norm pass, outside the job's lock: every tensor not read yet, its raw sum of squares and
+  // the CRC32Cs of what was read; then, under the lock, the clip. When it clips, the tensors
+  // computed before (to be computed again) are read again and must be what they were. A refusal
+  // (apply mode's checks of the values, a gradient rewritten) refuses the step, nothing written.
+  void DecideClip();
+  // Tensor m's raw gradient read: its sum (`sum`) and the CRC32Cs CheckReread records or compares.
+  absl::Status NormPassRead(uint32_t m, bool sum);
   // The redo refuses the step when a gradient it reads again differs from the first read.
   absl::Status CheckReread(uint32_t m, const std::vector<JobLayout::OwnerSlice>& slices,
                            std::vector<uint32_t> crc);

@@ -29,8 +29,10 @@ absl::Status StepPipeline::Run::AssembleOnHost(Batch& batch, size_t i) {
   // With clipping the redo reads every gradient a second time, so the first pass notes what it
   // read and the redo checks that it reads the same (CheckReread).
   const bool crcs = p_.spec_.max_grad_norm > 0;
-  // Update mode's redo scales the gradient by the clip (apply mode: PrepareGradient).
-  const float scale = !apply_mode() && state_.clip_redo ? state_.grad_scale : 1.0f;
+  // Update mode scales the gradient by the clip once it is known: the redo, or every tensor
+  // computed after the norm pass (apply mode: PrepareGradient).
+  const bool clip_known = state_.clip_redo || state_.clip_decided;
+  const float scale = !apply_mode() && clip_known ? state_.grad_scale : 1.0f;
   std::vector<uint32_t> crc(crcs ? slices.size() : 0);
   common::ParallelFor(slices.size(), n * (esize + sizeof(float)), [&](size_t k) {
     const JobLayout::SpanRef& ref = *slices[k].ref;
@@ -49,8 +51,9 @@ absl::Status StepPipeline::Run::AssembleOnHost(Batch& batch, size_t i) {
       return s;
     }
   }
-  if (crcs && !apply_mode() && !state_.clip_redo) {
-    // Update mode: the matrix's share of the norm, from the first (unscaled) pass.
+  if (crcs && !apply_mode() && !clip_known) {
+    // Update mode: the matrix's share of the norm, from the first (unscaled) pass; after the
+    // norm pass (one copy) it has it already.
     state_.sum_sq[m] = ParallelSumOfSquares(batch.staging[i].data(), n);
   }
   if (apply_mode()) {

@@ -174,9 +174,16 @@ struct StepState {
   // is being recomputed with it.
   float clip = 1;
   bool clip_redo = false;
-  // With clipping on: per tensor, the CRC32C of each assembly slice of the raw gradients as the
-  // first pass read them (step_pipeline.cc); the clip redo reads them again and refuses the step if
-  // any changed (a peer that rewrote its region before the step ended). Executor thread only.
+  // One copy of the state (README "Memory"): the clip is decided at the seal, from every tensor's
+  // sum (the norm pass, step_pipeline_clip.cc), before anything is written in place; the tensors
+  // computed before it (`speculated`, clip 1, into the step window) are the only ones recomputed
+  // when it clips.
+  bool clip_decided = false;
+  std::vector<uint32_t> speculated;
+  // With clipping on: per tensor, the CRC32C of each assembly slice of the raw gradients as they
+  // were first read (its first computation, or the norm pass); a later read (the clip redo, or the
+  // computation after the norm pass) refuses the step if any changed (a peer that rewrote its
+  // region before the step ended). Executor thread only.
   std::vector<std::vector<uint32_t>> read_crc;
   double grad_norm = 0;  // after the divisor, before clipping; known when every tensor is done
   // QK-Clip (ApplyStep::QkClip): query heads clipped, and the largest max logit of the step.

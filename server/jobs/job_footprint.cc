@@ -77,9 +77,7 @@ uint64_t ScratchFor(const common::JobSpec& spec) {
 
 }  // namespace
 
-bool KeepsTwoCopies(const common::JobSpec& spec) {
-  return spec.two_phase() || spec.max_grad_norm > 0;
-}
+bool KeepsTwoCopies(const common::JobSpec& spec) { return spec.two_phase(); }
 
 uint64_t StepWindowBytes(const common::JobSpec& spec, uint64_t daemon_default) {
   if (KeepsTwoCopies(spec)) return StateBuffers::kTwoCopies;

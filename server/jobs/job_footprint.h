@@ -52,8 +52,8 @@ struct JobFootprint {
 };
 
 // The step window of the job's state store (server/engine/state_buffers.h):
-// StateBuffers::kTwoCopies for the jobs that recompute a step from the same state (global
-// gradient clipping) or roll a committed step back (two-phase commits of many nodes); else the
+// StateBuffers::kTwoCopies for the jobs that roll a committed step back (two-phase commits of
+// many nodes); else the
 // spec's step_window_bytes (0: `daemon_default`), at least the largest tensor's state and at most
 // the whole state. REQUIRES: spec passed common::ValidateJobSpec.
 uint64_t StepWindowBytes(const common::JobSpec& spec, uint64_t daemon_default);

@@ -99,7 +99,8 @@ void RegisterStepCounters(common::MetricsRegistry& r, DaemonFamilies& f) {
       "muond_steps_aborted_total", "Steps aborted after they started (the job is fenced)."));
   f.clip_redo = MustRegister(r.AddCounter(
       "muond_clip_redo_steps_total",
-      "Apply-mode steps recomputed because global gradient clipping triggered (max_grad_norm)."));
+      "Steps that recomputed tensors computed before their clip was known, because global "
+      "gradient clipping (max_grad_norm) triggered."));
   f.transport_copy = MustRegister(r.AddCounter(
       "muond_transport_copy_bytes_total",
       "Bytes a transport copied on the host between its buffers and the job's, per job "

@@ -82,8 +82,8 @@ TEST(JobFootprintTest, CompressedStateCountsTheHeldBytes) {
 }
 
 // The step window: the job's own (at least its largest tensor's state), the daemon's default
-// where it sets none, never more than the whole state; a whole second copy for the jobs that
-// recompute a step (global clipping) or roll one back (two-phase commits).
+// where it sets none, never more than the whole state (global clipping included); a whole second
+// copy for the jobs that roll a committed step back (two-phase commits).
 TEST(JobFootprintTest, StepWindowIsBoundedExceptForJobsThatKeepTwoCopies) {
   common::JobSpec spec;
   spec.job_id = "w";
@@ -101,7 +101,10 @@ TEST(JobFootprintTest, StepWindowIsBoundedExceptForJobsThatKeepTwoCopies) {
   spec.mode = common::JobMode::kApply;  // a Muon tensor's master and momentum
   spec.step_window_bytes = 0;
   EXPECT_EQ(StepWindowBytes(spec, 1), n_a * 8);
-  spec.max_grad_norm = 1.0;
+  spec.max_grad_norm = 1.0;  // clipping decides at the seal: one copy, the window bounded
+  EXPECT_FALSE(KeepsTwoCopies(spec));
+  EXPECT_EQ(StepWindowBytes(spec, 1), n_a * 8);
+  spec.multinode.nodes = 2;  // a two-phase job rolls a committed step back
   EXPECT_TRUE(KeepsTwoCopies(spec));
   EXPECT_EQ(StepWindowBytes(spec, 1), StateBuffers::kTwoCopies);
   f = MeasureJob(spec, uint64_t{1} << 30, /*daemon_step_window_bytes=*/1);
