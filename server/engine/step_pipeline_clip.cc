@@ -116,26 +116,38 @@ void StepPipeline::Run::DecideClip() {
 }
 
 absl::Status StepPipeline::Run::NormPassRead(uint32_t m, bool sum) {
-  const common::MatrixSpec& ms = p_.spec_.matrices[m];
-  const size_t esize = common::DTypeSize(ms.dtype);
   // The slices every assembly of the tensor reads (AssembleOnHost, ReadDirectGradient).
   const std::vector<JobLayout::OwnerSlice> slices = p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
   if (sum) {
-    std::vector<ApplyStep::RawPiece> pieces;
-    pieces.reserve(slices.size());
-    for (const JobLayout::OwnerSlice& s : slices) {
-      const common::ShardSpan& span = p_.layout_.spans(s.ref->rank)[s.ref->span];
-      pieces.push_back({span.offset + s.begin, s.length,
-                        state_.ranks[s.ref->rank].span_in[s.ref->span] + s.begin * esize});
-    }
+    std::vector<ApplyStep::RawPiece> pieces = RawPieces(m, slices);
     double ss = 0;
     if (apply_mode()) {
-      RETURN_IF_ERROR(p_.apply_->CheckRawGradient(state_, m, pieces, &ss));
+      RETURN_IF_ERROR(p_.apply_->CheckRawGradient(state_, m, std::move(pieces), &ss));
     } else {
-      RETURN_IF_ERROR(ApplyStep::RawSumOfSquares(ms, &pieces, &ss));
+      RETURN_IF_ERROR(ApplyStep::RawSumOfSquares(p_.spec_.matrices[m], &pieces, &ss));
     }
     state_.sum_sq[m] = ss;
   }
+  return CheckSlices(m, slices);
+}
+
+std::vector<ApplyStep::RawPiece> StepPipeline::Run::RawPieces(
+    uint32_t m, const std::vector<JobLayout::OwnerSlice>& slices) const {
+  const size_t esize = common::DTypeSize(p_.spec_.matrices[m].dtype);
+  std::vector<ApplyStep::RawPiece> pieces;
+  pieces.reserve(slices.size());
+  for (const JobLayout::OwnerSlice& s : slices) {
+    const common::ShardSpan& span = p_.layout_.spans(s.ref->rank)[s.ref->span];
+    pieces.push_back({span.offset + s.begin, s.length,
+                      state_.ranks[s.ref->rank].span_in[s.ref->span] + s.begin * esize});
+  }
+  return pieces;
+}
+
+absl::Status StepPipeline::Run::CheckSlices(uint32_t m,
+                                            const std::vector<JobLayout::OwnerSlice>& slices) {
+  const common::MatrixSpec& ms = p_.spec_.matrices[m];
+  const size_t esize = common::DTypeSize(ms.dtype);
   std::vector<uint32_t> crc(slices.size());
   common::ParallelFor(slices.size(), static_cast<uint64_t>(ms.numel()) * esize, [&](size_t k) {
     const JobLayout::SpanRef& ref = *slices[k].ref;

@@ -135,24 +135,8 @@ absl::Status StepPipeline::Run::ReadDirectGradient(Batch& batch, size_t i) {
   const size_t n = static_cast<size_t>(ms.numel());
   const absl::Time gather_start = absl::Now();
   const std::vector<JobLayout::OwnerSlice> slices = p_.layout_.OwnerSlices(m, uint64_t{1} << 20);
-  const size_t esize = common::DTypeSize(ms.dtype);
-  std::vector<ApplyStep::RawPiece> pieces;
-  pieces.reserve(slices.size());
-  for (const JobLayout::OwnerSlice& s : slices) {
-    const common::ShardSpan& span = p_.layout_.spans(s.ref->rank)[s.ref->span];
-    pieces.push_back({span.offset + s.begin, s.length,
-                      state_.ranks[s.ref->rank].span_in[s.ref->span] + s.begin * esize});
-  }
-  absl::Status s = p_.apply_->CheckRawGradient(state_, m, std::move(pieces), &state_.sum_sq[m]);
-  if (s.ok() && p_.spec_.max_grad_norm > 0) {
-    std::vector<uint32_t> crc(slices.size());
-    common::ParallelFor(slices.size(), n * esize, [&](size_t k) {
-      const JobLayout::SpanRef& ref = *slices[k].ref;
-      crc[k] = common::Crc32c(state_.ranks[ref.rank].span_in[ref.span] + slices[k].begin * esize,
-                              slices[k].length * esize);
-    });
-    s = CheckReread(m, slices, std::move(crc));
-  }
+  absl::Status s = p_.apply_->CheckRawGradient(state_, m, RawPieces(m, slices), &state_.sum_sq[m]);
+  if (s.ok() && p_.spec_.max_grad_norm > 0) s = CheckSlices(m, slices);
   if (!s.ok()) {
     refused_ = true;
     return s;

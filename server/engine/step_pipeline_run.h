@@ -179,6 +179,11 @@ class StepPipeline::Run {
   // The redo refuses the step when a gradient it reads again differs from the first read.
   absl::Status CheckReread(uint32_t m, const std::vector<JobLayout::OwnerSlice>& slices,
                            std::vector<uint32_t> crc);
+  // Tensor m's raw gradient in the owners' `slices` (OwnerSlices): as pieces for ApplyStep's
+  // sums, and read for its CRC32Cs (CheckReread).
+  std::vector<ApplyStep::RawPiece> RawPieces(
+      uint32_t m, const std::vector<JobLayout::OwnerSlice>& slices) const;
+  absl::Status CheckSlices(uint32_t m, const std::vector<JobLayout::OwnerSlice>& slices);
 
   StepPipeline& p_;
   StepState& state_;
