@@ -31,12 +31,13 @@ and in apply mode the fp16 recipe through the routes that keep streaming:
               muond, its threshold twice the largest global gradient norm the emulated trainer
               produces (clipping on, not triggering: steady-state training);
   fp16-clip   the same with a threshold a quarter of the smallest norm: every step clips, so muond
-              recomputes the step with the clip coefficient once every tensor's norm is known
-              (the speculative redo), reported without a target;
+              decides the clip when the step is sealed and recomputes the tensors it computed
+              before that with clip 1 (streamed during backward), reported without a target;
 and in update mode its clipping route:
   clip        muond, stream=True, max_grad_norm a quarter of the smallest norm (every step clips:
               muond sums the Muon matrices' squares as they stream, adds the AdamW share sent
-              with the last part and recomputes the step clipped; step() clips AdamW by the
+              with the last part, decides the clip at the seal and recomputes the matrices
+              computed before it; step() clips AdamW by the
               returned sum), reported without a target.
 Each runs on a fresh copy of the model (same seed): --warmup unmeasured steps, then --steps
 measured ones. Step time: from the start of forward to the return of step(); exposed = mean step

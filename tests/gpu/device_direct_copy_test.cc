@@ -224,8 +224,8 @@ TEST(DirectCopySimulatedTest, ApplyModeDirectScalesAndClipsAsTheStagedPath) {
                  << "): the simulated device cannot register the staging buffers";
   }
   // A divisor that changes every step (the gradients are scaled on the device: unscaled, the
-  // momentum would weigh the steps otherwise) and a clip that triggers every step (the step's
-  // tensors are recomputed with the clip coefficient).
+  // momentum would weigh the steps otherwise) and a clip that triggers every step (decided at the
+  // seal; the tensors computed before it are recomputed with the clip coefficient).
   for (const auto& [divisor, clip] :
        {std::pair<double, double>{4.0, 0}, std::pair<double, double>{1.0, 0.5},
         std::pair<double, double>{3.0, 0.25}}) {
@@ -234,9 +234,11 @@ TEST(DirectCopySimulatedTest, ApplyModeDirectScalesAndClipsAsTheStagedPath) {
     const double direct_in = CopyBytes("direct", "to_device");
     const StepResults direct = RunApply(HostDevice(true, true), divisor, clip);
     ExpectSameApplyUpdates(staged, direct);
-    // With clipping every tensor is copied twice a step (first pass and redo).
-    EXPECT_EQ(CopyBytes("direct", "to_device") - direct_in,
-              (clip > 0 ? 2 : 1) * kSteps * kApplyMuonGradBytes);
+    // Every tensor is copied once a step; with clipping, one computed before the step was sealed
+    // (and the clip known) is copied again for its recompute.
+    const double copied = CopyBytes("direct", "to_device") - direct_in;
+    EXPECT_GE(copied, kSteps * kApplyMuonGradBytes);
+    EXPECT_LE(copied, (clip > 0 ? 2 : 1) * kSteps * kApplyMuonGradBytes);
   }
 }
 

@@ -2,8 +2,8 @@
 """Update mode's max_grad_norm: the streamed clipping route (optim.py, DESIGN.md 4d).
 
 muond sums the Muon matrices' squares as they stream in, adds the AdamW tensors' share that goes
-with the rank's last part, clips the Muon gradients (recomputing a step it computed speculatively
-with clip 1) and returns the whole sum, by which step() clips the AdamW gradients in-process. On
+with the rank's last part, clips the Muon gradients (the clip decided when the step is sealed;
+the matrices computed before that with clip 1 are recomputed) and returns the whole sum, by which step() clips the AdamW gradients in-process. On
 stream_exact_test.py's model (16 tensors, 6 Muon matrices, 4 KiB buckets: every matrix leaves
 during backward, asserted), one rank:
   - every step clips (max_grad_norm below every step's norm): stream=True is bit for bit
