@@ -27,8 +27,8 @@
 // DelayedUpdates drives it: step t waits for t-1's results, then posts its gradients whole);
 // apply with every 2nd tensor AdamW; nodes2, two daemons each holding a two-phase node job of every
 // 2nd matrix (CommitStep after each step) and one rank process attached to both, per node per
-// owned parameter; int8, apply mode with the momentum held int8 (job.json "state"). The AdamW row
-// is a table row only (no target).
+// owned parameter; int8, apply mode with the momentum held int8 (job.json "state"); clip, apply
+// mode with max_grad_norm 1. The AdamW and clip rows are table rows only (no target).
 //
 // Per run it also prints muond's VmRSS, VmLck and RssShmem at the end, the rank's RssShmem, and
 // what GetJob reports (momentum_bytes, gather_peak_bytes); after the table, JobStatus.memory's
@@ -70,7 +70,7 @@ constexpr double kMuonLr = 0.02, kMuonWd = 0.01, kAdamLr = 3e-4, kAdamWd = 0.1;
 constexpr size_t kEsize = 2;  // bf16 gradients, parameters and results
 
 // What a row measures. `target` < 0: a table row only, no result line.
-enum class Kind { kApply, kUpdate, kDelayed, kAdamW, kNodes2, kInt8 };
+enum class Kind { kApply, kUpdate, kDelayed, kAdamW, kNodes2, kInt8, kClip };
 struct Row {
   Kind kind;
   const char* flag;  // --rows name
@@ -86,6 +86,9 @@ constexpr Row kRows[] = {
     {Kind::kUpdate, "update", "capacity_update", "update, fp32 momentum, streamed", 4, 8.5},
     {Kind::kDelayed, "delayed", "capacity_delayed", "apply, delay=1 (DPU)", 12, 12.5},
     {Kind::kAdamW, "adamw", "adamw_half", "apply, every 2nd tensor AdamW, streamed", 14, -1},
+    // Global clipping (max_grad_norm 1: every step clips) decides its clip at the seal and keeps
+    // one copy of the state, as the apply row does.
+    {Kind::kClip, "clip", "apply_clip", "apply, max_grad_norm 1, streamed", 12, -1},
     // Issue 47's capacity_nodes2: 2 nodes emulated as 2 daemons on this machine (for memory a
     // network namespace changes nothing), per node per owned parameter.
     {Kind::kNodes2, "nodes2", "capacity_nodes2", "apply, 2 daemons, per node per owned param", 12,
@@ -146,7 +149,7 @@ void PrintHelp() {
       "  daemon (defaults) and a fresh rank process per measurement. Quick run:\n"
       "    muond-bench capacity --dim 1024 --small-matrices 2 --large-matrices 6\n"
       "  --threads  muond --threads (default: all CPUs; nodes2's two daemons get half each)\n"
-      "  --rows     any of apply, int8, update, delayed, adamw, nodes2 (default: all)\n"
+      "  --rows     any of apply, int8, update, delayed, adamw, clip, nodes2 (default: all)\n"
       "Result lines (measured slopes, B/param):\n"
       "  result: capacity ratio=<apply> target=10.5\n"
       "  result: capacity_int8 ratio=<apply, int8 momentum> target=7.5\n"
@@ -154,7 +157,7 @@ void PrintHelp() {
       "  result: capacity_delayed ratio=<apply, delay=1> target=12.5\n"
       "  result: capacity_nodes2 ratio=<apply, 2 daemons, per node per owned parameter> "
       "target=10.5\n"
-      "  (adamw is a table row only)\n");
+      "  (adamw and clip are table rows only)\n");
 }
 
 // ---- /proc
@@ -279,6 +282,7 @@ common::JobSpec CapacityJob(Kind kind, int64_t matrices, int64_t dim, int node, 
   }
   if (nodes > 1) spec.multinode = {"capacity", node, nodes};
   if (kind == Kind::kInt8) spec.state.momentum = common::StateDType::kInt8;
+  if (kind == Kind::kClip) spec.max_grad_norm = 1.0;
   // As muon_offload asks (optim_spec.py): one buffer per region, two for the delayed mode.
   spec.step_buffers = kind == Kind::kDelayed ? 2 : 1;
   for (int64_t i = node; i < matrices; i += nodes) {
