@@ -97,8 +97,11 @@ class MomentumStore {
     MomentumStore& store_;
   };
 
-  // The snapshot's value of matrix m into *out, fp32 (on the writer's thread).
-  void CopyForSnapshot(uint32_t m, std::vector<float>* out) { buffers_.CopyForSnapshot(m, out); }
+  // The snapshot's value of matrix m into *out, fp32 or (`held`) as held (on the writer's
+  // thread; StateBuffers::CopyForSnapshot).
+  void CopyForSnapshot(uint32_t m, std::vector<float>* out, bool held = false) {
+    buffers_.CopyForSnapshot(m, out, held);
+  }
   void EndSnapshot() { buffers_.EndSnapshot(); }
 
  private:

@@ -108,9 +108,10 @@ class ParamStore {
     ParamStore& store_;
   };
 
-  // The snapshot's value of array (t, slot) into *out, fp32 (on the writer's thread).
-  void CopyForSnapshot(uint32_t t, int slot, std::vector<float>* out) {
-    buffers_.CopyForSnapshot(first_[t] + slot, out);
+  // The snapshot's value of array (t, slot) into *out, fp32 or (`held`) as held (on the writer's
+  // thread; StateBuffers::CopyForSnapshot).
+  void CopyForSnapshot(uint32_t t, int slot, std::vector<float>* out, bool held = false) {
+    buffers_.CopyForSnapshot(first_[t] + slot, out, held);
   }
   // The step counts at the snapshot (per tensor).
   std::vector<int64_t> SnapshotSteps() const { return snapshot_steps_; }

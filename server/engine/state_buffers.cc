@@ -1,5 +1,6 @@
 #include "server/engine/state_buffers.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -122,18 +123,19 @@ float* StateBuffers::WindowBuffer(size_t a) {
   return slot->data.get();
 }
 
-bool StateBuffers::NoneInPlace(StateBuffers* s) { return s->in_place_ == 0; }
+bool StateBuffers::NoneInPlace(StateBuffers* s) {
+  return std::none_of(s->target_.begin(), s->target_.end(),
+                      [](Target t) { return t == Target::kInPlace; });
+}
 
 void StateBuffers::BeginStep() {
   absl::MutexLock lock(&mu_);
   target_.assign(words_.size(), Target::kNone);
-  in_place_ = 0;
 }
 
 void StateBuffers::DropWindow() {
   absl::MutexLock lock(&mu_);
   target_.assign(words_.size(), Target::kNone);
-  in_place_ = 0;
   if (two_copies()) return;
   for (size_t a = 0; a < words_.size(); ++a) Drop(a, &back_[a]);
 }
@@ -141,12 +143,10 @@ void StateBuffers::DropWindow() {
 void StateBuffers::Plan(size_t a, bool in_place) {
   absl::MutexLock lock(&mu_);
   if (!in_place || two_copies()) {
-    if (target_[a] == Target::kInPlace) --in_place_;
     target_[a] = Target::kWindow;
     WindowBuffer(a);
     return;
   }
-  if (target_[a] != Target::kInPlace) ++in_place_;
   target_[a] = Target::kInPlace;
   // Copy-on-write for a save in progress: it keeps the committed buffer, the step writes a copy.
   if (SnapshotNeeds(a, *front_[a])) HandOver(a, &front_[a], /*keep=*/true);
@@ -211,7 +211,6 @@ void StateBuffers::Lock::Flip(bool keep_back) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     }
   }
   s.target_.assign(s.arrays(), Target::kNone);
-  s.in_place_ = 0;
 }
 
 void StateBuffers::Lock::BeginSnapshot() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -223,7 +222,7 @@ void StateBuffers::Lock::BeginSnapshot() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   s.snapshot_ = std::move(snap);
 }
 
-void StateBuffers::CopyForSnapshot(size_t a, std::vector<float>* out) {
+void StateBuffers::CopyForSnapshot(size_t a, std::vector<float>* out, bool held) {
   const float* src = nullptr;
   {
     absl::MutexLock lock(&mu_);
@@ -232,8 +231,12 @@ void StateBuffers::CopyForSnapshot(size_t a, std::vector<float>* out) {
   // Outside the lock: the buffer at `src` is neither written nor freed while the snapshot needs
   // it (a change hands it over to the snapshot instead).
   const Form& f = forms_[a];
-  out->resize(f.numel);
-  DecodeStoredAll(f.dtype, f.role, src, f.numel, out->data());
+  if (held) {
+    out->assign(src, src + words_[a]);
+  } else {
+    out->resize(f.numel);
+    DecodeStoredAll(f.dtype, f.role, src, f.numel, out->data());
+  }
   absl::MutexLock lock(&mu_);
   snapshot_->copied[a] = true;
   cost_.writer_copied += words_[a] * sizeof(float);

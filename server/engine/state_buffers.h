@@ -151,10 +151,12 @@ class StateBuffers {
     StateBuffers& buffers_;
   };
 
-  // The snapshot's value of array a into *out, decoded to fp32 (form(a).numel values); each array
-  // once per snapshot. Copies outside the lock (a step may hand the buffer over meanwhile; its
-  // memory stays).
-  void CopyForSnapshot(size_t a, std::vector<float>* out) ABSL_LOCKS_EXCLUDED(mu_);
+  // The snapshot's value of array a into *out: decoded to fp32 (form(a).numel values), or with
+  // `held` as held (words(a) 32-bit words: what a checkpoint stores); each array once per
+  // snapshot. Copies outside the lock (a step may hand the buffer over meanwhile; its memory
+  // stays).
+  void CopyForSnapshot(size_t a, std::vector<float>* out, bool held = false)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void EndSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -201,7 +203,6 @@ class StateBuffers {
   std::vector<std::unique_ptr<Buffer>> back_;
   mutable absl::Mutex mu_;
   std::vector<Target> target_ ABSL_GUARDED_BY(mu_);   // per array, for the step in flight
-  size_t in_place_ ABSL_GUARDED_BY(mu_) = 0;          // arrays planned in place
   std::vector<size_t> flipped_ ABSL_GUARDED_BY(mu_);  // arrays the last Flip swapped (Unflip)
   std::vector<std::unique_ptr<Buffer>> spare_ ABSL_GUARDED_BY(mu_);  // per array (see above)
   std::unique_ptr<Snapshot> snapshot_ ABSL_GUARDED_BY(mu_);

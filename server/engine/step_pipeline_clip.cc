@@ -25,13 +25,12 @@ bool StepPipeline::Run::RedoForClipping() {
     return false;
   }
   if (!apply_mode()) return RedoUpdateForClipping();
-  state_.grad_norm = ApplyStep::GradNorm(state_);
+  const float clip = LocalClip();
   // A node of a multi-node job: its clip came with the step (clip 1 while speculating).
   if (state_.hyper.clip_source == ClipSource::kGlobal) {
     state_.grad_norm = std::sqrt(state_.hyper.global_sum_sq) / state_.hyper.grad_divisor;
   }
   if (state_.clip_redo || state_.hyper.clip_source != ClipSource::kLocal) return false;
-  const float clip = p_.apply_->ClipCoefficient(state_);
   if (clip >= 1.0f) return false;
   return QueueAgain(clip, ApplyStep::GradScale(clip, state_.hyper.grad_divisor));
 }
@@ -43,11 +42,19 @@ bool StepPipeline::Run::RedoUpdateForClipping() {
   if (!p_.spec_.clips_outside_share() || state_.clip_redo || !state_.every_rank_pushed()) {
     return false;
   }
-  const double total = state_.TotalSumSq();
-  state_.grad_norm = std::sqrt(total);
-  const float clip = server::ClipCoefficient(total, p_.spec_.max_grad_norm);
+  const float clip = LocalClip();
   if (clip >= 1.0f) return false;
   return QueueAgain(clip, clip);
+}
+
+float StepPipeline::Run::LocalClip() {
+  if (apply_mode()) {
+    state_.grad_norm = ApplyStep::GradNorm(state_);
+    return p_.apply_->ClipCoefficient(state_);
+  }
+  const double total = state_.TotalSumSq();
+  state_.grad_norm = std::sqrt(total);
+  return server::ClipCoefficient(total, p_.spec_.max_grad_norm);
 }
 
 bool StepPipeline::Run::QueueAgain(float clip, float grad_scale) {
@@ -90,13 +97,7 @@ void StepPipeline::Run::DecideClip() {
   float clip = 1.0f;
   if (status_.ok()) {
     absl::MutexLock lock(p_.job_mu_);
-    if (apply_mode()) {
-      state_.grad_norm = ApplyStep::GradNorm(state_);
-      clip = p_.apply_->ClipCoefficient(state_);
-    } else {
-      state_.grad_norm = std::sqrt(state_.TotalSumSq());
-      clip = server::ClipCoefficient(state_.TotalSumSq(), p_.spec_.max_grad_norm);
-    }
+    clip = LocalClip();
   }
   // It clips: the speculated tensors are computed again at the end, after tensors were written
   // in place. What they read then must be what they first read: checked here too, while a

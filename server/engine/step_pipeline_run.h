@@ -166,6 +166,9 @@ class StepPipeline::Run {
   bool RedoForClipping() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
   bool RedoUpdateForClipping() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
   bool QueueAgain(float clip, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
+  // The norm of the job's own gradients (every tensor's sum; update mode with the ranks' outside
+  // shares) into state_.grad_norm, and its clip coefficient.
+  float LocalClip() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);
   // One copy of the state with clipping on: the clip is decided at the seal, before anything is
   // written in place (the tensors computed before it went to the step window with clip 1).
   bool NeedsNormPass() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p_.job_mu_);

@@ -45,7 +45,7 @@ absl::StatusOr<checkpoint::GenerationInfo> JobImpl::SaveCheckpoint() {
     store.BeginSnapshot();
   }
   auto source = [this](size_t m, std::vector<float>* out) -> absl::Status {
-    momentum_.CopyForSnapshot(static_cast<uint32_t>(m), out);
+    momentum_.CopyForSnapshot(static_cast<uint32_t>(m), out, /*held=*/true);
     return absl::OkStatus();
   };
   auto info = writer_.Write(exclusive, id(), spec_, step, source);
@@ -75,7 +75,7 @@ absl::StatusOr<checkpoint::GenerationInfo> JobImpl::SaveApplyCheckpoint(
     for (int s = 0; s < params_->slots(t); ++s) arrays.emplace_back(t, s);
   }
   auto source = [this, &arrays](size_t a, std::vector<float>* out) -> absl::Status {
-    params_->CopyForSnapshot(arrays[a].first, arrays[a].second, out);
+    params_->CopyForSnapshot(arrays[a].first, arrays[a].second, out, /*held=*/true);
     return absl::OkStatus();
   };
   auto info = writer_.Write(exclusive, id(), spec_, step, source, params_->SnapshotSteps());

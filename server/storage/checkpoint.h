@@ -96,9 +96,10 @@ struct StateTensor {
 std::vector<StateTensor> StateTensors(const common::JobSpec& spec);
 std::string StateArrayName(const common::MatrixSpec& tensor, int slot);
 
-// State tensor `m` (StateTensors order), copied into `out` (resized to its numel), decoded to
-// fp32; the payload encodes it as the job holds it (decoding then encoding gives the same bits).
-// Called once per array, in order, from the writing thread.
+// State tensor `m` (StateTensors order), copied into `out` as the job holds it: resized to
+// StoredWords(dtype, numel) 32-bit words (fp32: the values; server/optim/state_codec.h), whose
+// first stored_bytes() the payload stores as they are. Called once per array, in order, from the
+// writing thread.
 using MatrixSource = std::function<absl::Status(size_t m, std::vector<float>* out)>;
 
 class Store {

@@ -326,27 +326,19 @@ absl::Status WritePayload(const std::string& path, const common::JobSpec& spec,
   RETURN_IF_ERROR(durable::WriteAll(fd.get(), &header_len, 8, path));
   RETURN_IF_ERROR(
       durable::WriteAll(fd.get(), layout->header_text.data(), layout->header_text.size(), path));
-  std::vector<float> buf, held;
+  std::vector<float> buf;
   const std::vector<StateTensor> tensors = StateTensors(spec);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const StateTensor& t = tensors[i];
     RETURN_IF_ERROR(source(i, &buf));
-    const uint64_t numel = t.numel();
-    if (buf.size() != numel) {
+    const size_t words = StoredWords(t.dtype, t.numel());
+    if (buf.size() != words) {
       return absl::InternalError(absl::StrCat("checkpoint: tensor '", t.name, "' has ", buf.size(),
-                                              " elements, expected ", numel));
-    }
-    // As the job holds it: the source decoded it, encoding gives the held bytes back.
-    const float* out = buf.data();
-    if (t.dtype != common::StateDType::kFloat32) {
-      held.resize(StoredWords(t.dtype, numel));
-      EncodeStoredAll(t.dtype, t.non_negative ? StateRole::kNonNegative : StateRole::kSigned,
-                      buf.data(), numel, held.data());
-      out = held.data();
+                                              " words, expected ", words));
     }
     const size_t bytes = t.stored_bytes();
-    layout->tensors[i]["crc32c"] = common::Crc32c(out, bytes);
-    RETURN_IF_ERROR(durable::WriteAll(fd.get(), out, bytes, path));
+    layout->tensors[i]["crc32c"] = common::Crc32c(buf.data(), bytes);
+    RETURN_IF_ERROR(durable::WriteAll(fd.get(), buf.data(), bytes, path));
   }
   return durable::Fsync(fd.get(), IoPoint::kFsyncFile, path);
 }

@@ -59,12 +59,16 @@ common::JobSpec ApplySpec(StateDType momentum, StateDType adamw) {
   return spec;
 }
 
-// Values the job could hold: each array encoded and decoded as its form says (what a snapshot
-// hands the writer), the second moments non-negative.
-std::vector<std::vector<float>> HeldValues(const std::vector<StateTensor>& arrays, uint32_t seed) {
+// State the job could hold, per array: as held (the words a snapshot hands the checkpoint writer)
+// and decoded (what a load returns); the second moments non-negative.
+struct HeldState {
+  std::vector<std::vector<float>> held;
+  std::vector<std::vector<float>> values;
+};
+HeldState HeldValues(const std::vector<StateTensor>& arrays, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<std::vector<float>> out;
+  HeldState out;
   for (const StateTensor& t : arrays) {
     std::vector<float> x(t.numel());
     for (float& v : x) v = t.non_negative ? d(rng) * d(rng) * 1e-6f : d(rng) * 0.01f;
@@ -72,7 +76,8 @@ std::vector<std::vector<float>> HeldValues(const std::vector<StateTensor>& array
     const StateRole role = t.non_negative ? StateRole::kNonNegative : StateRole::kSigned;
     EncodeStoredAll(t.dtype, role, x.data(), x.size(), held.data());
     DecodeStoredAll(t.dtype, role, held.data(), x.size(), x.data());
-    out.push_back(std::move(x));
+    out.held.push_back(std::move(held));
+    out.values.push_back(std::move(x));
   }
   return out;
 }
@@ -91,12 +96,13 @@ TEST(CheckpointHeldTest, EveryArrayIsStoredAsHeldAndLoadsBitForBit) {
       ASSERT_TRUE(common::ValidateJobSpec(spec).ok()) << common::ValidateJobSpec(spec);
       const std::vector<StateTensor> arrays = StateTensors(spec);
       ASSERT_EQ(arrays.size(), 7u);
-      const std::vector<std::vector<float>> values = HeldValues(arrays, 3);
+      const HeldState state = HeldValues(arrays, 3);
+      const std::vector<std::vector<float>>& values = state.values;
       TempDir tmp;
       Store store(tmp.path() + "/ckpt", 3);
       auto info = store.Write(spec, 4,
                               [&](size_t a, std::vector<float>* out) {
-                                *out = values[a];
+                                *out = state.held[a];
                                 return absl::OkStatus();
                               },
                               /*tensor_steps=*/{4, 4, 3});
@@ -149,11 +155,12 @@ TEST(CheckpointHeldTest, UpdateModeInt8IsAQuarterOfFp32AndADamagedCodeIsDataLoss
   spec.matrices.push_back({"w", {64, 512}, 1, common::DType::kBFloat16});
   spec.state.momentum = StateDType::kInt8;
   const std::vector<StateTensor> arrays = StateTensors(spec);
-  const std::vector<std::vector<float>> values = HeldValues(arrays, 5);
+  const HeldState state = HeldValues(arrays, 5);
+  const std::vector<std::vector<float>>& values = state.values;
   TempDir tmp;
   Store store(tmp.path() + "/ckpt", 3);
   auto source = [&](size_t a, std::vector<float>* out) {
-    *out = values[a];
+    *out = state.held[a];
     return absl::OkStatus();
   };
   auto first = store.Write(spec, 1, source);
