@@ -389,11 +389,20 @@ int muond_export(muond_client* client, const char* job_id, const char* token, co
 int muond_checkpoint_export(muond_client* client, const char* job_id, const char* token,
                             int64_t generation, int64_t step, const char* dir,
                             int64_t* exported_step) {
+  return muond_checkpoint_export_as(client, job_id, token, generation, step, dir, nullptr,
+                                    exported_step);
+}
+
+int muond_checkpoint_export_as(muond_client* client, const char* job_id, const char* token,
+                               int64_t generation, int64_t step, const char* dir, const char* dtype,
+                               int64_t* exported_step) {
   if (client == nullptr || job_id == nullptr || token == nullptr || dir == nullptr) {
     return NullArgument("client, job_id, token or dir");
   }
-  auto files =
-      muond::client::ExportStateToDir(*client->impl, job_id, token, generation, step, dir);
+  auto float32 = muond::client::ParseExportStateDType(dtype == nullptr ? "held" : dtype);
+  if (!float32.ok()) return Report(float32.status());
+  auto files = muond::client::ExportStateToDir(*client->impl, job_id, token, generation, step, dir,
+                                               {}, *float32);
   if (files.ok() && exported_step != nullptr) *exported_step = files->step;
   return Report(files.status());
 }

@@ -96,12 +96,13 @@ struct NamedTensor {
 
 // Receives a job's full state as the daemon's ExportState sends it (client_export_state.cc):
 // `header` once (the job spec and the header, checked against each other before it is called),
-// then `data` for each chunk of float32 values of array `array` (header order), in element order,
-// each chunk's CRC32C checked. An error of either ends the export with that error.
+// then `data` for each chunk of array `array` (header order) as its dtype holds it
+// (StateArray.dtype; common/state_export.h), at its byte offset in the array, in order, each
+// chunk's CRC32C checked. An error of either ends the export with that error.
 struct ExportStateSink {
   std::function<absl::Status(const common::JobSpec& spec, const v1::ExportStateHeader& header)>
       header;
-  std::function<absl::Status(uint32_t array, uint64_t element_offset, std::string_view data)> data;
+  std::function<absl::Status(uint32_t array, uint64_t byte_offset, std::string_view data)> data;
 };
 
 // Where ExportStateToDir wrote a job's state, and what.
@@ -371,12 +372,14 @@ class Client {
   // The job's full optimizer state by tensor name (re-sharding, DESIGN.md 4c): live (generation 0,
   // step -1; a snapshot at a step boundary) or of checkpoint generation `generation` > 0 or the
   // newest generation at `step` >= 0, handed to `sink` as it arrives (nothing of it is held
-  // here). The daemon's errors as they are; DATA_LOSS for a header that does not match its job
-  // spec, a chunk out of order or whose CRC32C does not match, or a stream that does not cover
-  // every array exactly once.
+  // here). Each array as the job holds it (compressed state stays compressed), or with `float32`
+  // decoded to float32. The daemon's errors as they are; DATA_LOSS for a header that does not
+  // match its job spec (or asked float32 and has other dtypes), a chunk out of order or whose
+  // CRC32C does not match, or a stream that does not cover every array exactly once.
   absl::Status ExportState(const std::string& job_id, const std::string& token, int64_t generation,
                            int64_t step, const ExportStateSink& sink,
-                           const std::function<void(uint64_t done, uint64_t total)>& progress = {});
+                           const std::function<void(uint64_t done, uint64_t total)>& progress = {},
+                           bool float32 = false);
   // Creates a job that takes its state (and next step) from a full-state export directory
   // (absolute path, read by the daemon as this client could; common/state_export.h); returns its
   // token. The daemon's errors name the file and tensor.
@@ -416,11 +419,16 @@ absl::StatusOr<int64_t> ExportParamsToFile(
 // <job>.manifest.json (common/state_export.h), so the node jobs of one run share a directory.
 // ALREADY_EXISTS, before anything is asked of the daemon, when either file exists; nothing of an
 // export that failed stays in `dir`. The payload is written as the chunks arrive (memory: one
-// chunk), into a temporary file renamed into place when complete.
+// chunk), into a temporary file renamed into place when complete. Arrays as the job holds them,
+// or with `float32` decoded to float32.
+// A full-state export's dtype choice: "held" (as the job holds its state) -> false, "float32" ->
+// true; INVALID_ARGUMENT naming the choices otherwise.
+absl::StatusOr<bool> ParseExportStateDType(std::string_view dtype);
+
 absl::StatusOr<StateExportFiles> ExportStateToDir(
     Client& client, const std::string& job_id, const std::string& token, int64_t generation,
     int64_t step, const std::string& dir,
-    const std::function<void(uint64_t done, uint64_t total)>& progress = {});
+    const std::function<void(uint64_t done, uint64_t total)>& progress = {}, bool float32 = false);
 
 }  // namespace muond::client
 

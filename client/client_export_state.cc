@@ -29,9 +29,16 @@ namespace {
 namespace se = common::state_export;
 using common::FromGrpcStatus;
 
+// The dtype array `a` of the stream holds ("" is float32).
+absl::StatusOr<common::StateDType> ArrayDType(const v1::StateArray& a) {
+  return a.dtype().empty() ? common::StateDType::kFloat32 : common::ParseStateDType(a.dtype());
+}
+
 // Checks the header of the stream against its spec before anything is allocated: every array
-// belongs to a job tensor and has its shape, no name twice.
-absl::Status CheckHeader(const v1::ExportStateHeader& h, const common::JobSpec& spec) {
+// belongs to a job tensor and has its shape, no name twice, a dtype this build reads (float32
+// only, when asked); the bytes of every array's data into *bytes.
+absl::Status CheckHeader(const v1::ExportStateHeader& h, const common::JobSpec& spec, bool float32,
+                         std::vector<uint64_t>* bytes) {
   std::set<std::string> names;
   for (const v1::StateArray& a : h.arrays()) {
     if (a.tensor() >= spec.matrices.size() || a.name().empty() ||
@@ -41,6 +48,14 @@ absl::Status CheckHeader(const v1::ExportStateHeader& h, const common::JobSpec& 
       return absl::DataLossError(absl::StrCat("ExportState: array '", a.name(),
                                               "' does not match the job's tensor ", a.tensor()));
     }
+    const auto dtype = ArrayDType(a);
+    if (!dtype.ok() || (float32 && *dtype != common::StateDType::kFloat32)) {
+      return absl::DataLossError(absl::StrCat("ExportState: array '", a.name(), "' has dtype '",
+                                              a.dtype(), "'",
+                                              float32 ? "; float32 was asked" : ""));
+    }
+    bytes->push_back(
+        common::StoredStateBytes(*dtype, static_cast<uint64_t>(spec.matrices[a.tensor()].numel())));
   }
   if (spec.mode == common::JobMode::kApply &&
       static_cast<size_t>(h.tensor_steps_size()) != spec.matrices.size()) {
@@ -152,6 +167,8 @@ void DescribeExport(const common::JobSpec& spec, const v1::ExportStateHeader& h,
   for (const v1::StateArray& sa : h.arrays()) {
     const common::MatrixSpec& t = spec.matrices[sa.tensor()];
     se::Array a{sa.name(), t.name, std::vector<int64_t>(sa.shape().begin(), sa.shape().end())};
+    a.dtype = ArrayDType(sa).value_or(common::StateDType::kFloat32);  // checked by CheckHeader
+    a.non_negative = a.dtype == common::StateDType::kInt8 && sa.non_negative();
     a.row_offset = t.row_offset;
     a.full_rows = t.full_rows;
     m->arrays.push_back(std::move(a));
@@ -178,19 +195,20 @@ absl::Status WriteManifest(const std::string& dir, int dir_fd, const std::string
 
 }  // namespace
 
-absl::Status Client::ExportState(
-    const std::string& job_id, const std::string& token, int64_t generation, int64_t step,
-    const ExportStateSink& sink,
-    const std::function<void(uint64_t done, uint64_t total)>& progress) {
+absl::Status Client::ExportState(const std::string& job_id, const std::string& token,
+                                 int64_t generation, int64_t step, const ExportStateSink& sink,
+                                 const std::function<void(uint64_t done, uint64_t total)>& progress,
+                                 bool float32) {
   grpc::ClientContext ctx;
   SetToken(&ctx, token);
   v1::ExportStateRequest req;
   req.set_job_id(job_id);
   req.set_generation(generation);
   if (step >= 0) req.set_step(step);
+  req.set_float32(float32);
   std::unique_ptr<grpc::ClientReader<v1::ExportStateChunk>> reader = stub_->ExportState(&ctx, req);
   std::optional<v1::ExportStateHeader> header;
-  std::vector<uint64_t> numel, received;  // per array
+  std::vector<uint64_t> bytes, received;  // per array
   absl::Status bad;
   uint64_t total = 0, done = 0;
   v1::ExportStateChunk chunk;
@@ -200,31 +218,28 @@ absl::Status Client::ExportState(
       auto spec = common::JobSpecFromProto(chunk.header().spec());
       bad = header       ? absl::DataLossError("ExportState: a second header")
             : !spec.ok() ? spec.status()
-                         : CheckHeader(chunk.header(), *spec);
+                         : CheckHeader(chunk.header(), *spec, float32, &bytes);
       if (bad.ok()) {
         header = chunk.header();
-        for (const v1::StateArray& a : header->arrays()) {
-          numel.push_back(static_cast<uint64_t>(spec->matrices[a.tensor()].numel()));
-          total += numel.back() * sizeof(float);
-        }
-        received.assign(numel.size(), 0);
+        for (uint64_t b : bytes) total += b;
+        received.assign(bytes.size(), 0);
         bad = sink.header(*spec, *header);
       }
       continue;
     }
     const v1::DataChunk& c = chunk.data();
     const uint32_t a = c.matrix_index();
-    const uint64_t n = c.data().size() / sizeof(float);
+    const uint64_t n = c.data().size();
     if (!header) {
       bad = absl::DataLossError("ExportState: data before the header");
-    } else if (a >= numel.size() || c.data().size() % sizeof(float) != 0 ||
-               c.element_offset() != received[a] || n > numel[a] - received[a]) {
-      bad = absl::DataLossError(absl::StrCat("ExportState: chunk of array ", a, " at element ",
+    } else if (a >= bytes.size() || c.element_offset() != received[a] ||
+               n > bytes[a] - received[a]) {
+      bad = absl::DataLossError(absl::StrCat("ExportState: chunk of array ", a, " at byte ",
                                              c.element_offset(), " out of order or outside it"));
     } else if (common::Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
-      bad = absl::DataLossError(absl::StrCat("ExportState: chunk of '", header->arrays(a).name(),
-                                             "' at element ", c.element_offset(),
-                                             ": CRC32C mismatch"));
+      bad =
+          absl::DataLossError(absl::StrCat("ExportState: chunk of '", header->arrays(a).name(),
+                                           "' at byte ", c.element_offset(), ": CRC32C mismatch"));
     } else {
       received[a] += n;
       bad = sink.data(a, c.element_offset(), c.data());
@@ -235,11 +250,11 @@ absl::Status Client::ExportState(
   RETURN_IF_ERROR(Annotate(FromGrpcStatus(reader->Finish()), "ExportState"));
   RETURN_IF_ERROR(bad);
   if (!header) return absl::DataLossError("ExportState: no header");
-  for (size_t a = 0; a < numel.size(); ++a) {
-    if (received[a] != numel[a]) {
+  for (size_t a = 0; a < bytes.size(); ++a) {
+    if (received[a] != bytes[a]) {
       return absl::DataLossError(absl::StrCat("ExportState: array '", header->arrays(a).name(),
-                                              "': ", received[a], " of ", numel[a],
-                                              " elements arrived"));
+                                              "': ", received[a], " of ", bytes[a],
+                                              " bytes arrived"));
     }
   }
   return absl::OkStatus();
@@ -260,10 +275,18 @@ absl::StatusOr<std::string> Client::CreateJobFromExport(const common::JobSpec& s
   return resp.token();
 }
 
+absl::StatusOr<bool> ParseExportStateDType(std::string_view dtype) {
+  if (dtype == "held") return false;
+  if (dtype == "float32") return true;
+  return absl::InvalidArgumentError(
+      absl::StrCat("state export dtype '", std::string(dtype),
+                   "': \"held\" (as the job holds it) or \"float32\""));
+}
+
 absl::StatusOr<StateExportFiles> ExportStateToDir(
     Client& client, const std::string& job_id, const std::string& token, int64_t generation,
     int64_t step, const std::string& dir,
-    const std::function<void(uint64_t done, uint64_t total)>& progress) {
+    const std::function<void(uint64_t done, uint64_t total)>& progress, bool float32) {
   if (dir.empty()) return absl::InvalidArgumentError("export: no directory given");
   StateExportFiles files;
   files.payload = absl::StrCat(dir, "/", job_id, se::kPayloadSuffix);
@@ -294,9 +317,9 @@ absl::StatusOr<StateExportFiles> ExportStateToDir(
   sink.data = [&](uint32_t a, uint64_t offset, std::string_view data) -> absl::Status {
     se::Array& arr = m.arrays[a];
     arr.crc32c = common::Crc32cExtend(arr.crc32c, data.data(), data.size());
-    return payload.Write(data, header_bytes + arr.begin + offset * sizeof(float));
+    return payload.Write(data, header_bytes + arr.begin + offset);
   };
-  absl::Status s = client.ExportState(job_id, token, generation, step, sink, progress);
+  absl::Status s = client.ExportState(job_id, token, generation, step, sink, progress, float32);
   if (s.ok()) s = payload.Publish();
   if (s.ok()) {
     // The manifest last: its presence says the export is complete.

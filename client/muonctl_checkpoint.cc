@@ -28,16 +28,21 @@ absl::Status CmdCheckpointExport(Client& client, const Args& a, const std::strin
     return absl::InvalidArgumentError("checkpoint export needs --dir DIR");
   }
   ASSIGN_OR_RETURN(const GenerationChoice choice, ChosenGeneration(a, "checkpoint export", ""));
+  const auto dtype_flag = a.flags.find("dtype");
+  ASSIGN_OR_RETURN(
+      const bool float32,
+      ParseExportStateDType(dtype_flag == a.flags.end() ? "held" : dtype_flag->second));
   ProgressDisplay display(absl::StrCat("export state of job ", id), "bytes", stderr,
                           ProgressDisplay::StderrIsTerminal());
   uint64_t done = 0, total = 0;
-  auto exported =
-      ExportStateToDir(client, id, token, choice.generation.value_or(0), choice.step.value_or(-1),
-                       dir->second, [&](uint64_t d, uint64_t t) {
-                         done = d;
-                         total = t;
-                         display.Update(d, t);
-                       });
+  auto exported = ExportStateToDir(
+      client, id, token, choice.generation.value_or(0), choice.step.value_or(-1), dir->second,
+      [&](uint64_t d, uint64_t t) {
+        done = d;
+        total = t;
+        display.Update(d, t);
+      },
+      float32);
   if (!exported.ok()) {
     display.Abandon();
     return exported.status();

@@ -211,6 +211,12 @@ int muond_export(muond_client* client, const char* job_id, const char* token, co
 int muond_checkpoint_export(muond_client* client, const char* job_id, const char* token,
                             int64_t generation, int64_t step, const char* dir,
                             int64_t* exported_step);
+/* muond_checkpoint_export with the arrays' dtype chosen: "held" (or NULL: as the job holds them,
+ * compressed state compressed, as muond_checkpoint_export) or "float32" (decoded);
+ * INVALID_ARGUMENT (3) for anything else. */
+int muond_checkpoint_export_as(muond_client* client, const char* job_id, const char* token,
+                               int64_t generation, int64_t step, const char* dir, const char* dtype,
+                               int64_t* exported_step);
 /* muond_job_create whose job takes, for each of its tensors, the state found in export directory
  * `import_dir` (absolute; the files of every node's export, all of one step) and continues from
  * that step. */

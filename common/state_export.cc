@@ -85,15 +85,35 @@ absl::Status GetUnsigned(const Json& j, const std::string& where, const std::str
   return absl::OkStatus();
 }
 
+// "dtype" and, for int8, "map" and "block".
+absl::Status ParseDType(const Json& t, const std::string& where, const std::string& at, Array* a) {
+  std::string dtype;
+  RETURN_IF_ERROR(GetString(t, where, at, "dtype", &dtype));
+  auto parsed = ParseStateDType(dtype);
+  if (!parsed.ok()) {
+    return BadKey(t, where, at, "dtype", "\"float32\", \"bfloat16\" or \"int8\"");
+  }
+  a->dtype = *parsed;
+  if (a->dtype != StateDType::kInt8) return absl::OkStatus();
+  std::string map;
+  RETURN_IF_ERROR(GetString(t, where, at, "map", &map));
+  if (map != "linear" && map != "log") {
+    return BadKey(t, where, at, "map", "\"linear\" or \"log\"");
+  }
+  a->non_negative = map == "log";
+  int64_t block = 0;
+  RETURN_IF_ERROR(GetInt(t, where, at, "block", static_cast<int64_t>(kStateBlock),
+                         static_cast<int64_t>(kStateBlock), &block));
+  return absl::OkStatus();
+}
+
 absl::Status ParseArray(const Json& t, const std::string& where, size_t i, Array* a) {
   const std::string at = absl::StrCat("tensors[", i, "].");
   if (!t.is_object())
     return Damaged(where, absl::StrCat("key 'tensors[", i, "]' is not an object"));
   RETURN_IF_ERROR(GetString(t, where, at, "name", &a->name));
   RETURN_IF_ERROR(GetString(t, where, at, "tensor", &a->tensor));
-  std::string dtype;
-  RETURN_IF_ERROR(GetString(t, where, at, "dtype", &dtype));
-  if (dtype != "float32") return BadKey(t, where, at, "dtype", "\"float32\"");
+  RETURN_IF_ERROR(ParseDType(t, where, at, a));
   if (!t.contains("shape") || !t["shape"].is_array()) {
     return BadKey(t, where, at, "shape", "a list of dimensions");
   }
@@ -170,7 +190,7 @@ uint64_t Array::numel() const {
   return n;
 }
 
-uint64_t ArrayBytes(const Array& a) { return a.numel() * sizeof(float); }
+uint64_t ArrayBytes(const Array& a) { return StoredStateBytes(a.dtype, a.numel()); }
 
 void LayOut(Manifest* m) {
   uint64_t offset = 0;
@@ -185,7 +205,13 @@ void LayOut(Manifest* m) {
 std::string PayloadHeader(const Manifest& m) {
   Json header = Json::object();
   for (const Array& a : m.arrays) {
-    header[a.name] = {{"dtype", "F32"}, {"shape", a.shape}, {"data_offsets", {a.begin, a.end}}};
+    const bool int8 = a.dtype == StateDType::kInt8;
+    header[a.name] = {
+        {"dtype", int8                               ? "U8"
+                  : a.dtype == StateDType::kBFloat16 ? "BF16"
+                                                     : "F32"},
+        {"shape", int8 ? std::vector<int64_t>{static_cast<int64_t>(ArrayBytes(a))} : a.shape},
+        {"data_offsets", {a.begin, a.end}}};
   }
   header["__metadata__"] = {
       {"format", kFormat}, {"job", m.job_id}, {"step", std::to_string(m.step)}};
@@ -212,10 +238,14 @@ std::string ManifestToJson(const Manifest& m) {
   for (const Array& a : m.arrays) {
     j["tensors"].push_back({{"name", a.name},
                             {"tensor", a.tensor},
-                            {"dtype", "float32"},
+                            {"dtype", std::string(StateDTypeName(a.dtype))},
                             {"shape", a.shape},
                             {"data_offsets", {a.begin, a.end}},
                             {"crc32c", a.crc32c}});
+    if (a.dtype == StateDType::kInt8) {
+      j["tensors"].back()["map"] = a.non_negative ? "log" : "linear";
+      j["tensors"].back()["block"] = kStateBlock;
+    }
     if (a.full_rows > 0) {
       j["tensors"].back()["rows"] = {{"offset", a.row_offset}, {"of", a.full_rows}};
     }

@@ -1,6 +1,7 @@
 // MuondService::ExportState: a job's full state by tensor name (Job::ExportState), streamed as a
-// header and float32 chunks (muond.proto ExportStateChunk). The client writes the files
-// (client/client_export_state.cc, common/state_export.h).
+// header and chunks of each array's data as held, or as float32 on request (muond.proto
+// ExportStateChunk). The client writes the files (client/client_export_state.cc,
+// common/state_export.h).
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -16,7 +17,7 @@
 namespace muond::server {
 namespace {
 
-constexpr size_t kChunkFloats = (size_t{4} << 20) / sizeof(float);
+constexpr size_t kChunkBytes = size_t{4} << 20;
 
 // `lease`: the stream's admission; writes run with its idle clock (a reader that stops reading is
 // cancelled after --stream-idle-seconds). Job::ExportState holds nothing of the job while it
@@ -43,6 +44,7 @@ absl::Status RunExportState(const std::shared_ptr<Job>& job, grpc::ServerContext
   const auto write = [&](const v1::ExportStateChunk& out) {
     return !ctx->IsCancelled() && lease.Await([&] { return writer->Write(out); });
   };
+  std::vector<uint64_t> bytes;  // per array: the bytes of its data
   auto header = [&](const Job::ExportedState& state) -> absl::Status {
     v1::ExportStateChunk out;
     v1::ExportStateHeader* h = out.mutable_header();
@@ -54,6 +56,10 @@ absl::Status RunExportState(const std::shared_ptr<Job>& job, grpc::ServerContext
       sa->set_name(state.arrays[a].name);
       sa->set_tensor(state.tensor_of[a]);
       for (int64_t d : state.arrays[a].shape) sa->add_shape(d);
+      sa->set_dtype(std::string(common::StateDTypeName(state.arrays[a].dtype)));
+      sa->set_non_negative(state.arrays[a].dtype == common::StateDType::kInt8 &&
+                           state.arrays[a].non_negative);
+      bytes.push_back(state.arrays[a].stored_bytes());
     }
     for (int64_t t : state.tensor_steps) h->add_tensor_steps(t);
     if (!write(out)) return gone();
@@ -61,19 +67,25 @@ absl::Status RunExportState(const std::shared_ptr<Job>& job, grpc::ServerContext
   };
   v1::ExportStateChunk out;
   auto sink = [&](size_t a, const std::vector<float>& w) -> absl::Status {
-    for (size_t at = 0; at < w.size(); at += kChunkFloats) {
-      const size_t n = std::min(kChunkFloats, w.size() - at);
+    const uint64_t size = bytes[a];
+    if (size > w.size() * sizeof(float)) {
+      return absl::InternalError(absl::StrCat("job '", job->id(), "': export: array ", a, " holds ",
+                                              w.size() * sizeof(float), " bytes, not ", size));
+    }
+    const char* data = reinterpret_cast<const char*>(w.data());
+    for (uint64_t at = 0; at < size; at += kChunkBytes) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunkBytes, size - at));
       v1::DataChunk* c = out.mutable_data();
       c->set_matrix_index(static_cast<uint32_t>(a));
       c->set_element_offset(at);
-      c->set_data(reinterpret_cast<const char*>(w.data() + at), n * sizeof(float));
+      c->set_data(data + at, n);
       c->set_crc32c(common::Crc32c(c->data().data(), c->data().size()));
       if (!write(out)) return gone();
-      RecordBytes(Transport::kGrpc, Direction::kOut, n * sizeof(float));
+      RecordBytes(Transport::kGrpc, Direction::kOut, n);
     }
     return absl::OkStatus();
   };
-  return job->ExportState(from, header, sink);
+  return job->ExportState(from, req->float32(), header, sink);
 }
 
 }  // namespace

@@ -295,13 +295,16 @@ class Job {
     std::vector<int64_t> tensor_steps;            // apply mode: per job tensor, AdamW step count
   };
   // The job's full state: live (`generation` empty: a snapshot at a step boundary, as a save
-  // takes; a prepared step is not in it) or of a checkpoint generation. `header` is called once,
-  // then `sink` with each array in order; their errors end the export. FAILED_PRECONDITION for a
-  // fenced job, a transport probe or apply-mode weights not yet in; NOT_FOUND / DATA_LOSS from the
-  // checkpoint store. Nothing of the job changes. The state is copied (or read) whole first, and
-  // `header` and `sink` are called with nothing of the job held.
+  // takes; a prepared step is not in it) or of a checkpoint generation. Each array as the job
+  // holds it (arrays[a].dtype: compressed state stays compressed), or, with `float32`, decoded to
+  // float32 (arrays[a].dtype kFloat32). `header` is called once, then `sink` with each array in
+  // order: its first arrays[a].stored_bytes() bytes are the array's data (fp32 values; bf16
+  // codes; int8 the block scales, then the codes). Their errors end the export.
+  // FAILED_PRECONDITION for a fenced job, a transport probe or apply-mode weights not yet in;
+  // NOT_FOUND / DATA_LOSS from the checkpoint store. Nothing of the job changes. The state is
+  // copied (or read) whole first, and `header` and `sink` are called with nothing of the job held.
   virtual absl::Status ExportState(
-      const std::optional<checkpoint::Selector>& generation,
+      const std::optional<checkpoint::Selector>& generation, bool float32,
       const std::function<absl::Status(const ExportedState&)>& header,
       const std::function<absl::Status(size_t array, const std::vector<float>& data)>& sink) = 0;
   // Takes, for every tensor of the job, its state from export directory `dir` (by tensor name;

@@ -143,7 +143,7 @@ class JobImpl final : public Job,
   absl::Status ResetDurably(int64_t next_step,
                             const std::function<absl::Status(int64_t)>& persist) override;
   absl::Status ExportState(
-      const std::optional<checkpoint::Selector>& generation,
+      const std::optional<checkpoint::Selector>& generation, bool float32,
       const std::function<absl::Status(const ExportedState&)>& header,
       const std::function<absl::Status(size_t array, const std::vector<float>& data)>& sink)
       override;
@@ -331,9 +331,10 @@ class JobImpl final : public Job,
   // FAILED_PRECONDITION unless the job can be saved now (not deleted, not a probe, not fenced).
   absl::Status CheckSavable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The live state for ExportState, copied whole at a step boundary (the snapshot a save takes):
-  // its layout into *state, each array into *arrays. Errors as ExportState's.
-  absl::Status CopyLiveState(const CheckpointWriter::Exclusive& held, ExportedState* state,
-                             std::vector<std::vector<float>>* arrays);
+  // its layout into *state, each array into *arrays as held (`float32`: decoded). Errors as
+  // ExportState's.
+  absl::Status CopyLiveState(const CheckpointWriter::Exclusive& held, bool float32,
+                             ExportedState* state, std::vector<std::vector<float>>* arrays);
 
   // Checks a loaded generation against the job's matrices (names and shapes): on OK index[m] is
   // matrix m's place in `loaded`.

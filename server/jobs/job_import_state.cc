@@ -9,9 +9,13 @@
 // tensor the job needs (present, shape, every row of it), each payload's size and header against
 // its manifest, each array's CRC32C and finiteness. Rows of a tensor split across nodes (the
 // ownership plan) are taken from whichever arrays hold them: an export of N nodes imports into M.
-// Memory: one copy of the job's state while it is read (as a checkpoint load), allocated from the
-// job's own shapes after the manifests matched, plus one 16 MiB read buffer for an array of which
-// only some rows are taken (its CRC32C still covers all of it).
+// Arrays stored compressed (bfloat16, int8: exported by a job that holds them so) are decoded to
+// float32 here, and the job encodes them as it holds its own state (InstallLoaded): an export of
+// an int8 job imports into an fp32 one and the reverse. Memory: one copy of the job's state while
+// it is read (as a checkpoint load), allocated from the job's own shapes after the manifests
+// matched, plus one 16 MiB read buffer for a float32 array of which only some rows are taken (its
+// CRC32C still covers all of it); a compressed array is read whole (its stored bytes) and, when
+// only some of its rows are taken, decoded whole into a temporary.
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -19,6 +23,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -36,6 +41,7 @@
 #include "server/jobs/creator_file_error.h"
 #include "server/jobs/creator_path.h"
 #include "server/jobs/job_impl.h"
+#include "server/optim/state_codec.h"
 #include "server/record/status_progress.h"
 
 namespace muond::server {
@@ -287,23 +293,65 @@ absl::StatusOr<const Payload*> OpenPayload(const std::string& dir, int dirfd, in
 // The bytes read at once from an array of which only some rows are taken.
 constexpr uint64_t kPieceReadBytes = uint64_t{16} << 20;
 
+// DATA_LOSS naming the element of `data` (element `at` of the array) that is not finite.
+absl::Status CheckFinite(const std::string& path, const se::Array& a, const float* data,
+                         uint64_t count, uint64_t at) {
+  const int64_t bad = common::FindNonFiniteRaw(
+      common::DType::kFloat32, reinterpret_cast<const char*>(data), static_cast<int64_t>(count));
+  if (bad >= 0) {
+    return absl::DataLossError(absl::StrCat(path, ": tensor '", a.name, "' element ",
+                                            at + static_cast<uint64_t>(bad), " is not finite"));
+  }
+  return absl::OkStatus();
+}
+
+// ReadSource of an array stored compressed (bfloat16 or int8): read whole, its CRC32C checked,
+// the int8 block scales finite and not negative, decoded into float32 (in place when taken whole,
+// else into a temporary whose rows are copied), the taken values finite.
+absl::Status ReadHeldSource(const std::string& path, const Payload& p, const se::Array& a,
+                            uint64_t take_from, uint64_t take_to, float* into) {
+  const uint64_t bytes = se::ArrayBytes(a), n = a.numel();
+  std::vector<float> held(StoredWords(a.dtype, n));
+  RETURN_IF_ERROR(ReadAt(p.fd->get(), path, reinterpret_cast<char*>(held.data()), bytes,
+                         p.header_bytes + a.begin));
+  if (common::Crc32c(held.data(), bytes) != a.crc32c) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": tensor '", a.name, "': CRC32C mismatch (damaged)"));
+  }
+  if (a.dtype == common::StateDType::kInt8) {
+    for (uint64_t b = 0; b < common::StateBlocks(n); ++b) {
+      if (!std::isfinite(held[b]) || held[b] < 0) {
+        return absl::DataLossError(absl::StrCat(path, ": tensor '", a.name, "' block ", b,
+                                                ": scale ", held[b],
+                                                " (int8 scales are finite and not negative)"));
+      }
+    }
+  }
+  const bool whole = take_from == 0 && take_to == n;
+  std::vector<float> decoded(whole ? 0 : n);
+  float* out = whole ? into : decoded.data();
+  DecodeStoredAll(a.dtype, a.non_negative ? StateRole::kNonNegative : StateRole::kSigned,
+                  held.data(), n, out);
+  RETURN_IF_ERROR(CheckFinite(path, a, out + take_from, take_to - take_from, take_from));
+  if (!whole) std::copy(out + take_from, out + take_to, into);
+  return absl::OkStatus();
+}
+
 // Reads one export array, checks its CRC32C and that its values are finite, and copies its rows
-// [src.begin, src.end) to `dst` (the job array's first row is `first_row`). An array taken whole
-// is read straight into place; otherwise in kPieceReadBytes reads.
+// [src.begin, src.end) to `dst` (the job array's first row is `first_row`), decoded to float32. A
+// float32 array taken whole is read straight into place; otherwise in kPieceReadBytes reads.
 absl::Status ReadSource(const std::string& path, const Payload& p, const se::Array& a,
                         const Source& src, int64_t first_row, float* dst) {
   const RowRange has = RowsOf(a.shape, a.row_offset, a.full_rows);
   const uint64_t row = a.numel() / static_cast<uint64_t>(has.end - has.begin);
   const uint64_t base = p.header_bytes + a.begin;
   float* into = dst + static_cast<uint64_t>(src.begin - first_row) * row;
-  const auto check = [&](const float* data, uint64_t count, uint64_t at) -> absl::Status {
-    const int64_t bad = common::FindNonFiniteRaw(
-        common::DType::kFloat32, reinterpret_cast<const char*>(data), static_cast<int64_t>(count));
-    if (bad >= 0) {
-      return absl::DataLossError(absl::StrCat(path, ": tensor '", a.name, "' element ",
-                                              at + static_cast<uint64_t>(bad), " is not finite"));
-    }
-    return absl::OkStatus();
+  if (a.dtype != common::StateDType::kFloat32) {
+    return ReadHeldSource(path, p, a, static_cast<uint64_t>(src.begin - has.begin) * row,
+                          static_cast<uint64_t>(src.end - has.begin) * row, into);
+  }
+  const auto check = [&](const float* data, uint64_t count, uint64_t at) {
+    return CheckFinite(path, a, data, count, at);
   };
   uint32_t crc = 0;
   if (src.begin == has.begin && src.end == has.end) {

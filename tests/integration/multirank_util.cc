@@ -68,6 +68,7 @@ absl::StatusOr<MatrixBytes> ReferenceTrajectory(client::Client& client, const st
   common::JobSpec spec;
   spec.job_id = job_id;
   spec.muon = like.muon;
+  spec.state = like.state;
   spec.matrices = like.matrices;
   absl::StatusOr<std::string> token = client.CreateJob(spec);
   if (!token.ok()) return token.status();

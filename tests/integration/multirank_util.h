@@ -42,8 +42,8 @@ std::vector<common::MatrixSpec> MixedMatrices(common::DType dtype = common::DTyp
 MatrixBytes MakeGradients(const std::vector<common::MatrixSpec>& matrices, int steps,
                           uint64_t seed = 1);
 
-// Runs the gradients through a fresh world-size-1, zero-stage-0 job `job_id` with the matrices
-// and Muon config of `like`, steps 0, 1, ...; returns the updates.
+// Runs the gradients through a fresh world-size-1, zero-stage-0 job `job_id` with the matrices,
+// Muon config and state dtypes of `like`, steps 0, 1, ...; returns the updates.
 absl::StatusOr<MatrixBytes> ReferenceTrajectory(client::Client& client, const std::string& job_id,
                                                 const common::JobSpec& like,
                                                 const MatrixBytes& grads);

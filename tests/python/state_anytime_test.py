@@ -154,6 +154,55 @@ class StateDictTest(DaemonTest):
         opt.close(delete_job=True)
         twin.close(delete_job=True)
 
+    def test_compressed_state_travels_as_held(self):
+        """int8 momentum and AdamW moments (apply mode): state_dict() holds them as the job does
+        (the manifest says int8, linear for the momentum and exp_avg, log for exp_avg_sq; the
+        payload about a quarter of the float32 export's for those arrays), and loading it into a
+        job of another id and ZeRO stage with the same dtypes continues bit for bit; a job holding
+        fp32 state takes it too (converted) and steps on."""
+        import json
+        held = {"momentum_dtype": "int8", "adamw_state_dtype": "int8"}
+        opt, at3, sd, after = self.trajectory_then_state("sd-held", **held)
+        files = sd["muond_state"]["files"]
+        manifest = json.loads(files["sd-held.manifest.json"])
+        maps = {t["name"].split("/")[0]: (t["dtype"], t.get("map")) for t in manifest["tensors"]}
+        self.assertEqual(maps["master"], ("float32", None))
+        self.assertEqual(maps["momentum"], ("int8", "linear"))
+        self.assertEqual(maps["exp_avg"], ("int8", "linear"))
+        self.assertEqual(maps["exp_avg_sq"], ("int8", "log"))
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="sd-held-f32-") as tmp:
+            opt._job.client.export_state(opt._job.job_id, opt._job.token, tmp, dtype="float32")
+            with open(os.path.join(tmp, "sd-held.manifest.json")) as f:
+                f32 = json.load(f)
+            self.assertEqual({t["dtype"] for t in f32["tensors"]}, {"float32"})
+            with self.assertRaises(MuondError) as e:
+                opt._job.client.export_state(opt._job.job_id, opt._job.token, tmp, dtype="fp8")
+            self.assertIn("state export dtype 'fp8'", e.exception.message)
+
+        def moment_bytes(m):
+            return sum(t["data_offsets"][1] - t["data_offsets"][0] for t in m["tensors"]
+                       if not t["name"].startswith("master/"))
+        self.assertLess(moment_bytes(manifest), moment_bytes(f32) * 0.26)
+        opt.close(delete_job=True)
+        other = self.continue_in(dict(held, zero_stage=3), "sd-held-2", at3, sd, after)
+        self.assertEqual(other.spec["state"], {"momentum_dtype": "int8", "adamw_dtype": "int8"})
+        other.close(delete_job=True)
+        params, kinds, tensors = optimizer_model(torch.float32)
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(at3[n])
+        fp32 = apply_optimizer(params, kinds, address=self.daemon.address, job_id="sd-held-f32")
+        fp32.load_state_dict(sd)
+        self.assertEqual(fp32.step_id, 3)
+        for t in range(3, 5):
+            self.step(fp32, params, tensors, t)
+        for n, p in params.items():
+            self.assertTrue(torch.isfinite(p).all(), n)
+            # The converted state is the same state: the next steps land near the int8 job's.
+            self.assertLess((p.detach() - after[-1][n]).abs().max().item(), 1e-2, n)
+        fp32.close(delete_job=True)
+
     def test_update_mode_carries_adamw_state(self):
         def make(job_id):
             torch.manual_seed(5)

@@ -135,6 +135,8 @@ _SIGNATURES = {
     # Re-sharding through a full-state export (muonctl checkpoint export, job create --import-dir).
     "muond_checkpoint_export": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64, _I64,
                                                ctypes.c_char_p, _PI64]),
+    "muond_checkpoint_export_as": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, _I64,
+                                                  _I64, ctypes.c_char_p, ctypes.c_char_p, _PI64]),
     "muond_job_create_from_export": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p,
                                                     ctypes.c_char_p, ctypes.c_size_t]),
 }

@@ -107,14 +107,16 @@ class Client:
             _native.call("muond_job_create", self.handle, _spec_text(spec), token, len(token))
         return token.value.decode()
 
-    def export_state(self, job_id, token, out_dir, generation=0, step=-1):
+    def export_state(self, job_id, token, out_dir, generation=0, step=-1, dtype="held"):
         """Writes the job's whole optimizer state by tensor name (live; or checkpoint generation
         `generation` > 0, or the newest one at `step` >= 0) into `out_dir` as
-        <job>.safetensors and <job>.manifest.json, as `muonctl checkpoint export`; returns the
-        step of the state (the next step)."""
+        <job>.safetensors and <job>.manifest.json, as `muonctl checkpoint export`; each array as
+        the job holds it (dtype "held": compressed momentum and moments stay compressed) or
+        decoded ("float32"). Returns the step of the state (the next step)."""
         exported = ctypes.c_int64(-1)
-        _native.call("muond_checkpoint_export", self.handle, job_id.encode(), token.encode(),
-                     int(generation), int(step), str(out_dir).encode(), ctypes.byref(exported))
+        _native.call("muond_checkpoint_export_as", self.handle, job_id.encode(), token.encode(),
+                     int(generation), int(step), str(out_dir).encode(), str(dtype).encode(),
+                     ctypes.byref(exported))
         return exported.value
 
     def delete_job(self, job_id, token):

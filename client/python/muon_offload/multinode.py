@@ -171,9 +171,9 @@ class MultiNodeMuonWithAuxAdam(MuonWithAuxAdam):
 
     # ----- checkpoints (multinode_checkpoints.py) -----
 
-    def export_state(self, out_dir, step=-1):
+    def export_state(self, out_dir, step=-1, dtype="held"):
         """Collective: every node's job writes its whole optimizer state (live; or its checkpoint
         generation at `step`) into `out_dir` (<node job>.safetensors + .manifest.json, written
-        by the node's local rank 0). Returns (and state_dict() then names) {"global_job_id",
+        by the node's local rank 0), each array as held or decoded (`dtype` "float32"). Returns (and state_dict() then names) {"global_job_id",
         "next_step", "export_dir", "nodes": [{"node", "job_id", "step"}]}."""
-        return self._checkpoints.export_state(out_dir, step)
+        return self._checkpoints.export_state(out_dir, step, dtype)

@@ -57,16 +57,16 @@ class NodeCheckpoints(DaemonCheckpoints):
         gens = {r.node_of[q]: x[0] for q, x in enumerate(loaded) if x is not None}
         return gens, ctx.step_id
 
-    def export_state(self, out_dir, step=-1):
+    def export_state(self, out_dir, step=-1, dtype="held"):
         """Collective: every node's job writes its whole optimizer state (live; or its checkpoint
         generation at `step`) into `out_dir` (<node job>.safetensors + .manifest.json, written
-        by the node's local rank 0). Returns (and state_dict() then names) {"global_job_id",
+        by the node's local rank 0), each array as held or decoded (`dtype` "float32"). Returns (and state_dict() then names) {"global_job_id",
         "next_step", "export_dir", "nodes": [{"node", "job_id", "step"}]}."""
         link = self.link
         self.ctx.ranks.barrier()
         r = link.routing
         steps = link.each_rank(lambda: link.client.export_state(
-            r.node_job_id, link.node_token, out_dir, 0, step) if r.local_rank == 0 else None)
+            r.node_job_id, link.node_token, out_dir, 0, step, dtype) if r.local_rank == 0 else None)
         nodes = [{"node": r.node_of[q], "job_id": f"{link.global_job_id}.node{r.node_of[q]}",
                   "step": st} for q, st in enumerate(steps) if st is not None]
         if len({n["step"] for n in nodes}) != 1:
