@@ -96,6 +96,10 @@ struct RankUpdate {
   // The step was skipped (a non-finite gradient on some rank, "nonfinite": "skip"): no spans, no
   // digest; every rank (and every replay of the step) is told so.
   bool skipped = false;
+  // Apply mode, a committed step kept only for replays: the spans say where and how many bytes
+  // (data null, no storage); a replay writes them from the committed masters, of which the new
+  // parameters are the rounding (ApplyStep::WriteParameters), so no copy of the update is kept.
+  bool from_masters = false;
 };
 
 // One group's values as a rank sent them (gRPC: GroupHyper).

@@ -84,6 +84,8 @@ class RankStep {
   friend class JobImpl;
   RankStep(std::shared_ptr<JobImpl> job, int rank, int64_t step, std::shared_ptr<StepState> state,
            std::shared_ptr<const RankUpdate> replay);
+  // A replay's committed update, its bytes written from the masters when it keeps none.
+  absl::StatusOr<std::shared_ptr<const RankUpdate>> Committed() const;
 
   std::shared_ptr<JobImpl> job_;
   int rank_;

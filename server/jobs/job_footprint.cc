@@ -34,7 +34,7 @@ absl::Status TooLarge(const std::string& what) {
 // and update dtypes, 2 x step_buffers times: a shared-memory session's two regions hold
 // step_buffers buffers each of the rank's larger layout (server/api/shm_attach.cc); per rank the
 // step's hyper block and alignment in each buffer, the ring, and each region's last page. U again
-// for the replay copy.
+// for the replay copy in update mode (apply mode writes a replay from the masters).
 absl::Status MeasureBuffers(const common::JobSpec& spec, JobFootprint* f) {
   const uint64_t world = static_cast<uint64_t>(spec.world_size);
   uint64_t grad = 0, update = 0, wide = 0;
@@ -51,14 +51,16 @@ absl::Status MeasureBuffers(const common::JobSpec& spec, JobFootprint* f) {
       common::shm::HyperBytes(spec.groups.size(), spec.matrices.size(), spec.qk_clip.logits());
   const uint64_t per_rank = 4 * (hyper + 128) + common::shm::kRingBytes + 3 * 4096;
   uint64_t buffers = 0;
+  const uint64_t replay = spec.mode == common::JobMode::kApply ? 0 : 1;
   if (!MulAdd(&grad, world, 64) || !MulAdd(&update, world, 64) ||
       !MulAdd(&buffers, wide, 2 * static_cast<uint64_t>(spec.step_buffers)) ||
       !MulAdd(&buffers, world, per_rank) || !MulAdd(&f->step_bytes, buffers, 1) ||
-      !MulAdd(&f->step_bytes, update, 1)) {
+      !MulAdd(&f->step_bytes, update, replay)) {
     return TooLarge("buffer byte count");
   }
   f->grad_bytes = grad;
   f->update_bytes = update;
+  f->replay_bytes = update * replay;
   return absl::OkStatus();
 }
 
@@ -164,8 +166,8 @@ JobMemory JobFootprint::kinds() const {
   JobMemory m;
   m.state = state_bytes;
   m.step_window = window_bytes;
-  m.replay = update_bytes;
-  m.buffers = step_bytes - update_bytes;
+  m.replay = replay_bytes;
+  m.buffers = step_bytes - replay_bytes;
   m.save_copy = save_copy_bytes;
   m.gather = gather_bytes;
   m.tables = table_bytes;

@@ -28,15 +28,16 @@ struct JobFootprint {
   //  - per rank the larger of a shared-memory session's regions (two gradient and two update
   //    buffers, each as large as the larger of the rank's B and U, mlocked; a session taken over
   //    releases its regions at once; plus its hyper block, alignment and ring) and a gRPC rank's
-  //    input buffers and update (B + U); and the private copy of the last update kept for a
-  //    replay (U);
+  //    input buffers and update (B + U); and, in update mode, the private copy of the last
+  //    update kept for a replay (U; apply mode replays from the masters: no copy);
   //  - the copy of the committed state a save may take when steps write arrays it has not
   //    copied yet (copy-on-write per array: at most state_bytes);
   //  - the whole matrices assembled at once: the gather budget, at most 8 bytes per element.
-  // The buffers (2 x step_buffers x the larger of B and U, per rank more) + U.
+  // The buffers (2 x step_buffers x the larger of B and U, per rank more) + the replay copy.
   uint64_t step_bytes = 0;
   uint64_t grad_bytes = 0;    // B
   uint64_t update_bytes = 0;  // U
+  uint64_t replay_bytes = 0;  // the replay copy: U in update mode, 0 in apply mode
   uint64_t save_copy_bytes = 0;
   uint64_t gather_bytes = 0;
   // The compute thread's Newton-Schulz scratch for the job's largest call (shared by all jobs:
@@ -47,7 +48,7 @@ struct JobFootprint {
            scratch_bytes;
   }
   // The same bytes by kind (JobMemory, job_report.h): step_bytes are the buffers and the replay
-  // (U).
+  // copy.
   JobMemory kinds() const;
 };
 

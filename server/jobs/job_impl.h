@@ -174,6 +174,11 @@ class JobImpl final : public Job,
   // what committed step `replay` was computed from (a replay must re-send the same gradients).
   absl::Status CheckReplayInput(int rank, const RankUpdate& replay,
                                 const std::vector<const char*>& span_in) const;
+  // A from_masters replay (apply mode) of `replay` for a gRPC rank: the committed update with its
+  // bytes written from the masters. ABORTED when the job's state changed since (a load or reset:
+  // `replay` is no longer the rank's last update), with nothing changed.
+  absl::StatusOr<std::shared_ptr<const RankUpdate>> ReplayFromMasters(
+      int rank, const std::shared_ptr<const RankUpdate>& replay) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // The report's pipeline pressure, pinned memory, Newton-Schulz times, orthogonality and trainer
@@ -328,6 +333,15 @@ class JobImpl final : public Job,
   void PrepareOwnedRank(StepState& state, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION naming `what` while a step is in flight.
   absl::Status CheckNoStepInFlight(const char* what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Apply mode: rank `rank`'s last committed update as a from_masters marker (step_io.h), so its
+  // bytes (a gRPC rank's storage, or a shared region about to go) are not kept for replays.
+  void KeepReplayAsMasters(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes a from_masters replay's spans into `out` (one destination per span) from the
+  // committed masters. REQUIRES: `replay` is the rank's last update (nothing changed the masters
+  // since its step committed: the rank has not begun a later step, which could not seal without
+  // it, and a load or reset would have dropped it).
+  void WriteReplayFromMasters(const RankUpdate& replay, const std::vector<char*>& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION unless the job can be saved now (not deleted, not a probe, not fenced).
   absl::Status CheckSavable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The live state for ExportState, copied whole at a step boundary (the snapshot a save takes):

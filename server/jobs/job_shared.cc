@@ -199,8 +199,10 @@ absl::Status JobImpl::OpenSharedStep(int rank, uint64_t session, int64_t step, b
     // is in (its last part).
     if (last) RETURN_IF_ERROR(CheckReplayInput(rank, *replay, in));
     // The committed bytes go where the rank reads them (already there when the rank used the
-    // same buffer). Every part of a replayed step is answered so.
-    for (size_t i = 0; i < out.size(); ++i) {
+    // same buffer; apply mode writes them from the masters). Every part of a replayed step is
+    // answered so.
+    if (replay->from_masters) WriteReplayFromMasters(*replay, out);
+    for (size_t i = 0; i < out.size() && !replay->from_masters; ++i) {
       if (out[i] != replay->spans[i].data) {
         std::memcpy(out[i], replay->spans[i].data, replay->spans[i].size);
         CountTransportCopy(replay->spans[i].size);
@@ -267,9 +269,15 @@ void JobImpl::EndSharedSession(int rank, uint64_t session, const void* keepalive
                /*fence=*/true);
     }
   }
-  if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive) {
+  if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive &&
+      apply()) {
+    // The committed update lives in the regions being released: a rank that comes back (over
+    // either transport) replays it from the masters.
+    KeepReplayAsMasters(rank);
+  } else if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive) {
     // The committed update lives in the regions being released: keep a private copy, so a rank
-    // that comes back (over either transport) can still replay the step.
+    // that comes back (over either transport) can still replay the step (update mode: with
+    // Nesterov the update cannot be rebuilt from the momentum).
     const RankUpdate& last = *last_updates_[rank];
     auto copy = std::make_shared<RankUpdate>();
     copy->step = last.step;

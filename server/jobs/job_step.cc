@@ -80,7 +80,8 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
   if (replay_ != nullptr) {
     // No gradients at all: the rank only asks for the committed result (a rank told UNAVAILABLE
     // "the step is committed" fetches it so). Any gradients: all of them, the same.
-    if (replay_in_.empty() || replay_->skipped) return replay_;
+    if (replay_->skipped) return replay_;
+    if (replay_in_.empty()) return Committed();
     const JobLayout& layout = job_->layout_;
     std::vector<const char*> span_in(layout.spans(rank_).size(), nullptr);
     for (size_t k = 0; k < span_in.size(); ++k) {
@@ -95,9 +96,14 @@ absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Finish(
       span_in[k] = replay_in_[k].data();
     }
     RETURN_IF_ERROR(job_->CheckReplayInput(rank_, *replay_, span_in));
-    return replay_;
+    return Committed();
   }
   return job_->FinishRank(state_, rank_, cancelled, outside_sum_sq);
+}
+
+absl::StatusOr<std::shared_ptr<const RankUpdate>> RankStep::Committed() const {
+  if (!replay_->from_masters) return replay_;
+  return job_->ReplayFromMasters(rank_, replay_);
 }
 
 absl::StatusOr<std::unique_ptr<RankStep>> JobImpl::BeginStep(int rank, uint64_t session, int64_t step,
@@ -165,7 +171,56 @@ absl::Status JobImpl::EnterStep(int rank, uint64_t session, int64_t step, const 
   }
   if (apply()) RETURN_IF_ERROR(AgreeHyper(*in_flight_, rank, *hyper));
   in_flight_->ranks[rank].begun = true;
+  // The rank has the last step's update: a replay of it, should this step be refused, comes from
+  // the masters, and its bytes are not held beside this step's.
+  if (apply()) KeepReplayAsMasters(rank);
   return absl::OkStatus();
+}
+
+void JobImpl::KeepReplayAsMasters(int rank) {
+  const std::shared_ptr<const RankUpdate>& last = last_updates_[rank];
+  if (last == nullptr || last->skipped || last->from_masters) return;
+  auto marker = std::make_shared<RankUpdate>();
+  marker->step = last->step;
+  marker->compute_seconds = last->compute_seconds;
+  marker->grad_sum_sq = last->grad_sum_sq;
+  marker->input_digest = last->input_digest;
+  marker->from_masters = true;
+  for (const UpdateSpan& span : last->spans) {
+    marker->spans.push_back({span.matrix, span.offset, nullptr, span.size});
+  }
+  last_updates_[rank] = std::move(marker);
+}
+
+void JobImpl::WriteReplayFromMasters(const RankUpdate& replay, const std::vector<char*>& out) {
+  for (size_t i = 0; i < replay.spans.size() && i < out.size(); ++i) {
+    const UpdateSpan& span = replay.spans[i];
+    const common::DType dtype = spec_.matrices[span.matrix].param_dtype;
+    common::FromFloat32(params_->front(span.matrix, ParamStore::kMaster) + span.offset,
+                        span.size / common::DTypeSize(dtype), dtype, out[i]);
+    CountTransportCopy(span.size);
+  }
+}
+
+absl::StatusOr<std::shared_ptr<const RankUpdate>> JobImpl::ReplayFromMasters(
+    int rank, const std::shared_ptr<const RankUpdate>& replay) {
+  absl::MutexLock lock(&mu_);
+  if (last_updates_[rank] != replay) {
+    return absl::AbortedError(absl::StrCat("job '", id(), "' rank ", rank, ": step ", replay->step,
+                                           " (replay): the job's state changed during the replay "
+                                           "(a checkpoint load or reset); nothing changed"));
+  }
+  auto update = std::make_shared<RankUpdate>(*replay);
+  update->from_masters = false;
+  update->storage.resize(update->spans.size());
+  std::vector<char*> out;
+  for (size_t i = 0; i < update->spans.size(); ++i) {
+    update->storage[i].assign(update->spans[i].size, '\0');
+    update->spans[i].data = update->storage[i].data();
+    out.push_back(update->spans[i].data);
+  }
+  WriteReplayFromMasters(*replay, out);
+  return std::shared_ptr<const RankUpdate>(std::move(update));
 }
 
 std::shared_ptr<StepState> JobImpl::NewStepState(int64_t step) {

@@ -277,6 +277,56 @@ TEST_P(ApplyCommitTest, QkClipScalesTheHeadsOverTheThresholdBitForBit) {
   EXPECT_EQ(*report.qk_max_logit, 1e6f);
 }
 
+// Apply mode keeps no copy of a committed update for replays: when a rank's shared-memory session
+// ends (its regions, which held the update, go), or when the rank begins its next step, the job
+// keeps only where the spans were, and a replay writes the new parameters from the committed
+// masters. A rank coming back over shared memory and one coming back over gRPC both receive
+// their step-1 result bit for bit, with no replay bytes held; the job then steps on.
+TEST_P(ApplyCommitTest, ReplaysComeFromTheMastersWithNoCopyKept) {
+  std::mt19937 rng(29);
+  const common::JobSpec spec = StartApplyJob(JobId("apply-replay"), /*max_grad_norm=*/0, rng);
+  ASSERT_NE(job_, nullptr);
+  StepHyper hyper;
+  hyper.lr = {1e-3};
+  hyper.weight_decay = {0.0};
+  ASSERT_NO_FATAL_FAILURE(StepAll(spec, 0, RandomGradients(spec, rng), &hyper));
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  const std::vector<RankRegion> committed = StepRegions(spec, 1, grads, &hyper);
+  for (int r = 0; r < spec.world_size; ++r) {
+    job_->EndSharedSession(r, sessions_[r], nullptr, /*clean=*/true);
+    auto session = job_->Attach(r, /*takeover=*/false);
+    ASSERT_TRUE(session.ok()) << session.status();
+    sessions_[r] = *session;
+  }
+  EXPECT_EQ(job_->Report().memory.replay, 0u) << "a copy of the update was kept";
+  // Rank 0 over shared memory: a fresh region, the same gradients.
+  RankRegion again = FillRegion(spec, 0, grads);
+  for (std::string& out : again.out) std::fill(out.begin(), out.end(), '\0');
+  Outcome replayed;
+  ASSERT_TRUE(Submit(0, 1, again, &replayed, &hyper).ok());
+  replayed.ended.WaitForNotification();
+  EXPECT_TRUE(replayed.status.ok()) << replayed.status;
+  EXPECT_NE(replayed.flags & kDoneReplayed, 0u);
+  EXPECT_EQ(again.out, committed[0].out) << "the replay's new parameters differ";
+  // Rank 1 over gRPC, asking for the committed result only.
+  auto step = job_->BeginStep(1, sessions_[1], 1, &hyper);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_TRUE((*step)->replay());
+  auto update = (*step)->Finish([] { return false; }, 0);
+  ASSERT_TRUE(update.ok()) << update.status();
+  ASSERT_EQ((*update)->spans.size(), committed[1].out.size());
+  for (size_t i = 0; i < committed[1].out.size(); ++i) {
+    EXPECT_EQ(std::string((*update)->spans[i].data, (*update)->spans[i].size), committed[1].out[i])
+        << "span " << i;
+  }
+  EXPECT_EQ(job_->Report().memory.replay, 0u);
+  // The job steps on from the same masters.
+  const std::vector<std::vector<float>> before = Masters();
+  ASSERT_NO_FATAL_FAILURE(StepAll(spec, 2, RandomGradients(spec, rng), &hyper));
+  EXPECT_NE(Masters(), before);
+  EXPECT_EQ(job_->Report().steps_completed, 3);
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, ApplyCommitTest, ::testing::Values(true, false),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "CpuInPlace" : "SimulatedStaged";

@@ -126,8 +126,10 @@ TEST(JobFootprintTest, ApplyModeBuffersAreInTheParamDtype) {
   const uint64_t u = 64 * 64 * 2 + 64;
   const uint64_t per_rank = 4 * (common::shm::HyperBytes(spec.groups.size(), 1) + 128) +
                             common::shm::kRingBytes + 3 * 4096;
-  EXPECT_EQ(f->step_bytes, 4 * 64 * 64 * 4 + per_rank + u);
-  EXPECT_EQ(f->kinds().replay, u);
+  // No replay copy: a replay's new parameters are written from the masters.
+  EXPECT_EQ(f->update_bytes, u);
+  EXPECT_EQ(f->step_bytes, 4 * 64 * 64 * 4 + per_rank);
+  EXPECT_EQ(f->kinds().replay, 0u);
   EXPECT_EQ(f->gather_bytes, 0u) << "no budget given: none counted";
 }
 
