@@ -253,6 +253,25 @@ void ExportManifestSeeds(const std::vector<muond::common::JobSpec>& specs) {
   rows.tensor_steps["embed"] = 5;
   se::LayOut(&rows);
   Put("export_manifest", "seed-rows", std::string(1, '\1') + se::ManifestToJson(rows));
+  // Compressed state as held: bf16 and int8 (linear and log maps; "map" and "block").
+  se::Manifest held;
+  held.job_id = "held";
+  held.mode = muond::common::JobMode::kApply;
+  held.payload = "held.safetensors";
+  const muond::common::StateDType kHeld[] = {muond::common::StateDType::kFloat32,
+                                             muond::common::StateDType::kBFloat16,
+                                             muond::common::StateDType::kInt8};
+  int slot = 0;
+  for (const char* name : {"master/e", "exp_avg/e", "exp_avg_sq/e"}) {
+    se::Array a{name, "e", {3, 2049}};
+    a.dtype = kHeld[slot];
+    a.non_negative = slot == 2;
+    held.arrays.push_back(a);
+    ++slot;
+  }
+  held.tensor_steps["e"] = 2;
+  se::LayOut(&held);
+  Put("export_manifest", "seed-held", std::string(1, '\1') + se::ManifestToJson(held));
 }
 
 // Job records as JobRegistry::Persist writes them (fix-up byte: the directory is named after the
