@@ -83,14 +83,15 @@ bool StepPipeline::Run::Take(Batch* batch, bool* commit, bool* decide) {
 
 bool StepPipeline::Run::TakeLocked(Batch* batch, bool* commit, bool* decide) {
   // The gather budget bounds everything assembled at once (all batches in flight); batches aim
-  // at a third of it so that kDepth of them overlap. A matrix larger than the budget goes
-  // alone, when nothing else is in flight.
+  // at a third of it, at most the batch target, so that kDepth of them overlap. A matrix larger
+  // than the budget goes alone, when nothing else is in flight.
   uint64_t in_flight = 0;
   for (const Batch& b : flight_) {
     for (uint32_t m : b.matrices) in_flight += p_.AssembledBytes(m);
   }
   const uint64_t budget = p_.gather_budget_bytes_;
-  const uint64_t per_batch = std::max<uint64_t>(1, budget / DeviceStreams::kDepth);
+  const uint64_t per_batch =
+      std::max<uint64_t>(1, std::min(budget / DeviceStreams::kDepth, p_.batch_target_bytes_));
   uint64_t batch_bytes = 0;
   size_t taken = 0;
   const bool sealed = state_.sealed(p_.spec_.matrices.size(), p_.spec_.clips_outside_share());
@@ -481,7 +482,8 @@ void StepPipeline::Run::Recycle(Batch& b) { GiveBackHostBuffers(b); }
 
 StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
                            MomentumStore& momentum, ParamStore* params, DeviceStreams* devices,
-                           uint64_t gather_budget_bytes, absl::Mutex* job_mu, Sink* sink)
+                           uint64_t gather_budget_bytes, absl::Mutex* job_mu, Sink* sink,
+                           uint64_t batch_target_bytes)
     : spec_(spec),
       layout_(layout),
       momentum_(momentum),
@@ -489,6 +491,7 @@ StepPipeline::StepPipeline(const common::JobSpec& spec, const JobLayout& layout,
       apply_(params != nullptr ? std::make_unique<ApplyStep>(spec, layout, params) : nullptr),
       devices_(devices),
       gather_budget_bytes_(gather_budget_bytes),
+      batch_target_bytes_(batch_target_bytes),
       job_mu_(job_mu),
       sink_(sink),
       observer_(spec, devices->device->name()),

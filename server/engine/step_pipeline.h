@@ -80,13 +80,23 @@ class StepPipeline {
     virtual void Commit(StepState& state) = 0;
   };
 
+  // The most a batch assembles (a matrix larger than that goes alone): enough matrices per batch
+  // for the device to batch their Newton-Schulz and for kDepth batches to overlap copy-in,
+  // compute and writeback, and no more. Assembling further ahead buys nothing (the gradients wait
+  // in the ranks' regions until a batch takes them) and costs host memory per parameter: with
+  // the batch at a third of the gather budget a streamed step of a model smaller than the budget
+  // held its whole fp32 gradient assembled at once (4 bytes a parameter).
+  static constexpr uint64_t kBatchTargetBytes = uint64_t{64} << 20;
+
   // `job_mu` is the lock that guards the job's StepState; the others must outlive the pipeline.
   // `params`: apply mode's store (null in update mode): the step then also runs AdamW tensors on
   // the host, applies the Muon updates to the masters, returns new parameters and recomputes the
   // step when global clipping triggers (server/engine/apply_step.h).
+  // `batch_target_bytes`: kBatchTargetBytes, or less (tests shrink it to see its bound on a
+  // small model).
   StepPipeline(const common::JobSpec& spec, const JobLayout& layout, MomentumStore& momentum,
                ParamStore* params, DeviceStreams* devices, uint64_t gather_budget_bytes,
-               absl::Mutex* job_mu, Sink* sink);
+               absl::Mutex* job_mu, Sink* sink, uint64_t batch_target_bytes = kBatchTargetBytes);
   ~StepPipeline();
 
   // Processes the ready matrices of `state` until none is left, then returns; commits the step
@@ -166,6 +176,7 @@ class StepPipeline {
   const std::unique_ptr<ApplyStep> apply_;
   DeviceStreams* const devices_;
   const uint64_t gather_budget_bytes_;
+  const uint64_t batch_target_bytes_;
   absl::Mutex* const job_mu_;
   Sink* const sink_;
   std::atomic<uint64_t> gather_peak_bytes_{0};

@@ -47,7 +47,7 @@ JobImpl::JobImpl(common::JobSpec spec, std::string token_sha256, JobOwner owner,
                   : nullptr),
       writer_(std::move(parts.checkpoint_dir), spec_.checkpoint_keep),
       pipeline_(spec_, layout_, momentum_, params_.get(), parts.devices, parts.gather_budget_bytes,
-                &mu_, this),
+                &mu_, this, parts.batch_target_bytes),
       trainer_clock_(spec_.job_id) {
   absl::MutexLock lock(&mu_);
   sessions_.assign(spec_.world_size, 0);

@@ -6,7 +6,9 @@
 #include "common/dtype.h"
 #include "common/shm_protocol.h"
 #include "common/status_macros.h"
+#include "server/device/device_streams.h"
 #include "server/engine/state_buffers.h"
+#include "server/engine/step_pipeline.h"
 #include "server/optim/muon_math.h"
 #include "server/optim/newton_schulz.h"
 
@@ -75,6 +77,27 @@ uint64_t ScratchFor(const common::JobSpec& spec) {
     all = std::min(all + need, internal::kNewtonSchulzScratchBytes);
   }
   return std::max(largest, all);
+}
+
+// The whole matrices assembled at once (`total` elements in all): the fp32 gradient and momentum
+// on a device per element (4 more for a compressed momentum's decoding), at most all of them, at
+// most kDepth batches of the batch target or of one matrix (step_pipeline.h), at most the budget.
+absl::StatusOr<uint64_t> GatherFor(const common::JobSpec& spec, uint64_t total,
+                                   uint64_t daemon_gather_budget_bytes) {
+  const uint64_t budget =
+      spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : daemon_gather_budget_bytes;
+  const uint64_t per_element = spec.state.momentum != common::StateDType::kFloat32 ? 12 : 8;
+  uint64_t whole = 0, largest = 0, batches = 0, one = 0;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    largest = std::max<uint64_t>(largest, static_cast<uint64_t>(m.numel()));
+  }
+  const uint64_t per_batch = std::max<uint64_t>(
+      1, std::min<uint64_t>(budget / DeviceStreams::kDepth, StepPipeline::kBatchTargetBytes));
+  if (!MulAdd(&whole, total, per_element) || !MulAdd(&one, largest, per_element) ||
+      !MulAdd(&batches, std::max(per_batch, one), DeviceStreams::kDepth)) {
+    return TooLarge("gather byte count");
+  }
+  return std::min({budget, whole, batches});
 }
 
 }  // namespace
@@ -147,11 +170,9 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
   }
   RETURN_IF_ERROR(MeasureBuffers(spec, &f));
   f.save_copy_bytes = f.state_bytes;
-  const uint64_t budget =
-      spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : daemon_gather_budget_bytes;
-  uint64_t whole = 0;
-  if (!MulAdd(&whole, total, 8)) return TooLarge("gather byte count");
-  f.gather_bytes = spec.transport_probe ? 0 : std::min(budget, whole);
+  if (!spec.transport_probe) {
+    ASSIGN_OR_RETURN(f.gather_bytes, GatherFor(spec, total, daemon_gather_budget_bytes));
+  }
   if (!spec.transport_probe) f.scratch_bytes = ScratchFor(spec);
   if (!MulAdd(&f.table_bytes, f.spans, sizeof(int64_t)) ||  // progress words
       !MulAdd(&f.table_bytes, f.spans, kBytesPerSpan) ||

@@ -32,7 +32,9 @@ struct JobFootprint {
   //    update kept for a replay (U; apply mode replays from the masters: no copy);
   //  - the copy of the committed state a save may take when steps write arrays it has not
   //    copied yet (copy-on-write per array: at most state_bytes);
-  //  - the whole matrices assembled at once: the gather budget, at most 8 bytes per element.
+  //  - the whole matrices assembled at once: at most kDepth batches of the batch target (or of
+  //    the largest matrix), at most the gather budget, at most 8 bytes per element (12 with a
+  //    compressed momentum).
   // The buffers (2 x step_buffers x the larger of B and U, per rank more) + the replay copy.
   uint64_t step_bytes = 0;
   uint64_t grad_bytes = 0;    // B

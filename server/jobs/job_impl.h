@@ -72,6 +72,8 @@ struct JobParts {
   // Bytes of whole matrices (fp32 gradient and temporary momentum) assembled at once; a larger
   // matrix is processed alone.
   uint64_t gather_budget_bytes = 0;
+  // The most a batch assembles (StepPipeline::kBatchTargetBytes; tests shrink it).
+  uint64_t batch_target_bytes = StepPipeline::kBatchTargetBytes;
   // The daemon's step window for a spec that sets none (--step-window-bytes).
   uint64_t step_window_bytes = kDefaultStepWindowBytes;
   DeviceStreams* devices = nullptr;  // must outlive the job

@@ -5,7 +5,9 @@
 
 #include "common/shm_protocol.h"
 #include "gtest/gtest.h"
+#include "server/device/device_streams.h"
 #include "server/engine/state_buffers.h"
+#include "server/engine/step_pipeline.h"
 
 namespace muond::server {
 namespace {
@@ -55,6 +57,36 @@ TEST(JobFootprintTest, CountsStepBuffersRegionsSaveCopyAndGather) {
   f = MeasureJob(spec, uint64_t{1} << 30);
   ASSERT_TRUE(f.ok());
   EXPECT_EQ(f->gather_bytes, 4096u);
+}
+
+// The pipeline assembles at most kDepth batches of the batch target (or of one matrix, when a
+// matrix is larger): a model larger than that reserves those, not the whole budget.
+TEST(JobFootprintTest, GatherIsAtMostKDepthBatches) {
+  common::JobSpec spec;
+  spec.job_id = "g";
+  for (int i = 0; i < 64; ++i)
+    spec.matrices.push_back(Matrix("m" + std::to_string(i), {1024, 1024}));
+  auto f = MeasureJob(spec, /*daemon_gather_budget_bytes=*/uint64_t{1} << 30);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->gather_bytes, DeviceStreams::kDepth * StepPipeline::kBatchTargetBytes);
+  // Compressed momentum: 12 bytes an element, the same batches.
+  spec.state.momentum = common::StateDType::kInt8;
+  f = MeasureJob(spec, uint64_t{1} << 30);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->gather_bytes, DeviceStreams::kDepth * StepPipeline::kBatchTargetBytes);
+  // One matrix larger than the target: kDepth of it, within the budget.
+  spec.state.momentum = common::StateDType::kFloat32;
+  spec.matrices = {Matrix("big", {4096, 4096}), Matrix("small", {16, 16})};
+  f = MeasureJob(spec, uint64_t{1} << 30);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->gather_bytes, std::min<uint64_t>(uint64_t{1} << 30, (4096 * 4096 + 256) * 8));
+  spec.matrices = {Matrix("big", {4096, 4096}), Matrix("big2", {4096, 4096})};
+  f = MeasureJob(spec, uint64_t{1} << 30);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->gather_bytes, uint64_t{2} * 4096 * 4096 * 8) << "all of it: below kDepth batches";
+  f = MeasureJob(spec, uint64_t{200} << 20);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->gather_bytes, uint64_t{200} << 20) << "the budget bounds it";
 }
 
 // Compressed state (JobSpec::state): the state and the window count the held bytes, each array

@@ -125,6 +125,7 @@ class CommitFixture : public ::testing::TestWithParam<bool> {
     JobParts parts;
     parts.executor = executor_.get();
     parts.gather_budget_bytes = uint64_t{256} << 20;
+    parts.batch_target_bytes = batch_target_bytes_;
     parts.devices = devices_.get();
     parts.backend = "cpu";
     parts.checkpoint_dir = absl::StrCat(dir_, "/", spec.job_id);
@@ -243,6 +244,7 @@ class CommitFixture : public ::testing::TestWithParam<bool> {
   }
 
   std::string dir_;
+  uint64_t batch_target_bytes_ = StepPipeline::kBatchTargetBytes;  // set before StartJob
   std::unique_ptr<DeviceStreams> devices_;
   std::unique_ptr<ComputeExecutor> executor_;
   std::shared_ptr<JobImpl> job_;
