@@ -62,9 +62,10 @@ void ExpectRunsMatch(const std::string& addr, const common::JobSpec& spec, const
   }
 }
 
-class StateExportHeldTest : public ::testing::TestWithParam<common::StateDType> {
+// A muond of the test's own and a client of it.
+class OwnDaemon {
  protected:
-  void SetUp() override {
+  void Start() {
     auto d = DaemonProcess::StartIn(dir_.path());
     ASSERT_TRUE(d.ok()) << d.status();
     daemon_ = *std::move(d);
@@ -72,7 +73,7 @@ class StateExportHeldTest : public ::testing::TestWithParam<common::StateDType> 
     ASSERT_TRUE(c.ok()) << c.status();
     client_ = *std::move(c);
   }
-  void TearDown() override {
+  void Stop() {
     if (daemon_ != nullptr) {
       EXPECT_EQ(daemon_->Stop(), 0) << daemon_->Log();
     }
@@ -82,6 +83,13 @@ class StateExportHeldTest : public ::testing::TestWithParam<common::StateDType> 
   TempDir dir_;
   std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<client::Client> client_;
+};
+
+class StateExportHeldTest : public ::testing::TestWithParam<common::StateDType>,
+                            protected OwnDaemon {
+ protected:
+  void SetUp() override { Start(); }
+  void TearDown() override { Stop(); }
 };
 
 TEST_P(StateExportHeldTest, ExportsHoldTheStateAsHeldAndImportsContinue) {
@@ -239,32 +247,16 @@ std::string Edited(const std::string& text, size_t t, const std::string& key,
   return j.dump(1);
 }
 
-class StateExportHeldInputTest : public ::testing::Test {
+class StateExportHeldInputTest : public ::testing::Test, protected OwnDaemon {
  protected:
-  void SetUp() override {
-    auto d = DaemonProcess::StartIn(dir_.path());
-    ASSERT_TRUE(d.ok()) << d.status();
-    daemon_ = *std::move(d);
-    auto c = client::Client::Connect(daemon_->address());
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = *std::move(c);
-  }
-  void TearDown() override {
-    if (daemon_ != nullptr) {
-      EXPECT_EQ(daemon_->Stop(), 0) << daemon_->Log();
-    }
-  }
-  std::string Dir(const std::string& name) const { return dir_.File(name); }
+  void SetUp() override { Start(); }
+  void TearDown() override { Stop(); }
   common::JobSpec Job(const std::string& id) const {
     common::JobSpec spec;
     spec.job_id = id;
     spec.matrices = {Matrix("w", {4, 3})};
     return spec;
   }
-
-  TempDir dir_;
-  std::unique_ptr<DaemonProcess> daemon_;
-  std::unique_ptr<client::Client> client_;
 };
 
 TEST_F(StateExportHeldInputTest, BadCompressedArraysAreRefusedNamingWhatAndWhere) {

@@ -30,6 +30,13 @@ class ApplyCommitTest : public commit_test::CommitFixture {
   // initial masters random; `max_grad_norm` > 0 clips.
   common::JobSpec StartApplyJob(const std::string& id, double max_grad_norm, std::mt19937& rng,
                                 const common::QkClip& qk_clip = {});
+  // The hyperparameters of every step here: group "all" at lr 1e-3, no weight decay.
+  static StepHyper Hyper() {
+    StepHyper hyper;
+    hyper.lr = {1e-3};
+    hyper.weight_decay = {0.0};
+    return hyper;
+  }
   // A step whose global clipping recomputes it, with or without a peer that rewrote a gradient
   // after the first pass read it (below).
   void ExpectClipRedo(const std::string& id, bool rewrite);
@@ -64,9 +71,7 @@ TEST_P(ApplyCommitTest, MomentumIsTheSerialEmaBitForBit) {
   ASSERT_NE(job_, nullptr);
   std::vector<std::vector<float>> reference;
   for (const common::MatrixSpec& m : spec.matrices) reference.emplace_back(m.numel(), 0.0f);
-  StepHyper hyper;
-  hyper.lr = {1e-3};
-  hyper.weight_decay = {0.0};
+  const StepHyper hyper = Hyper();
   std::vector<std::vector<float>> masters = Masters();
   for (int64_t step = 0; step < 3; ++step) {
     const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
@@ -99,9 +104,7 @@ void ApplyCommitTest::ExpectClipRedo(const std::string& id, bool rewrite) {
   ASSERT_NE(job_, nullptr);
   const std::vector<std::vector<float>> before = Masters();
   ASSERT_EQ(before.size(), spec.matrices.size());
-  StepHyper hyper;
-  hyper.lr = {1e-3};
-  hyper.weight_decay = {0.0};
+  const StepHyper hyper = Hyper();
   const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
   RankRegion rank0 = FillRegion(spec, 0, grads), rank1 = FillRegion(spec, 1, grads);
   ASSERT_EQ(rank0.spans[0].matrix, 0u);
@@ -152,9 +155,7 @@ TEST_P(ApplyCommitTest, OperatorsSeeShapeTimesOrthogonalityAndTrainerTime) {
   std::mt19937 rng(29);
   const common::JobSpec spec = StartApplyJob(JobId("apply-observed"), /*max_grad_norm=*/0, rng);
   ASSERT_NE(job_, nullptr);
-  StepHyper hyper;
-  hyper.lr = {1e-3};
-  hyper.weight_decay = {0.0};
+  const StepHyper hyper = Hyper();
   for (int64_t step = 0; step < 2; ++step) {
     ASSERT_NO_FATAL_FAILURE(StepAll(spec, step, RandomGradients(spec, rng), &hyper));
   }
@@ -201,9 +202,7 @@ TEST_P(ApplyCommitTest, QkClipScalesTheHeadsOverTheThresholdBitForBit) {
   qk.threshold = 10;
   qk.alpha = 0.25;
   qk.pairs = {{"a", "b", 16, 16, 4}};  // a: q [16 heads x 4, 2000]; b: k, one key head per query
-  StepHyper hyper;
-  hyper.lr = {1e-3};
-  hyper.weight_decay = {0.0};
+  const StepHyper hyper = Hyper();
   std::mt19937 twin_rng(41), rng(41);
   const common::JobSpec twin = StartApplyJob(JobId("qk-twin"), 0, twin_rng);
   ASSERT_NE(job_, nullptr);
@@ -286,9 +285,7 @@ TEST_P(ApplyCommitTest, ReplaysComeFromTheMastersWithNoCopyKept) {
   std::mt19937 rng(29);
   const common::JobSpec spec = StartApplyJob(JobId("apply-replay"), /*max_grad_norm=*/0, rng);
   ASSERT_NE(job_, nullptr);
-  StepHyper hyper;
-  hyper.lr = {1e-3};
-  hyper.weight_decay = {0.0};
+  const StepHyper hyper = Hyper();
   ASSERT_NO_FATAL_FAILURE(StepAll(spec, 0, RandomGradients(spec, rng), &hyper));
   const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
   const std::vector<RankRegion> committed = StepRegions(spec, 1, grads, &hyper);
