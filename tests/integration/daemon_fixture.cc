@@ -310,6 +310,21 @@ std::unique_ptr<client::Client> DaemonSuite::client_;
 std::string DaemonSuite::canary_token_;
 int DaemonSuite::next_job_ = 0;
 
+void OwnDaemon::Start() {
+  auto d = DaemonProcess::StartIn(dir_.path());
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  auto c = client::Client::Connect(daemon_->address());
+  ASSERT_TRUE(c.ok()) << c.status();
+  client_ = *std::move(c);
+}
+
+void OwnDaemon::Stop() {
+  if (daemon_ != nullptr) {
+    EXPECT_EQ(daemon_->Stop(), 0) << daemon_->Log();
+  }
+}
+
 void DaemonSuite::SetUpTestSuite() {
   dir_ = std::make_unique<TempDir>();
   auto daemon = DaemonProcess::StartIn(dir_->path());

@@ -149,6 +149,20 @@ class DaemonProcess {
 // "exited with N" / "killed by signal N" for a wait status.
 std::string DescribeWaitStatus(int status);
 
+// A muond of the test's own (in a temporary state directory) and a client of it, for fixtures
+// that start one per test: Start() in SetUp, Stop() in TearDown (the daemon must exit 0).
+class OwnDaemon {
+ protected:
+  void Start();
+  void Stop();
+  // A path in the daemon's temporary directory.
+  std::string Dir(const std::string& name) const { return dir_.File(name); }
+
+  TempDir dir_;
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::unique_ptr<client::Client> client_;
+};
+
 // A gtest fixture that shares one muond per test suite.
 class DaemonSuite : public ::testing::Test {
  protected:

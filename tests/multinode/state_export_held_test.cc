@@ -62,29 +62,6 @@ void ExpectRunsMatch(const std::string& addr, const common::JobSpec& spec, const
   }
 }
 
-// A muond of the test's own and a client of it.
-class OwnDaemon {
- protected:
-  void Start() {
-    auto d = DaemonProcess::StartIn(dir_.path());
-    ASSERT_TRUE(d.ok()) << d.status();
-    daemon_ = *std::move(d);
-    auto c = client::Client::Connect(daemon_->address());
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = *std::move(c);
-  }
-  void Stop() {
-    if (daemon_ != nullptr) {
-      EXPECT_EQ(daemon_->Stop(), 0) << daemon_->Log();
-    }
-  }
-  std::string Dir(const std::string& name) const { return dir_.File(name); }
-
-  TempDir dir_;
-  std::unique_ptr<DaemonProcess> daemon_;
-  std::unique_ptr<client::Client> client_;
-};
-
 class StateExportHeldTest : public ::testing::TestWithParam<common::StateDType>,
                             protected OwnDaemon {
  protected:

@@ -53,24 +53,10 @@ void ExpectRunsMatch(const common::JobSpec& spec, const std::vector<RankRun>& ru
   }
 }
 
-class StateExportTest : public ::testing::Test {
+class StateExportTest : public ::testing::Test, protected OwnDaemon {
  protected:
-  void SetUp() override {
-    auto d = DaemonProcess::StartIn(dir_.path());
-    ASSERT_TRUE(d.ok()) << d.status();
-    daemon_ = *std::move(d);
-    auto c = client::Client::Connect(daemon_->address());
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = *std::move(c);
-  }
-  void TearDown() override {
-    if (daemon_ != nullptr) EXPECT_EQ(daemon_->Stop(), 0) << daemon_->Log();
-  }
-  std::string Dir(const std::string& name) const { return dir_.File(name); }
-
-  TempDir dir_;
-  std::unique_ptr<DaemonProcess> daemon_;
-  std::unique_ptr<client::Client> client_;
+  void SetUp() override { Start(); }
+  void TearDown() override { Stop(); }
 };
 
 TEST_F(StateExportTest, ExportAndImportContinueBitIdentically) {
