@@ -1,7 +1,7 @@
 // One call of StepPipeline::Drain (step_pipeline.h), internal to the engine room.
 //
-// The loop (Go, step_pipeline.cc) takes a batch of ready matrices under the gather budget
-// (TakeLocked), prepares each of its matrices on the matrix's path (Prepare), enqueues the batch on
+// The loop (Go, step_pipeline.cc) takes a batch of ready matrices under the batch target and the
+// gather budget (TakeLocked, step_pipeline_take.cc), prepares each of its matrices on the matrix's path (Prepare), enqueues the batch on
 // the three device streams (Enqueue: copy-in, compute, writeback), and retires batches oldest
 // first (Retire: wait for the writeback, deliver the results, give the buffers back, announce).
 // When nothing is left it decides the step (Finish: refuse on a device error, or commit).
