@@ -47,6 +47,7 @@
 #ifndef MUOND_SERVER_ENGINE_STEP_PIPELINE_H_
 #define MUOND_SERVER_ENGINE_STEP_PIPELINE_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -87,6 +88,12 @@ class StepPipeline {
   // the batch at a third of the gather budget a streamed step of a model smaller than the budget
   // held its whole fp32 gradient assembled at once (4 bytes a parameter).
   static constexpr uint64_t kBatchTargetBytes = uint64_t{64} << 20;
+  // The bytes a batch aims at under `gather_budget_bytes` and `batch_target_bytes`: a third of
+  // the budget (kDepth batches in flight), at most the target, at least 1.
+  static uint64_t BatchBytes(uint64_t gather_budget_bytes, uint64_t batch_target_bytes) {
+    return std::max<uint64_t>(
+        1, std::min<uint64_t>(gather_budget_bytes / DeviceStreams::kDepth, batch_target_bytes));
+  }
 
   // `job_mu` is the lock that guards the job's StepState; the others must outlive the pipeline.
   // `params`: apply mode's store (null in update mode): the step then also runs AdamW tensors on

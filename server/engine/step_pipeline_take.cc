@@ -24,8 +24,7 @@ bool StepPipeline::Run::TakeLocked(Batch* batch, bool* commit, bool* decide) {
     for (uint32_t m : b.matrices) in_flight += p_.AssembledBytes(m);
   }
   const uint64_t budget = p_.gather_budget_bytes_;
-  const uint64_t per_batch =
-      std::max<uint64_t>(1, std::min(budget / DeviceStreams::kDepth, p_.batch_target_bytes_));
+  const uint64_t per_batch = BatchBytes(budget, p_.batch_target_bytes_);
   uint64_t batch_bytes = 0;
   size_t taken = 0;
   const bool sealed = state_.sealed(p_.spec_.matrices.size(), p_.spec_.clips_outside_share());

@@ -91,8 +91,7 @@ absl::StatusOr<uint64_t> GatherFor(const common::JobSpec& spec, uint64_t total,
   for (const common::MatrixSpec& m : spec.matrices) {
     largest = std::max<uint64_t>(largest, static_cast<uint64_t>(m.numel()));
   }
-  const uint64_t per_batch = std::max<uint64_t>(
-      1, std::min<uint64_t>(budget / DeviceStreams::kDepth, StepPipeline::kBatchTargetBytes));
+  const uint64_t per_batch = StepPipeline::BatchBytes(budget, StepPipeline::kBatchTargetBytes);
   if (!MulAdd(&whole, total, per_element) || !MulAdd(&one, largest, per_element) ||
       !MulAdd(&batches, std::max(per_batch, one), DeviceStreams::kDepth)) {
     return TooLarge("gather byte count");

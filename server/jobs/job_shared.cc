@@ -269,27 +269,26 @@ void JobImpl::EndSharedSession(int rank, uint64_t session, const void* keepalive
                /*fence=*/true);
     }
   }
-  if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive &&
-      apply()) {
-    // The committed update lives in the regions being released: a rank that comes back (over
-    // either transport) replays it from the masters.
-    KeepReplayAsMasters(rank);
-  } else if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive) {
-    // The committed update lives in the regions being released: keep a private copy, so a rank
-    // that comes back (over either transport) can still replay the step (update mode: with
-    // Nesterov the update cannot be rebuilt from the momentum).
-    const RankUpdate& last = *last_updates_[rank];
-    auto copy = std::make_shared<RankUpdate>();
-    copy->step = last.step;
-    copy->compute_seconds = last.compute_seconds;
-    copy->input_digest = last.input_digest;
-    copy->storage.resize(last.spans.size());
-    for (size_t i = 0; i < last.spans.size(); ++i) {
-      copy->storage[i].assign(last.spans[i].data, last.spans[i].size);
-      copy->spans.push_back({last.spans[i].matrix, last.spans[i].offset, copy->storage[i].data(),
-                             last.spans[i].size});
+  if (last_updates_[rank] != nullptr && last_updates_[rank]->keepalive.get() == keepalive) {
+    // The committed update lives in the regions being released. A rank that comes back (over
+    // either transport) replays it: apply mode from the masters, update mode from a private copy
+    // (with Nesterov the update cannot be rebuilt from the momentum).
+    if (apply()) {
+      KeepReplayAsMasters(rank);
+    } else {
+      const RankUpdate& last = *last_updates_[rank];
+      auto copy = std::make_shared<RankUpdate>();
+      copy->step = last.step;
+      copy->compute_seconds = last.compute_seconds;
+      copy->input_digest = last.input_digest;
+      copy->storage.resize(last.spans.size());
+      for (size_t i = 0; i < last.spans.size(); ++i) {
+        copy->storage[i].assign(last.spans[i].data, last.spans[i].size);
+        copy->spans.push_back({last.spans[i].matrix, last.spans[i].offset, copy->storage[i].data(),
+                               last.spans[i].size});
+      }
+      last_updates_[rank] = std::move(copy);
     }
-    last_updates_[rank] = std::move(copy);
   }
   if (sessions_[rank] == session) {
     sessions_[rank] = 0;
