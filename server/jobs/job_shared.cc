@@ -276,16 +276,15 @@ void JobImpl::EndSharedSession(int rank, uint64_t session, const void* keepalive
     if (apply()) {
       KeepReplayAsMasters(rank);
     } else {
+      // Everything the rank was told (sum of squares, skipped, digest) travels with the bytes.
       const RankUpdate& last = *last_updates_[rank];
-      auto copy = std::make_shared<RankUpdate>();
-      copy->step = last.step;
-      copy->compute_seconds = last.compute_seconds;
-      copy->input_digest = last.input_digest;
-      copy->storage.resize(last.spans.size());
+      auto copy = std::make_shared<RankUpdate>(last);
+      copy->keepalive = nullptr;
+      copy->progress = SharedProgress{};
+      copy->storage.assign(last.spans.size(), std::string());
       for (size_t i = 0; i < last.spans.size(); ++i) {
         copy->storage[i].assign(last.spans[i].data, last.spans[i].size);
-        copy->spans.push_back({last.spans[i].matrix, last.spans[i].offset, copy->storage[i].data(),
-                               last.spans[i].size});
+        copy->spans[i].data = copy->storage[i].data();
       }
       last_updates_[rank] = std::move(copy);
     }

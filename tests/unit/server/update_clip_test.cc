@@ -9,6 +9,7 @@
 //  - Bad shares refuse the step for every rank with nothing changed: negative
 //    (INVALID_ARGUMENT), non-finite (refused as a non-finite gradient; skipped with "nonfinite":
 //    "skip"); a StepEnd share on a job that does not clip in update mode is refused too.
+//  - After a rank's session ends, its replay is what it was told: the bytes, the sum, "skipped".
 //  - The clip redo reads every gradient again: a peer that rewrote its region meanwhile gets the
 //    step refused, the momentum unchanged.
 #include <cmath>
@@ -326,6 +327,64 @@ TEST_P(UpdateClipTest, TheRedoRefusesAGradientRewrittenAfterItWasRead) {
   EXPECT_EQ(job_->Report().steps_completed, 0);
   ExpectMomentum(before, "after the rewrite");
   WaitForExecutor();  // as ExpectBadShare
+}
+
+// Update mode keeps a private copy of a rank's committed update once its shared-memory session
+// ends (the regions go; with Nesterov the update cannot be rebuilt). The copy is what the rank was
+// told: a clipped step's replay carries the step's raw sum of squares and its bytes; a skipped
+// step's replay is answered "skipped".
+TEST_P(UpdateClipTest, AReplayAfterTheSessionEndedIsWhatTheRankWasTold) {
+  std::mt19937 rng(53);
+  const common::JobSpec spec = StartClipJob(JobId("update-clip-replay"), 1.0, /*skip=*/true);
+  ASSERT_NE(job_, nullptr);
+  const std::vector<std::vector<float>> grads = RandomGradients(spec, rng);
+  RankRegion r0 = FillRegion(spec, 0, grads), r1 = FillRegion(spec, 1, grads);
+  Outcome o0, o1;
+  ASSERT_TRUE(Submit(0, 0, r0, &o0, 3.0).ok());
+  ASSERT_TRUE(Submit(1, 0, r1, &o1, 5.0).ok());
+  for (Outcome* o : {&o0, &o1}) {
+    o->ended.WaitForNotification();
+    ASSERT_TRUE(o->status.ok()) << o->status;
+  }
+  const double total = SumSq(grads, 8.0);
+  ASSERT_EQ(o0.grad_sum_sq, total);
+  // Rank 0's session ends; it comes back and replays step 0 into a fresh region.
+  auto replay_once = [&](int64_t step, const std::vector<std::vector<float>>& g, Outcome* out,
+                         RankRegion* region) {
+    job_->EndSharedSession(0, sessions_[0], nullptr, /*clean=*/true);
+    auto session = job_->Attach(0, /*takeover=*/false);
+    ASSERT_TRUE(session.ok()) << session.status();
+    sessions_[0] = *session;
+    *region = FillRegion(spec, 0, g);
+    for (std::string& bytes : region->out) std::fill(bytes.begin(), bytes.end(), '\0');
+    ASSERT_TRUE(Submit(0, step, *region, out, 0.0).ok());
+    out->ended.WaitForNotification();
+    ASSERT_TRUE(out->status.ok()) << out->status;
+  };
+  Outcome replayed;
+  RankRegion again;
+  ASSERT_NO_FATAL_FAILURE(replay_once(0, grads, &replayed, &again));
+  EXPECT_GT(job_->Report().memory.replay, 0u) << "update mode keeps the copy";
+  EXPECT_NE(replayed.flags & kDoneReplayed, 0u);
+  EXPECT_EQ(replayed.grad_sum_sq, total) << "the replay lost the step's sum of squares";
+  EXPECT_EQ(again.out, r0.out) << "the replay's update differs";
+  // Step 1 is skipped (rank 1's share is non-finite); rank 0's session ends again.
+  const std::vector<std::vector<float>> next = RandomGradients(spec, rng);
+  RankRegion s0 = FillRegion(spec, 0, next), s1 = FillRegion(spec, 1, next);
+  Outcome p0, p1;
+  ASSERT_TRUE(Submit(0, 1, s0, &p0, 0.0).ok());
+  ASSERT_TRUE(Submit(1, 1, s1, &p1, std::numeric_limits<double>::infinity()).ok());
+  for (Outcome* o : {&p0, &p1}) {
+    o->ended.WaitForNotification();
+    ASSERT_TRUE(o->status.ok()) << o->status;
+    ASSERT_NE(o->flags & kDoneSkipped, 0u);
+  }
+  Outcome skipped;
+  RankRegion third;
+  ASSERT_NO_FATAL_FAILURE(replay_once(1, next, &skipped, &third));
+  EXPECT_NE(skipped.flags & kDoneSkipped, 0u) << "the replay of a skipped step was not skipped";
+  EXPECT_EQ(job_->Report().steps_completed, 1);
+  WaitForExecutor();
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, UpdateClipTest, ::testing::Bool(),
