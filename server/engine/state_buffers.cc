@@ -95,10 +95,12 @@ void StateBuffers::Release(size_t a, std::unique_ptr<Buffer> buffer) {
     if (spare_[a] == nullptr) spare_[a] = std::move(buffer);
     return;
   }
-  // One copy: a pinned buffer replaces a missing or unpinned window buffer that the step in
-  // flight does not write; else it is freed.
-  if (back_[a] == nullptr || (target_[a] == Target::kNone && back_[a]->registered == nullptr &&
-                              buffer->registered != nullptr && !SnapshotNeeds(a, *back_[a]))) {
+  // One copy: a pinned buffer replaces an unpinned window buffer that the step in flight does not
+  // write (the same bytes); else it is freed. Kept as a window buffer the array has not, it would
+  // be held beyond the step window (a save that overlapped in-place steps releases every array's
+  // old front).
+  if (back_[a] != nullptr && target_[a] == Target::kNone && back_[a]->registered == nullptr &&
+      buffer->registered != nullptr && !SnapshotNeeds(a, *back_[a])) {
     back_[a] = std::move(buffer);
   }
 }

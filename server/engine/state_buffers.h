@@ -29,9 +29,10 @@
 // copied it) and gives the store a fresh one. Before an in-place write of an array the snapshot
 // still needs, Plan hands the front over and continues on a copy of it: copy-on-write per array,
 // so a save never stalls steps and costs at most one more copy of the arrays the writer had not
-// reached. When the writer is done with a handed buffer it becomes the array's spare (or back), so
-// pinned memory is reused. A change of the front itself (Lock::mutable_front: reset, load,
-// initial weights) hands the snapshot the buffer in the same way.
+// reached. When the writer is done with a handed buffer it replaces an unpinned window buffer of
+// the array (pinned memory reused), else it is freed: the store never holds more than its state
+// and its window once the save is over. A change of the front itself (Lock::mutable_front: reset,
+// load, initial weights) hands the snapshot the buffer in the same way.
 //
 // Thread-safety: front() is read without a lock only between changes of that array (a step reads
 // an array before it writes it in place; changes take the Lock between steps); Plan, back(),
@@ -180,7 +181,8 @@ class StateBuffers {
   // Moves *slot to the snapshot and puts a fresh buffer in its place (a copy of it if `keep`).
   void HandOver(size_t a, std::unique_ptr<Buffer>* slot, bool keep)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A buffer the snapshot no longer needs: the array's spare (or freed).
+  // A buffer the snapshot no longer needs: in place of an unpinned window buffer (two copies: the
+  // array's spare), else freed.
   void Release(size_t a, std::unique_ptr<Buffer> buffer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Array a's window buffer, allocated (or a spare) when it has none, and not one the snapshot
   // still needs.

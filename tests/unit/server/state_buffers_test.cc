@@ -137,6 +137,9 @@ TEST_F(StateBuffersTest, ASaveKeepsTheCommittedValuesOfArraysWrittenInPlaceAfter
   EXPECT_TRUE(All(s.front(0), 7));
   EXPECT_TRUE(All(s.front(1), 7));
   EXPECT_EQ(s.held().snapshot, 0u);
+  // Array 1's old front, released by the writer, is freed: no step wrote a window, so the store
+  // holds its state once (not kept as a window buffer beyond the step window).
+  EXPECT_EQ(s.held().back + s.held().spare, 0u) << "a released buffer was kept";
 }
 
 // A save that begins while a sealed step writes in place would copy a front that is part old,
