@@ -95,6 +95,14 @@ class StepPipeline {
         1, std::min<uint64_t>(gather_budget_bytes / DeviceStreams::kDepth, batch_target_bytes));
   }
 
+  // Whole-matrix bytes matrix `m` of `spec` holds while assembled, on a device that computes in
+  // place in host memory (`in_host_memory`: the cpu backend) or not: the fp32 gradient, and on
+  // other devices the fp32 momentum too (and its fp32 decoding when the job holds it compressed);
+  // AdamW tensors (apply mode) only the gradient. What the gather budget counts, and admission
+  // (JobFootprint) reserves.
+  static uint64_t AssembledBytesOf(const common::JobSpec& spec, const common::MatrixSpec& m,
+                                   bool in_host_memory);
+
   // `job_mu` is the lock that guards the job's StepState; the others must outlive the pipeline.
   // `params`: apply mode's store (null in update mode): the step then also runs AdamW tensors on
   // the host, applies the Muon updates to the masters, returns new parameters and recomputes the
@@ -127,7 +135,7 @@ class StepPipeline {
   struct Batch;
   class Run;
 
-  // Whole-matrix bytes a matrix holds while assembled (fp32 gradient and momentum).
+  // AssembledBytesOf matrix m on this pipeline's device.
   uint64_t AssembledBytes(uint32_t m) const;
   // The state store (step_pipeline_buffers.cc): two copies (never written in place) and the step
   // window's bytes.

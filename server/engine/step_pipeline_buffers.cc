@@ -11,20 +11,21 @@
 
 namespace muond::server {
 
+uint64_t StepPipeline::AssembledBytesOf(const common::JobSpec& spec, const common::MatrixSpec& m,
+                                        bool in_host_memory) {
+  if (spec.transport_probe) return 0;
+  const bool adamw =
+      spec.mode == common::JobMode::kApply && m.optimizer == common::Optimizer::kAdamW;
+  // A device that computes in place reads the momentum where it is stored (and decodes a
+  // compressed one block by block in its kernel); the others stage an fp32 copy of it.
+  const bool momentum = !adamw && !in_host_memory;
+  const bool decoded = momentum && spec.state.momentum != common::StateDType::kFloat32;
+  return (1 + (momentum ? 1 : 0) + (decoded ? 1 : 0)) * sizeof(float) *
+         static_cast<uint64_t>(m.numel());
+}
+
 uint64_t StepPipeline::AssembledBytes(uint32_t m) const {
-  if (spec_.transport_probe) return 0;
-  // AdamW tensors (apply mode) need only the host's fp32 gradient, and so do Muon tensors on a
-  // device that computes in place in host memory.
-  const bool host_only =
-      (apply_ != nullptr && spec_.matrices[m].optimizer == common::Optimizer::kAdamW) ||
-      devices_->device->ComputesInHostMemory();
-  // A Muon tensor of a job that holds its momentum compressed: its fp32 decoding too, but on a
-  // device that computes in host memory (the kernel decodes block by block).
-  const bool decoded =
-      MomentumHeld() && !devices_->device->ComputesInHostMemory() &&
-      !(apply_ != nullptr && spec_.matrices[m].optimizer == common::Optimizer::kAdamW);
-  return ((host_only ? 1 : 2) + (decoded ? 1 : 0)) * sizeof(float) *
-         static_cast<uint64_t>(spec_.matrices[m].numel());
+  return AssembledBytesOf(spec_, spec_.matrices[m], devices_->device->ComputesInHostMemory());
 }
 
 std::vector<float> StepPipeline::TakeStaging(size_t n) {

@@ -36,7 +36,8 @@ JobImpl::JobImpl(common::JobSpec spec, std::string token_sha256, JobOwner owner,
       owner_(std::move(owner)),
       created_unix_ms_(absl::ToUnixMillis(absl::Now())),
       layout_(spec_),
-      footprint_(MeasureJob(spec_, parts.gather_budget_bytes, parts.step_window_bytes)
+      footprint_(MeasureJob(spec_, parts.gather_budget_bytes, parts.step_window_bytes,
+                            parts.devices->device->ComputesInHostMemory())
                      .value_or(JobFootprint())
                      .kinds()),
       momentum_(spec_, parts.devices->device.get(),

@@ -168,8 +168,9 @@ absl::StatusOr<JobRegistry::Created> JobRegistry::Create(common::JobSpec spec,
         absl::StrCat("job '", spec.job_id,
                      "': import_dir takes the whole state; not with restore or init_from"));
   }
-  ASSIGN_OR_RETURN(const JobFootprint footprint,
-                   MeasureJob(spec, default_gather_budget_bytes_, limits_.step_window_bytes));
+  ASSIGN_OR_RETURN(
+      const JobFootprint footprint,
+      MeasureJob(spec, default_gather_budget_bytes_, limits_.step_window_bytes, InHostMemory()));
   RETURN_IF_ERROR(CheckJobLimits(spec, footprint, limits_, default_gather_budget_bytes_));
   std::shared_ptr<Job> source;
   if (restore) {

@@ -79,21 +79,21 @@ uint64_t ScratchFor(const common::JobSpec& spec) {
   return std::max(largest, all);
 }
 
-// The whole matrices assembled at once (`total` elements in all): the fp32 gradient and momentum
-// on a device per element (4 more for a compressed momentum's decoding), at most all of them, at
-// most kDepth batches of the batch target or of one matrix (step_pipeline.h), at most the budget.
-absl::StatusOr<uint64_t> GatherFor(const common::JobSpec& spec, uint64_t total,
-                                   uint64_t daemon_gather_budget_bytes) {
+// The whole matrices assembled at once: what the pipeline counts per matrix
+// (StepPipeline::AssembledBytesOf on the daemon's device), at most all of them, at most kDepth
+// batches of the batch target or of one matrix (step_pipeline.h), at most the budget.
+absl::StatusOr<uint64_t> GatherFor(const common::JobSpec& spec, uint64_t daemon_gather_budget_bytes,
+                                   bool in_host_memory) {
   const uint64_t budget =
       spec.gather_budget_bytes != 0 ? spec.gather_budget_bytes : daemon_gather_budget_bytes;
-  const uint64_t per_element = spec.state.momentum != common::StateDType::kFloat32 ? 12 : 8;
-  uint64_t whole = 0, largest = 0, batches = 0, one = 0;
+  uint64_t whole = 0, one = 0, batches = 0;
   for (const common::MatrixSpec& m : spec.matrices) {
-    largest = std::max<uint64_t>(largest, static_cast<uint64_t>(m.numel()));
+    const uint64_t bytes = StepPipeline::AssembledBytesOf(spec, m, in_host_memory);
+    if (!Add(&whole, bytes)) return TooLarge("gather byte count");
+    one = std::max(one, bytes);
   }
   const uint64_t per_batch = StepPipeline::BatchBytes(budget, StepPipeline::kBatchTargetBytes);
-  if (!MulAdd(&whole, total, per_element) || !MulAdd(&one, largest, per_element) ||
-      !MulAdd(&batches, std::max(per_batch, one), DeviceStreams::kDepth)) {
+  if (!MulAdd(&batches, std::max(per_batch, one), DeviceStreams::kDepth)) {
     return TooLarge("gather byte count");
   }
   return std::min({budget, whole, batches});
@@ -117,7 +117,7 @@ uint64_t StepWindowBytes(const common::JobSpec& spec, uint64_t daemon_default) {
 
 absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
                                         uint64_t daemon_gather_budget_bytes,
-                                        uint64_t daemon_step_window_bytes) {
+                                        uint64_t daemon_step_window_bytes, bool in_host_memory) {
   JobFootprint f;
   const uint64_t world = static_cast<uint64_t>(spec.world_size);
   uint64_t total = 0;
@@ -168,9 +168,20 @@ absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
     f.window_bytes = window == StateBuffers::kTwoCopies ? f.state_bytes : window;
   }
   RETURN_IF_ERROR(MeasureBuffers(spec, &f));
+  // The save's copy-on-write (at most the state), plus the writer's staging: the arrays of one
+  // tensor at a time, decoded to fp32 at most (a float32 export).
+  uint64_t staging = 0;
+  for (const common::MatrixSpec& m : spec.matrices) {
+    if (spec.transport_probe) break;
+    const uint64_t arrays = spec.mode != common::JobMode::kApply       ? 1
+                            : m.optimizer == common::Optimizer::kAdamW ? 3
+                                                                       : 2;
+    staging = std::max(staging, static_cast<uint64_t>(m.numel()) * sizeof(float) * arrays);
+  }
   f.save_copy_bytes = f.state_bytes;
+  if (!Add(&f.save_copy_bytes, staging)) return TooLarge("save copy byte count");
   if (!spec.transport_probe) {
-    ASSIGN_OR_RETURN(f.gather_bytes, GatherFor(spec, total, daemon_gather_budget_bytes));
+    ASSIGN_OR_RETURN(f.gather_bytes, GatherFor(spec, daemon_gather_budget_bytes, in_host_memory));
   }
   if (!spec.transport_probe) f.scratch_bytes = ScratchFor(spec);
   if (!MulAdd(&f.table_bytes, f.spans, sizeof(int64_t)) ||  // progress words

@@ -31,10 +31,11 @@ struct JobFootprint {
   //    input buffers and update (B + U); and, in update mode, the private copy of the last
   //    update kept for a replay (U; apply mode replays from the masters: no copy);
   //  - the copy of the committed state a save may take when steps write arrays it has not
-  //    copied yet (copy-on-write per array: at most state_bytes);
+  //    copied yet (copy-on-write per array: at most state_bytes), and the writer's staging of
+  //    one tensor's arrays (fp32 at most: a float32 export);
   //  - the whole matrices assembled at once: at most kDepth batches of the batch target (or of
-  //    the largest matrix), at most the gather budget, at most 8 bytes per element (12 with a
-  //    compressed momentum).
+  //    the largest matrix), at most the gather budget, at most all of them (per element 4 bytes
+  //    on the cpu device and for AdamW tensors, else 8, 12 with a compressed momentum).
   // The buffers (2 x step_buffers x the larger of B and U, per rank more) + the replay copy.
   uint64_t step_bytes = 0;
   uint64_t grad_bytes = 0;    // B
@@ -66,9 +67,13 @@ bool KeepsTwoCopies(const common::JobSpec& spec);
 // Overflow-checked. INVALID_ARGUMENT when a count is beyond what any limit could allow.
 // `daemon_gather_budget_bytes`: the budget of a spec that sets none (--gather-budget-bytes).
 // REQUIRES: spec passed common::ValidateJobSpec.
-absl::StatusOr<JobFootprint> MeasureJob(
-    const common::JobSpec& spec, uint64_t daemon_gather_budget_bytes,
-    uint64_t daemon_step_window_bytes = kDefaultStepWindowBytes);
+// `in_host_memory`: the daemon's device computes in place in host memory (the cpu backend), so a
+// Muon matrix assembles only its fp32 gradient (StepPipeline::AssembledBytesOf); false counts the
+// staged devices' gradient and momentum.
+absl::StatusOr<JobFootprint> MeasureJob(const common::JobSpec& spec,
+                                        uint64_t daemon_gather_budget_bytes,
+                                        uint64_t daemon_step_window_bytes = kDefaultStepWindowBytes,
+                                        bool in_host_memory = false);
 
 // The per-job limits (world size, tensors, spans, gather budget): OK, or RESOURCE_EXHAUSTED naming
 // the limit's flag, the value asked for and the value allowed.

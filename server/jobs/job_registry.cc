@@ -70,6 +70,10 @@ device::Device* JobRegistry::device() const {
   return devices_ != nullptr ? devices_->device.get() : nullptr;
 }
 
+bool JobRegistry::InHostMemory() const {
+  return device() != nullptr && device()->ComputesInHostMemory();
+}
+
 std::string JobRegistry::JobDir(const std::string& id) const {
   // Every caller passes an id that passed common::ValidateJobId: a single path component that
   // cannot be "." or ".." nor start with a dot.
@@ -124,10 +128,10 @@ void JobRegistry::Publish(std::shared_ptr<Job> job) {
 absl::Status JobRegistry::Delete(std::shared_ptr<Job> job) {
   const std::string job_id = job->id();
   // What Create or Restore reserved for it (the footprint is a function of the spec).
-  const uint64_t bytes =
-      MeasureJob(job->spec(), default_gather_budget_bytes_, limits_.step_window_bytes)
-          .value_or(JobFootprint())
-          .total();
+  const uint64_t bytes = MeasureJob(job->spec(), default_gather_budget_bytes_,
+                                    limits_.step_window_bytes, InHostMemory())
+                             .value_or(JobFootprint())
+                             .total();
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);

@@ -143,6 +143,9 @@ class JobRegistry {
   // The daemon's compute device (the shared-memory server registers the ranks' regions with it);
   // null when the registry was made without one.
   device::Device* device() const;
+  // The device computes in place in host memory (the cpu backend): what admission counts of a
+  // job's gather (MeasureJob).
+  bool InHostMemory() const;
 
  private:
   // Entries of a jobs directory only this daemon makes (job ids cannot start with a dot), and the

@@ -150,8 +150,8 @@ void JobRegistry::RestoreOne(const std::string& name) {
   if (!text.ok()) return SetBroken(name, std::string(text.status().message()));
   auto record = ParseJobRecord(*text, record_path, name);
   if (!record.ok()) return SetBroken(name, std::string(record.status().message()));
-  auto footprint =
-      MeasureJob(record->spec, default_gather_budget_bytes_, limits_.step_window_bytes);
+  auto footprint = MeasureJob(record->spec, default_gather_budget_bytes_, limits_.step_window_bytes,
+                              InHostMemory());
   absl::Status s = footprint.status();
   if (s.ok()) s = CheckJobLimits(record->spec, *footprint, limits_, default_gather_budget_bytes_);
   const uint64_t bytes = footprint.ok() ? footprint->total() : 0;

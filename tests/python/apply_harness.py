@@ -37,14 +37,16 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch
 class Daemon:
     """A muond on a private socket and state directory (metrics off), stopped with SIGTERM."""
 
-    def __init__(self, muond):
+    def __init__(self, muond, args=(), env=None):
+        """args: more muond flags; env: more environment variables (test hooks)."""
         self.tmp = tempfile.TemporaryDirectory(prefix="muond-apply-")
         self.address = f"unix://{self.tmp.name}/muond.sock"
         self.log_path = os.path.join(self.tmp.name, "muond.log")
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([muond, "--listen", self.address, "--state-dir",
                                       os.path.join(self.tmp.name, "state"), "--threads", "1",
-                                      "--metrics-address", "off"], stderr=self.log)
+                                      "--metrics-address", "off", *args], stderr=self.log,
+                                     env=dict(os.environ, **(env or {})))
         deadline = time.time() + 20
         while True:
             if self.proc.poll() is not None:

@@ -12,6 +12,12 @@ memory, streaming during backward with buckets of one layer. After three steps:
   reserved, the buffers to their last pages and alignment: the footprint is what the job holds.
   The step window holds the next state of the matrices streamed before the seal, at most its
   reservation (the whole state here: the default window is larger than this model's state).
+- At the job's worst, admission is what it holds: a daemon whose disk is slow (the test hook
+  MUOND_TEST_CHECKPOINT_FAULT=delay:MS; skipped in a build without hooks) and whose step window
+  is one matrix; a save begins after two steps and three more steps run while it writes, so each
+  step writes every array the save has not read (copy-on-write). muond's peak resident growth
+  (VmHWM, reset before the job) and the admission footprint agree within 10 %, and while the save
+  and the steps overlap no kind holds more than admission reserved for it.
 
 Usage: job_memory_test.py MUOND_BIN LIBMUOND_CLIENT
 """
@@ -27,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from apply_harness import DaemonTest  # noqa: E402
+from apply_harness import Daemon, DaemonTest  # noqa: E402
 
 DaemonTest.muond = MUOND
 MUONCTL = os.path.join(os.path.dirname(os.path.abspath(MUOND)), "muonctl")
@@ -70,25 +76,32 @@ class Model(torch.nn.Module):
         return self.norm(x)
 
 
+def start_training(address, mode, job_id):
+    """A MuonWithAuxAdam over shared memory, streaming a bucket per layer, and its step()."""
+    from muon_offload import MuonWithAuxAdam
+    torch.manual_seed(0)
+    model = Model().to(torch.bfloat16)
+    muon = [p for p in model.layers.parameters()]
+    opt = MuonWithAuxAdam([dict(params=muon, use_muon=True, lr=0.02),
+                           dict(params=list(model.norm.parameters()), use_muon=False, lr=1e-3)],
+                          address=address, job_id=job_id, mode=mode, transport="shm",
+                          stream=True, bucket_bytes=WIDTH * WIDTH * 2)
+    x = torch.randn(16, WIDTH, dtype=torch.bfloat16)
+
+    def step():
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+    return opt, step
+
+
 class JobMemoryCheck:
     """Each mode in a daemon of its own (its growth is the job's, not an earlier job's reuse)."""
 
     def train(self, mode, job_id):
-        from muon_offload import MuonWithAuxAdam
-        torch.manual_seed(0)
-        model = Model().to(torch.bfloat16)
-        muon = [p for p in model.layers.parameters()]
-        opt = MuonWithAuxAdam([dict(params=muon, use_muon=True, lr=0.02),
-                               dict(params=list(model.norm.parameters()), use_muon=False,
-                                    lr=1e-3)],
-                              address=self.daemon.address, job_id=job_id, mode=mode,
-                              transport="shm", stream=True,
-                              bucket_bytes=WIDTH * WIDTH * 2)
-        x = torch.randn(16, WIDTH, dtype=torch.bfloat16)
+        opt, step = start_training(self.daemon.address, mode, job_id)
         for _ in range(STEPS):
-            opt.zero_grad()
-            model(x).float().square().mean().backward()
-            opt.step()
+            step()
         return opt
 
     def check(self, mode):
@@ -125,6 +138,68 @@ class ApplyModeMemoryTest(JobMemoryCheck, DaemonTest):
 class UpdateModeMemoryTest(JobMemoryCheck, DaemonTest):
     def test_update_mode_bytes_are_accounted(self):
         self.check("update")
+
+
+class SaveOverlapMemoryTest(unittest.TestCase):
+    DELAY_MS = 300  # per checkpoint write call: the save of 64 MiB takes seconds
+
+    def setUp(self):
+        self.daemon = Daemon(MUOND, ["--step-window-bytes", "1"],
+                             {"MUOND_TEST_CHECKPOINT_FAULT": f"delay:{self.DELAY_MS}"})
+        time.sleep(0.2)
+        if "checkpoint fault injection armed" not in self.daemon.read_log():
+            self.daemon.stop()
+            self.skipTest("muond was built without test hooks (-DMUOND_TEST_HOOKS=ON)")
+
+    def tearDown(self):
+        self.assertEqual(self.daemon.stop(), 0)
+
+    def save_in_background(self, job_id, token):
+        saver = subprocess.Popen([MUONCTL, "--address", self.daemon.address, "checkpoint", "save",
+                                  "--job", job_id], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, MUOND_JOB_TOKEN=token))
+        checkpoints = self.daemon.path(f"state/jobs/{job_id}/checkpoints")
+        deadline = time.time() + 20
+        while not (os.path.isdir(checkpoints) and
+                   any(n.endswith(".tmp") for n in os.listdir(checkpoints))):
+            if saver.poll() is not None:
+                self.fail("the save ended before the steps: " + saver.communicate()[1])
+            self.assertLess(time.time(), deadline, "the save did not begin")
+            time.sleep(0.01)
+        return saver
+
+    def test_the_peak_of_a_save_overlapping_steps_is_the_footprint(self):
+        pid, job_id = self.daemon.proc.pid, "memory-save-overlap"
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = status_bytes(pid, "VmHWM")
+        opt, step = start_training(self.daemon.address, "apply", job_id)
+        for _ in range(2):
+            step()
+        token = opt._job.token
+        saver = self.save_in_background(job_id, token)
+        seen = {}
+        for _ in range(3):
+            step()
+            for kind, (held, footprint) in job_memory(self.daemon.address, job_id, token).items():
+                self.assertLessEqual(held, footprint, f"{kind} during the save")
+                seen[kind] = max(seen.get(kind, 0), held)
+        self.assertIsNone(saver.poll(), "the save did not overlap the steps")
+        out, err = saver.communicate(timeout=120)
+        self.assertEqual(saver.returncode, 0, err)
+        self.assertIn("at step 2", out)
+        peak = status_bytes(pid, "VmHWM") - before
+        kinds = job_memory(self.daemon.address, job_id, token)
+        footprint = sum(f for _, f in kinds.values())
+        print(f"\n  save overlapping 3 steps: muond peak resident growth {peak / MIB:.1f} MiB, "
+              f"admission footprint {footprint / MIB:.1f} MiB (ratio {peak / footprint:.3f}); "
+              f"held at most during the save: "
+              + ", ".join(f"{k} {v / MIB:.1f}" for k, v in seen.items()), file=sys.stderr)
+        self.assertGreater(seen["save_copy"], 0, "no step wrote an array the save still needed")
+        self.assertLessEqual(abs(peak - footprint), 0.10 * footprint,
+                             f"peak growth {peak} against the footprint {footprint}")
+        opt.close(delete_job=True)
 
 
 if __name__ == "__main__":

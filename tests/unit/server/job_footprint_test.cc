@@ -41,7 +41,8 @@ TEST(JobFootprintTest, CountsStepBuffersRegionsSaveCopyAndGather) {
   const uint64_t per_rank = 4 * (common::shm::HyperBytes(spec.groups.size(), 2) + 128) +
                             common::shm::kRingBytes + 3 * 4096;
   EXPECT_EQ(f->step_bytes, 4 * (b - 2 * 64) + 2 * per_rank + b);
-  EXPECT_EQ(f->save_copy_bytes, f->state_bytes);
+  // The save's copy-on-write (the state) and the writer's staging of the largest tensor (fp32).
+  EXPECT_EQ(f->save_copy_bytes, f->state_bytes + n_a * 4);
   // The gather budget is larger than every matrix assembled at once (8 bytes per element).
   EXPECT_EQ(f->gather_bytes, (n_a + n_b) * 8);
   // Newton-Schulz scratch: both matrices fit the scratch budget: X, next X, A and P in fp32.
@@ -87,6 +88,40 @@ TEST(JobFootprintTest, GatherIsAtMostKDepthBatches) {
   f = MeasureJob(spec, uint64_t{200} << 20);
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->gather_bytes, uint64_t{200} << 20) << "the budget bounds it";
+}
+
+// The gather reserves what the pipeline assembles per matrix on the daemon's device
+// (StepPipeline::AssembledBytesOf): a staged device (the default) the fp32 gradient and momentum
+// (and the momentum's fp32 decoding when it is held compressed), the cpu device that computes in
+// place only the gradient; AdamW tensors only the gradient on either.
+TEST(JobFootprintTest, GatherCountsWhatTheDeviceAssembles) {
+  common::JobSpec spec;
+  spec.job_id = "d";
+  spec.matrices = {Matrix("a", {256, 256}), Matrix("b", {128, 512})};
+  const uint64_t n = 2 * 256 * 256;
+  const uint64_t budget = uint64_t{1} << 30;
+  const auto gather = [&](bool in_host) {
+    auto f = MeasureJob(spec, budget, kDefaultStepWindowBytes, in_host);
+    EXPECT_TRUE(f.ok()) << f.status();
+    return f.ok() ? f->gather_bytes : 0;
+  };
+  EXPECT_EQ(gather(false), n * 8);
+  EXPECT_EQ(gather(true), n * 4) << "the cpu device reads the momentum in place";
+  spec.state.momentum = common::StateDType::kInt8;
+  EXPECT_EQ(gather(false), n * 12) << "the staged momentum's fp32 decoding";
+  EXPECT_EQ(gather(true), n * 4) << "the cpu kernel decodes block by block";
+  spec.state.momentum = common::StateDType::kFloat32;
+  spec.mode = common::JobMode::kApply;
+  spec.groups = {{"g", 0.01, 0.0}};
+  for (common::MatrixSpec& m : spec.matrices) m.group = "g";
+  spec.matrices[1].optimizer = common::Optimizer::kAdamW;
+  EXPECT_EQ(gather(false), n / 2 * 8 + n / 2 * 4) << "AdamW assembles only its gradient";
+  EXPECT_EQ(gather(true), n * 4);
+  for (const common::MatrixSpec& m : spec.matrices) {
+    EXPECT_EQ(StepPipeline::AssembledBytesOf(spec, m, false),
+              static_cast<uint64_t>(m.numel()) * (m.optimizer == common::Optimizer::kAdamW ? 4 : 8))
+        << m.name;
+  }
 }
 
 // Compressed state (JobSpec::state): the state and the window count the held bytes, each array
