@@ -16,8 +16,9 @@
 //    "transport_probe": false,                  (true: updates echo gradients; no Muon math)
 //    "step_buffers": 2,      (a shared-memory rank's gradient and update buffers: 1 when each
 //                             step's results are taken before the next step's gradients are
-//                             written; 2 for the delayed mode, where step t+1's gradients arrive
-//                             while step t computes. Step t uses buffer t % step_buffers.)
+//                             written, as muon_offload does (its delayed mode too); 2 for a
+//                             trainer that writes step t+1's gradients while step t computes.
+//                             Step t uses buffer t % step_buffers.)
 //    "nonfinite": "refuse",   ("skip": a step with a NaN/Inf gradient on any rank commits as a
 //                              skipped step, state unchanged, step number advanced)
 //    "state": {"momentum_dtype": "float32", "adamw_dtype": "float32"}}  (how the optimizer

@@ -283,8 +283,9 @@ common::JobSpec CapacityJob(Kind kind, int64_t matrices, int64_t dim, int node, 
   if (nodes > 1) spec.multinode = {"capacity", node, nodes};
   if (kind == Kind::kInt8) spec.state.momentum = common::StateDType::kInt8;
   if (kind == Kind::kClip) spec.max_grad_norm = 1.0;
-  // As muon_offload asks (optim_spec.py): one buffer per region, two for the delayed mode.
-  spec.step_buffers = kind == Kind::kDelayed ? 2 : 1;
+  // As muon_offload asks (optim_spec.py): one buffer per region, the delayed mode too (step t
+  // installs t-1's results before it writes its own gradients: RunSteps).
+  spec.step_buffers = 1;
   for (int64_t i = node; i < matrices; i += nodes) {
     common::MatrixSpec m;
     m.name = absl::StrCat("layers.", i, ".weight");

@@ -10,6 +10,7 @@ memory, streaming during backward with buckets of one layer. After three steps:
 - and the kinds that do not depend on saves, replays, how many matrices were assembled at once or
   how many were computed before the step was sealed (state, buffers, scratch) are what admission
   reserved, the buffers to their last pages and alignment: the footprint is what the job holds.
+  The buffers are one gradient and one update buffer per parameter, also with delay=1.
   The step window holds the next state of the matrices streamed before the seal, at most its
   reservation (the whole state here: the default window is larger than this model's state).
 - At the job's worst, admission is what it holds: a daemon whose disk is slow (the test hook
@@ -76,8 +77,9 @@ class Model(torch.nn.Module):
         return self.norm(x)
 
 
-def start_training(address, mode, job_id):
-    """A MuonWithAuxAdam over shared memory, streaming a bucket per layer, and its step()."""
+def start_training(address, mode, job_id, delay=0):
+    """A MuonWithAuxAdam over shared memory, streaming a bucket per layer (delay=1: delayed
+    after one warm-up step), and its step()."""
     from muon_offload import MuonWithAuxAdam
     torch.manual_seed(0)
     model = Model().to(torch.bfloat16)
@@ -85,7 +87,8 @@ def start_training(address, mode, job_id):
     opt = MuonWithAuxAdam([dict(params=muon, use_muon=True, lr=0.02),
                            dict(params=list(model.norm.parameters()), use_muon=False, lr=1e-3)],
                           address=address, job_id=job_id, mode=mode, transport="shm",
-                          stream=True, bucket_bytes=WIDTH * WIDTH * 2)
+                          stream=True, bucket_bytes=WIDTH * WIDTH * 2, delay=delay,
+                          delay_warmup=1)
     x = torch.randn(16, WIDTH, dtype=torch.bfloat16)
 
     def step():
@@ -98,17 +101,19 @@ def start_training(address, mode, job_id):
 class JobMemoryCheck:
     """Each mode in a daemon of its own (its growth is the job's, not an earlier job's reuse)."""
 
-    def train(self, mode, job_id):
-        opt, step = start_training(self.daemon.address, mode, job_id)
+    def train(self, mode, job_id, delay=0):
+        opt, step = start_training(self.daemon.address, mode, job_id, delay)
         for _ in range(STEPS):
             step()
+        if delay:
+            opt.drain()
         return opt
 
-    def check(self, mode):
+    def check(self, mode, delay=0):
         pid = self.daemon.proc.pid
         before = status_bytes(pid, "VmRSS")
-        job_id = f"memory-{mode}"
-        opt = self.train(mode, job_id)
+        job_id = f"memory-{mode}-delay{delay}"
+        opt = self.train(mode, job_id, delay)
         time.sleep(0.5)  # the heap trimmer runs once no step is in flight
         growth = status_bytes(pid, "VmRSS") - before
         kinds = job_memory(self.daemon.address, job_id, opt._job.token)
@@ -127,6 +132,10 @@ class JobMemoryCheck:
         for kind in ("state", "scratch"):
             self.assertEqual(kinds[kind][0], kinds[kind][1], f"{mode}: {kind}")
         self.assertGreaterEqual(kinds["buffers"][0], 0.999 * kinds["buffers"][1], mode)
+        # One gradient and one update buffer (bf16) per parameter, also with delay=1: step t's
+        # results are installed before step t+1's gradients are written.
+        params = LAYERS * WIDTH * WIDTH + (2 * WIDTH if mode == "apply" else 0)
+        self.assertLessEqual(kinds["buffers"][1], 2 * 2 * params + MIB, f"{mode} delay={delay}")
         opt.close(delete_job=True)
 
 
@@ -138,6 +147,11 @@ class ApplyModeMemoryTest(JobMemoryCheck, DaemonTest):
 class UpdateModeMemoryTest(JobMemoryCheck, DaemonTest):
     def test_update_mode_bytes_are_accounted(self):
         self.check("update")
+
+
+class DelayedModeMemoryTest(JobMemoryCheck, DaemonTest):
+    def test_delayed_mode_holds_one_buffer_of_each(self):
+        self.check("apply", delay=1)
 
 
 class SaveOverlapMemoryTest(unittest.TestCase):

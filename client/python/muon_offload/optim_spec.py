@@ -290,10 +290,12 @@ def plan_job(options, job_id, world_size, zero_stage, muon_config, param_groups,
         dtype = tensors[0][1].dtype
     if options.nonfinite == "skip":
         spec["nonfinite"] = "skip"
-    # A shared-memory rank's buffers: step t's results are taken in its step(), before step t+1's
-    # gradients are written, so one of each; the delayed mode writes step t+1's gradients while
-    # step t computes and reads t's results at t+1's step(): two (README, "Memory").
-    spec["step_buffers"] = 2 if options.delay else 1
+    # A shared-memory rank's buffers: one of each. Step t's results are taken (installed and
+    # synchronized) before step t+1's gradients are written into the region, also in the delayed
+    # mode: its step() of t+1 installs step t first (DelayedUpdates.install_in_flight), and the
+    # overlap is step t's compute with the forward and backward of t+1, whose gradients stay in
+    # the parameters' .grad until then (README, "Memory").
+    spec["step_buffers"] = 1
     if options.state is not None:
         spec["state"] = dict(options.state)
     qk_order = ()
