@@ -62,6 +62,42 @@ void ExpectRunsMatch(const std::string& addr, const common::JobSpec& spec, const
   }
 }
 
+// The held export `live` of `spec`'s job: every array in the job's dtype, the payload the header
+// plus the held bytes, the manifest naming the dtype (int8: the map and block), the safetensors
+// header the stored dtype. *payload: its bytes; *fp32_bytes: what the arrays take as float32.
+void ExpectHeldExport(const common::JobSpec& spec, const client::StateExportFiles& live,
+                      std::string* payload, uint64_t* fp32_bytes) {
+  const common::StateDType held = spec.state.momentum;
+  auto m = se::ParseManifest(ReadWholeFile(live.manifest), live.manifest);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->arrays.size(), spec.matrices.size());
+  uint64_t held_bytes = 0;
+  for (size_t i = 0; i < spec.matrices.size(); ++i) {
+    EXPECT_EQ(m->arrays[i].dtype, held) << m->arrays[i].name;
+    EXPECT_FALSE(m->arrays[i].non_negative) << m->arrays[i].name;  // momentum: the linear map
+    EXPECT_EQ(m->arrays[i].shape, spec.matrices[i].shape);
+    const uint64_t n = static_cast<uint64_t>(spec.matrices[i].numel());
+    EXPECT_EQ(m->arrays[i].end - m->arrays[i].begin, common::StoredStateBytes(held, n));
+    held_bytes += common::StoredStateBytes(held, n);
+    *fp32_bytes += 4 * n;
+  }
+  EXPECT_EQ(m->payload_bytes, se::PayloadHeader(*m).size() + held_bytes);
+  EXPECT_EQ(std::filesystem::file_size(live.payload), m->payload_bytes);
+  const std::string text = ReadWholeFile(live.manifest);
+  EXPECT_NE(
+      text.find(absl::StrCat("\"dtype\": \"", std::string(common::StateDTypeName(held)), "\"")),
+      std::string::npos)
+      << text;
+  if (held == common::StateDType::kInt8) {
+    EXPECT_NE(text.find("\"map\": \"linear\""), std::string::npos) << text;
+    EXPECT_NE(text.find("\"block\": 2048"), std::string::npos) << text;
+  }
+  // The safetensors header names the stored dtype.
+  *payload = ReadWholeFile(live.payload);
+  const char* st_dtype = held == common::StateDType::kInt8 ? "\"U8\"" : "\"BF16\"";
+  EXPECT_NE(payload->substr(0, se::PayloadHeader(*m).size()).find(st_dtype), std::string::npos);
+}
+
 class StateExportHeldTest : public ::testing::TestWithParam<common::StateDType>,
                             protected OwnDaemon {
  protected:
@@ -86,34 +122,9 @@ TEST_P(StateExportHeldTest, ExportsHoldTheStateAsHeldAndImportsContinue) {
   // Held: every array in the job's dtype; the payload the header plus the held bytes.
   auto live = client::ExportStateToDir(*client_, "a", *token, 0, -1, Dir("held"));
   ASSERT_TRUE(live.ok()) << live.status();
-  auto m = se::ParseManifest(ReadWholeFile(live->manifest), live->manifest);
-  ASSERT_TRUE(m.ok()) << m.status();
-  ASSERT_EQ(m->arrays.size(), spec.matrices.size());
-  uint64_t held_bytes = 0, fp32_bytes = 0;
-  for (size_t i = 0; i < spec.matrices.size(); ++i) {
-    EXPECT_EQ(m->arrays[i].dtype, held) << m->arrays[i].name;
-    EXPECT_FALSE(m->arrays[i].non_negative) << m->arrays[i].name;  // momentum: the linear map
-    EXPECT_EQ(m->arrays[i].shape, spec.matrices[i].shape);
-    const uint64_t n = static_cast<uint64_t>(spec.matrices[i].numel());
-    EXPECT_EQ(m->arrays[i].end - m->arrays[i].begin, common::StoredStateBytes(held, n));
-    held_bytes += common::StoredStateBytes(held, n);
-    fp32_bytes += 4 * n;
-  }
-  EXPECT_EQ(m->payload_bytes, se::PayloadHeader(*m).size() + held_bytes);
-  EXPECT_EQ(std::filesystem::file_size(live->payload), m->payload_bytes);
-  const std::string text = ReadWholeFile(live->manifest);
-  EXPECT_NE(
-      text.find(absl::StrCat("\"dtype\": \"", std::string(common::StateDTypeName(held)), "\"")),
-      std::string::npos)
-      << text;
-  if (held == common::StateDType::kInt8) {
-    EXPECT_NE(text.find("\"map\": \"linear\""), std::string::npos) << text;
-    EXPECT_NE(text.find("\"block\": 2048"), std::string::npos) << text;
-  }
-  // The safetensors header names the stored dtype.
-  const std::string payload = ReadWholeFile(live->payload);
-  const char* st_dtype = held == common::StateDType::kInt8 ? "\"U8\"" : "\"BF16\"";
-  EXPECT_NE(payload.substr(0, se::PayloadHeader(*m).size()).find(st_dtype), std::string::npos);
+  uint64_t fp32_bytes = 0;
+  std::string payload;
+  ASSERT_NO_FATAL_FAILURE(ExpectHeldExport(spec, *live, &payload, &fp32_bytes));
 
   // Decoded on request: float32 arrays, 4 bytes an element; muonctl --dtype float32 the same.
   auto f32 = client::ExportStateToDir(*client_, "a", *token, 0, -1, Dir("f32"), {}, true);

@@ -125,18 +125,40 @@ void CopyExport(const std::string& from, const std::string& to) {
   }
 }
 
-TEST_F(StateExportTest, BadInputIsRefusedNamingWhatAndWhereAndChangesNothing) {
+// Damaged copies of export `files` (a step-2 export of job "a"), beside its directory: in
+// bitflip/ one bit of the payload's data, in manifest/ one digit of the manifest (its step), in
+// short/ the payload truncated.
+void CopyDamaged(const client::StateExportFiles& files) {
+  const std::filesystem::path from = std::filesystem::path(files.payload).parent_path();
+  const std::string root = from.parent_path().string();
+  const std::string payload = ReadWholeFile(files.payload);
+  CopyExport(from.string(), root + "/bitflip");
+  std::string flipped = payload;
+  flipped[flipped.size() - 5] ^= 0x10;
+  WriteWholeFile(root + "/bitflip/a.safetensors", flipped);
+  CopyExport(from.string(), root + "/manifest");
+  std::string text = ReadWholeFile(files.manifest);
+  const size_t at = text.find("\"step\": 2");
+  ASSERT_NE(at, std::string::npos);
+  text[at + 8] = '1';
+  WriteWholeFile(root + "/manifest/a.manifest.json", text);
+  CopyExport(from.string(), root + "/short");
+  WriteWholeFile(root + "/short/a.safetensors", payload.substr(0, payload.size() - 8));
+}
+
+// Export requests that cannot be served: wrong job, wrong token, no such generation (nothing left
+// behind), files already there (unchanged).
+TEST_F(StateExportTest, BadExportRequestsAreRefusedAndLeaveNothing) {
   const common::JobSpec spec = Spec("a", 1, 0);
-  const MatrixBytes grads = MakeGradients(spec.matrices, 3, 5);
   auto token = client_->CreateJob(spec);
   ASSERT_TRUE(token.ok()) << token.status();
-  const std::string& addr = daemon_->address();
-  ASSERT_TRUE(RunRanks(addr, "a", *token, 1, Steps(grads, 0, 2), false, 0)[0].status[1].ok());
+  ASSERT_TRUE(
+      RunRanks(daemon_->address(), "a", *token, 1, MakeGradients(spec.matrices, 1, 5), false, 0)[0]
+          .status[0]
+          .ok());
   auto good = client::ExportStateToDir(*client_, "a", *token, 0, -1, Dir("good"));
   ASSERT_TRUE(good.ok()) << good.status();
   const std::string payload = ReadWholeFile(good->payload);
-
-  // Export: wrong job, wrong token, no such generation, files already there (unchanged).
   auto s = client::ExportStateToDir(*client_, "nope", *token, 0, -1, Dir("x")).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
   s = client::ExportStateToDir(*client_, "a", std::string(64, 'f'), 0, -1, Dir("x")).status();
@@ -148,6 +170,18 @@ TEST_F(StateExportTest, BadInputIsRefusedNamingWhatAndWhereAndChangesNothing) {
   EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists) << s;
   EXPECT_NE(std::string(s.message()).find(good->payload), std::string::npos) << s.message();
   EXPECT_EQ(ReadWholeFile(good->payload), payload);
+}
+
+TEST_F(StateExportTest, BadInputIsRefusedNamingWhatAndWhereAndChangesNothing) {
+  const common::JobSpec spec = Spec("a", 1, 0);
+  const MatrixBytes grads = MakeGradients(spec.matrices, 3, 5);
+  auto token = client_->CreateJob(spec);
+  ASSERT_TRUE(token.ok()) << token.status();
+  const std::string& addr = daemon_->address();
+  ASSERT_TRUE(RunRanks(addr, "a", *token, 1, Steps(grads, 0, 2), false, 0)[0].status[1].ok());
+  auto good = client::ExportStateToDir(*client_, "a", *token, 0, -1, Dir("good"));
+  ASSERT_TRUE(good.ok()) << good.status();
+  const std::string payload = ReadWholeFile(good->payload);
 
   // Import refusals: (spec, dir, code, text the message names).
   common::JobSpec extra = Spec("n1", 1, 0);
@@ -169,19 +203,7 @@ TEST_F(StateExportTest, BadInputIsRefusedNamingWhatAndWhereAndChangesNothing) {
   ASSERT_TRUE(ztoken.ok());
   CopyExport(Dir("good"), Dir("steps"));
   ASSERT_TRUE(client::ExportStateToDir(*client_, "z", *ztoken, 0, -1, Dir("steps")).ok());
-  // A damaged payload (one bit of the data), a damaged manifest (one digit), a truncated payload.
-  CopyExport(Dir("good"), Dir("bitflip"));
-  std::string flipped = payload;
-  flipped[flipped.size() - 5] ^= 0x10;
-  WriteWholeFile(Dir("bitflip/a.safetensors"), flipped);
-  CopyExport(Dir("good"), Dir("manifest"));
-  std::string text = ReadWholeFile(good->manifest);
-  const size_t at = text.find("\"step\": 2");
-  ASSERT_NE(at, std::string::npos);
-  text[at + 8] = '1';
-  WriteWholeFile(Dir("manifest/a.manifest.json"), text);
-  CopyExport(Dir("good"), Dir("short"));
-  WriteWholeFile(Dir("short/a.safetensors"), payload.substr(0, payload.size() - 8));
+  ASSERT_NO_FATAL_FAILURE(CopyDamaged(*good));
   std::filesystem::create_directories(Dir("empty"));
   struct Bad {
     common::JobSpec spec;
