@@ -59,8 +59,6 @@ absl::Status ValidateMatrix(const MatrixSpec& m, size_t index) {
   return absl::OkStatus();
 }
 
-
-
 // The job's size and its limits: world size, checkpoints kept, the step timeout (and the
 // non-finite policy, which single-node jobs alone may skip with).
 absl::Status ValidateJobLimits(const JobSpec& spec) {
@@ -90,7 +88,8 @@ absl::Status ValidateJobLimits(const JobSpec& spec) {
     return absl::InvalidArgumentError(absl::StrCat(
         "step_buffers ", spec.step_buffers,
         " is outside 1..2 (1: each step's results are taken before the next step's gradients "
-        "are written; 2: the delayed mode)"));
+        "are written, as muon_offload does; 2: a trainer that writes step t+1's gradients while "
+        "step t computes)"));
   }
   if (spec.step_timeout_seconds < 0 || spec.step_timeout_seconds > kMaxStepTimeoutSeconds) {
     return absl::InvalidArgumentError(absl::StrCat("step_timeout_seconds ",
