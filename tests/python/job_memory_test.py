@@ -155,7 +155,9 @@ class DelayedModeMemoryTest(JobMemoryCheck, DaemonTest):
 
 
 class SaveOverlapMemoryTest(unittest.TestCase):
-    DELAY_MS = 300  # per checkpoint write call: the save of 64 MiB takes seconds
+    # Per checkpoint write call: the save of 64 MiB takes about 25 s, longer than the three steps
+    # take even on a loaded machine (at 300 ms, 8 s, a CI run's steps outlasted it).
+    DELAY_MS = 1000
 
     def setUp(self):
         self.daemon = Daemon(MUOND, ["--step-window-bytes", "1"],
